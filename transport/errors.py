@@ -1,8 +1,9 @@
 """The root of kvhandoff's error tree, and the transport's own errors.
 
 The root lives here because `transport` is the bottom layer: `pipelines` and `service` extend this
-tree, and the service maps it to HTTP responses in one place. Errors carry structured fields (not
-only a message) so that the HTTP layer can name the field, layer, group or kind without parsing.
+tree, and the service maps it to HTTP responses in exactly one place. Every error carries a stable
+`code` and a `context` dict of structured facts (`field`, `layer_id`, `group`, `kind`, `pp_rank`,
+`peer`, `rc`, ...) so the HTTP layer can name them in a problem+json body without parsing messages.
 """
 
 from __future__ import annotations
@@ -11,8 +12,13 @@ from __future__ import annotations
 class KVHandoffError(Exception):
     """Base of every error kvhandoff raises on purpose."""
 
-    #: A short stable machine-readable code, used as the problem+json `type` suffix.
+    #: Short, stable, machine-readable; used as the problem+json `type` suffix.
     code: str = "kvhandoff_error"
+
+    def __init__(self, message: str, **context: object) -> None:
+        super().__init__(message)
+        self.message = message
+        self.context: dict[str, object] = {k: v for k, v in context.items() if v is not None}
 
 
 class TransportError(KVHandoffError):
@@ -26,7 +32,7 @@ class TransportError(KVHandoffError):
             details.append(f"peer={peer}")
         if rc is not None:
             details.append(f"rc={rc}")
-        super().__init__(f"{message} ({', '.join(details)})" if details else message)
+        super().__init__(f"{message} ({', '.join(details)})" if details else message, rc=rc, peer=peer)
         self.rc = rc
         self.peer = peer
 
