@@ -1,0 +1,57 @@
+"""The `kvhandoff` command line: `serve`, `demo` and `bench <name>`.
+
+Each sub-command lives in its own module, which exposes `add_arguments(parser)` and
+`run(args) -> int` (the exit status). Only the chosen module is imported, so `kvhandoff --help`
+stays fast and an optional dependency only matters to the command that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("service.serve_cmd", "run a prefill or decode service from a TOML config"),
+    "demo": ("service.demo", "start a local PP prefill + decode deployment and verify handoffs"),
+}
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "plan": ("service.bench.plan", "transfer planning vs. a per-entry reference planner"),
+    "transport": ("service.bench.transport", "transports vs. memcpy and raw Mooncake calls"),
+}
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """Build the parser; only the sub-command named in `argv` gets its arguments (and import)."""
+    parser = argparse.ArgumentParser(prog="kvhandoff", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = list(argv[:2])
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        _bind(p, module, load=bool(chosen) and chosen[0] == name)
+    bench = sub.add_parser("bench", help="run a benchmark", description="run a benchmark")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for name, (module, help_text) in BENCHMARKS.items():
+        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        _bind(p, module, load=chosen == ["bench", name])
+    return parser
+
+
+def _bind(parser: argparse.ArgumentParser, module: str, *, load: bool) -> None:
+    parser.set_defaults(_module=module)
+    if load:
+        mod: Any = importlib.import_module(module)
+        mod.add_arguments(parser)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    mod: Any = importlib.import_module(args._module)
+    return int(mod.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
