@@ -28,7 +28,7 @@ class InvalidInput(KVHandoffError):
 
 
 class LayoutError(InvalidInput):
-    """A layout is inconsistent in itself (e.g. a buffer count not a multiple of its layer count)."""
+    """A layout is inconsistent in itself (e.g. a buffer count not a multiple of the layers)."""
 
     code = "layout_error"
 

@@ -32,7 +32,9 @@ class TransportError(KVHandoffError):
             details.append(f"peer={peer}")
         if rc is not None:
             details.append(f"rc={rc}")
-        super().__init__(f"{message} ({', '.join(details)})" if details else message, rc=rc, peer=peer)
+        super().__init__(
+            f"{message} ({', '.join(details)})" if details else message, rc=rc, peer=peer
+        )
         self.rc = rc
         self.peer = peer
 

@@ -1,0 +1,272 @@
+"""Stage layouts: what one PP stage (or the whole decode instance) registers, tagged by layer id.
+
+Called by the model builders in `pipelines.models`, by engines that publish flat pointer lists, and
+by the service when it exchanges layouts with peers. The layer-id contract (see DESIGN.md): every
+entry carries its *global* model layer id; KV entries are ordered group-major (all layers of group
+0, then group 1, ...), and the published `kv_layer_ids` list repeats the stage's full-attention
+layer ids once per group. Entries are later paired by id, never by position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Annotated, NewType
+
+import msgspec
+from msgspec import Meta, Struct
+
+from pipelines.errors import LayoutError
+
+LayerId = NewType("LayerId", int)
+NonNeg = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(gt=0)]
+
+
+class KVEntry(Struct, frozen=True, forbid_unknown_fields=True):
+    """One contiguous KV buffer of one full-attention layer and one buffer group."""
+
+    layer_id: NonNeg
+    group: NonNeg  # MHA: 0 = K, 1 = V; NPU MLA: 0 = c_kv, 1 = k_rope, 2 = indexer keys
+    item_len: Positive  # bytes of one page in this buffer
+    num_items: Positive  # pages in the pool
+    base: NonNeg  # address of page 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.item_len * self.num_items
+
+
+class StateEntry(Struct, frozen=True, forbid_unknown_fields=True):
+    """One linear-attention state tensor of one layer: one slot per request."""
+
+    layer_id: NonNeg
+    kind: str  # "conv", "temporal", ...
+    item_len: Positive  # bytes of one request slot
+    num_slots: Positive
+    base: NonNeg
+
+    @property
+    def nbytes(self) -> int:
+        return self.item_len * self.num_slots
+
+
+class StageLayout(Struct, frozen=True, forbid_unknown_fields=True, dict=True):
+    """Everything one stage registers. `fingerprint` hashes all of it except addresses."""
+
+    pp_rank: NonNeg
+    pp_size: Positive
+    page_size: Positive  # tokens per page
+    dtype: str
+    kv: tuple[KVEntry, ...] = ()
+    state: tuple[StateEntry, ...] = ()
+    # False for legacy layouts built from pointer lists without layer ids: their entries carry
+    # positional ids and may only be paired positionally (PP = 1 on both sides).
+    layer_ids_published: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pp_rank >= self.pp_size:
+            raise LayoutError(
+                f"pp_rank {self.pp_rank} is not below pp_size {self.pp_size}", field="pp_rank"
+            )
+
+    # Cached: a frozen layout's hashes never change, and a pairing-cache lookup needs both.
+    @cached_property
+    def fingerprint(self) -> str:
+        """Hash of the layout without addresses: equal fingerprints pair identically."""
+        shape = (
+            self.pp_rank,
+            self.pp_size,
+            self.page_size,
+            self.dtype,
+            self.layer_ids_published,
+            [(e.layer_id, e.group, e.item_len, e.num_items) for e in self.kv],
+            [(s.layer_id, s.kind, s.item_len, s.num_slots) for s in self.state],
+        )
+        return hashlib.blake2b(msgspec.json.encode(shape), digest_size=12).hexdigest()
+
+    @cached_property
+    def address_key(self) -> str:
+        """Hash of the addresses alone; with `fingerprint` it identifies a registered layout."""
+        bases = ([e.base for e in self.kv], [s.base for s in self.state])
+        return hashlib.blake2b(msgspec.json.encode(bases), digest_size=12).hexdigest()
+
+    @property
+    def kv_layer_ids(self) -> list[int]:
+        """The flat id list engines publish: one id per KV buffer, in entry (group-major) order."""
+        return [e.layer_id for e in self.kv]
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        """Distinct KV layer ids in first-seen order."""
+        return list(dict.fromkeys(e.layer_id for e in self.kv))
+
+    @property
+    def num_groups(self) -> int:
+        layers = len(self.full_attention_layers)
+        return len(self.kv) // layers if layers else 0
+
+    def with_bases(self, kv_bases: Sequence[int], state_bases: Sequence[int]) -> StageLayout:
+        """The same layout placed at new addresses (e.g. once a pool has allocated it)."""
+        if len(kv_bases) != len(self.kv) or len(state_bases) != len(self.state):
+            raise LayoutError(
+                f"expected {len(self.kv)} KV and {len(self.state)} state bases, "
+                f"got {len(kv_bases)} and {len(state_bases)}",
+                field="bases",
+            )
+        return msgspec.structs.replace(
+            self,
+            kv=tuple(msgspec.structs.replace(e, base=int(b)) for e, b in zip(self.kv, kv_bases)),
+            state=tuple(
+                msgspec.structs.replace(s, base=int(b)) for s, b in zip(self.state, state_bases)
+            ),
+        )
+
+    @property
+    def region_sizes(self) -> list[int]:
+        """Bytes of every entry, KV first then state: what a pool must allocate for this layout."""
+        return [e.nbytes for e in self.kv] + [s.nbytes for s in self.state]
+
+
+def group_layer_ids(kv_layer_ids: Sequence[int], num_buffers: int) -> tuple[list[int], int]:
+    """Split a published id list into (distinct layer ids, number of groups).
+
+    Accepts either the published form (one id per buffer: the distinct ids repeated once per group)
+    or the distinct ids alone. A buffer count that is not a whole multiple of the layer count is a
+    layout error naming both numbers, never a truncation.
+    """
+    ids = [int(i) for i in kv_layer_ids]
+    if not ids:
+        raise LayoutError("kv_layer_ids is empty", field="kv_layer_ids")
+    if any(i < 0 for i in ids):
+        raise LayoutError("kv_layer_ids holds a negative id", field="kv_layer_ids")
+    distinct = list(dict.fromkeys(ids))
+    if len(ids) == num_buffers and len(distinct) != len(ids):
+        # Published, repeated form: must be exactly `distinct` repeated once per group.
+        groups, rest = divmod(len(ids), len(distinct))
+        if rest or ids != distinct * groups:
+            raise LayoutError(
+                f"kv_layer_ids of length {len(ids)} is not {len(distinct)} distinct layer ids "
+                "repeated once per buffer group (group-major order)",
+                field="kv_layer_ids",
+            )
+        return distinct, groups
+    if len(distinct) != len(ids):
+        raise LayoutError(
+            f"kv_layer_ids lists {len(ids)} ids for {num_buffers} buffers but repeats some; "
+            "give one id per buffer or each layer id once",
+            field="kv_layer_ids",
+        )
+    groups, rest = divmod(num_buffers, len(ids))
+    if rest or groups == 0:
+        raise LayoutError(
+            f"{num_buffers} KV buffers cannot be split evenly over {len(ids)} layer ids "
+            f"({num_buffers} % {len(ids)} = {num_buffers % len(ids)})",
+            field="kv_data_ptrs",
+            num_buffers=num_buffers,
+            num_layers=len(ids),
+        )
+    return ids, groups
+
+
+def publish_kv_layer_ids(layer_ids: Sequence[int], num_groups: int) -> list[int]:
+    """The flat id list for `num_groups` buffer groups: ids repeated once per group."""
+    if num_groups <= 0:
+        raise LayoutError("num_groups must be positive", field="num_groups")
+    return [int(i) for i in layer_ids] * num_groups
+
+
+def layout_from_flat_lists(
+    *,
+    pp_rank: int,
+    pp_size: int,
+    page_size: int,
+    dtype: str,
+    kv_data_ptrs: Sequence[int],
+    kv_data_lens: Sequence[int],
+    kv_item_lens: Sequence[int],
+    kv_layer_ids: Sequence[int] | None = None,
+    state_data_ptrs: Sequence[int] = (),
+    state_data_lens: Sequence[int] = (),
+    state_item_lens: Sequence[int] = (),
+    state_layer_ids: Sequence[int] = (),
+    state_kinds: Sequence[str] = (),
+) -> StageLayout:
+    """Build a layout from the flat lists engines publish today.
+
+    `kv_*` lists have one element per KV buffer (group-major). Without `kv_layer_ids` the layout
+    is legacy: entries get positional ids and `layer_ids_published` is False.
+    """
+    n = len(kv_data_ptrs)
+    for name, values in (("kv_data_lens", kv_data_lens), ("kv_item_lens", kv_item_lens)):
+        if len(values) != n:
+            raise LayoutError(f"{name} has {len(values)} elements for {n} kv_data_ptrs", field=name)
+    published = kv_layer_ids is not None
+    if kv_layer_ids is not None:
+        layers, _ = group_layer_ids(kv_layer_ids, n) if n else ([], 0)
+        ids = [layers[i % len(layers)] for i in range(n)] if n else []
+        group_of = [i // len(layers) for i in range(n)] if n else []
+    else:
+        ids, group_of = list(range(n)), [0] * n
+    kv = tuple(
+        _kv_entry(i, ids[i], group_of[i], kv_data_ptrs[i], kv_data_lens[i], kv_item_lens[i])
+        for i in range(n)
+    )
+    m = len(state_data_ptrs)
+    for name, svalues in (
+        ("state_data_lens", state_data_lens),
+        ("state_item_lens", state_item_lens),
+        ("state_layer_ids", state_layer_ids),
+        ("state_kinds", state_kinds),
+    ):
+        if len(svalues) != m:
+            raise LayoutError(
+                f"{name} has {len(svalues)} elements for {m} state_data_ptrs", field=name
+            )
+    state = tuple(
+        _state_entry(
+            j,
+            state_layer_ids[j],
+            state_kinds[j],
+            state_data_ptrs[j],
+            state_data_lens[j],
+            state_item_lens[j],
+        )
+        for j in range(m)
+    )
+    return StageLayout(
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        page_size=page_size,
+        dtype=dtype,
+        kv=kv,
+        state=state,
+        layer_ids_published=published,
+    )
+
+
+def _kv_entry(i: int, layer: int, group: int, ptr: int, data_len: int, item_len: int) -> KVEntry:
+    if item_len <= 0 or data_len % item_len:
+        raise LayoutError(
+            f"KV buffer {i} (layer {layer}, group {group}): data length {data_len} is not a "
+            f"positive multiple of item length {item_len}",
+            field=f"kv_item_lens[{i}]",
+            layer_id=layer,
+            group=group,
+        )
+    return KVEntry(layer, group, item_len, data_len // item_len, ptr)
+
+
+def _state_entry(
+    j: int, layer: int, kind: str, ptr: int, data_len: int, item_len: int
+) -> StateEntry:
+    if item_len <= 0 or data_len % item_len:
+        raise LayoutError(
+            f"state buffer {j} (layer {layer}, kind {kind}): data length {data_len} is not a "
+            f"positive multiple of slot size {item_len}",
+            field=f"state_item_lens[{j}]",
+            layer_id=layer,
+            kind=kind,
+        )
+    return StateEntry(layer, kind, item_len, data_len // item_len, ptr)

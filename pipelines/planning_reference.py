@@ -1,0 +1,47 @@
+"""A deliberately plain planner: a Python loop over entries and runs building per-block tuples.
+
+It exists as the oracle for property tests and as the baseline of `kvhandoff bench plan`; the
+service never calls it. It assumes the request was validated by `planning.validate_request`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipelines.pairing import Pairing
+
+
+def reference_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def reference_plan(
+    pairing: Pairing,
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+    src_slot: int | None = None,
+    dst_slot: int | None = None,
+) -> list[tuple[int, int, int]]:
+    """(src_addr, dst_addr, length) per block, pair-major, then one block per state pair."""
+    src, dst = pairing.src, pairing.dst
+    blocks: list[tuple[int, int, int]] = []
+    runs = reference_runs([int(p) for p in src_pages], [int(p) for p in dst_pages])
+    for i, j in zip(pairing.kv_src_index.tolist(), pairing.kv_dst_index.tolist()):
+        a, b = src.kv[i], dst.kv[j]
+        for s0, d0, n in runs:
+            blocks.append((a.base + s0 * a.item_len, b.base + d0 * b.item_len, n * a.item_len))
+    for i, j in zip(pairing.state_src_index.tolist(), pairing.state_dst_index.tolist()):
+        sa, sb = src.state[i], dst.state[j]
+        assert src_slot is not None and dst_slot is not None
+        blocks.append(
+            (sa.base + src_slot * sa.item_len, sb.base + dst_slot * sb.item_len, sa.item_len)
+        )
+    return blocks

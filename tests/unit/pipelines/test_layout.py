@@ -1,0 +1,136 @@
+import msgspec
+import pytest
+
+from pipelines.errors import LayoutError
+from pipelines.layout import (
+    KVEntry,
+    StageLayout,
+    group_layer_ids,
+    layout_from_flat_lists,
+    publish_kv_layer_ids,
+)
+from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_published_ids_repeat_once_per_group_and_match_buffer_count(groups: int) -> None:
+    model = hybrid_npu_mla(num_layers=16, scale=64, indexer=groups == 3)
+    if groups == 1:
+        model = msgspec.structs.replace(model, kv_groups=model.kv_groups[:1])
+    layout = stage_layout(model, partition_layers(16, 2), 1, num_pages=8, num_slots=2)
+    full = [11, 15]
+    assert layout.kv_layer_ids == full * groups
+    assert layout.kv_layer_ids == publish_kv_layer_ids(full, groups)
+    assert len(layout.kv_layer_ids) == len(layout.kv)
+    assert [e.group for e in layout.kv] == [g for g in range(groups) for _ in full]
+    assert group_layer_ids(layout.kv_layer_ids, len(layout.kv)) == (full, groups)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_flat_lists_round_trip(groups: int) -> None:
+    ids = [3, 7, 11]
+    n = len(ids) * groups
+    item_lens = [64 * (1 + k // len(ids)) for k in range(n)]
+    layout = layout_from_flat_lists(
+        pp_rank=0,
+        pp_size=1,
+        page_size=16,
+        dtype="bfloat16",
+        kv_data_ptrs=[0x1000 * (k + 1) for k in range(n)],
+        kv_data_lens=[il * 10 for il in item_lens],
+        kv_item_lens=item_lens,
+        kv_layer_ids=publish_kv_layer_ids(ids, groups),
+    )
+    assert [(e.layer_id, e.group) for e in layout.kv] == [
+        (i, g) for g in range(groups) for i in ids
+    ]
+    assert all(e.num_items == 10 for e in layout.kv)
+    # The distinct-id form gives the same layout.
+    again = layout_from_flat_lists(
+        pp_rank=0,
+        pp_size=1,
+        page_size=16,
+        dtype="bfloat16",
+        kv_data_ptrs=[0x1000 * (k + 1) for k in range(n)],
+        kv_data_lens=[il * 10 for il in item_lens],
+        kv_item_lens=item_lens,
+        kv_layer_ids=ids,
+    )
+    assert again == layout
+
+
+def test_non_divisible_buffer_count_is_an_error_naming_both_numbers() -> None:
+    with pytest.raises(LayoutError) as err:
+        layout_from_flat_lists(
+            pp_rank=0,
+            pp_size=1,
+            page_size=16,
+            dtype="bfloat16",
+            kv_data_ptrs=[1, 2, 3, 4, 5],
+            kv_data_lens=[64] * 5,
+            kv_item_lens=[64] * 5,
+            kv_layer_ids=[3, 7],
+        )
+    assert "5 KV buffers" in str(err.value) and "2 layer ids" in str(err.value)
+    assert err.value.context["num_buffers"] == 5
+    assert err.value.context["num_layers"] == 2
+
+
+def test_badly_repeated_ids_are_rejected() -> None:
+    with pytest.raises(LayoutError, match="repeated once per buffer group"):
+        group_layer_ids([3, 7, 7, 3], 4)
+
+
+def test_data_len_must_be_a_multiple_of_item_len() -> None:
+    with pytest.raises(LayoutError) as err:
+        layout_from_flat_lists(
+            pp_rank=0,
+            pp_size=1,
+            page_size=16,
+            dtype="bfloat16",
+            kv_data_ptrs=[1],
+            kv_data_lens=[100],
+            kv_item_lens=[64],
+            kv_layer_ids=[5],
+        )
+    assert err.value.context == {"field": "kv_item_lens[0]", "layer_id": 5, "group": 0}
+
+
+def test_legacy_layout_without_ids_is_marked_positional() -> None:
+    layout = layout_from_flat_lists(
+        pp_rank=0,
+        pp_size=1,
+        page_size=16,
+        dtype="bfloat16",
+        kv_data_ptrs=[1, 2],
+        kv_data_lens=[64, 64],
+        kv_item_lens=[32, 32],
+    )
+    assert not layout.layer_ids_published
+
+
+def test_fingerprint_ignores_addresses_but_not_shape() -> None:
+    model = hybrid_npu_mla(num_layers=8, scale=64)
+    a = decode_layout(model, num_pages=8, num_slots=2)
+    moved = a.with_bases([k + 100 for k in range(len(a.kv))], [7] * len(a.state))
+    assert moved.fingerprint == a.fingerprint
+    assert moved.address_key != a.address_key
+    bigger = decode_layout(model, num_pages=9, num_slots=2)
+    assert bigger.fingerprint != a.fingerprint
+
+
+def test_layout_survives_the_wire() -> None:
+    layout = decode_layout(hybrid_npu_mla(num_layers=8, scale=64), num_pages=4, num_slots=2)
+    back = msgspec.json.decode(msgspec.json.encode(layout), type=StageLayout)
+    assert back == layout and back.fingerprint == layout.fingerprint
+
+
+def test_wire_constraints_name_the_path() -> None:
+    bad = b'{"layer_id": -1, "group": 0, "item_len": 8, "num_items": 1, "base": 0}'
+    with pytest.raises(msgspec.ValidationError, match=r"\$.layer_id"):
+        msgspec.json.decode(bad, type=KVEntry)
+
+
+def test_pp_rank_must_be_below_pp_size() -> None:
+    with pytest.raises(LayoutError, match="pp_rank 2"):
+        StageLayout(pp_rank=2, pp_size=2, page_size=16, dtype="bfloat16")

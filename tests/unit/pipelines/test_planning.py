@@ -1,0 +1,203 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipelines.errors import PlanError
+from pipelines.layout import StageLayout
+from pipelines.models import (
+    AttentionKind,
+    KVGroup,
+    ModelSpec,
+    StateKind,
+    decode_layout,
+    every_nth,
+    hybrid_npu_mla,
+    partition_layers,
+    stage_layout,
+)
+from pipelines.pairing import Pairing, pair
+from pipelines.planning import find_runs, plan
+from pipelines.planning_reference import reference_plan, reference_runs
+from tests.unit.pipelines.helpers import place_packed
+
+MODEL = hybrid_npu_mla(num_layers=16, scale=64, page_size=16)
+PART = partition_layers(16, 4)
+
+
+def pairing(rank: int = 1, num_pages: int = 32, num_slots: int = 4) -> Pairing:
+    src = place_packed(
+        stage_layout(MODEL, PART, rank, num_pages=num_pages, num_slots=num_slots), 1 << 32
+    )
+    dst = place_packed(decode_layout(MODEL, num_pages=num_pages, num_slots=num_slots), 1 << 40)
+    return pair(src, dst)
+
+
+def triples(p: Pairing, *args: object, **kwargs: object) -> list[tuple[int, int, int]]:
+    b = plan(p, *args, **kwargs).blocks  # type: ignore[arg-type]
+    return list(zip(b.src_addr.tolist(), b.dst_addr.tolist(), b.length.tolist()))
+
+
+def test_runs_step_by_one_on_both_sides() -> None:
+    src = np.array([4, 5, 6, 10, 11, 3])
+    dst = np.array([0, 1, 9, 10, 11, 12])
+    s0, d0, n = find_runs(src, dst)
+    assert list(zip(s0.tolist(), d0.tolist(), n.tolist())) == [
+        (4, 0, 2),
+        (6, 9, 1),
+        (10, 10, 2),
+        (3, 12, 1),
+    ]
+    assert reference_runs(src.tolist(), dst.tolist()) == [
+        (4, 0, 2),
+        (6, 9, 1),
+        (10, 10, 2),
+        (3, 12, 1),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "src_slot", "dst_slot", "field", "text"),
+    [
+        ([0, 1], [0], 0, 0, "dst_pages", "src_pages has 2 pages but dst_pages has 1"),
+        ([0, 32], [0, 1], 0, 0, "src_pages[1]", "src_pages[1] = 32 is outside the source pool"),
+        ([0, 1], [5, -1], 0, 0, "dst_pages[1]", "dst_pages[1] = -1 is outside the destination"),
+        ([0, 1, 2], [7, 3, 7], 0, 0, "dst_pages[2]", "dst_pages[2] = 7 repeats dst_pages[0]"),
+        ([0], [0], None, 0, "src_slot", "src_slot is required"),
+        ([0], [0], 0, 4, "dst_slot", "dst_slot = 4 is outside the state pool of layer 4"),
+        ([[0]], [[0]], 0, 0, "src_pages", "flat list"),
+        ([0.5], [1.0], 0, 0, "src_pages", "must hold integers"),
+    ],
+)
+def test_bad_requests_name_the_offending_field(
+    src: list[int],
+    dst: list[int],
+    src_slot: int | None,
+    dst_slot: int | None,
+    field: str,
+    text: str,
+) -> None:
+    with pytest.raises(PlanError) as err:
+        plan(pairing(), src, dst, src_slot, dst_slot)
+    assert err.value.context["field"] == field
+    assert text in str(err.value)
+
+
+def test_out_of_range_names_layer_and_group_of_the_smallest_pool() -> None:
+    with pytest.raises(PlanError) as err:
+        plan(pairing(), [0, 40], [0, 1], 0, 0)
+    assert err.value.context == {"field": "src_pages[1]", "layer_id": 7, "group": 0}
+
+
+def test_layers_filter_and_state_toggle() -> None:
+    p = pairing()
+    only_kv7 = plan(p, [0, 1, 5], [3, 4, 9], 0, 1, layers=[7], include_state=False)
+    assert only_kv7.kv_blocks == 2 * 2 and only_kv7.state_blocks == 0
+    only_state = plan(p, [0, 1, 5], [3, 4, 9], 0, 1, layers=[4, 5])
+    assert only_state.kv_blocks == 0 and only_state.state_blocks == 4
+    assert only_state.pair_of_block.tolist() == [2, 3, 5, 6]  # conv 4, conv 5, temporal 4, 5
+
+
+def test_empty_page_list_moves_only_state() -> None:
+    out = plan(pairing(), [], [], 2, 3)
+    assert out.kv_blocks == 0 and out.state_blocks == 6
+
+
+def test_batches_respect_the_cap() -> None:
+    p = pairing(num_pages=4096)
+    pages = np.arange(0, 4096, 2)  # every run is one page: 2048 runs x 2 pairs + 6 state
+    out = plan(p, pages, pages, 0, 0)
+    assert len(out) == 2 * 2048 + 6
+    sizes = [len(b) for b in out.batches(1000)]
+    assert max(sizes) <= 1000 and sum(sizes) == len(out)
+    assert [len(b) for b in out.batches()] == [2048, 2048, 6]
+
+
+# ---------------------------------------------------------------------------------------------
+# Property tests: the vectorised planner equals the per-entry reference and stays in bounds.
+
+
+@st.composite
+def layouts_and_request(
+    draw: st.DrawFn,
+) -> tuple[StageLayout, StageLayout, list[int], list[int], int, int]:
+    num_layers = draw(st.integers(4, 24))
+    interval = draw(st.integers(1, 4))
+    groups = tuple(
+        KVGroup(f"g{g}", draw(st.integers(1, 64))) for g in range(draw(st.integers(1, 3)))
+    )
+    kinds = tuple(
+        StateKind(f"k{k}", draw(st.integers(1, 512))) for k in range(draw(st.integers(0, 2)))
+    )
+    model = ModelSpec(
+        name="random",
+        num_layers=num_layers,
+        full_attention_layers=every_nth(num_layers, interval),
+        attention=AttentionKind.MHA,
+        kv_groups=groups,
+        state_kinds=kinds if interval > 1 else (),
+        page_size=draw(st.sampled_from([1, 4, 16])),
+    )
+    pp = draw(st.integers(1, min(4, num_layers)))
+    rank = draw(st.integers(0, pp - 1))
+    src_pages_total = draw(st.integers(1, 96))
+    dst_pages_total = draw(st.integers(1, 96))
+    slots = draw(st.integers(1, 4))
+    src = place_packed(
+        stage_layout(
+            model,
+            partition_layers(num_layers, pp),
+            rank,
+            num_pages=src_pages_total,
+            num_slots=slots,
+        ),
+        draw(st.integers(0, 1 << 40)),
+    )
+    dst = place_packed(
+        decode_layout(model, num_pages=dst_pages_total, num_slots=slots),
+        draw(st.integers(0, 1 << 40)),
+    )
+    n = draw(st.integers(0, min(src_pages_total, dst_pages_total)))
+    # Fragmented lists: random order of distinct pages, with ascending stretches kept often.
+    dst_pages = draw(st.permutations(range(dst_pages_total)))[:n]
+    if draw(st.booleans()):
+        dst_pages = sorted(dst_pages)
+    src_pages = [draw(st.integers(0, src_pages_total - 1)) for _ in range(n)]
+    if draw(st.booleans()) and n <= src_pages_total:
+        start = draw(st.integers(0, src_pages_total - n))
+        src_pages = list(range(start, start + n))
+    return (
+        src,
+        dst,
+        src_pages,
+        dst_pages,
+        draw(st.integers(0, slots - 1)),
+        draw(st.integers(0, slots - 1)),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts_and_request())
+def test_vectorised_planner_equals_reference_and_stays_inside_regions(
+    case: tuple[StageLayout, StageLayout, list[int], list[int], int, int],
+) -> None:
+    src, dst, src_pages, dst_pages, src_slot, dst_slot = case
+    p = pair(src, dst)
+    got = plan(p, src_pages, dst_pages, src_slot, dst_slot)
+    b = got.blocks
+    as_tuples = list(zip(b.src_addr.tolist(), b.dst_addr.tolist(), b.length.tolist()))
+    assert as_tuples == reference_plan(p, src_pages, dst_pages, src_slot, dst_slot)
+    assert b.total_bytes == len(src_pages) * p.kv_bytes_per_page + p.state_bytes_per_slot
+
+    def regions(layout: StageLayout) -> list[tuple[int, int]]:
+        return [(e.base, e.base + e.nbytes) for e in layout.kv] + [
+            (s.base, s.base + s.nbytes) for s in layout.state
+        ]
+
+    for addrs, regs in ((b.src_addr, regions(src)), (b.dst_addr, regions(dst))):
+        for a, n in zip(addrs.tolist(), b.length.tolist()):
+            assert any(lo <= a and a + n <= hi for lo, hi in regs)
+    # Destination ranges never overlap: no byte is written twice.
+    order = np.argsort(b.dst_addr)
+    ends = b.dst_addr[order] + b.length[order]
+    assert np.all(ends[:-1] <= b.dst_addr[order][1:])
