@@ -1,0 +1,379 @@
+"""The service's configuration: one frozen Struct tree, parsed once at start-up and passed down.
+
+`load_config(path, env, overrides)` merges, lowest precedence first: defaults, the TOML file,
+`KVHANDOFF_<SECTION>__<KEY>` environment variables, and CLI overrides; then converts the result
+with msgspec (unknown keys rejected) and checks what spans several keys. Every error is a
+`ConfigError` whose `field` (and message prefix) is the TOML key path, e.g.
+`stages[1].pp_rank: 4 is not below pp_size 4`.
+
+Only `service.serve_cmd` passes `os.environ` in; nothing else in the codebase reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import msgspec
+from msgspec import Meta, Struct, field
+from msgspec.structs import force_setattr
+
+from pipelines.errors import InvalidInput, LayoutError
+from pipelines.models import PRESETS, ModelSpec, Partition, partition_layers, preset
+from transport.config import MooncakeConfig
+
+ENV_PREFIX = "KVHANDOFF_"
+MiB = 1 << 20
+
+Role = Literal["prefill", "decode"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+Positive = Annotated[int, Meta(gt=0)]
+NonNeg = Annotated[int, Meta(ge=0)]
+PositiveSeconds = Annotated[float, Meta(gt=0)]
+
+# torch:cpu, torch:cuda, torch:cuda:0, torch:npu:3, shm:<name> (a file name under /dev/shm)
+_POOL_SPEC = re.compile(r"^(torch:(cpu|(cuda|npu)(:\d+)?)|shm:[A-Za-z0-9._-]+)$")
+
+
+class ConfigError(InvalidInput):
+    """The configuration is invalid; `field` is the TOML key path (or the environment variable)."""
+
+    code = "config_error"
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message, field=path or None)
+
+
+class ServerConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: Port = 8100
+    #: How peers and webhooks reach this service; derived from host and port when empty. Set it
+    #: when binding to 0.0.0.0 or behind NAT/containers, where host is not a reachable name.
+    public_url: str = ""
+    #: Bearer token required on every /v1 route when set (peers must share it).
+    token: str | None = None
+    max_body_bytes: Positive = 8 * MiB
+    #: Webhook outbox and other persistent state; default $XDG_STATE_HOME/kvhandoff.
+    state_dir: str = ""
+    log_level: LogLevel = "info"
+
+    def __post_init__(self) -> None:
+        if not self.public_url:
+            # Frozen: the derived default is filled in once, here, so readers never derive it.
+            force_setattr(self, "public_url", f"http://{self.host}:{self.port}")
+        self_url = self.public_url.rstrip("/")
+        if self_url != self.public_url:
+            force_setattr(self, "public_url", self_url)
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir)
+
+
+class TransportConfig(MooncakeConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`MooncakeConfig` (hostname, metadata, protocol, device_name, max_blocks_per_batch,
+    max_inflight_batches_per_peer, transfer_timeout_s, tcp_env) plus the backend choice; it *is*
+    a `MooncakeConfig`, so it is passed to the Mooncake transport as is."""
+
+    #: "mooncake": the Transfer Engine; "local": in-process memmove (single process, benchmarks).
+    backend: Literal["mooncake", "local"] = "mooncake"
+
+
+class ModelConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A preset (see `pipelines.models.PRESETS`) with overrides, or an explicit `spec` table."""
+
+    preset: str | None = None
+    scale: Positive | None = None
+    num_layers: Positive | None = None
+    page_size: Positive | None = None
+    indexer: bool | None = None
+    spec: ModelSpec | None = None
+
+    def build(self) -> ModelSpec:
+        """The ModelSpec this section describes; raises ConfigError naming the key."""
+        overrides = {
+            k: v
+            for k, v in (
+                ("scale", self.scale),
+                ("num_layers", self.num_layers),
+                ("page_size", self.page_size),
+                ("indexer", self.indexer),
+            )
+            if v is not None
+        }
+        if self.spec is not None:
+            if self.preset is not None or overrides:
+                raise ConfigError("model.spec", "give either a preset (with overrides) or a spec")
+            return self.spec
+        if self.preset is None:
+            raise ConfigError("model.preset", f"required; one of {', '.join(sorted(PRESETS))}")
+        if self.preset not in PRESETS:
+            raise ConfigError(
+                "model.preset", f"unknown preset {self.preset!r}; one of {', '.join(PRESETS)}"
+            )
+        try:
+            return preset(self.preset, **overrides)
+        except TypeError:  # an override this preset's factory does not take (e.g. indexer)
+            raise ConfigError(
+                "model.indexer", f"preset {self.preset!r} does not take this override"
+            ) from None
+
+
+class PartitionConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How the model's layers split over PP stages; even split (vLLM's rule) when both unset."""
+
+    counts: list[Positive] | None = None
+    boundaries: list[Positive] | None = None
+
+
+class HandoffConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    default_deadline_s: PositiveSeconds = 30.0
+    heartbeat_interval_s: PositiveSeconds = 1.0
+    #: A peer silent for this long fails its handoffs.
+    peer_timeout_s: PositiveSeconds = 3.0
+    #: Read back and compare bytes after each transfer (slow; tests and demos).
+    verify: bool = False
+    max_concurrent: Positive = 256
+    #: Events kept for SSE `Last-Event-ID` resume.
+    sse_buffer: Positive = 4096
+
+
+class PeersConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    #: Decode role: prefill services to send destinations to when a request names none.
+    prefill: list[str] = []
+    #: Default timeout of one service-to-service HTTP call.
+    request_timeout_s: PositiveSeconds = 5.0
+
+
+class StageConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pp_rank: NonNeg = 0
+    pp_size: Positive = 1
+    num_pages: Positive
+    #: Linear-attention state slots (requests in flight); ignored by models without state.
+    num_slots: NonNeg = 0
+    #: "torch:cpu", "torch:cuda:0", "torch:npu:0" or "shm:<name>" (see transport.pools).
+    pool: str = "torch:cpu"
+
+
+class Config(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    role: Role
+    server: ServerConfig = field(default_factory=ServerConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    model: ModelConfig
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    handoff: HandoffConfig = field(default_factory=HandoffConfig)
+    peers: PeersConfig = field(default_factory=PeersConfig)
+    stages: list[StageConfig]
+
+    def model_spec(self) -> ModelSpec:
+        return self.model.build()
+
+    @property
+    def pp_size(self) -> int:
+        return self.stages[0].pp_size
+
+    def layer_partition(self) -> Partition:
+        """The PP partition of the model (pp_size 1 on the decode role)."""
+        spec = self.model_spec()
+        try:
+            return partition_layers(
+                spec.num_layers,
+                self.pp_size,
+                counts=self.partition.counts,
+                boundaries=self.partition.boundaries,
+            )
+        except LayoutError as exc:
+            raise ConfigError(
+                f"partition.{exc.context.get('field', 'counts')}", exc.message
+            ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(
+    path: str | Path | None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Parse and validate the configuration: defaults < TOML file < env < overrides.
+
+    `env` is an environment mapping (only `KVHANDOFF_*` keys are read; an unknown one is an
+    error); `overrides` maps dotted key paths (`"server.port"`) or nested dicts to values.
+    """
+    env = env or {}
+    merged: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                _merge(merged, tomllib.load(f))
+        except OSError as exc:
+            raise ConfigError("", f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("", f"{path} is not valid TOML: {exc}") from None
+    _merge(merged, env_overrides(env))
+    for key, value in (overrides or {}).items():
+        _merge(merged, _nest(key.split("."), value))
+    server = merged.setdefault("server", {})
+    if isinstance(server, dict) and not server.get("state_dir"):
+        server["state_dir"] = str(default_state_dir(env))
+    elif isinstance(server, dict):
+        server["state_dir"] = _expand_home(str(server["state_dir"]), env)
+    try:
+        config = msgspec.convert(merged, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(*_split_msgspec_error(str(exc))) from None
+    except (LayoutError, ValueError) as exc:  # a nested Struct's own __post_init__ (ModelSpec)
+        raise ConfigError("model.spec", str(exc)) from None
+    check(config)
+    return config
+
+
+def check(config: Config) -> None:
+    """Cross-key checks that single-field types cannot express."""
+    stages = config.stages
+    if not stages:
+        raise ConfigError("stages", "at least one stage is required")
+    if config.role == "decode" and (
+        len(stages) != 1 or stages[0].pp_rank != 0 or stages[0].pp_size != 1
+    ):
+        raise ConfigError("stages", "the decode role hosts exactly one stage: pp_rank 0, pp_size 1")
+    seen: dict[int, int] = {}
+    for i, stage in enumerate(stages):
+        key = f"stages[{i}]"
+        if stage.pp_size != stages[0].pp_size:
+            raise ConfigError(
+                f"{key}.pp_size",
+                f"{stage.pp_size} differs from stages[0].pp_size {stages[0].pp_size}",
+            )
+        if stage.pp_rank >= stage.pp_size:
+            raise ConfigError(
+                f"{key}.pp_rank", f"{stage.pp_rank} is not below pp_size {stage.pp_size}"
+            )
+        if stage.pp_rank in seen:
+            raise ConfigError(
+                f"{key}.pp_rank", f"{stage.pp_rank} is also stages[{seen[stage.pp_rank]}].pp_rank"
+            )
+        seen[stage.pp_rank] = i
+        if not _POOL_SPEC.match(stage.pool):
+            raise ConfigError(
+                f"{key}.pool",
+                f"{stage.pool!r} is not torch:cpu, torch:cuda[:N], torch:npu[:N] or shm:<name>",
+            )
+    spec = config.model_spec()
+    if spec.state_kinds and any(s.num_slots == 0 for s in stages):
+        bad = next(i for i, s in enumerate(stages) if s.num_slots == 0)
+        raise ConfigError(f"stages[{bad}].num_slots", f"model {spec.name} has state; must be > 0")
+    if config.role == "prefill":
+        config.layer_partition()
+    for i, url in enumerate(config.peers.prefill):
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"peers.prefill[{i}]", f"{url!r} is not an http(s) URL")
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """`KVHANDOFF_SERVER__PORT=8200` → {"server": {"port": "8200"}} (typed later by msgspec).
+
+    Values starting with `[` or `{` are parsed as JSON (lists, tables). Keys are checked against
+    the Config tree here so a typo names the variable, not just the key.
+    """
+    out: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        parts = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
+        _check_env_key(name, parts)
+        value: Any = raw
+        if raw.lstrip().startswith(("[", "{")):
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(name, f"not valid JSON: {exc}") from None
+        _merge(out, _nest(parts, value))
+    return out
+
+
+def default_state_dir(env: Mapping[str, str]) -> Path:
+    if env.get("XDG_STATE_HOME"):
+        return Path(env["XDG_STATE_HOME"]) / "kvhandoff"
+    if env.get("HOME"):
+        return Path(env["HOME"]) / ".local" / "state" / "kvhandoff"
+    return Path.cwd() / ".kvhandoff-state"
+
+
+def _expand_home(path: str, env: Mapping[str, str]) -> str:
+    if path.startswith("~/") and env.get("HOME"):
+        return str(Path(env["HOME"]) / path[2:])
+    return path
+
+
+def _check_env_key(name: str, parts: list[str]) -> None:
+    struct_type: Any = Config
+    for depth, part in enumerate(parts):
+        fields = {f.name: f.type for f in msgspec.structs.fields(struct_type)}
+        if part not in fields:
+            raise ConfigError(name, f"unknown key {'.'.join(parts[: depth + 1])!r}")
+        target = fields[part]
+        if not (isinstance(target, type) and issubclass(target, Struct)):
+            if depth != len(parts) - 1:
+                raise ConfigError(name, f"{'.'.join(parts[: depth + 1])} takes a JSON value")
+            return
+        struct_type = target
+    raise ConfigError(name, f"{'.'.join(parts)} is a section; name one of its keys")
+
+
+def _nest(parts: list[str], value: Any) -> dict[str, Any]:
+    for part in reversed(parts[1:]):
+        value = {part: value}
+    return {parts[0]: value}
+
+
+def _merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
+    """Deep-merge tables; anything else (scalars, lists) in `new` replaces."""
+    for key, value in new.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        elif isinstance(value, Mapping):
+            into[key] = {}
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+_AT = re.compile(r"^(?P<msg>.*) - at `\$(?P<path>[^`]*)`$", re.S)
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<key>[^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `(?P<key>[^`]*)`$")
+
+
+def _split_msgspec_error(text: str) -> tuple[str, str]:
+    """msgspec's "msg - at `$.a.b[1]`" → ("a.b[1]", msg), naming unknown/missing keys fully."""
+    m = _AT.match(text)
+    path, msg = (m["path"].lstrip("."), m["msg"]) if m else ("", text)
+    for pattern, what in ((_UNKNOWN, "unknown key"), (_MISSING, "required key is missing")):
+        k = pattern.match(msg)
+        if k:
+            return (f"{path}.{k['key']}" if path else k["key"]), what
+    if msg.startswith("Invalid enum value"):
+        choices = get_args(_type_at(path))  # msgspec does not list a Literal's values
+        if choices:
+            msg += f"; one of {', '.join(repr(c) for c in choices)}"
+    return path, msg
+
+
+def _type_at(path: str) -> Any:
+    """The annotated type at a key path like `stages[0].pool` (None if not a plain path)."""
+    current: Any = Config
+    for part in re.sub(r"\[\d+\]", "", path).split("."):
+        while get_origin(current) is list:
+            current = get_args(current)[0]
+        if not (isinstance(current, type) and issubclass(current, Struct)):
+            return None
+        fields = {f.name: f.type for f in msgspec.structs.fields(current)}
+        current = fields.get(part)
+    return current

@@ -1,0 +1,228 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipelines.models import ModelSpec
+from service.config import Config, ConfigError, load_config
+
+from .conftest import MINIMAL, make_config
+
+REPO = Path(__file__).resolve().parents[3]
+
+PREFILL_TOML = """
+role = "prefill"
+[server]
+port = 8100
+[model]
+preset = "hybrid-mha"
+num_layers = 8
+scale = 64
+[[stages]]
+pp_rank = 0
+pp_size = 2
+num_pages = 8
+num_slots = 2
+[[stages]]
+pp_rank = 1
+pp_size = 2
+num_pages = 8
+num_slots = 2
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvhandoff.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name", ["prefill.toml", "decode.toml"])
+def test_example_files_load(name: str) -> None:
+    config = load_config(REPO / "docker" / name)
+    assert config.role == name.removesuffix(".toml")
+    assert config.model_spec().name == "hybrid-npu-mla"
+    assert config.layer_partition().pp_size == (4 if config.role == "prefill" else 1)
+
+
+def test_prefill_example_hosts_four_stages() -> None:
+    config = load_config(REPO / "docker" / "prefill.toml")
+    assert [s.pp_rank for s in config.stages] == [0, 1, 2, 3]
+    assert config.layer_partition().bounds == (0, 12, 24, 36, 48)
+
+
+def test_defaults_and_derived_values(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, PREFILL_TOML), {"HOME": "/home/u"})
+    assert config.server.host == "127.0.0.1"
+    assert config.server.public_url == "http://127.0.0.1:8100"
+    assert config.server.max_body_bytes == 8 << 20
+    assert config.server.state_dir == "/home/u/.local/state/kvhandoff"
+    assert config.server.token is None
+    assert config.transport.backend == "mooncake"
+    assert config.transport.metadata == "P2PHANDSHAKE"
+    assert config.transport.max_blocks_per_batch == 2048
+    assert config.handoff.default_deadline_s == 30.0
+    assert config.handoff.sse_buffer == 4096
+    assert config.pp_size == 2
+
+
+def test_state_dir_prefers_xdg_and_expands_home() -> None:
+    assert make_config().server.state_dir.endswith(".kvhandoff-state")  # no HOME given
+    xdg = load_config(None, {"XDG_STATE_HOME": "/s", "HOME": "/h"}, MINIMAL)
+    assert xdg.server.state_dir == "/s/kvhandoff"
+    tilde = load_config(None, {"HOME": "/h"}, {**MINIMAL, "server.state_dir": "~/kv"})
+    assert tilde.server.state_dir == "/h/kv"
+
+
+def test_precedence_cli_over_env_over_file(tmp_path: Path) -> None:
+    path = write(tmp_path, PREFILL_TOML)
+    env = {"KVHANDOFF_SERVER__PORT": "8200", "KVHANDOFF_SERVER__HOST": "10.0.0.1"}
+    assert load_config(path).server.port == 8100
+    from_env = load_config(path, env)
+    assert (from_env.server.port, from_env.server.host) == (8200, "10.0.0.1")
+    from_cli = load_config(path, env, {"server.port": 8300})
+    assert (from_cli.server.port, from_cli.server.host) == (8300, "10.0.0.1")
+    assert from_cli.server.public_url == "http://10.0.0.1:8300"
+
+
+def test_env_values_are_typed_and_json_for_tables(tmp_path: Path) -> None:
+    env = {
+        "KVHANDOFF_HANDOFF__VERIFY": "true",
+        "KVHANDOFF_HANDOFF__DEFAULT_DEADLINE_S": "2.5",
+        "KVHANDOFF_SERVER__TOKEN": "s3cret",
+        "KVHANDOFF_TRANSPORT__TCP_ENV": '{"MC_TCP_SLICE_SIZE": "65536"}',
+        "KVHANDOFF_PEERS__PREFILL": '["http://p:1"]',
+        "UNRELATED": "ignored",
+    }
+    config = load_config(write(tmp_path, PREFILL_TOML), env)
+    assert config.handoff.verify is True
+    assert config.handoff.default_deadline_s == 2.5
+    assert config.server.token == "s3cret"
+    assert config.transport.tcp_env == {"MC_TCP_SLICE_SIZE": "65536"}
+    assert config.peers.prefill == ["http://p:1"]
+
+
+def test_role_from_env_top_level() -> None:
+    config = load_config(
+        None, {"KVHANDOFF_ROLE": "prefill"}, {k: v for k, v in MINIMAL.items() if k != "role"}
+    )
+    assert config.role == "prefill"
+
+
+def test_explicit_model_spec_table(tmp_path: Path) -> None:
+    text = """
+role = "decode"
+[model.spec]
+name = "tiny"
+num_layers = 2
+full_attention_layers = [0, 1]
+attention = "mha"
+kv_groups = [{ name = "k", bytes_per_token = 8 }, { name = "v", bytes_per_token = 8 }]
+[[stages]]
+num_pages = 4
+"""
+    spec = load_config(write(tmp_path, text)).model_spec()
+    assert isinstance(spec, ModelSpec)
+    assert (spec.name, spec.num_layers) == ("tiny", 2)
+
+
+ERRORS = [
+    # (TOML, expected field, fragment of the message)
+    ('role = "decode"\nport = 1', "port", "unknown key"),
+    ("[server]\nprot = 1", "server.prot", "unknown key"),
+    ("[server]\nport = 70000", "server.port", "<= 65535"),
+    ('[server]\nport = "x"', "server.port", "Expected `int`"),
+    ('role = "both"', "role", "'prefill', 'decode'"),
+    ("[[stages]]\nnum_pages = 0", "stages[0].num_pages", ">= 1"),
+    (
+        "[[stages]]\nnum_pages = 1\n[[stages]]\npp_rank = 1\nnum_pages = 1\nbogus = 2",
+        "stages[1].bogus",
+        "unknown key",
+    ),
+    ('[transport]\nprotocol = "udp"', "transport.protocol", "'tcp', 'rdma', 'ascend'"),
+    ('[transport]\ntcp_env = { FOO = "1" }', "transport", "MC_TCP_"),
+    ('[model]\npreset = "nope"', "model.preset", "unknown preset"),
+    ('[model]\npreset = "dense-mha"\nindexer = true', "model.indexer", "does not take"),
+]
+
+
+@pytest.mark.parametrize(("toml", "field", "fragment"), ERRORS)
+def test_errors_name_the_key(tmp_path: Path, toml: str, field: str, fragment: str) -> None:
+    # The snippet is the file; whatever required section it lacks comes from the minimal config.
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, toml), {}, _missing_from(toml, MINIMAL))
+    assert info.value.context["field"] == field, str(info.value)
+    assert fragment in str(info.value)
+    assert str(info.value).startswith(f"{field}: ")
+
+
+def _missing_from(toml: str, base: dict[str, object]) -> dict[str, object]:
+    """The minimal config's top-level keys that the TOML snippet does not set itself."""
+    sections = {"model": "[model", "stages": "[[stages", "role": "role ="}
+    return {k: v for k, v in base.items() if sections[k] not in toml}
+
+
+def test_stage_rank_not_below_pp_size(tmp_path: Path) -> None:
+    text = PREFILL_TOML.replace("pp_rank = 1\npp_size = 2", "pp_rank = 2\npp_size = 2")
+    with pytest.raises(ConfigError, match=r"^stages\[1\]\.pp_rank: 2 is not below pp_size 2$"):
+        load_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"stages": [{"num_pages": 1, "pool": "cuda:0"}]}, "stages[0].pool"),
+        ({"stages": [{"num_pages": 1, "pp_size": 2}]}, "stages"),  # decode: pp_size 1 only
+        ({"stages": []}, "stages"),
+        (
+            {"role": "prefill", "stages": [{"num_pages": 1, "pp_size": 2}] * 2},
+            "stages[1].pp_rank",  # rank 0 twice
+        ),
+        (
+            {
+                "role": "prefill",
+                "stages": [{"num_pages": 1, "pp_size": 2}, {"num_pages": 1, "pp_size": 3}],
+            },
+            "stages[1].pp_size",
+        ),
+        (
+            {"role": "prefill", "partition.counts": [1, 2], "stages": [{"num_pages": 1}]},
+            "partition.counts",
+        ),
+        ({"model.preset": "hybrid-mha"}, "stages[0].num_slots"),  # state model needs slots
+        ({"peers.prefill": ["prefill:8100"]}, "peers.prefill[0]"),
+        ({"model": {}}, "model.preset"),
+    ],
+)
+def test_cross_key_errors(overrides: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_config(**overrides)
+    assert info.value.context["field"] == field, str(info.value)
+
+
+def test_missing_required_keys_are_named() -> None:
+    with pytest.raises(ConfigError, match="^role: required key is missing$"):
+        load_config(None, {}, {"model.preset": "dense-mha", "stages": [{"num_pages": 1}]})
+
+
+def test_unknown_env_variable_is_named() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"KVHANDOFF_SERVER__PROT": "1"}, MINIMAL)
+    assert info.value.context["field"] == "KVHANDOFF_SERVER__PROT"
+    with pytest.raises(ConfigError, match="is a section"):
+        load_config(None, {"KVHANDOFF_SERVER": "1"}, MINIMAL)
+
+
+def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "role = "))
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "absent.toml")
+
+
+def test_config_is_frozen() -> None:
+    config = make_config()
+    assert isinstance(config, Config)
+    with pytest.raises(AttributeError):
+        config.role = "prefill"  # type: ignore[misc]
