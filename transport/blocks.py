@@ -2,7 +2,8 @@
 
 A `Blocks` value is three parallel numpy arrays (uint64): source address, destination address
 and length in bytes. The planner in `pipelines` builds them; transports consume them, splitting
-them into batches no larger than what the engine accepts. Nothing here knows about layers or requests.
+them into batches no larger than what the engine accepts. Nothing here knows about layers or
+requests.
 """
 
 from __future__ import annotations

@@ -43,3 +43,9 @@ class TransportTimeout(TransportError):
     """A transfer did not finish within the configured transfer timeout."""
 
     code = "transport_timeout"
+
+
+class PoolError(KVHandoffError):
+    """A pool could not be allocated, attached or read (bad spec, size, device or file)."""
+
+    code = "pool_error"

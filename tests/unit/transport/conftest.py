@@ -1,0 +1,55 @@
+"""Fixtures for transport unit tests: host buffers, and one transport of each kind."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import numpy as np
+import pytest
+
+from tests.fakes import FakeEngine
+from transport.base import Transport
+from transport.config import MooncakeConfig
+from transport.local import LocalTransport
+from transport.mooncake import MooncakeTransport
+from transport.pools import EmbeddedPool, Pool
+
+
+@pytest.fixture
+def make_buffer() -> Iterator[Callable[[int], np.ndarray]]:
+    """Host uint8 arrays, kept alive for the whole test."""
+    keep: list[np.ndarray] = []
+
+    def make(size: int) -> np.ndarray:
+        arr = np.zeros(size, dtype=np.uint8)
+        keep.append(arr)
+        return arr
+
+    yield make
+
+
+def pool_of(arr: np.ndarray) -> Pool:
+    return EmbeddedPool([(arr.ctypes.data, arr.nbytes)])
+
+
+@pytest.fixture(params=["local", "mooncake"])
+async def transport(request: pytest.FixtureRequest) -> AsyncIterator[Transport]:
+    """Each transport, writing to itself: local memmove, and the real engine over TCP loopback."""
+    t: Transport
+    if request.param == "local":
+        t = LocalTransport(max_blocks_per_batch=64)
+    else:
+        pytest.importorskip("mooncake.engine")
+        t = MooncakeTransport.start(MooncakeConfig(max_blocks_per_batch=64))
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def fake_engine() -> FakeEngine:
+    return FakeEngine(max_blocks=64)
+
+
+def fake_transport(engine: FakeEngine, **config: object) -> MooncakeTransport:
+    cfg = MooncakeConfig(**{"max_blocks_per_batch": 64, **config})  # type: ignore[arg-type]
+    return MooncakeTransport(engine, cfg, "fake:1")

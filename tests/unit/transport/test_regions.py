@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from transport.errors import TransportError
+from transport.regions import Region, RegionTable
+
+
+def arr(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.uint64)
+
+
+def table() -> RegionTable:
+    t = RegionTable()
+    t.add([Region(1000, 100), Region(2000, 50)])
+    return t
+
+
+def test_blocks_inside_one_region_pass() -> None:
+    assert table().outside(arr(1000, 1090, 2000), arr(100, 10, 50)) is None
+
+
+@pytest.mark.parametrize(
+    ("addr", "length"),
+    [(999, 1), (1090, 11), (1100, 1), (1050, 1000), (2049, 2), (0, 1), (3000, 1)],
+)
+def test_blocks_leaving_every_region_are_found(addr: int, length: int) -> None:
+    assert table().outside(arr(1000, addr), arr(1, length)) == 1
+
+
+def test_adjacent_regions_do_not_merge() -> None:
+    t = RegionTable()
+    t.add([Region(1000, 100), Region(1100, 100)])
+    assert t.outside(arr(1050), arr(100)) == 0
+
+
+def test_empty_table_rejects_everything_and_check_raises() -> None:
+    with pytest.raises(TransportError, match="block 0 source"):
+        RegionTable().check(arr(1), arr(1), side="source")
+
+
+def test_overlap_detection_and_removal() -> None:
+    t = table()
+    assert t.overlapping([Region(1099, 10)]) == Region(1099, 10)
+    assert t.overlapping([Region(1100, 10), Region(1105, 10)]) is not None
+    assert t.overlapping([Region(1100, 900)]) is None
+    assert t.remove([Region(1000, 100), Region(5, 5)]) == [Region(1000, 100)]
+    assert len(t) == 1 and t.outside(arr(1000), arr(1)) == 0

@@ -1,0 +1,76 @@
+"""Transport configuration: one frozen Struct, parsed once by the service and passed down.
+
+Nothing in `transport` reads `os.environ`. The one documented exception runs the other way: the
+Transfer Engine only takes some tuning from environment variables, read when the engine is
+constructed, so `MooncakeTransport.start` *sets* `engine_env()` into the environment just before
+it constructs the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH
+
+Protocol = Literal["tcp", "rdma", "ascend"]
+
+#: Registered memory must be 2 MiB-aligned for the `ascend` protocol (HCCL registration).
+ASCEND_ALIGN_BYTES = 2 << 20
+#: Otherwise regions start on a page boundary, so a peer can mmap any of them.
+DEFAULT_ALIGN_BYTES = 4 << 10
+
+#: The engine reads `MC_TRANSFER_TIMEOUT` (whole seconds) and clamps it to at least 5.
+ENGINE_MIN_TIMEOUT_S = 5
+
+
+def alignment_for(protocol: str) -> int:
+    """The byte alignment pools use for each region under `protocol`."""
+    return ASCEND_ALIGN_BYTES if protocol == "ascend" else DEFAULT_ALIGN_BYTES
+
+
+class MooncakeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How to start and drive one Transfer Engine.
+
+    `hostname` is the engine's local name (`ip`, or `ip:port:npu_<id>` for ascend); peers reach
+    us at `local_target` = `<ip>:<rpc port>`. `metadata` is `P2PHANDSHAKE` or a metadata-server
+    URL (`etcd://...`, `http://...`). `device_name` names the RDMA NIC(s) for `rdma`.
+    """
+
+    hostname: str = "127.0.0.1"
+    metadata: str = "P2PHANDSHAKE"
+    protocol: Protocol = "tcp"
+    device_name: str = ""
+    #: Blocks per engine call. Mooncake TCP (default settings) rejects more than ~2,100 queued
+    #: requests to one peer and then often cannot reach that peer again.
+    max_blocks_per_batch: Annotated[int, Meta(ge=1, le=DEFAULT_MAX_BLOCKS_PER_BATCH)] = (
+        DEFAULT_MAX_BLOCKS_PER_BATCH
+    )
+    #: Batches per peer submitted (running or queued behind the peer's worker thread).
+    max_inflight_batches_per_peer: Annotated[int, Meta(ge=1, le=64)] = 2
+    #: Upper bound for one batch, from the moment the engine starts it to the last byte landing.
+    transfer_timeout_s: Annotated[float, Meta(gt=0, le=600)] = 10.0
+    #: Extra engine tuning, e.g. {"MC_TCP_SLICE_SIZE": "262144"}; only `MC_TCP_*` keys allowed.
+    tcp_env: dict[str, str] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bad = [k for k in self.tcp_env if not k.startswith("MC_TCP_")]
+        if bad:
+            raise ValueError(f"tcp_env accepts only MC_TCP_* keys, got {bad}")
+
+    @property
+    def align_bytes(self) -> int:
+        return alignment_for(self.protocol)
+
+    def engine_env(self) -> dict[str, str]:
+        """Environment the engine must see at construction.
+
+        `MC_TRANSFER_TIMEOUT` follows `transfer_timeout_s` (rounded up; the engine's floor is 5 s)
+        so the engine gives up on a hung peer about when the asyncio side does, and the worker
+        thread blocked in it is freed (default would be 30 s).
+        """
+        timeout = max(ENGINE_MIN_TIMEOUT_S, math.ceil(self.transfer_timeout_s))
+        return {**self.tcp_env, "MC_TRANSFER_TIMEOUT": str(timeout)}

@@ -1,0 +1,92 @@
+"""`torch:<device>` pools: one backing uint8 tensor kvhandoff allocates, regions packed in it.
+
+Devices: `cpu` (optionally pinned, which needs a CUDA build of torch), `cuda:N`, and `npu:N`.
+`npu` needs `torch_npu`, imported only here and only when an npu device is configured: importing
+it registers the `npu` device type with torch; nothing else in kvhandoff touches it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from transport.errors import PoolError
+from transport.pools import Bytes, Pool, align_up, pack_offsets
+from transport.regions import Region
+
+
+def _torch_device(device: str) -> Any:
+    import torch
+
+    if device.startswith("npu"):
+        try:
+            importlib.import_module("torch_npu")
+        except ImportError as exc:
+            raise PoolError(f"pool device {device!r} needs torch_npu", field="pool") from exc
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise PoolError(f"invalid torch device {device!r}: {exc}", field="pool") from exc
+
+
+class TorchPool(Pool):
+    """Regions packed by `pack_offsets` in one tensor on `device`; registers the aligned span."""
+
+    kind = "torch"
+
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        device: str = "cpu",
+        *,
+        align_bytes: int,
+        pin_memory: bool = False,
+    ) -> None:
+        import torch
+
+        self.offsets, total = pack_offsets(sizes, align_bytes)
+        dev = _torch_device(device)
+        self.device = str(dev)
+        try:
+            # Over-allocate by one alignment unit: torch only guarantees 64-byte alignment.
+            self._tensor: Any = torch.zeros(
+                total + align_bytes, dtype=torch.uint8, device=dev, pin_memory=pin_memory
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise PoolError(f"cannot allocate {total} bytes on {device}: {exc}") from exc
+        raw = int(self._tensor.data_ptr())
+        base = align_up(raw, align_bytes)
+        self._skip = base - raw
+        regions = [Region(base + off, int(size)) for off, size in zip(self.offsets, sizes)]
+        super().__init__(regions, [Region(base, total)])
+
+    @property
+    def _host(self) -> bool:
+        return bool(self._tensor.device.type == "cpu")
+
+    def tensor(self, index: int) -> Any:
+        """Region `index` as a uint8 tensor on the pool's device (a view, no copy)."""
+        self._check_open()
+        start = self._skip + self.offsets[index]
+        return self._tensor[start : start + self.regions[index].length]
+
+    def view(self, index: int) -> Bytes:
+        self._check_open()
+        if not self._host:
+            raise PoolError(f"view() needs host memory; this pool is on {self.device}")
+        return np.asarray(self.tensor(index).numpy())
+
+    def read(self, index: int) -> Bytes:
+        return np.asarray(self.tensor(index).cpu().numpy()).copy()
+
+    def write(self, index: int, data: Bytes, offset: int = 0) -> None:
+        import torch
+
+        target = self.tensor(index)[offset : offset + data.shape[0]]
+        target.copy_(torch.from_numpy(np.ascontiguousarray(data)))
+
+    def _release(self) -> None:
+        self._tensor = None
