@@ -202,7 +202,7 @@ def test_cross_key_errors(overrides: dict[str, object], field: str) -> None:
 
 
 def test_missing_required_keys_are_named() -> None:
-    with pytest.raises(ConfigError, match="^role: required key is missing$"):
+    with pytest.raises(ConfigError, match=r"^role: required key is missing$"):
         load_config(None, {}, {"model.preset": "dense-mha", "stages": [{"num_pages": 1}]})
 
 
