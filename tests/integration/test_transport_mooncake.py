@@ -1,0 +1,200 @@
+"""Two real processes over Mooncake TCP on 127.0.0.1: this test process sends, a receiver
+process (`_transport_receiver.py`) owns shm-backed destination memory. Every destination byte is
+checked through the shared /dev/shm file, and every byte outside the destination ranges must
+still hold the sentinel the receiver's memory was filled with."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import numpy as np
+import pytest
+
+from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from pipelines.pairing import pair
+from pipelines.planning import plan
+from transport.blocks import Blocks
+from transport.config import MooncakeConfig
+from transport.errors import TransportError, TransportTimeout
+from transport.mooncake import MooncakeTransport
+from transport.pool_shm import ShmPool
+from transport.pools import Pool, host_array, open_pool
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _transport_receiver import Receiver, spawn
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+pytest.importorskip("mooncake.engine")
+
+SENTINEL = 0x5A
+TIMEOUT_S = 3.0
+
+
+def shm_name() -> str:
+    return f"kvhandoff-it-{uuid.uuid4().hex[:12]}"
+
+
+class Remote:
+    """A receiver plus this process's own mapping of its shm file (for checking bytes)."""
+
+    def __init__(self, sizes: list[int], config: dict[str, object] | None = None) -> None:
+        self.name = shm_name()
+        self.receiver: Receiver = spawn(self.name, sizes, config)
+        self.mirror = ShmPool(self.name, sizes, align_bytes=4096, create=False)
+        # Receiver address -> file offset: region i sits at offsets[i] in the file.
+        self.file_base = self.receiver.bases[0] - self.mirror.offsets[0]
+        self.file = np.frombuffer(self.mirror._mmap, dtype=np.uint8)  # type: ignore[arg-type]
+        self.file[:] = SENTINEL
+
+    @property
+    def target(self) -> str:
+        return self.receiver.target
+
+    def close(self) -> None:
+        del self.file
+        self.mirror.close()
+        self.receiver.stop()
+
+
+@pytest.fixture
+async def sender() -> AsyncIterator[MooncakeTransport]:
+    t = MooncakeTransport.start(MooncakeConfig(transfer_timeout_s=TIMEOUT_S))
+    yield t
+    await t.quiesce()
+    t.close()
+
+
+@pytest.fixture
+def remote() -> Iterator[Remote]:
+    r = Remote([8 << 20])
+    yield r
+    r.close()
+
+
+def expected_image(remote: Remote, blocks: Blocks) -> np.ndarray:
+    """The receiver's file as it must look: sentinel everywhere but the copied blocks."""
+    image = np.full(remote.file.shape, SENTINEL, dtype=np.uint8)
+    for s, d, n in zip(blocks.src_addr.tolist(), blocks.dst_addr.tolist(), blocks.length.tolist()):
+        off = d - remote.file_base
+        image[off : off + n] = host_array(s, n)
+    return image
+
+
+def random_source(pool: Pool, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for i in range(len(pool.regions)):
+        view = pool.view(i)
+        view[:] = rng.integers(0, 256, view.shape[0], dtype=np.uint8)
+
+
+async def test_hybrid_npu_mla_request_lands_byte_exact(sender: MooncakeTransport) -> None:
+    """A real plan (layer-id pairing, fragmented pages, state slot) from a PP stage to decode."""
+    model = hybrid_npu_mla(scale=16, page_size=16)
+    partition = partition_layers(model.num_layers, 2)
+    src_layout = stage_layout(model, partition, 1, num_pages=256, num_slots=4)
+    dst_layout = decode_layout(model, num_pages=512, num_slots=8)
+    remote = Remote(dst_layout.region_sizes)
+    src_pool = open_pool("torch:cpu", src_layout.region_sizes)
+    try:
+        src_pool.register(sender)
+        random_source(src_pool, 1)
+        nkv = len(src_layout.kv)
+        src_placed = src_layout.with_bases(src_pool.bases[:nkv], src_pool.bases[nkv:])
+        nkv = len(dst_layout.kv)
+        dst_bases = remote.receiver.bases
+        dst_placed = dst_layout.with_bases(dst_bases[:nkv], dst_bases[nkv:])
+        rng = np.random.default_rng(2)
+        src_pages = rng.permutation(256)[:200]
+        dst_pages = np.concatenate([np.arange(50, 120), rng.permutation(np.arange(200, 512))[:130]])
+        blocks = plan(pair(src_placed, dst_placed), src_pages, dst_pages, 3, 6).blocks
+        assert len(blocks) > 1000  # fragmented: many short runs
+        await sender.write(remote.target, blocks)
+        np.testing.assert_array_equal(remote.file, expected_image(remote, blocks))
+    finally:
+        src_pool.close()
+        remote.close()
+
+
+async def test_ten_thousand_blocks_are_split_under_the_cap(
+    sender: MooncakeTransport, remote: Remote
+) -> None:
+    src_pool = open_pool("torch:cpu", [8 << 20])
+    src_pool.register(sender)
+    random_source(src_pool, 3)
+    rng = np.random.default_rng(4)
+    n = 10_000  # 800-byte slots: every block gets its own, shuffled on both sides
+    src = rng.permutation(n).astype(np.uint64) * 800 + src_pool.bases[0]
+    dst = rng.permutation(n).astype(np.uint64) * 800 + remote.receiver.bases[0]
+    blocks = Blocks.of(src, dst, rng.integers(1, 801, n))
+    await sender.write(remote.target, blocks)
+    np.testing.assert_array_equal(remote.file, expected_image(remote, blocks))
+    src_pool.close()
+
+
+async def test_unregistered_destination_fails_cleanly_and_the_peer_stays_usable(
+    sender: MooncakeTransport, remote: Remote
+) -> None:
+    src_pool = open_pool("torch:cpu", [1 << 20])
+    src_pool.register(sender)
+    random_source(src_pool, 5)
+    outside = remote.receiver.bases[0] + (8 << 20) + (1 << 20)
+    with pytest.raises(TransportError) as info:
+        await sender.write(remote.target, Blocks.of([src_pool.bases[0]], [outside], [4096]))
+    assert info.value.rc is not None and info.value.rc < 0
+    assert info.value.peer == remote.target
+    good = Blocks.of([src_pool.bases[0]], [remote.receiver.bases[0] + 4096], [65536])
+    await sender.write(remote.target, good)
+    np.testing.assert_array_equal(remote.file, expected_image(remote, good))
+    src_pool.close()
+
+
+async def _write_until_failure(sender: MooncakeTransport, peer: str, blocks: Blocks) -> None:
+    while True:
+        await sender.write(peer, blocks)
+
+
+def _big_blocks(src_base: int, dst_base: int, size: int, block: int) -> Blocks:
+    offs = np.arange(size // block, dtype=np.uint64) * block
+    return Blocks.of(offs + src_base, offs + dst_base, np.full(offs.shape, block))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+async def test_dead_or_hung_receiver_raises_within_the_timeout(
+    sender: MooncakeTransport, sig: signal.Signals
+) -> None:
+    """Killed: the engine fails fast (connection reset). Stopped: the engine would spin until its
+    own timeout, so the transport's timer raises TransportTimeout after `transfer_timeout_s`."""
+    size = 64 << 20
+    remote = Remote([size])
+    src_pool = open_pool("torch:cpu", [size])
+    try:
+        src_pool.register(sender)
+        blocks = _big_blocks(src_pool.bases[0], remote.receiver.bases[0], size, 1 << 20)
+        await sender.write(remote.target, blocks)  # connected and working
+        writer = asyncio.create_task(_write_until_failure(sender, remote.target, blocks))
+        await asyncio.sleep(0.05)
+        os.kill(remote.receiver.proc.pid, sig)
+        killed_at = time.monotonic()
+        with pytest.raises(TransportError) as info:
+            await asyncio.wait_for(writer, TIMEOUT_S + 5)
+        elapsed = time.monotonic() - killed_at
+        assert info.value.peer == remote.target
+        if sig == signal.SIGSTOP:
+            assert isinstance(info.value, TransportTimeout)
+        assert elapsed < TIMEOUT_S + 1.0
+        with pytest.raises(TransportError):  # and the peer stays failed, without hanging
+            await asyncio.wait_for(sender.write(remote.target, blocks), TIMEOUT_S + 5)
+    finally:
+        if remote.receiver.proc.poll() is None:
+            os.kill(remote.receiver.proc.pid, signal.SIGKILL)
+        remote.receiver.proc.wait()
+        await sender.quiesce()  # the stopped case: the engine call returns at its own timeout
+        src_pool.close()
+        remote.mirror.close()  # the receiver died without unlinking: the attacher cleans up
+        os.unlink(remote.mirror.path)
