@@ -28,8 +28,9 @@ from service.config import Config, ConfigError, load_config
 
 log = logging.getLogger("kvhandoff.service")
 
-#: App extensions `kvhandoff serve` installs, as "module:function" (imported lazily, in order).
-EXTENSIONS: tuple[str, ...] = ()
+#: App extensions `kvhandoff serve` installs, as "module:function" (imported lazily, in order;
+#: the transport first, so it outlives every extension that registers memory with it).
+EXTENSIONS: tuple[str, ...] = ("service.transport_ext:install_transport",)
 
 #: How long shutdown waits for in-flight requests (SSE streams included) before closing them.
 SHUTDOWN_TIMEOUT_S = 5.0

@@ -24,6 +24,8 @@ CONFIG_TOML = """
 role = "decode"
 [server]
 port = 0
+[transport]
+backend = "local"
 [model]
 preset = "dense-mha"
 scale = 64
@@ -94,14 +96,14 @@ async def test_kvhandoff_serve_reads_env_and_stops_on_sigterm(tmp_path: Path) ->
     try:
         assert proc.stderr is not None
         line = await asyncio.wait_for(asyncio.to_thread(proc.stderr.readline), 30)
-        match = re.search(r"serving at (http://\S+)", line)
-        assert match, line
+        match = re.search(r"serving at (http://\S+) .* target (local:\d+)", line)
+        assert match, line  # the startup line names the transport's target
         url = match[1]
         async with aiohttp.ClientSession() as session:
             async with session.get(url + "/v1/anything") as r:
                 assert r.status == 401  # the token came from the environment
-            async with session.get(url + "/healthz") as r:
-                assert r.status == 200
+            async with session.get(url + "/readyz") as r:
+                assert r.status == 200  # the transport extension started with the app
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(asyncio.to_thread(proc.wait), 30) == 0
         assert "shutting down" in proc.stderr.read()
