@@ -164,7 +164,7 @@ def _error_response(error: KVHandoffError, request: web.Request) -> web.Response
 
 
 def _from_http_exception(exc: web.HTTPException, request: web.Request) -> KVHandoffError | None:
-    """aiohttp's own errors (routing, body limit) as our errors; None for non-errors (3xx)."""
+    """aiohttp's own errors (routing, body limit) as our errors; None for any other status."""
     if exc.status == 404:
         return RouteNotFound(f"no route for {request.path}")
     if exc.status == 405 and isinstance(exc, web.HTTPMethodNotAllowed):
@@ -173,8 +173,6 @@ def _from_http_exception(exc: web.HTTPException, request: web.Request) -> KVHand
         )
     if exc.status == 413:
         return _too_large(request)
-    if exc.status >= 400:
-        return KVHandoffError(exc.reason)
     return None
 
 
@@ -187,9 +185,20 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return _error_response(error, request)
     except web.HTTPException as exc:
         mapped = _from_http_exception(exc, request)
-        if mapped is None:
+        if mapped is not None:
+            return _error_response(mapped, request)
+        if exc.status < 400:  # redirects and the like pass through
             raise
-        return _error_response(mapped, request)
+        # Any other HTTP error aiohttp raises keeps its status, as a problem.
+        body = problem_body(
+            status=exc.status, code="http_error", detail=exc.reason, instance=request.path
+        )
+        headers = {
+            k: v
+            for k, v in exc.headers.items()
+            if k.lower() not in {"content-type", "content-length"}
+        }
+        return _problem_response(exc.status, body, headers)
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         body = problem_body(

@@ -77,6 +77,10 @@ def install_test_routes(app: web.Application) -> None:
     async def echo(request: web.Request) -> web.Response:
         return json_response(await decode_body(request, Body), status=201)
 
+    @routes.get("/v1/aiohttp-error")
+    async def aiohttp_error(request: web.Request) -> web.Response:
+        raise web.HTTPUnsupportedMediaType(reason="text/xml is not supported")
+
     @routes.get("/v1/config-role")
     async def role(request: web.Request) -> web.Response:
         return json_response({"role": request.app[CONFIG].role})
@@ -123,6 +127,14 @@ async def test_unexpected_error_is_logged_500_without_internals(
     assert (response.status, body["code"]) == (500, "internal_error")
     assert "secret" not in await response.text()
     assert any("secret internals" in (r.exc_text or "") for r in caplog.records)
+
+
+async def test_other_aiohttp_errors_keep_their_status(make_client: ClientFactory) -> None:
+    client = await make_client(extensions=[install_test_routes])
+    response = await client.get("/v1/aiohttp-error")
+    body = await problem(response)
+    assert (response.status, body["code"]) == (415, "http_error")
+    assert body["detail"] == "text/xml is not supported"
 
 
 async def test_decode_body_ok(make_client: ClientFactory) -> None:
