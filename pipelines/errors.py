@@ -10,11 +10,13 @@ from transport.errors import KVHandoffError, TransportError, TransportTimeout
 __all__ = [
     "ConflictError",
     "DeadlineExceeded",
+    "InternalError",
     "InvalidInput",
     "KVHandoffError",
     "LayoutError",
     "NotFoundError",
     "PairingError",
+    "PeerUnreachable",
     "PlanError",
     "TransportError",
     "TransportTimeout",
@@ -71,3 +73,15 @@ class DeadlineExceeded(KVHandoffError):
     """A handoff did not finish before its deadline."""
 
     code = "deadline_exceeded"
+
+
+class InternalError(KVHandoffError):
+    """A bug: something that should not happen did. Logged with a traceback where caught."""
+
+    code = "internal_error"
+
+
+class PeerUnreachable(KVHandoffError):
+    """A peer service could not be reached or went silent; `context['peer']` names it."""
+
+    code = "peer_unreachable"

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pipelines.errors import PlanError
+from pipelines.layout import StageLayout
 from pipelines.pairing import Pairing
 from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
 
@@ -220,3 +221,53 @@ def plan(
         num_runs=num_runs,
         num_kv_pairs=pairing.num_kv_pairs,
     )
+
+
+def validate_pages_for_layout(
+    layout: StageLayout, pages: PageList, slot: int | None, *, side: str, unique: bool
+) -> I64:
+    """Check one side's page list and slot against a layout alone (before any pairing exists):
+    every page inside every KV pool, the slot inside every state pool, and — for destinations —
+    no page listed twice. Names the offending index like `validate_request`."""
+    prefix = "src" if side == "source" else "dst"
+    field = f"{prefix}_pages"
+    arr = as_pages(pages, field)
+    if layout.kv and arr.size:
+        k = min(range(len(layout.kv)), key=lambda i: layout.kv[i].num_items)
+        limit = layout.kv[k].num_items
+        if arr.min() < 0 or arr.max() >= limit:
+            i = int(np.flatnonzero((arr < 0) | (arr >= limit))[0])
+            e = layout.kv[k]
+            raise PlanError(
+                f"{field}[{i}] = {int(arr[i])} is outside the {side} pool of layer {e.layer_id} "
+                f"group {e.group} (pages 0..{limit - 1})",
+                field=f"{field}[{i}]",
+                layer_id=e.layer_id,
+                group=e.group,
+            )
+    if unique and arr.size > 1 and (np.diff(np.sort(arr)) == 0).any():
+        order = np.argsort(arr, kind="stable")
+        same = np.flatnonzero(arr[order][1:] == arr[order][:-1])
+        i, first = int(order[same[0] + 1]), int(order[same[0]])
+        raise PlanError(
+            f"{field}[{i}] = {int(arr[i])} repeats {field}[{first}]", field=f"{field}[{i}]"
+        )
+    if layout.state:
+        slot_field = f"{prefix}_slot"
+        if slot is None:
+            raise PlanError(
+                f"{slot_field} is required: the {side} layout has "
+                f"{len(layout.state)} state entries",
+                field=slot_field,
+            )
+        j = min(range(len(layout.state)), key=lambda i: layout.state[i].num_slots)
+        s = layout.state[j]
+        if not 0 <= slot < s.num_slots:
+            raise PlanError(
+                f"{slot_field} = {slot} is outside the state pool of layer {s.layer_id} kind "
+                f"{s.kind!r} (slots 0..{s.num_slots - 1})",
+                field=slot_field,
+                layer_id=s.layer_id,
+                kind=s.kind,
+            )
+    return arr
