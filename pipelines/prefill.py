@@ -1,0 +1,574 @@
+"""The prefill side of a handoff: per-stage pipelines from stage completion to landed bytes.
+
+Called by the service's engine-facing route (`ready`), its peer routes (`deliver`, `abort`) and
+its heartbeat task (`peer_lost`). For each handoff, one `asyncio.TaskGroup` runs, per PP stage
+hosted here, three tasks joined by bounded queues:
+
+    emit (ready signals -> layer-tagged KV / state chunks)
+      -> pair (chunks -> validated transfer plans, pairing cached per layout pair)
+      -> send (plans -> bounded concurrent batch writes) -> arrival notice to the decode side
+
+A failing stage cancels its siblings. Cancellation (abort, deadline, lost peer) never abandons a
+batch the engine is still writing: senders drain their in-flight writes before re-raising, so
+"quiesced" really means no write of this handoff can still land.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from pipelines.errors import (
+    ConflictError,
+    DeadlineExceeded,
+    InternalError,
+    InvalidInput,
+    KVHandoffError,
+    NotFoundError,
+)
+from pipelines.events import (
+    ChunksEmitted,
+    Event,
+    EventBus,
+    HandoffAborted,
+    HandoffFailed,
+    StagePaired,
+    StageReady,
+    StageTransferred,
+)
+from pipelines.layout import StageLayout
+from pipelines.memory import EntryMemory, source_digests
+from pipelines.messages import AbortAck, ArrivalMsg, DestinationMsg, StageFailedMsg
+from pipelines.pairing import Pairing, PairingCache
+from pipelines.planning import TransferPlan, plan, validate_pages_for_layout, validate_request
+from transport.blocks import Blocks
+
+log = logging.getLogger(__name__)
+I64 = npt.NDArray[np.int64]
+ROLE = "prefill"
+
+
+class BlockWriter(Protocol):
+    """What the pipeline needs from a transport."""
+
+    @property
+    def max_blocks_per_batch(self) -> int: ...
+
+    async def write(self, peer: str, blocks: Blocks) -> None: ...
+
+
+class DecodePeer(Protocol):
+    """Prefill → decode calls, implemented by the service over HTTP (or in-process)."""
+
+    async def decode_layout(self, decode_url: str, fingerprint: str) -> StageLayout: ...
+
+    async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None: ...
+
+    async def stage_failed(self, decode_url: str, msg: StageFailedMsg) -> None: ...
+
+
+@dataclass(frozen=True)
+class HostedStage:
+    """One PP stage registered in this process: its placed layout and a view of its memory."""
+
+    layout: StageLayout
+    memory: EntryMemory | None = None
+
+
+@dataclass(frozen=True)
+class ReadySignal:
+    layers: frozenset[int] | None  # None: every layer of the stage not sent yet
+
+
+class _End:
+    """Marks the end of a stage's chunk or plan stream."""
+
+
+END = _End()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Layer-tagged work for one stage: KV pages of `layers`, or state slots of `layers`."""
+
+    pp_rank: int
+    kind: str  # "kv" or "state"
+    layers: tuple[int, ...]
+
+
+@dataclass
+class _StageInput:
+    src_pages: I64
+    src_slot: int | None
+    signals: asyncio.Queue[ReadySignal]
+
+
+@dataclass
+class PrefillHandoff:
+    """One handoff as this prefill process sees it."""
+
+    handoff_id: str
+    created_at: float
+    destination: asyncio.Future[DestinationMsg]
+    inputs: dict[int, _StageInput] = field(default_factory=dict)
+    # Set when a stage's first ready signal (which carries its source pages) arrives.
+    input_seen: dict[int, asyncio.Event] = field(default_factory=dict)
+    stage_state: dict[int, str] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+    bytes_sent: int = 0
+
+    @property
+    def decode_url(self) -> str | None:
+        return self.destination.result().decode_url if self.destination.done() else None
+
+
+class _StageFailed(Exception):
+    """Raised inside the TaskGroup after a stage reported its failure, to cancel siblings."""
+
+
+class PrefillPipeline:
+    def __init__(
+        self,
+        stages: Mapping[int, HostedStage],
+        writer: BlockWriter,
+        decode: DecodePeer,
+        bus: EventBus,
+        *,
+        cache: PairingCache | None = None,
+        default_deadline_s: float = 30.0,
+        max_inflight_batches: int = 4,
+        queue_depth: int = 4,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.stages = dict(stages)
+        self._writer = writer
+        self._decode = decode
+        self._bus = bus
+        self.cache = cache or PairingCache()
+        self._default_deadline_s = default_deadline_s
+        self._max_inflight = max_inflight_batches
+        self._queue_depth = queue_depth
+        self._clock = clock
+        self.handoffs: dict[str, PrefillHandoff] = {}
+        # Recently finished ids, so a late or repeated signal is refused rather than waiting for
+        # a destination that will never come.
+        self._finished: OrderedDict[str, str] = OrderedDict()
+
+    # ----------------------------------------------------------------- inputs
+
+    def ready(
+        self,
+        handoff_id: str,
+        pp_rank: int,
+        src_pages: Collection[int] | I64 | None,
+        src_slot: int | None,
+        layers: Collection[int] | None = None,
+    ) -> None:
+        """The engine finished `layers` (None: all) of stage `pp_rank` for this request.
+
+        The first signal of a stage must carry its source pages (and slot, for hybrid models);
+        later ones may repeat them or leave them out. Raises InvalidInput / NotFoundError /
+        ConflictError before anything changes.
+        """
+        stage = self.stages.get(pp_rank)
+        if stage is None:
+            raise NotFoundError(
+                f"stage {pp_rank} is not hosted here (hosted: {sorted(self.stages)})",
+                field="pp_rank",
+                pp_rank=pp_rank,
+            )
+        self._refuse_finished(handoff_id)
+        layer_set = None if layers is None else frozenset(int(x) for x in layers)
+        if layer_set is not None:
+            own = {e.layer_id for e in stage.layout.kv} | {s.layer_id for s in stage.layout.state}
+            foreign = sorted(layer_set - own)
+            if foreign:
+                raise InvalidInput(
+                    f"layer {foreign[0]} is not a layer of stage {pp_rank}",
+                    field="layers",
+                    layer_id=foreign[0],
+                    pp_rank=pp_rank,
+                )
+        h = self.handoffs.get(handoff_id)
+        current = h.inputs.get(pp_rank) if h else None
+        if current is None:
+            if src_pages is None:
+                raise InvalidInput(
+                    "src_pages is required on a stage's first ready signal", field="src_pages"
+                )
+            pages = validate_pages_for_layout(
+                stage.layout, np.asarray(src_pages), src_slot, side="source", unique=False
+            )
+        else:
+            if src_pages is not None and not np.array_equal(
+                np.asarray(src_pages), current.src_pages
+            ):
+                raise ConflictError(
+                    f"stage {pp_rank} of handoff {handoff_id!r} already reported other src_pages",
+                    field="src_pages",
+                    pp_rank=pp_rank,
+                )
+            pages = current.src_pages
+        if h is None:
+            h = self._open(handoff_id)
+        if current is None:
+            current = _StageInput(pages, src_slot, asyncio.Queue(len(stage.layout.kv) + 64))
+            h.inputs[pp_rank] = current
+            h.stage_state[pp_rank] = "ready"
+            h.input_seen.setdefault(pp_rank, asyncio.Event()).set()
+        try:
+            current.signals.put_nowait(ReadySignal(layer_set))
+        except asyncio.QueueFull:
+            raise ConflictError(
+                f"stage {pp_rank} of handoff {handoff_id!r} has too many pending ready signals",
+                field="layers",
+            ) from None
+        self._publish(
+            StageReady(
+                handoff_id=handoff_id,
+                role=ROLE,
+                pp_rank=pp_rank,
+                num_pages=int(pages.shape[0]),
+                layers=None if layer_set is None else sorted(layer_set),
+            )
+        )
+
+    def deliver(self, msg: DestinationMsg) -> None:
+        """The decode service says where this handoff's bytes go."""
+        self._refuse_finished(msg.handoff_id)
+        missing = [r for r in msg.pp_ranks if r not in self.stages]
+        if missing:
+            raise NotFoundError(
+                f"stage {missing[0]} is not hosted here (hosted: {sorted(self.stages)})",
+                field="pp_ranks",
+                pp_rank=missing[0],
+            )
+        h = self.handoffs.get(msg.handoff_id) or self._open(msg.handoff_id)
+        if h.destination.done():
+            if h.destination.result() == msg:
+                return  # a retried delivery
+            raise ConflictError(
+                f"handoff {msg.handoff_id!r} already has another destination", field="handoff_id"
+            )
+        h.destination.set_result(msg)
+
+    async def abort(self, handoff_id: str, reason: str) -> AbortAck:
+        """Stop a handoff; returns once no write of it can still land."""
+        h = self.handoffs.get(handoff_id)
+        if h is None:
+            self._remember(handoff_id, "aborted")
+            return AbortAck(handoff_id=handoff_id, quiesced=True, stages=[])
+        running = [r for r, s in h.stage_state.items() if s not in ("arrived", "failed")]
+        if h.task is not None:
+            h.task.cancel()
+            await asyncio.wait([h.task])
+        self._close(h, "aborted")
+        self._publish(HandoffAborted(handoff_id=handoff_id, role=ROLE, reason=reason))
+        return AbortAck(handoff_id=handoff_id, quiesced=True, stages=sorted(running))
+
+    async def peer_lost(self, decode_url: str, reason: str) -> list[str]:
+        """A decode service went silent: stop sending to it. Returns the stopped handoff ids."""
+        victims = [h.handoff_id for h in self.handoffs.values() if h.decode_url == decode_url]
+        for handoff_id in victims:
+            await self.abort(handoff_id, reason)
+        return victims
+
+    def live_by_decode(self) -> dict[str, list[str]]:
+        """Live handoff ids per decode URL: whom the heartbeat task must keep pinging."""
+        out: dict[str, list[str]] = {}
+        for h in self.handoffs.values():
+            url = h.decode_url
+            if url is not None:
+                out.setdefault(url, []).append(h.handoff_id)
+        return out
+
+    async def close(self) -> None:
+        for h in list(self.handoffs.values()):
+            await self.abort(h.handoff_id, "service shutting down")
+
+    # ----------------------------------------------------------------- internals
+
+    def _refuse_finished(self, handoff_id: str) -> None:
+        outcome = self._finished.get(handoff_id)
+        if outcome is not None:
+            raise ConflictError(
+                f"handoff {handoff_id!r} already {outcome} on this prefill service",
+                field="handoff_id",
+            )
+
+    def _open(self, handoff_id: str) -> PrefillHandoff:
+        loop = asyncio.get_running_loop()
+        h = PrefillHandoff(handoff_id, self._clock(), loop.create_future())
+        self.handoffs[handoff_id] = h
+        h.task = loop.create_task(self._run(h), name=f"prefill:{handoff_id}")
+        return h
+
+    def _remember(self, handoff_id: str, outcome: str) -> None:
+        self._finished[handoff_id] = outcome
+        while len(self._finished) > 65536:
+            self._finished.popitem(last=False)
+
+    def _close(self, h: PrefillHandoff, outcome: str) -> None:
+        if self.handoffs.get(h.handoff_id) is h:
+            del self.handoffs[h.handoff_id]
+            self._remember(h.handoff_id, outcome)
+
+    def _publish(self, event: Event) -> None:
+        self._bus.publish(event)
+
+    async def _run(self, h: PrefillHandoff) -> None:
+        loop = asyncio.get_running_loop()
+        # Until the destination names a deadline, the default one bounds the wait for it.
+        fallback = loop.time() + self._default_deadline_s
+        dest: DestinationMsg | None = None
+        outcome = "failed"
+        try:
+            async with asyncio.timeout_at(fallback) as scope:
+                dest = await h.destination
+                scope.reschedule(loop.time() + max(0.0, dest.deadline_at - self._clock()))
+                dst_layout = await self._decode.decode_layout(
+                    dest.decode_url, dest.decode_fingerprint
+                )
+                async with asyncio.TaskGroup() as tg:
+                    for rank in dest.pp_ranks:
+                        tg.create_task(self._stage(h, rank, dest, dst_layout))
+            outcome = "completed"
+        except* _StageFailed:
+            pass  # the failing stage already told the decode side
+        except* TimeoutError:
+            await self._fail_all(h, dest, DeadlineExceeded("handoff deadline passed on prefill"))
+        except* KVHandoffError as group:
+            await self._fail_all(h, dest, group.exceptions[0])  # type: ignore[arg-type]
+        except* Exception as group:
+            # must still fail the handoff on both sides instead of leaving it to the deadline.
+            log.error("handoff %s crashed", h.handoff_id, exc_info=group.exceptions[0])
+            await self._fail_all(h, dest, InternalError(f"prefill pipeline crashed: {group!r}"))
+        finally:
+            if not asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                self._close(h, outcome)
+
+    async def _fail_all(
+        self, h: PrefillHandoff, dest: DestinationMsg | None, error: KVHandoffError
+    ) -> None:
+        for rank in dest.pp_ranks if dest else sorted(h.inputs):
+            if h.stage_state.get(rank) not in ("arrived", "failed"):
+                await self._report_failure(h, dest, rank, error)
+
+    async def _report_failure(
+        self, h: PrefillHandoff, dest: DestinationMsg | None, rank: int, error: KVHandoffError
+    ) -> None:
+        h.stage_state[rank] = "failed"
+        self._publish(
+            HandoffFailed(
+                handoff_id=h.handoff_id,
+                role=ROLE,
+                code=error.code,
+                reason=error.message,
+                pp_rank=rank,
+                context=error.context,
+            )
+        )
+        if dest is None:
+            return
+        msg = StageFailedMsg(
+            handoff_id=h.handoff_id,
+            pp_rank=rank,
+            code=error.code,
+            reason=error.message,
+            context=error.context,
+        )
+        try:
+            await self._decode.stage_failed(dest.decode_url, msg)
+        except KVHandoffError as exc:  # the decode side will time the handoff out on its own
+            log.warning("could not report failure of %s stage %d: %s", h.handoff_id, rank, exc)
+
+    async def _stage(
+        self, h: PrefillHandoff, rank: int, dest: DestinationMsg, dst_layout: StageLayout
+    ) -> None:
+        stage = self.stages[rank]
+        try:
+            pairing = self.cache.get(stage.layout, dst_layout)
+            # Wait for the engine's first signal: it carries the source pages.
+            await h.input_seen.setdefault(rank, asyncio.Event()).wait()
+            inp = h.inputs[rank]
+            validate_request(pairing, inp.src_pages, dest.dst_pages, inp.src_slot, dest.dst_slot)
+            h.stage_state[rank] = "sending"
+            chunks: asyncio.Queue[Chunk | _End] = asyncio.Queue(self._queue_depth)
+            plans: asyncio.Queue[TransferPlan | _End] = asyncio.Queue(self._queue_depth)
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._emit(h, rank, stage, inp, chunks))
+                tg.create_task(self._pair(h, rank, pairing, inp, dest, chunks, plans))
+                sent = tg.create_task(self._send(h, rank, dest, plans))
+            total_bytes, total_blocks = sent.result()
+            digests = None
+            if dest.verify and stage.memory is not None:
+                digests = source_digests(
+                    pairing,
+                    stage.memory,
+                    inp.src_pages,
+                    inp.src_slot,
+                    np.arange(pairing.num_kv_pairs, dtype=np.int64),
+                    np.arange(pairing.num_state_pairs, dtype=np.int64),
+                )
+            await self._decode.arrived(
+                dest.decode_url,
+                ArrivalMsg(
+                    handoff_id=h.handoff_id,
+                    pp_rank=rank,
+                    bytes=total_bytes,
+                    blocks=total_blocks,
+                    digests=digests,
+                ),
+            )
+            h.stage_state[rank] = "arrived"
+        except* KVHandoffError as group:
+            await self._report_failure(h, dest, rank, group.exceptions[0])  # type: ignore[arg-type]
+            raise _StageFailed from None
+
+    async def _emit(
+        self,
+        h: PrefillHandoff,
+        rank: int,
+        stage: HostedStage,
+        inp: _StageInput,
+        out: asyncio.Queue[Chunk | _End],
+    ) -> None:
+        kv_layers = {e.layer_id for e in stage.layout.kv}
+        state_layers = {s.layer_id for s in stage.layout.state}
+        pending = kv_layers | state_layers
+        while pending:
+            signal = await inp.signals.get()
+            now = pending if signal.layers is None else pending & signal.layers
+            pending = pending - now
+            kv, st = sorted(now & kv_layers), sorted(now & state_layers)
+            self._publish(
+                ChunksEmitted(
+                    handoff_id=h.handoff_id, role=ROLE, pp_rank=rank, kv_layers=kv, state_layers=st
+                )
+            )
+            # KV first: it is the bulk, and state slots are final only when the stage is done.
+            if kv:
+                await out.put(Chunk(rank, "kv", tuple(kv)))
+            if st:
+                await out.put(Chunk(rank, "state", tuple(st)))
+        await out.put(END)
+
+    async def _pair(
+        self,
+        h: PrefillHandoff,
+        rank: int,
+        pairing: Pairing,
+        inp: _StageInput,
+        dest: DestinationMsg,
+        chunks: asyncio.Queue[Chunk | _End],
+        out: asyncio.Queue[TransferPlan | _End],
+    ) -> None:
+        while not isinstance(chunk := await chunks.get(), _End):
+            if chunk.kind == "kv":
+                p = plan(
+                    pairing,
+                    inp.src_pages,
+                    dest.dst_pages,
+                    inp.src_slot,
+                    dest.dst_slot,
+                    layers=chunk.layers,
+                    include_state=False,
+                )
+            else:
+                p = plan(pairing, [], [], inp.src_slot, dest.dst_slot, layers=chunk.layers)
+            self._publish(
+                StagePaired(
+                    handoff_id=h.handoff_id,
+                    role=ROLE,
+                    pp_rank=rank,
+                    kv_pairs=int(p.kv_rows.shape[0]),
+                    state_pairs=p.state_blocks,
+                    blocks=len(p),
+                    bytes=p.total_bytes,
+                )
+            )
+            await out.put(p)
+        await out.put(END)
+
+    async def _send(
+        self,
+        h: PrefillHandoff,
+        rank: int,
+        dest: DestinationMsg,
+        plans: asyncio.Queue[TransferPlan | _End],
+    ) -> tuple[int, int]:
+        total_bytes = total_blocks = 0
+        while True:
+            p = await plans.get()
+            final = isinstance(p, _End)
+            if isinstance(p, TransferPlan) and len(p):
+                t0 = time.perf_counter()
+                batches = await self._write_all(dest.decode_target, p)
+                total_bytes += p.total_bytes
+                total_blocks += len(p)
+                h.bytes_sent += p.total_bytes
+                self._publish(
+                    StageTransferred(
+                        handoff_id=h.handoff_id,
+                        role=ROLE,
+                        pp_rank=rank,
+                        blocks=len(p),
+                        bytes=p.total_bytes,
+                        batches=batches,
+                        seconds=time.perf_counter() - t0,
+                        final=False,
+                    )
+                )
+            if final:
+                return total_bytes, total_blocks
+
+    async def _write_all(self, target: str, p: TransferPlan) -> int:
+        """Write every batch of a plan, at most `max_inflight` at once; on cancellation or error,
+        wait for the batches already in the engine before leaving."""
+        sem = asyncio.Semaphore(self._max_inflight)
+        inflight: set[asyncio.Task[None]] = set()
+        errors: list[BaseException] = []
+
+        def done(task: asyncio.Task[None]) -> None:
+            inflight.discard(task)
+            sem.release()
+            if not task.cancelled() and task.exception() is not None:
+                errors.append(task.exception())  # type: ignore[arg-type]
+
+        count = 0
+        try:
+            for batch in p.batches(self._writer.max_blocks_per_batch):
+                await sem.acquire()
+                if errors:
+                    break
+                task = asyncio.get_running_loop().create_task(self._writer.write(target, batch))
+                task.add_done_callback(done)
+                inflight.add(task)
+                count += 1
+            while inflight:
+                await asyncio.wait(set(inflight))
+        finally:
+            await _drain(inflight)
+        if errors:
+            raise errors[0]
+        return count
+
+
+async def _drain(tasks: set[asyncio.Task[None]]) -> None:
+    """Wait until every task is done, even if this task is cancelled meanwhile; then re-raise."""
+    cancelled = False
+    while tasks:
+        try:
+            await asyncio.wait(set(tasks))
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
