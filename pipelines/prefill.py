@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -59,10 +59,9 @@ ROLE = "prefill"
 class BlockWriter(Protocol):
     """What the pipeline needs from a transport."""
 
-    @property
-    def max_blocks_per_batch(self) -> int: ...
-
     async def write(self, peer: str, blocks: Blocks) -> None: ...
+
+    async def quiesce(self, peer: str | None = None) -> None: ...
 
 
 class DecodePeer(Protocol):
@@ -144,7 +143,7 @@ class PrefillPipeline:
         *,
         cache: PairingCache | None = None,
         default_deadline_s: float = 30.0,
-        max_inflight_batches: int = 4,
+        max_blocks_per_batch: int = 2048,
         queue_depth: int = 4,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -154,7 +153,7 @@ class PrefillPipeline:
         self._bus = bus
         self.cache = cache or PairingCache()
         self._default_deadline_s = default_deadline_s
-        self._max_inflight = max_inflight_batches
+        self._max_blocks = max_blocks_per_batch  # only to report batch counts
         self._queue_depth = queue_depth
         self._clock = clock
         self.handoffs: dict[str, PrefillHandoff] = {}
@@ -531,44 +530,34 @@ class PrefillPipeline:
                 return total_bytes, total_blocks
 
     async def _write_all(self, target: str, p: TransferPlan) -> int:
-        """Write every batch of a plan, at most `max_inflight` at once; on cancellation or error,
-        wait for the batches already in the engine before leaving."""
-        sem = asyncio.Semaphore(self._max_inflight)
-        inflight: set[asyncio.Task[None]] = set()
-        errors: list[BaseException] = []
-
-        def done(task: asyncio.Task[None]) -> None:
-            inflight.discard(task)
-            sem.release()
-            if not task.cancelled() and task.exception() is not None:
-                errors.append(task.exception())  # type: ignore[arg-type]
-
-        count = 0
+        """Write one plan (the transport splits it under its block cap and bounds in-flight
+        batches per peer). On cancellation or error, leave only once the engine can no longer
+        write anything of it: the write task is drained, then the peer's lane quiesced."""
+        task = asyncio.get_running_loop().create_task(self._writer.write(target, p.blocks))
         try:
-            for batch in p.batches(self._writer.max_blocks_per_batch):
-                await sem.acquire()
-                if errors:
-                    break
-                task = asyncio.get_running_loop().create_task(self._writer.write(target, batch))
-                task.add_done_callback(done)
-                inflight.add(task)
-                count += 1
-            while inflight:
-                await asyncio.wait(set(inflight))
-        finally:
-            await _drain(inflight)
-        if errors:
-            raise errors[0]
-        return count
+            await asyncio.shield(task)
+        except BaseException:
+            # Cancelled (abort, deadline, lost peer) or failed: make sure nothing still lands.
+            task.cancel()
+            await _drain({task})
+            await _settle(self._writer.quiesce(target))
+            raise
+        return -(-len(p) // self._max_blocks)
 
 
 async def _drain(tasks: set[asyncio.Task[None]]) -> None:
     """Wait until every task is done, even if this task is cancelled meanwhile; then re-raise."""
     cancelled = False
-    while tasks:
+    while pending := {t for t in tasks if not t.done()}:
         try:
-            await asyncio.wait(set(tasks))
+            await asyncio.wait(pending)
         except asyncio.CancelledError:
             cancelled = True
     if cancelled:
         raise asyncio.CancelledError
+
+
+async def _settle(awaitable: Awaitable[None]) -> None:
+    """Await to the end even if cancelled meanwhile; then re-raise the cancellation."""
+    task = asyncio.ensure_future(awaitable)
+    await _drain({task})

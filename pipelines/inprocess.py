@@ -1,0 +1,78 @@
+"""An in-process link between one decode pipeline and prefill pipelines in the same event loop.
+
+Used when an engine embeds kvhandoff and hosts both roles' pipelines in one process (and by the
+demo's single-process mode and the tests): each peer call is a direct method call instead of an
+HTTP request, with the same messages and the same error tree.
+"""
+
+from __future__ import annotations
+
+from pipelines.decode import DecodePipeline
+from pipelines.errors import NotFoundError
+from pipelines.layout import StageLayout
+from pipelines.messages import (
+    PEER_PROTOCOL_VERSION,
+    AbortAck,
+    AbortMsg,
+    ArrivalMsg,
+    DestinationMsg,
+    LayoutInfo,
+    StageFailedMsg,
+    StageInfo,
+)
+from pipelines.prefill import PrefillPipeline
+
+
+class InProcessLink:
+    """Implements both `prefill.DecodePeer` and `decode.PrefillPeer` by direct calls."""
+
+    def __init__(self) -> None:
+        self.decode: DecodePipeline | None = None
+        self.prefill: dict[str, tuple[PrefillPipeline, str]] = {}  # url -> (pipeline, target)
+
+    def add_prefill(self, url: str, pipeline: PrefillPipeline, target: str) -> None:
+        self.prefill[url] = (pipeline, target)
+
+    def _prefill(self, url: str) -> tuple[PrefillPipeline, str]:
+        try:
+            return self.prefill[url]
+        except KeyError:
+            raise NotFoundError(f"no prefill service at {url}", field="prefill") from None
+
+    def _decode(self, url: str) -> DecodePipeline:
+        if self.decode is None or self.decode.url != url:
+            raise NotFoundError(f"no decode service at {url}", field="decode_url")
+        return self.decode
+
+    # decode -> prefill
+    async def layout(self, url: str) -> LayoutInfo:
+        pipeline, target = self._prefill(url)
+        stages = [
+            StageInfo(layout=s.layout, fingerprint=s.layout.fingerprint)
+            for _, s in sorted(pipeline.stages.items())
+        ]
+        return LayoutInfo(
+            version=PEER_PROTOCOL_VERSION, role="prefill", url=url, target=target, stages=stages
+        )
+
+    async def deliver(self, url: str, msg: DestinationMsg) -> None:
+        self._prefill(url)[0].deliver(msg)
+
+    async def abort(self, url: str, msg: AbortMsg) -> AbortAck:
+        return await self._prefill(url)[0].abort(msg.handoff_id, msg.reason)
+
+    # prefill -> decode
+    async def decode_layout(self, decode_url: str, fingerprint: str) -> StageLayout:
+        layout = self._decode(decode_url).layout
+        if layout.fingerprint != fingerprint:
+            raise NotFoundError(
+                f"decode layout {fingerprint} is not the one {decode_url} serves",
+                field="decode_fingerprint",
+            )
+        return layout
+
+    async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None:
+        self._decode(decode_url).arrived(msg)
+
+    async def stage_failed(self, decode_url: str, msg: StageFailedMsg) -> None:
+        self._decode(decode_url).stage_failed(msg)

@@ -1,0 +1,206 @@
+"""Decode and prefill pipelines linked in-process over the local transport, real memory."""
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import pytest
+
+from pipelines.decode import DecodePipeline, HandoffRequest, HandoffState
+from pipelines.errors import ConflictError, NotFoundError, PairingError, PlanError
+from pipelines.events import EventBus, event_tag
+from pipelines.inprocess import InProcessLink
+from pipelines.layout import StageLayout
+from pipelines.leases import Leases
+from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from pipelines.prefill import HostedStage, PrefillPipeline
+from transport.local import LocalTransport
+from transport.pools import Pool, open_pool
+
+MODEL = hybrid_npu_mla(num_layers=8, scale=64, page_size=4)
+PART = partition_layers(8, 2)
+
+
+class Mem:
+    def __init__(self, layout: StageLayout, pool: Pool) -> None:
+        n = len(layout.kv)
+        self.layout = layout.with_bases(pool.bases[:n], pool.bases[n:])
+        self.pool = pool
+
+    def region(self, index: int) -> np.ndarray:
+        return self.pool.view(index)
+
+
+@dataclass
+class World:
+    decode: DecodePipeline
+    prefill: PrefillPipeline
+    dec: Mem
+    stages: dict[int, Mem]
+    bus: EventBus
+
+
+@pytest.fixture
+async def world() -> AsyncIterator[World]:
+    t = LocalTransport()
+    dec_pool = open_pool("torch:cpu", decode_layout(MODEL, num_pages=32, num_slots=4).region_sizes)
+    dec_pool.register(t)
+    dec = Mem(decode_layout(MODEL, num_pages=32, num_slots=4), dec_pool)
+    stages = {}
+    for r in range(2):
+        lay = stage_layout(MODEL, PART, r, num_pages=32, num_slots=4)
+        pool = open_pool("torch:cpu", lay.region_sizes)
+        pool.register(t)
+        stages[r] = Mem(lay, pool)
+    for m in stages.values():
+        for i in range(len(m.layout.kv) + len(m.layout.state)):
+            m.region(i)[:] = np.random.default_rng(i).integers(1, 255, m.region(i).shape[0])
+    bus = EventBus()
+    link = InProcessLink()
+    decode = DecodePipeline(dec.layout, t.local_target, "d", link, bus, memory=dec)
+    prefill = PrefillPipeline(
+        {r: HostedStage(m.layout, m) for r, m in stages.items()}, t, link, bus
+    )
+    link.decode = decode
+    link.add_prefill("p", prefill, t.local_target)
+    yield World(decode, prefill, dec, stages, bus)
+    await prefill.close()
+    await decode.close()
+    for m in [dec, *stages.values()]:
+        m.pool.close()
+    t.close()
+
+
+async def wait_terminal(w: World, hid: str) -> HandoffState:
+    sub = w.bus.subscribe()
+    try:
+        state = w.decode.get(hid).state
+        while not state.terminal:
+            event = await sub.queue.get()
+            if event.handoff_id == hid and event.role == "decode":
+                state = w.decode.get(hid).state
+        return state
+    finally:
+        sub.close()
+
+
+def dec_bytes(w: World) -> bytes:
+    return b"".join(
+        w.dec.region(i).tobytes() for i in range(len(w.dec.layout.kv) + len(w.dec.layout.state))
+    )
+
+
+async def test_pp2_handoff_lands_every_byte_in_the_right_entry(world: World) -> None:
+    w = world
+    src, dst = [3, 4, 9], [10, 11, 2]
+    await w.decode.create(
+        HandoffRequest(id="a", prefill=["p"], dst_pages=dst, dst_slot=1, verify=True)
+    )
+    w.prefill.ready("a", 1, src, 2, layers=[7])  # layer by layer: KV of layer 7 first
+    w.prefill.ready("a", 1, src, 2)
+    w.prefill.ready("a", 0, src, 2)
+    assert await wait_terminal(w, "a") == HandoffState.COMPLETED
+    for m in w.stages.values():
+        for i, e in enumerate(m.layout.kv):
+            j = next(
+                k
+                for k, d in enumerate(w.dec.layout.kv)
+                if (d.layer_id, d.group) == (e.layer_id, e.group)
+            )
+            s_rows = m.region(i)[: e.nbytes].reshape(-1, e.item_len)
+            d_rows = w.dec.region(j)[: e.nbytes].reshape(-1, e.item_len)
+            assert np.array_equal(s_rows[src], d_rows[dst])
+        for i, s in enumerate(m.layout.state):
+            j = next(
+                k
+                for k, d in enumerate(w.dec.layout.state)
+                if (d.layer_id, d.kind) == (s.layer_id, s.kind)
+            )
+            a = m.region(len(m.layout.kv) + i)[2 * s.item_len : 3 * s.item_len]
+            b = w.dec.region(len(w.dec.layout.kv) + j)[1 * s.item_len : 2 * s.item_len]
+            assert np.array_equal(a, b)
+    tags = [event_tag(e) for e in w.decode.get("a").timeline]
+    assert tags[0] == "handoff.created" and tags[-1] == "handoff.completed"
+    assert not w.decode.leases.holds("a")
+
+
+async def test_bad_input_is_rejected_and_nothing_is_written(world: World) -> None:
+    w = world
+    before = dec_bytes(w)
+    with pytest.raises(PlanError) as err:
+        await w.decode.create(HandoffRequest(id="x", prefill=["p"], dst_pages=[1, 99], dst_slot=0))
+    assert err.value.context["field"] == "dst_pages[1]"
+    with pytest.raises(PlanError, match="repeats"):
+        await w.decode.create(HandoffRequest(id="x", prefill=["p"], dst_pages=[1, 1], dst_slot=0))
+    with pytest.raises(NotFoundError):
+        w.decode.get("x")
+    assert dec_bytes(w) == before
+
+
+async def test_fencing_and_idempotency(world: World) -> None:
+    w = world
+    req = HandoffRequest(id="a", prefill=["p"], dst_pages=[1, 2], dst_slot=0)
+    _, created = await w.decode.create(req)
+    assert created and not (await w.decode.create(req))[1]
+    with pytest.raises(ConflictError, match="different request body"):
+        await w.decode.create(msgspec.structs.replace(req, dst_slot=1))
+    with pytest.raises(ConflictError, match=r"dst_pages\[0\] = 2 is leased"):
+        await w.decode.create(HandoffRequest(id="b", prefill=["p"], dst_pages=[2], dst_slot=1))
+    view = await w.decode.abort("a")
+    assert view.state == HandoffState.ABORTED and not w.decode.leases.holds("a")
+    await w.decode.create(HandoffRequest(id="b", prefill=["p"], dst_pages=[2], dst_slot=1))
+
+
+async def test_slot_size_mismatch_fails_before_any_byte(world: World) -> None:
+    w = world
+    m = w.stages[0]
+    bad_state = (msgspec.structs.replace(m.layout.state[0], item_len=8), *m.layout.state[1:])
+    w.prefill.stages[0] = HostedStage(msgspec.structs.replace(m.layout, state=bad_state), m)
+    before = dec_bytes(w)
+    with pytest.raises(PairingError) as err:
+        await w.decode.create(HandoffRequest(id="a", prefill=["p"], dst_pages=[1], dst_slot=0))
+    assert err.value.context["kind"] == "conv"
+    assert dec_bytes(w) == before
+
+
+async def test_deadline_fails_the_handoff_and_releases_pages(world: World) -> None:
+    w = world
+    await w.decode.create(
+        HandoffRequest(id="a", prefill=["p"], dst_pages=[1], dst_slot=0, deadline_s=0.2)
+    )
+    w.prefill.ready("a", 0, [5], 0)  # stage 1 never reports
+    assert await wait_terminal(w, "a") == HandoffState.FAILED
+    assert w.decode.get("a").error.code == "deadline_exceeded"  # type: ignore[union-attr]
+
+
+async def test_corrupted_byte_is_caught_by_verification(world: World) -> None:
+    w = world
+    await w.decode.create(
+        HandoffRequest(id="a", prefill=["p"], dst_pages=[6], dst_slot=0, verify=True)
+    )
+    w.prefill.ready("a", 1, [5], 3)
+    w.prefill.ready("a", 0, [5], 3, layers=[3])  # layer 3's KV lands first
+    e = w.dec.layout.kv[0]  # layer 3 group 0
+    src_row = w.stages[0].region(0)[5 * e.item_len : 6 * e.item_len]
+    landed = w.dec.region(0)[6 * e.item_len : 7 * e.item_len]
+    for _ in range(200):
+        if np.array_equal(landed, src_row):
+            break
+        await asyncio.sleep(0.01)
+    landed[0] ^= 0xFF  # flip a byte after it landed, before the stage completes
+    w.prefill.ready("a", 0, [5], 3)
+    assert await wait_terminal(w, "a") == HandoffState.FAILED
+    error = w.decode.get("a").error
+    assert error is not None and error.code == "verification_failed"
+    assert error.context == {"layer_id": 3, "group": 0}
+
+
+def test_leases_release_is_idempotent() -> None:
+    leases = Leases(8, 2)
+    leases.acquire("a", np.array([1, 2]), 0)
+    leases.release("a")
+    leases.release("a")
+    leases.acquire("b", np.array([1, 2]), 0)
+    assert leases.leased_pages == 2
