@@ -30,7 +30,10 @@ log = logging.getLogger("kvhandoff.service")
 
 #: App extensions `kvhandoff serve` installs, as "module:function" (imported lazily, in order;
 #: the transport first, so it outlives every extension that registers memory with it).
-EXTENSIONS: tuple[str, ...] = ("service.transport_ext:install_transport",)
+EXTENSIONS: tuple[str, ...] = (
+    "service.transport_ext:install_transport",
+    "service.validate_ext:install_validate",
+)
 
 #: How long shutdown waits for in-flight requests (SSE streams included) before closing them.
 SHUTDOWN_TIMEOUT_S = 5.0
