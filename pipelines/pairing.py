@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections import OrderedDict, defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from msgspec import Struct
 
 from pipelines.errors import LayoutError, PairingError
-from pipelines.layout import StageLayout, group_layer_ids
+from pipelines.layout import KVEntry, StageLayout, StateEntry, group_layer_ids
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
@@ -139,6 +140,70 @@ def _match(
     return pairs, dups, missing
 
 
+def _where(entry: KVEntry | StateEntry) -> tuple[str, dict[str, Any]]:
+    """How a problem names an entry: text and the structured fields an HTTP error carries."""
+    if isinstance(entry, KVEntry):
+        return f"layer {entry.layer_id} group {entry.group}", {
+            "layer_id": entry.layer_id,
+            "group": entry.group,
+        }
+    return f"layer {entry.layer_id} kind {entry.kind!r}", {
+        "layer_id": entry.layer_id,
+        "kind": entry.kind,
+    }
+
+
+def _entry_problems(
+    problems: list[Problem],
+    rank: int,
+    src_entries: Sequence[KVEntry] | Sequence[StateEntry],
+    dst_entries: Sequence[KVEntry] | Sequence[StateEntry],
+    src_keys: Sequence[Hashable],
+    dst_keys: Sequence[Hashable],
+    *,
+    noun: str,
+    size_code: str,
+    size_text: str,
+    unit: str,
+) -> list[tuple[int, int]]:
+    """Match one kind of entry (KV or state), appending every problem; returns the pairs."""
+    pairs, dups, missing = _match(src_keys, dst_keys)
+    for i in missing:
+        text, fields = _where(src_entries[i])
+        problems.append(
+            Problem(
+                "missing_destination",
+                f"destination has no {noun} entry for {text}",
+                pp_rank=rank,
+                **fields,
+            )
+        )
+    for i, count in dups:
+        text, fields = _where(src_entries[i])
+        problems.append(
+            Problem(
+                "duplicate_destination",
+                f"destination has {count} {noun} entries for {text}",
+                pp_rank=rank,
+                **fields,
+            )
+        )
+    for i, j in pairs:
+        a, b = src_entries[i], dst_entries[j]
+        if a.item_len != b.item_len:
+            text, fields = _where(a)
+            problems.append(
+                Problem(
+                    size_code,
+                    f"{size_text} differs for {text}: source {a.item_len} {unit}, "
+                    f"destination {b.item_len}",
+                    pp_rank=rank,
+                    **fields,
+                )
+            )
+    return pairs
+
+
 def find_problems(
     src: StageLayout, dst: StageLayout
 ) -> tuple[list[Problem], list[tuple[int, int]], list[tuple[int, int]]]:
@@ -195,79 +260,30 @@ def find_problems(
         src_st_keys = [(s.layer_id, s.kind) for s in src.state]
         dst_st_keys = [(s.layer_id, s.kind) for s in dst.state]
 
-    kv_pairs, kv_dups, kv_missing = _match(src_kv_keys, dst_kv_keys)
-    for i in kv_missing:
-        e = src.kv[i]
-        problems.append(
-            Problem(
-                "missing_destination",
-                f"destination has no KV entry for layer {e.layer_id} group {e.group}",
-                pp_rank=rank,
-                layer_id=e.layer_id,
-                group=e.group,
-            )
-        )
-    for i, count in kv_dups:
-        e = src.kv[i]
-        problems.append(
-            Problem(
-                "duplicate_destination",
-                f"destination has {count} KV entries for layer {e.layer_id} group {e.group}",
-                pp_rank=rank,
-                layer_id=e.layer_id,
-                group=e.group,
-            )
-        )
-    for i, j in kv_pairs:
-        a, b = src.kv[i], dst.kv[j]
-        if a.item_len != b.item_len:
-            problems.append(
-                Problem(
-                    "item_len_mismatch",
-                    f"KV item length differs for layer {a.layer_id} group {a.group}: source "
-                    f"{a.item_len} bytes per page, destination {b.item_len}",
-                    pp_rank=rank,
-                    layer_id=a.layer_id,
-                    group=a.group,
-                )
-            )
-
-    st_pairs, st_dups, st_missing = _match(src_st_keys, dst_st_keys)
-    for i in st_missing:
-        s = src.state[i]
-        problems.append(
-            Problem(
-                "missing_destination",
-                f"destination has no state entry for layer {s.layer_id} kind {s.kind!r}",
-                pp_rank=rank,
-                layer_id=s.layer_id,
-                kind=s.kind,
-            )
-        )
-    for i, count in st_dups:
-        s = src.state[i]
-        problems.append(
-            Problem(
-                "duplicate_destination",
-                f"destination has {count} state entries for layer {s.layer_id} kind {s.kind!r}",
-                pp_rank=rank,
-                layer_id=s.layer_id,
-                kind=s.kind,
-            )
-        )
-    for i, j in st_pairs:
-        a2, b2 = src.state[i], dst.state[j]
-        if a2.item_len != b2.item_len:
-            problems.append(
-                Problem(
-                    "slot_size_mismatch",
-                    f"state slot size differs for layer {a2.layer_id} kind {a2.kind!r}: source "
-                    f"{a2.item_len} bytes, destination {b2.item_len}",
-                    pp_rank=rank,
-                    layer_id=a2.layer_id,
-                    kind=a2.kind,
-                )
-            )
+    kv_pairs = _entry_problems(
+        problems,
+        rank,
+        src.kv,
+        dst.kv,
+        src_kv_keys,
+        dst_kv_keys,
+        noun="KV",
+        size_code="item_len_mismatch",
+        size_text="KV item length",
+        unit="bytes per page",
+    )
+    st_pairs = _entry_problems(
+        problems,
+        rank,
+        src.state,
+        dst.state,
+        src_st_keys,
+        dst_st_keys,
+        noun="state",
+        size_code="slot_size_mismatch",
+        size_text="state slot size",
+        unit="bytes",
+    )
     return problems, kv_pairs, st_pairs
 
 
