@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from pipelines.layout import StageLayout
 from pipelines.pairing import Pairing
+from transport.pools import Pool
 
 U8 = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]
@@ -82,3 +83,18 @@ def destination_digests(
         if key in keys and slot is not None:
             out[key] = _slot_digest(memory.region(len(layout.kv) + j), s.item_len, slot)
     return out
+
+
+class PoolMemory:
+    """A layout placed in a pool: pool region i is entry i (KV entries first, then state).
+
+    Places the layout at the pool's addresses and serves `region` views for digests and checks.
+    """
+
+    def __init__(self, layout: StageLayout, pool: Pool) -> None:
+        n = len(layout.kv)
+        self.layout = layout.with_bases(pool.bases[:n], pool.bases[n:])
+        self.pool = pool
+
+    def region(self, index: int) -> U8:
+        return self.pool.view(index)

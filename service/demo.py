@@ -24,7 +24,7 @@ import numpy as np
 from pipelines.decode import DecodePipeline, HandoffRequest, HandoffState
 from pipelines.events import TERMINAL_EVENTS, Event, EventBus
 from pipelines.inprocess import InProcessLink
-from pipelines.layout import StageLayout
+from pipelines.memory import PoolMemory
 from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
 from transport.config import MooncakeConfig
@@ -55,15 +55,7 @@ def _pattern(
     return rows.astype(np.uint8)
 
 
-class _Side:
-    def __init__(self, layout: StageLayout, pool: Pool) -> None:
-        n = len(layout.kv)
-        self.layout = layout.with_bases(pool.bases[:n], pool.bases[n:])
-        self.pool = pool
-
-    def region(self, index: int) -> np.ndarray:
-        return self.pool.view(index)
-
+class _Side(PoolMemory):
     def kv_rows(self, i: int) -> np.ndarray:
         e = self.layout.kv[i]
         return self.region(i)[: e.nbytes].reshape(e.num_items, e.item_len)

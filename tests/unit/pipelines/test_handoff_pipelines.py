@@ -12,25 +12,18 @@ from pipelines.decode import DecodePipeline, HandoffRequest, HandoffState
 from pipelines.errors import ConflictError, NotFoundError, PairingError, PlanError
 from pipelines.events import EventBus, event_tag
 from pipelines.inprocess import InProcessLink
-from pipelines.layout import StageLayout
 from pipelines.leases import Leases
+from pipelines.memory import PoolMemory
 from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
 from transport.local import LocalTransport
-from transport.pools import Pool, open_pool
+from transport.pools import open_pool
 
 MODEL = hybrid_npu_mla(num_layers=8, scale=64, page_size=4)
 PART = partition_layers(8, 2)
 
 
-class Mem:
-    def __init__(self, layout: StageLayout, pool: Pool) -> None:
-        n = len(layout.kv)
-        self.layout = layout.with_bases(pool.bases[:n], pool.bases[n:])
-        self.pool = pool
-
-    def region(self, index: int) -> np.ndarray:
-        return self.pool.view(index)
+Mem = PoolMemory
 
 
 @dataclass
