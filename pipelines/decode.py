@@ -10,6 +10,7 @@ the pages' lease is held until no write of the handoff can still land.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -17,11 +18,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Annotated, Any, Protocol
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 from msgspec import Meta, Struct
 
 from pipelines.errors import (
+    CapacityExceeded,
     ConflictError,
     DeadlineExceeded,
     InvalidInput,
@@ -75,7 +78,9 @@ class HandoffRequest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """Router → decode: move one request's KV cache and state into these decode pages."""
 
     id: HandoffId  # the router's request id
-    prefill: Annotated[list[str], Meta(min_length=1)]  # URLs of the prefill services
+    # Base URLs of the prefill services hosting the request's PP stages (together, every stage
+    # once); empty: the decode service's configured `peers.prefill`.
+    prefill: list[Annotated[str, Meta(pattern=r"^https?://")]] = []
     dst_pages: list[Annotated[int, Meta(ge=0)]]
     dst_slot: Annotated[int, Meta(ge=0)] | None = None
     deadline_s: Annotated[float, Meta(gt=0, le=3600)] | None = None
@@ -153,6 +158,7 @@ class DecodeHandoff:
     stopping: bool = False  # an abort or failure is quiescing the prefill side
     quiesced: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # set on reaching a terminal state
 
     @property
     def id(self) -> str:
@@ -194,6 +200,8 @@ class DecodePipeline:
         *,
         memory: EntryMemory | None = None,
         cache: PairingCache | None = None,
+        default_prefill: list[str] | None = None,
+        max_live: int = 256,
         default_deadline_s: float = 30.0,
         verify_default: bool = False,
         quiesce_grace_s: float = 10.0,
@@ -207,6 +215,8 @@ class DecodePipeline:
         self._bus = bus
         self._memory = memory
         self.cache = cache or PairingCache()
+        self._default_prefill = list(default_prefill or [])
+        self._max_live = max_live
         self._default_deadline_s = default_deadline_s
         self._verify_default = verify_default
         self._grace_s = quiesce_grace_s
@@ -229,9 +239,21 @@ class DecodePipeline:
         Returns (view, created). Raises InvalidInput, PairingError or ConflictError having
         changed nothing.
         """
+        if not req.prefill:
+            if not self._default_prefill:
+                raise InvalidInput(
+                    "name the prefill services (no peers.prefill is configured)", field="prefill"
+                )
+            req = msgspec.structs.replace(req, prefill=self._default_prefill)
         existing = self._existing(req)
         if existing is not None:
             return existing.view(), False
+        live = sum(1 for h in self.handoffs.values() if not h.state.terminal)
+        if live >= self._max_live:
+            raise CapacityExceeded(
+                f"{live} handoffs are in flight (handoff.max_concurrent = {self._max_live})",
+                live=live,
+            )
         dst_pages = validate_pages_for_layout(
             self.layout, req.dst_pages, req.dst_slot, side="destination", unique=True
         )
@@ -271,6 +293,15 @@ class DecodePipeline:
 
     def get(self, handoff_id: str) -> HandoffView:
         return self._get(handoff_id).view()
+
+    async def wait(self, handoff_id: str, timeout_s: float) -> HandoffView:
+        """The handoff once terminal, or as it is after `timeout_s` (a router's long poll)."""
+        h = self._get(handoff_id)
+        if not h.state.terminal and timeout_s > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await h.done.wait()
+        return h.view()
 
     def page(
         self, state: HandoffState | None = None, limit: int = 100, cursor: int = 0
@@ -346,6 +377,7 @@ class DecodePipeline:
     def peer_lost(self, url: str, reason: str) -> list[str]:
         """A prefill service went silent: fail every live handoff that waits on it."""
         self._lost_peers.add(url)
+        self._layouts.pop(url, None)  # a restarted process registers memory at new addresses
         victims = []
         for h in list(self.handoffs.values()):
             if h.state.terminal:
@@ -457,6 +489,7 @@ class DecodePipeline:
                     decode_url=self.url,
                     decode_target=self.target,
                     decode_fingerprint=self.layout.fingerprint,
+                    decode_address_key=self.layout.address_key,
                     pp_ranks=sorted(ranks),
                     dst_pages=h.request.dst_pages,
                     dst_slot=h.request.dst_slot,
@@ -535,6 +568,7 @@ class DecodePipeline:
     def _finish(self, h: DecodeHandoff, state: HandoffState) -> None:
         h.state = state
         h.finished_at = self._clock()
+        h.done.set()
         if h.timer is not None:
             h.timer.cancel()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from transport.errors import KVHandoffError, TransportError, TransportTimeout
 
 __all__ = [
+    "CapacityExceeded",
     "ConflictError",
     "DeadlineExceeded",
     "InternalError",
@@ -61,6 +62,12 @@ class ConflictError(KVHandoffError):
     """The request conflicts with current state (a leased page, an id reused with another body)."""
 
     code = "conflict"
+
+
+class CapacityExceeded(KVHandoffError):
+    """Too much live work to accept more now; retrying later can succeed."""
+
+    code = "capacity_exceeded"
 
 
 class NotFoundError(KVHandoffError):

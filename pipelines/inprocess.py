@@ -62,11 +62,14 @@ class InProcessLink:
         return await self._prefill(url)[0].abort(msg.handoff_id, msg.reason)
 
     # prefill -> decode
-    async def decode_layout(self, decode_url: str, fingerprint: str) -> StageLayout:
-        layout = self._decode(decode_url).layout
-        if layout.fingerprint != fingerprint:
+    async def decode_layout(self, dest: DestinationMsg) -> StageLayout:
+        layout = self._decode(dest.decode_url).layout
+        if (layout.fingerprint, layout.address_key) != (
+            dest.decode_fingerprint,
+            dest.decode_address_key,
+        ):
             raise NotFoundError(
-                f"decode layout {fingerprint} is not the one {decode_url} serves",
+                f"decode layout {dest.decode_fingerprint} is not the one {dest.decode_url} serves",
                 field="decode_fingerprint",
             )
         return layout

@@ -52,6 +52,9 @@ class DestinationMsg(Struct, frozen=True, kw_only=True):
     decode_url: str
     decode_target: str
     decode_fingerprint: str
+    # With the fingerprint, identifies the registered decode memory: a decode process restarted
+    # with the same configuration has the same fingerprint but new addresses.
+    decode_address_key: str
     pp_ranks: list[NonNeg]  # the stages of the receiving process this handoff expects
     dst_pages: Pages
     dst_slot: NonNeg | None = None

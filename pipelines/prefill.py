@@ -67,7 +67,9 @@ class BlockWriter(Protocol):
 class DecodePeer(Protocol):
     """Prefill → decode calls, implemented by the service over HTTP (or in-process)."""
 
-    async def decode_layout(self, decode_url: str, fingerprint: str) -> StageLayout: ...
+    async def decode_layout(self, dest: DestinationMsg) -> StageLayout:
+        """The decode layout `dest` names (its fingerprint and address key), placed."""
+        ...
 
     async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None: ...
 
@@ -333,9 +335,7 @@ class PrefillPipeline:
             async with asyncio.timeout_at(fallback) as scope:
                 dest = await h.destination
                 scope.reschedule(loop.time() + max(0.0, dest.deadline_at - self._clock()))
-                dst_layout = await self._decode.decode_layout(
-                    dest.decode_url, dest.decode_fingerprint
-                )
+                dst_layout = await self._decode.decode_layout(dest)
                 async with asyncio.TaskGroup() as tg:
                     for rank in dest.pp_ranks:
                         tg.create_task(self._stage(h, rank, dest, dst_layout))

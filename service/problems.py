@@ -18,6 +18,7 @@ import msgspec
 from msgspec import Struct
 
 from pipelines.errors import (
+    CapacityExceeded,
     ConflictError,
     DeadlineExceeded,
     InvalidInput,
@@ -88,6 +89,7 @@ STATUS: dict[type[KVHandoffError], int] = {
     MethodNotAllowed: 405,
     ConflictError: 409,
     PayloadTooLarge: 413,
+    CapacityExceeded: 429,
     InvalidInput: 422,  # incl. LayoutError, PlanError: well-formed JSON, impossible values
     PairingError: 422,  # the two layouts themselves are incompatible; retrying cannot help
     TransportError: 502,  # the engine (an upstream of ours) failed; carries rc and peer
@@ -111,6 +113,7 @@ TITLES: dict[int, str] = {
     409: "Conflict",
     413: "Request body too large",
     422: "Invalid input",
+    429: "Too many handoffs in flight",
     500: "Internal server error",
     502: "Upstream failure",
     503: "Not ready",

@@ -33,6 +33,7 @@ log = logging.getLogger("kvhandoff.service")
 EXTENSIONS: tuple[str, ...] = (
     "service.transport_ext:install_transport",
     "service.validate_ext:install_validate",
+    "service.handoffs_ext:install_handoffs",
 )
 
 #: How long shutdown waits for in-flight requests (SSE streams included) before closing them.

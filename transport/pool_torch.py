@@ -64,7 +64,7 @@ class TorchPool(Pool):
         super().__init__(regions, [Region(base, total)])
 
     @property
-    def _host(self) -> bool:
+    def on_host(self) -> bool:
         return bool(self._tensor.device.type == "cpu")
 
     def tensor(self, index: int) -> Any:
@@ -75,7 +75,7 @@ class TorchPool(Pool):
 
     def view(self, index: int) -> Bytes:
         self._check_open()
-        if not self._host:
+        if not self.on_host:
             raise PoolError(f"view() needs host memory; this pool is on {self.device}")
         return np.asarray(self.tensor(index).numpy())
 

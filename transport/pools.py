@@ -76,6 +76,11 @@ class Pool:
         return [r.addr for r in self.regions]
 
     @property
+    def on_host(self) -> bool:
+        """Whether `view` works: the regions are host memory this process can read."""
+        return True
+
+    @property
     def nbytes(self) -> int:
         return sum(r.length for r in self.registrations)
 
@@ -154,6 +159,10 @@ class EmbeddedPool(Pool):
                 self._host = self._host and buf.device.type == "cpu"
             regions.append(Region(int(addr), int(length)))
         super().__init__(regions, regions)
+
+    @property
+    def on_host(self) -> bool:
+        return self._host
 
     def view(self, index: int) -> Bytes:
         if not self._host:

@@ -1,0 +1,150 @@
+"""App extension: the handoff pipelines of this service's role, wired to HTTP.
+
+`install_handoffs(app)` declares the routes of the configured role and adds a cleanup context
+that, once the transport is up (install `service.transport_ext` first):
+
+1. opens every configured stage's pool and registers it (`service.stages`);
+2. builds the event bus and the role's pipeline over the HTTP peer protocol
+   (`service.http_peers`), and stores them as `service.runtime.RUNTIME`;
+3. runs the heartbeat task (`service.heartbeat`).
+
+On shutdown it stops the heartbeats, aborts every live handoff (waiting until none can still
+write), then unregisters and releases the pools — all before the transport closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from pipelines.decode import DecodePipeline
+from pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag
+from pipelines.prefill import HostedStage, PrefillPipeline
+from service.app import CONFIG, PEERS, READINESS, ROUTES
+from service.config import Config, ConfigError
+from service.handoff_routes import decode_routes, prefill_routes
+from service.heartbeat import Heartbeats
+from service.http_peers import HttpPeers
+from service.peer_routes import common_routes, decode_peer_routes, prefill_peer_routes
+from service.runtime import RUNTIME, Runtime
+from service.stages import Buffers, HostedMemory, open_stages
+from service.transport_ext import TRANSPORT
+
+log = logging.getLogger("kvhandoff.handoffs")
+
+#: Set by an embedding engine (`service.embedded`) before start: its own buffers per pp_rank.
+EMBEDDED_BUFFERS = web.AppKey("embedded_buffers", dict)
+
+
+def install_handoffs(app: web.Application) -> None:
+    role = app[CONFIG].role
+    app[ROUTES].include(common_routes)
+    if role == "decode":
+        app[ROUTES].include(decode_routes)
+        app[ROUTES].include(decode_peer_routes)
+    else:
+        app[ROUTES].include(prefill_routes)
+        app[ROUTES].include(prefill_peer_routes)
+    app.cleanup_ctx.append(_handoffs_ctx)
+    app[READINESS].add("handoffs", lambda: RUNTIME in app)
+
+
+async def _handoffs_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    transport = app[TRANSPORT]
+    buffers: Buffers | None = app.get(EMBEDDED_BUFFERS)
+    hosted = await asyncio.to_thread(open_stages, config, transport, buffers)
+    try:
+        runtime = _build(config, app, hosted)
+        app[RUNTIME] = runtime
+        beat = asyncio.get_running_loop().create_task(
+            runtime.heartbeats.run(), name="kvhandoff-heartbeats"
+        )
+        try:
+            yield
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            if runtime.decode is not None:
+                await runtime.decode.close()
+            if runtime.prefill is not None:
+                await runtime.prefill.close()
+    finally:
+        await asyncio.to_thread(_close_pools, hosted)
+
+
+def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> Runtime:
+    transport = app[TRANSPORT]
+    url = config.server.public_url
+    handoff = config.handoff
+    bus = EventBus(replay=handoff.sse_buffer)
+    bus.add_listener(_log_event)
+    # An abort answers once in-flight writes drained: give it a transfer's time and then some.
+    peers = HttpPeers(app[PEERS], abort_timeout_s=config.transport.transfer_timeout_s + 5.0)
+    runtime_kw = {"url": url, "target": transport.local_target, "bus": bus, "hosted": hosted}
+    beat_kw = {
+        "url": url,
+        "peers": peers,
+        "interval_s": handoff.heartbeat_interval_s,
+        "timeout_s": handoff.peer_timeout_s,
+    }
+    if config.role == "decode":
+        memory = hosted[0].memory if hosted[0].pool.on_host else None
+        if handoff.verify and memory is None:
+            raise ConfigError("handoff.verify", "verification needs a host-readable decode pool")
+        decode = DecodePipeline(
+            hosted[0].layout,
+            transport.local_target,
+            url,
+            peers,
+            bus,
+            memory=memory,
+            default_prefill=config.peers.prefill,
+            max_live=handoff.max_concurrent,
+            default_deadline_s=handoff.default_deadline_s,
+            verify_default=handoff.verify,
+            quiesce_grace_s=config.transport.transfer_timeout_s,
+        )
+        beats = Heartbeats(
+            role="decode",
+            live=decode.live_by_prefill,
+            lost=decode.peer_lost,
+            back=decode.peer_back,
+            **beat_kw,  # type: ignore[arg-type]
+        )
+        return Runtime(role="decode", heartbeats=beats, decode=decode, **runtime_kw)  # type: ignore[arg-type]
+    prefill = PrefillPipeline(
+        {
+            h.layout.pp_rank: HostedStage(h.layout, h.memory if h.pool.on_host else None)
+            for h in hosted
+        },
+        transport,
+        peers,
+        bus,
+        default_deadline_s=handoff.default_deadline_s,
+        max_blocks_per_batch=config.transport.max_blocks_per_batch,
+    )
+    beats = Heartbeats(
+        role="prefill",
+        live=prefill.live_by_decode,
+        lost=prefill.peer_lost,
+        **beat_kw,  # type: ignore[arg-type]
+    )
+    return Runtime(role="prefill", heartbeats=beats, prefill=prefill, **runtime_kw)  # type: ignore[arg-type]
+
+
+def _close_pools(hosted: list[HostedMemory]) -> None:
+    for h in hosted:
+        h.pool.close()
+
+
+def _log_event(event: Event) -> None:
+    if isinstance(event, TERMINAL_EVENTS):
+        log.info("%s %s %s", event_tag(event), event.role, event.handoff_id)
+    elif log.isEnabledFor(logging.DEBUG):
+        log.debug("%s %s %s", event_tag(event), event.role, event.handoff_id)
