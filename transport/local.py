@@ -1,7 +1,9 @@
 """The `local` transport: in-process memmove between registered regions.
 
-For single-process deployments (all stages and decode memory in one process) and as the memory
-bandwidth ceiling in `kvhandoff bench transport`. Its only peer is itself (`local_target`).
+For single-process deployments (all stages and decode memory in one process, or a decode and a
+prefill service sharing one process) and as the memory bandwidth ceiling in `kvhandoff bench
+transport`. Its peers are the local transports of this process that are still open, found by
+`local_target`; a destination must lie in memory registered with the peer named.
 Copies run on one dedicated worker thread — `ctypes.memmove` releases the GIL, and a 4 GiB
 request would otherwise stall the event loop for about a second.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import itertools
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -19,6 +22,8 @@ from transport.errors import TransportError
 from transport.regions import Region, RegionTable
 
 _ids = itertools.count(1)
+#: Open local transports of this process by target name: the peers a write can name.
+_open: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
 
 
 def copy_blocks(blocks: Blocks) -> None:
@@ -41,6 +46,7 @@ class LocalTransport:
             max_workers=1, thread_name_prefix="kvhandoff-local"
         )
         self._running: set[Future[None]] = set()
+        _open[self._target] = self
 
     @property
     def local_target(self) -> str:
@@ -58,10 +64,11 @@ class LocalTransport:
 
     async def write(self, peer: str, blocks: Blocks) -> None:
         executor = self._check_open()
-        if peer != self._target:
-            raise TransportError("the local transport can only write to itself", peer=peer)
+        target = _open.get(peer)
+        if target is None:
+            raise TransportError(f"no open local transport {peer!r} in this process", peer=peer)
         self._regions.check(blocks.src_addr, blocks.length, side="source", peer=peer)
-        self._regions.check(blocks.dst_addr, blocks.length, side="destination", peer=peer)
+        target._regions.check(blocks.dst_addr, blocks.length, side="destination", peer=peer)
         # Batches keep a cancelled write from copying much more than one batch afterwards.
         for batch in blocks.batches(self._max_blocks):
             fut = executor.submit(copy_blocks, batch)
@@ -75,6 +82,7 @@ class LocalTransport:
             await asyncio.wait([asyncio.wrap_future(f) for f in running])
 
     def close(self) -> None:
+        _open.pop(self._target, None)
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
