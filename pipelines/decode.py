@@ -227,6 +227,7 @@ class DecodePipeline:
         self.leases = Leases(num_pages, num_slots)
         self.handoffs: dict[str, DecodeHandoff] = {}
         self._seq = 0
+        self._live = 0  # handoffs not yet terminal
         self._layouts: dict[str, LayoutInfo] = {}
         self._lost_peers: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -248,11 +249,10 @@ class DecodePipeline:
         existing = self._existing(req)
         if existing is not None:
             return existing.view(), False
-        live = sum(1 for h in self.handoffs.values() if not h.state.terminal)
-        if live >= self._max_live:
+        if self._live >= self._max_live:
             raise CapacityExceeded(
-                f"{live} handoffs are in flight (handoff.max_concurrent = {self._max_live})",
-                live=live,
+                f"{self._live} handoffs are in flight (handoff.max_concurrent = {self._max_live})",
+                live=self._live,
             )
         dst_pages = validate_pages_for_layout(
             self.layout, req.dst_pages, req.dst_slot, side="destination", unique=True
@@ -275,6 +275,7 @@ class DecodePipeline:
             stages={rank: _Stage(peer) for rank, (peer, _) in stages.items()},
         )
         self.handoffs[req.id] = h
+        self._live += 1
         self._evict()
         loop = asyncio.get_running_loop()
         h.timer = loop.call_later(deadline_s, self._expire, h)
@@ -569,6 +570,7 @@ class DecodePipeline:
         h.state = state
         h.finished_at = self._clock()
         h.done.set()
+        self._live -= 1
         if h.timer is not None:
             h.timer.cancel()
 
