@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -653,12 +654,11 @@ class DecodePipeline:
 
     def _evict(self) -> None:
         """Forget the oldest finished handoffs beyond the history limit."""
-        if len(self.handoffs) <= self._history:
-            return
-        for handoff_id in list(self._oldest_finished()):
-            del self.handoffs[handoff_id]
-            if len(self.handoffs) <= self._history:
-                break
+        excess = len(self.handoffs) - self._history
+        if excess > 0:
+            # islice: stop at the few needed (dicts keep creation order, oldest first).
+            for handoff_id in list(itertools.islice(self._oldest_finished(), excess)):
+                del self.handoffs[handoff_id]
 
     def _oldest_finished(self) -> Iterator[str]:
         for h in self.handoffs.values():

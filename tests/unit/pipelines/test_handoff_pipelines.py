@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from pipelines.decode import DecodePipeline, HandoffRequest, HandoffState
-from pipelines.errors import ConflictError, NotFoundError, PairingError, PlanError
+from pipelines.errors import (
+    CapacityExceeded,
+    ConflictError,
+    NotFoundError,
+    PairingError,
+    PlanError,
+)
 from pipelines.events import EventBus, event_tag
 from pipelines.inprocess import InProcessLink
 from pipelines.leases import Leases
@@ -197,3 +203,29 @@ def test_leases_release_is_idempotent() -> None:
     leases.release("a")
     leases.acquire("b", np.array([1, 2]), 0)
     assert leases.leased_pages == 2
+
+
+async def test_history_keeps_the_newest_finished_and_every_live_handoff(world: World) -> None:
+    w = world
+    w.decode._history = 3
+    live = HandoffRequest(id="live", prefill=["p"], dst_pages=[0], dst_slot=0)
+    await w.decode.create(live)
+    for i in range(6):
+        hid = f"done-{i}"
+        await w.decode.create(HandoffRequest(id=hid, prefill=["p"], dst_pages=[1], dst_slot=1))
+        await w.decode.abort(hid)
+    assert list(w.decode.handoffs) == ["live", "done-4", "done-5"]
+
+
+async def test_capacity_and_long_poll(world: World) -> None:
+    w = world
+    w.decode._max_live = 1
+    await w.decode.create(HandoffRequest(id="a", prefill=["p"], dst_pages=[0], dst_slot=0))
+    with pytest.raises(CapacityExceeded):
+        await w.decode.create(HandoffRequest(id="b", prefill=["p"], dst_pages=[1], dst_slot=1))
+    assert not (await w.decode.wait("a", 0.01)).state.terminal
+    waiting = asyncio.create_task(w.decode.wait("a", 30))
+    w.prefill.ready("a", 0, [5], 1)
+    w.prefill.ready("a", 1, [5], 1)
+    assert (await waiting).state == HandoffState.COMPLETED
+    await w.decode.create(HandoffRequest(id="b", prefill=["p"], dst_pages=[1], dst_slot=1))
