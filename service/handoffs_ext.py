@@ -74,6 +74,7 @@ async def _handoffs_ctx(app: web.Application) -> AsyncIterator[None]:
                 await runtime.decode.close()
             if runtime.prefill is not None:
                 await runtime.prefill.close()
+            await runtime.peers.close()
     finally:
         await asyncio.to_thread(_close_pools, hosted)
 
@@ -86,7 +87,13 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
     bus.add_listener(_log_event)
     # An abort answers once in-flight writes drained: give it a transfer's time and then some.
     peers = HttpPeers(app[PEERS], abort_timeout_s=config.transport.transfer_timeout_s + 5.0)
-    runtime_kw = {"url": url, "target": transport.local_target, "bus": bus, "hosted": hosted}
+    runtime_kw = {
+        "url": url,
+        "target": transport.local_target,
+        "bus": bus,
+        "hosted": hosted,
+        "peers": peers,
+    }
     beat_kw = {
         "url": url,
         "peers": peers,

@@ -7,7 +7,9 @@ HTTP peer from an in-process one (`pipelines.inprocess`).
 
 from __future__ import annotations
 
-from pipelines.errors import NotFoundError
+import msgspec
+
+from pipelines.errors import KVHandoffError, NotFoundError
 from pipelines.layout import StageLayout
 from pipelines.messages import (
     AbortAck,
@@ -19,7 +21,9 @@ from pipelines.messages import (
     LayoutInfo,
     StageFailedMsg,
 )
+from service.coalesce import Coalescer, SendBatch
 from service.peer_client import PeerClient
+from service.problems import PeerError, encode_problem, error_from_problem
 
 LAYOUT_PATH = "/v1/layout"
 DESTINATIONS_PATH = "/v1/peer/destinations"
@@ -27,6 +31,13 @@ ABORTS_PATH = "/v1/peer/aborts"
 ARRIVALS_PATH = "/v1/peer/arrivals"
 STAGE_FAILURES_PATH = "/v1/peer/stage-failures"
 HEARTBEATS_PATH = "/v1/peer/heartbeats"
+
+
+class Outcome(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The receiver's answer for one notice of a batch: its status, and a problem if it failed."""
+
+    status: int
+    problem: dict[str, object] | None = None
 
 
 class HttpPeers:
@@ -37,13 +48,38 @@ class HttpPeers:
         # An abort answers only once the peer's in-flight writes drained: allow a transfer's time.
         self._abort_timeout_s = abort_timeout_s
         self._decode_layouts: dict[tuple[str, str, str], StageLayout] = {}
+        # Destinations, arrivals and failures are coalesced per peer (see service.coalesce).
+        self._destinations = Coalescer(self._batch_sender(DESTINATIONS_PATH))
+        self._arrivals = Coalescer(self._batch_sender(ARRIVALS_PATH))
+        self._failures = Coalescer(self._batch_sender(STAGE_FAILURES_PATH))
+
+    def _batch_sender(self, path: str) -> SendBatch:
+        async def send(peer: str, notices: list[msgspec.Raw]) -> list[KVHandoffError | None]:
+            outcomes = await self._client.post(peer, path, notices, list[Outcome])
+            if len(outcomes) != len(notices):
+                raise PeerError(
+                    f"{peer}{path} answered {len(outcomes)} outcomes for {len(notices)} notices",
+                    peer=peer,
+                )
+            return [
+                None
+                if o.problem is None
+                else error_from_problem(o.status, encode_problem(o.problem), peer=peer)
+                for o in outcomes
+            ]
+
+        return send
+
+    async def close(self) -> None:
+        for coalescer in (self._destinations, self._arrivals, self._failures):
+            await coalescer.close()
 
     # decode -> prefill
     async def layout(self, url: str) -> LayoutInfo:
         return await self._client.get(url, LAYOUT_PATH, LayoutInfo)
 
     async def deliver(self, url: str, msg: DestinationMsg) -> None:
-        await self._client.post(url, DESTINATIONS_PATH, msg)
+        await self._destinations.submit(url, msg)
 
     async def abort(self, url: str, msg: AbortMsg) -> AbortAck:
         return await self._client.post(
@@ -69,10 +105,10 @@ class HttpPeers:
         return layout
 
     async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None:
-        await self._client.post(decode_url, ARRIVALS_PATH, msg)
+        await self._arrivals.submit(decode_url, msg)
 
     async def stage_failed(self, decode_url: str, msg: StageFailedMsg) -> None:
-        await self._client.post(decode_url, STAGE_FAILURES_PATH, msg)
+        await self._failures.submit(decode_url, msg)
 
     # either direction
     async def heartbeat(self, url: str, msg: HeartbeatMsg, timeout_s: float) -> HeartbeatAck:

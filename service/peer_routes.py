@@ -7,8 +7,12 @@ heartbeats on both. Each message's protocol version is checked before it is acte
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 from aiohttp import web
 
+from pipelines.errors import KVHandoffError
 from pipelines.messages import (
     AbortAck,
     AbortMsg,
@@ -27,7 +31,9 @@ from service.http_peers import (
     HEARTBEATS_PATH,
     LAYOUT_PATH,
     STAGE_FAILURES_PATH,
+    Outcome,
 )
+from service.problems import error_problem
 from service.routing import RouteTable
 from service.runtime import RUNTIME, check_version, decode_of, prefill_of
 
@@ -36,6 +42,23 @@ decode_peer_routes = RouteTable()
 prefill_peer_routes = RouteTable()
 
 _NO_CONTENT = 204
+M = TypeVar("M", DestinationMsg, ArrivalMsg, StageFailedMsg)
+
+
+async def _each(request: web.Request, type_: type[M], handle: Callable[[M], Any]) -> web.Response:
+    """Handle a batch of notices (see service.coalesce): one outcome per notice, in order."""
+    outcomes = []
+    batch: list[M] = await decode_body(request, list[type_])  # type: ignore[valid-type]
+    for msg in batch:
+        try:
+            check_version(msg.version)
+            handle(msg)
+        except KVHandoffError as error:
+            status, problem = error_problem(error, request.path)
+            outcomes.append(Outcome(status, problem))
+        else:
+            outcomes.append(Outcome(_NO_CONTENT))
+    return json_response(outcomes)
 
 
 @common_routes.get(
@@ -66,17 +89,14 @@ async def heartbeat(request: web.Request) -> web.StreamResponse:
 
 @prefill_peer_routes.post(
     DESTINATIONS_PATH,
-    request=DestinationMsg,
-    status=_NO_CONTENT,
-    errors=(404, 409, 422),
-    summary="Decode → prefill: where one handoff's bytes go",
+    request=list[DestinationMsg],
+    response=list[Outcome],
+    errors=(422,),
+    summary="Decode → prefill: where handoffs' bytes go (a batch; one outcome per item)",
     tags=("peer",),
 )
-async def destination(request: web.Request) -> web.StreamResponse:
-    msg = await decode_body(request, DestinationMsg)
-    check_version(msg.version)
-    prefill_of(request).deliver(msg)
-    return web.Response(status=_NO_CONTENT)
+async def destinations(request: web.Request) -> web.StreamResponse:
+    return await _each(request, DestinationMsg, prefill_of(request).deliver)
 
 
 @prefill_peer_routes.post(
@@ -95,29 +115,23 @@ async def abort(request: web.Request) -> web.StreamResponse:
 
 @decode_peer_routes.post(
     ARRIVALS_PATH,
-    request=ArrivalMsg,
-    status=_NO_CONTENT,
-    errors=(404, 422),
-    summary="Prefill → decode: every byte of one stage has landed",
+    request=list[ArrivalMsg],
+    response=list[Outcome],
+    errors=(422,),
+    summary="Prefill → decode: every byte of these stages has landed (one outcome per item)",
     tags=("peer",),
 )
-async def arrival(request: web.Request) -> web.StreamResponse:
-    msg = await decode_body(request, ArrivalMsg)
-    check_version(msg.version)
-    decode_of(request).arrived(msg)
-    return web.Response(status=_NO_CONTENT)
+async def arrivals(request: web.Request) -> web.StreamResponse:
+    return await _each(request, ArrivalMsg, decode_of(request).arrived)
 
 
 @decode_peer_routes.post(
     STAGE_FAILURES_PATH,
-    request=StageFailedMsg,
-    status=_NO_CONTENT,
-    errors=(404, 422),
-    summary="Prefill → decode: one stage failed; no write of it can still land",
+    request=list[StageFailedMsg],
+    response=list[Outcome],
+    errors=(422,),
+    summary="Prefill → decode: these stages failed; no write of them can still land",
     tags=("peer",),
 )
-async def stage_failed(request: web.Request) -> web.StreamResponse:
-    msg = await decode_body(request, StageFailedMsg)
-    check_version(msg.version)
-    decode_of(request).stage_failed(msg)
-    return web.Response(status=_NO_CONTENT)
+async def stage_failures(request: web.Request) -> web.StreamResponse:
+    return await _each(request, StageFailedMsg, decode_of(request).stage_failed)

@@ -16,6 +16,7 @@ from pipelines.events import EventBus
 from pipelines.messages import PEER_PROTOCOL_VERSION, LayoutInfo
 from pipelines.prefill import PrefillPipeline
 from service.heartbeat import Heartbeats
+from service.http_peers import HttpPeers
 from service.stages import HostedMemory
 
 
@@ -27,6 +28,7 @@ class Runtime:
     bus: EventBus
     hosted: list[HostedMemory]
     heartbeats: Heartbeats
+    peers: HttpPeers
     decode: DecodePipeline | None = None
     prefill: PrefillPipeline | None = None
 

@@ -1,0 +1,98 @@
+"""Coalescing of peer notices: at most one request in flight per peer, the rest batched.
+
+Destinations (decode → prefill) and arrival/failure notices (prefill → decode) are small and,
+under load, many: one HTTP request each would spend most of both services' CPU on HTTP. A
+`Coalescer` sends a notice at once when its peer's lane is idle; notices submitted while a
+request is in flight wait and leave together in the next one. An idle service therefore adds no
+latency, and a busy one sends a few large requests instead of many small ones.
+
+Each notice still gets its own outcome: the receiver answers one result per item, and `submit`
+raises the error of its own item only. A failed request (peer unreachable) fails every notice in
+it. Batches are capped in bytes so they stay under the receiver's body limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pipelines.errors import InternalError, KVHandoffError
+
+#: Sends one batch of pre-encoded notices to a peer; returns one error (or None) per notice.
+SendBatch = Callable[[str, list[msgspec.Raw]], Awaitable[list[KVHandoffError | None]]]
+
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass
+class _Lane:
+    pending: list[tuple[msgspec.Raw, asyncio.Future[None]]] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+
+class Coalescer:
+    def __init__(self, send: SendBatch, *, max_batch_bytes: int = 1 << 20) -> None:
+        self._send = send
+        self._max_bytes = max_batch_bytes
+        self._lanes: dict[str, _Lane] = {}
+
+    async def submit(self, peer: str, notice: msgspec.Struct) -> None:
+        """Deliver `notice` to `peer`; raises the error the peer reported for it."""
+        loop = asyncio.get_running_loop()
+        lane = self._lanes.setdefault(peer, _Lane())
+        done: asyncio.Future[None] = loop.create_future()
+        lane.pending.append((msgspec.Raw(_encoder.encode(notice)), done))
+        if lane.task is None:
+            lane.task = loop.create_task(self._drain(peer, lane), name=f"coalesce:{peer}")
+        await done
+
+    async def close(self) -> None:
+        tasks = [lane.task for lane in self._lanes.values() if lane.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _drain(self, peer: str, lane: _Lane) -> None:
+        live: list[tuple[msgspec.Raw, asyncio.Future[None]]] = []
+        try:
+            while lane.pending:
+                live = [(raw, fut) for raw, fut in self._take(lane) if not fut.done()]
+                if not live:
+                    continue  # every submitter of this batch was cancelled
+                try:
+                    errors = await self._send(peer, [raw for raw, _ in live])
+                except KVHandoffError as exc:
+                    errors = [exc] * len(live)
+                for (_, fut), error in zip(live, errors, strict=True):
+                    if fut.done():
+                        pass
+                    elif error is None:
+                        fut.set_result(None)
+                    else:
+                        fut.set_exception(error)
+                live = []
+        except BaseException as exc:
+            # Shutdown or a bug: nobody may be left waiting on a notice that will not be sent.
+            for _, fut in live + lane.pending:
+                if isinstance(exc, asyncio.CancelledError):
+                    fut.cancel()
+                elif not fut.done():
+                    fut.set_exception(InternalError(f"sending to {peer} failed: {exc!r}"))
+            lane.pending.clear()
+            raise
+        finally:
+            lane.task = None
+
+    def _take(self, lane: _Lane) -> list[tuple[msgspec.Raw, asyncio.Future[None]]]:
+        """The oldest notices that fit in one batch (always at least one)."""
+        size, n = 0, 0
+        for raw, _ in lane.pending:
+            size += len(raw) + 1
+            if n and size > self._max_bytes:
+                break
+            n += 1
+        batch, lane.pending = lane.pending[:n], lane.pending[n:]
+        return batch
