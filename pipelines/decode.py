@@ -31,6 +31,7 @@ from pipelines.errors import (
     InvalidInput,
     KVHandoffError,
     NotFoundError,
+    PairingError,
     PeerUnreachable,
 )
 from pipelines.events import (
@@ -53,7 +54,7 @@ from pipelines.messages import (
     LayoutInfo,
     StageFailedMsg,
 )
-from pipelines.pairing import PairingCache
+from pipelines.pairing import PairingCache, pairing_report
 from pipelines.planning import validate_pages_for_layout
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ class DecodeHandoff:
     error: ErrorView | None = None
     timeline: list[Event] = field(default_factory=list)
     stopping: bool = False  # an abort or failure is quiescing the prefill side
+    aborting: bool = False  # an abort is in progress: it, not a failure, decides the outcome
     quiesced: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)  # set on reaching a terminal state
@@ -231,6 +233,7 @@ class DecodePipeline:
         self._live = 0  # handoffs not yet terminal
         self._layouts: dict[str, LayoutInfo] = {}
         self._lost_peers: set[str] = set()
+        self._covered: set[tuple[tuple[int, str, str], ...]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ----------------------------------------------------------------- router-facing
@@ -329,6 +332,7 @@ class DecodePipeline:
             raise ConflictError(
                 f"handoff {handoff_id!r} is already {h.state.value}", field="id", state=h.state
             )
+        h.aborting = True
         if h.stopping:  # another abort or a failure is already quiescing it
             await h.quiesced.wait()
         else:
@@ -471,7 +475,18 @@ class DecodePipeline:
             )
         for _, layout in stages.values():
             self.cache.get(layout, self.layout)  # PairingError names layer, group or kind
+        self._check_coverage([layout for _, layout in stages.values()])
         return stages
+
+    def _check_coverage(self, layouts: list[StageLayout]) -> None:
+        """Together the stages must write every decode entry exactly once (cached per set)."""
+        key = tuple(sorted((x.pp_rank, x.fingerprint, x.address_key) for x in layouts))
+        if key in self._covered:
+            return
+        report = pairing_report(layouts, self.layout)
+        if not report.ok:
+            raise PairingError(list(report.problems))
+        self._covered.add(key)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -583,8 +598,8 @@ class DecodePipeline:
         pp_rank: int | None,
         context: dict[str, Any],
     ) -> None:
-        if h.state.terminal:
-            return
+        if h.state.terminal or h.aborting:
+            return  # e.g. a destination refused because the abort reached the prefill first
         self._finish(h, HandoffState.FAILED)
         h.error = ErrorView(code=code, reason=reason, pp_rank=pp_rank, context=context)
         self._publish(

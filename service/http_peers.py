@@ -7,6 +7,8 @@ HTTP peer from an in-process one (`pipelines.inprocess`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from pipelines.errors import KVHandoffError, NotFoundError
@@ -37,7 +39,7 @@ class Outcome(msgspec.Struct, frozen=True, omit_defaults=True):
     """The receiver's answer for one notice of a batch: its status, and a problem if it failed."""
 
     status: int
-    problem: dict[str, object] | None = None
+    problem: dict[str, Any] | None = None
 
 
 class HttpPeers:

@@ -20,6 +20,7 @@ from pipelines.events import EventBus, event_tag
 from pipelines.inprocess import InProcessLink
 from pipelines.leases import Leases
 from pipelines.memory import PoolMemory
+from pipelines.messages import AbortAck, AbortMsg, DestinationMsg
 from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
 from transport.local import LocalTransport
@@ -229,3 +230,35 @@ async def test_capacity_and_long_poll(world: World) -> None:
     w.prefill.ready("a", 1, [5], 1)
     assert (await waiting).state == HandoffState.COMPLETED
     await w.decode.create(HandoffRequest(id="b", prefill=["p"], dst_pages=[1], dst_slot=1))
+
+
+async def test_abort_racing_the_destination_still_ends_aborted(world: World) -> None:
+    w = world
+    link = w.decode._prefill
+    assert isinstance(link, InProcessLink)
+    answered = asyncio.Event()
+    release = asyncio.Event()
+    delivered = asyncio.Event()
+    real_abort, real_deliver = link.abort, link.deliver
+
+    async def slow_abort(url: str, msg: AbortMsg) -> AbortAck:
+        ack = await real_abort(url, msg)  # the prefill side has recorded the abort...
+        answered.set()
+        await release.wait()  # ...but its answer is still on the way back
+        return ack
+
+    async def late_deliver(url: str, msg: DestinationMsg) -> None:
+        await answered.wait()  # the destination arrives after the abort
+        try:
+            await real_deliver(url, msg)
+        finally:
+            delivered.set()
+
+    link.abort = slow_abort  # type: ignore[method-assign]
+    link.deliver = late_deliver  # type: ignore[method-assign]
+    await w.decode.create(HandoffRequest(id="r", prefill=["p"], dst_pages=[2], dst_slot=0))
+    aborting = asyncio.create_task(w.decode.abort("r"))
+    await delivered.wait()  # refused by the prefill side: it already aborted this handoff
+    release.set()
+    view = await aborting
+    assert view.state == HandoffState.ABORTED and view.error is None

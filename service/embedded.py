@@ -1,0 +1,438 @@
+"""kvhandoff inside an engine process: the service on its own thread, called directly.
+
+An inference engine (vLLM- or SGLang-like) that embeds kvhandoff instead of running it as a
+sidecar builds an `EmbeddedService` over its own KV and state buffers and calls it from its own
+threads: `stage_ready` on the prefill role; `expect_handoff`, `get`, `wait` and `abort` on the
+decode role. The whole HTTP service still listens (peers and routers reach it there). Each call
+runs on the service's event loop and re-raises the pipelines' errors, same classes, in the
+caller's thread; none may be made from the service's own thread.
+
+    layout = embedded_layout(config, pp_rank=0)          # what to allocate, in which order
+    buffers = {0: [torch.empty(n, dtype=torch.uint8) for n in layout.region_sizes]}
+    with EmbeddedService(config, buffers=buffers) as kv:
+        kv.stage_ready("req-1", 0, src_pages=[3, 4, 9], src_slot=2)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import operator
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+import uvloop
+from aiohttp import web
+
+from pipelines.decode import DecodePipeline, HandoffId, HandoffRequest, HandoffView
+from pipelines.errors import InternalError, InvalidInput
+from pipelines.layout import StageLayout
+from pipelines.messages import LayoutInfo
+from pipelines.prefill import PrefillPipeline
+from service.app import Extension
+from service.config import Config, ConfigError
+from service.handoffs_ext import EMBEDDED_BUFFERS
+from service.problems import NotReady
+from service.runtime import RUNTIME, Runtime
+from service.serve_cmd import EXTENSIONS, SHUTDOWN_TIMEOUT_S, Server, load_extension, serve
+from service.stages import Buffers, unplaced_layout
+
+log = logging.getLogger("kvhandoff.embedded")
+T = TypeVar("T")
+
+
+class WrongRole(InvalidInput):
+    """A call of one role made on a service of the other role."""
+
+    code = "wrong_role"
+
+
+def embedded_layout(config: Config, pp_rank: int) -> StageLayout:
+    """The (unplaced) layout of stage `pp_rank`: one buffer per entry, KV entries first, then
+    state entries, each at least `region_sizes[i]` bytes — what an engine must hand over."""
+    for stage in config.stages:
+        if stage.pp_rank == pp_rank:
+            return unplaced_layout(config, config.model_spec(), stage)
+    hosted = sorted(s.pp_rank for s in config.stages)
+    raise ConfigError("stages", f"no stage has pp_rank {pp_rank} (configured: {hosted})")
+
+
+class EmbeddedService:
+    """kvhandoff running inside an engine process: its own thread and event loop (uvloop), the
+    engine's own buffers, and direct calls instead of HTTP for the engine-facing operations.
+
+    Engine-thread calls wait at most `call_timeout_s` (default: one peer request plus one
+    transfer, the longest the service itself lets a create or an abort take) and raise
+    TimeoutError past it; `wait` adds its own `timeout_s`.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        buffers: Buffers | None = None,
+        start_timeout_s: float = 60.0,
+        call_timeout_s: float | None = None,
+    ) -> None:
+        self._config = config
+        self._buffers = (
+            None if buffers is None else {int(rank): list(b) for rank, b in buffers.items()}
+        )
+        self._start_timeout_s = start_timeout_s
+        self._call_timeout_s = (
+            call_timeout_s
+            if call_timeout_s is not None
+            else config.peers.request_timeout_s + config.transport.transfer_timeout_s + 5.0
+        )
+        self._lock = threading.Lock()
+        self._phase = "new"  # "new" -> "running" -> "stopped"
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._main_task: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Event | None = None
+        self._server: Server | None = None
+        self._started: concurrent.futures.Future[Server] = concurrent.futures.Future()
+        self._finished: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> EmbeddedService:
+        """Start the service thread and return once the app serves; a start-up error (a
+        ConfigError for wrong buffers, a port in use, ...) is raised here, nothing left running."""
+        with self._lock:
+            if self._phase != "new":
+                raise RuntimeError(f"an EmbeddedService starts once (this one is {self._phase})")
+            if self._buffers is not None:
+                _check_buffers(self._config, self._buffers)
+            self._phase = "running"
+            self._thread = threading.Thread(
+                target=self._run_thread,
+                name=f"kvhandoff-embedded-{self._config.role}",
+                daemon=True,  # never keeps an engine process alive on its own
+            )
+            self._thread.start()
+        outcomes: list[concurrent.futures.Future[Any]] = [self._started, self._finished]
+        done, _ = concurrent.futures.wait(
+            outcomes,
+            timeout=self._start_timeout_s,
+            return_when=concurrent.futures.FIRST_COMPLETED,
+        )
+        if self._started in done:
+            self._server = self._started.result()
+            return self
+        with self._lock:
+            self._phase = "stopped"
+        if self._finished in done:
+            self._thread.join()
+            error = self._finished.exception()
+            raise error or InternalError("the service thread ended before the app started")
+        self._cancel_start()
+        raise TimeoutError(f"kvhandoff did not start within {self._start_timeout_s:g} s")
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Abort live handoffs, unregister the buffers, close the transport, join the thread.
+
+        Returns once no write can land in the engine's buffers any more: by default it waits as
+        long as that takes (an abort gives up on a silent peer once the heartbeats declare it
+        lost, or at the handoff's deadline plus a transfer timeout); past `timeout_s` it raises
+        TimeoutError instead. Idempotent; a no-op on a service never started. An error of the
+        shutdown itself is raised here, once.
+        """
+        with self._lock:
+            phase, self._phase = self._phase, "stopped"
+        if phase != "running":
+            return
+        assert self._thread is not None and self._loop is not None and self._stopping is not None
+        # A closed loop means the thread has ended on its own: nothing to signal.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"kvhandoff did not stop within {timeout_s:g} s")
+        error = self._finished.exception()
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> EmbeddedService:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        """The service's public URL (the real port when `server.port` is 0)."""
+        return self._running_server().url
+
+    def layout(self) -> LayoutInfo:
+        """The stages hosted here, placed in the engine's buffers: what `GET /v1/layout` answers."""
+        return self._call_sync(lambda runtime: runtime.layout_info())
+
+    # ----------------------------------------------------------------- prefill role
+
+    def stage_ready(
+        self,
+        handoff_id: str,
+        pp_rank: int,
+        src_pages: Sequence[int] | np.ndarray[Any, Any] | None,
+        src_slot: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> None:
+        """Stage `pp_rank` finished `layers` (None: all its layers) of this request: as
+        `POST /v1/handoffs/{id}/stages/{pp_rank}/ready`, with the same errors (InvalidInput and
+        PlanError naming the field, NotFoundError, ConflictError). The first signal of a stage
+        carries its source pages, copied here: the engine may reuse its array once this returns.
+        """
+        self._require("prefill", "stage_ready")
+        _check_id(handoff_id)
+        rank = _non_negative(pp_rank, "pp_rank")
+        slot = None if src_slot is None else _non_negative(src_slot, "src_slot")
+        layer_ids = (
+            None
+            if layers is None
+            else [_non_negative(x, f"layers[{i}]") for i, x in enumerate(layers)]
+        )
+        pages = None if src_pages is None else np.array(src_pages)  # a copy, never a view
+
+        def ready(runtime: Runtime) -> None:
+            _prefill_of(runtime).ready(handoff_id, rank, pages, slot, layer_ids)
+
+        self._call_sync(ready)
+
+    # ----------------------------------------------------------------- decode role
+
+    def expect_handoff(self, request: HandoffRequest) -> HandoffView:
+        """Create a handoff into these decode pages, as `POST /v1/handoffs` (idempotent for an
+        identical request; ConflictError for another one under the same id)."""
+        self._require("decode", "expect_handoff")
+        checked = _checked_request(request)
+
+        async def create(runtime: Runtime) -> HandoffView:
+            view, _ = await _decode_of(runtime).create(checked)
+            return view
+
+        return self._call(create, self._call_timeout_s)
+
+    def get(self, handoff_id: str) -> HandoffView:
+        self._require("decode", "get")
+        return self._call_sync(lambda runtime: _decode_of(runtime).get(handoff_id))
+
+    def wait(self, handoff_id: str, timeout_s: float) -> HandoffView:
+        """The handoff once terminal, or as it is after `timeout_s`."""
+        self._require("decode", "wait")
+        if not timeout_s >= 0:
+            raise InvalidInput(f"timeout_s = {timeout_s} is not >= 0", field="timeout_s")
+        return self._call(
+            lambda runtime: _decode_of(runtime).wait(handoff_id, timeout_s),
+            timeout_s + self._call_timeout_s,
+        )
+
+    def abort(self, handoff_id: str) -> HandoffView:
+        """Abort a live handoff; returns once no write of it can still land on decode pages."""
+        self._require("decode", "abort")
+        return self._call(
+            lambda runtime: _decode_of(runtime).abort(handoff_id), self._call_timeout_s
+        )
+
+    # ----------------------------------------------------------------- the service thread
+
+    def _run_thread(self) -> None:
+        try:
+            uvloop.run(self._main())
+        # The thread boundary: every outcome, start-up errors included, goes to the caller.
+        except BaseException as exc:  # noqa: BLE001
+            self._finished.set_exception(exc)
+        else:
+            self._finished.set_result(None)
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._main_task = asyncio.current_task()
+        self._stopping = asyncio.Event()
+        extensions: list[Extension] = [self._install_buffers]
+        extensions += [load_extension(name) for name in EXTENSIONS]
+        async with serve(self._config, extensions) as server:
+            self._started.set_result(server)
+            await self._stopping.wait()
+            await _abort_live(server.app[RUNTIME])
+
+    def _install_buffers(self, app: web.Application) -> None:
+        if self._buffers is not None:
+            app[EMBEDDED_BUFFERS] = dict(self._buffers)
+
+    def _cancel_start(self) -> None:
+        """Start-up hangs (e.g. an unreachable Mooncake metadata server): cancel and let go."""
+        loop, task, thread = self._loop, self._main_task, self._thread
+        if loop is not None and task is not None:
+            with contextlib.suppress(RuntimeError):  # closed meanwhile: ending anyway
+                loop.call_soon_threadsafe(task.cancel)
+        if thread is not None:
+            thread.join(SHUTDOWN_TIMEOUT_S)  # a blocking engine call may outlive this (daemon)
+
+    # ----------------------------------------------------------------- calls into the loop
+
+    def _require(self, role: str, call: str) -> None:
+        if self._config.role != role:
+            raise WrongRole(
+                f"{call}() is a {role}-role call; this service is {self._config.role}",
+                field="role",
+                role=self._config.role,
+            )
+
+    def _running_server(self) -> Server:
+        if self._phase != "running" or self._server is None:
+            raise NotReady(f"the embedded kvhandoff service is not running ({self._phase})")
+        return self._server
+
+    def _call(self, make: Callable[[Runtime], Coroutine[Any, Any, T]], timeout_s: float) -> T:
+        server = self._running_server()
+        loop = self._loop
+        assert loop is not None and self._thread is not None
+        if threading.get_ident() == self._thread.ident:
+            raise RuntimeError("called from the service's own thread: it would wait on itself")
+        coro = make(server.app[RUNTIME])
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, loop)
+        except RuntimeError:  # the loop closed between the check and the call
+            coro.close()
+            raise NotReady("the embedded kvhandoff service has stopped") from None
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            if future.done():  # the call itself raised TimeoutError: pass it on as is
+                raise
+            future.cancel()
+            raise TimeoutError(f"kvhandoff did not answer within {timeout_s:g} s") from None
+
+    def _call_sync(self, fn: Callable[[Runtime], T]) -> T:
+        async def run(runtime: Runtime) -> T:
+            return fn(runtime)
+
+        return self._call(run, self._call_timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _prefill_of(runtime: Runtime) -> PrefillPipeline:
+    assert runtime.prefill is not None, "checked by EmbeddedService._require"
+    return runtime.prefill
+
+
+def _decode_of(runtime: Runtime) -> DecodePipeline:
+    assert runtime.decode is not None, "checked by EmbeddedService._require"
+    return runtime.decode
+
+
+async def _abort_live(runtime: Runtime) -> None:
+    """Abort the decode side's live handoffs before the app stops (the prefill pipeline aborts
+    its own when it closes), so no write lands in engine memory after `stop()` returns."""
+    if runtime.decode is None:
+        return
+    decode = runtime.decode
+    live = [h.id for h in decode.handoffs.values() if not h.state.terminal]
+    outcomes = await asyncio.gather(
+        *(decode.abort(hid, "engine stopping") for hid in live), return_exceptions=True
+    )
+    for hid, outcome in zip(live, outcomes):
+        if isinstance(outcome, BaseException):
+            log.warning("abort of %s on stop failed: %s", hid, outcome)
+
+
+def _check_buffers(config: Config, buffers: dict[int, list[Any]]) -> None:
+    """The engine's buffers against every stage's layout, before anything starts: exactly the
+    configured stages, one buffer per entry, each large enough. Raises ConfigError naming the
+    stage and the entry."""
+    hosted = sorted(s.pp_rank for s in config.stages)
+    if sorted(buffers) != hosted:
+        raise ConfigError(
+            "buffers",
+            f"buffers are given for stages {sorted(buffers)}; this service hosts stages {hosted}",
+        )
+    for rank in hosted:
+        layout = embedded_layout(config, rank)
+        sizes = layout.region_sizes
+        given = buffers[rank]
+        if len(given) != len(sizes):
+            raise ConfigError(
+                f"buffers[{rank}]",
+                f"stage {rank} needs {len(sizes)} buffers ({len(layout.kv)} KV entries, then "
+                f"{len(layout.state)} state entries; see embedded_layout), got {len(given)}",
+            )
+        for j, (buffer, size) in enumerate(zip(given, sizes)):
+            length = _buffer_length(buffer, f"buffers[{rank}][{j}]")
+            if length < size:
+                raise ConfigError(
+                    f"buffers[{rank}][{j}]",
+                    f"stage {rank} entry {j} ({_describe(layout, j)}) needs {size} bytes, "
+                    f"the buffer holds {length}",
+                )
+
+
+def _buffer_length(buffer: Any, field: str) -> int:
+    if isinstance(buffer, tuple):
+        return int(buffer[1])
+    if not buffer.is_contiguous():
+        raise ConfigError(field, "embedded tensors must be contiguous")
+    return int(buffer.numel() * buffer.element_size())
+
+
+def _describe(layout: StageLayout, index: int) -> str:
+    if index < len(layout.kv):
+        e = layout.kv[index]
+        return f"KV of layer {e.layer_id} group {e.group}"
+    s = layout.state[index - len(layout.kv)]
+    return f"{s.kind} state of layer {s.layer_id}"
+
+
+def _check_id(handoff_id: str) -> None:
+    try:
+        msgspec.convert(handoff_id, HandoffId)
+    except msgspec.ValidationError as exc:
+        raise InvalidInput(f"handoff_id {handoff_id!r}: {exc}", field="handoff_id") from None
+
+
+def _non_negative(value: Any, field: str) -> int:
+    try:
+        number = operator.index(value)  # ints and numpy integers, never floats
+    except TypeError:
+        number = -1
+    if isinstance(value, bool) or number < 0:
+        raise InvalidInput(f"{field} = {value!r} is not a non-negative integer", field=field)
+    return number
+
+
+def _checked_request(request: HandoffRequest) -> HandoffRequest:
+    """The request through the same validation as the HTTP body (a Struct's constructor checks
+    no constraint), as a fresh copy: numpy page arrays become lists, later edits do not leak in.
+    """
+    try:
+        raw = msgspec.to_builtins(request, enc_hook=_numpy_hook)
+    except TypeError as exc:
+        raise InvalidInput(
+            f"the request holds a value JSON cannot carry: {exc}", field="$"
+        ) from None
+    try:
+        return msgspec.convert(raw, HandoffRequest)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        path = text.rsplit(" - at `", 1)[1].rstrip("`") if " - at `" in text else "$"
+        raise InvalidInput(text, field=path) from None
+
+
+def _numpy_hook(value: Any) -> Any:
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not supported")

@@ -1,0 +1,300 @@
+"""EmbeddedService: a prefill and a decode service embedded in this process, each on its own thread
+and loop, over tensors the test allocates as the engine would; the local transport links them."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from pipelines.decode import HandoffRequest, HandoffState
+from pipelines.errors import (
+    ConflictError,
+    InvalidInput,
+    KVHandoffError,
+    NotFoundError,
+    PlanError,
+)
+from service.config import Config, ConfigError, load_config
+from service.embedded import EmbeddedService, WrongRole, embedded_layout
+from service.problems import NotReady
+
+MODEL = {"preset": "hybrid-npu-mla", "scale": 64, "num_layers": 8, "page_size": 4}
+Tensors = dict[int, list[torch.Tensor]]
+
+
+def make_config(tmp_path: Path, role: str, **overrides: Any) -> Config:
+    stages = (
+        [{"num_pages": 32, "num_slots": 4}]
+        if role == "decode"
+        else [{"pp_rank": r, "pp_size": 2, "num_pages": 16, "num_slots": 4} for r in (0, 1)]
+    )
+    base = {
+        "role": role,
+        "model": MODEL,
+        "stages": stages,
+        "server.port": 0,
+        "server.state_dir": str(tmp_path),
+        "transport.backend": "local",
+        "handoff.default_deadline_s": 10.0,
+    }
+    return load_config(None, {}, {**base, **overrides})
+
+
+def allocate(config: Config, *, seed: int | None = None) -> Tensors:
+    """One uint8 tensor per layout entry of every stage, as an engine would: zeros, or random."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    out: Tensors = {}
+    for stage in config.stages:
+        sizes = embedded_layout(config, stage.pp_rank).region_sizes
+        out[stage.pp_rank] = [
+            torch.zeros(n, dtype=torch.uint8)
+            if gen is None
+            else torch.randint(1, 255, (n,), dtype=torch.uint8, generator=gen)
+            for n in sizes
+        ]
+    return out
+
+
+def service_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvhandoff-embedded")]
+
+
+@dataclass
+class Pair:
+    prefill: EmbeddedService
+    decode: EmbeddedService
+    prefill_config: Config
+    decode_config: Config
+    src: Tensors
+    dst: Tensors
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Pair]:
+    p_config = make_config(tmp_path, "prefill")
+    src = allocate(p_config, seed=7)
+    with EmbeddedService(p_config, buffers=src) as prefill:
+        d_config = make_config(tmp_path, "decode", **{"peers.prefill": [prefill.url]})
+        dst = allocate(d_config)
+        with EmbeddedService(d_config, buffers=dst) as decode:
+            yield Pair(prefill, decode, p_config, d_config, src, dst)
+
+
+def http(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+    """A plain blocking request, as any client of an embedded service would make."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, json.loads(err.read())
+
+
+def rows(tensor: torch.Tensor, item_len: int, num_items: int) -> np.ndarray[Any, Any]:
+    return tensor.numpy()[: item_len * num_items].reshape(num_items, item_len)
+
+
+# ------------------------------------------------------------------------------------ handoffs
+
+
+def test_full_handoff_lands_every_byte_in_the_engines_tensors(pair: Pair) -> None:
+    src_pages, dst_pages, src_slot, dst_slot = [3, 4, 9], [10, 11, 2], 2, 1
+    # The engine signals before the router asks, with arrays it reuses right after the call.
+    for rank, layers in ((1, [7]), (1, None), (0, None)):
+        pages = np.array(src_pages, dtype=np.int64)
+        pair.prefill.stage_ready("r1", rank, pages, src_slot, layers=layers)
+        pages[:] = 0
+    request = HandoffRequest(id="r1", dst_pages=dst_pages, dst_slot=dst_slot, verify=True)
+    view = pair.decode.expect_handoff(request)
+    assert view.id == "r1" and [s.pp_rank for s in view.stages] == [0, 1]
+    assert pair.decode.expect_handoff(request).created_at == view.created_at  # idempotent
+
+    done = pair.decode.wait("r1", 15.0)
+    assert done.state == HandoffState.COMPLETED, done.error
+    assert pair.decode.get("r1").state == HandoffState.COMPLETED
+
+    dec = embedded_layout(pair.decode_config, 0)
+    dst = pair.dst[0]
+    kv_index = {(e.layer_id, e.group): i for i, e in enumerate(dec.kv)}
+    state_index = {(s.layer_id, s.kind): len(dec.kv) + j for j, s in enumerate(dec.state)}
+    seen = set()
+    for rank, tensors in pair.src.items():
+        lay = embedded_layout(pair.prefill_config, rank)
+        for i, e in enumerate(lay.kv):
+            j = kv_index[(e.layer_id, e.group)]
+            seen.add(j)
+            landed = rows(dst[j], e.item_len, dec.kv[j].num_items)
+            assert np.array_equal(
+                rows(tensors[i], e.item_len, e.num_items)[src_pages], landed[dst_pages]
+            )
+            untouched = np.delete(landed, dst_pages, axis=0)
+            assert not untouched.any(), (
+                f"bytes outside dst_pages in layer {e.layer_id} group {e.group}"
+            )
+        for i, s in enumerate(lay.state):
+            j = state_index[(s.layer_id, s.kind)]
+            seen.add(j)
+            sent = rows(tensors[len(lay.kv) + i], s.item_len, s.num_slots)[src_slot]
+            landed = rows(dst[j], s.item_len, s.num_slots)
+            assert np.array_equal(sent, landed[dst_slot])
+            assert not np.delete(landed, [dst_slot], axis=0).any()
+    assert seen == set(range(len(dst)))  # every decode entry had a source
+
+
+def test_stage_ready_validates_like_the_http_route(pair: Pair) -> None:
+    svc = pair.prefill
+    with pytest.raises(PlanError) as err:
+        svc.stage_ready("r2", 0, [1, 99], 0)
+    assert err.value.context["field"] == "src_pages[1]"
+    status, body = http(
+        "POST", f"{svc.url}/v1/handoffs/r2/stages/0/ready", {"src_pages": [1, 99], "src_slot": 0}
+    )
+    assert (status, body["field"]) == (422, "src_pages[1]")
+
+    cases: list[tuple[dict[str, Any], type[KVHandoffError], str]] = [
+        ({"src_pages": [[1, 2]]}, PlanError, "src_pages"),
+        ({"src_pages": [1.5]}, PlanError, "src_pages"),
+        ({"src_pages": None}, InvalidInput, "src_pages"),
+        ({"src_slot": -1}, InvalidInput, "src_slot"),
+        ({"src_slot": None}, PlanError, "src_slot"),  # hybrid model: the slot is required
+        ({"src_slot": 4}, PlanError, "src_slot"),
+        ({"layers": [7]}, InvalidInput, "layers"),  # layer 7 lives on stage 1
+        ({"layers": [True]}, InvalidInput, "layers[0]"),
+        ({"pp_rank": 2}, NotFoundError, "pp_rank"),
+        ({"pp_rank": -1}, InvalidInput, "pp_rank"),
+        ({"handoff_id": "no spaces"}, InvalidInput, "handoff_id"),
+    ]
+    for change, error, field in cases:
+        args = {"handoff_id": "r2", "pp_rank": 0, "src_pages": [1, 2], "src_slot": 0, **change}
+        with pytest.raises(error) as caught:
+            svc.stage_ready(**args)
+        assert caught.value.context["field"] == field, change
+
+    svc.stage_ready("r2", 0, [1, 2], 0)
+    with pytest.raises(ConflictError):  # a stage's pages are fixed by its first signal
+        svc.stage_ready("r2", 0, [1, 3], 0)
+
+
+def test_expect_handoff_validates_like_the_http_route(pair: Pair) -> None:
+    svc = pair.decode
+    bad = {"id": "r3", "dst_pages": [1, -1], "dst_slot": 0}
+    with pytest.raises(InvalidInput) as err:
+        svc.expect_handoff(HandoffRequest(**bad))  # type: ignore[arg-type]
+    status, body = http("POST", f"{svc.url}/v1/handoffs", bad)
+    assert (status, body["field"]) == (422, err.value.context["field"]) == (422, "$.dst_pages[1]")
+    with pytest.raises(PlanError) as err:
+        svc.expect_handoff(HandoffRequest(id="r3", dst_pages=[1, 99], dst_slot=0))
+    assert err.value.context["field"] == "dst_pages[1]"
+    with pytest.raises(InvalidInput) as err:
+        svc.expect_handoff(HandoffRequest(id="a b", dst_pages=[1], dst_slot=0))
+    assert err.value.context["field"] == "$.id"
+    with pytest.raises(NotFoundError):
+        svc.get("r3")  # nothing was created
+    with pytest.raises(InvalidInput):
+        svc.wait("r3", -1.0)
+
+
+def test_a_call_of_the_other_role_is_refused(pair: Pair) -> None:
+    with pytest.raises(WrongRole, match=r"stage_ready\(\) is a prefill-role call"):
+        pair.decode.stage_ready("r4", 0, [1], 0)
+    with pytest.raises(WrongRole, match="this service is prefill"):
+        pair.prefill.expect_handoff(HandoffRequest(id="r4", dst_pages=[1], dst_slot=0))
+    for call in (pair.prefill.get, pair.prefill.abort):
+        with pytest.raises(WrongRole):
+            call("r4")
+
+
+def test_abort_and_stop_abort_live_handoffs(pair: Pair) -> None:
+    pair.decode.expect_handoff(HandoffRequest(id="r5", dst_pages=[1], dst_slot=0))
+    assert pair.decode.abort("r5").state == HandoffState.ABORTED
+    with pytest.raises(ConflictError, match="already aborted"):
+        pair.prefill.stage_ready("r5", 0, [1], 0)
+
+    pair.decode.expect_handoff(HandoffRequest(id="r6", dst_pages=[2], dst_slot=1))
+    pair.decode.stop()  # the handoff is live: stop aborts it on the prefill side first
+    with pytest.raises(ConflictError, match="already aborted"):
+        pair.prefill.stage_ready("r6", 0, [2], 1)
+    with pytest.raises(NotReady):
+        pair.decode.get("r6")
+
+
+# ------------------------------------------------------------------------------------ lifecycle
+
+
+def test_http_api_answers_and_publishes_the_engines_buffers(pair: Pair) -> None:
+    svc = pair.prefill
+    status, health = http("GET", f"{svc.url}/healthz")
+    assert (status, health["status"], health["role"]) == (200, "ok", "prefill")
+    status, layout = http("GET", f"{svc.url}/v1/layout")
+    assert status == 200
+    assert layout == json.loads(msgspec.json.encode(svc.layout()))
+    for stage in layout["stages"]:
+        bases = [e["base"] for e in stage["layout"]["kv"]] + [
+            s["base"] for s in stage["layout"]["state"]
+        ]
+        rank = stage["layout"]["pp_rank"]
+        assert bases == [t.data_ptr() for t in pair.src[rank]]
+
+
+def test_stop_is_idempotent_and_ends_the_thread(tmp_path: Path) -> None:
+    config = make_config(tmp_path, "decode")
+    EmbeddedService(config).stop()  # never started: nothing to do
+    svc = EmbeddedService(config).start()  # no buffers: the configured torch:cpu pool
+    url = svc.url
+    assert service_threads() == ["kvhandoff-embedded-decode"]
+    svc.stop()
+    svc.stop()
+    assert service_threads() == []
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"{url}/healthz", timeout=5)
+    with pytest.raises(NotReady):
+        _ = svc.url
+    with pytest.raises(RuntimeError, match="starts once"):
+        svc.start()
+
+
+def test_wrong_buffers_fail_at_start_naming_stage_and_entry(tmp_path: Path) -> None:
+    config = make_config(tmp_path, "prefill")
+    buffers = allocate(config)
+    sizes = embedded_layout(config, 1).region_sizes
+
+    short = {**buffers, 1: buffers[1][:-1]}
+    with pytest.raises(ConfigError, match=f"stage 1 needs {len(sizes)} buffers") as err:
+        EmbeddedService(config, buffers=short).start()
+    assert err.value.context["field"] == "buffers[1]"
+
+    small = {**buffers, 1: [*buffers[1][:3], torch.zeros(8, dtype=torch.uint8), *buffers[1][4:]]}
+    with pytest.raises(
+        ConfigError,
+        match=rf"stage 1 entry 3 \(conv state of layer 5\) needs {sizes[3]} bytes, "
+        "the buffer holds 8",
+    ) as err:
+        EmbeddedService(config, buffers=small).start()
+    assert err.value.context["field"] == "buffers[1][3]"
+
+    with pytest.raises(ConfigError, match=r"given for stages \[0\]"):
+        EmbeddedService(config, buffers={0: buffers[0]}).start()
+    assert service_threads() == []
+
+
+def test_a_start_up_error_in_the_service_thread_is_raised_in_the_caller(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        config = make_config(tmp_path, "decode", **{"server.port": taken.getsockname()[1]})
+        with pytest.raises(OSError, match="address already in use"):
+            EmbeddedService(config).start()
+    assert service_threads() == []
