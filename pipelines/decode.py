@@ -413,6 +413,16 @@ class DecodePipeline:
         return out
 
     async def close(self) -> None:
+        """Abort every live handoff (so no prefill stage keeps writing into pages this service
+        is about to release), then stop the background tasks."""
+        live = [h.id for h in self.handoffs.values() if not h.state.terminal]
+        outcomes = await asyncio.gather(
+            *(self.abort(hid, "decode service shutting down") for hid in live),
+            return_exceptions=True,
+        )
+        for hid, outcome in zip(live, outcomes):
+            if isinstance(outcome, BaseException):
+                log.warning("abort of %s on shutdown failed: %r", hid, outcome)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -264,8 +264,9 @@ class EmbeddedService:
         extensions += [load_extension(name) for name in EXTENSIONS]
         async with serve(self._config, extensions) as server:
             self._started.set_result(server)
+            # Leaving serve() closes the pipelines: live handoffs are aborted (no write can
+            # land in the engine's buffers afterwards), then the buffers are unregistered.
             await self._stopping.wait()
-            await _abort_live(server.app[RUNTIME])
 
     def _install_buffers(self, app: web.Application) -> None:
         if self._buffers is not None:
@@ -334,21 +335,6 @@ def _prefill_of(runtime: Runtime) -> PrefillPipeline:
 def _decode_of(runtime: Runtime) -> DecodePipeline:
     assert runtime.decode is not None, "checked by EmbeddedService._require"
     return runtime.decode
-
-
-async def _abort_live(runtime: Runtime) -> None:
-    """Abort the decode side's live handoffs before the app stops (the prefill pipeline aborts
-    its own when it closes), so no write lands in engine memory after `stop()` returns."""
-    if runtime.decode is None:
-        return
-    decode = runtime.decode
-    live = [h.id for h in decode.handoffs.values() if not h.state.terminal]
-    outcomes = await asyncio.gather(
-        *(decode.abort(hid, "engine stopping") for hid in live), return_exceptions=True
-    )
-    for hid, outcome in zip(live, outcomes):
-        if isinstance(outcome, BaseException):
-            log.warning("abort of %s on stop failed: %s", hid, outcome)
 
 
 def _check_buffers(config: Config, buffers: dict[int, list[Any]]) -> None:

@@ -134,8 +134,10 @@ async def serve(
         handle_signals=False,
         shutdown_timeout=shutdown_timeout_s,
     )
-    await runner.setup()  # runs the cleanup contexts' start halves
     try:
+        # Runs the cleanup contexts' start halves; if one fails, aiohttp closes those already
+        # started (the transport, the peer client) and the `finally` below frees the socket.
+        await runner.setup()
         site: web.BaseSite = (
             web.SockSite(runner, sock)
             if sock is not None
