@@ -31,7 +31,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from msgspec import Struct
 
-from pipelines.errors import InvalidInput, KVHandoffError
+from pipelines.errors import KVHandoffError
 from service.config import Config
 from service.openapi import build_openapi
 from service.peer_client import PeerClient
@@ -45,6 +45,7 @@ from service.problems import (
     Unauthorized,
     encode_problem,
     error_problem,
+    invalid_value,
     problem_body,
 )
 from service.routing import API_PREFIX, RouteTable
@@ -118,8 +119,8 @@ def _decoder(type_: Any) -> msgspec.json.Decoder[Any]:
 async def decode_body(request: web.Request, type_: type[T]) -> T:
     """Read the body (at most `server.max_body_bytes`) and decode it as `type_`.
 
-    Raises MalformedBody (400) if it is not JSON, InvalidInput (422) with `field` set to
-    msgspec's JSON path (`$.dst_pages[3]`) if a value is wrong, PayloadTooLarge (413).
+    Raises MalformedBody (400) if it is not JSON, InvalidInput (422) with `field` set to the
+    key path of the wrong value (`dst_pages[3]`), PayloadTooLarge (413).
     """
     try:
         raw = await request.read()
@@ -129,9 +130,7 @@ async def decode_body(request: web.Request, type_: type[T]) -> T:
         decoded: T = _decoder(cast(Any, type_)).decode(raw)
         return decoded
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        path = text.rsplit(" - at `", 1)[1].rstrip("`") if " - at `" in text else "$"
-        raise InvalidInput(text, field=path) from None
+        raise invalid_value(exc) from None
     except msgspec.DecodeError as exc:
         raise MalformedBody(f"request body is not valid JSON: {exc}", field="$") from None
 

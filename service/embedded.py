@@ -38,7 +38,7 @@ from pipelines.prefill import PrefillPipeline
 from service.app import Extension
 from service.config import Config, ConfigError
 from service.handoffs_ext import EMBEDDED_BUFFERS
-from service.problems import NotReady
+from service.problems import NotReady, invalid_value
 from service.runtime import RUNTIME, Runtime
 from service.serve_cmd import EXTENSIONS, SHUTDOWN_TIMEOUT_S, Server, load_extension, serve
 from service.stages import Buffers, unplaced_layout
@@ -413,9 +413,7 @@ def _checked_request(request: HandoffRequest) -> HandoffRequest:
     try:
         return msgspec.convert(raw, HandoffRequest)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        path = text.rsplit(" - at `", 1)[1].rstrip("`") if " - at `" in text else "$"
-        raise InvalidInput(text, field=path) from None
+        raise invalid_value(exc) from None
 
 
 def _numpy_hook(value: Any) -> Any:

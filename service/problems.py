@@ -153,6 +153,19 @@ class ProblemDetails(Struct, omit_defaults=True, kw_only=True):
     not_ready: list[str] | None = None
 
 
+def invalid_value(exc: msgspec.ValidationError) -> InvalidInput:
+    """msgspec's "Expected `int`, got `str` - at `$.dst_pages[3]`" as InvalidInput whose `field`
+    is the key path in the style every other check uses (`dst_pages[3]`; `$` for the whole body).
+    """
+    text = str(exc)
+    path = text.rsplit(" - at `", 1)[1].rstrip("`") if " - at `" in text else "$"
+    if path.startswith("$."):
+        path = path[2:]
+    elif path.startswith("$["):
+        path = path[1:]
+    return InvalidInput(text, field=path)
+
+
 def problem_body(
     *, status: int, code: str, detail: str, instance: str, extra: dict[str, object] | None = None
 ) -> dict[str, Any]:

@@ -140,7 +140,7 @@ async def test_remote_transport_error_keeps_rc_and_peer(peer: str, client: PeerC
 async def test_remote_validation_error_names_the_field(peer: str, client: PeerClient) -> None:
     with pytest.raises(InvalidInput) as info:
         await client.post(peer, "/v1/ping", {"n": "x"}, Pong)
-    assert info.value.context["field"] == "$.n"
+    assert info.value.context["field"] == "n"
 
 
 async def test_remote_crash_and_missing_route(peer: str, client: PeerClient) -> None:
