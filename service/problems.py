@@ -11,6 +11,7 @@ since nothing is served at them; `code` is the error class's `code`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -158,12 +159,19 @@ def invalid_value(exc: msgspec.ValidationError) -> InvalidInput:
     is the key path in the style every other check uses (`dst_pages[3]`; `$` for the whole body).
     """
     text = str(exc)
-    path = text.rsplit(" - at `", 1)[1].rstrip("`") if " - at `" in text else "$"
+    message, _, at = text.partition(" - at `")
+    path = at.rstrip("`") if at else "$"
+    key = _NAMED_KEY.match(message)  # a missing or unknown key: name it, not its object
+    if key:
+        path = f"{path}.{key['key']}"
     if path.startswith("$."):
         path = path[2:]
     elif path.startswith("$["):
         path = path[1:]
     return InvalidInput(text, field=path)
+
+
+_NAMED_KEY = re.compile(r"^Object (?:missing required|contains unknown) field `(?P<key>[^`]*)`$")
 
 
 def problem_body(

@@ -202,7 +202,7 @@ async def test_bad_ready_signals_are_refused_naming_field_and_layer(d: Deploymen
 async def test_malformed_and_unknown_bodies_are_refused(d: Deployment) -> None:
     url = f"{d.decode.url}/v1/handoffs"
     unknown = await d.request("POST", url, json={"id": "x", "dst_pages": [1], "bogus": 1})
-    assert_problem(unknown, 422, "invalid_input", field="$")
+    assert_problem(unknown, 422, "invalid_input", field="bogus")
     assert "bogus" in unknown.body["detail"]
     assert_problem(await d.request("POST", url, data=b"{not json"), 400, "malformed_body")
     wrong_type = await d.request("POST", url, json={"id": "x", "dst_pages": [1, "2"]})
