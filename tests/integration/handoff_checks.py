@@ -80,6 +80,7 @@ def landed(
             if kind == "kv":
                 want, at = src[m.src_pages], m.dst_pages
             else:
+                assert m.src_slot is not None and m.dst_slot is not None
                 want, at = src[[m.src_slot]], [m.dst_slot]
             if not np.array_equal(got[at], want):
                 problems.append(f"{kind} layer {layer} {which}: wrong bytes at {at}")

@@ -1,36 +1,221 @@
-"""`kvhandoff demo` end to end: PP=4 hybrid NPU-MLA into one decode, every byte checked."""
+"""`kvhandoff demo` end to end, and the `LocalDeployment` harness it runs on: PP hybrid NPU-MLA
+prefill processes into one decode process over Mooncake TCP, every byte checked."""
 
+from __future__ import annotations
+
+import glob
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
+from service.config import HandoffConfig
+from service.deployment import DeploymentError, LocalDeployment
+
+DeploymentFactory = Callable[..., LocalDeployment]  # the `deployment` fixture (conftest.py)
+
 pytestmark = pytest.mark.integration
+DEMO = [sys.executable, "-m", "service.cli", "demo"]
+
+
+def _demo(*flags: str) -> dict[str, Any]:
+    out = subprocess.run([*DEMO, *flags], capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return summary
 
 
 @pytest.mark.parametrize("transport", ["local", "mooncake"])
-def test_demo_completes_and_verifies_every_byte(transport: str) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "service.cli",
-            "demo",
-            "--requests",
-            "12",
-            "--concurrency",
-            "4",
-            "--transport",
-            transport,
-            "--verify-digests",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+def test_inprocess_demo_completes_and_verifies_every_byte(transport: str) -> None:
+    flags = ["--requests", "12", "--concurrency", "4", "--verify-digests", "--json"]
+    summary = _demo("--inprocess", "--transport", transport, *flags)
+    assert summary["mode"] == "inprocess"
     assert summary["completed"] == summary["verified"] == 12
     assert summary["failed"] == 0 and summary["bytes"] > 0
+
+
+def test_multiprocess_demo_completes_and_verifies_every_byte() -> None:
+    summary = _demo("--requests", "12", "--concurrency", "4", "--verify-digests", "--json")
+    assert summary["mode"] == "multiprocess" and summary["transport"] == "mooncake"
+    assert summary["completed"] == summary["verified"] == 12
+    assert summary["failed"] == 0 and summary["bytes"] > 0 and not summary["errors"]
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc, field 4 of stat)."""
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # exited while we looked
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.split("/")[2]))
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_prints_its_urls_and_cleans_up_on_a_signal(sig: int) -> None:
+    proc = subprocess.Popen(
+        [*DEMO, "--requests", "4", "--concurrency", "2", "--serve", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        summary = json.loads(proc.stdout.readline())
+        info = json.loads(proc.stdout.readline())
+        assert summary["verified"] == 4
+        assert set(info) == {"decode", "prefill", "stages", "openapi", "dashboard"}
+        assert sorted(info["stages"]) == ["0", "1", "2", "3"]
+        assert sorted(info["stages"].values()) == sorted(info["prefill"])
+        for url in [info["decode"], *info["prefill"]]:
+            assert _get(f"{url}/readyz")[0] == 200
+        assert _get(info["openapi"])[0] == 200
+        children = _children(proc.pid)
+        shm = glob.glob(f"/dev/shm/kvh-{proc.pid}-*")
+        assert len(children) == 5 and len(shm) == 5  # decode + 4 stages
+
+        proc.send_signal(sig)
+        assert proc.wait(30) == 0, proc.stderr.read() if proc.stderr else ""
+        assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+        assert not glob.glob(f"/dev/shm/kvh-{proc.pid}-*")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness on its own, over the services' HTTP API
+
+
+def _get(url: str) -> tuple[int, Any]:
+    return _call("GET", url)
+
+
+def _call(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+def _entry_rows(dep: LocalDeployment, pp_rank: int | None) -> dict[tuple[int, str], np.ndarray]:
+    """Every entry of a stage (None: decode) as rows (pages or slots) x bytes, keyed by
+    (layer, group or kind)."""
+    layout = dep.decode_layout if pp_rank is None else dep.stage_layouts[pp_rank]
+    pool = dep.decode_pool if pp_rank is None else dep.stage_pool(pp_rank)
+    out = {}
+    for i, e in enumerate(layout.kv):
+        out[(e.layer_id, str(e.group))] = pool.view(i)[: e.nbytes].reshape(e.num_items, -1)
+    for j, s in enumerate(layout.state):
+        rows = pool.view(len(layout.kv) + j)[: s.num_slots * s.item_len]
+        out[(s.layer_id, s.kind)] = rows.reshape(s.num_slots, -1)
+    return out
+
+
+def test_stages_grouped_into_processes_hand_off_every_layer(deployment: DeploymentFactory) -> None:
+    dep = deployment(pp_size=4, groups=[[0, 1], [2, 3]])
+    assert len(dep.prefill_urls) == 2
+    assert dep.url_of_stage(0) == dep.url_of_stage(1) != dep.url_of_stage(2)
+    rng = np.random.default_rng(7)
+    for r in range(4):
+        for i in range(len(dep.stage_layouts[r].region_sizes)):
+            view = dep.stage_pool(r).view(i)
+            view[:] = rng.integers(0, 256, view.shape[0], dtype=np.uint8)
+    src_pages, dst_pages, src_slot, dst_slot = [9, 2, 3, 40], [5, 6, 7, 1], 3, 6
+    status, view = _call(
+        "POST",
+        f"{dep.decode_url}/v1/handoffs",
+        {
+            "id": "grouped",
+            "prefill": dep.prefill_urls,
+            "dst_pages": dst_pages,
+            "dst_slot": dst_slot,
+        },
+    )
+    assert status == 201, view
+    for r in range(4):
+        url = f"{dep.url_of_stage(r)}/v1/handoffs/grouped/stages/{r}/ready"
+        status, ack = _call("POST", url, {"src_pages": src_pages, "src_slot": src_slot})
+        assert status == 202, ack
+    status, view = _get(f"{dep.decode_url}/v1/handoffs/grouped?wait_s=20")
+    assert view["state"] == "completed", view
+    decode = _entry_rows(dep, None)
+    landed = set()
+    for r in range(4):
+        for key, rows in _entry_rows(dep, r).items():
+            src, dst = (src_slot, dst_slot) if not key[1].isdigit() else (src_pages, dst_pages)
+            np.testing.assert_array_equal(decode[key][dst], rows[src], err_msg=f"{key}")
+            landed.add(key)
+    assert landed == set(decode)  # every decode entry was some stage's
+
+
+def test_a_killed_stage_fails_its_handoff_within_the_peer_timeout(
+    deployment: DeploymentFactory,
+) -> None:
+    dep = deployment(pp_size=2, handoff=HandoffConfig(heartbeat_interval_s=0.2, peer_timeout_s=1.0))
+    status, view = _call(
+        "POST",
+        f"{dep.decode_url}/v1/handoffs",
+        {"id": "doomed", "prefill": dep.prefill_urls, "dst_pages": [1, 2], "dst_slot": 0},
+    )
+    assert status == 201, view
+    url = f"{dep.url_of_stage(0)}/v1/handoffs/doomed/stages/0/ready"
+    assert _call("POST", url, {"src_pages": [3, 4], "src_slot": 1})[0] == 202
+    killed = dep.kill(1)
+    assert not killed.running and killed.popen is not None and killed.popen.returncode == -9
+    t0 = time.monotonic()
+    status, view = _get(f"{dep.decode_url}/v1/handoffs/doomed?wait_s=20")
+    assert view["state"] == "failed", view
+    assert time.monotonic() - t0 < 10  # the peer timeout, not the 30 s deadline
+    assert dep.process("decode").running and dep.process("prefill-0").running
+
+
+def test_a_service_that_cannot_start_is_reported_with_its_log_and_cleaned_up(
+    tmp_path: Path,
+) -> None:
+    dep = LocalDeployment(
+        work_dir=tmp_path,
+        model={"scale": 64, "num_layers": 8},
+        pp_size=2,
+        num_pages=16,
+        num_slots=2,
+        env={"KVHANDOFF_SERVER__BOGUS": "1"},
+    )
+    with pytest.raises(DeploymentError, match=r"unknown key 'server\.bogus'"):
+        dep.start()
+    assert not [p for p in dep.processes if p.running]
+    assert not glob.glob(f"/dev/shm/{dep.decode_pool.name.rsplit('-', 1)[0]}-*")
+    assert (tmp_path / "decode.log").exists()  # kept: the error points at it
+
+
+def test_close_stops_every_process_and_removes_the_pools(deployment: DeploymentFactory) -> None:
+    dep = deployment(pp_size=2, groups=[[0, 1]])
+    names = [dep.decode_pool.name, dep.stage_pool(0).name, dep.stage_pool(1).name]
+    assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+    assert [p.name for p in dep.processes] == ["decode", "prefill-0"]
+    work_dir = dep.work_dir
+    dep.close()
+    dep.close()  # idempotent
+    assert not [p for p in dep.processes if p.running]
+    assert not [n for n in names if os.path.exists(f"/dev/shm/{n}")]
+    assert work_dir is not None and not work_dir.exists()

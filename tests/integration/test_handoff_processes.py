@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -54,7 +55,7 @@ def fresh(pp4: LocalDeployment) -> LocalDeployment:
 
 async def run_handoff(
     http: aiohttp.ClientSession, dep: LocalDeployment, hid: str, m: Moved, **extra: object
-) -> dict[str, object]:
+) -> dict[str, Any]:
     status, body = await create(http, dep, hid, m, **extra)
     assert status == 201, body
     for r in range(dep.pp_size):

@@ -1,0 +1,35 @@
+"""Fixtures for integration tests that run the services as real processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from service.deployment import LocalDeployment
+
+DeploymentFactory = Callable[..., LocalDeployment]
+
+#: Small pools: these tests check behaviour, not capacity.
+SMALL: dict[str, Any] = {
+    "model": {"scale": 64, "page_size": 16, "num_layers": 16},
+    "num_pages": 64,
+    "num_slots": 8,
+}
+
+
+@pytest.fixture
+def deployment() -> Iterator[DeploymentFactory]:
+    """`deployment(**kwargs)` → a started `LocalDeployment` (small pools unless overridden),
+    closed after the test whatever happened."""
+    started: list[LocalDeployment] = []
+
+    def factory(**kwargs: Any) -> LocalDeployment:
+        dep = LocalDeployment(**{**SMALL, **kwargs})
+        started.append(dep)
+        return dep.start()
+
+    yield factory
+    for dep in started:
+        dep.close()
