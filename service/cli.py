@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "plan": ("service.bench.plan", "transfer planning vs. a per-entry reference planner"),
     "transport": ("service.bench.transport", "transports vs. memcpy and raw Mooncake calls"),
+    "handoff": ("service.bench.handoff", "handoffs through the HTTP services vs. raw baselines"),
 }
 
 

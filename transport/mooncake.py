@@ -4,10 +4,11 @@ Called by the handoff pipeline (`write`, `quiesce`) and by pools (`register`, `u
 
 How a write runs. Each peer gets one worker thread that calls the engine's
 `batch_transfer_sync_write` for one batch (<= `max_blocks_per_batch` blocks) at a time; at most
-`max_inflight_batches_per_peer` batches per peer are submitted (running or queued), so the asyncio
-side gets backpressure and the engine never holds more than one batch per peer. That bound
-matters: Mooncake TCP keeps a per-peer queue of about 2,048 requests; more queued requests fail
-(`TCP lane queue-full rejection`, rc -1) — measured with 8 async batches of 2,048 in flight.
+`max_inflight_batches_per_peer` batches per peer are submitted (one running, the rest queued for
+the worker), so the asyncio side gets backpressure and the engine never holds more than one batch
+per peer. That bound matters: Mooncake TCP keeps a per-peer queue of about 2,048 requests; more
+queued requests fail (`TCP lane queue-full rejection`, rc -1) — measured with 8 async batches of
+2,048 in flight.
 
 Why sync calls on a thread per peer, not `batch_transfer_async_write` + one waiter thread: both
 engine paths busy-wait a core while a batch runs, and on this 2-core machine (256 MiB to a
@@ -218,6 +219,9 @@ class MooncakeTransport:
             started = time.monotonic()
             rc = engine.batch_transfer_sync_write(lane.peer, src, dst, lengths)
             if rc < 0:
+                # Set here, in the worker, so the write's batches queued behind this one are
+                # skipped before the loop has even heard of the failure.
+                batch.stop.set()
                 error = TransportError(
                     f"batch of {len(blocks)} blocks ({blocks.total_bytes} bytes) failed after "
                     f"{time.monotonic() - started:.2f}s",
