@@ -1,49 +1,117 @@
 """`kvhandoff demo`: a complete hybrid-linear PP handoff deployment, driven and verified.
 
-Starts a decode pipeline and a PP=4 prefill (hybrid NPU-MLA preset scaled for CPU) in this
-process, each with its own pools and its own Mooncake engine talking TCP on loopback (or the local
-transport), linked in-process (the embedded mode). It then plays router and engines for
-`--requests` concurrent handoffs with fragmented page lists, fills every source page with bytes
-that are a function of (request, layer, group or kind, page ordinal), and after each completion
-reads the decode pools and checks every byte landed in the right layer, group and page.
+By default it starts a `service.deployment.LocalDeployment`: one decode service and a PP=4
+prefill (hybrid NPU-MLA preset scaled for CPU), one `kvhandoff serve` process per stage, each
+with its own Mooncake engine talking TCP on loopback and its pool in a /dev/shm file this process
+also maps. It then plays the router and the engines over HTTP for `--requests` concurrent
+handoffs with fragmented page lists: fills every source page with bytes that are a function of
+(request, layer, group or kind, page ordinal), creates the handoff on the decode service, tells
+each stage its pages are ready, long-polls until the handoff is terminal, and checks every byte
+landed in the right decode layer, group, page and slot. `--serve` keeps the deployment up
+afterwards (its URLs as one JSON line) until SIGINT/SIGTERM.
 
-Still to come (issue #4): the multi-process deployment over HTTP.
+`--inprocess` runs the same workload against the pipelines linked in this one process (the
+embedded mode, with `--transport local|mooncake`): a baseline without HTTP or processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
+import aiohttp
 import numpy as np
+import uvloop
 
-from pipelines.decode import DecodePipeline, HandoffRequest, HandoffState
-from pipelines.events import TERMINAL_EVENTS, Event, EventBus
+from pipelines.decode import DecodePipeline, HandoffRequest, HandoffView
+from pipelines.errors import KVHandoffError
+from pipelines.events import EventBus
 from pipelines.inprocess import InProcessLink
+from pipelines.layout import StageLayout
 from pipelines.memory import PoolMemory
-from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from pipelines.models import decode_layout, partition_layers, preset, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
+from service.config import HandoffConfig
+from service.deployment import DeploymentError, LocalDeployment
 from transport.config import MooncakeConfig
 from transport.local import LocalTransport
 from transport.mooncake import MooncakeTransport
 from transport.pools import Pool, open_pool
 
+PRESET = "hybrid-npu-mla"
+MODEL: dict[str, int | bool] = {"scale": 64, "page_size": 16, "num_layers": 48}
 DECODE_URL, PREFILL_URL = "inproc://decode", "inproc://prefill"
+TERMINAL = frozenset({"completed", "failed", "aborted"})
+#: One long poll of `GET /v1/handoffs/{id}`; the client waits this plus a margin.
+WAIT_S = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=200, help="handoffs to run")
-    parser.add_argument("--concurrency", type=int, default=16, help="handoffs in flight at once")
-    parser.add_argument("--pp", type=int, default=4, help="prefill pipeline-parallel stages")
-    parser.add_argument("--pages", type=int, default=64, help="most pages per request")
-    parser.add_argument("--transport", choices=["mooncake", "local"], default="mooncake")
+    parser.add_argument("--requests", type=_positive, default=200, help="handoffs to run")
+    parser.add_argument(
+        "--concurrency", type=_positive, default=16, help="handoffs in flight at once"
+    )
+    parser.add_argument("--pp", type=_positive, default=4, help="prefill pipeline-parallel stages")
+    parser.add_argument("--pages", type=_positive, default=64, help="most pages per request")
     parser.add_argument("--verify-digests", action="store_true", help="end-to-end digests too")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="afterwards keep the deployment up, print its URLs as one JSON line, and wait for "
+        "SIGINT/SIGTERM",
+    )
+    parser.add_argument(
+        "--inprocess", action="store_true", help="link the pipelines in this process instead"
+    )
+    parser.add_argument(
+        "--transport",
+        choices=["mooncake", "local"],
+        help="with --inprocess: the transport between the pipelines (default mooncake)",
+    )
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.inprocess and args.serve:
+        return _usage("--serve needs the multi-process deployment (drop --inprocess)")
+    if not args.inprocess and args.transport:
+        # Separate processes can only reach each other through the Transfer Engine.
+        return _usage("--transport applies with --inprocess only")
+    if args.inprocess:
+        args.transport = args.transport or "mooncake"
+        return asyncio.run(_inprocess(args))
+    return _multiprocess(args)
+
+
+def _usage(message: str) -> int:
+    print(f"kvhandoff demo: {message}", file=sys.stderr)
+    return 2
+
+
+def _pool_sizes(args: argparse.Namespace) -> tuple[int, int]:
+    """(pages, slots) per pool: room for every request in flight, with fragmentation."""
+    return max(4 * args.pages * args.concurrency, 1024), args.concurrency * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The workload, the same in both modes: allocate, fill, hand off, verify, release.
 
 
 def _pattern(
@@ -53,6 +121,10 @@ def _pattern(
     seed = request * 1_000_003 + layer * 7_919 + which * 104_729
     rows = (seed + ordinal[:, None] * 31 + np.arange(item_len)[None, :]) % 251
     return rows.astype(np.uint8)
+
+
+def _kind_id(kind: str) -> int:
+    return 1000 + sum(map(ord, kind))
 
 
 class _Side(PoolMemory):
@@ -65,19 +137,294 @@ class _Side(PoolMemory):
         return self.region(len(self.layout.kv) + j)[slot * s.item_len : (slot + 1) * s.item_len]
 
 
-def _kind_id(kind: str) -> int:
-    return 1000 + sum(map(ord, kind))
+@dataclass(frozen=True)
+class _Job:
+    index: int
+    dst_pages: np.ndarray
+    dst_slot: int
+    src_pages: np.ndarray
+    src_slot: int
+
+    @property
+    def id(self) -> str:
+        return f"req-{self.index}"
 
 
-def run(args: argparse.Namespace) -> int:
-    return asyncio.run(_main(args))
+@dataclass(frozen=True)
+class _Outcome:
+    state: str  # a handoff state, or "rejected" / "unreachable" when the API said no or nothing
+    bytes: int = 0
+    error: str | None = None
 
 
-async def _main(args: argparse.Namespace) -> int:
-    model = hybrid_npu_mla(scale=64, page_size=16)
+Execute = Callable[[_Job], Awaitable[_Outcome]]
+
+
+class _Workload:
+    """Free lists of pages and slots on both sides, and the byte pattern of every request."""
+
+    def __init__(self, stages: dict[int, _Side], dec: _Side, args: argparse.Namespace) -> None:
+        pages, slots = _pool_sizes(args)
+        self.stages, self.dec, self.max_pages = stages, dec, args.pages
+        self.rng = np.random.default_rng(args.seed)
+        self.free_dst, self.free_dst_slots = list(range(pages)), list(range(slots))
+        # Source pages are owned by the request while it is in flight, as in an engine.
+        self.free_src, self.free_src_slots = list(range(pages)), list(range(slots))
+
+    def _take(self, free: list[int], n: int) -> np.ndarray:
+        picks = sorted(self.rng.choice(len(free), n, replace=False).tolist(), reverse=True)
+        return np.array([free.pop(k) for k in picks], dtype=np.int64)  # fragmented, unsorted
+
+    def take(self, index: int) -> _Job | None:
+        """A request's pages and slots; None when handoffs in an unknown state hold too many."""
+        n = int(self.rng.integers(1, self.max_pages + 1))
+        if min(len(self.free_dst), len(self.free_src)) < n or not self.free_dst_slots:
+            return None
+        dst = self._take(self.free_dst, n)
+        src = self._take(self.free_src, n)
+        return _Job(index, dst, self.free_dst_slots.pop(), src, self.free_src_slots.pop())
+
+    def fill(self, job: _Job) -> None:
+        ordinal = np.arange(job.src_pages.shape[0])
+        for side in self.stages.values():
+            for k, e in enumerate(side.layout.kv):
+                rows = _pattern(job.index, e.layer_id, e.group, ordinal, e.item_len)
+                side.kv_rows(k)[job.src_pages] = rows
+            for j, s in enumerate(side.layout.state):
+                one = _pattern(job.index, s.layer_id, _kind_id(s.kind), ordinal[:1], s.item_len)
+                side.slot(j, job.src_slot)[:] = one[0]
+
+    def verify(self, job: _Job) -> bool:
+        dec, ordinal = self.dec, np.arange(job.dst_pages.shape[0])
+        for k, e in enumerate(dec.layout.kv):
+            want = _pattern(job.index, e.layer_id, e.group, ordinal, e.item_len)
+            if not np.array_equal(dec.kv_rows(k)[job.dst_pages], want):
+                return False
+        for j, s in enumerate(dec.layout.state):
+            want = _pattern(job.index, s.layer_id, _kind_id(s.kind), ordinal[:1], s.item_len)
+            if not np.array_equal(dec.slot(j, job.dst_slot), want[0]):
+                return False
+        return True
+
+    def release(self, job: _Job, outcome: _Outcome) -> None:
+        self.free_src.extend(job.src_pages.tolist())
+        self.free_src_slots.append(job.src_slot)
+        # A handoff in an unknown state may still hold its decode pages: never hand them out again.
+        if outcome.state in TERMINAL or outcome.state == "rejected":
+            self.free_dst.extend(job.dst_pages.tolist())
+            self.free_dst_slots.append(job.dst_slot)
+
+
+async def _drive(
+    work: _Workload, execute: Execute, args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], float]:
+    """Run every request, `args.concurrency` at a time; (one result per request, wall seconds)."""
+    sem = asyncio.Semaphore(args.concurrency)
+    results: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+
+    async def one(i: int) -> None:
+        async with sem:
+            job = work.take(i)
+            if job is None:
+                results.append(_result(f"req-{i}", _Outcome("skipped", 0, _EXHAUSTED), 0.0, False))
+                return
+            work.fill(job)
+            t0 = time.perf_counter()
+            outcome = await execute(job)
+            latency = time.perf_counter() - t0
+            ok = outcome.state == "completed" and work.verify(job)
+            results.append(_result(job.id, outcome, latency, ok))
+            work.release(job, outcome)
+            _progress(len(results), args.requests, args.json)
+
+    async with asyncio.TaskGroup() as tg:
+        for i in range(args.requests):
+            tg.create_task(one(i))
+    return results, time.perf_counter() - t_start
+
+
+_EXHAUSTED = "no free decode pages or slot: earlier handoffs in an unknown state hold them"
+
+
+def _result(handoff_id: str, outcome: _Outcome, latency_s: float, ok: bool) -> dict[str, Any]:
+    return {
+        "id": handoff_id,
+        "state": outcome.state,
+        "verified": ok,
+        "bytes": outcome.bytes,
+        "latency_s": latency_s,
+        "error": outcome.error,
+    }
+
+
+def _outcome(view: HandoffView) -> _Outcome:
+    error = f"{view.error.code}: {view.error.reason}" if view.error else None
+    return _Outcome(view.state.value, view.bytes, error)
+
+
+# ---------------------------------------------------------------------------------------------
+# Default: separate processes, driven over HTTP.
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _multiprocess(args: argparse.Namespace) -> int:
+    pages, slots = _pool_sizes(args)
+    deployment = LocalDeployment(
+        preset=PRESET,
+        model=MODEL,
+        pp_size=args.pp,
+        num_pages=pages,
+        num_slots=slots,
+        handoff=HandoffConfig(max_concurrent=max(256, args.concurrency)),
+    )
+    # SIGTERM unwinds like Ctrl-C, so the processes and /dev/shm files are cleaned up either way.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with deployment:
+            try:
+                return uvloop.run(_over_http(deployment, args))
+            finally:
+                signal.signal(signal.SIGTERM, _interrupt)  # the loop reset it to the default
+    except DeploymentError as exc:
+        print(f"kvhandoff demo: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvhandoff demo: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+async def _over_http(dep: LocalDeployment, args: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stages = {r: _Side(dep.stage_layouts[r], dep.stage_pool(r)) for r in range(dep.pp_size)}
+    work = _Workload(stages, _Side(dep.decode_layout, dep.decode_pool), args)
+    headers = {"Authorization": f"Bearer {dep.token}"} if dep.token else None
+    async with aiohttp.ClientSession(headers=headers) as http:
+        router = _HttpRouter(http, dep, args.verify_digests)
+        running = asyncio.create_task(_drive(work, router, args))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({running, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        # A signal wins even if the run ended meanwhile: a terminal's Ctrl-C also stops the
+        # services, which can fail the last requests first.
+        if stop.is_set() or not running.done():
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+            print("kvhandoff demo: interrupted", file=sys.stderr)
+            return 130
+        stopped.cancel()
+        results, wall = running.result()
+    status = _summary(results, wall, args, mode="multiprocess", transport=dep.transport.backend)
+    if args.serve:
+        print(json.dumps(_serve_info(dep)), flush=True)
+        await stop.wait()
+    return status
+
+
+def _serve_info(dep: LocalDeployment) -> dict[str, Any]:
+    return {
+        "decode": dep.decode_url,
+        "prefill": dep.prefill_urls,
+        "stages": {str(r): dep.url_of_stage(r) for r in range(dep.pp_size)},
+        "openapi": f"{dep.decode_url}/openapi.json",
+        "dashboard": f"{dep.decode_url}/",
+    }
+
+
+class _HttpRouter:
+    """One handoff as a router and the prefill engines drive it: create it on the decode
+    service, signal every stage ready on its prefill service, long-poll until terminal."""
+
+    def __init__(self, http: aiohttp.ClientSession, dep: LocalDeployment, verify: bool) -> None:
+        self.http, self.dep, self.verify = http, dep, verify
+        self.timeout = aiohttp.ClientTimeout(total=WAIT_S + 20)
+
+    async def __call__(self, job: _Job) -> _Outcome:
+        try:
+            return await self._handoff(job)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return _Outcome("unreachable", 0, f"{type(exc).__name__}: {exc}")
+
+    async def _handoff(self, job: _Job) -> _Outcome:
+        body = {
+            "id": job.id,
+            "prefill": self.dep.prefill_urls,
+            "dst_pages": job.dst_pages.tolist(),
+            "dst_slot": job.dst_slot,
+            "verify": self.verify,
+        }
+        url = f"{self.dep.decode_url}/v1/handoffs"
+        async with self.http.post(url, json=body, timeout=self.timeout) as resp:
+            if resp.status not in (200, 201):  # 200: this very request was already accepted
+                return _Outcome("rejected", 0, await _problem(resp))
+        ready = {"src_pages": job.src_pages.tolist(), "src_slot": job.src_slot}
+        refused = [
+            p
+            for p in await asyncio.gather(
+                *(self._ready(job, r, ready) for r in range(self.dep.pp_size))
+            )
+            if p
+        ]
+        view = await self._until_terminal(job.id)
+        error = view.get("error")
+        reason = f"{error['code']}: {error['reason']}" if error else None
+        return _Outcome(view["state"], int(view["bytes"]), reason or next(iter(refused), None))
+
+    async def _ready(self, job: _Job, rank: int, body: dict[str, Any]) -> str | None:
+        """Signal stage `rank` ready; the problem's text if the prefill service refused."""
+        url = f"{self.dep.url_of_stage(rank)}/v1/handoffs/{job.id}/stages/{rank}/ready"
+        try:
+            async with self.http.post(url, json=body, timeout=self.timeout) as resp:
+                return None if resp.status == 202 else await _problem(resp)
+        except aiohttp.ClientError as exc:
+            # The handoff exists: the decode service fails it (peer timeout, deadline); wait.
+            return f"stage {rank}: {type(exc).__name__}: {exc}"
+
+    async def _until_terminal(self, handoff_id: str) -> dict[str, Any]:
+        # Bounded by the handoff's deadline: the decode service fails it then at the latest.
+        url = f"{self.dep.decode_url}/v1/handoffs/{handoff_id}"
+        while True:
+            async with self.http.get(
+                url, params={"wait_s": str(WAIT_S)}, timeout=self.timeout
+            ) as resp:
+                if resp.status != 200:
+                    return {"state": "unreachable", "bytes": 0, "error": await _problem_of(resp)}
+                view: dict[str, Any] = await resp.json()
+            if view["state"] in TERMINAL:
+                return view
+
+
+async def _problem_of(resp: aiohttp.ClientResponse) -> dict[str, str]:
+    """A problem+json body as {"code", "reason"} (or the raw text if it is not one)."""
+    text = await resp.text()
+    try:
+        body = json.loads(text)
+        return {"code": str(body.get("code", resp.status)), "reason": str(body["detail"])}
+    except (ValueError, KeyError, AttributeError):
+        return {"code": str(resp.status), "reason": text[:300]}
+
+
+async def _problem(resp: aiohttp.ClientResponse) -> str:
+    problem = await _problem_of(resp)
+    return f"{problem['code']}: {problem['reason']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# --inprocess: the pipelines linked in this process (the embedded mode).
+
+
+async def _inprocess(args: argparse.Namespace) -> int:
+    model = preset(PRESET, **MODEL)
     part = partition_layers(model.num_layers, args.pp)
-    pool_pages = max(4 * args.pages * args.concurrency, 1024)
-    slots = args.concurrency * 2
+    pool_pages, slots = _pool_sizes(args)
     transports: list[Any] = []
 
     def transport() -> Any:
@@ -90,104 +437,50 @@ async def _main(args: argparse.Namespace) -> int:
         return t
 
     pools: list[Pool] = []
+
+    def side(layout: StageLayout, t: Any) -> _Side:
+        pool = open_pool("torch:cpu", layout.region_sizes)
+        pools.append(pool)
+        pool.register(t)
+        return _Side(layout, pool)
+
     dec_t = transport()
     pre_t = dec_t if args.transport == "local" else transport()
-    dec_layout = decode_layout(model, num_pages=pool_pages, num_slots=slots)
-    dec_pool = open_pool("torch:cpu", dec_layout.region_sizes)
-    pools.append(dec_pool)
-    dec_pool.register(dec_t)
-    dec = _Side(dec_layout, dec_pool)
-    stages: dict[int, _Side] = {}
-    for r in range(args.pp):
-        lay = stage_layout(model, part, r, num_pages=pool_pages, num_slots=slots)
-        pool = open_pool("torch:cpu", lay.region_sizes)
-        pool.register(pre_t)
-        pools.append(pool)
-        stages[r] = _Side(lay, pool)
-
-    bus = EventBus()
+    dec = side(decode_layout(model, num_pages=pool_pages, num_slots=slots), dec_t)
+    stages = {
+        r: side(stage_layout(model, part, r, num_pages=pool_pages, num_slots=slots), pre_t)
+        for r in range(args.pp)
+    }
     link = InProcessLink()
+    bus = EventBus()
     decode = DecodePipeline(dec.layout, dec_t.local_target, DECODE_URL, link, bus, memory=dec)
     prefill = PrefillPipeline(
         {r: HostedStage(s.layout, s) for r, s in stages.items()}, pre_t, link, bus
     )
     link.decode = decode
     link.add_prefill(PREFILL_URL, prefill, pre_t.local_target)
-    done: dict[str, asyncio.Future[Event]] = {}
 
-    def on_event(event: Event) -> None:
-        if isinstance(event, TERMINAL_EVENTS) and event.role == "decode":
-            fut = done.get(event.handoff_id)
-            if fut is not None and not fut.done():
-                fut.set_result(event)
-
-    bus.add_listener(on_event)
-    rng = np.random.default_rng(args.seed)
-    free_pages = list(range(pool_pages))
-    free_slots = list(range(slots))
-    free_src, free_src_slots = list(range(pool_pages)), list(range(slots))
-    sem = asyncio.Semaphore(args.concurrency)
-    results: list[dict[str, Any]] = []
-    t_start = time.perf_counter()
-
-    async def one(i: int) -> None:
-        async with sem:
-            n = int(rng.integers(1, args.pages + 1))
-            take = sorted(rng.choice(len(free_pages), n, replace=False).tolist(), reverse=True)
-            dst_pages = np.array([free_pages.pop(k) for k in take], dtype=np.int64)
-            dst_slot = free_slots.pop()
-            # Source pages are owned by the request while it is in flight, as in an engine.
-            take = sorted(rng.choice(len(free_src), n, replace=False).tolist(), reverse=True)
-            src_pages = np.array([free_src.pop(k) for k in take], dtype=np.int64)
-            src_slot = free_src_slots.pop()
-            ordinal = np.arange(n)
-            for side in stages.values():
-                for k, e in enumerate(side.layout.kv):
-                    side.kv_rows(k)[src_pages] = _pattern(
-                        i, e.layer_id, e.group, ordinal, e.item_len
-                    )
-                for j, s in enumerate(side.layout.state):
-                    side.slot(j, src_slot)[:] = _pattern(
-                        i, s.layer_id, _kind_id(s.kind), np.zeros(1, np.int64), s.item_len
-                    )[0]
-            hid = f"req-{i}"
-            done[hid] = asyncio.get_running_loop().create_future()
-            t0 = time.perf_counter()
-            await decode.create(
-                HandoffRequest(
-                    id=hid,
-                    prefill=[PREFILL_URL],
-                    dst_pages=dst_pages.tolist(),
-                    dst_slot=dst_slot,
-                    verify=args.verify_digests,
-                )
-            )
-            for r in stages:
-                prefill.ready(hid, r, src_pages, src_slot)
-            event = await done[hid]
-            latency = time.perf_counter() - t0
-            view = decode.get(hid)
-            ok = view.state == HandoffState.COMPLETED and _verify(dec, i, dst_pages, dst_slot)
-            results.append(
-                {
-                    "id": hid,
-                    "state": view.state.value,
-                    "verified": ok,
-                    "bytes": view.bytes,
-                    "latency_s": latency,
-                    "error": getattr(event, "reason", None),
-                }
-            )
-            free_pages.extend(dst_pages.tolist())
-            free_src.extend(src_pages.tolist())
-            free_src_slots.append(src_slot)
-            free_slots.append(dst_slot)
-            _progress(len(results), args.requests, args.json)
+    async def execute(job: _Job) -> _Outcome:
+        request = HandoffRequest(
+            id=job.id,
+            prefill=[PREFILL_URL],
+            dst_pages=job.dst_pages.tolist(),
+            dst_slot=job.dst_slot,
+            verify=args.verify_digests,
+        )
+        try:
+            await decode.create(request)
+        except KVHandoffError as exc:
+            return _Outcome("rejected", 0, f"{exc.code}: {exc}")
+        for r in stages:
+            prefill.ready(job.id, r, job.src_pages, job.src_slot)
+        view = await decode.wait(job.id, WAIT_S)
+        while not view.state.terminal:
+            view = await decode.wait(job.id, WAIT_S)
+        return _outcome(view)
 
     try:
-        async with asyncio.TaskGroup() as tg:
-            for i in range(args.requests):
-                tg.create_task(one(i))
+        results, wall = await _drive(_Workload(stages, dec, args), execute, args)
     finally:
         await prefill.close()
         await decode.close()
@@ -195,21 +488,11 @@ async def _main(args: argparse.Namespace) -> int:
             pool.close()
         for t in transports:
             t.close()
-    wall = time.perf_counter() - t_start
-    return _summary(results, wall, args)
+    return _summary(results, wall, args, mode="inprocess", transport=args.transport)
 
 
-def _verify(dec: _Side, request: int, dst_pages: np.ndarray, dst_slot: int) -> bool:
-    ordinal = np.arange(dst_pages.shape[0])
-    for k, e in enumerate(dec.layout.kv):
-        want = _pattern(request, e.layer_id, e.group, ordinal, e.item_len)
-        if not np.array_equal(dec.kv_rows(k)[dst_pages], want):
-            return False
-    for j, s in enumerate(dec.layout.state):
-        want = _pattern(request, s.layer_id, _kind_id(s.kind), np.zeros(1, np.int64), s.item_len)[0]
-        if not np.array_equal(dec.slot(j, dst_slot), want):
-            return False
-    return True
+# ---------------------------------------------------------------------------------------------
+# Reporting
 
 
 def _progress(done: int, total: int, quiet: bool) -> None:
@@ -223,16 +506,23 @@ def _progress(done: int, total: int, quiet: bool) -> None:
     sys.stderr.flush()
 
 
-def _summary(results: list[dict[str, Any]], wall: float, args: argparse.Namespace) -> int:
+def _summary(
+    results: list[dict[str, Any]],
+    wall: float,
+    args: argparse.Namespace,
+    *,
+    mode: str,
+    transport: str,
+) -> int:
+    """Print the summary (a table, or one JSON object with --json); the exit status."""
     completed = sum(r["state"] == "completed" for r in results)
     verified = sum(r["verified"] for r in results)
-    failed = len(results) - completed
     total_bytes = sum(r["bytes"] for r in results)
     lat = np.array([r["latency_s"] for r in results]) if results else np.zeros(1)
     summary = {
         "requests": args.requests,
         "completed": completed,
-        "failed": failed,
+        "failed": len(results) - completed,
         "verified": verified,
         "bytes": total_bytes,
         "seconds": wall,
@@ -240,14 +530,15 @@ def _summary(results: list[dict[str, Any]], wall: float, args: argparse.Namespac
         "handoffs_per_s": len(results) / wall if wall else 0.0,
         "p50_ms": float(np.percentile(lat, 50) * 1e3),
         "p99_ms": float(np.percentile(lat, 99) * 1e3),
-        "transport": args.transport,
+        "mode": mode,
+        "transport": transport,
         "pp": args.pp,
         "errors": sorted({r["error"] for r in results if r["error"]})[:5],
     }
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(summary), flush=True)
     else:
-        print(f"kvhandoff demo: PP={args.pp} hybrid NPU-MLA -> decode over {args.transport}")
+        print(f"kvhandoff demo: PP={args.pp} hybrid NPU-MLA -> decode over {transport} ({mode})")
         for key in ("requests", "completed", "failed", "verified"):
             print(f"  {key:<14}{summary[key]:>12}")
         print(f"  {'bytes':<14}{total_bytes:>12,}")
@@ -257,4 +548,5 @@ def _summary(results: list[dict[str, Any]], wall: float, args: argparse.Namespac
         print(f"  {'p99 latency':<14}{summary['p99_ms']:>9.2f} ms")
         for err in summary["errors"]:
             print(f"  error: {err}")
+        sys.stdout.flush()
     return 0 if verified == args.requests else 1

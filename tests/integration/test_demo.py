@@ -90,7 +90,7 @@ def test_serve_prints_its_urls_and_cleans_up_on_a_signal(sig: int) -> None:
 
         proc.send_signal(sig)
         assert proc.wait(30) == 0, proc.stderr.read() if proc.stderr else ""
-        assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+        assert not [pid for pid in children if _alive(pid)]
         assert not glob.glob(f"/dev/shm/kvh-{proc.pid}-*")
     finally:
         if proc.poll() is None:
@@ -219,3 +219,44 @@ def test_close_stops_every_process_and_removes_the_pools(deployment: DeploymentF
     assert not [p for p in dep.processes if p.running]
     assert not [n for n in names if os.path.exists(f"/dev/shm/{n}")]
     assert work_dir is not None and not work_dir.exists()
+
+
+_HARNESS = """\
+import json, sys, time
+from service.deployment import LocalDeployment
+model = {"scale": 64, "num_layers": 8}
+dep = LocalDeployment(model=model, pp_size=2, num_pages=16, num_slots=2, work_dir=sys.argv[1])
+dep.start()
+pools = [dep.decode_pool.name, dep.stage_pool(0).name, dep.stage_pool(1).name]
+print(json.dumps({"pids": [p.popen.pid for p in dep.processes], "pools": pools}), flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie waiting for a reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_nothing_outlives_a_harness_killed_without_closing(
+    deployment: DeploymentFactory, tmp_path: Path
+) -> None:
+    harness = subprocess.Popen(
+        [sys.executable, "-c", _HARNESS, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert harness.stdout is not None
+    info = json.loads(harness.stdout.readline())
+    harness.kill()  # no finally, no atexit
+    harness.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in info["pids"]):
+        assert time.monotonic() < deadline, "services outlived their harness"
+        time.sleep(0.1)
+    # The next harness to start unlinks the pool files of a dead one (one started by another
+    # test session meanwhile may already have: so no check that they are still there).
+    deployment(pp_size=1)
+    assert not [name for name in info["pools"] if os.path.exists(f"/dev/shm/{name}")]
