@@ -3,7 +3,8 @@
 Called by the handoff pipeline (`write`, `quiesce`) and by pools (`register`, `unregister`).
 
 How a write runs. Each peer gets one worker thread that calls the engine's
-`batch_transfer_sync_write` for one batch (<= `max_blocks_per_batch` blocks) at a time; at most
+`batch_transfer_sync_write` for one batch (<= `max_blocks_per_batch` blocks) at a time — small
+batches of several writes queued behind a running call share the next one; at most
 `max_inflight_batches_per_peer` batches per peer are submitted (one running, the rest queued for
 the worker), so the asyncio side gets backpressure and the engine never holds more than one batch
 per peer. That bound matters: Mooncake TCP keeps a per-peer queue of about 2,048 requests; more
@@ -47,9 +48,12 @@ import contextlib
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
+
+import numpy as np
 
 from transport.blocks import Blocks
 from transport.config import MooncakeConfig
@@ -116,6 +120,9 @@ class _PeerLane:
         )
         self.slots = asyncio.Semaphore(max_inflight)
         self.running: set[Future[None]] = set()
+        #: Batches submitted and not yet taken by the worker, oldest first. The worker merges
+        #: those that fit into one engine call (see `_take`).
+        self.pending: deque[_Batch] = deque()
         #: Set while a batch has outlived the timeout but is still inside the engine call.
         self.stuck = False
 
@@ -187,7 +194,8 @@ class MooncakeTransport:
                     raise self._stuck_error(lane)
                 batch = _Batch(part, loop.create_future(), stop)
                 submitted.append(batch)
-                fut = lane.executor.submit(self._run, lane, batch, loop)
+                lane.pending.append(batch)
+                fut = lane.executor.submit(self._run, lane, loop)
                 lane.running.add(fut)
                 fut.add_done_callback(lane.running.discard)
             for batch in submitted:
@@ -201,41 +209,83 @@ class MooncakeTransport:
                         batch.done.exception()  # retrieved: the first error is what we raise
                     batch.done.cancel()
 
-    def _run(self, lane: _PeerLane, batch: _Batch, loop: asyncio.AbstractEventLoop) -> None:
-        """Worker thread: one engine call for one batch, reporting back to the loop."""
-        rc: int | None = None
+    def _take(self, lane: _PeerLane, skipped: list[_Batch]) -> list[_Batch]:
+        """Worker thread: the oldest pending batches that fit in one engine call together.
+
+        Under load many small writes (other stages, other handoffs) queue for the same peer;
+        one call for all of them costs the engine one submission and one wait instead of one
+        each. Batches of stopped writes go to `skipped` (the loop cancels them).
+        """
+        taken: list[_Batch] = []
+        blocks = 0
+        cap = self._config.max_blocks_per_batch
+        while lane.pending:
+            batch = lane.pending[0]
+            if batch.stop.is_set():
+                skipped.append(lane.pending.popleft())
+                continue
+            if taken and blocks + len(batch.blocks) > cap:
+                break
+            lane.pending.popleft()
+            taken.append(batch)
+            blocks += len(batch.blocks)
+        return taken
+
+    def _run(self, lane: _PeerLane, loop: asyncio.AbstractEventLoop) -> None:
+        """Worker thread: one engine call for the pending batches that fit, reporting back."""
+        taken: list[_Batch] = []
+        skipped: list[_Batch] = []
         error: TransportError | None = None
         try:
+            while lane.pending and lane.pending[0].stop.is_set():
+                skipped.append(lane.pending.popleft())
             engine = self._engine
-            if batch.stop.is_set():
-                return
+            if not lane.pending:
+                return  # an earlier call took this task's batch along
             if engine is None:
+                taken = [lane.pending.popleft()]
                 error = TransportError("transport closed during the write", peer=lane.peer)
                 return
             if lane.stuck:
+                taken = [lane.pending.popleft()]
                 error = self._stuck_error(lane)
                 return
-            blocks = batch.blocks
+            taken = self._take(lane, skipped)
+            if len(taken) == 1:
+                blocks = taken[0].blocks
+            else:
+                parts = [b.blocks for b in taken]
+                blocks = Blocks(
+                    np.concatenate([p.src_addr for p in parts]),
+                    np.concatenate([p.dst_addr for p in parts]),
+                    np.concatenate([p.length for p in parts]),
+                )
             src, dst, lengths = (
                 blocks.src_addr.tolist(),
                 blocks.dst_addr.tolist(),
                 blocks.length.tolist(),
             )
-            _post(loop, self._arm, lane, batch)
+            for batch in taken:
+                _post(loop, self._arm, lane, batch)
             started = time.monotonic()
             rc = engine.batch_transfer_sync_write(lane.peer, src, dst, lengths)
             if rc < 0:
-                # Set here, in the worker, so the write's batches queued behind this one are
+                # Set here, in the worker, so the writes' batches queued behind these are
                 # skipped before the loop has even heard of the failure.
-                batch.stop.set()
+                for batch in taken:
+                    batch.stop.set()
                 error = TransportError(
-                    f"batch of {len(blocks)} blocks ({blocks.total_bytes} bytes) failed after "
+                    f"batch of {len(blocks)} blocks ({blocks.total_bytes} bytes"
+                    f"{f', {len(taken)} writes' if len(taken) > 1 else ''}) failed after "
                     f"{time.monotonic() - started:.2f}s",
                     rc=rc,
                     peer=lane.peer,
                 )
         finally:
-            _post(loop, self._finish, lane, batch, error)
+            for batch in skipped:
+                _post(loop, self._finish, lane, batch, None)
+            for batch in taken:
+                _post(loop, self._finish, lane, batch, error)
 
     def _arm(self, lane: _PeerLane, batch: _Batch) -> None:
         loop = batch.done.get_loop()

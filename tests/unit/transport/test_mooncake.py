@@ -161,3 +161,37 @@ def test_package_imports_without_mooncake() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("ok")
+
+
+async def test_small_writes_queued_behind_a_running_call_share_the_next_one(
+    fake_engine, make_buffer
+) -> None:
+    t = fake_transport(fake_engine)  # cap 64 blocks per call
+    src, dst, blocks = setup_blocks(make_buffer, t, 40)
+    fake_engine.hang = threading.Event()
+    first = asyncio.create_task(t.write("peer:1", blocks[0:30]))
+    await asyncio.sleep(0.1)  # the worker is inside the engine with the first write
+    rest = [asyncio.create_task(t.write("peer:1", blocks[i : i + 2])) for i in (30, 32, 34, 36)]
+    await asyncio.sleep(0.1)
+    fake_engine.hang.set()
+    await asyncio.gather(first, *rest)
+    assert fake_engine.batch_sizes == [30, 8]  # four queued writes, one engine call
+    np.testing.assert_array_equal(src[: 38 * 16], dst[: 38 * 16])
+    t.close()
+
+
+async def test_a_failed_shared_call_fails_every_write_in_it(fake_engine, make_buffer) -> None:
+    t = fake_transport(fake_engine)
+    _, _, blocks = setup_blocks(make_buffer, t, 10)
+    fake_engine.hang = threading.Event()
+    first = asyncio.create_task(t.write("peer:1", blocks[0:2]))
+    await asyncio.sleep(0.1)
+    fake_engine.rc = -1
+    rest = [asyncio.create_task(t.write("peer:1", blocks[i : i + 2])) for i in (2, 4)]
+    await asyncio.sleep(0.1)
+    fake_engine.hang.set()
+    for task in [first, *rest]:
+        with pytest.raises(TransportError):
+            await task
+    assert fake_engine.batch_sizes == [2, 4]
+    t.close()
