@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import signal
 import sys
@@ -62,6 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--pp", type=_positive, default=4, help="prefill pipeline-parallel stages")
     parser.add_argument("--pages", type=_positive, default=64, help="most pages per request")
+    parser.add_argument(
+        "--scale",
+        type=_positive,
+        default=MODEL["scale"],
+        help="divide the model's per-token and per-slot bytes by this (1: full size)",
+    )
+    parser.add_argument(
+        "--page-size", type=_positive, default=MODEL["page_size"], help="tokens per page"
+    )
     parser.add_argument("--verify-digests", action="store_true", help="end-to-end digests too")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -79,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["mooncake", "local"],
         help="with --inprocess: the transport between the pipelines (default mooncake)",
     )
+
+
+def _model(args: argparse.Namespace) -> dict[str, int | bool]:
+    return {**MODEL, "scale": args.scale, "page_size": args.page_size}
 
 
 def _positive(text: str) -> int:
@@ -114,13 +128,26 @@ def _pool_sizes(args: argparse.Namespace) -> tuple[int, int]:
 # The workload, the same in both modes: allocate, fill, hand off, verify, release.
 
 
+_TABLE_ROWS = 13  # prime: with the per-row offset below, rows repeat only after 3,328 requests
+
+
+@functools.cache
+def _table(layer: int, which: int, item_len: int) -> np.ndarray:
+    """Random rows of one entry (layer, group or kind): the raw material of its patterns."""
+    rng = np.random.default_rng([layer, which, item_len])
+    return rng.integers(0, 256, (_TABLE_ROWS, item_len), dtype=np.uint8)
+
+
 def _pattern(
     request: int, layer: int, which: int, ordinal: np.ndarray, item_len: int
 ) -> np.ndarray:
-    """Bytes of one page (or slot): a deterministic function of what it belongs to."""
-    seed = request * 1_000_003 + layer * 7_919 + which * 104_729
-    rows = (seed + ordinal[:, None] * 31 + np.arange(item_len)[None, :]) % 251
-    return rows.astype(np.uint8)
+    """Bytes of pages (or a slot): a deterministic function of (request, layer, group or kind,
+    page ordinal). Rows of the entry's own random table plus a per-row byte offset: distinct
+    for every ordinal of a request (7 is invertible mod 256), and cheap enough (uint8 adds) that
+    filling and checking do not dominate the demo."""
+    rows = _table(layer, which, item_len)[(ordinal + request) % _TABLE_ROWS]
+    offset = ((ordinal * 7 + request * 31) % 256).astype(np.uint8)
+    return rows + offset[:, None]
 
 
 def _kind_id(kind: str) -> int:
@@ -275,7 +302,7 @@ def _multiprocess(args: argparse.Namespace) -> int:
     pages, slots = _pool_sizes(args)
     deployment = LocalDeployment(
         preset=PRESET,
-        model=MODEL,
+        model=_model(args),
         pp_size=args.pp,
         num_pages=pages,
         num_slots=slots,
@@ -422,7 +449,7 @@ async def _problem(resp: aiohttp.ClientResponse) -> str:
 
 
 async def _inprocess(args: argparse.Namespace) -> int:
-    model = preset(PRESET, **MODEL)
+    model = preset(PRESET, **_model(args))
     part = partition_layers(model.num_layers, args.pp)
     pool_pages, slots = _pool_sizes(args)
     transports: list[Any] = []
