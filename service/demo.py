@@ -30,6 +30,7 @@ from types import FrameType
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 import uvloop
 
@@ -39,8 +40,10 @@ from pipelines.events import EventBus
 from pipelines.inprocess import InProcessLink
 from pipelines.layout import StageLayout
 from pipelines.memory import PoolMemory
+from pipelines.messages import LayoutInfo
 from pipelines.models import decode_layout, partition_layers, preset, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
+from service.bench.common import RawEngine
 from service.config import HandoffConfig
 from service.deployment import DeploymentError, LocalDeployment
 from transport.config import MooncakeConfig
@@ -80,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="afterwards keep the deployment up, print its URLs as one JSON line, and wait for "
         "SIGINT/SIGTERM",
+    )
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="afterwards also time the raw engine writing the same blocks (the completed "
+        "handoffs' blocks, one call after another) and report the ratio",
     )
     parser.add_argument(
         "--inprocess", action="store_true", help="link the pipelines in this process instead"
@@ -145,9 +154,10 @@ def _pattern(
     page ordinal). Rows of the entry's own random table plus a per-row byte offset: distinct
     for every ordinal of a request (7 is invertible mod 256), and cheap enough (uint8 adds) that
     filling and checking do not dominate the demo."""
-    rows = _table(layer, which, item_len)[(ordinal + request) % _TABLE_ROWS]
+    rows: np.ndarray = _table(layer, which, item_len)[(ordinal + request) % _TABLE_ROWS]
     offset = ((ordinal * 7 + request * 31) % 256).astype(np.uint8)
-    return rows + offset[:, None]
+    out: np.ndarray = rows + offset[:, None]
+    return out
 
 
 def _kind_id(kind: str) -> int:
@@ -197,6 +207,7 @@ class _Workload:
         self.free_dst, self.free_dst_slots = list(range(pages)), list(range(slots))
         # Source pages are owned by the request while it is in flight, as in an engine.
         self.free_src, self.free_src_slots = list(range(pages)), list(range(slots))
+        self.completed: list[_Job] = []  # for the raw-engine baseline
 
     def _take(self, free: list[int], n: int) -> np.ndarray:
         picks = sorted(self.rng.choice(len(free), n, replace=False).tolist(), reverse=True)
@@ -234,6 +245,8 @@ class _Workload:
         return True
 
     def release(self, job: _Job, outcome: _Outcome) -> None:
+        if outcome.state == "completed":
+            self.completed.append(job)
         self.free_src.extend(job.src_pages.tolist())
         self.free_src_slots.append(job.src_slot)
         # A handoff in an unknown state may still hold its decode pages: never hand them out again.
@@ -349,11 +362,28 @@ async def _over_http(dep: LocalDeployment, args: argparse.Namespace) -> int:
             return 130
         stopped.cancel()
         results, wall = running.result()
-    status = _summary(results, wall, args, mode="multiprocess", transport=dep.transport.backend)
+        baseline = await _baseline(http, dep, work) if args.baseline else None
+    status = _summary(
+        results, wall, args, mode="multiprocess", transport=dep.transport.backend, raw=baseline
+    )
     if args.serve:
         print(json.dumps(_serve_info(dep)), flush=True)
         await stop.wait()
     return status
+
+
+async def _baseline(
+    http: aiohttp.ClientSession, dep: LocalDeployment, work: _Workload
+) -> dict[str, float]:
+    """The raw engine writing the completed handoffs' blocks into the decode service's memory:
+    the same bytes, from this process, one engine call after another (best of two)."""
+    async with http.get(f"{dep.decode_url}/v1/layout") as resp:
+        info = msgspec.json.decode(await resp.read(), type=LayoutInfo)
+    moves = [(j.src_pages, j.dst_pages, j.src_slot, j.dst_slot) for j in work.completed]
+    blocks = dep.planned_blocks(info.stages[0].layout, moves)
+    engine = RawEngine([dep.stage_pool(r) for r in range(dep.pp_size)])
+    seconds = min([await asyncio.to_thread(engine.seconds, info.target, blocks) for _ in "ab"])
+    return {"raw_blocks": float(len(blocks)), "raw_gb_per_s": blocks.total_bytes / seconds / 1e9}
 
 
 def _serve_info(dep: LocalDeployment) -> dict[str, Any]:
@@ -540,6 +570,7 @@ def _summary(
     *,
     mode: str,
     transport: str,
+    raw: dict[str, float] | None = None,
 ) -> int:
     """Print the summary (a table, or one JSON object with --json); the exit status."""
     completed = sum(r["state"] == "completed" for r in results)
@@ -562,6 +593,10 @@ def _summary(
         "pp": args.pp,
         "errors": sorted({r["error"] for r in results if r["error"]})[:5],
     }
+    if raw is not None:
+        summary["raw_mooncake_gb_per_s"] = raw["raw_gb_per_s"]
+        summary["raw_blocks"] = int(raw["raw_blocks"])
+        summary["vs_raw"] = summary["gb_per_s"] / raw["raw_gb_per_s"]
     if args.json:
         print(json.dumps(summary), flush=True)
     else:
@@ -570,6 +605,11 @@ def _summary(
             print(f"  {key:<14}{summary[key]:>12}")
         print(f"  {'bytes':<14}{total_bytes:>12,}")
         print(f"  {'throughput':<14}{summary['gb_per_s']:>9.3f} GB/s")
+        if raw is not None:
+            print(
+                f"  {'raw Mooncake':<14}{summary['raw_mooncake_gb_per_s']:>9.3f} GB/s  "
+                f"(same {summary['raw_blocks']:,} blocks; demo at {summary['vs_raw']:.2f}x)"
+            )
         print(f"  {'handoffs/s':<14}{summary['handoffs_per_s']:>12.1f}")
         print(f"  {'p50 latency':<14}{summary['p50_ms']:>9.2f} ms")
         print(f"  {'p99 latency':<14}{summary['p99_ms']:>9.2f} ms")

@@ -28,21 +28,27 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from pipelines.layout import StageLayout
 from pipelines.models import ModelSpec, decode_layout, partition_layers, stage_layout
+from pipelines.pairing import PairingCache
+from pipelines.planning import plan
 from service.config import ENV_PREFIX, HandoffConfig, ModelConfig, TransportConfig, load_config
+from transport.blocks import Blocks
 from transport.config import alignment_for
 from transport.pool_shm import SHM_DIR, ShmPool
 
 HOST = "127.0.0.1"
+Pages = Sequence[int] | npt.NDArray[np.int64]
 #: Log bytes quoted in a start-up error.
 LOG_TAIL_BYTES = 4000
 _deployments = itertools.count()
@@ -325,6 +331,31 @@ class LocalDeployment:
             if proc.role == "prefill" and pp_rank in proc.ranks:
                 return proc
         raise KeyError(f"no prefill process hosts pp_rank {pp_rank}")
+
+    def planned_blocks(
+        self,
+        decode: StageLayout,
+        moves: Iterable[tuple[Pages, Pages, int | None, int | None]],
+    ) -> Blocks:
+        """The blocks the services move for `moves` — (src_pages, dst_pages, src_slot, dst_slot)
+        per request — planned with the same pairing from this process's mapping of the source
+        pools into `decode` (the placed layout the decode service publishes). Baselines write
+        exactly these with the raw engine."""
+        cache = PairingCache()
+        pairings = []
+        for r, layout in self.stage_layouts.items():
+            pool, n = self.stage_pool(r), len(layout.kv)
+            pairings.append(cache.get(layout.with_bases(pool.bases[:n], pool.bases[n:]), decode))
+        parts = [
+            plan(pairing, src, dst, src_slot, dst_slot).blocks
+            for src, dst, src_slot, dst_slot in moves
+            for pairing in pairings
+        ]
+        return Blocks.of(
+            np.concatenate([b.src_addr for b in parts]),
+            np.concatenate([b.dst_addr for b in parts]),
+            np.concatenate([b.length for b in parts]),
+        )
 
     def kill(
         self, target: int | str, sig: int = signal.SIGKILL, *, wait_s: float | None = 5.0

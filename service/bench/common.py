@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
+from transport.pools import Pool
 
 
 def time_call(fn: Callable[[], object], *, repeat: int, warmup: int = 1) -> list[float]:
@@ -43,3 +47,37 @@ def fragmented_pages(
         raise ValueError("pool too small for the requested fragmentation")
     order = rng.permutation(len(runs))
     return np.concatenate([runs[i] + order[i] * slot for i in range(len(runs))])
+
+
+class RawEngine:
+    """The Transfer Engine called directly from this process (no kvhandoff code on the path),
+    with `pools` registered as sources: the baseline whole-handoff numbers are compared with."""
+
+    def __init__(self, pools: Sequence[Pool]) -> None:
+        from transport.config import MooncakeConfig
+        from transport.mooncake import start_engine
+
+        self.engine = start_engine(MooncakeConfig())
+        regions = [g for pool in pools for g in pool.registrations]
+        rc = self.engine.batch_register_memory(
+            [g.addr for g in regions], [g.length for g in regions]
+        )
+        if rc != 0:
+            raise RuntimeError(f"the raw engine could not register the source pools (rc {rc})")
+
+    def seconds(self, target: str, blocks: Blocks) -> float:
+        """Wall time of one `raw_write` of `blocks`."""
+        t0 = time.perf_counter()
+        raw_write(self.engine, target, blocks)
+        return time.perf_counter() - t0
+
+
+def raw_write(engine: Any, target: str, blocks: Blocks) -> None:
+    """`batch_transfer_sync_write` over batches of at most 2,048 blocks, in order, from the
+    calling thread: the plain way to use the engine."""
+    for batch in blocks.batches(DEFAULT_MAX_BLOCKS_PER_BATCH):
+        rc = engine.batch_transfer_sync_write(
+            target, batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.length.tolist()
+        )
+        if rc < 0:
+            raise RuntimeError(f"raw engine write failed (rc {rc})")

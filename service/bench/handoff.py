@@ -28,16 +28,9 @@ import aiohttp
 import msgspec
 import numpy as np
 
-from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
-from pipelines.pairing import PairingCache
-from pipelines.planning import plan
-from service.bench.common import fragmented_pages
-from service.bench.transport import raw_mooncake
+from service.bench.common import RawEngine, fragmented_pages
 from service.deployment import LocalDeployment
-from transport.blocks import Blocks
-from transport.config import MooncakeConfig
-from transport.mooncake import start_engine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -148,27 +141,6 @@ def bulk_lanes(dep: LocalDeployment, args: argparse.Namespace) -> list[Request]:
     ]
 
 
-def same_blocks(dep: LocalDeployment, decode: StageLayout, lanes: list[Request]) -> Blocks:
-    """The blocks the services move for one request on each lane, planned here from this
-    process's mapping of the same source files into the decode service's registered memory."""
-    cache = PairingCache()
-    parts = []
-    for r in range(dep.pp_size):
-        pool = dep.stage_pool(r)
-        layout = dep.stage_layouts[r]
-        n = len(layout.kv)
-        placed = layout.with_bases(pool.bases[:n], pool.bases[n:])
-        pairing = cache.get(placed, decode)
-        for lane in lanes:
-            p = plan(pairing, lane.src_pages, lane.dst_pages, lane.src_slot, lane.dst_slot)
-            parts.append(p.blocks)
-    return Blocks.of(
-        np.concatenate([b.src_addr for b in parts]),
-        np.concatenate([b.dst_addr for b in parts]),
-        np.concatenate([b.length for b in parts]),
-    )
-
-
 async def bulk(args: argparse.Namespace) -> dict[str, Any]:
     pool_pages = (3 * args.bulk_concurrency + 2) * args.bulk_pages  # room to fragment
     with LocalDeployment(
@@ -186,27 +158,19 @@ async def bulk(args: argparse.Namespace) -> dict[str, Any]:
                 info = msgspec.json.decode(await resp.read(), type=LayoutInfo)
             decode = info.stages[0].layout
             router = Router(http, dep)
-            blocks = same_blocks(dep, decode, lanes)
+            moves = [(x.src_pages, x.dst_pages, x.src_slot, x.dst_slot) for x in lanes]
+            blocks = dep.planned_blocks(decode, moves)
             per_request = blocks.total_bytes // len(lanes)
+            engine = RawEngine([dep.stage_pool(r) for r in range(dep.pp_size)])
 
-            engine = start_engine(MooncakeConfig())
-            sources = [g for r in range(dep.pp_size) for g in dep.stage_pool(r).registrations]
-            rc = engine.batch_register_memory(
-                [g.addr for g in sources], [g.length for g in sources]
-            )
-            if rc != 0:
-                raise RuntimeError(f"raw engine could not register the source pools (rc {rc})")
-
-            def raw() -> None:
-                raw_mooncake(engine, info.target, blocks)
+            def raw() -> float:
+                return engine.seconds(info.target, blocks)
 
             raw()  # warm-up: connections, page faults
             await run_lanes(len(lanes), lanes, router.handoff, "warm")
             raw_times, ours_times = [], []
             for rep in range(args.repeat):
-                t0 = time.perf_counter()
-                raw()
-                raw_times.append(time.perf_counter() - t0)
+                raw_times.append(raw())
                 wall, _, moved = await run_lanes(
                     args.bulk_requests, lanes, router.handoff, f"bulk{rep}"
                 )

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from service.bench.common import fragmented_pages
-from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
+from service.bench.common import fragmented_pages, raw_write
+from transport.blocks import Blocks
 from transport.config import MooncakeConfig
 from transport.local import LocalTransport
 from transport.mooncake import MooncakeTransport, start_engine
@@ -130,15 +130,6 @@ def memcpy_blocks(
         dst[do : do + n] = src[so : so + n]
 
 
-def raw_mooncake(engine: Any, peer: str, blocks: Blocks) -> None:
-    for batch in blocks.batches(DEFAULT_MAX_BLOCKS_PER_BATCH):
-        rc = engine.batch_transfer_sync_write(
-            peer, batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.length.tolist()
-        )
-        if rc < 0:
-            raise RuntimeError(f"raw engine write failed rc={rc}")
-
-
 def timed(fn: Callable[[], None], repeat: int) -> list[float]:
     fn()  # warm-up: page faults, connections
     out = []
@@ -189,7 +180,7 @@ def run_case(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
         raw = start_engine(config)
         if raw.batch_register_memory([src_span.addr], [src_span.length]) != 0:
             raise RuntimeError("raw engine could not register the source")
-        results["mooncake-raw"] = timed(lambda: raw_mooncake(raw, peer, remote_blocks), args.repeat)
+        results["mooncake-raw"] = timed(lambda: raw_write(raw, peer, remote_blocks), args.repeat)
         raw.batch_unregister_memory([src_span.addr])
 
         async def mooncake_runs() -> None:
