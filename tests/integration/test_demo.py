@@ -45,10 +45,30 @@ def test_inprocess_demo_completes_and_verifies_every_byte(transport: str) -> Non
 
 
 def test_multiprocess_demo_completes_and_verifies_every_byte() -> None:
-    summary = _demo("--requests", "12", "--concurrency", "4", "--verify-digests", "--json")
+    summary = _demo(
+        "--requests", "12", "--concurrency", "4", "--verify-digests", "--baseline", "--json"
+    )
     assert summary["mode"] == "multiprocess" and summary["transport"] == "mooncake"
     assert summary["completed"] == summary["verified"] == 12
     assert summary["failed"] == 0 and summary["bytes"] > 0 and not summary["errors"]
+    # The raw engine rewrote exactly the completed handoffs' blocks and was timed.
+    assert summary["raw_blocks"] > 0 and summary["raw_mooncake_gb_per_s"] > 0
+    assert summary["vs_raw"] == pytest.approx(
+        summary["gb_per_s"] / summary["raw_mooncake_gb_per_s"]
+    )
+
+
+def test_handoff_benchmark_runs_both_cases() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "service.cli", "bench", "handoff", "--repeat", "1", "--json",
+         "--bulk-requests", "2", "--bulk-pages", "8", "--bulk-concurrency", "2",
+         "--small-requests", "100", "--small-concurrency", "8"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    bulk, small = json.loads(out.stdout.strip().splitlines()[-1])["handoff"]
+    assert bulk["handoff_gb_s"] > 0 and bulk["raw_mooncake_gb_s"] > 0
+    assert bulk["bytes_per_request"] > 0 and small["handoffs_per_s"] > 0
 
 
 def _children(pid: int) -> list[int]:
