@@ -61,7 +61,9 @@ log = logging.getLogger(__name__)
 I64 = npt.NDArray[np.int64]
 ROLE = "decode"
 
-HandoffId = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@/-]+$")]
+#: A handoff id is a URL path segment (`/v1/handoffs/{id}`): no "/".
+HANDOFF_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,256}$"
+HandoffId = Annotated[str, Meta(min_length=1, max_length=256, pattern=HANDOFF_ID_PATTERN)]
 
 
 class HandoffState(StrEnum):
@@ -157,10 +159,11 @@ class DecodeHandoff:
     finished_at: float | None = None
     error: ErrorView | None = None
     timeline: list[Event] = field(default_factory=list)
-    stopping: bool = False  # an abort or failure is quiescing the prefill side
+    stopping: bool = False  # an abort or failure is quiescing the prefill side (never cleared)
     aborting: bool = False  # an abort is in progress: it, not a failure, decides the outcome
     quiesced: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
+    quiesce: asyncio.Task[None] | None = None  # the one task stopping the prefill side
     done: asyncio.Event = field(default_factory=asyncio.Event)  # set on reaching a terminal state
 
     @property
@@ -234,6 +237,7 @@ class DecodePipeline:
         self._layouts: dict[str, LayoutInfo] = {}
         self._lost_peers: set[str] = set()
         self._covered: set[tuple[tuple[int, str, str], ...]] = set()
+        self._closing = False  # shutting down: one abort attempt per peer, no grace
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ----------------------------------------------------------------- router-facing
@@ -253,11 +257,6 @@ class DecodePipeline:
         existing = self._existing(req)
         if existing is not None:
             return existing.view(), False
-        if self._live >= self._max_live:
-            raise CapacityExceeded(
-                f"{self._live} handoffs are in flight (handoff.max_concurrent = {self._max_live})",
-                live=self._live,
-            )
         dst_pages = validate_pages_for_layout(
             self.layout, req.dst_pages, req.dst_slot, side="destination", unique=True
         )
@@ -265,6 +264,11 @@ class DecodePipeline:
         existing = self._existing(req)  # another create of this id may have won meanwhile
         if existing is not None:
             return existing.view(), False
+        if self._live >= self._max_live:  # checked after the await: creates run concurrently
+            raise CapacityExceeded(
+                f"{self._live} handoffs are in flight (handoff.max_concurrent = {self._max_live})",
+                live=self._live,
+            )
         self.leases.acquire(req.id, dst_pages, req.dst_slot if self.layout.state else None)
         now = self._clock()
         deadline_s = req.deadline_s or self._default_deadline_s
@@ -333,19 +337,9 @@ class DecodePipeline:
                 f"handoff {handoff_id!r} is already {h.state.value}", field="id", state=h.state
             )
         h.aborting = True
-        if h.stopping:  # another abort or a failure is already quiescing it
-            await h.quiesced.wait()
-        else:
-            h.stopping = True
-            await self._quiesce(h, reason)
-        if not h.state.terminal:
-            self._finish(h, HandoffState.ABORTED)
-            self._publish(
-                h,
-                HandoffAborted(
-                    handoff_id=h.id, role=ROLE, reason=reason, metadata=h.request.metadata
-                ),
-            )
+        # The quiesce runs as its own task: a caller that stops waiting (a timeout, a closed
+        # connection) must not cut it short and free the pages while a stage may still write.
+        await asyncio.shield(self._stop(h, reason))
         return h.view()
 
     # ----------------------------------------------------------------- peer-facing
@@ -407,7 +401,7 @@ class DecodePipeline:
     def live_by_prefill(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for h in self.handoffs.values():
-            if not h.state.terminal or h.stopping:
+            if not h.state.terminal or not h.quiesced.is_set():
                 for peer in h.peers:
                     out.setdefault(peer, []).append(h.id)
         return out
@@ -415,6 +409,7 @@ class DecodePipeline:
     async def close(self) -> None:
         """Abort every live handoff (so no prefill stage keeps writing into pages this service
         is about to release), then stop the background tasks."""
+        self._closing = True
         live = [h.id for h in self.handoffs.values() if not h.state.terminal]
         outcomes = await asyncio.gather(
             *(self.abort(hid, "decode service shutting down") for hid in live),
@@ -457,10 +452,17 @@ class DecodePipeline:
         """Fetch (cached) layouts of the prefill peers, check they form one PP instance and
         pair with this decode layout. Raises before anything is leased or sent."""
         stages: dict[int, tuple[str, StageLayout]] = {}
-        for i, url in enumerate(dict.fromkeys(urls)):
+        index: dict[str, int] = {}  # each URL once, with the position it is first named at
+        for i, url in enumerate(urls):
+            index.setdefault(url, i)
+        for url, i in index.items():
             info = self._layouts.get(url)
             if info is None:
-                info = await self._prefill.layout(url)
+                try:
+                    info = await self._prefill.layout(url)
+                except KVHandoffError as exc:
+                    exc.context.setdefault("field", f"prefill[{i}]")
+                    raise
                 self._layouts[url] = info
             if info.role != "prefill":
                 raise InvalidInput(f"{url} is a {info.role} service", field=f"prefill[{i}]")
@@ -498,10 +500,18 @@ class DecodePipeline:
             raise PairingError(list(report.problems))
         self._covered.add(key)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _stop(self, h: DecodeHandoff, reason: str) -> asyncio.Task[None]:
+        """The one quiesce of `h` (started on the first abort or failure)."""
+        if h.quiesce is None:
+            h.stopping = True
+            h.quiesce = self._spawn(self._quiesce(h, reason))
+        return h.quiesce
 
     async def _deliver(self, h: DecodeHandoff) -> None:
         by_peer: dict[str, list[int]] = {}
@@ -533,6 +543,9 @@ class DecodePipeline:
         except* KVHandoffError as group:
             failure = group.exceptions[0]  # type: ignore[assignment]
         if failure is not None:
+            # The peer may have restarted with other stages: fetch its layout afresh next time.
+            for peer in by_peer:
+                self._layouts.pop(peer, None)
             self._fail(
                 h,
                 failure.code,
@@ -624,9 +637,7 @@ class DecodePipeline:
                 metadata=h.request.metadata,
             ),
         )
-        if not h.stopping:
-            h.stopping = True
-            self._spawn(self._quiesce(h, f"handoff failed: {reason}"))
+        self._stop(h, f"handoff failed: {reason}")
 
     def _expire(self, h: DecodeHandoff) -> None:
         if not h.state.terminal and not h.stopping:
@@ -642,23 +653,29 @@ class DecodePipeline:
             )
 
     async def _quiesce(self, h: DecodeHandoff, reason: str) -> None:
-        """Stop every prefill stage of `h` that may still write, then release its lease.
+        """Stop every prefill stage of `h` that may still write, then release its lease, and
+        end an aborted handoff as `aborted`.
 
         A peer that cannot be reached is retried until it answers, is declared lost by the
-        heartbeat task (a silent process writes nothing), or the deadline plus the transport's
-        grace period has passed (by then its own deadline has stopped it).
+        heartbeat task, or the deadline plus the transport's grace period has passed (by then its
+        own deadline has stopped it). Giving up on a peer that did not confirm keeps the lease
+        for one more grace period: a prefill process whose event loop is stalled may still have
+        batches queued in its engine worker.
         """
         give_up = max(h.deadline_at, self._clock()) + self._grace_s
+        unconfirmed = False
 
         async def stop(peer: str) -> None:
+            nonlocal unconfirmed
             delay = 0.05
             while True:
                 try:
                     await self._prefill.abort(peer, AbortMsg(handoff_id=h.id, reason=reason))
                     return
                 except KVHandoffError as exc:
-                    if peer in self._lost_peers or self._clock() >= give_up:
+                    if peer in self._lost_peers or self._clock() >= give_up or self._closing:
                         log.warning("handoff %s: not waiting for %s any more: %s", h.id, peer, exc)
+                        unconfirmed = True
                         return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -670,9 +687,19 @@ class DecodePipeline:
                 if any(s.peer == p and s.state == "waiting" for s in h.stages.values())
             ]
             await asyncio.gather(*(stop(p) for p in peers))
+            if unconfirmed and not self._closing:
+                await asyncio.sleep(self._grace_s)
         finally:
             self.leases.release(h.id)
             h.quiesced.set()
+            if h.aborting and not h.state.terminal:
+                self._finish(h, HandoffState.ABORTED)
+                self._publish(
+                    h,
+                    HandoffAborted(
+                        handoff_id=h.id, role=ROLE, reason=reason, metadata=h.request.metadata
+                    ),
+                )
 
     def _publish(self, h: DecodeHandoff, event: Event) -> None:
         h.timeline.append(self._bus.publish(event))

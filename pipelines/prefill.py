@@ -558,6 +558,11 @@ async def _drain(tasks: set[asyncio.Task[None]]) -> None:
 
 
 async def _settle(awaitable: Awaitable[None]) -> None:
-    """Await to the end even if cancelled meanwhile; then re-raise the cancellation."""
+    """Await to the end even if cancelled meanwhile; then re-raise the cancellation. A failure
+    of the awaited call is raised too: the caller must not report "quiesced" on it."""
     task = asyncio.ensure_future(awaitable)
-    await _drain({task})
+    try:
+        await _drain({task})
+    finally:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]

@@ -374,15 +374,20 @@ async def _over_http(dep: LocalDeployment, args: argparse.Namespace) -> int:
 
 async def _baseline(
     http: aiohttp.ClientSession, dep: LocalDeployment, work: _Workload
-) -> dict[str, float]:
+) -> dict[str, float] | None:
     """The raw engine writing the completed handoffs' blocks into the decode service's memory:
     the same bytes, from this process, one engine call after another (best of two)."""
     async with http.get(f"{dep.decode_url}/v1/layout") as resp:
         info = msgspec.json.decode(await resp.read(), type=LayoutInfo)
     moves = [(j.src_pages, j.dst_pages, j.src_slot, j.dst_slot) for j in work.completed]
     blocks = dep.planned_blocks(info.stages[0].layout, moves)
+    if not len(blocks):
+        return None  # nothing completed: nothing to compare with
     engine = RawEngine([dep.stage_pool(r) for r in range(dep.pp_size)])
-    seconds = min([await asyncio.to_thread(engine.seconds, info.target, blocks) for _ in "ab"])
+    try:
+        seconds = min([await asyncio.to_thread(engine.seconds, info.target, blocks) for _ in "ab"])
+    finally:
+        engine.close()
     return {"raw_blocks": float(len(blocks)), "raw_gb_per_s": blocks.total_bytes / seconds / 1e9}
 
 

@@ -346,15 +346,12 @@ class LocalDeployment:
         for r, layout in self.stage_layouts.items():
             pool, n = self.stage_pool(r), len(layout.kv)
             pairings.append(cache.get(layout.with_bases(pool.bases[:n], pool.bases[n:]), decode))
-        parts = [
-            plan(pairing, src, dst, src_slot, dst_slot).blocks
-            for src, dst, src_slot, dst_slot in moves
-            for pairing in pairings
-        ]
-        return Blocks.of(
-            np.concatenate([b.src_addr for b in parts]),
-            np.concatenate([b.dst_addr for b in parts]),
-            np.concatenate([b.length for b in parts]),
+        return Blocks.concat(
+            [
+                plan(pairing, src, dst, src_slot, dst_slot).blocks
+                for src, dst, src_slot, dst_slot in moves
+                for pairing in pairings
+            ]
         )
 
     def kill(
@@ -423,7 +420,7 @@ def _sweep_stale_pools() -> None:
         try:
             os.kill(int(m["pid"]), 0)
         except ProcessLookupError:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
                 os.unlink(os.path.join(SHM_DIR, name))
         except PermissionError:  # alive, someone else's
             pass

@@ -14,13 +14,19 @@ from typing import Annotated
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from pipelines.decode import HandoffPage, HandoffRequest, HandoffState, HandoffView
+from pipelines.decode import (
+    HANDOFF_ID_PATTERN,
+    HandoffPage,
+    HandoffRequest,
+    HandoffState,
+    HandoffView,
+)
 from pipelines.errors import InvalidInput
 from service.app import decode_body, json_response
 from service.routing import RouteTable
 from service.runtime import decode_of, prefill_of
 
-_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,256}$")  # HandoffId, minus "/" (it is a path segment)
+_ID = re.compile(HANDOFF_ID_PATTERN)
 
 #: Longest a `GET /v1/handoffs/{id}?wait_s=` long poll may hold a connection.
 MAX_WAIT_S = 60.0

@@ -67,13 +67,15 @@ async def _handoffs_ctx(app: web.Application) -> AsyncIterator[None]:
         try:
             yield
         finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            # Heartbeats keep running while live handoffs are aborted: a peer that stops
+            # answering is declared lost instead of holding up the shutdown.
             if runtime.decode is not None:
                 await runtime.decode.close()
             if runtime.prefill is not None:
                 await runtime.prefill.close()
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
             await runtime.peers.close()
     finally:
         await asyncio.to_thread(_close_pools, hosted)

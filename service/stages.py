@@ -4,9 +4,9 @@ One `HostedMemory` per `[[stages]]` table. Its layout comes from the model and t
 (`pipelines.models`); its memory from the table's `pool` spec:
 
 - `torch:<device>` — tensors allocated here;
-- `shm:<name>` — attached when an engine already created `/dev/shm/<name>` (the sidecar case:
-  the engine writes KV pages there, the service moves them), created here otherwise; either way
-  the byte offset of every entry is published in `GET /v1/layout`;
+- `shm:<name>` — attached: an engine created `/dev/shm/<name>` (the sidecar case: the engine
+  writes KV pages there, the service moves them); the byte offset of every entry is published in
+  `GET /v1/layout`;
 - embedded — buffers an engine running the service in-process handed over (`service.embedded`),
   one per entry, KV entries first.
 
@@ -118,8 +118,15 @@ def _open_pool(
     try:
         if stage.pool.startswith("shm:"):
             name = stage.pool.split(":", 1)[1]
-            exists = os.path.exists(shm_path(name))
-            return ShmPool(name, sizes, align_bytes=align, create=not exists)
+            if not os.path.exists(shm_path(name)):
+                # Never created here: a service that made the file would unlink it on exit
+                # (or on a restart) under an engine still using it, splitting their memory.
+                raise ConfigError(
+                    key,
+                    f"{shm_path(name)} does not exist; the engine that owns this memory creates "
+                    "it (regions packed as GET /v1/layout publishes) and kvhandoff attaches it",
+                )
+            return ShmPool(name, sizes, align_bytes=align, create=False)
         return open_pool(stage.pool, sizes, align_bytes=align)
     except PoolError as exc:
         raise ConfigError(key, exc.message) from None

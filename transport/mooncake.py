@@ -4,10 +4,11 @@ Called by the handoff pipeline (`write`, `quiesce`) and by pools (`register`, `u
 
 How a write runs. Each peer gets one worker thread that calls the engine's
 `batch_transfer_sync_write` for one batch (<= `max_blocks_per_batch` blocks) at a time — small
-batches of several writes queued behind a running call share the next one; at most
-`max_inflight_batches_per_peer` batches per peer are submitted (one running, the rest queued for
-the worker), so the asyncio side gets backpressure and the engine never holds more than one batch
-per peer. That bound matters: Mooncake TCP keeps a per-peer queue of about 2,048 requests; more
+batches of several writes queued behind a running call share the next one (if that call fails,
+every write in it fails: they all go to the same peer, whose failures are rarely per block); at
+most `max_inflight_batches_per_peer` batches per peer are submitted (one running, the rest queued
+for the worker), so the asyncio side gets backpressure and the engine never runs more than one
+call per peer. That bound matters: Mooncake TCP keeps a per-peer queue of about 2,048 requests; more
 queued requests fail (`TCP lane queue-full rejection`, rc -1) — measured with 8 async batches of
 2,048 in flight.
 
@@ -53,8 +54,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-import numpy as np
-
 from transport.blocks import Blocks
 from transport.config import MooncakeConfig
 from transport.errors import TransportError, TransportTimeout
@@ -98,7 +97,8 @@ WORKER_NICE = 10
 
 
 class _Batch:
-    """One engine call: its blocks, the asyncio future for its outcome and its timeout timer."""
+    """One submitted batch of a write (several may share one engine call): its blocks, the
+    asyncio future for its outcome and its timeout timer."""
 
     __slots__ = ("blocks", "done", "slot_held", "stop", "timer")
 
@@ -251,15 +251,9 @@ class MooncakeTransport:
                 error = self._stuck_error(lane)
                 return
             taken = self._take(lane, skipped)
-            if len(taken) == 1:
-                blocks = taken[0].blocks
-            else:
-                parts = [b.blocks for b in taken]
-                blocks = Blocks(
-                    np.concatenate([p.src_addr for p in parts]),
-                    np.concatenate([p.dst_addr for p in parts]),
-                    np.concatenate([p.length for p in parts]),
-                )
+            blocks = (
+                taken[0].blocks if len(taken) == 1 else Blocks.concat([b.blocks for b in taken])
+            )
             src, dst, lengths = (
                 blocks.src_addr.tolist(),
                 blocks.dst_addr.tolist(),
@@ -334,7 +328,8 @@ class MooncakeTransport:
         lanes = [self._lanes[peer]] if peer in self._lanes else []
         if peer is None:
             lanes = list(self._lanes.values())
-        running = [asyncio.wrap_future(f) for lane in lanes for f in lane.running]
+        # list(): worker threads drop finished futures from the set while we look at it.
+        running = [asyncio.wrap_future(f) for lane in lanes for f in list(lane.running)]
         if running:
             await asyncio.wait(running)
 
@@ -357,6 +352,11 @@ class MooncakeTransport:
             return
         for lane in self._lanes.values():
             lane.executor.shutdown(wait=True, cancel_futures=True)
+            # Batches whose worker task was cancelled above: their writes must not wait forever.
+            while lane.pending:
+                batch = lane.pending.popleft()
+                closed = TransportError("transport closed before the batch ran", peer=lane.peer)
+                _post(batch.done.get_loop(), self._finish, lane, batch, closed)
         self._lanes.clear()
         regions = self._sources.regions
         try:

@@ -58,12 +58,17 @@ class RawEngine:
         from transport.mooncake import start_engine
 
         self.engine = start_engine(MooncakeConfig())
-        regions = [g for pool in pools for g in pool.registrations]
-        rc = self.engine.batch_register_memory(
-            [g.addr for g in regions], [g.length for g in regions]
-        )
+        self._addrs = [g.addr for pool in pools for g in pool.registrations]
+        lengths = [g.length for pool in pools for g in pool.registrations]
+        rc = self.engine.batch_register_memory(self._addrs, lengths)
         if rc != 0:
             raise RuntimeError(f"the raw engine could not register the source pools (rc {rc})")
+
+    def close(self) -> None:
+        """Unregister the pools (before they are unmapped); the engine goes with the object."""
+        if self._addrs:
+            self.engine.batch_unregister_memory(self._addrs)
+            self._addrs = []
 
     def seconds(self, target: str, blocks: Blocks) -> float:
         """Wall time of one `raw_write` of `blocks`."""

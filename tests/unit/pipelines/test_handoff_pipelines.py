@@ -262,3 +262,28 @@ async def test_abort_racing_the_destination_still_ends_aborted(world: World) -> 
     release.set()
     view = await aborting
     assert view.state == HandoffState.ABORTED and view.error is None
+
+
+async def test_a_caller_giving_up_on_abort_does_not_cut_the_quiesce_short(world: World) -> None:
+    w = world
+    link = w.decode._prefill
+    assert isinstance(link, InProcessLink)
+    release = asyncio.Event()
+    real_abort = link.abort
+
+    async def slow_abort(url: str, msg: AbortMsg) -> AbortAck:
+        await release.wait()  # the prefill side is still draining its writes
+        return await real_abort(url, msg)
+
+    link.abort = slow_abort  # type: ignore[method-assign]
+    await w.decode.create(HandoffRequest(id="c", prefill=["p"], dst_pages=[2], dst_slot=0))
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(w.decode.abort("c"), 0.05)
+    # The pages stay fenced and the outcome open until the prefill side confirms.
+    assert w.decode.leases.holds("c") and not w.decode.get("c").state.terminal
+    with pytest.raises(ConflictError):
+        await w.decode.create(HandoffRequest(id="d", prefill=["p"], dst_pages=[2], dst_slot=1))
+    release.set()
+    assert (await w.decode.wait("c", 5)).state == HandoffState.ABORTED
+    assert not w.decode.leases.holds("c")
+    assert w.decode.live_by_prefill() == {}  # nothing left to keep heartbeating for
