@@ -267,6 +267,15 @@ async def test_unpairable_prefill_is_refused_before_anything_moves(
             report = await resp.json()
         assert resp.status == 200 and report["ok"] is False, report
         assert problem_code in {p["code"] for p in report["problems"]}, report
+        # ... and given by addresses: the decode service fetches the layouts (and is itself
+        # the decode side); its own prefill pairs cleanly.
+        for urls, ok in ((wrong.prefill_urls, False), (dep.prefill_urls, True)):
+            body = {"prefill_urls": urls}
+            async with http.post(f"{dep.decode_url}/v1/validate", json=body) as resp:
+                report = await resp.json()
+            assert resp.status == 200 and report["ok"] is ok, report
+            if not ok:
+                assert problem_code in {p["code"] for p in report["problems"]}, report
 
 
 async def test_killed_stage_process_fails_the_handoff_within_the_heartbeat_window(

@@ -45,7 +45,22 @@ async def test_validate_rejects_a_malformed_layout_with_its_path(
     make_client: ClientFactory,
 ) -> None:
     client = await make_client(extensions=[install_validate])
-    resp = await client.post("/v1/validate", json={"prefill": [], "decode": {}})
+    resp = await client.post("/v1/validate", json={"prefill": [{"pp_rank": 0}], "decode": {}})
     assert resp.status == 422
     assert resp.content_type == "application/problem+json"
-    assert "prefill" in (await resp.json())["field"]
+    assert (await resp.json())["field"].startswith("prefill[0]")
+
+
+async def test_validate_needs_each_side_once(make_client: ClientFactory) -> None:
+    client = await make_client(extensions=[install_validate])
+    dec = msgspec.to_builtins(decode_layout(MODEL, num_pages=8, num_slots=2))
+    for sent, field in (
+        ({"decode": dec}, "prefill"),  # no prefill side at all
+        ({"prefill": [dec], "prefill_urls": ["http://x:1"], "decode": dec}, "prefill"),
+        ({"prefill": [dec], "decode": dec, "decode_url": "http://x:1"}, "decode"),
+        ({"prefill": [dec]}, "decode"),  # not a decode service: no default decode side
+        ({"prefill_urls": ["ftp://x"], "decode": dec}, "prefill_urls[0]"),
+    ):
+        resp = await client.post("/v1/validate", json=sent)
+        assert resp.status == 422, sent
+        assert (await resp.json())["field"] == field, sent
