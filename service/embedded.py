@@ -91,7 +91,7 @@ class EmbeddedService:
             else config.peers.request_timeout_s + config.transport.transfer_timeout_s + 5.0
         )
         self._lock = threading.Lock()
-        self._phase = "new"  # "new" -> "running" -> "stopped"
+        self._phase = "new"  # "new" -> "running" -> ("stopping" ->) "stopped"
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main_task: asyncio.Task[None] | None = None
@@ -145,8 +145,10 @@ class EmbeddedService:
         shutdown itself is raised here, once.
         """
         with self._lock:
-            phase, self._phase = self._phase, "stopped"
-        if phase != "running":
+            phase = self._phase
+            if phase == "running":
+                self._phase = "stopping"  # no new calls; a stop that timed out may be retried
+        if phase not in ("running", "stopping"):
             return
         assert self._thread is not None and self._loop is not None and self._stopping is not None
         # A closed loop means the thread has ended on its own: nothing to signal.
@@ -154,7 +156,11 @@ class EmbeddedService:
             self._loop.call_soon_threadsafe(self._stopping.set)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            raise TimeoutError(f"kvhandoff did not stop within {timeout_s:g} s")
+            raise TimeoutError(f"kvhandoff did not stop within {timeout_s:g} s; call stop() again")
+        with self._lock:
+            if self._phase == "stopped":
+                return  # another stop() finished first and reported
+            self._phase = "stopped"
         error = self._finished.exception()
         if error is not None:
             raise error

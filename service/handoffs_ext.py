@@ -57,7 +57,13 @@ async def _handoffs_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     transport = app[TRANSPORT]
     buffers: Buffers | None = app.get(EMBEDDED_BUFFERS)
-    hosted = await asyncio.to_thread(open_stages, config, transport, buffers)
+    opening = asyncio.ensure_future(asyncio.to_thread(open_stages, config, transport, buffers))
+    try:
+        hosted = await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        # Start-up abandoned: the thread runs on, so close what it opens once it is done.
+        opening.add_done_callback(_close_opened)
+        raise
     try:
         runtime = _build(config, app, hosted)
         app[RUNTIME] = runtime
@@ -145,6 +151,11 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
         **beat_kw,  # type: ignore[arg-type]
     )
     return Runtime(role="prefill", heartbeats=beats, prefill=prefill, **runtime_kw)  # type: ignore[arg-type]
+
+
+def _close_opened(opening: asyncio.Future[list[HostedMemory]]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        _close_pools(opening.result())
 
 
 def _close_pools(hosted: list[HostedMemory]) -> None:
