@@ -397,7 +397,6 @@ def _serve_info(dep: LocalDeployment) -> dict[str, Any]:
         "prefill": dep.prefill_urls,
         "stages": {str(r): dep.url_of_stage(r) for r in range(dep.pp_size)},
         "openapi": f"{dep.decode_url}/openapi.json",
-        "dashboard": f"{dep.decode_url}/",
     }
 
 

@@ -98,7 +98,7 @@ def test_serve_prints_its_urls_and_cleans_up_on_a_signal(sig: int) -> None:
         summary = json.loads(proc.stdout.readline())
         info = json.loads(proc.stdout.readline())
         assert summary["verified"] == 4
-        assert set(info) == {"decode", "prefill", "stages", "openapi", "dashboard"}
+        assert set(info) == {"decode", "prefill", "stages", "openapi"}
         assert sorted(info["stages"]) == ["0", "1", "2", "3"]
         assert sorted(info["stages"].values()) == sorted(info["prefill"])
         for url in [info["decode"], *info["prefill"]]:
