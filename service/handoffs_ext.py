@@ -95,24 +95,27 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
     bus.add_listener(_log_event)
     # An abort answers once in-flight writes drained: give it a transfer's time and then some.
     peers = HttpPeers(app[PEERS], abort_timeout_s=config.transport.transfer_timeout_s + 5.0)
-    runtime_kw = {
-        "url": url,
-        "target": transport.local_target,
-        "bus": bus,
-        "hosted": hosted,
-        "peers": peers,
-    }
-    beat_kw = {
-        "url": url,
-        "peers": peers,
-        "interval_s": handoff.heartbeat_interval_s,
-        "timeout_s": handoff.peer_timeout_s,
-    }
+    runtime = Runtime(
+        role=config.role,
+        url=url,
+        target=transport.local_target,
+        bus=bus,
+        hosted=hosted,
+        peers=peers,
+        heartbeats=Heartbeats(  # watching the pipeline built below
+            url=url,
+            role=config.role,
+            peers=peers,
+            interval_s=handoff.heartbeat_interval_s,
+            timeout_s=handoff.peer_timeout_s,
+        ),
+    )
+    beats = runtime.heartbeats
     if config.role == "decode":
         memory = hosted[0].memory if hosted[0].pool.on_host else None
         if handoff.verify and memory is None:
             raise ConfigError("handoff.verify", "verification needs a host-readable decode pool")
-        decode = DecodePipeline(
+        decode = runtime.decode = DecodePipeline(
             hosted[0].layout,
             transport.local_target,
             url,
@@ -125,32 +128,21 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
             verify_default=handoff.verify,
             quiesce_grace_s=config.transport.transfer_timeout_s,
         )
-        beats = Heartbeats(
-            role="decode",
-            live=decode.live_by_prefill,
-            lost=decode.peer_lost,
-            back=decode.peer_back,
-            **beat_kw,  # type: ignore[arg-type]
+        beats.watch(live=decode.live_by_prefill, lost=decode.peer_lost, back=decode.peer_back)
+    else:
+        prefill = runtime.prefill = PrefillPipeline(
+            {
+                h.layout.pp_rank: HostedStage(h.layout, h.memory if h.pool.on_host else None)
+                for h in hosted
+            },
+            transport,
+            peers,
+            bus,
+            default_deadline_s=handoff.default_deadline_s,
+            max_blocks_per_batch=config.transport.max_blocks_per_batch,
         )
-        return Runtime(role="decode", heartbeats=beats, decode=decode, **runtime_kw)  # type: ignore[arg-type]
-    prefill = PrefillPipeline(
-        {
-            h.layout.pp_rank: HostedStage(h.layout, h.memory if h.pool.on_host else None)
-            for h in hosted
-        },
-        transport,
-        peers,
-        bus,
-        default_deadline_s=handoff.default_deadline_s,
-        max_blocks_per_batch=config.transport.max_blocks_per_batch,
-    )
-    beats = Heartbeats(
-        role="prefill",
-        live=prefill.live_by_decode,
-        lost=prefill.peer_lost,
-        **beat_kw,  # type: ignore[arg-type]
-    )
-    return Runtime(role="prefill", heartbeats=beats, prefill=prefill, **runtime_kw)  # type: ignore[arg-type]
+        beats.watch(live=prefill.live_by_decode, lost=prefill.peer_lost)
+    return runtime
 
 
 def _close_opened(opening: asyncio.Future[list[HostedMemory]]) -> None:

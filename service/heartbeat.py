@@ -31,8 +31,8 @@ class Heartbeats:
         url: str,
         role: str,
         peers: HttpPeers,
-        live: Callable[[], dict[str, list[str]]],
-        lost: Callable[[str, str], Awaitable[Any] | Any],
+        live: Callable[[], dict[str, list[str]]] | None = None,
+        lost: Callable[[str, str], Awaitable[Any] | Any] | None = None,
         back: Callable[[str], None] | None = None,
         interval_s: float = 1.0,
         timeout_s: float = 3.0,
@@ -41,14 +41,25 @@ class Heartbeats:
         self._url = url
         self._role = role
         self._peers = peers
-        self._live = live
-        self._lost = lost
+        self._live: Callable[[], dict[str, list[str]]] = live or dict
+        self._lost: Callable[[str, str], Awaitable[Any] | Any] = lost or (lambda peer, why: None)
         self._back = back
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._clock = clock
         self._last: dict[str, float] = {}  # peers with live handoffs -> last time heard
         self._lost_peers: set[str] = set()
+
+    def watch(
+        self,
+        *,
+        live: Callable[[], dict[str, list[str]]],
+        lost: Callable[[str, str], Awaitable[Any] | Any],
+        back: Callable[[str], None] | None = None,
+    ) -> None:
+        """Whom to ping (`live`: peer URL -> live handoff ids), whom to tell a peer went silent
+        (`lost(url, reason)`) and came back (`back(url)`): the role's pipeline."""
+        self._live, self._lost, self._back = live, lost, back
 
     def heard(self, url: str) -> None:
         """`url` answered or sent a heartbeat."""
