@@ -657,10 +657,11 @@ class DecodePipeline:
         end an aborted handoff as `aborted`.
 
         A peer that cannot be reached is retried until it answers, is declared lost by the
-        heartbeat task, or the deadline plus the transport's grace period has passed (by then its
-        own deadline has stopped it). Giving up on a peer that did not confirm keeps the lease
-        for one more grace period: a prefill process whose event loop is stalled may still have
-        batches queued in its engine worker.
+        heartbeat task, or the deadline plus the grace period has passed. Without its answer,
+        the lease is kept until then anyway: a prefill process the heartbeats cannot hear (a
+        stalled event loop, a partitioned control network beside a working RDMA one) may still
+        be writing; but its transport starts no batch after the deadline, and a started one
+        ends within the engine's timeout, which `quiesce_grace_s` covers.
         """
         give_up = max(h.deadline_at, self._clock()) + self._grace_s
         unconfirmed = False
@@ -688,7 +689,7 @@ class DecodePipeline:
             ]
             await asyncio.gather(*(stop(p) for p in peers))
             if unconfirmed and not self._closing:
-                await asyncio.sleep(self._grace_s)
+                await asyncio.sleep(max(0.0, give_up - self._clock()))
         finally:
             self.leases.release(h.id)
             h.quiesced.set()

@@ -59,7 +59,7 @@ ROLE = "prefill"
 class BlockWriter(Protocol):
     """What the pipeline needs from a transport."""
 
-    async def write(self, peer: str, blocks: Blocks) -> None: ...
+    async def write(self, peer: str, blocks: Blocks, *, start_by: float | None = None) -> None: ...
 
     async def quiesce(self, peer: str | None = None) -> None: ...
 
@@ -510,7 +510,7 @@ class PrefillPipeline:
             final = isinstance(p, _End)
             if isinstance(p, TransferPlan) and len(p):
                 t0 = time.perf_counter()
-                batches = await self._write_all(dest.decode_target, p)
+                batches = await self._write_all(dest, p)
                 total_bytes += p.total_bytes
                 total_blocks += len(p)
                 h.bytes_sent += p.total_bytes
@@ -529,11 +529,17 @@ class PrefillPipeline:
             if final:
                 return total_bytes, total_blocks
 
-    async def _write_all(self, target: str, p: TransferPlan) -> int:
+    async def _write_all(self, dest: DestinationMsg, p: TransferPlan) -> int:
         """Write one plan (the transport splits it under its block cap and bounds in-flight
         batches per peer). On cancellation or error, leave only once the engine can no longer
-        write anything of it: the write task is drained, then the peer's lane quiesced."""
-        task = asyncio.get_running_loop().create_task(self._writer.write(target, p.blocks))
+        write anything of it: the write task is drained, then the peer's lane quiesced.
+
+        No batch starts after the handoff's deadline, even if this loop stalls: the decode side
+        relies on that to know when a stage it cannot reach any more has stopped writing."""
+        target = dest.decode_target
+        start_by = time.monotonic() + (dest.deadline_at - self._clock())
+        write = self._writer.write(target, p.blocks, start_by=start_by)
+        task = asyncio.get_running_loop().create_task(write)
         try:
             await asyncio.shield(task)
         except BaseException:

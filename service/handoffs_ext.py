@@ -126,7 +126,8 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
             max_live=handoff.max_concurrent,
             default_deadline_s=handoff.default_deadline_s,
             verify_default=handoff.verify,
-            quiesce_grace_s=config.transport.transfer_timeout_s,
+            # After the deadline no prefill batch starts; one started ends within this.
+            quiesce_grace_s=config.transport.engine_timeout_s,
         )
         beats.watch(live=decode.live_by_prefill, lost=decode.peer_lost, back=decode.peer_back)
     else:

@@ -34,12 +34,15 @@ class Transport(Protocol):
         """Forget `regions`. Unknown regions, repeated calls and calls after `close` are no-ops."""
         ...
 
-    async def write(self, peer: str, blocks: Blocks) -> None:
+    async def write(self, peer: str, blocks: Blocks, *, start_by: float | None = None) -> None:
         """Copy every block from local memory to `peer`'s memory; returns when all bytes landed.
 
         Splits into batches under the configured cap. Raises `TransportError` (rc, peer) on any
         failure and `TransportTimeout` when a batch exceeds the transfer timeout; never returns
         success for a partial copy. Cancelling it stops batches not yet started; see `quiesce`.
+        No batch starts after `start_by` (a `time.monotonic()` instant; it then raises
+        `TransportTimeout`), checked where the copy starts, not in the event loop, so it holds
+        even if the loop stalls: a peer can bound when this write's bytes may still land.
         """
         ...
 

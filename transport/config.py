@@ -68,6 +68,12 @@ class MooncakeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def align_bytes(self) -> int:
         return alignment_for(self.protocol)
 
+    @property
+    def engine_timeout_s(self) -> float:
+        """How long one engine call can still write after it started, at most: the engine's own
+        timeout (whole seconds, floor 5) plus a second for its per-byte allowance."""
+        return max(ENGINE_MIN_TIMEOUT_S, math.ceil(self.transfer_timeout_s)) + 1.0
+
     def engine_env(self) -> dict[str, str]:
         """Environment the engine must see at construction.
 

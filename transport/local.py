@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import itertools
+import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
-from transport.errors import TransportError
+from transport.errors import TransportError, TransportTimeout
 from transport.regions import Region, RegionTable
 
 _ids = itertools.count(1)
@@ -33,6 +34,13 @@ def copy_blocks(blocks: Blocks) -> None:
         blocks.dst_addr.tolist(), blocks.src_addr.tolist(), blocks.length.tolist(), strict=True
     ):
         move(dst, src, n)
+
+
+def _copy_unless_late(blocks: Blocks, start_by: float | None, peer: str) -> None:
+    """Worker thread: copy, unless the write's start-by instant has passed."""
+    if start_by is not None and time.monotonic() > start_by:
+        raise TransportTimeout("the write's deadline passed before this batch started", peer=peer)
+    copy_blocks(blocks)
 
 
 class LocalTransport:
@@ -62,7 +70,7 @@ class LocalTransport:
     def unregister(self, regions: Sequence[Region]) -> None:
         self._regions.remove(regions)
 
-    async def write(self, peer: str, blocks: Blocks) -> None:
+    async def write(self, peer: str, blocks: Blocks, *, start_by: float | None = None) -> None:
         executor = self._check_open()
         target = _open.get(peer)
         if target is None:
@@ -71,7 +79,7 @@ class LocalTransport:
         target._regions.check(blocks.dst_addr, blocks.length, side="destination", peer=peer)
         # Batches keep a cancelled write from copying much more than one batch afterwards.
         for batch in blocks.batches(self._max_blocks):
-            fut = executor.submit(copy_blocks, batch)
+            fut = executor.submit(_copy_unless_late, batch, start_by, peer)
             self._running.add(fut)
             fut.add_done_callback(self._running.discard)
             await asyncio.wrap_future(fut)

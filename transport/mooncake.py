@@ -100,12 +100,19 @@ class _Batch:
     """One submitted batch of a write (several may share one engine call): its blocks, the
     asyncio future for its outcome and its timeout timer."""
 
-    __slots__ = ("blocks", "done", "slot_held", "stop", "timer")
+    __slots__ = ("blocks", "done", "slot_held", "start_by", "stop", "timer")
 
-    def __init__(self, blocks: Blocks, done: asyncio.Future[None], stop: threading.Event) -> None:
+    def __init__(
+        self,
+        blocks: Blocks,
+        done: asyncio.Future[None],
+        stop: threading.Event,
+        start_by: float | None,
+    ) -> None:
         self.blocks = blocks
         self.done = done
         self.stop = stop
+        self.start_by = start_by
         self.timer: asyncio.TimerHandle | None = None
         self.slot_held = True
 
@@ -174,7 +181,7 @@ class MooncakeTransport:
 
     # -- transfers -------------------------------------------------------------------------
 
-    async def write(self, peer: str, blocks: Blocks) -> None:
+    async def write(self, peer: str, blocks: Blocks, *, start_by: float | None = None) -> None:
         self._check_open()
         if len(blocks) == 0:
             return
@@ -192,7 +199,7 @@ class MooncakeTransport:
                     if stop.is_set():
                         break  # a batch of this write has failed: its error is raised below
                     raise self._stuck_error(lane)
-                batch = _Batch(part, loop.create_future(), stop)
+                batch = _Batch(part, loop.create_future(), stop, start_by)
                 submitted.append(batch)
                 lane.pending.append(batch)
                 fut = lane.executor.submit(self._run, lane, loop)
@@ -251,6 +258,17 @@ class MooncakeTransport:
                 error = self._stuck_error(lane)
                 return
             taken = self._take(lane, skipped)
+            now = time.monotonic()
+            late = [b for b in taken if b.start_by is not None and now > b.start_by]
+            if late:
+                # Checked here, in the worker: a stalled event loop cannot delay it. The late
+                # batches fail now; the others of this call still run.
+                for batch in late:
+                    batch.stop.set()
+                    _post(loop, self._finish, lane, batch, self._late_error(lane))
+                taken = [b for b in taken if b not in late]
+                if not taken:
+                    return
             blocks = (
                 taken[0].blocks if len(taken) == 1 else Blocks.concat([b.blocks for b in taken])
             )
@@ -317,6 +335,11 @@ class MooncakeTransport:
             batch.done.cancel()
         else:
             batch.done.set_result(None)
+
+    def _late_error(self, lane: _PeerLane) -> TransportTimeout:
+        return TransportTimeout(
+            "the write's deadline passed before this batch started", peer=lane.peer
+        )
 
     def _stuck_error(self, lane: _PeerLane) -> TransportTimeout:
         return TransportTimeout(

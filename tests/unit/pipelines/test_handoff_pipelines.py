@@ -14,6 +14,7 @@ from pipelines.errors import (
     ConflictError,
     NotFoundError,
     PairingError,
+    PeerUnreachable,
     PlanError,
 )
 from pipelines.events import EventBus, event_tag
@@ -287,3 +288,28 @@ async def test_a_caller_giving_up_on_abort_does_not_cut_the_quiesce_short(world:
     assert (await w.decode.wait("c", 5)).state == HandoffState.ABORTED
     assert not w.decode.leases.holds("c")
     assert w.decode.live_by_prefill() == {}  # nothing left to keep heartbeating for
+
+
+async def test_pages_of_a_stage_that_never_confirmed_stay_fenced_until_deadline_plus_grace(
+    world: World,
+) -> None:
+    w = world
+    link = w.decode._prefill
+    assert isinstance(link, InProcessLink)
+    w.decode._grace_s = 0.2
+
+    async def unreachable(url: str, msg: AbortMsg) -> AbortAck:
+        raise PeerUnreachable("connection refused", peer=url)
+
+    link.abort = unreachable  # type: ignore[method-assign]
+    req = HandoffRequest(id="l", prefill=["p"], dst_pages=[4], dst_slot=0, deadline_s=0.3)
+    await w.decode.create(req)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert w.decode.peer_lost("p", "was silent") == ["l"]
+    assert w.decode.get("l").state == HandoffState.FAILED  # reported at once ...
+    assert w.decode.leases.holds("l")  # ... but the page stays fenced
+    await asyncio.wait_for(w.decode.handoffs["l"].quiesced.wait(), 5)
+    # Not before the deadline (0.3 s) plus the grace (0.2 s): only then can nothing still land.
+    assert loop.time() - t0 >= 0.45
+    assert not w.decode.leases.holds("l")

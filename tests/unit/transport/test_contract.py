@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from tests.unit.transport.conftest import pool_of
 from transport.base import Transport
 from transport.blocks import Blocks
-from transport.errors import TransportError
+from transport.errors import TransportError, TransportTimeout
 from transport.regions import Region
 
 SIZE = 1 << 20
@@ -50,6 +52,22 @@ async def test_write_copies_exactly_the_blocks_even_above_the_batch_cap(
     want = expected(src, dst, blocks, src.ctypes.data, dst.ctypes.data)
     await transport.write(transport.local_target, blocks)
     np.testing.assert_array_equal(dst, want)
+    for p in pools:
+        p.close()
+
+
+async def test_a_write_past_its_start_by_instant_moves_nothing(
+    transport: Transport, make_buffer
+) -> None:
+    src, dst = make_buffer(SIZE), make_buffer(SIZE)
+    src[:] = 7
+    pools = [pool_of(src), pool_of(dst)]
+    for p in pools:
+        p.register(transport)
+    blocks = fragmented(src.ctypes.data, dst.ctypes.data, np.random.default_rng(2), 100)
+    with pytest.raises(TransportTimeout):
+        await transport.write(transport.local_target, blocks, start_by=time.monotonic() - 0.1)
+    assert not dst.any()
     for p in pools:
         p.close()
 

@@ -195,3 +195,23 @@ async def test_a_failed_shared_call_fails_every_write_in_it(fake_engine, make_bu
             await task
     assert fake_engine.batch_sizes == [2, 4]
     t.close()
+
+
+async def test_no_batch_starts_after_the_writes_start_by_instant(fake_engine, make_buffer) -> None:
+    t = fake_transport(fake_engine)
+    _, dst, blocks = setup_blocks(make_buffer, t, 10)
+    with pytest.raises(TransportTimeout, match="deadline passed"):
+        await t.write("peer:1", blocks, start_by=time.monotonic() - 1)
+    assert fake_engine.batch_sizes == [] and not dst.any()
+    # A batch queued behind a slow call is checked when the worker reaches it, not before.
+    fake_engine.hang = threading.Event()
+    first = asyncio.create_task(t.write("peer:1", blocks[0:5]))
+    await asyncio.sleep(0.1)
+    late = asyncio.create_task(t.write("peer:1", blocks[5:10], start_by=time.monotonic() + 0.1))
+    await asyncio.sleep(0.3)  # its instant passes while the first call still runs
+    fake_engine.hang.set()
+    await first
+    with pytest.raises(TransportTimeout):
+        await late
+    assert fake_engine.batch_sizes == [5]
+    t.close()
