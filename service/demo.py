@@ -46,6 +46,7 @@ from pipelines.prefill import HostedStage, PrefillPipeline
 from service.bench.common import RawEngine
 from service.config import HandoffConfig
 from service.deployment import DeploymentError, LocalDeployment
+from service.router_client import TERMINAL, WAIT_S, Outcome, RouterClient
 from transport.config import MooncakeConfig
 from transport.local import LocalTransport
 from transport.mooncake import MooncakeTransport
@@ -54,9 +55,6 @@ from transport.pools import Pool, open_pool
 PRESET = "hybrid-npu-mla"
 MODEL: dict[str, int | bool] = {"scale": 64, "page_size": 16, "num_layers": 48}
 DECODE_URL, PREFILL_URL = "inproc://decode", "inproc://prefill"
-TERMINAL = frozenset({"completed", "failed", "aborted"})
-#: One long poll of `GET /v1/handoffs/{id}`; the client waits this plus a margin.
-WAIT_S = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -187,14 +185,7 @@ class _Job:
         return f"req-{self.index}"
 
 
-@dataclass(frozen=True)
-class _Outcome:
-    state: str  # a handoff state, or "rejected" / "unreachable" when the API said no or nothing
-    bytes: int = 0
-    error: str | None = None
-
-
-Execute = Callable[[_Job], Awaitable[_Outcome]]
+Execute = Callable[[_Job], Awaitable[Outcome]]
 
 
 class _Workload:
@@ -244,7 +235,7 @@ class _Workload:
                 return False
         return True
 
-    def release(self, job: _Job, outcome: _Outcome) -> None:
+    def release(self, job: _Job, outcome: Outcome) -> None:
         if outcome.state == "completed":
             self.completed.append(job)
         self.free_src.extend(job.src_pages.tolist())
@@ -267,7 +258,7 @@ async def _drive(
         async with sem:
             job = work.take(i)
             if job is None:
-                results.append(_result(f"req-{i}", _Outcome("skipped", 0, _EXHAUSTED), 0.0, False))
+                results.append(_result(f"req-{i}", Outcome("skipped", 0, _EXHAUSTED), 0.0, False))
                 return
             work.fill(job)
             t0 = time.perf_counter()
@@ -287,7 +278,7 @@ async def _drive(
 _EXHAUSTED = "no free decode pages or slot: earlier handoffs in an unknown state hold them"
 
 
-def _result(handoff_id: str, outcome: _Outcome, latency_s: float, ok: bool) -> dict[str, Any]:
+def _result(handoff_id: str, outcome: Outcome, latency_s: float, ok: bool) -> dict[str, Any]:
     return {
         "id": handoff_id,
         "state": outcome.state,
@@ -298,9 +289,9 @@ def _result(handoff_id: str, outcome: _Outcome, latency_s: float, ok: bool) -> d
     }
 
 
-def _outcome(view: HandoffView) -> _Outcome:
+def _outcome(view: HandoffView) -> Outcome:
     error = f"{view.error.code}: {view.error.reason}" if view.error else None
-    return _Outcome(view.state.value, view.bytes, error)
+    return Outcome(view.state.value, view.bytes, error)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,7 +339,12 @@ async def _over_http(dep: LocalDeployment, args: argparse.Namespace) -> int:
     work = _Workload(stages, _Side(dep.decode_layout, dep.decode_pool), args)
     headers = {"Authorization": f"Bearer {dep.token}"} if dep.token else None
     async with aiohttp.ClientSession(headers=headers) as http:
-        router = _HttpRouter(http, dep, args.verify_digests)
+        client = RouterClient(http, dep, verify=args.verify_digests)
+
+        async def router(job: _Job) -> Outcome:
+            src, dst = job.src_pages.tolist(), job.dst_pages.tolist()
+            return await client.handoff(job.id, src, dst, job.src_slot, job.dst_slot)
+
         running = asyncio.create_task(_drive(work, router, args))
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({running, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -400,84 +396,6 @@ def _serve_info(dep: LocalDeployment) -> dict[str, Any]:
     }
 
 
-class _HttpRouter:
-    """One handoff as a router and the prefill engines drive it: create it on the decode
-    service, signal every stage ready on its prefill service, long-poll until terminal."""
-
-    def __init__(self, http: aiohttp.ClientSession, dep: LocalDeployment, verify: bool) -> None:
-        self.http, self.dep, self.verify = http, dep, verify
-        self.timeout = aiohttp.ClientTimeout(total=WAIT_S + 20)
-
-    async def __call__(self, job: _Job) -> _Outcome:
-        try:
-            return await self._handoff(job)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return _Outcome("unreachable", 0, f"{type(exc).__name__}: {exc}")
-
-    async def _handoff(self, job: _Job) -> _Outcome:
-        body = {
-            "id": job.id,
-            "prefill": self.dep.prefill_urls,
-            "dst_pages": job.dst_pages.tolist(),
-            "dst_slot": job.dst_slot,
-            "verify": self.verify,
-        }
-        url = f"{self.dep.decode_url}/v1/handoffs"
-        async with self.http.post(url, json=body, timeout=self.timeout) as resp:
-            if resp.status not in (200, 201):  # 200: this very request was already accepted
-                return _Outcome("rejected", 0, await _problem(resp))
-        ready = {"src_pages": job.src_pages.tolist(), "src_slot": job.src_slot}
-        refused = [
-            p
-            for p in await asyncio.gather(
-                *(self._ready(job, r, ready) for r in range(self.dep.pp_size))
-            )
-            if p
-        ]
-        view = await self._until_terminal(job.id)
-        error = view.get("error")
-        reason = f"{error['code']}: {error['reason']}" if error else None
-        return _Outcome(view["state"], int(view["bytes"]), reason or next(iter(refused), None))
-
-    async def _ready(self, job: _Job, rank: int, body: dict[str, Any]) -> str | None:
-        """Signal stage `rank` ready; the problem's text if the prefill service refused."""
-        url = f"{self.dep.url_of_stage(rank)}/v1/handoffs/{job.id}/stages/{rank}/ready"
-        try:
-            async with self.http.post(url, json=body, timeout=self.timeout) as resp:
-                return None if resp.status == 202 else await _problem(resp)
-        except aiohttp.ClientError as exc:
-            # The handoff exists: the decode service fails it (peer timeout, deadline); wait.
-            return f"stage {rank}: {type(exc).__name__}: {exc}"
-
-    async def _until_terminal(self, handoff_id: str) -> dict[str, Any]:
-        # Bounded by the handoff's deadline: the decode service fails it then at the latest.
-        url = f"{self.dep.decode_url}/v1/handoffs/{handoff_id}"
-        while True:
-            async with self.http.get(
-                url, params={"wait_s": str(WAIT_S)}, timeout=self.timeout
-            ) as resp:
-                if resp.status != 200:
-                    return {"state": "unreachable", "bytes": 0, "error": await _problem_of(resp)}
-                view: dict[str, Any] = await resp.json()
-            if view["state"] in TERMINAL:
-                return view
-
-
-async def _problem_of(resp: aiohttp.ClientResponse) -> dict[str, str]:
-    """A problem+json body as {"code", "reason"} (or the raw text if it is not one)."""
-    text = await resp.text()
-    try:
-        body = json.loads(text)
-        return {"code": str(body.get("code", resp.status)), "reason": str(body["detail"])}
-    except (ValueError, KeyError, AttributeError):
-        return {"code": str(resp.status), "reason": text[:300]}
-
-
-async def _problem(resp: aiohttp.ClientResponse) -> str:
-    problem = await _problem_of(resp)
-    return f"{problem['code']}: {problem['reason']}"
-
-
 # ---------------------------------------------------------------------------------------------
 # --inprocess: the pipelines linked in this process (the embedded mode).
 
@@ -521,7 +439,7 @@ async def _inprocess(args: argparse.Namespace) -> int:
     link.decode = decode
     link.add_prefill(PREFILL_URL, prefill, pre_t.local_target)
 
-    async def execute(job: _Job) -> _Outcome:
+    async def execute(job: _Job) -> Outcome:
         request = HandoffRequest(
             id=job.id,
             prefill=[PREFILL_URL],
@@ -532,7 +450,7 @@ async def _inprocess(args: argparse.Namespace) -> int:
         try:
             await decode.create(request)
         except KVHandoffError as exc:
-            return _Outcome("rejected", 0, f"{exc.code}: {exc}")
+            return Outcome("rejected", 0, f"{exc.code}: {exc}")
         for r in stages:
             prefill.ready(job.id, r, job.src_pages, job.src_slot)
         view = await decode.wait(job.id, WAIT_S)

@@ -31,6 +31,7 @@ import numpy as np
 from pipelines.messages import LayoutInfo
 from service.bench.common import RawEngine, fragmented_pages
 from service.deployment import LocalDeployment
+from service.router_client import RouterClient
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,38 +60,19 @@ class Request:
     dst_slot: int | None
 
 
-class Router:
-    """Plays router and engines: create on decode, ready on every stage, long-poll the end."""
+class Driver:
+    """A `RouterClient` whose handoffs must complete: returns the bytes moved, raises otherwise."""
 
     def __init__(self, http: aiohttp.ClientSession, dep: LocalDeployment) -> None:
-        self.http, self.dep = http, dep
-        self._create_url = f"{dep.decode_url}/v1/handoffs"
-        self._stage_urls = [dep.url_of_stage(r) for r in range(dep.pp_size)]
+        self.client = RouterClient(http, dep)
 
     async def handoff(self, hid: str, req: Request) -> int:
-        """One handoff start to end; returns its bytes, raises if it did not complete."""
-        body: dict[str, Any] = {"id": hid, "prefill": self.dep.prefill_urls}
-        body["dst_pages"] = req.dst_pages
-        if req.dst_slot is not None:
-            body["dst_slot"] = req.dst_slot
-        async with self.http.post(self._create_url, json=body) as resp:
-            if resp.status != 201:
-                raise RuntimeError(f"create {hid}: {resp.status} {await resp.text()}")
-        ready: dict[str, Any] = {"src_pages": req.src_pages}
-        if req.src_slot is not None:
-            ready["src_slot"] = req.src_slot
-        await asyncio.gather(*(self._ready(hid, r, ready) for r in range(len(self._stage_urls))))
-        async with self.http.get(f"{self._create_url}/{hid}?wait_s=30") as resp:
-            view = await resp.json()
-        if view["state"] != "completed":
-            raise RuntimeError(f"handoff {hid} ended {view['state']}: {view.get('error')}")
-        return int(view["bytes"])
-
-    async def _ready(self, hid: str, rank: int, body: dict[str, Any]) -> None:
-        url = f"{self._stage_urls[rank]}/v1/handoffs/{hid}/stages/{rank}/ready"
-        async with self.http.post(url, json=body) as resp:
-            if resp.status != 202:
-                raise RuntimeError(f"ready {hid}/{rank}: {resp.status} {await resp.text()}")
+        outcome = await self.client.handoff(
+            hid, req.src_pages, req.dst_pages, req.src_slot, req.dst_slot
+        )
+        if outcome.state != "completed":
+            raise RuntimeError(f"handoff {hid} ended {outcome.state}: {outcome.error}")
+        return outcome.bytes
 
 
 async def run_lanes(
@@ -157,7 +139,7 @@ async def bulk(args: argparse.Namespace) -> dict[str, Any]:
             async with http.get(f"{dep.decode_url}/v1/layout") as resp:
                 info = msgspec.json.decode(await resp.read(), type=LayoutInfo)
             decode = info.stages[0].layout
-            router = Router(http, dep)
+            router = Driver(http, dep)
             moves = [(x.src_pages, x.dst_pages, x.src_slot, x.dst_slot) for x in lanes]
             blocks = dep.planned_blocks(decode, moves)
             per_request = blocks.total_bytes // len(lanes)
@@ -208,7 +190,7 @@ async def small(args: argparse.Namespace) -> dict[str, Any]:
     ) as dep:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as http:
-            router = Router(http, dep)
+            router = Driver(http, dep)
             health = f"{dep.decode_url}/healthz"
 
             async def ping(_: str, __: Request) -> int:
