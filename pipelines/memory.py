@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from pipelines.layout import StageLayout
 from pipelines.pairing import Pairing
-from transport.pools import Pool
+from transport.pool_base import Pool
 
 U8 = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]

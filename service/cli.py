@@ -14,13 +14,19 @@ from collections.abc import Sequence
 from typing import Any
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("service.serve_cmd", "run a prefill or decode service from a TOML config"),
-    "demo": ("service.demo", "start a local PP prefill + decode deployment and verify handoffs"),
+    "serve": ("service.serve", "run a prefill or decode service from a TOML config"),
+    "demo": (
+        "service.tools.demo",
+        "start a local PP prefill + decode deployment and verify handoffs",
+    ),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "plan": ("service.bench.plan", "transfer planning vs. a per-entry reference planner"),
-    "transport": ("service.bench.transport", "transports vs. memcpy and raw Mooncake calls"),
-    "handoff": ("service.bench.handoff", "handoffs through the HTTP services vs. raw baselines"),
+    "plan": ("service.tools.bench.plan", "transfer planning vs. a per-entry reference planner"),
+    "transport": ("service.tools.bench.transport", "transports vs. memcpy and raw Mooncake calls"),
+    "handoff": (
+        "service.tools.bench.handoff",
+        "handoffs through the HTTP services vs. raw baselines",
+    ),
 }
 
 

@@ -6,7 +6,7 @@ with msgspec (unknown keys rejected) and checks what spans several keys. Every e
 `ConfigError` whose `field` (and message prefix) is the TOML key path, e.g.
 `stages[1].pp_rank: 4 is not below pp_size 4`.
 
-Only `service.serve_cmd` passes `os.environ` in; nothing else in the codebase reads it.
+Only `service.serve` passes `os.environ` in; nothing else in the codebase reads it.
 """
 
 from __future__ import annotations

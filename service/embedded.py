@@ -35,13 +35,12 @@ from pipelines.errors import InternalError, InvalidInput
 from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
 from pipelines.prefill import PrefillPipeline
-from service.app import Extension
 from service.config import Config, ConfigError
-from service.handoffs_ext import EMBEDDED_BUFFERS
-from service.problems import NotReady, invalid_value
-from service.runtime import RUNTIME, Runtime
-from service.serve_cmd import EXTENSIONS, SHUTDOWN_TIMEOUT_S, Server, load_extension, serve
-from service.stages import Buffers, unplaced_layout
+from service.http.app import Extension
+from service.http.problems import NotReady, invalid_value
+from service.runtime.pipelines import EMBEDDED_BUFFERS, RUNTIME, Runtime
+from service.runtime.stages import Buffers, unplaced_layout
+from service.serve import EXTENSIONS, SHUTDOWN_TIMEOUT_S, Server, load_extension, serve
 
 log = logging.getLogger("kvhandoff.embedded")
 T = TypeVar("T")

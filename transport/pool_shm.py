@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from transport.errors import PoolError
-from transport.pools import Bytes, Pool, pack_offsets
+from transport.pool_base import Bytes, Pool, pack_offsets
 from transport.regions import Region
 
 SHM_DIR = "/dev/shm"

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from transport.errors import PoolError
-from transport.pools import Bytes, Pool, align_up, pack_offsets
+from transport.pool_base import Bytes, Pool, align_up, pack_offsets
 from transport.regions import Region
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from service.deployment import LocalDeployment
+from service.tools.deployment import LocalDeployment
 
 DeploymentFactory = Callable[..., LocalDeployment]
 

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from service.deployment import LocalDeployment
+from service.tools.deployment import LocalDeployment
 
 SENTINEL = 0xEE
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from service.config import HandoffConfig
-from service.deployment import LocalDeployment
+from service.tools.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     SENTINEL,
     Moved,

@@ -23,8 +23,9 @@ from transport.blocks import Blocks
 from transport.config import MooncakeConfig
 from transport.errors import TransportError, TransportTimeout
 from transport.mooncake import MooncakeTransport
+from transport.pool_base import Pool, host_array
 from transport.pool_shm import ShmPool
-from transport.pools import Pool, host_array, open_pool
+from transport.pools import open_pool
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _transport_receiver import Receiver, spawn

@@ -23,8 +23,8 @@ import numpy.typing as npt
 from pipelines.events import Event, Subscription, event_tag
 from pipelines.memory import PoolMemory
 from service.config import Config, load_config
-from service.runtime import RUNTIME
-from service.serve_cmd import EXTENSIONS, Server, load_extension, serve
+from service.runtime.pipelines import RUNTIME
+from service.serve import EXTENSIONS, Server, load_extension, serve
 
 U8 = npt.NDArray[np.uint8]
 

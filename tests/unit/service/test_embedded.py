@@ -28,7 +28,7 @@ from pipelines.errors import (
 )
 from service.config import Config, ConfigError, load_config
 from service.embedded import EmbeddedService, WrongRole, embedded_layout
-from service.problems import NotReady
+from service.http.problems import NotReady
 
 MODEL = {"preset": "hybrid-npu-mla", "scale": 64, "num_layers": 8, "page_size": 4}
 Tensors = dict[int, list[torch.Tensor]]

@@ -12,7 +12,7 @@ from transport.base import Transport
 from transport.config import MooncakeConfig
 from transport.local import LocalTransport
 from transport.mooncake import MooncakeTransport
-from transport.pools import EmbeddedPool, Pool
+from transport.pool_base import EmbeddedPool, Pool
 
 
 @pytest.fixture

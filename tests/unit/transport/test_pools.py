@@ -12,9 +12,10 @@ import torch
 from transport.config import ASCEND_ALIGN_BYTES, DEFAULT_ALIGN_BYTES, alignment_for
 from transport.errors import PoolError
 from transport.local import LocalTransport
+from transport.pool_base import EmbeddedPool, pack_offsets
 from transport.pool_shm import ShmPool
 from transport.pool_torch import TorchPool
-from transport.pools import EmbeddedPool, open_pool, pack_offsets
+from transport.pools import open_pool
 from transport.regions import Region
 
 SIZES = [5000, 4096, 1, 70000]

@@ -1,0 +1,195 @@
+"""Router- and engine-facing handoff routes.
+
+On the decode service (the router's side): create, read, list and abort handoffs. On the prefill
+service (the engine's side): "stage k of this request is ready", optionally layer by layer. Every
+handler is a thin translation: decode the body or query, call the pipeline, encode its answer;
+the pipelines raise the error tree, which the app turns into problem+json.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from aiohttp import web
+from msgspec import Meta, Struct
+
+from pipelines.decode import (
+    HANDOFF_ID_PATTERN,
+    HandoffPage,
+    HandoffRequest,
+    HandoffState,
+    HandoffView,
+)
+from pipelines.errors import InvalidInput
+from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
+from service.http.app import CONFIG, ROUTES, decode_body, json_response
+from service.http.routing import RouteTable
+from service.runtime.pipelines import decode_of, install_pipelines, prefill_of
+
+_ID = re.compile(HANDOFF_ID_PATTERN)
+
+#: Longest a `GET /v1/handoffs/{id}?wait_s=` long poll may hold a connection.
+MAX_WAIT_S = 60.0
+
+decode_routes = RouteTable()
+prefill_routes = RouteTable()
+
+
+def install_handoffs(app: web.Application) -> None:
+    """Serve the configured role's handoff and peer routes over its pipeline (an `Extension`)."""
+    app[ROUTES].include(common_routes)
+    if app[CONFIG].role == "decode":
+        app[ROUTES].include(decode_routes)
+        app[ROUTES].include(decode_peer_routes)
+    else:
+        app[ROUTES].include(prefill_routes)
+        app[ROUTES].include(prefill_peer_routes)
+    install_pipelines(app)
+
+
+def _handoff_id(request: web.Request) -> str:
+    value = request.match_info["id"]
+    if not _ID.match(value):
+        raise InvalidInput(f"{value!r} is not a valid handoff id", field="id")
+    return value
+
+
+def _query_number(
+    request: web.Request, name: str, default: float, lo: float, hi: float, kind: type = int
+) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise InvalidInput(
+            f"{name}={raw!r} is not a{'n integer' if kind is int else ' number'}", field=name
+        ) from None
+    if not lo <= value <= hi:
+        raise InvalidInput(f"{name}={raw} is not within [{lo:g}, {hi:g}]", field=name)
+    return value  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------------ decode (router-facing)
+
+
+@decode_routes.post(
+    "/v1/handoffs",
+    request=HandoffRequest,
+    response=HandoffView,
+    status=201,
+    errors=(404, 409, 422, 429, 502, 504),
+    summary="Create a handoff (idempotent for an identical body; 409 for another body)",
+    description="Checks the destination pages and slot, fences them, fetches and pairs the "
+    "prefill layouts, then sends the destination to every prefill service. Answers 201 for a new "
+    "handoff and 200 when the same body was already accepted.",
+    tags=("handoffs",),
+)
+async def create_handoff(request: web.Request) -> web.StreamResponse:
+    body = await decode_body(request, HandoffRequest)
+    view, created = await decode_of(request).create(body)
+    return json_response(
+        view,
+        status=201 if created else 200,
+        headers={"Location": f"/v1/handoffs/{view.id}"},
+    )
+
+
+@decode_routes.get(
+    "/v1/handoffs/{id}",
+    response=HandoffView,
+    errors=(404, 422),
+    summary="One handoff: state, per-stage progress, bytes, error and event timeline",
+    description="With `?wait_s=S` (at most 60), answers as soon as the handoff is terminal, or "
+    "after S seconds with its current state: a router's long poll.",
+    tags=("handoffs",),
+)
+async def get_handoff(request: web.Request) -> web.StreamResponse:
+    handoff_id = _handoff_id(request)
+    wait_s = _query_number(request, "wait_s", 0.0, 0.0, MAX_WAIT_S, float)
+    pipeline = decode_of(request)
+    view = await pipeline.wait(handoff_id, wait_s) if wait_s else pipeline.get(handoff_id)
+    return json_response(view)
+
+
+@decode_routes.get(
+    "/v1/handoffs",
+    response=HandoffPage,
+    errors=(422,),
+    summary="Handoffs in creation order, optionally of one state; paginated by cursor",
+    description="Query: `state` (pending, transferring, completed, failed, aborted), `limit` "
+    "(1..1000, default 100), `cursor` (the previous page's `next_cursor`).",
+    tags=("handoffs",),
+)
+async def list_handoffs(request: web.Request) -> web.StreamResponse:
+    raw_state = request.query.get("state")
+    state = None
+    if raw_state is not None:
+        try:
+            state = HandoffState(raw_state)
+        except ValueError:
+            choices = ", ".join(s.value for s in HandoffState)
+            raise InvalidInput(
+                f"state={raw_state!r} is not one of {choices}", field="state"
+            ) from None
+    limit = int(_query_number(request, "limit", 100, 1, 1000))
+    cursor = int(_query_number(request, "cursor", 0, 0, 2**62))
+    return json_response(decode_of(request).page(state, limit, cursor))
+
+
+@decode_routes.delete(
+    "/v1/handoffs/{id}",
+    response=HandoffView,
+    errors=(404, 409, 422),
+    summary="Abort a handoff; answers once no write of it can still land on decode pages",
+    tags=("handoffs",),
+)
+async def abort_handoff(request: web.Request) -> web.StreamResponse:
+    handoff_id = _handoff_id(request)
+    return json_response(await decode_of(request).abort(handoff_id, "aborted by request"))
+
+
+# ------------------------------------------------------------------------ prefill (engine-facing)
+
+NonNeg = Annotated[int, Meta(ge=0)]
+
+
+class StageReady(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Engine → prefill: stage `pp_rank` finished (some of) its layers for this request."""
+
+    #: Source pages of the request on this stage; required on the stage's first signal.
+    src_pages: list[NonNeg] | None = None
+    #: The request's linear-attention state slot (hybrid models).
+    src_slot: NonNeg | None = None
+    #: Global layer ids now ready; absent: every layer of the stage not signalled yet.
+    layers: list[NonNeg] | None = None
+
+
+class StageReadyAck(Struct, frozen=True):
+    handoff_id: str
+    pp_rank: int
+    layers: list[int] | None
+
+
+@prefill_routes.post(
+    "/v1/handoffs/{id}/stages/{pp_rank}/ready",
+    request=StageReady,
+    response=StageReadyAck,
+    status=202,
+    errors=(404, 409, 422),
+    summary="Stage pp_rank has finished this request (all layers, or those listed)",
+    description="The first signal of a stage carries its source pages (and slot). Chunks of the "
+    "listed layers are sent as soon as the decode destination is known.",
+    tags=("engine",),
+)
+async def stage_ready(request: web.Request) -> web.StreamResponse:
+    handoff_id = _handoff_id(request)
+    raw_rank = request.match_info["pp_rank"]
+    if not raw_rank.isdigit():
+        raise InvalidInput(f"pp_rank {raw_rank!r} is not a non-negative integer", field="pp_rank")
+    body = await decode_body(request, StageReady)
+    rank = int(raw_rank)
+    prefill_of(request).ready(handoff_id, rank, body.src_pages, body.src_slot, body.layers)
+    return json_response(StageReadyAck(handoff_id, rank, body.layers), status=202)

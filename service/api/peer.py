@@ -1,0 +1,137 @@
+"""Peer-facing routes: the other side of `service.peers.protocol`.
+
+`GET /v1/layout` on both roles (what a peer must know to pair with and write to this process);
+destinations and aborts on prefill services; arrivals and stage failures on decode services;
+heartbeats on both. Each message's protocol version is checked before it is acted on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from pipelines.errors import KVHandoffError
+from pipelines.messages import (
+    AbortAck,
+    AbortMsg,
+    ArrivalMsg,
+    DestinationMsg,
+    HeartbeatAck,
+    HeartbeatMsg,
+    LayoutInfo,
+    StageFailedMsg,
+)
+from service.http.app import decode_body, json_response
+from service.http.problems import error_problem
+from service.http.routing import RouteTable
+from service.peers.protocol import (
+    ABORTS_PATH,
+    ARRIVALS_PATH,
+    DESTINATIONS_PATH,
+    HEARTBEATS_PATH,
+    LAYOUT_PATH,
+    STAGE_FAILURES_PATH,
+    Outcome,
+)
+from service.runtime.pipelines import RUNTIME, check_version, decode_of, prefill_of
+
+common_routes = RouteTable()
+decode_peer_routes = RouteTable()
+prefill_peer_routes = RouteTable()
+
+_NO_CONTENT = 204
+M = TypeVar("M", DestinationMsg, ArrivalMsg, StageFailedMsg)
+
+
+async def _each(request: web.Request, type_: type[M], handle: Callable[[M], Any]) -> web.Response:
+    """Handle a batch of notices (see service.peers.coalesce): one outcome per notice, in order."""
+    outcomes = []
+    batch: list[M] = await decode_body(request, list[type_])  # type: ignore[valid-type]
+    for msg in batch:
+        try:
+            check_version(msg.version)
+            handle(msg)
+        except KVHandoffError as error:
+            status, problem = error_problem(error, request.path)
+            outcomes.append(Outcome(status, problem))
+        else:
+            outcomes.append(Outcome(_NO_CONTENT))
+    return json_response(outcomes)
+
+
+@common_routes.get(
+    LAYOUT_PATH,
+    response=LayoutInfo,
+    summary="The stages hosted here: placed layouts, fingerprints, transport target, shm offsets",
+    tags=("peer",),
+)
+async def layout(request: web.Request) -> web.StreamResponse:
+    return json_response(request.app[RUNTIME].layout_info())
+
+
+@common_routes.post(
+    HEARTBEATS_PATH,
+    request=HeartbeatMsg,
+    response=HeartbeatAck,
+    errors=(422,),
+    summary="A peer sharing live handoffs with this service is alive",
+    tags=("peer",),
+)
+async def heartbeat(request: web.Request) -> web.StreamResponse:
+    msg = await decode_body(request, HeartbeatMsg)
+    check_version(msg.version)
+    runtime = request.app[RUNTIME]
+    runtime.heartbeats.heard(msg.sender_url)
+    return json_response(HeartbeatAck(role=runtime.role, url=runtime.url))
+
+
+@prefill_peer_routes.post(
+    DESTINATIONS_PATH,
+    request=list[DestinationMsg],
+    response=list[Outcome],
+    errors=(422,),
+    summary="Decode → prefill: where handoffs' bytes go (a batch; one outcome per item)",
+    tags=("peer",),
+)
+async def destinations(request: web.Request) -> web.StreamResponse:
+    return await _each(request, DestinationMsg, prefill_of(request).deliver)
+
+
+@prefill_peer_routes.post(
+    ABORTS_PATH,
+    request=AbortMsg,
+    response=AbortAck,
+    errors=(422,),
+    summary="Decode → prefill: stop a handoff; answers once no write of it can still land",
+    tags=("peer",),
+)
+async def abort(request: web.Request) -> web.StreamResponse:
+    msg = await decode_body(request, AbortMsg)
+    check_version(msg.version)
+    return json_response(await prefill_of(request).abort(msg.handoff_id, msg.reason))
+
+
+@decode_peer_routes.post(
+    ARRIVALS_PATH,
+    request=list[ArrivalMsg],
+    response=list[Outcome],
+    errors=(422,),
+    summary="Prefill → decode: every byte of these stages has landed (one outcome per item)",
+    tags=("peer",),
+)
+async def arrivals(request: web.Request) -> web.StreamResponse:
+    return await _each(request, ArrivalMsg, decode_of(request).arrived)
+
+
+@decode_peer_routes.post(
+    STAGE_FAILURES_PATH,
+    request=list[StageFailedMsg],
+    response=list[Outcome],
+    errors=(422,),
+    summary="Prefill → decode: these stages failed; no write of them can still land",
+    tags=("peer",),
+)
+async def stage_failures(request: web.Request) -> web.StreamResponse:
+    return await _each(request, StageFailedMsg, decode_of(request).stage_failed)

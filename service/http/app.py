@@ -1,0 +1,337 @@
+"""The aiohttp application: factory, middlewares, health/readiness, OpenAPI, JSON helpers.
+
+`create_app(config, extensions=[...])` builds the app; each extension is a plain function
+`install(app) -> None` called before the app starts, which may:
+
+- declare routes: `app[ROUTES].include(table)` with a `service.routing.RouteTable`;
+- own long-lived resources: `app.cleanup_ctx.append(ctx)` (an async generator over `app`:
+  start, `yield`, stop), storing them under its own `web.AppKey`s;
+- gate readiness: `app[READINESS].add("transport", check)`, where `check()` returns a bool or an
+  awaitable bool (`GET /readyz` answers 503 naming every failing check);
+- read the configuration: `app[CONFIG]`; call peer services: `app[PEERS]` (a `PeerClient`,
+  available once the app has started).
+
+Handlers raise the error tree (`pipelines.errors`, `service.http.problems`), never `web.HTTP*`; the
+one error middleware turns errors into problem+json. Built-in routes: `/healthz`, `/readyz`,
+`/openapi.json`. `/v1/...` routes need the bearer token when `server.token` is set.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import cache
+from typing import Any, TypeVar, cast
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from msgspec import Struct
+
+from pipelines.errors import KVHandoffError
+from service.config import Config
+from service.http.client import PeerClient
+from service.http.openapi import build_openapi
+from service.http.problems import (
+    PROBLEM_CONTENT_TYPE,
+    MalformedBody,
+    MethodNotAllowed,
+    NotReady,
+    PayloadTooLarge,
+    RouteNotFound,
+    Unauthorized,
+    encode_problem,
+    error_problem,
+    invalid_value,
+    problem_body,
+)
+from service.http.routing import API_PREFIX, RouteTable
+
+log = logging.getLogger("kvhandoff.service")
+access_log = logging.getLogger("kvhandoff.access")
+
+T = TypeVar("T")
+Extension = Callable[[web.Application], None]
+ReadinessCheck = Callable[[], bool | Awaitable[bool]]
+
+VERSION = "0.1.0"
+
+
+class Readiness:
+    """Named readiness checks; the app is ready when every one passes."""
+
+    def __init__(self) -> None:
+        self._checks: dict[str, ReadinessCheck] = {}
+
+    def add(self, name: str, check: ReadinessCheck) -> None:
+        self._checks[name] = check
+
+    async def failing(self) -> list[str]:
+        failed = []
+        for name, check in self._checks.items():
+            try:
+                result = check()
+                ok = await result if isinstance(result, Awaitable) else result
+            except Exception:  # a check that crashes means "not ready", and must not 500 /readyz
+                log.warning("readiness check %s raised", name, exc_info=True)
+                ok = False
+            if not ok:
+                failed.append(name)
+        return failed
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._checks)
+
+
+CONFIG = web.AppKey("config", Config)
+ROUTES = web.AppKey("routes", RouteTable)
+READINESS = web.AppKey("readiness", Readiness)
+PEERS = web.AppKey("peers", PeerClient)
+#: Set by whoever starts the transport (its `local_target`), for the start-up log line.
+LOCAL_TARGET = web.AppKey("local_target", str)
+_OPENAPI = web.AppKey("openapi_cache", dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON in and out
+
+_encoder = msgspec.json.Encoder()
+
+
+def json_response(
+    body: Any, *, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    """A JSON response from any msgspec-encodable value (Structs, dicts, lists)."""
+    return web.Response(
+        body=_encoder.encode(body), status=status, headers=headers, content_type="application/json"
+    )
+
+
+@cache
+def _decoder(type_: Any) -> msgspec.json.Decoder[Any]:
+    return msgspec.json.Decoder(type_)
+
+
+async def decode_body(request: web.Request, type_: type[T]) -> T:
+    """Read the body (at most `server.max_body_bytes`) and decode it as `type_`.
+
+    Raises MalformedBody (400) if it is not JSON, InvalidInput (422) with `field` set to the
+    key path of the wrong value (`dst_pages[3]`), PayloadTooLarge (413).
+    """
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _too_large(request) from None
+    try:
+        decoded: T = _decoder(cast(Any, type_)).decode(raw)
+        return decoded
+    except msgspec.ValidationError as exc:
+        raise invalid_value(exc) from None
+    except msgspec.DecodeError as exc:
+        raise MalformedBody(f"request body is not valid JSON: {exc}", field="$") from None
+
+
+def _too_large(request: web.Request) -> PayloadTooLarge:
+    limit = request.app[CONFIG].server.max_body_bytes
+    return PayloadTooLarge(f"request body exceeds {limit} bytes", max_bytes=limit)
+
+
+# ---------------------------------------------------------------------------------------------
+# Middlewares
+
+
+def _problem_response(
+    status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=encode_problem(body), status=status, headers=headers, content_type=PROBLEM_CONTENT_TYPE
+    )
+
+
+def _error_response(error: KVHandoffError, request: web.Request) -> web.Response:
+    status, body = error_problem(error, request.path)
+    headers = {}
+    if isinstance(error, Unauthorized):
+        headers["WWW-Authenticate"] = 'Bearer realm="kvhandoff"'
+    if isinstance(error, MethodNotAllowed) and "allow" in error.context:
+        headers["Allow"] = ", ".join(sorted(error.context["allow"]))  # type: ignore[call-overload]
+    return _problem_response(status, body, headers)
+
+
+def _from_http_exception(exc: web.HTTPException, request: web.Request) -> KVHandoffError | None:
+    """aiohttp's own errors (routing, body limit) as our errors; None for any other status."""
+    if exc.status == 404:
+        return RouteNotFound(f"no route for {request.path}")
+    if exc.status == 405 and isinstance(exc, web.HTTPMethodNotAllowed):
+        return MethodNotAllowed(
+            f"{request.method} is not allowed on {request.path}", allow=sorted(exc.allowed_methods)
+        )
+    if exc.status == 413:
+        return _too_large(request)
+    return None
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The one place errors become responses; the one broad except in the service."""
+    try:
+        return await handler(request)  # type: ignore[no-any-return]
+    except KVHandoffError as error:
+        return _error_response(error, request)
+    except web.HTTPException as exc:
+        mapped = _from_http_exception(exc, request)
+        if mapped is not None:
+            return _error_response(mapped, request)
+        if exc.status < 400:  # redirects and the like pass through
+            raise
+        # Any other HTTP error aiohttp raises keeps its status, as a problem.
+        body = problem_body(
+            status=exc.status, code="http_error", detail=exc.reason, instance=request.path
+        )
+        headers = {
+            k: v
+            for k, v in exc.headers.items()
+            if k.lower() not in {"content-type", "content-length"}
+        }
+        return _problem_response(exc.status, body, headers)
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        body = problem_body(
+            status=500,
+            code="internal_error",
+            detail="an unexpected error occurred; see the service log",
+            instance=request.path,
+        )
+        return _problem_response(500, body)
+
+
+def auth_middleware(token: str) -> Any:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check_token(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith(API_PREFIX):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                reason = "missing" if not given else "invalid"
+                raise Unauthorized(f"{reason} bearer token")
+        return await handler(request)  # type: ignore[no-any-return]
+
+    return check_token
+
+
+class AccessLogger(AbstractAccessLogger):
+    """One debug line per request (method, path, status, duration)."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time_s: float) -> None:
+        if self.logger.isEnabledFor(logging.DEBUG):
+            self.logger.debug(
+                "%s %s %s %.1fms", request.method, request.path, response.status, time_s * 1e3
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in routes
+
+
+class Health(Struct, frozen=True):
+    status: str
+    role: str
+    version: str
+    uptime_s: float
+
+
+class Ready(Struct, frozen=True):
+    status: str
+    checks: list[str]
+
+
+_started = web.AppKey("started_monotonic", float)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    app = request.app
+    return json_response(
+        Health("ok", app[CONFIG].role, VERSION, round(time.monotonic() - app[_started], 3))
+    )
+
+
+async def readyz(request: web.Request) -> web.Response:
+    readiness = request.app[READINESS]
+    failed = await readiness.failing()
+    if failed:
+        raise NotReady(f"not ready: {', '.join(failed)}", not_ready=failed)
+    return json_response(Ready("ready", readiness.names))
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    cache = request.app[_OPENAPI]
+    if not cache:
+        config = request.app[CONFIG]
+        routes: RouteTable = request.app[ROUTES]
+        cache.update(
+            build_openapi(
+                list(routes),
+                title=f"kvhandoff ({config.role})",
+                version=VERSION,
+                server_url=config.server.public_url,
+                token_required=config.server.token is not None,
+            )
+        )
+    return json_response(cache)
+
+
+def _builtin_routes() -> RouteTable:
+    routes = RouteTable()
+    routes.add("GET", "/healthz", healthz, summary="process is alive", response=Health)
+    routes.add(
+        "GET",
+        "/readyz",
+        readyz,
+        summary="every readiness check passes (503 names those that fail)",
+        response=Ready,
+        errors=(503,),
+    )
+    routes.add("GET", "/openapi.json", openapi_json, summary="this document", response=dict)
+    return routes
+
+
+# ---------------------------------------------------------------------------------------------
+# The factory
+
+
+async def _peer_client_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    async with aiohttp.ClientSession() as session:
+        app[PEERS] = PeerClient(
+            session, token=config.server.token, timeout_s=config.peers.request_timeout_s
+        )
+        yield
+
+
+async def _clock_ctx(app: web.Application) -> AsyncIterator[None]:
+    app[_started] = time.monotonic()
+    yield
+
+
+def create_app(config: Config, *, extensions: Sequence[Extension] = ()) -> web.Application:
+    """The service app for `config`, with every extension installed (see the module docstring)."""
+    middlewares = [error_middleware]
+    if config.server.token is not None:
+        middlewares.append(auth_middleware(config.server.token))
+    app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
+    app[CONFIG] = config
+    app[ROUTES] = RouteTable()
+    app[READINESS] = Readiness()
+    app[_OPENAPI] = {}
+    app.cleanup_ctx.append(_clock_ctx)
+    app.cleanup_ctx.append(_peer_client_ctx)
+    app[ROUTES].include(_builtin_routes())
+    for install in extensions:
+        install(app)
+    app[ROUTES].register(app.router)
+    return app

@@ -1,0 +1,141 @@
+"""Typed service-to-service HTTP calls over one shared `aiohttp.ClientSession`.
+
+Used by the handoff pipeline's peer protocol (layout exchange, destinations, arrivals,
+heartbeats, aborts). Bodies are msgspec-encoded; a non-2xx problem+json answer is raised as the
+same error class the peer raised (a remote 409 is a `ConflictError` here, with the remote's
+detail and `peer` set); connection failures raise `PeerUnreachable` and timeouts `PeerTimeout`,
+both naming the peer URL. The app creates one client per process (`service.app.PEERS`).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any, TypeVar, overload
+
+import aiohttp
+import msgspec
+
+from pipelines.errors import KVHandoffError, PeerUnreachable
+from service.http.problems import PeerError, PeerTimeout, error_from_problem
+
+T = TypeVar("T")
+
+# Errors in the HTTP conversation itself (auth, routing, framing): not the peer's domain
+# answer, so they surface as PeerError (502 here), never as e.g. our own 401 to our caller.
+_PROTOCOL_CODES = {"unauthorized", "route_not_found", "method_not_allowed", "malformed_body"}
+
+_encoder = msgspec.json.Encoder()
+
+
+@cache
+def _decoder(type_: Any) -> msgspec.json.Decoder[Any]:
+    return msgspec.json.Decoder(type_)
+
+
+class PeerClient:
+    """Calls to other kvhandoff services; `url` is the peer's base URL (its `public_url`)."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, *, token: str | None = None, timeout_s: float = 5.0
+    ) -> None:
+        self._session = session
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.timeout_s = timeout_s
+
+    async def get(
+        self, url: str, path: str, response_type: type[T], *, timeout_s: float | None = None
+    ) -> T:
+        result: T = await self.request(
+            "GET", url, path, response_type=response_type, timeout_s=timeout_s
+        )
+        return result
+
+    @overload
+    async def post(
+        self,
+        url: str,
+        path: str,
+        body: Any,
+        response_type: type[T],
+        *,
+        timeout_s: float | None = None,
+    ) -> T: ...
+
+    @overload
+    async def post(
+        self,
+        url: str,
+        path: str,
+        body: Any,
+        response_type: None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> None: ...
+
+    async def post(
+        self,
+        url: str,
+        path: str,
+        body: Any,
+        response_type: type[T] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> T | None:
+        result: T | None = await self.request(
+            "POST", url, path, body=body, response_type=response_type, timeout_s=timeout_s
+        )
+        return result
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        *,
+        body: Any = None,
+        response_type: Any = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """One call; returns the decoded body (None when `response_type` is None)."""
+        peer = url.rstrip("/")
+        headers = dict(self._headers)
+        data = None
+        if body is not None:
+            data = _encoder.encode(body)
+            headers["Content-Type"] = "application/json"
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s if timeout_s is None else timeout_s)
+        try:
+            async with self._session.request(
+                method, peer + path, data=data, headers=headers, timeout=timeout
+            ) as response:
+                raw = await response.read()
+                status = response.status
+        except TimeoutError:  # aiohttp's timeouts subclass it (asyncio.TimeoutError on 3.11+)
+            raise PeerTimeout(
+                f"{method} {peer}{path} got no answer within {timeout.total} s", peer=peer
+            ) from None
+        except aiohttp.ClientError as exc:
+            # ClientConnectorError, ServerDisconnectedError, ClientPayloadError, InvalidURL, ...
+            raise PeerUnreachable(f"{method} {peer}{path} failed: {exc}", peer=peer) from None
+        if status >= 300:
+            raise _remote_error(status, raw, peer)
+        if response_type is None:
+            return None
+        try:
+            return _decoder(response_type).decode(raw)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise PeerError(
+                f"{method} {peer}{path} answered with an unexpected body: {exc}", peer=peer
+            ) from None
+
+
+def _remote_error(status: int, raw: bytes, peer: str) -> KVHandoffError:
+    error = error_from_problem(status, raw, peer=peer)
+    if error.code in _PROTOCOL_CODES:
+        return PeerError(
+            f"peer {peer} rejected the call ({error.code}): {error.message}",
+            peer=peer,
+            status=status,
+            remote_code=error.code,
+        )
+    return error

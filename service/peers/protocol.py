@@ -1,0 +1,117 @@
+"""The peer protocol over HTTP: `decode.PrefillPeer` and `prefill.DecodePeer` as REST calls.
+
+The paths below are the whole peer-facing surface; `service.api.peer` serves them. Errors a
+peer answers with come back as the same classes (`PeerClient`), so a pipeline cannot tell an
+HTTP peer from an in-process one (`pipelines.inprocess`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pipelines.errors import KVHandoffError, NotFoundError
+from pipelines.layout import StageLayout
+from pipelines.messages import (
+    AbortAck,
+    AbortMsg,
+    ArrivalMsg,
+    DestinationMsg,
+    HeartbeatAck,
+    HeartbeatMsg,
+    LayoutInfo,
+    StageFailedMsg,
+)
+from service.http.client import PeerClient
+from service.http.problems import PeerError, encode_problem, error_from_problem
+from service.peers.coalesce import Coalescer, SendBatch
+
+LAYOUT_PATH = "/v1/layout"
+DESTINATIONS_PATH = "/v1/peer/destinations"
+ABORTS_PATH = "/v1/peer/aborts"
+ARRIVALS_PATH = "/v1/peer/arrivals"
+STAGE_FAILURES_PATH = "/v1/peer/stage-failures"
+HEARTBEATS_PATH = "/v1/peer/heartbeats"
+
+
+class Outcome(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The receiver's answer for one notice of a batch: its status, and a problem if it failed."""
+
+    status: int
+    problem: dict[str, Any] | None = None
+
+
+class HttpPeers:
+    """Both directions of the peer protocol over one `PeerClient`."""
+
+    def __init__(self, client: PeerClient, *, abort_timeout_s: float = 30.0) -> None:
+        self._client = client
+        # An abort answers only once the peer's in-flight writes drained: allow a transfer's time.
+        self._abort_timeout_s = abort_timeout_s
+        self._decode_layouts: dict[tuple[str, str, str], StageLayout] = {}
+        # Destinations, arrivals and failures are coalesced per peer (see service.peers.coalesce).
+        self._destinations = Coalescer(self._batch_sender(DESTINATIONS_PATH))
+        self._arrivals = Coalescer(self._batch_sender(ARRIVALS_PATH))
+        self._failures = Coalescer(self._batch_sender(STAGE_FAILURES_PATH))
+
+    def _batch_sender(self, path: str) -> SendBatch:
+        async def send(peer: str, notices: list[msgspec.Raw]) -> list[KVHandoffError | None]:
+            outcomes = await self._client.post(peer, path, notices, list[Outcome])
+            if len(outcomes) != len(notices):
+                raise PeerError(
+                    f"{peer}{path} answered {len(outcomes)} outcomes for {len(notices)} notices",
+                    peer=peer,
+                )
+            return [
+                None
+                if o.problem is None
+                else error_from_problem(o.status, encode_problem(o.problem), peer=peer)
+                for o in outcomes
+            ]
+
+        return send
+
+    async def close(self) -> None:
+        for coalescer in (self._destinations, self._arrivals, self._failures):
+            await coalescer.close()
+
+    # decode -> prefill
+    async def layout(self, url: str) -> LayoutInfo:
+        return await self._client.get(url, LAYOUT_PATH, LayoutInfo)
+
+    async def deliver(self, url: str, msg: DestinationMsg) -> None:
+        await self._destinations.submit(url, msg)
+
+    async def abort(self, url: str, msg: AbortMsg) -> AbortAck:
+        return await self._client.post(
+            url, ABORTS_PATH, msg, AbortAck, timeout_s=self._abort_timeout_s
+        )
+
+    # prefill -> decode
+    async def decode_layout(self, dest: DestinationMsg) -> StageLayout:
+        key = (dest.decode_url, dest.decode_fingerprint, dest.decode_address_key)
+        layout = self._decode_layouts.get(key)
+        if layout is None:
+            info = await self._client.get(dest.decode_url, LAYOUT_PATH, LayoutInfo)
+            for stage in info.stages:
+                lay = stage.layout
+                self._decode_layouts[(dest.decode_url, lay.fingerprint, lay.address_key)] = lay
+            layout = self._decode_layouts.get(key)
+            if layout is None:
+                raise NotFoundError(
+                    f"decode layout {dest.decode_fingerprint} is not the one {dest.decode_url} "
+                    "serves now (did it restart?)",
+                    field="decode_fingerprint",
+                )
+        return layout
+
+    async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None:
+        await self._arrivals.submit(decode_url, msg)
+
+    async def stage_failed(self, decode_url: str, msg: StageFailedMsg) -> None:
+        await self._failures.submit(decode_url, msg)
+
+    # either direction
+    async def heartbeat(self, url: str, msg: HeartbeatMsg, timeout_s: float) -> HeartbeatAck:
+        return await self._client.post(url, HEARTBEATS_PATH, msg, HeartbeatAck, timeout_s=timeout_s)

@@ -1,0 +1,205 @@
+"""The handoff pipelines of this service's role, built when the app starts.
+
+`install_pipelines(app)` adds a cleanup context that, once the transport is up (install
+`service.runtime.transport` first):
+
+1. opens every configured stage's pool and registers it (`service.runtime.stages`);
+2. builds the event bus and the role's pipeline over the HTTP peer protocol
+   (`service.peers.protocol`), and stores them as `RUNTIME` for the route modules (`service.api`);
+3. runs the heartbeat task (`service.peers.heartbeat`).
+
+On shutdown it stops the heartbeats, aborts every live handoff (waiting until none can still
+write), then unregisters and releases the pools — all before the transport closes. Exactly one
+of `Runtime.decode` / `Runtime.prefill` is set, by the configured role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from pipelines.decode import DecodePipeline
+from pipelines.errors import InvalidInput
+from pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag
+from pipelines.messages import PEER_PROTOCOL_VERSION, LayoutInfo
+from pipelines.prefill import HostedStage, PrefillPipeline
+from service.config import Config, ConfigError
+from service.http.app import CONFIG, PEERS, READINESS
+from service.peers.heartbeat import Heartbeats
+from service.peers.protocol import HttpPeers
+from service.runtime.stages import Buffers, HostedMemory, open_stages
+from service.runtime.transport import TRANSPORT
+
+log = logging.getLogger("kvhandoff.handoffs")
+
+
+@dataclass
+class Runtime:
+    role: str
+    url: str
+    target: str
+    bus: EventBus
+    hosted: list[HostedMemory]
+    heartbeats: Heartbeats
+    peers: HttpPeers
+    decode: DecodePipeline | None = None
+    prefill: PrefillPipeline | None = None
+
+    def layout_info(self) -> LayoutInfo:
+        return LayoutInfo(
+            version=PEER_PROTOCOL_VERSION,
+            role=self.role,
+            url=self.url,
+            target=self.target,
+            stages=[h.info() for h in self.hosted],
+        )
+
+
+RUNTIME = web.AppKey("handoff_runtime", Runtime)
+
+
+def decode_of(request: web.Request) -> DecodePipeline:
+    pipeline = request.app[RUNTIME].decode
+    assert pipeline is not None, "decode routes are installed on the decode role only"
+    return pipeline
+
+
+def prefill_of(request: web.Request) -> PrefillPipeline:
+    pipeline = request.app[RUNTIME].prefill
+    assert pipeline is not None, "prefill routes are installed on the prefill role only"
+    return pipeline
+
+
+def check_version(version: int) -> None:
+    """Refuse a peer message of another protocol version instead of guessing at it."""
+    if version != PEER_PROTOCOL_VERSION:
+        raise InvalidInput(
+            f"peer protocol version {version} is not supported (this service speaks "
+            f"{PEER_PROTOCOL_VERSION}); upgrade the older side",
+            field="version",
+        )
+
+
+#: Set by an embedding engine (`service.embedded`) before start: its own buffers per pp_rank.
+EMBEDDED_BUFFERS = web.AppKey("embedded_buffers", dict)
+
+
+def install_pipelines(app: web.Application) -> None:
+    """Build the role's pipeline with the app (after the transport extension) and gate /readyz."""
+    app.cleanup_ctx.append(_handoffs_ctx)
+    app[READINESS].add("handoffs", lambda: RUNTIME in app)
+
+
+async def _handoffs_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    transport = app[TRANSPORT]
+    buffers: Buffers | None = app.get(EMBEDDED_BUFFERS)
+    opening = asyncio.ensure_future(asyncio.to_thread(open_stages, config, transport, buffers))
+    try:
+        hosted = await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        # Start-up abandoned: the thread runs on, so close what it opens once it is done.
+        opening.add_done_callback(_close_opened)
+        raise
+    try:
+        runtime = _build(config, app, hosted)
+        app[RUNTIME] = runtime
+        beat = asyncio.get_running_loop().create_task(
+            runtime.heartbeats.run(), name="kvhandoff-heartbeats"
+        )
+        try:
+            yield
+        finally:
+            # Heartbeats keep running while live handoffs are aborted: a peer that stops
+            # answering is declared lost instead of holding up the shutdown.
+            if runtime.decode is not None:
+                await runtime.decode.close()
+            if runtime.prefill is not None:
+                await runtime.prefill.close()
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            await runtime.peers.close()
+    finally:
+        await asyncio.to_thread(_close_pools, hosted)
+
+
+def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> Runtime:
+    transport = app[TRANSPORT]
+    url = config.server.public_url
+    handoff = config.handoff
+    bus = EventBus(replay=handoff.sse_buffer)
+    bus.add_listener(_log_event)
+    # An abort answers once in-flight writes drained: give it a transfer's time and then some.
+    peers = HttpPeers(app[PEERS], abort_timeout_s=config.transport.transfer_timeout_s + 5.0)
+    runtime = Runtime(
+        role=config.role,
+        url=url,
+        target=transport.local_target,
+        bus=bus,
+        hosted=hosted,
+        peers=peers,
+        heartbeats=Heartbeats(  # watching the pipeline built below
+            url=url,
+            role=config.role,
+            peers=peers,
+            interval_s=handoff.heartbeat_interval_s,
+            timeout_s=handoff.peer_timeout_s,
+        ),
+    )
+    beats = runtime.heartbeats
+    if config.role == "decode":
+        memory = hosted[0].memory if hosted[0].pool.on_host else None
+        if handoff.verify and memory is None:
+            raise ConfigError("handoff.verify", "verification needs a host-readable decode pool")
+        decode = runtime.decode = DecodePipeline(
+            hosted[0].layout,
+            transport.local_target,
+            url,
+            peers,
+            bus,
+            memory=memory,
+            default_prefill=config.peers.prefill,
+            max_live=handoff.max_concurrent,
+            default_deadline_s=handoff.default_deadline_s,
+            verify_default=handoff.verify,
+            # After the deadline no prefill batch starts; one started ends within this.
+            quiesce_grace_s=config.transport.engine_timeout_s,
+        )
+        beats.watch(live=decode.live_by_prefill, lost=decode.peer_lost, back=decode.peer_back)
+    else:
+        prefill = runtime.prefill = PrefillPipeline(
+            {
+                h.layout.pp_rank: HostedStage(h.layout, h.memory if h.pool.on_host else None)
+                for h in hosted
+            },
+            transport,
+            peers,
+            bus,
+            default_deadline_s=handoff.default_deadline_s,
+            max_blocks_per_batch=config.transport.max_blocks_per_batch,
+        )
+        beats.watch(live=prefill.live_by_decode, lost=prefill.peer_lost)
+    return runtime
+
+
+def _close_opened(opening: asyncio.Future[list[HostedMemory]]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        _close_pools(opening.result())
+
+
+def _close_pools(hosted: list[HostedMemory]) -> None:
+    for h in hosted:
+        h.pool.close()
+
+
+def _log_event(event: Event) -> None:
+    if isinstance(event, TERMINAL_EVENTS):
+        log.info("%s %s %s", event_tag(event), event.role, event.handoff_id)
+    elif log.isEnabledFor(logging.DEBUG):
+        log.debug("%s %s %s", event_tag(event), event.role, event.handoff_id)

@@ -1,0 +1,133 @@
+"""The stages a service hosts: each one's layout, placed in a pool registered with the transport.
+
+One `HostedMemory` per `[[stages]]` table. Its layout comes from the model and the partition
+(`pipelines.models`); its memory from the table's `pool` spec:
+
+- `torch:<device>` — tensors allocated here;
+- `shm:<name>` — attached: an engine created `/dev/shm/<name>` (the sidecar case: the engine
+  writes KV pages there, the service moves them); the byte offset of every entry is published in
+  `GET /v1/layout`;
+- embedded — buffers an engine running the service in-process handed over (`service.embedded`),
+  one per entry, KV entries first.
+
+Region i of a pool is entry i of the layout (KV entries first, then state entries).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipelines.layout import StageLayout
+from pipelines.memory import PoolMemory
+from pipelines.messages import ShmPlacement, StageInfo
+from pipelines.models import ModelSpec, decode_layout, stage_layout
+from service.config import Config, ConfigError, StageConfig
+from transport.base import Transport
+from transport.errors import PoolError
+from transport.pool_base import EmbeddedPool, Pool
+from transport.pool_shm import ShmPool, shm_path
+from transport.pools import open_pool
+
+#: Embedded buffers per pp_rank: one (addr, length) pair or contiguous tensor per entry.
+Buffers = Mapping[int, Sequence[Any]]
+
+
+@dataclass(frozen=True)
+class HostedMemory:
+    """One stage's placed layout over its registered pool."""
+
+    memory: PoolMemory
+
+    @property
+    def layout(self) -> StageLayout:
+        return self.memory.layout
+
+    @property
+    def pool(self) -> Pool:
+        return self.memory.pool
+
+    def info(self) -> StageInfo:
+        pool = self.pool
+        shm = None
+        if isinstance(pool, ShmPool):
+            shm = ShmPlacement(name=pool.name, offsets=list(pool.offsets), size=pool.nbytes)
+        return StageInfo(layout=self.layout, fingerprint=self.layout.fingerprint, shm=shm)
+
+
+def unplaced_layout(config: Config, spec: ModelSpec, stage: StageConfig) -> StageLayout:
+    if config.role == "decode":
+        return decode_layout(spec, num_pages=stage.num_pages, num_slots=stage.num_slots)
+    return stage_layout(
+        spec,
+        config.layer_partition(),
+        stage.pp_rank,
+        num_pages=stage.num_pages,
+        num_slots=stage.num_slots,
+    )
+
+
+def open_stages(
+    config: Config, transport: Transport, buffers: Buffers | None = None
+) -> list[HostedMemory]:
+    """Allocate or attach every stage's pool and register it; blocking (engine calls).
+
+    On any failure the pools opened so far are closed (unregistered) before the error leaves.
+    """
+    spec = config.model_spec()
+    opened: list[HostedMemory] = []
+    try:
+        for i, stage in enumerate(config.stages):
+            layout = unplaced_layout(config, spec, stage)
+            pool = _open_pool(config, i, stage, layout, buffers)
+            try:
+                pool.register(transport)
+            except BaseException:
+                pool.close()
+                raise
+            opened.append(HostedMemory(PoolMemory(layout, pool)))
+    except BaseException:
+        for hosted in opened:
+            hosted.pool.close()
+        raise
+    return opened
+
+
+def _open_pool(
+    config: Config, index: int, stage: StageConfig, layout: StageLayout, buffers: Buffers | None
+) -> Pool:
+    key = f"stages[{index}].pool"
+    sizes = layout.region_sizes
+    if buffers is not None and stage.pp_rank in buffers:
+        given = list(buffers[stage.pp_rank])
+        if len(given) != len(sizes):
+            raise ConfigError(
+                key,
+                f"stage {stage.pp_rank} needs {len(sizes)} embedded buffers "
+                f"({len(layout.kv)} KV entries, then {len(layout.state)} state), got {len(given)}",
+            )
+        pool: Pool = EmbeddedPool(given)
+        for j, (region, size) in enumerate(zip(pool.regions, sizes)):
+            if region.length < size:
+                raise ConfigError(
+                    key, f"embedded buffer {j} holds {region.length} bytes, entry needs {size}"
+                )
+        return pool
+    align = config.transport.align_bytes
+    try:
+        if stage.pool.startswith("shm:"):
+            name = stage.pool.split(":", 1)[1]
+            if not os.path.exists(shm_path(name)):
+                # Never created here: a service that made the file would unlink it on exit
+                # (or on a restart) under an engine still using it, splitting their memory.
+                raise ConfigError(
+                    key,
+                    f"{shm_path(name)} does not exist; the engine that owns this memory creates "
+                    "it (regions packed as GET /v1/layout publishes) and kvhandoff attaches it",
+                )
+            return ShmPool(name, sizes, align_bytes=align, create=False)
+        return open_pool(stage.pool, sizes, align_bytes=align)
+    except PoolError as exc:
+        raise ConfigError(key, exc.message) from None

@@ -1,0 +1,169 @@
+"""`kvhandoff serve`: run one prefill or decode service from a TOML config.
+
+`run(args)` is the only place that reads `os.environ` (for `load_config`'s overrides). `serve()`
+is the in-process entry point (tests, embedding, `kvhandoff demo`): an async context manager that
+starts the app on a TCP port and, on exit, stops it and runs every cleanup context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import msgspec
+import uvloop
+from aiohttp import web
+
+from service.config import Config, ConfigError, load_config
+from service.http.app import LOCAL_TARGET, AccessLogger, Extension, create_app
+
+log = logging.getLogger("kvhandoff.service")
+
+#: App extensions `kvhandoff serve` installs, as "module:function" (imported lazily, in order;
+#: the transport first, so it outlives every extension that registers memory with it).
+EXTENSIONS: tuple[str, ...] = (
+    "service.runtime.transport:install_transport",
+    "service.api.validate:install_validate",
+    "service.api.handoffs:install_handoffs",
+)
+
+#: How long shutdown waits for in-flight requests (SSE streams included) before closing them.
+SHUTDOWN_TIMEOUT_S = 5.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", required=True, metavar="FILE", help="TOML config file")
+    parser.add_argument("--role", choices=["prefill", "decode"], help="overrides role")
+    parser.add_argument("--host", help="overrides server.host")
+    parser.add_argument("--port", type=int, help="overrides server.port")
+    parser.add_argument("--token", help="overrides server.token (prefer KVHANDOFF_SERVER__TOKEN)")
+    parser.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="overrides server.log_level",
+    )
+
+
+def cli_overrides(args: argparse.Namespace) -> dict[str, object]:
+    flags = {
+        "role": args.role,
+        "server.host": args.host,
+        "server.port": args.port,
+        "server.token": args.token,
+        "server.log_level": args.log_level,
+    }
+    return {key: value for key, value in flags.items() if value is not None}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, os.environ, cli_overrides(args))
+    except ConfigError as exc:
+        print(f"kvhandoff serve: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.server.log_level)
+    extensions = [load_extension(name) for name in EXTENSIONS]
+    return uvloop.run(_serve_until_signalled(config, extensions))
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def load_extension(name: str) -> Extension:
+    module, _, attr = name.partition(":")
+    install: Extension = getattr(importlib.import_module(module), attr)
+    return install
+
+
+async def _serve_until_signalled(config: Config, extensions: Sequence[Extension]) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with serve(config, extensions):
+        await stop.wait()
+        log.info("signal received, shutting down")
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    """A running service: its app, its effective config (real port) and its public URL."""
+
+    app: web.Application
+    config: Config
+
+    @property
+    def url(self) -> str:
+        return self.config.server.public_url
+
+
+@asynccontextmanager
+async def serve(
+    config: Config,
+    extensions: Sequence[Extension] = (),
+    *,
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
+) -> AsyncIterator[Server]:
+    """Start the service on `server.host:server.port` (port 0: any free port, and the config the
+    app sees carries the real port and URL); stop it, cleanup contexts included, on exit."""
+    sock = None
+    if config.server.port == 0:
+        # Bind first so the app is created with its real URL (peers and webhooks need it).
+        sock = socket.create_server((config.server.host, 0))
+        config = _with_port(config, sock.getsockname()[1])
+    app = create_app(config, extensions=extensions)
+    runner = web.AppRunner(
+        app,
+        access_log_class=AccessLogger,
+        access_log=logging.getLogger("kvhandoff.access"),
+        handle_signals=False,
+        shutdown_timeout=shutdown_timeout_s,
+    )
+    try:
+        # Runs the cleanup contexts' start halves; if one fails, aiohttp closes those already
+        # started (the transport, the peer client) and the `finally` below frees the socket.
+        await runner.setup()
+        site: web.BaseSite = (
+            web.SockSite(runner, sock)
+            if sock is not None
+            else web.TCPSite(runner, config.server.host, config.server.port)
+        )
+        await site.start()
+        log.info(
+            "kvhandoff %s serving at %s (listening on %s:%d, transport %s, target %s)",
+            config.role,
+            config.server.public_url,
+            config.server.host,
+            config.server.port,
+            config.transport.backend,
+            app.get(LOCAL_TARGET, "-"),
+        )
+        yield Server(app, config)
+    finally:
+        await runner.cleanup()
+        if sock is not None:
+            sock.close()
+
+
+def _with_port(config: Config, port: int) -> Config:
+    server = config.server
+    derived = server.public_url == f"http://{server.host}:{server.port}"
+    fields = {**msgspec.to_builtins(server), "port": port}
+    if derived:
+        fields["public_url"] = ""  # re-derived by ServerConfig.__post_init__ (replace() skips it)
+    return msgspec.structs.replace(config, server=msgspec.convert(fields, type(server)))

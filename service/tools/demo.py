@@ -1,0 +1,542 @@
+"""`kvhandoff demo`: a complete hybrid-linear PP handoff deployment, driven and verified.
+
+By default it starts a `service.deployment.LocalDeployment`: one decode service and a PP=4
+prefill (hybrid NPU-MLA preset scaled for CPU), one `kvhandoff serve` process per stage, each
+with its own Mooncake engine talking TCP on loopback and its pool in a /dev/shm file this process
+also maps. It then plays the router and the engines over HTTP for `--requests` concurrent
+handoffs with fragmented page lists: fills every source page with bytes that are a function of
+(request, layer, group or kind, page ordinal), creates the handoff on the decode service, tells
+each stage its pages are ready, long-polls until the handoff is terminal, and checks every byte
+landed in the right decode layer, group, page and slot. `--serve` keeps the deployment up
+afterwards (its URLs as one JSON line) until SIGINT/SIGTERM.
+
+`--inprocess` runs the same workload against the pipelines linked in this one process (the
+embedded mode, with `--transport local|mooncake`): a baseline without HTTP or processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import aiohttp
+import msgspec
+import numpy as np
+import uvloop
+
+from pipelines.decode import DecodePipeline, HandoffRequest, HandoffView
+from pipelines.errors import KVHandoffError
+from pipelines.events import EventBus
+from pipelines.inprocess import InProcessLink
+from pipelines.layout import StageLayout
+from pipelines.memory import PoolMemory
+from pipelines.messages import LayoutInfo
+from pipelines.models import decode_layout, partition_layers, preset, stage_layout
+from pipelines.prefill import HostedStage, PrefillPipeline
+from service.config import HandoffConfig
+from service.tools.bench.common import RawEngine
+from service.tools.deployment import DeploymentError, LocalDeployment
+from service.tools.router_client import TERMINAL, WAIT_S, Outcome, RouterClient
+from transport.config import MooncakeConfig
+from transport.local import LocalTransport
+from transport.mooncake import MooncakeTransport
+from transport.pool_base import Pool
+from transport.pools import open_pool
+
+PRESET = "hybrid-npu-mla"
+MODEL: dict[str, int | bool] = {"scale": 64, "page_size": 16, "num_layers": 48}
+DECODE_URL, PREFILL_URL = "inproc://decode", "inproc://prefill"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=_positive, default=200, help="handoffs to run")
+    parser.add_argument(
+        "--concurrency", type=_positive, default=16, help="handoffs in flight at once"
+    )
+    parser.add_argument("--pp", type=_positive, default=4, help="prefill pipeline-parallel stages")
+    parser.add_argument("--pages", type=_positive, default=64, help="most pages per request")
+    parser.add_argument(
+        "--scale",
+        type=_positive,
+        default=MODEL["scale"],
+        help="divide the model's per-token and per-slot bytes by this (1: full size)",
+    )
+    parser.add_argument(
+        "--page-size", type=_positive, default=MODEL["page_size"], help="tokens per page"
+    )
+    parser.add_argument("--verify-digests", action="store_true", help="end-to-end digests too")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="afterwards keep the deployment up, print its URLs as one JSON line, and wait for "
+        "SIGINT/SIGTERM",
+    )
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="afterwards also time the raw engine writing the same blocks (the completed "
+        "handoffs' blocks, one call after another) and report the ratio",
+    )
+    parser.add_argument(
+        "--inprocess", action="store_true", help="link the pipelines in this process instead"
+    )
+    parser.add_argument(
+        "--transport",
+        choices=["mooncake", "local"],
+        help="with --inprocess: the transport between the pipelines (default mooncake)",
+    )
+
+
+def _model(args: argparse.Namespace) -> dict[str, int | bool]:
+    return {**MODEL, "scale": args.scale, "page_size": args.page_size}
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.inprocess and args.serve:
+        return _usage("--serve needs the multi-process deployment (drop --inprocess)")
+    if not args.inprocess and args.transport:
+        # Separate processes can only reach each other through the Transfer Engine.
+        return _usage("--transport applies with --inprocess only")
+    if args.inprocess:
+        args.transport = args.transport or "mooncake"
+        return asyncio.run(_inprocess(args))
+    return _multiprocess(args)
+
+
+def _usage(message: str) -> int:
+    print(f"kvhandoff demo: {message}", file=sys.stderr)
+    return 2
+
+
+def _pool_sizes(args: argparse.Namespace) -> tuple[int, int]:
+    """(pages, slots) per pool: room for every request in flight, with fragmentation."""
+    return max(4 * args.pages * args.concurrency, 1024), args.concurrency * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The workload, the same in both modes: allocate, fill, hand off, verify, release.
+
+
+_TABLE_ROWS = 13  # prime: with the per-row offset below, rows repeat only after 3,328 requests
+
+
+@functools.cache
+def _table(layer: int, which: int, item_len: int) -> np.ndarray:
+    """Random rows of one entry (layer, group or kind): the raw material of its patterns."""
+    rng = np.random.default_rng([layer, which, item_len])
+    return rng.integers(0, 256, (_TABLE_ROWS, item_len), dtype=np.uint8)
+
+
+def _pattern(
+    request: int, layer: int, which: int, ordinal: np.ndarray, item_len: int
+) -> np.ndarray:
+    """Bytes of pages (or a slot): a deterministic function of (request, layer, group or kind,
+    page ordinal). Rows of the entry's own random table plus a per-row byte offset: distinct
+    for every ordinal of a request (7 is invertible mod 256), and cheap enough (uint8 adds) that
+    filling and checking do not dominate the demo."""
+    rows: np.ndarray = _table(layer, which, item_len)[(ordinal + request) % _TABLE_ROWS]
+    offset = ((ordinal * 7 + request * 31) % 256).astype(np.uint8)
+    out: np.ndarray = rows + offset[:, None]
+    return out
+
+
+def _kind_id(kind: str) -> int:
+    return 1000 + sum(map(ord, kind))
+
+
+class _Side(PoolMemory):
+    def kv_rows(self, i: int) -> np.ndarray:
+        e = self.layout.kv[i]
+        return self.region(i)[: e.nbytes].reshape(e.num_items, e.item_len)
+
+    def slot(self, j: int, slot: int) -> np.ndarray:
+        s = self.layout.state[j]
+        return self.region(len(self.layout.kv) + j)[slot * s.item_len : (slot + 1) * s.item_len]
+
+
+@dataclass(frozen=True)
+class _Job:
+    index: int
+    dst_pages: np.ndarray
+    dst_slot: int
+    src_pages: np.ndarray
+    src_slot: int
+
+    @property
+    def id(self) -> str:
+        return f"req-{self.index}"
+
+
+Execute = Callable[[_Job], Awaitable[Outcome]]
+
+
+class _Workload:
+    """Free lists of pages and slots on both sides, and the byte pattern of every request."""
+
+    def __init__(self, stages: dict[int, _Side], dec: _Side, args: argparse.Namespace) -> None:
+        pages, slots = _pool_sizes(args)
+        self.stages, self.dec, self.max_pages = stages, dec, args.pages
+        self.rng = np.random.default_rng(args.seed)
+        self.free_dst, self.free_dst_slots = list(range(pages)), list(range(slots))
+        # Source pages are owned by the request while it is in flight, as in an engine.
+        self.free_src, self.free_src_slots = list(range(pages)), list(range(slots))
+        self.completed: list[_Job] = []  # for the raw-engine baseline
+
+    def _take(self, free: list[int], n: int) -> np.ndarray:
+        picks = sorted(self.rng.choice(len(free), n, replace=False).tolist(), reverse=True)
+        return np.array([free.pop(k) for k in picks], dtype=np.int64)  # fragmented, unsorted
+
+    def take(self, index: int) -> _Job | None:
+        """A request's pages and slots; None when handoffs in an unknown state hold too many."""
+        n = int(self.rng.integers(1, self.max_pages + 1))
+        if min(len(self.free_dst), len(self.free_src)) < n or not self.free_dst_slots:
+            return None
+        dst = self._take(self.free_dst, n)
+        src = self._take(self.free_src, n)
+        return _Job(index, dst, self.free_dst_slots.pop(), src, self.free_src_slots.pop())
+
+    def fill(self, job: _Job) -> None:
+        ordinal = np.arange(job.src_pages.shape[0])
+        for side in self.stages.values():
+            for k, e in enumerate(side.layout.kv):
+                rows = _pattern(job.index, e.layer_id, e.group, ordinal, e.item_len)
+                side.kv_rows(k)[job.src_pages] = rows
+            for j, s in enumerate(side.layout.state):
+                one = _pattern(job.index, s.layer_id, _kind_id(s.kind), ordinal[:1], s.item_len)
+                side.slot(j, job.src_slot)[:] = one[0]
+
+    def verify(self, job: _Job) -> bool:
+        dec, ordinal = self.dec, np.arange(job.dst_pages.shape[0])
+        for k, e in enumerate(dec.layout.kv):
+            want = _pattern(job.index, e.layer_id, e.group, ordinal, e.item_len)
+            if not np.array_equal(dec.kv_rows(k)[job.dst_pages], want):
+                return False
+        for j, s in enumerate(dec.layout.state):
+            want = _pattern(job.index, s.layer_id, _kind_id(s.kind), ordinal[:1], s.item_len)
+            if not np.array_equal(dec.slot(j, job.dst_slot), want[0]):
+                return False
+        return True
+
+    def release(self, job: _Job, outcome: Outcome) -> None:
+        if outcome.state == "completed":
+            self.completed.append(job)
+        self.free_src.extend(job.src_pages.tolist())
+        self.free_src_slots.append(job.src_slot)
+        # A handoff in an unknown state may still hold its decode pages: never hand them out again.
+        if outcome.state in TERMINAL or outcome.state == "rejected":
+            self.free_dst.extend(job.dst_pages.tolist())
+            self.free_dst_slots.append(job.dst_slot)
+
+
+async def _drive(
+    work: _Workload, execute: Execute, args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], float]:
+    """Run every request, `args.concurrency` at a time; (one result per request, wall seconds)."""
+    sem = asyncio.Semaphore(args.concurrency)
+    results: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+
+    async def one(i: int) -> None:
+        async with sem:
+            job = work.take(i)
+            if job is None:
+                results.append(_result(f"req-{i}", Outcome("skipped", 0, _EXHAUSTED), 0.0, False))
+                return
+            work.fill(job)
+            t0 = time.perf_counter()
+            outcome = await execute(job)
+            latency = time.perf_counter() - t0
+            ok = outcome.state == "completed" and work.verify(job)
+            results.append(_result(job.id, outcome, latency, ok))
+            work.release(job, outcome)
+            _progress(len(results), args.requests, args.json)
+
+    async with asyncio.TaskGroup() as tg:
+        for i in range(args.requests):
+            tg.create_task(one(i))
+    return results, time.perf_counter() - t_start
+
+
+_EXHAUSTED = "no free decode pages or slot: earlier handoffs in an unknown state hold them"
+
+
+def _result(handoff_id: str, outcome: Outcome, latency_s: float, ok: bool) -> dict[str, Any]:
+    return {
+        "id": handoff_id,
+        "state": outcome.state,
+        "verified": ok,
+        "bytes": outcome.bytes,
+        "latency_s": latency_s,
+        "error": outcome.error,
+    }
+
+
+def _outcome(view: HandoffView) -> Outcome:
+    error = f"{view.error.code}: {view.error.reason}" if view.error else None
+    return Outcome(view.state.value, view.bytes, error)
+
+
+# ---------------------------------------------------------------------------------------------
+# Default: separate processes, driven over HTTP.
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _multiprocess(args: argparse.Namespace) -> int:
+    pages, slots = _pool_sizes(args)
+    deployment = LocalDeployment(
+        preset=PRESET,
+        model=_model(args),
+        pp_size=args.pp,
+        num_pages=pages,
+        num_slots=slots,
+        handoff=HandoffConfig(max_concurrent=max(256, args.concurrency)),
+    )
+    # SIGTERM unwinds like Ctrl-C, so the processes and /dev/shm files are cleaned up either way.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with deployment:
+            try:
+                return uvloop.run(_over_http(deployment, args))
+            finally:
+                signal.signal(signal.SIGTERM, _interrupt)  # the loop reset it to the default
+    except DeploymentError as exc:
+        print(f"kvhandoff demo: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvhandoff demo: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+async def _over_http(dep: LocalDeployment, args: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stages = {r: _Side(dep.stage_layouts[r], dep.stage_pool(r)) for r in range(dep.pp_size)}
+    work = _Workload(stages, _Side(dep.decode_layout, dep.decode_pool), args)
+    headers = {"Authorization": f"Bearer {dep.token}"} if dep.token else None
+    async with aiohttp.ClientSession(headers=headers) as http:
+        client = RouterClient(http, dep, verify=args.verify_digests)
+
+        async def router(job: _Job) -> Outcome:
+            src, dst = job.src_pages.tolist(), job.dst_pages.tolist()
+            return await client.handoff(job.id, src, dst, job.src_slot, job.dst_slot)
+
+        running = asyncio.create_task(_drive(work, router, args))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({running, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        # A signal wins even if the run ended meanwhile: a terminal's Ctrl-C also stops the
+        # services, which can fail the last requests first.
+        if stop.is_set() or not running.done():
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+            print("kvhandoff demo: interrupted", file=sys.stderr)
+            return 130
+        stopped.cancel()
+        results, wall = running.result()
+        baseline = await _baseline(http, dep, work) if args.baseline else None
+    status = _summary(
+        results, wall, args, mode="multiprocess", transport=dep.transport.backend, raw=baseline
+    )
+    if args.serve:
+        print(json.dumps(_serve_info(dep)), flush=True)
+        await stop.wait()
+    return status
+
+
+async def _baseline(
+    http: aiohttp.ClientSession, dep: LocalDeployment, work: _Workload
+) -> dict[str, float] | None:
+    """The raw engine writing the completed handoffs' blocks into the decode service's memory:
+    the same bytes, from this process, one engine call after another (best of two)."""
+    async with http.get(f"{dep.decode_url}/v1/layout") as resp:
+        info = msgspec.json.decode(await resp.read(), type=LayoutInfo)
+    moves = [(j.src_pages, j.dst_pages, j.src_slot, j.dst_slot) for j in work.completed]
+    blocks = dep.planned_blocks(info.stages[0].layout, moves)
+    if not len(blocks):
+        return None  # nothing completed: nothing to compare with
+    engine = RawEngine([dep.stage_pool(r) for r in range(dep.pp_size)])
+    try:
+        seconds = min([await asyncio.to_thread(engine.seconds, info.target, blocks) for _ in "ab"])
+    finally:
+        engine.close()
+    return {"raw_blocks": float(len(blocks)), "raw_gb_per_s": blocks.total_bytes / seconds / 1e9}
+
+
+def _serve_info(dep: LocalDeployment) -> dict[str, Any]:
+    return {
+        "decode": dep.decode_url,
+        "prefill": dep.prefill_urls,
+        "stages": {str(r): dep.url_of_stage(r) for r in range(dep.pp_size)},
+        "openapi": f"{dep.decode_url}/openapi.json",
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# --inprocess: the pipelines linked in this process (the embedded mode).
+
+
+async def _inprocess(args: argparse.Namespace) -> int:
+    model = preset(PRESET, **_model(args))
+    part = partition_layers(model.num_layers, args.pp)
+    pool_pages, slots = _pool_sizes(args)
+    transports: list[Any] = []
+
+    def transport() -> Any:
+        t = (
+            LocalTransport()
+            if args.transport == "local"
+            else MooncakeTransport.start(MooncakeConfig())
+        )
+        transports.append(t)
+        return t
+
+    pools: list[Pool] = []
+
+    def side(layout: StageLayout, t: Any) -> _Side:
+        pool = open_pool("torch:cpu", layout.region_sizes)
+        pools.append(pool)
+        pool.register(t)
+        return _Side(layout, pool)
+
+    dec_t = transport()
+    pre_t = dec_t if args.transport == "local" else transport()
+    dec = side(decode_layout(model, num_pages=pool_pages, num_slots=slots), dec_t)
+    stages = {
+        r: side(stage_layout(model, part, r, num_pages=pool_pages, num_slots=slots), pre_t)
+        for r in range(args.pp)
+    }
+    link = InProcessLink()
+    bus = EventBus()
+    decode = DecodePipeline(dec.layout, dec_t.local_target, DECODE_URL, link, bus, memory=dec)
+    prefill = PrefillPipeline(
+        {r: HostedStage(s.layout, s) for r, s in stages.items()}, pre_t, link, bus
+    )
+    link.decode = decode
+    link.add_prefill(PREFILL_URL, prefill, pre_t.local_target)
+
+    async def execute(job: _Job) -> Outcome:
+        request = HandoffRequest(
+            id=job.id,
+            prefill=[PREFILL_URL],
+            dst_pages=job.dst_pages.tolist(),
+            dst_slot=job.dst_slot,
+            verify=args.verify_digests,
+        )
+        try:
+            await decode.create(request)
+        except KVHandoffError as exc:
+            return Outcome("rejected", 0, f"{exc.code}: {exc}")
+        for r in stages:
+            prefill.ready(job.id, r, job.src_pages, job.src_slot)
+        view = await decode.wait(job.id, WAIT_S)
+        while not view.state.terminal:
+            view = await decode.wait(job.id, WAIT_S)
+        return _outcome(view)
+
+    try:
+        results, wall = await _drive(_Workload(stages, dec, args), execute, args)
+    finally:
+        await prefill.close()
+        await decode.close()
+        for pool in pools:
+            pool.close()
+        for t in transports:
+            t.close()
+    return _summary(results, wall, args, mode="inprocess", transport=args.transport)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _progress(done: int, total: int, quiet: bool) -> None:
+    if quiet or not sys.stderr.isatty():
+        return
+    width = 30
+    filled = width * done // total
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def _summary(
+    results: list[dict[str, Any]],
+    wall: float,
+    args: argparse.Namespace,
+    *,
+    mode: str,
+    transport: str,
+    raw: dict[str, float] | None = None,
+) -> int:
+    """Print the summary (a table, or one JSON object with --json); the exit status."""
+    completed = sum(r["state"] == "completed" for r in results)
+    verified = sum(r["verified"] for r in results)
+    total_bytes = sum(r["bytes"] for r in results)
+    lat = np.array([r["latency_s"] for r in results]) if results else np.zeros(1)
+    summary = {
+        "requests": args.requests,
+        "completed": completed,
+        "failed": len(results) - completed,
+        "verified": verified,
+        "bytes": total_bytes,
+        "seconds": wall,
+        "gb_per_s": total_bytes / wall / 1e9 if wall else 0.0,
+        "handoffs_per_s": len(results) / wall if wall else 0.0,
+        "p50_ms": float(np.percentile(lat, 50) * 1e3),
+        "p99_ms": float(np.percentile(lat, 99) * 1e3),
+        "mode": mode,
+        "transport": transport,
+        "pp": args.pp,
+        "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+    }
+    if raw is not None:
+        summary["raw_mooncake_gb_per_s"] = raw["raw_gb_per_s"]
+        summary["raw_blocks"] = int(raw["raw_blocks"])
+        summary["vs_raw"] = summary["gb_per_s"] / raw["raw_gb_per_s"]
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        print(f"kvhandoff demo: PP={args.pp} hybrid NPU-MLA -> decode over {transport} ({mode})")
+        for key in ("requests", "completed", "failed", "verified"):
+            print(f"  {key:<14}{summary[key]:>12}")
+        print(f"  {'bytes':<14}{total_bytes:>12,}")
+        print(f"  {'throughput':<14}{summary['gb_per_s']:>9.3f} GB/s")
+        if raw is not None:
+            print(
+                f"  {'raw Mooncake':<14}{summary['raw_mooncake_gb_per_s']:>9.3f} GB/s  "
+                f"(same {summary['raw_blocks']:,} blocks; demo at {summary['vs_raw']:.2f}x)"
+            )
+        print(f"  {'handoffs/s':<14}{summary['handoffs_per_s']:>12.1f}")
+        print(f"  {'p50 latency':<14}{summary['p50_ms']:>9.2f} ms")
+        print(f"  {'p99 latency':<14}{summary['p99_ms']:>9.2f} ms")
+        for err in summary["errors"]:
+            print(f"  error: {err}")
+        sys.stdout.flush()
+    return 0 if verified == args.requests else 1

@@ -1,0 +1,553 @@
+"""The HTTP handoff service end to end: a decode app and its prefill app(s) in this process.
+
+Both roles run with `serve()` over the local transport (see `handoff_fixtures`), so every test
+crosses real HTTP between real apps and checks real pool bytes. The last tests cover
+`service.heartbeat.Heartbeats` alone, with a fake clock and fake peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import aiohttp
+import msgspec
+import pytest
+
+from pipelines.errors import PeerUnreachable
+from pipelines.messages import HeartbeatAck, HeartbeatMsg
+from pipelines.models import hybrid_npu_mla
+from service.peers.heartbeat import Heartbeats
+from service.peers.protocol import HttpPeers
+from service.runtime.pipelines import RUNTIME
+from tests.unit.service.handoff_fixtures import (
+    DECODE_PAGES,
+    MODEL,
+    PREFILL_PAGES,
+    Deployment,
+    Move,
+    Reply,
+    assert_decode_is,
+    assert_problem,
+    decode_config,
+    decode_memory,
+    expected_decode,
+    fill_decode,
+    fill_sources,
+    open_deployment,
+    prefill_config,
+    snapshot,
+    stage_bytes,
+    watch,
+)
+
+SRC, DST = [3, 4, 9], [10, 11, 2]
+SRC_SLOT, DST_SLOT = 2, 1
+MOVE = Move(SRC, DST, SRC_SLOT, DST_SLOT)
+
+
+@pytest.fixture
+async def d() -> AsyncIterator[Deployment]:
+    """Both prefill stages in one prefill app; sources random, decode pool all sentinel."""
+    async with open_deployment() as deployment:
+        fill_sources(deployment)
+        fill_decode(deployment)
+        yield deployment
+
+
+async def ready_all(d: Deployment, handoff_id: str, move: Move = MOVE) -> None:
+    for rank in (1, 0):
+        reply = await d.ready(handoff_id, rank, move.src_pages, move.src_slot)
+        assert reply.status == 202, reply.body
+
+
+def tags(view: dict[str, Any]) -> list[str]:
+    return [event["type"] for event in view["timeline"]]
+
+
+def live_leases(d: Deployment) -> int:
+    pipeline = d.decode.app[RUNTIME].decode
+    assert pipeline is not None
+    return len(pipeline.leases)
+
+
+# ------------------------------------------------------------------------------- the happy path
+
+
+@pytest.mark.parametrize(
+    ("split", "verify"),
+    [(False, False), (True, True)],
+    ids=["one-prefill-app", "prefill-app-per-stage-verified"],
+)
+async def test_handoff_lands_every_byte_in_its_layer_group_and_page(
+    split: bool, verify: bool
+) -> None:
+    async with open_deployment(split=split) as d:
+        fill_sources(d)
+        before = fill_decode(d)
+        created = await d.create("req-1", DST, DST_SLOT, verify=verify, metadata={"user": "u"})
+        assert created.status == 201, created.body
+        assert created.body["state"] == "pending"
+        assert [s["state"] for s in created.body["stages"]] == ["waiting", "waiting"]
+        for rank in (1, 0):
+            ack = await d.ready("req-1", rank, SRC, SRC_SLOT)
+            assert (ack.status, ack.body) == (
+                202,
+                {"handoff_id": "req-1", "pp_rank": rank, "layers": None},
+            )
+
+        view = await d.finish("req-1")
+
+        assert view["state"] == "completed", view.get("error")
+        assert_decode_is(d, expected_decode(d, before, MOVE))
+        per_stage = [stage_bytes(d, rank, len(SRC)) for rank in (0, 1)]
+        assert view["bytes"] == sum(per_stage)
+        assert view["stages"] == [
+            {"pp_rank": rank, "peer": d.host_of(rank).url, "state": "arrived", "bytes": n}
+            for rank, n in enumerate(per_stage)
+        ]
+        assert view["metadata"] == {"user": "u"}
+        assert tags(view) == [
+            "handoff.created",
+            "stage.arrived",
+            "stage.arrived",
+            "handoff.completed",
+        ]
+        assert view["timeline"][-1]["verified"] is verify
+        assert live_leases(d) == 0
+
+
+async def test_layers_land_as_they_are_signalled_and_the_handoff_waits_for_the_rest(
+    d: Deployment,
+) -> None:
+    before = snapshot(decode_memory(d))
+    assert (await d.create("req-1", DST, DST_SLOT)).status == 201
+    async with watch(d.host_of(1)) as prefill_events:
+        # The KV of layer 7 first (the stage's first signal carries its pages), then the state
+        # of layer 4 alone; each lands before the next signal is sent.
+        first = await d.ready("req-1", 1, SRC, SRC_SLOT, layers=[7])
+        assert first.status == 202, first.body
+        await prefill_events.next("stage.transferred", "req-1", pp_rank=1)
+        second = await d.ready("req-1", 1, layers=[4])
+        assert second.status == 202, second.body
+        await prefill_events.next("stage.transferred", "req-1", pp_rank=1)
+
+    assert_decode_is(d, expected_decode(d, before, Move(SRC, DST, SRC_SLOT, DST_SLOT, {4, 7})))
+    view = (await d.get("req-1")).body
+    assert view["state"] in ("pending", "transferring")
+    assert [s["state"] for s in view["stages"]] == ["waiting", "waiting"]
+
+    await ready_all(d, "req-1")
+    assert (await d.finish("req-1"))["state"] == "completed"
+    assert_decode_is(d, expected_decode(d, before, MOVE))
+
+
+async def test_concurrent_handoffs_all_land_byte_exact(d: Deployment) -> None:
+    before = snapshot(decode_memory(d))
+    moves = {
+        f"req-{k}": Move(
+            [4 * k, 4 * k + 1, 4 * k + 2], [8 * k + 7, 8 * k + 1, 8 * k + 4], k, 15 - k
+        )
+        for k in range(8)
+    }
+    created = await asyncio.gather(
+        *(d.create(h, m.dst_pages, m.dst_slot) for h, m in moves.items())
+    )
+    assert [r.status for r in created] == [201] * 8
+    await asyncio.gather(*(ready_all(d, hid, move) for hid, move in moves.items()))
+
+    views = await asyncio.gather(*(d.finish(hid) for hid in moves))
+
+    assert [v["state"] for v in views] == ["completed"] * 8
+    assert_decode_is(d, expected_decode(d, before, *moves.values()))
+
+
+# ------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("dst_pages", "field", "detail"),
+    [
+        ([1, 2, DECODE_PAGES], "dst_pages[2]", "outside"),
+        ([5, 6, 5], "dst_pages[2]", "repeats dst_pages[0]"),
+    ],
+    ids=["out-of-range", "duplicate"],
+)
+async def test_bad_destination_pages_are_refused_naming_the_field(
+    d: Deployment, dst_pages: list[int], field: str, detail: str
+) -> None:
+    before = snapshot(decode_memory(d))
+    reply = await d.create("req-1", dst_pages, DST_SLOT)
+    assert_problem(reply, 422, "plan_error", field=field)
+    assert detail in reply.body["detail"]
+    assert_problem(await d.get("req-1"), 404, "not_found")
+    assert live_leases(d) == 0
+    assert_decode_is(d, before)
+
+
+async def test_bad_ready_signals_are_refused_naming_field_and_layer(d: Deployment) -> None:
+    assert (await d.create("req-1", DST, DST_SLOT)).status == 201
+    bad_page = await d.ready("req-1", 0, [1, PREFILL_PAGES], SRC_SLOT)
+    assert_problem(bad_page, 422, "plan_error", field="src_pages[1]", layer_id=3, group=0)
+    foreign_layer = await d.ready("req-1", 0, SRC, SRC_SLOT, layers=[7])
+    assert_problem(foreign_layer, 422, "invalid_input", field="layers", layer_id=7, pp_rank=0)
+    url = f"{d.prefills[0].url}/v1/handoffs/req-1/stages/2/ready"
+    no_stage = await d.request("POST", url, json={"src_pages": SRC, "src_slot": SRC_SLOT})
+    assert_problem(no_stage, 404, "not_found", field="pp_rank", pp_rank=2)
+
+
+async def test_malformed_and_unknown_bodies_are_refused(d: Deployment) -> None:
+    url = f"{d.decode.url}/v1/handoffs"
+    unknown = await d.request("POST", url, json={"id": "x", "dst_pages": [1], "bogus": 1})
+    assert_problem(unknown, 422, "invalid_input", field="bogus")
+    assert "bogus" in unknown.body["detail"]
+    assert_problem(await d.request("POST", url, data=b"{not json"), 400, "malformed_body")
+    wrong_type = await d.request("POST", url, json={"id": "x", "dst_pages": [1, "2"]})
+    assert_problem(wrong_type, 422, "invalid_input", field="dst_pages[1]")
+    bad_state = await d.request("GET", f"{url}?state=done")
+    assert_problem(bad_state, 422, "invalid_input", field="state")
+
+
+async def test_create_is_idempotent_for_the_same_body_and_fenced_otherwise(d: Deployment) -> None:
+    first = await d.create("req-1", [1, 2], 0)
+    again = await d.create("req-1", [1, 2], 0)
+    assert (first.status, again.status) == (201, 200)
+    assert again.body["created_at"] == first.body["created_at"]
+    assert_problem(await d.create("req-1", [1, 3], 0), 409, "conflict", field="id")
+    leased = await d.create("req-2", [7, 2], 1)
+    assert_problem(leased, 409, "conflict", field="dst_pages[1]", holder="req-1")
+    slot_taken = await d.create("req-2", [7], 0)
+    assert_problem(slot_taken, 409, "conflict", field="dst_slot", holder="req-1")
+    assert_problem(await d.get("req-2"), 404)
+
+
+async def test_list_filters_by_state_and_pages_by_cursor(d: Deployment) -> None:
+    for k, hid in enumerate(["a", "b", "c"]):
+        assert (await d.create(hid, [k], k)).status == 201
+    await ready_all(d, "b", Move([5], [1], SRC_SLOT, 1))
+    assert (await d.finish("b"))["state"] == "completed"
+    url = f"{d.decode.url}/v1/handoffs"
+
+    page1 = (await d.request("GET", f"{url}?limit=2")).body
+    page2 = (await d.request("GET", f"{url}?limit=2&cursor={page1['next_cursor']}")).body
+    completed = (await d.request("GET", f"{url}?state=completed")).body
+
+    assert [v["id"] for v in page1["items"]] == ["a", "b"]
+    assert [v["id"] for v in page2["items"]] == ["c"] and page2["next_cursor"] is None
+    assert [v["id"] for v in completed["items"]] == ["b"]
+    assert "timeline" not in completed["items"][0]  # lists leave timelines out
+    assert_problem(await d.request("GET", f"{url}?limit=0"), 422, field="limit")
+
+
+async def test_abort_stops_the_handoff_before_any_byte_and_refuses_later_signals(
+    d: Deployment,
+) -> None:
+    before = snapshot(decode_memory(d))
+    assert (await d.create("req-1", DST, DST_SLOT)).status == 201
+    async with watch(d.host_of(0)) as prefill_events:
+        # Stage 0 started (its source pages known) but no layer is ready yet. Once it emitted
+        # its empty chunk the prefill side holds the destination, so the abort is not racing it.
+        assert (await d.ready("req-1", 0, SRC, SRC_SLOT, layers=[])).status == 202
+        await prefill_events.next("stage.chunks_emitted", "req-1", pp_rank=0)
+
+    aborted = await d.request("DELETE", f"{d.decode.url}/v1/handoffs/req-1")
+
+    assert aborted.status == 200 and aborted.body["state"] == "aborted"
+    assert tags(aborted.body)[-1] == "handoff.aborted"
+    for rank in (0, 1):
+        late = await d.ready("req-1", rank, SRC, SRC_SLOT)
+        assert_problem(late, 409, "conflict", field="handoff_id")
+    assert (await d.get("req-1")).body["state"] == "aborted"
+    again = await d.request("DELETE", f"{d.decode.url}/v1/handoffs/req-1")
+    assert (again.status, again.body["state"]) == (200, "aborted")
+    assert (await d.create("req-2", DST, DST_SLOT)).status == 201  # the pages were released
+    assert_decode_is(d, before)
+
+
+async def test_handoffs_beyond_max_concurrent_are_refused_with_429() -> None:
+    async with open_deployment(decode=decode_config({"handoff.max_concurrent": 2})) as d:
+        assert [(await d.create(h, [k], k)).status for k, h in enumerate("ab")] == [201, 201]
+        assert_problem(await d.create("c", [5], 5), 429, "capacity_exceeded", live=2)
+        await ready_all(d, "a", Move([5], [0], SRC_SLOT, 0))
+        assert (await d.finish("a"))["state"] == "completed"
+        assert (await d.create("c", [5], 5)).status == 201  # a finished handoff frees its place
+
+
+# ------------------------------------------------------------------------------- pairing
+
+
+def _slot_size_model() -> dict[str, Any]:
+    """The same model, except the conv state slot of every linear layer is 8 bytes longer."""
+    spec = msgspec.to_builtins(
+        hybrid_npu_mla(
+            num_layers=MODEL["num_layers"], scale=MODEL["scale"], page_size=MODEL["page_size"]
+        )
+    )
+    spec["state_kinds"][0]["slot_bytes"] += 8
+    return {"spec": spec}
+
+
+PAIRING_CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "slot-size": (_slot_size_model(), {"layer_id": 0, "kind": "conv", "pp_rank": 0}),
+    "extra-layers": ({**MODEL, "num_layers": 12}, {"layer_id": 11, "group": 0, "pp_rank": 1}),
+    "dropped-layers": ({**MODEL, "num_layers": 4}, {"layer_id": 7, "group": 0}),
+}
+VALIDATE_CODES = {
+    "slot-size": "slot_size_mismatch",
+    "extra-layers": "missing_destination",
+    "dropped-layers": "unfilled_destination",
+}
+
+
+@pytest.mark.parametrize("case", list(PAIRING_CASES))
+async def test_create_refuses_a_prefill_that_does_not_pair_naming_the_entry(case: str) -> None:
+    model, where = PAIRING_CASES[case]
+    async with open_deployment(prefill=[prefill_config([0, 1], model=model)]) as d:
+        before = fill_decode(d)
+        reply = await d.create("req-1", DST, DST_SLOT)
+        assert_problem(reply, 422, "pairing_error", **where)
+        assert reply.body["problems"]
+        assert_problem(await d.get("req-1"), 404)
+        assert live_leases(d) == 0
+        assert_decode_is(d, before)
+
+
+@pytest.mark.parametrize("case", list(PAIRING_CASES))
+async def test_validate_reports_what_the_published_layouts_get_wrong(case: str) -> None:
+    model, where = PAIRING_CASES[case]
+    async with open_deployment(prefill=[prefill_config([0, 1], model=model)]) as d:
+        prefill_info = (await d.request("GET", f"{d.prefills[0].url}/v1/layout")).body
+        decode_info = (await d.request("GET", f"{d.decode.url}/v1/layout")).body
+        body = {
+            "prefill": [s["layout"] for s in prefill_info["stages"]],
+            "decode": decode_info["stages"][0]["layout"],
+        }
+        report = await d.request("POST", f"{d.decode.url}/v1/validate", json=body)
+    assert report.status == 200 and report.body["ok"] is False
+    first = report.body["problems"][0]
+    assert first["code"] == VALIDATE_CODES[case]
+    assert {k: first.get(k) for k in where} == where
+
+
+async def test_validate_accepts_the_deployed_layouts(d: Deployment) -> None:
+    prefill_info = (await d.request("GET", f"{d.prefills[0].url}/v1/layout")).body
+    decode_info = (await d.request("GET", f"{d.decode.url}/v1/layout")).body
+    assert (prefill_info["role"], decode_info["role"]) == ("prefill", "decode")
+    body = {
+        "prefill": [s["layout"] for s in prefill_info["stages"]],
+        "decode": decode_info["stages"][0]["layout"],
+    }
+    report = (await d.request("POST", f"{d.decode.url}/v1/validate", json=body)).body
+    assert report["ok"] is True and report["problems"] == []
+
+
+# ------------------------------------------------------------------------------- failures
+
+
+async def test_deadline_fails_the_handoff_naming_the_stage_still_waiting(d: Deployment) -> None:
+    assert (await d.create("req-1", DST, DST_SLOT, deadline_s=0.3)).status == 201
+    async with watch(d.decode) as decode_events:
+        assert (await d.ready("req-1", 0, SRC, SRC_SLOT)).status == 202
+        await decode_events.next("stage.arrived", "req-1", pp_rank=0)
+
+    view = await d.finish("req-1")
+
+    assert view["state"] == "failed"
+    assert view["error"]["code"] == "deadline_exceeded"
+    assert view["error"]["pp_rank"] == 1
+    assert "[1]" in view["error"]["reason"]
+    assert [s["state"] for s in view["stages"]] == ["arrived", "waiting"]
+    assert tags(view)[-1] == "handoff.failed"
+
+
+async def test_a_stopped_prefill_service_fails_its_handoffs_within_the_heartbeat_window() -> None:
+    fast = {"handoff.heartbeat_interval_s": 0.1, "handoff.peer_timeout_s": 0.3}
+    prefill = [prefill_config([rank], settings=fast) for rank in (0, 1)]
+    async with open_deployment(decode=decode_config(fast), prefill=prefill) as d:
+        assert (await d.create("req-1", DST, DST_SLOT, deadline_s=20)).status == 201
+        async with watch(d.decode) as decode_events:
+            assert (await d.ready("req-1", 0, SRC, SRC_SLOT)).status == 202
+            await decode_events.next("stage.arrived", "req-1", pp_rank=0)
+        lost_url = d.prefills[1].url
+
+        await d.stop_prefill(1)  # stage 1 never signalled; its service is gone
+        stopped_at = time.time()
+        view = await d.finish("req-1")
+
+    assert view["state"] == "failed"
+    error = view["error"]
+    assert error["code"] == "peer_unreachable"
+    assert (error["pp_rank"], error["context"]) == (1, {"peer": lost_url})
+    assert f"prefill peer {lost_url} (stage 1)" in error["reason"]
+    assert view["finished_at"] - stopped_at < 3.0  # heartbeats, not the 20 s deadline
+
+
+# ------------------------------------------------------------------------------- auth, schema
+
+
+async def test_a_shared_bearer_token_guards_every_service() -> None:
+    async with open_deployment(token="s3cret") as d:
+        fill_sources(d)
+        before = fill_decode(d)
+        assert (await d.create("req-1", DST, DST_SLOT)).status == 201
+        await ready_all(d, "req-1")
+        assert (await d.finish("req-1"))["state"] == "completed"
+        assert_decode_is(d, expected_decode(d, before, MOVE))
+
+        async with aiohttp.ClientSession() as anonymous:
+            for url in (f"{d.decode.url}/v1/handoffs/req-1", f"{d.prefills[0].url}/v1/layout"):
+                async with anonymous.get(url) as resp:
+                    body = await resp.json(content_type=None)
+                    reply = Reply(resp.status, body, resp.content_type)
+                    assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+                assert_problem(reply, 401, "unauthorized")
+            async with anonymous.get(f"{d.decode.url}/healthz") as resp:
+                assert resp.status == 200  # only /v1 routes need the token
+
+
+def _schema_ref(operation: dict[str, Any], status: str) -> str:
+    ref: str = operation["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+    return ref
+
+
+def _request_ref(operation: dict[str, Any]) -> str:
+    ref: str = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    return ref
+
+
+async def test_openapi_documents_the_handoff_routes_with_their_schemas(d: Deployment) -> None:
+    docs = [await d.request("GET", f"{s.url}/openapi.json") for s in (d.decode, d.prefills[0])]
+    assert [r.status for r in docs] == [200, 200], [r.body.get("detail") for r in docs]
+    decode_doc, prefill_doc = (r.body for r in docs)
+    paths = decode_doc["paths"]
+    ready = prefill_doc["paths"]["/v1/handoffs/{id}/stages/{pp_rank}/ready"]["post"]
+
+    create = paths["/v1/handoffs"]["post"]
+    assert _request_ref(create).endswith("/HandoffRequest")
+    assert _schema_ref(create, "201").endswith("/HandoffView")
+    assert {"409", "422", "429"} <= set(create["responses"])
+    assert _schema_ref(paths["/v1/handoffs"]["get"], "200").endswith("/HandoffPage")
+    assert _schema_ref(paths["/v1/handoffs/{id}"]["get"], "200").endswith("/HandoffView")
+    assert _schema_ref(paths["/v1/handoffs/{id}"]["delete"], "200").endswith("/HandoffView")
+    assert _request_ref(ready).endswith("/StageReady")
+    assert _schema_ref(ready, "202").endswith("/StageReadyAck")
+    for doc in (decode_doc, prefill_doc):
+        assert _schema_ref(doc["paths"]["/v1/layout"]["get"], "200").endswith("/LayoutInfo")
+    request_schema = decode_doc["components"]["schemas"]["HandoffRequest"]
+    assert {"id", "dst_pages"} <= set(request_schema["required"])
+    assert set(prefill_doc["components"]["schemas"]["StageReady"]["properties"]) == {
+        "src_pages",
+        "src_slot",
+        "layers",
+    }
+    assert "/v1/handoffs" not in prefill_doc["paths"]  # each role documents its own routes
+
+
+# ------------------------------------------------------------------------------- Heartbeats alone
+
+PEER = "http://prefill:1"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakePeers:
+    """Answers heartbeats unless the peer is down; records what was sent."""
+
+    def __init__(self) -> None:
+        self.down: set[str] = set()
+        self.sent: list[tuple[str, HeartbeatMsg]] = []
+
+    async def heartbeat(self, url: str, msg: HeartbeatMsg, timeout_s: float) -> HeartbeatAck:
+        self.sent.append((url, msg))
+        if url in self.down:
+            raise PeerUnreachable(f"cannot reach {url}", peer=url)
+        return HeartbeatAck(role="prefill", url=url)
+
+
+class Beats:
+    """A `Heartbeats` (timeout 0.3 s) over fake peers and clock, with one live handoff on PEER.
+    Declaring a peer lost ends its handoffs, as the pipelines do."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.peers = FakePeers()
+        self.live: dict[str, list[str]] = {PEER: ["h1"]}
+        self.lost: list[tuple[str, str]] = []
+        self.back: list[str] = []
+        self.hb = Heartbeats(
+            url="http://decode:1",
+            role="decode",
+            peers=cast(HttpPeers, self.peers),
+            live=lambda: dict(self.live),
+            lost=self._lost,
+            back=self.back.append,
+            interval_s=0.1,
+            timeout_s=0.3,
+            clock=self.clock,
+        )
+
+    def _lost(self, url: str, reason: str) -> None:
+        self.lost.append((url, reason))
+        self.live.pop(url, None)
+
+    async def tick_at(self, now: float) -> None:
+        self.clock.now = now
+        await self.hb.tick()
+
+
+async def test_heartbeats_declare_a_silent_peer_lost_once_after_the_timeout() -> None:
+    b = Beats()
+    b.peers.down.add(PEER)
+    for now in (0.0, 0.1, 0.2, 0.3):
+        await b.tick_at(now)
+    assert b.lost == []  # silent for 0.3 s: not more than the timeout yet
+    await b.tick_at(0.4)
+    assert [url for url, _ in b.lost] == [PEER]
+    assert "silent for 0.4 s" in b.lost[0][1]
+    for now in (0.5, 1.0, 2.0):
+        await b.tick_at(now)
+    assert len(b.lost) == 1
+    url, msg = b.peers.sent[0]
+    assert (url, msg.sender_url, msg.role, msg.live) == (PEER, "http://decode:1", "decode", ["h1"])
+
+
+async def test_heartbeats_a_peer_that_is_heard_is_not_lost() -> None:
+    b = Beats()
+    b.peers.down.add(PEER)  # our pings fail, but the peer's own heartbeats reach us
+    await b.tick_at(0.0)
+    b.clock.now = 0.25
+    b.hb.heard(PEER)
+    await b.tick_at(0.5)
+    assert b.lost == []  # 0.25 s since heard
+    await b.tick_at(0.6)
+    assert [url for url, _ in b.lost] == [PEER]
+
+
+async def test_heartbeats_answered_pings_keep_a_peer_alive() -> None:
+    b = Beats()
+    for step in range(20):
+        await b.tick_at(step * 0.1)
+    assert b.lost == [] and len(b.peers.sent) == 20
+
+
+async def test_heartbeats_report_a_lost_peer_back_once_when_heard_again() -> None:
+    b = Beats()
+    b.peers.down.add(PEER)
+    await b.tick_at(0.0)
+    await b.tick_at(0.5)
+    assert len(b.lost) == 1 and b.back == []
+    b.peers.down.clear()
+    b.live[PEER] = ["h2"]  # a new handoff with the peer, whose ping now answers
+    await b.tick_at(0.6)
+    assert b.back == [PEER]
+    b.hb.heard(PEER)
+    await b.tick_at(0.7)
+    assert b.back == [PEER] and len(b.lost) == 1

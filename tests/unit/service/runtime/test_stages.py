@@ -1,0 +1,43 @@
+"""Pools from the configuration: shm files are attached (never created) and published."""
+
+import os
+
+import pytest
+
+from service.config import ConfigError
+from service.runtime.stages import open_stages, unplaced_layout
+from tests.unit.service.conftest import make_config
+from transport.local import LocalTransport
+from transport.pool_shm import ShmPool
+
+
+def test_a_missing_shm_file_is_a_config_error_naming_the_stage() -> None:
+    name = f"kvh-test-missing-{os.getpid()}"
+    config = make_config(stages=[{"num_pages": 16, "pool": f"shm:{name}"}])
+    t = LocalTransport()
+    with pytest.raises(ConfigError) as err:
+        open_stages(config, t)
+    assert err.value.context["field"] == "stages[0].pool"
+    assert "does not exist" in err.value.message
+    assert not os.path.exists(f"/dev/shm/{name}")  # nothing created behind the engine's back
+    t.close()
+
+
+def test_an_engine_created_shm_file_is_attached_and_its_offsets_published() -> None:
+    name = f"kvh-test-attach-{os.getpid()}"
+    config = make_config(stages=[{"num_pages": 16, "pool": f"shm:{name}"}])
+    layout = unplaced_layout(config, config.model_spec(), config.stages[0])
+    engine_side = ShmPool(name, layout.region_sizes, align_bytes=config.transport.align_bytes)
+    t = LocalTransport()
+    try:
+        (hosted,) = open_stages(config, t)
+        info = hosted.info()
+        assert info.shm is not None and info.shm.name == name
+        assert info.shm.offsets == engine_side.offsets
+        engine_side.view(0)[:4] = [1, 2, 3, 4]  # the same memory, seen from both sides
+        assert hosted.memory.region(0)[:4].tolist() == [1, 2, 3, 4]
+        hosted.pool.close()
+        assert os.path.exists(f"/dev/shm/{name}")  # the attacher never unlinks
+    finally:
+        engine_side.close()
+        t.close()

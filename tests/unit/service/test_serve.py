@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from service.cli import build_parser
+from service.http.app import CONFIG, PEERS
+from service.serve import cli_overrides, serve
+
+from .conftest import make_config
+
+REPO = Path(__file__).resolve().parents[3]
+
+CONFIG_TOML = """
+role = "decode"
+[server]
+port = 0
+[transport]
+backend = "local"
+[model]
+preset = "dense-mha"
+scale = 64
+num_layers = 4
+[[stages]]
+num_pages = 8
+"""
+
+
+async def test_serve_on_port_zero_publishes_the_real_url_and_cleans_up() -> None:
+    events: list[str] = []
+
+    async def resource(app: web.Application) -> Any:
+        events.append("start")
+        yield
+        events.append("stop")
+
+    def install(app: web.Application) -> None:
+        app.cleanup_ctx.append(resource)
+
+    async with serve(make_config(**{"server.port": 0}), [install]) as server:
+        port = server.config.server.port
+        assert port != 0
+        assert server.url == f"http://127.0.0.1:{port}"
+        assert server.app[CONFIG].server.public_url == server.url
+        async with aiohttp.ClientSession() as session, session.get(server.url + "/healthz") as r:
+            assert r.status == 200
+        health = await server.app[PEERS].get(server.url, "/healthz", dict)
+        assert health["role"] == "decode"
+        assert events == ["start"]
+    assert events == ["start", "stop"]
+
+
+async def test_serve_keeps_an_explicit_public_url() -> None:
+    config = make_config(**{"server.port": 0, "server.public_url": "http://decode:9"})
+    async with serve(config) as server:
+        assert server.url == "http://decode:9"
+        assert server.config.server.port != 0
+
+
+def test_cli_flags_become_overrides() -> None:
+    argv = ["serve", "--config", "f.toml", "--port", "9", "--token", "t", "--role", "prefill"]
+    args = build_parser(argv).parse_args(argv)
+    assert cli_overrides(args) == {"role": "prefill", "server.port": 9, "server.token": "t"}
+
+
+def _kvhandoff(*argv: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "service.cli", *argv],
+        cwd=REPO,
+        env={**os.environ, **env},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def test_kvhandoff_serve_reads_env_and_stops_on_sigterm(tmp_path: Path) -> None:
+    path = tmp_path / "decode.toml"
+    path.write_text(CONFIG_TOML)
+    proc = _kvhandoff(
+        "serve",
+        "--config",
+        str(path),
+        "--log-level",
+        "info",
+        env={"KVHANDOFF_SERVER__TOKEN": "from-env", "XDG_STATE_HOME": str(tmp_path)},
+    )
+    try:
+        assert proc.stderr is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stderr.readline), 30)
+        match = re.search(r"serving at (http://\S+) .* target (local:\d+)", line)
+        assert match, line  # the startup line names the transport's target
+        url = match[1]
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/v1/anything") as r:
+                assert r.status == 401  # the token came from the environment
+            async with session.get(url + "/readyz") as r:
+                assert r.status == 200  # the transport extension started with the app
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(asyncio.to_thread(proc.wait), 30) == 0
+        assert "shutting down" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def test_kvhandoff_serve_rejects_a_bad_config(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(CONFIG_TOML.replace("port = 0", "prot = 0"))
+    proc = _kvhandoff("serve", "--config", str(path), env={})
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert "server.prot: unknown key" in err

@@ -1,0 +1,112 @@
+"""The layer rule, checked on the source: imports point one way only.
+
+Across packages: `service → pipelines → transport`. Inside `service/`: `tools → (serve, embedded,
+cli) → api → runtime → peers → http → config`; a module may import its own layer or any layer
+below it, never above. Walks every module's `import` statements with `ast` (function-local
+imports included), so a lazy import cannot hide a backwards edge.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("transport", "pipelines", "service")
+
+#: Rank of each part; an import must not go to a higher rank. Top-level `service/*.py` modules
+#: are listed by name; sub-packages by folder.
+SERVICE_RANKS = {
+    "config": 0,
+    "http": 1,
+    "peers": 2,
+    "runtime": 3,
+    "api": 4,
+    "serve": 5,
+    "embedded": 5,
+    "cli": 5,
+    "tools": 6,
+}
+PACKAGE_RANKS = {"transport": 0, "pipelines": 1, "service": 2}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def _service_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "service" else None
+
+
+def _violations() -> list[str]:
+    bad = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            here = _module_name(path)
+            here_pkg = here.split(".")[0]
+            for line, target in _imports(path):
+                target_pkg = target.split(".")[0]
+                where = f"{path.relative_to(ROOT)}:{line} imports {target}"
+                if target_pkg in PACKAGE_RANKS:
+                    if PACKAGE_RANKS[target_pkg] > PACKAGE_RANKS[here_pkg]:
+                        bad.append(f"{where} ({here_pkg} may not import {target_pkg})")
+                        continue
+                elif target_pkg == "aiohttp" and here_pkg != "service":
+                    bad.append(f"{where} (HTTP belongs to service/)")
+                    continue
+                src, dst = _service_part(here), _service_part(target)
+                if here_pkg == "service" and target_pkg == "service" and src and dst:
+                    if dst not in SERVICE_RANKS or src not in SERVICE_RANKS:
+                        bad.append(f"{where} (part without a rank: add it to SERVICE_RANKS)")
+                    elif SERVICE_RANKS[dst] > SERVICE_RANKS[src]:
+                        bad.append(f"{where} (service/{src} may not import service/{dst})")
+    return bad
+
+
+def test_imports_point_one_way() -> None:
+    assert _violations() == []
+
+
+def test_every_service_part_has_a_rank() -> None:
+    parts = {p.stem if p.is_file() else p.name for p in (ROOT / "service").iterdir()}
+    parts = {p for p in parts if not p.startswith(("_", ".")) and p not in ("py",)}
+    parts.discard("py.typed")
+    assert parts <= set(SERVICE_RANKS), parts - set(SERVICE_RANKS)
+
+
+@pytest.mark.parametrize(
+    ("source", "expect"),
+    [
+        ("from service.api.handoffs import x\n", "service/http may not import service/api"),
+        ("import pipelines.decode\n", "transport may not import pipelines"),
+    ],
+)
+def test_the_checker_catches_a_backwards_import(
+    source: str, expect: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A checker that cannot fail proves nothing: plant a backwards edge and expect it named.
+    fake_root = tmp_path
+    for package in PACKAGES:
+        (fake_root / package).mkdir()
+    (fake_root / "service" / "http").mkdir()
+    target = "service/http/app.py" if "service" in source else "transport/base.py"
+    (fake_root / target).write_text(source)
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", fake_root)
+    assert any(expect in v for v in _violations())
