@@ -61,8 +61,11 @@ log = logging.getLogger(__name__)
 I64 = npt.NDArray[np.int64]
 ROLE = "decode"
 
-#: A handoff id is a URL path segment (`/v1/handoffs/{id}`): no "/".
-HANDOFF_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,256}$"
+#: A handoff id is a URL path segment (`/v1/handoffs/{id}`): no "/", and not "." or "..",
+#: which standard clients resolve away (RFC 3986 dot-segments). No lookahead: JSON Schema users.
+HANDOFF_ID_PATTERN = (
+    r"^(?:[A-Za-z0-9._:@-]{3,256}|[A-Za-z0-9_:@-][A-Za-z0-9._:@-]?|\.[A-Za-z0-9_:@-])$"
+)
 HandoffId = Annotated[str, Meta(min_length=1, max_length=256, pattern=HANDOFF_ID_PATTERN)]
 
 

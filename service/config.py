@@ -55,7 +55,8 @@ class ServerConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     #: How peers and webhooks reach this service; derived from host and port when empty. Set it
     #: when binding to 0.0.0.0 or behind NAT/containers, where host is not a reachable name.
     public_url: str = ""
-    #: Bearer token required on every /v1 route when set (peers must share it).
+    #: One shared secret for every role whose `[auth]` key is unset (router and engine bearer
+    #: token, peer signing key). Alone it separates no roles: prefer `[auth]`.
     token: str | None = None
     max_body_bytes: Positive = 8 * MiB
     #: Webhook outbox and other persistent state; default $XDG_STATE_HOME/kvhandoff.
@@ -73,6 +74,35 @@ class ServerConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     @property
     def state_path(self) -> Path:
         return Path(self.state_dir)
+
+
+#: One secret, or several: the first is current (peers sign with it), all are accepted (rotation).
+Secrets = str | list[Annotated[str, Meta(min_length=1)]]
+AUTH_ROLES = ("router", "engine", "peer")
+
+
+class AuthConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Credentials per role (see README, "Trust"); a role left unset falls back on
+    `server.token`, and a role with neither is open. No secret may serve two roles."""
+
+    #: Bearer tokens of routers: create/get/list/abort handoffs, validate, events, webhooks.
+    router: Secrets | None = None
+    #: Bearer tokens of engines: stage ready.
+    engine: Secrets | None = None
+    #: HMAC-SHA256 keys of peer services: every `/v1/peer/*` call and `GET /v1/layout` is signed.
+    peer: Secrets | None = None
+    #: A signed peer message older or newer than this is refused (clock skew plus transit).
+    max_skew_s: PositiveSeconds = 30.0
+    #: Nonces remembered to refuse replays; beyond it the oldest go and older messages are refused.
+    replay_cache: Positive = 65536
+
+    def __post_init__(self) -> None:
+        for role in AUTH_ROLES:
+            value = getattr(self, role)
+            if isinstance(value, str):
+                force_setattr(self, role, [value])
+            elif value is not None and not value:
+                raise ValueError(f"auth.{role}: give at least one secret, or leave it unset")
 
 
 class TransportConfig(MooncakeConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -168,7 +198,15 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     stages: list[StageConfig]
+
+    def secrets(self, role: str) -> tuple[str, ...]:
+        """The secrets of `role` ("router", "engine", "peer"), current first; () when open."""
+        explicit = getattr(self.auth, role)
+        if explicit is not None:
+            return tuple(explicit)
+        return (self.server.token,) if self.server.token else ()
 
     def model_spec(self) -> ModelSpec:
         return self.model.build()
@@ -229,7 +267,10 @@ def load_config(
         config = msgspec.convert(merged, Config, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(*_split_msgspec_error(str(exc))) from None
-    except (LayoutError, ValueError) as exc:  # a nested Struct's own __post_init__ (ModelSpec)
+    except (LayoutError, ValueError) as exc:  # a nested Struct's own __post_init__
+        path, _, message = str(exc).partition(": ")
+        if path.startswith("auth."):
+            raise ConfigError(path, message) from None
         raise ConfigError("model.spec", str(exc)) from None
     check(config)
     return config
@@ -275,6 +316,24 @@ def check(config: Config) -> None:
     for i, url in enumerate(config.peers.prefill):
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"peers.prefill[{i}]", f"{url!r} is not an http(s) URL")
+    _check_roles_apart(config)
+
+
+def _check_roles_apart(config: Config) -> None:
+    """A secret valid for two roles would let one act as the other. Only the legacy setup where
+    every role falls back on `server.token` shares one (and separates nothing, as documented)."""
+    for i, a in enumerate(AUTH_ROLES):
+        for b in AUTH_ROLES[i + 1 :]:
+            if getattr(config.auth, a) is None and getattr(config.auth, b) is None:
+                continue
+            shared = set(config.secrets(a)) & set(config.secrets(b))
+            if shared:
+                where = b if getattr(config.auth, b) is not None else a
+                raise ConfigError(
+                    f"auth.{where}",
+                    f"a secret of {b} is also one of {a}; one role's credential must not act "
+                    "as another's",
+                )
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:

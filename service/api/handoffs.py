@@ -22,12 +22,16 @@ from pipelines.decode import (
     HandoffView,
 )
 from pipelines.errors import InvalidInput
+from service.api import inputs
 from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
 from service.runtime.pipelines import decode_of, install_pipelines, prefill_of
 
 _ID = re.compile(HANDOFF_ID_PATTERN)
+_INT = re.compile(r"-?[0-9]{1,20}", re.ASCII)
+_NUMBER = re.compile(r"-?[0-9]{1,20}(\.[0-9]{0,20})?([eE][-+]?[0-9]{1,3})?", re.ASCII)
+_ID_SCHEMA = {"type": "string", "pattern": HANDOFF_ID_PATTERN, "maxLength": 256}
 
 #: Longest a `GET /v1/handoffs/{id}?wait_s=` long poll may hold a connection.
 MAX_WAIT_S = 60.0
@@ -62,6 +66,9 @@ def _query_number(
     if raw is None:
         return default
     try:
+        # ASCII only: int() and float() also take fullwidth digits, "1_0" or " 1".
+        if not (_INT if kind is int else _NUMBER).fullmatch(raw):
+            raise ValueError(raw)
         value = kind(raw)
     except ValueError:
         raise InvalidInput(
@@ -80,6 +87,7 @@ def _query_number(
     request=HandoffRequest,
     response=HandoffView,
     status=201,
+    also=(200,),
     errors=(404, 409, 422, 429, 502, 504),
     summary="Create a handoff (idempotent for an identical body; 409 for another body)",
     description="Checks the destination pages and slot, fences them, fetches and pairs the "
@@ -89,6 +97,9 @@ def _query_number(
 )
 async def create_handoff(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, HandoffRequest)
+    inputs.peer_urls(body.prefill, "prefill")
+    inputs.pages(body.dst_pages, "dst_pages")
+    inputs.slot(body.dst_slot, "dst_slot")
     view, created = await decode_of(request).create(body)
     return json_response(
         view,
@@ -105,6 +116,8 @@ async def create_handoff(request: web.Request) -> web.StreamResponse:
     description="With `?wait_s=S` (at most 60), answers as soon as the handoff is terminal, or "
     "after S seconds with its current state: a router's long poll.",
     tags=("handoffs",),
+    path_schemas={"id": _ID_SCHEMA},
+    query=(("wait_s", {"type": "number", "minimum": 0, "maximum": MAX_WAIT_S}),),
 )
 async def get_handoff(request: web.Request) -> web.StreamResponse:
     handoff_id = _handoff_id(request)
@@ -122,6 +135,11 @@ async def get_handoff(request: web.Request) -> web.StreamResponse:
     description="Query: `state` (pending, transferring, completed, failed, aborted), `limit` "
     "(1..1000, default 100), `cursor` (the previous page's `next_cursor`).",
     tags=("handoffs",),
+    query=(
+        ("state", {"type": "string", "enum": [s.value for s in HandoffState]}),
+        ("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
+        ("cursor", {"type": "integer", "minimum": 0, "maximum": 2**62}),
+    ),
 )
 async def list_handoffs(request: web.Request) -> web.StreamResponse:
     raw_state = request.query.get("state")
@@ -145,6 +163,7 @@ async def list_handoffs(request: web.Request) -> web.StreamResponse:
     errors=(404, 409, 422),
     summary="Abort a handoff; answers once no write of it can still land on decode pages",
     tags=("handoffs",),
+    path_schemas={"id": _ID_SCHEMA},
 )
 async def abort_handoff(request: web.Request) -> web.StreamResponse:
     handoff_id = _handoff_id(request)
@@ -183,13 +202,17 @@ class StageReadyAck(Struct, frozen=True):
     description="The first signal of a stage carries its source pages (and slot). Chunks of the "
     "listed layers are sent as soon as the decode destination is known.",
     tags=("engine",),
+    role="engine",
+    path_schemas={
+        "id": _ID_SCHEMA,
+        "pp_rank": {"type": "string", "pattern": "^[0-9]{1,9}$"},
+    },
 )
 async def stage_ready(request: web.Request) -> web.StreamResponse:
     handoff_id = _handoff_id(request)
-    raw_rank = request.match_info["pp_rank"]
-    if not raw_rank.isdigit():
-        raise InvalidInput(f"pp_rank {raw_rank!r} is not a non-negative integer", field="pp_rank")
+    rank = inputs.ascii_int(request.match_info["pp_rank"], "pp_rank")
     body = await decode_body(request, StageReady)
-    rank = int(raw_rank)
+    inputs.pages(body.src_pages or (), "src_pages")
+    inputs.slot(body.src_slot, "src_slot")
     prefill_of(request).ready(handoff_id, rank, body.src_pages, body.src_slot, body.layers)
     return json_response(StageReadyAck(handoff_id, rank, body.layers), status=202)

@@ -2,7 +2,11 @@
 
 `GET /v1/layout` on both roles (what a peer must know to pair with and write to this process);
 destinations and aborts on prefill services; arrivals and stage failures on decode services;
-heartbeats on both. Each message's protocol version is checked before it is acted on.
+heartbeats on both. Every route takes a signed peer request (service.http.auth) when a peer
+secret is configured; then a message that names its sender — a destination's `decode_url`, a
+heartbeat's `sender_url`, the stage an arrival or failure reports on — must name the service
+that signed it, or it is refused with 403 before the pipeline sees it. Each message's protocol
+version is checked before it is acted on.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from pipelines.messages import (
     StageFailedMsg,
 )
 from service.http.app import decode_body, json_response
-from service.http.problems import error_problem
+from service.http.auth import signed_sender
+from service.http.problems import Forbidden, error_problem
 from service.http.routing import RouteTable
 from service.peers.protocol import (
     ABORTS_PATH,
@@ -45,13 +50,27 @@ _NO_CONTENT = 204
 M = TypeVar("M", DestinationMsg, ArrivalMsg, StageFailedMsg)
 
 
-async def _each(request: web.Request, type_: type[M], handle: Callable[[M], Any]) -> web.Response:
-    """Handle a batch of notices (see service.peers.coalesce): one outcome per notice, in order."""
+def _same_service(claimed: str, sender: str, what: str, field: str) -> None:
+    if claimed.rstrip("/") != sender.rstrip("/"):
+        raise Forbidden(f"{what} names {claimed} but was signed by {sender}", field=field)
+
+
+async def _each(
+    request: web.Request,
+    type_: type[M],
+    handle: Callable[[M], Any],
+    check_sender: Callable[[M, str], None],
+) -> web.Response:
+    """Handle a batch of notices (see service.peers.coalesce): one outcome per notice, in order;
+    `check_sender(msg, sender)` refuses a notice its signed sender may not send."""
     outcomes = []
     batch: list[M] = await decode_body(request, list[type_])  # type: ignore[valid-type]
+    sender = signed_sender(request)
     for msg in batch:
         try:
             check_version(msg.version)
+            if sender is not None:
+                check_sender(msg, sender)
             handle(msg)
         except KVHandoffError as error:
             status, problem = error_problem(error, request.path)
@@ -66,6 +85,7 @@ async def _each(request: web.Request, type_: type[M], handle: Callable[[M], Any]
     response=LayoutInfo,
     summary="The stages hosted here: placed layouts, fingerprints, transport target, shm offsets",
     tags=("peer",),
+    role="peer",
 )
 async def layout(request: web.Request) -> web.StreamResponse:
     return json_response(request.app[RUNTIME].layout_info())
@@ -78,10 +98,14 @@ async def layout(request: web.Request) -> web.StreamResponse:
     errors=(422,),
     summary="A peer sharing live handoffs with this service is alive",
     tags=("peer",),
+    role="peer",
 )
 async def heartbeat(request: web.Request) -> web.StreamResponse:
     msg = await decode_body(request, HeartbeatMsg)
     check_version(msg.version)
+    sender = signed_sender(request)
+    if sender is not None:
+        _same_service(msg.sender_url, sender, "the heartbeat", "sender_url")
     runtime = request.app[RUNTIME]
     runtime.heartbeats.heard(msg.sender_url)
     return json_response(HeartbeatAck(role=runtime.role, url=runtime.url))
@@ -94,9 +118,14 @@ async def heartbeat(request: web.Request) -> web.StreamResponse:
     errors=(422,),
     summary="Decode → prefill: where handoffs' bytes go (a batch; one outcome per item)",
     tags=("peer",),
+    role="peer",
 )
 async def destinations(request: web.Request) -> web.StreamResponse:
-    return await _each(request, DestinationMsg, prefill_of(request).deliver)
+    def from_decode(msg: DestinationMsg, sender: str) -> None:
+        # Only the decode service that owns the pages may say where bytes go.
+        _same_service(msg.decode_url, sender, "the destination", "decode_url")
+
+    return await _each(request, DestinationMsg, prefill_of(request).deliver, from_decode)
 
 
 @prefill_peer_routes.post(
@@ -106,6 +135,7 @@ async def destinations(request: web.Request) -> web.StreamResponse:
     errors=(422,),
     summary="Decode → prefill: stop a handoff; answers once no write of it can still land",
     tags=("peer",),
+    role="peer",
 )
 async def abort(request: web.Request) -> web.StreamResponse:
     msg = await decode_body(request, AbortMsg)
@@ -120,9 +150,12 @@ async def abort(request: web.Request) -> web.StreamResponse:
     errors=(422,),
     summary="Prefill → decode: every byte of these stages has landed (one outcome per item)",
     tags=("peer",),
+    role="peer",
 )
 async def arrivals(request: web.Request) -> web.StreamResponse:
-    return await _each(request, ArrivalMsg, decode_of(request).arrived)
+    return await _each(
+        request, ArrivalMsg, decode_of(request).arrived, _from_stage_peer(request, "arrival")
+    )
 
 
 @decode_peer_routes.post(
@@ -132,6 +165,28 @@ async def arrivals(request: web.Request) -> web.StreamResponse:
     errors=(422,),
     summary="Prefill → decode: these stages failed; no write of them can still land",
     tags=("peer",),
+    role="peer",
 )
 async def stage_failures(request: web.Request) -> web.StreamResponse:
-    return await _each(request, StageFailedMsg, decode_of(request).stage_failed)
+    return await _each(
+        request,
+        StageFailedMsg,
+        decode_of(request).stage_failed,
+        _from_stage_peer(request, "stage failure"),
+    )
+
+
+def _from_stage_peer(
+    request: web.Request, what: str
+) -> Callable[[ArrivalMsg | StageFailedMsg, str], None]:
+    """Only the prefill service a handoff's stage was assigned to may report on that stage."""
+    pipeline = decode_of(request)
+
+    def check(msg: ArrivalMsg | StageFailedMsg, sender: str) -> None:
+        view = pipeline.get(msg.handoff_id)  # an unknown handoff: 404, as the pipeline says
+        for stage in view.stages:
+            if stage.pp_rank == msg.pp_rank:
+                _same_service(stage.peer, sender, f"the {what} of stage {msg.pp_rank}", "pp_rank")
+                return
+
+    return check

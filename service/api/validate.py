@@ -19,12 +19,17 @@ from pipelines.errors import InvalidInput, KVHandoffError
 from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
 from pipelines.pairing import PairingReport, pairing_report
+from service.api import inputs
 from service.http.app import PEERS, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
 from service.peers.protocol import LAYOUT_PATH
 from service.runtime.pipelines import RUNTIME
 
 Url = Annotated[str, Meta(pattern=r"^https?://")]
+
+#: Most distinct prefill services or stage layouts one report covers (PP sizes are far smaller);
+#: repeated URLs are fetched once, so a long list of one URL costs one fetch.
+MAX_PREFILL = 64
 
 
 class ValidateRequest(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -48,7 +53,8 @@ routes = RouteTable()
     errors=(400, 422, 502, 504),
     summary="Pair prefill stage layouts with a decode layout and report every problem",
     description="Give each side by layouts (`prefill`, `decode`) or by service URLs "
-    "(`prefill_urls`, `decode_url`); on a decode service the decode side defaults to itself.",
+    "(`prefill_urls`, `decode_url`); on a decode service the decode side defaults to itself. "
+    f"Repeated URLs are fetched once; at most {MAX_PREFILL} distinct URLs or layouts.",
     tags=("validation",),
 )
 async def validate(request: web.Request) -> web.StreamResponse:
@@ -60,8 +66,21 @@ async def validate(request: web.Request) -> web.StreamResponse:
         )
     if body.decode is not None and body.decode_url is not None:
         raise InvalidInput("give either `decode` or `decode_url`, not both", field="decode")
-    prefill = list(body.prefill)
+    if len(body.prefill) > MAX_PREFILL:
+        raise InvalidInput(
+            f"{len(body.prefill)} prefill layouts; at most {MAX_PREFILL}", field="prefill"
+        )
+    urls: dict[str, int] = {}  # each distinct URL once, first index kept for error messages
     for i, url in enumerate(body.prefill_urls):
+        urls.setdefault(inputs.peer_url(url, f"prefill_urls[{i}]").rstrip("/"), i)
+    if len(urls) > MAX_PREFILL:
+        raise InvalidInput(
+            f"{len(urls)} distinct prefill_urls; at most {MAX_PREFILL}", field="prefill_urls"
+        )
+    if body.decode_url is not None:
+        inputs.peer_url(body.decode_url, "decode_url")
+    prefill = list(body.prefill)
+    for url, i in urls.items():
         info = await _layout_of(request, url, f"prefill_urls[{i}]")
         prefill.extend(stage.layout for stage in info.stages)
     decode = body.decode

@@ -13,13 +13,13 @@
 
 Handlers raise the error tree (`pipelines.errors`, `service.http.problems`), never `web.HTTP*`; the
 one error middleware turns errors into problem+json. Built-in routes: `/healthz`, `/readyz`,
-`/openapi.json`. `/v1/...` routes need the bearer token when `server.token` is set.
+`/openapi.json`. Each route takes its role's credential (service.http.auth).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import cache
@@ -33,6 +33,7 @@ from msgspec import Struct
 
 from pipelines.errors import KVHandoffError
 from service.config import Config
+from service.http.auth import Credentials, auth_middleware, signer_for
 from service.http.client import PeerClient
 from service.http.openapi import build_openapi
 from service.http.problems import (
@@ -43,12 +44,13 @@ from service.http.problems import (
     PayloadTooLarge,
     RouteNotFound,
     Unauthorized,
+    UnsupportedMediaType,
     encode_problem,
     error_problem,
     invalid_value,
     problem_body,
 )
-from service.http.routing import API_PREFIX, RouteTable
+from service.http.routing import Route, RouteTable
 
 log = logging.getLogger("kvhandoff.service")
 access_log = logging.getLogger("kvhandoff.access")
@@ -94,6 +96,7 @@ PEERS = web.AppKey("peers", PeerClient)
 #: Set by whoever starts the transport (its `local_target`), for the start-up log line.
 LOCAL_TARGET = web.AppKey("local_target", str)
 _OPENAPI = web.AppKey("openapi_cache", dict)
+_CREDENTIALS = web.AppKey("credentials", Credentials)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,16 +119,32 @@ def _decoder(type_: Any) -> msgspec.json.Decoder[Any]:
     return msgspec.json.Decoder(type_)
 
 
+#: Deepest nesting of arrays and objects a body may have; well below the interpreter's recursion
+#: limit, so decoding, storing and re-encoding a body (events, webhooks) cannot overflow it.
+MAX_JSON_DEPTH = 64
+
+
 async def decode_body(request: web.Request, type_: type[T]) -> T:
     """Read the body (at most `server.max_body_bytes`) and decode it as `type_`.
 
-    Raises MalformedBody (400) if it is not JSON, InvalidInput (422) with `field` set to the
-    key path of the wrong value (`dst_pages[3]`), PayloadTooLarge (413).
+    Raises UnsupportedMediaType (415) unless it is sent as `application/json`, MalformedBody
+    (400) if it is not JSON or nests deeper than MAX_JSON_DEPTH, InvalidInput (422) with `field`
+    set to the key path of the wrong value (`dst_pages[3]`), PayloadTooLarge (413).
     """
+    if request.content_type != "application/json":
+        raise UnsupportedMediaType(
+            f"the body must be sent as application/json, not {request.content_type}",
+            field="Content-Type",
+        )
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(request) from None
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise MalformedBody(
+            f"request body nests {depth} levels deep (at most {MAX_JSON_DEPTH})", field="$"
+        )
     try:
         decoded: T = _decoder(cast(Any, type_)).decode(raw)
         return decoded
@@ -133,6 +152,26 @@ async def decode_body(request: web.Request, type_: type[T]) -> T:
         raise invalid_value(exc) from None
     except msgspec.DecodeError as exc:
         raise MalformedBody(f"request body is not valid JSON: {exc}", field="$") from None
+
+
+# A whole string (escapes included) or one bracket: strings are skipped by the regex engine.
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.S)
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest array/object nesting of a JSON text (brackets inside strings not counted);
+    the scan visits strings and brackets only, so a long flat page list costs one C pass."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return 0  # cannot be too deep: skip the scan for the common small body
+    depth = deepest = 0
+    for token in _JSON_TOKENS.finditer(raw):
+        c = token[0][:1]
+        if c in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in (b"]", b"}"):
+            depth -= 1
+    return deepest
 
 
 def _too_large(request: web.Request) -> PayloadTooLarge:
@@ -156,7 +195,8 @@ def _error_response(error: KVHandoffError, request: web.Request) -> web.Response
     status, body = error_problem(error, request.path)
     headers = {}
     if isinstance(error, Unauthorized):
-        headers["WWW-Authenticate"] = 'Bearer realm="kvhandoff"'
+        scheme = "KVHandoff-Signature" if error.context.get("role") == "peer" else "Bearer"
+        headers["WWW-Authenticate"] = f'{scheme} realm="kvhandoff"'
     if isinstance(error, MethodNotAllowed) and "allow" in error.context:
         headers["Allow"] = ", ".join(sorted(error.context["allow"]))  # type: ignore[call-overload]
     return _problem_response(status, body, headers)
@@ -207,21 +247,6 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
             instance=request.path,
         )
         return _problem_response(500, body)
-
-
-def auth_middleware(token: str) -> Any:
-    expected = f"Bearer {token}".encode()
-
-    @web.middleware
-    async def check_token(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path.startswith(API_PREFIX):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                reason = "missing" if not given else "invalid"
-                raise Unauthorized(f"{reason} bearer token")
-        return await handler(request)  # type: ignore[no-any-return]
-
-    return check_token
 
 
 class AccessLogger(AbstractAccessLogger):
@@ -279,7 +304,7 @@ async def openapi_json(request: web.Request) -> web.Response:
                 title=f"kvhandoff ({config.role})",
                 version=VERSION,
                 server_url=config.server.public_url,
-                token_required=config.server.token is not None,
+                secured=request.app[_CREDENTIALS].secured,
             )
         )
     return json_response(cache)
@@ -308,7 +333,7 @@ async def _peer_client_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     async with aiohttp.ClientSession() as session:
         app[PEERS] = PeerClient(
-            session, token=config.server.token, timeout_s=config.peers.request_timeout_s
+            session, signer=signer_for(config), timeout_s=config.peers.request_timeout_s
         )
         yield
 
@@ -320,11 +345,12 @@ async def _clock_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(config: Config, *, extensions: Sequence[Extension] = ()) -> web.Application:
     """The service app for `config`, with every extension installed (see the module docstring)."""
-    middlewares = [error_middleware]
-    if config.server.token is not None:
-        middlewares.append(auth_middleware(config.server.token))
+    credentials = Credentials.from_config(config)
+    declared: dict[web.AbstractRoute, Route] = {}  # filled below, once every route is known
+    middlewares = [error_middleware, auth_middleware(credentials, declared)]
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[CONFIG] = config
+    app[_CREDENTIALS] = credentials
     app[ROUTES] = RouteTable()
     app[READINESS] = Readiness()
     app[_OPENAPI] = {}
@@ -333,5 +359,5 @@ def create_app(config: Config, *, extensions: Sequence[Extension] = ()) -> web.A
     app[ROUTES].include(_builtin_routes())
     for install in extensions:
         install(app)
-    app[ROUTES].register(app.router)
+    declared.update(app[ROUTES].register(app.router))
     return app

@@ -4,7 +4,9 @@ Used by the handoff pipeline's peer protocol (layout exchange, destinations, arr
 heartbeats, aborts). Bodies are msgspec-encoded; a non-2xx problem+json answer is raised as the
 same error class the peer raised (a remote 409 is a `ConflictError` here, with the remote's
 detail and `peer` set); connection failures raise `PeerUnreachable` and timeouts `PeerTimeout`,
-both naming the peer URL. The app creates one client per process (`service.app.PEERS`).
+both naming the peer URL. Every call is signed with the peer secret when one is configured
+(`service.http.signing`), so the peer can verify who sent it. The app creates one client per
+process (`service.http.app.PEERS`).
 """
 
 from __future__ import annotations
@@ -14,15 +16,26 @@ from typing import Any, TypeVar, overload
 
 import aiohttp
 import msgspec
+from yarl import URL
 
 from pipelines.errors import KVHandoffError, PeerUnreachable
 from service.http.problems import PeerError, PeerTimeout, error_from_problem
+from service.http.signing import Signer
 
 T = TypeVar("T")
 
 # Errors in the HTTP conversation itself (auth, routing, framing): not the peer's domain
 # answer, so they surface as PeerError (502 here), never as e.g. our own 401 to our caller.
-_PROTOCOL_CODES = {"unauthorized", "route_not_found", "method_not_allowed", "malformed_body"}
+_PROTOCOL_CODES = {
+    "unauthorized",
+    "forbidden",
+    "replayed",
+    "route_not_found",
+    "method_not_allowed",
+    "malformed_body",
+    "unsupported_media_type",
+    "bad_request",
+}
 
 _encoder = msgspec.json.Encoder()
 
@@ -36,10 +49,14 @@ class PeerClient:
     """Calls to other kvhandoff services; `url` is the peer's base URL (its `public_url`)."""
 
     def __init__(
-        self, session: aiohttp.ClientSession, *, token: str | None = None, timeout_s: float = 5.0
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        signer: Signer | None = None,
+        timeout_s: float = 5.0,
     ) -> None:
         self._session = session
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._signer = signer
         self.timeout_s = timeout_s
 
     async def get(
@@ -98,15 +115,22 @@ class PeerClient:
     ) -> Any:
         """One call; returns the decoded body (None when `response_type` is None)."""
         peer = url.rstrip("/")
-        headers = dict(self._headers)
-        data = None
+        headers: dict[str, str] = {}
+        data = b""
         if body is not None:
             data = _encoder.encode(body)
             headers["Content-Type"] = "application/json"
+        try:
+            # encoded=True: the path is sent exactly as signed, never re-quoted by yarl.
+            target = URL(peer + path, encoded=True)
+        except ValueError as exc:
+            raise PeerUnreachable(f"{method} {peer}{path}: bad URL: {exc}", peer=peer) from None
+        if self._signer is not None:
+            headers.update(self._signer.headers(method, target.raw_path_qs, data))
         timeout = aiohttp.ClientTimeout(total=self.timeout_s if timeout_s is None else timeout_s)
         try:
             async with self._session.request(
-                method, peer + path, data=data, headers=headers, timeout=timeout
+                method, target, data=data or None, headers=headers, timeout=timeout
             ) as response:
                 raw = await response.read()
                 status = response.status

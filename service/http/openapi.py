@@ -8,17 +8,45 @@ so the document describes exactly what the decoders accept; errors point at one
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
 
 from service.http.problems import PROBLEM_CONTENT_TYPE, TITLES, ProblemDetails
-from service.http.routing import Route
+from service.http.routing import AuthRole, Route
+from service.http.signing import SIGNATURE_HEADER
 
 OPENAPI_VERSION = "3.1.0"
 REF_TEMPLATE = "#/components/schemas/{name}"
-SECURITY_SCHEME = "bearerAuth"
+
+#: One security scheme per role (service.http.auth). A peer request is signed over several
+#: headers; OpenAPI can name only one, so the scheme names the signature and describes the rest.
+SECURITY_SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {
+    "router": (
+        "routerBearer",
+        {"type": "http", "scheme": "bearer", "description": "a router's token (auth.router)"},
+    ),
+    "engine": (
+        "engineBearer",
+        {"type": "http", "scheme": "bearer", "description": "an engine's token (auth.engine)"},
+    ),
+    "peer": (
+        "peerSignature",
+        {
+            "type": "apiKey",
+            "in": "header",
+            "name": SIGNATURE_HEADER,
+            "description": "HMAC-SHA256 with a peer secret over method, path, timestamp, nonce, "
+            "sender and body, with KVHandoff-Sender, -Timestamp and -Nonce headers (see "
+            "service/http/signing.py)",
+        },
+    ),
+}
+
+
+def _never(role: AuthRole) -> bool:
+    return False
 
 
 def build_openapi(
@@ -28,8 +56,9 @@ def build_openapi(
     version: str = "0.1.0",
     description: str = "",
     server_url: str | None = None,
-    token_required: bool = False,
+    secured: Callable[[AuthRole], bool] = _never,
 ) -> dict[str, Any]:
+    """The document for `routes`; `secured(role)` says which roles need a credential here."""
     documented = [r for r in routes if r.in_schema]
     types: list[Any] = [ProblemDetails]
     for r in documented:
@@ -42,7 +71,7 @@ def build_openapi(
     paths: dict[str, dict[str, Any]] = {}
     for r in documented:
         paths.setdefault(r.openapi_path, {})[r.method.lower()] = _operation(
-            r, schema_of, token_required
+            r, schema_of, secured(r.auth_role)
         )
 
     doc: dict[str, Any] = {
@@ -53,14 +82,14 @@ def build_openapi(
     }
     if server_url:
         doc["servers"] = [{"url": server_url}]
-    if token_required:
-        doc["components"]["securitySchemes"] = {
-            SECURITY_SCHEME: {"type": "http", "scheme": "bearer"}
-        }
+    used = {r.auth_role for r in documented if secured(r.auth_role)}
+    schemes = dict(SECURITY_SCHEMES[role] for role in sorted(used))
+    if schemes:
+        doc["components"]["securitySchemes"] = schemes
     return doc
 
 
-def _operation(r: Route, schema_of: dict[Any, Any], token_required: bool) -> dict[str, Any]:
+def _operation(r: Route, schema_of: dict[Any, Any], secured: bool) -> dict[str, Any]:
     op: dict[str, Any] = {"operationId": r.operation_id, "responses": {}}
     if r.summary:
         op["summary"] = r.summary
@@ -68,28 +97,33 @@ def _operation(r: Route, schema_of: dict[Any, Any], token_required: bool) -> dic
         op["description"] = r.description
     if r.tags:
         op["tags"] = list(r.tags)
-    if r.path_params:
-        op["parameters"] = [
-            {"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
-            for p in r.path_params
-        ]
+    parameters = [
+        {"name": p, "in": "path", "required": True, "schema": r.path_schemas.get(p, _STRING)}
+        for p in r.path_params
+    ]
+    parameters += [{"name": n, "in": "query", "schema": schema} for n, schema in r.query]
+    if parameters:
+        op["parameters"] = parameters
     errors = set(r.errors) | {500}
     if r.request is not None:
         op["requestBody"] = {
             "required": True,
             "content": {"application/json": {"schema": schema_of[r.request]}},
         }
-        errors |= {400, 413, 422}
-    if r.is_api and token_required:
-        op["security"] = [{SECURITY_SCHEME: []}]
-        errors.add(401)
+        errors |= {400, 413, 415, 422}
+    if secured:
+        op["security"] = [{SECURITY_SCHEMES[r.auth_role][0]: []}]
+        errors |= {401, 403}
+        if r.auth_role == "peer":
+            errors.add(409)  # a replayed message
 
     ok: dict[str, Any] = {"description": "success"}
     if r.response is not None:
         ok["content"] = {r.content_type: {"schema": schema_of[r.response]}}
     elif r.content_type != "application/json":
         ok["content"] = {r.content_type: {"schema": {"type": "string"}}}
-    op["responses"][str(r.status)] = ok
+    for status in (r.status, *r.also):
+        op["responses"][str(status)] = ok
     problem = {"$ref": REF_TEMPLATE.format(name=ProblemDetails.__name__)}
     for status in sorted(errors):
         op["responses"][str(status)] = {
@@ -97,6 +131,9 @@ def _operation(r: Route, schema_of: dict[Any, Any], token_required: bool) -> dic
             "content": {PROBLEM_CONTENT_TYPE: {"schema": problem}},
         }
     return op
+
+
+_STRING = {"type": "string"}
 
 
 def _unique(items: list[Any]) -> list[Any]:

@@ -59,7 +59,33 @@ class MethodNotAllowed(KVHandoffError):
 
 
 class Unauthorized(KVHandoffError):
+    """No credential, or one this service does not know, for the route's role."""
+
     code = "unauthorized"
+
+
+class Forbidden(KVHandoffError):
+    """A known credential of another role, or a signed sender speaking for someone else."""
+
+    code = "forbidden"
+
+
+class Replayed(ConflictError):
+    """A signed peer message that was already received (same nonce), or too old to tell."""
+
+    code = "replayed"
+
+
+class UnsupportedMediaType(InvalidInput):
+    """A `/v1` body that is not `application/json` (a form post would skip CORS preflight)."""
+
+    code = "unsupported_media_type"
+
+
+class BadRequest(InvalidInput):
+    """The HTTP message itself is malformed (aiohttp's parser refused it)."""
+
+    code = "bad_request"
 
 
 class NotReady(KVHandoffError):
@@ -85,11 +111,14 @@ class PeerTimeout(PeerUnreachable):
 
 STATUS: dict[type[KVHandoffError], int] = {
     MalformedBody: 400,
+    BadRequest: 400,
     Unauthorized: 401,
+    Forbidden: 403,
     NotFoundError: 404,
     MethodNotAllowed: 405,
     ConflictError: 409,
     PayloadTooLarge: 413,
+    UnsupportedMediaType: 415,
     CapacityExceeded: 429,
     InvalidInput: 422,  # incl. LayoutError, PlanError: well-formed JSON, impossible values
     PairingError: 422,  # the two layouts themselves are incompatible; retrying cannot help
@@ -109,10 +138,12 @@ STATUS: dict[type[KVHandoffError], int] = {
 TITLES: dict[int, str] = {
     400: "Malformed request body",
     401: "Unauthorized",
+    403: "Forbidden",
     404: "Not found",
     405: "Method not allowed",
     409: "Conflict",
     413: "Request body too large",
+    415: "Unsupported media type",
     422: "Invalid input",
     429: "Too many handoffs in flight",
     500: "Internal server error",
@@ -229,9 +260,12 @@ def error_class(code: str) -> type[KVHandoffError] | None:
 # When a peer sends a code this build does not know, fall back on its status.
 _BY_STATUS: dict[int, type[KVHandoffError]] = {
     400: MalformedBody,
+    401: Unauthorized,
+    403: Forbidden,
     404: NotFoundError,
     409: ConflictError,
     413: PayloadTooLarge,
+    415: UnsupportedMediaType,
     422: InvalidInput,
     503: NotReady,
     504: DeadlineExceeded,

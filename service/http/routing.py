@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from aiohttp import web
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-#: Routes under this prefix are the API (bearer token when configured); the rest stay open.
+#: Routes under this prefix are the API (a credential when configured); the rest stay open.
 API_PREFIX = "/v1/"
+
+#: Who may call a route (see service.http.auth): a router's or an engine's bearer token, a
+#: peer service's signature, or anyone.
+AuthRole = Literal["router", "engine", "peer", "open"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +32,9 @@ class Route:
     `request` is the body type (a msgspec Struct, decoded with `decode_body`); `response` the
     type of the success body (any msgspec-encodable type, or None for no JSON body) with status
     `status`; `errors` the problem statuses a caller should expect besides the automatic ones
-    (401 on the API when a token is set, 400/413/422 when there is a request body, 500).
+    (401/403 when the route's role has a credential, 400/413/415/422 when there is a request
+    body, 500). `role` says whose credential the route takes; unset, an API route is a
+    router's and any other route is open, so a route added without thought is never open.
     """
 
     method: str
@@ -44,10 +50,23 @@ class Route:
     tags: tuple[str, ...] = ()
     name: str | None = None
     in_schema: bool = True
+    role: AuthRole | None = None
+    #: Query parameters, documented in OpenAPI: (name, JSON schema) pairs.
+    query: tuple[tuple[str, dict[str, Any]], ...] = ()
+    #: JSON schemas of path parameters (default: any string), e.g. the handoff id's pattern.
+    path_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Other success statuses with the same body (e.g. 200 for a repeated create).
+    also: tuple[int, ...] = ()
 
     @property
     def is_api(self) -> bool:
         return self.path.startswith(API_PREFIX)
+
+    @property
+    def auth_role(self) -> AuthRole:
+        if self.role is not None:
+            return self.role
+        return "router" if self.is_api else "open"
 
     @property
     def path_params(self) -> list[str]:
@@ -102,6 +121,11 @@ class RouteTable:
     def __len__(self) -> int:
         return len(self._routes)
 
-    def register(self, router: web.UrlDispatcher) -> None:
+    def register(self, router: web.UrlDispatcher) -> dict[web.AbstractRoute, Route]:
+        """Add every route to aiohttp's router; returns aiohttp's route → its declaration (what
+        the auth middleware reads the role from)."""
+        declared = {}
         for route in self._routes:
-            router.add_route(route.method, route.path, route.handler, name=route.name)
+            added = router.add_route(route.method, route.path, route.handler, name=route.name)
+            declared[added] = route
+        return declared

@@ -127,7 +127,8 @@ class Deployment:
     async def request(
         self, method: str, url: str, *, json: Any = None, data: bytes | None = None
     ) -> Reply:
-        async with self.http.request(method, url, json=json, data=data) as resp:
+        headers = {"Content-Type": "application/json"} if data is not None else None
+        async with self.http.request(method, url, json=json, data=data, headers=headers) as resp:
             body = await resp.json(content_type=None) if resp.content_length != 0 else None
             return Reply(resp.status, body, resp.content_type)
 

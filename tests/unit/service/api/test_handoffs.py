@@ -397,11 +397,14 @@ async def test_a_shared_bearer_token_guards_every_service() -> None:
         assert_decode_is(d, expected_decode(d, before, MOVE))
 
         async with aiohttp.ClientSession() as anonymous:
-            for url in (f"{d.decode.url}/v1/handoffs/req-1", f"{d.prefills[0].url}/v1/layout"):
+            for url, scheme in (
+                (f"{d.decode.url}/v1/handoffs/req-1", "Bearer"),
+                (f"{d.prefills[0].url}/v1/layout", "KVHandoff-Signature"),  # a peer route
+            ):
                 async with anonymous.get(url) as resp:
                     body = await resp.json(content_type=None)
                     reply = Reply(resp.status, body, resp.content_type)
-                    assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+                    assert resp.headers["WWW-Authenticate"].startswith(scheme)
                 assert_problem(reply, 401, "unauthorized")
             async with anonymous.get(f"{d.decode.url}/healthz") as resp:
                 assert resp.status == 200  # only /v1 routes need the token

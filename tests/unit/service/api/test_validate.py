@@ -6,6 +6,7 @@ from tests.unit.service.conftest import ClientFactory
 
 MODEL = hybrid_npu_mla(num_layers=16, scale=64, page_size=16)
 PART = partition_layers(16, 4)
+JSON = {"Content-Type": "application/json"}
 
 
 def body(corrupt: bool = False) -> bytes:
@@ -21,7 +22,7 @@ def body(corrupt: bool = False) -> bytes:
 
 async def test_validate_reports_ok_and_per_stage_numbers(make_client: ClientFactory) -> None:
     client = await make_client(extensions=[install_validate])
-    resp = await client.post("/v1/validate", data=body())
+    resp = await client.post("/v1/validate", data=body(), headers=JSON)
     assert resp.status == 200
     report = await resp.json()
     assert report["ok"] is True
@@ -30,7 +31,7 @@ async def test_validate_reports_ok_and_per_stage_numbers(make_client: ClientFact
 
 async def test_validate_names_the_layer_and_kind(make_client: ClientFactory) -> None:
     client = await make_client(extensions=[install_validate])
-    report = await (await client.post("/v1/validate", data=body(corrupt=True))).json()
+    report = await (await client.post("/v1/validate", data=body(corrupt=True), headers=JSON)).json()
     assert report["ok"] is False
     problem = report["problems"][0]
     assert (problem["code"], problem["pp_rank"], problem["layer_id"], problem["kind"]) == (

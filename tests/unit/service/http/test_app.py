@@ -56,6 +56,9 @@ EXPECTED = {
 }
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 class Body(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str
     dst_pages: list[Annotated[int, msgspec.Meta(ge=0)]]
@@ -158,7 +161,7 @@ async def test_decode_body_errors_name_the_json_path(
     make_client: ClientFactory, payload: bytes, status: int, field: str, fragment: str
 ) -> None:
     client = await make_client(extensions=[install_test_routes])
-    response = await client.post("/v1/echo", data=payload)
+    response = await client.post("/v1/echo", data=payload, headers=JSON)
     body = await problem(response)
     assert response.status == status
     assert body["field"] == field

@@ -23,7 +23,8 @@ from pipelines.pairing import Problem
 from service.http.app import ROUTES, create_app, decode_body, json_response
 from service.http.client import PeerClient
 from service.http.problems import PeerError, PeerTimeout
-from service.http.routing import RouteTable
+from service.http.routing import Route, RouteTable
+from service.http.signing import Signer
 from tests.unit.service.conftest import make_config
 
 
@@ -92,7 +93,12 @@ def install(app: web.Application) -> None:
     async def wrong_shape(request: web.Request) -> web.Response:
         return json_response({"n": "not an int"})
 
-    app[ROUTES].include(routes)
+    for r in routes:  # as peer routes: the client's calls are signed
+        app[ROUTES].add(r.method, r.path, r.handler, role="peer", **_contract(r))
+
+
+def _contract(r: Route) -> dict[str, object]:
+    return {"request": r.request, "response": r.response, "status": r.status}
 
 
 @pytest.fixture
@@ -106,7 +112,7 @@ async def peer() -> AsyncIterator[str]:
 @pytest.fixture
 async def client() -> AsyncIterator[PeerClient]:
     async with aiohttp.ClientSession() as session:
-        yield PeerClient(session, token="t", timeout_s=2.0)
+        yield PeerClient(session, signer=Signer("t", "http://tester"), timeout_s=2.0)
 
 
 async def test_post_and_get_decode_typed_bodies(peer: str, client: PeerClient) -> None:
@@ -154,10 +160,12 @@ async def test_remote_crash_and_missing_route(peer: str, client: PeerClient) -> 
     assert not isinstance(missing.value, NotFoundError)
 
 
-async def test_wrong_token_is_a_peer_error_not_our_401(peer: str) -> None:
+async def test_wrong_secret_is_a_peer_error_not_our_401(peer: str) -> None:
     async with aiohttp.ClientSession() as session:
         with pytest.raises(PeerError) as info:
-            await PeerClient(session, token="nope").get(peer, "/v1/conflict", dict)
+            await PeerClient(session, signer=Signer("nope", "http://x")).get(
+                peer, "/v1/conflict", dict
+            )
     assert info.value.context["remote_code"] == "unauthorized"
     assert info.value.context["status"] == 401
 

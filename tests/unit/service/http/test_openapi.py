@@ -7,7 +7,7 @@ import pytest
 from aiohttp import web
 
 from service.http.app import ROUTES, create_app, json_response
-from service.http.openapi import build_openapi
+from service.http.openapi import SECURITY_SCHEMES, build_openapi
 from service.http.problems import PROBLEM_CONTENT_TYPE
 from service.http.routing import RouteTable
 from tests.unit.service.conftest import ClientFactory, make_config
@@ -137,9 +137,12 @@ async def test_document_covers_every_route_and_refs_resolve(
         assert not schemes
         assert all("security" not in op and "401" not in op["responses"] for op in api_ops)
     else:
-        assert schemes == {"bearerAuth": {"type": "http", "scheme": "bearer"}}
+        # The routes here are all a router's: only its scheme is listed.
+        assert schemes == {"routerBearer": SECURITY_SCHEMES["router"][1]}
+        assert schemes["routerBearer"]["scheme"] == "bearer"
         assert all(
-            op["security"] == [{"bearerAuth": []}] and "401" in op["responses"] for op in api_ops
+            op["security"] == [{"routerBearer": []}] and {"401", "403"} <= set(op["responses"])
+            for op in api_ops
         )
     assert all("security" not in op for op in open_ops)
 
@@ -147,7 +150,13 @@ async def test_document_covers_every_route_and_refs_resolve(
 def test_build_openapi_without_an_app() -> None:
     table = RouteTable()
     table.add("GET", "/v1/things/{thing_id}", handler, response=Thing)
-    doc = build_openapi(table, server_url="http://x:1", token_required=True)
+    table.add("POST", "/v1/peer/things", handler, request=Thing, role="peer")
+    doc = build_openapi(table, server_url="http://x:1", secured=lambda role: role == "peer")
+    assert doc["components"]["securitySchemes"] == dict([SECURITY_SCHEMES["peer"]])
+    peer_op = doc["paths"]["/v1/peer/things"]["post"]
+    assert peer_op["security"] == [{"peerSignature": []}]
+    assert {"401", "403", "409", "415"} <= set(peer_op["responses"])  # 409: a replay
+    assert "security" not in doc["paths"]["/v1/things/{thing_id}"]["get"]  # an open router
     assert doc["servers"] == [{"url": "http://x:1"}]
     assert doc["paths"]["/v1/things/{thing_id}"]["get"]["operationId"] == "handler"
     assert all(isinstance(resolve(doc, ref), dict) for ref in refs(doc))

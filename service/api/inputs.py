@@ -1,0 +1,77 @@
+"""Checks on router and engine input that the body types cannot express, shared by the routes.
+
+Called by `service.api.handoffs` and `service.api.validate` after a body decoded: peer URLs the
+service is about to call (a bad one must be the caller's 422 naming the field, not this
+service's 502 from a failed connection), page numbers beyond what any pool can index (named as
+the client sent them, before numpy would wrap them), and path parameters. Each raises
+`InvalidInput` naming the field and changes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from yarl import URL
+
+from pipelines.errors import InvalidInput
+
+#: The largest page index any pool can hold: page lists become int64 arrays.
+MAX_PAGE = 2**63 - 1
+
+_ASCII_INT = re.compile(r"[0-9]{1,9}", re.ASCII)
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)$")
+
+
+def peer_url(url: str, field: str) -> str:
+    """`url` if it can name a kvhandoff service: http(s), a host, a port in 1..65535, no
+    credentials, query or fragment; InvalidInput naming `field` otherwise."""
+    try:
+        parsed = URL(url)
+        port = parsed.explicit_port
+    except (ValueError, TypeError) as exc:
+        raise InvalidInput(f"{field}: {url!r} is not a URL ({exc})", field=field) from None
+    problem = None
+    if parsed.scheme not in ("http", "https"):
+        problem = "is not an http(s) URL"
+    elif not parsed.raw_host or not _HOST.match(parsed.raw_host):
+        problem = "has no valid host"
+    elif port is not None and not 1 <= port <= 65535:
+        problem = f"has port {port}, not in 1..65535"
+    elif parsed.user is not None or parsed.password is not None:
+        problem = "carries credentials"
+    elif parsed.raw_query_string or parsed.raw_fragment:
+        problem = "has a query or fragment"
+    elif any(c.isspace() or ord(c) < 0x20 for c in url):
+        problem = "contains whitespace or control characters"
+    if problem:
+        raise InvalidInput(f"{field}: {url!r} {problem}", field=field)
+    return url
+
+
+def peer_urls(urls: Sequence[str], field: str) -> list[str]:
+    return [peer_url(url, f"{field}[{i}]") for i, url in enumerate(urls)]
+
+
+def pages(values: Sequence[int], field: str) -> None:
+    """Refuse a page index no pool can have, naming the value as sent (not as int64 wraps it)."""
+    for i, value in enumerate(values):
+        if value > MAX_PAGE:
+            raise InvalidInput(
+                f"{field}[{i}] = {value} is beyond the largest page index {MAX_PAGE}",
+                field=f"{field}[{i}]",
+            )
+
+
+def slot(value: int | None, field: str) -> None:
+    if value is not None and value > MAX_PAGE:
+        raise InvalidInput(
+            f"{field} = {value} is beyond the largest slot index {MAX_PAGE}", field=field
+        )
+
+
+def ascii_int(raw: str, field: str) -> int:
+    """A path segment of ASCII digits (no superscript, circled or fullwidth digits) as an int."""
+    if not _ASCII_INT.fullmatch(raw):
+        raise InvalidInput(f"{field} {raw!r} is not a non-negative integer", field=field)
+    return int(raw)
