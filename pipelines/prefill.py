@@ -217,6 +217,12 @@ class PrefillPipeline:
                     field="src_pages",
                     pp_rank=pp_rank,
                 )
+            if src_slot is not None and src_slot != current.src_slot:
+                raise ConflictError(
+                    f"stage {pp_rank} of handoff {handoff_id!r} already reported another src_slot",
+                    field="src_slot",
+                    pp_rank=pp_rank,
+                )
             pages = current.src_pages
         if h is None:
             h = self._open(handoff_id)

@@ -20,7 +20,7 @@ from pipelines.errors import InvalidInput
 MAX_PAGE = 2**63 - 1
 
 _ASCII_INT = re.compile(r"[0-9]{1,9}", re.ASCII)
-_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)$")
+_HOST = re.compile(r"^[A-Za-z0-9._:-]+$")  # a name, IPv4, or IPv6 (yarl strips the brackets)
 
 
 def peer_url(url: str, field: str) -> str:
