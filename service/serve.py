@@ -25,6 +25,7 @@ from aiohttp import web
 
 from service.config import Config, ConfigError, load_config
 from service.http.app import LOCAL_TARGET, AccessLogger, Extension, create_app
+from service.http.server import ProblemAppRunner
 
 log = logging.getLogger("kvhandoff.service")
 
@@ -127,7 +128,7 @@ async def serve(
         sock = socket.create_server((config.server.host, 0))
         config = _with_port(config, sock.getsockname()[1])
     app = create_app(config, extensions=extensions)
-    runner = web.AppRunner(
+    runner = ProblemAppRunner(
         app,
         access_log_class=AccessLogger,
         access_log=logging.getLogger("kvhandoff.access"),

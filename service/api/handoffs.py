@@ -26,7 +26,7 @@ from service.api import inputs
 from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
-from service.runtime.pipelines import decode_of, install_pipelines, prefill_of
+from service.runtime.pipelines import RUNTIME, decode_of, install_pipelines, prefill_of
 
 _ID = re.compile(HANDOFF_ID_PATTERN)
 _INT = re.compile(r"-?[0-9]{1,20}", re.ASCII)
@@ -100,6 +100,11 @@ async def create_handoff(request: web.Request) -> web.StreamResponse:
     inputs.peer_urls(body.prefill, "prefill")
     inputs.pages(body.dst_pages, "dst_pages")
     inputs.slot(body.dst_slot, "dst_slot")
+    if not body.dst_pages and not request.app[RUNTIME].hosted[0].layout.state:
+        # Empty pages are a state-only handoff (README); without state there is nothing to move.
+        raise InvalidInput(
+            "dst_pages is empty and the model has no state to move", field="dst_pages"
+        )
     view, created = await decode_of(request).create(body)
     return json_response(
         view,

@@ -14,11 +14,14 @@ from service.api.validate import MAX_PREFILL
 from service.http.app import MAX_JSON_DEPTH, PEERS, json_depth
 from tests.unit.service.handoff_fixtures import (
     Deployment,
+    Move,
     Reply,
     assert_decode_is,
     assert_problem,
+    expected_decode,
     fill_decode,
     fill_sources,
+    make_config,
     open_deployment,
 )
 
@@ -209,3 +212,25 @@ async def test_page_number_helpers() -> None:
         inputs.pages([0, inputs.MAX_PAGE + 1], "p")
     assert inputs.ascii_int("012", "r") == 12
     assert inputs.peer_url("https://[::1]:8000/base", "u") == "https://[::1]:8000/base"
+
+
+async def test_empty_page_lists_are_a_state_only_handoff(d: Deployment) -> None:
+    before = fill_decode(d)
+    move = Move([], [], 2, 5)
+    assert (await d.create("state-only", [], 5)).status == 201
+    for rank in (0, 1):
+        assert (await d.ready("state-only", rank, [], 2)).status == 202
+    view = await d.finish("state-only")
+    assert view["state"] == "completed" and view["bytes"] > 0, view
+    assert_decode_is(d, expected_decode(d, before, move))  # the slot, and nothing else
+
+
+async def test_empty_pages_without_state_are_refused() -> None:
+    dense = {"preset": "dense-mha", "num_layers": 4, "scale": 64, "page_size": 4}
+    stages = [{"pp_rank": r, "pp_size": 2, "num_pages": 8} for r in range(2)]
+    decode = make_config("decode", [{"num_pages": 8}], model=dense)
+    prefill = make_config("prefill", stages, model=dense)
+    async with open_deployment(decode=decode, prefill=[prefill]) as d:
+        reply = await d.create("nothing", [], None)
+        assert_problem(reply, 422, "invalid_input", field="dst_pages")
+        assert (await d.create("something", [1], None)).status == 201
