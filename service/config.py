@@ -266,11 +266,10 @@ def load_config(
     try:
         config = msgspec.convert(merged, Config, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(*_split_msgspec_error(str(exc))) from None
-    except (LayoutError, ValueError) as exc:  # a nested Struct's own __post_init__
-        path, _, message = str(exc).partition(": ")
-        if path.startswith("auth."):
-            raise ConfigError(path, message) from None
+        path, message = _split_msgspec_error(str(exc))
+        own = re.match(r"^(auth\.\w+): (.*)$", message)  # AuthConfig names its own key
+        raise ConfigError(*(own.groups() if own else (path, message))) from None
+    except (LayoutError, ValueError) as exc:  # a nested Struct's own __post_init__ (ModelSpec)
         raise ConfigError("model.spec", str(exc)) from None
     check(config)
     return config

@@ -226,3 +226,40 @@ def test_config_is_frozen() -> None:
     assert isinstance(config, Config)
     with pytest.raises(AttributeError):
         config.role = "prefill"  # type: ignore[misc]
+
+
+def test_auth_secrets_from_toml_and_env(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        'role = "decode"\n[model]\npreset = "dense-mha"\n[[stages]]\nnum_pages = 4\n'
+        '[auth]\nrouter = ["r-new", "r-old"]\nengine = "e"\n'
+    )
+    env = {"KVHANDOFF_AUTH__PEER": '["p2", "p1"]', "KVHANDOFF_AUTH__MAX_SKEW_S": "5"}
+    config = load_config(path, env)
+    assert config.secrets("router") == ("r-new", "r-old")
+    assert config.secrets("engine") == ("e",)  # a single string is a list of one
+    assert config.secrets("peer") == ("p2", "p1")
+    assert config.auth.max_skew_s == 5.0
+    assert load_config(path, {"KVHANDOFF_AUTH__PEER": "p"}).secrets("peer") == ("p",)
+
+
+def test_server_token_is_the_default_of_every_unset_role() -> None:
+    assert make_config().secrets("router") == ()
+    config = make_config(**{"server.token": "t", "auth.engine": "e"})
+    assert [config.secrets(r) for r in ("router", "engine", "peer")] == [("t",), ("e",), ("t",)]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"auth.router": "same", "auth.peer": "same"}, "auth.peer"),
+        ({"auth.router": ["a", "b"], "auth.engine": ["c", "b"]}, "auth.engine"),
+        ({"server.token": "t", "auth.router": "t"}, "auth.router"),
+        ({"auth.router": []}, "auth.router"),
+        ({"auth.peer": [""]}, "auth.peer[0]"),
+    ],
+)
+def test_no_secret_serves_two_roles(overrides: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_config(**overrides)
+    assert info.value.context["field"] == field
