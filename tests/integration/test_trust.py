@@ -1,0 +1,244 @@
+"""Forgeries against real processes (decode + PP=2 prefill, Mooncake TCP, shm pools), as a
+router or an engine holding its own credential would try them (issue 10): each ends in
+401/403/409, and the decode pool is unchanged byte for byte — then a real handoff still lands.
+
+The test plays three parties: the router (router token), the engine (engine token) and, where a
+forgery needs it, a holder of the peer secret who claims to be another service.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from pipelines.messages import LayoutInfo
+from service.http.signing import Signer
+from service.tools.deployment import LocalDeployment
+from tests.integration.handoff_checks import (
+    Moved,
+    create,
+    decode_bytes,
+    fill_sources,
+    finished,
+    landed,
+    ready,
+    reset_decode,
+)
+
+pytestmark = pytest.mark.integration
+
+ROUTER, ENGINE, PEER = "router-secret", "engine-secret", "peer-secret"
+AUTH_ENV = {
+    "KVHANDOFF_AUTH__ROUTER": ROUTER,
+    "KVHANDOFF_AUTH__ENGINE": ENGINE,
+    "KVHANDOFF_AUTH__PEER": PEER,
+}
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def dep() -> Iterator[LocalDeployment]:
+    with LocalDeployment(
+        preset="hybrid-npu-mla",
+        model={"scale": 64, "page_size": 16, "num_layers": 16},
+        pp_size=2,
+        num_pages=64,
+        num_slots=8,
+        env=AUTH_ENV,
+    ) as deployment:
+        yield deployment
+
+
+@pytest.fixture
+def fresh(dep: LocalDeployment) -> LocalDeployment:
+    fill_sources(dep, seed=int(time.monotonic_ns() % 1000))
+    reset_decode(dep)
+    return dep
+
+
+@pytest.fixture
+async def sessions() -> AsyncIterator[dict[str, aiohttp.ClientSession]]:
+    """One session per bearer credential (and one with none)."""
+    async with (
+        aiohttp.ClientSession(headers={"Authorization": f"Bearer {ROUTER}"}) as router,
+        aiohttp.ClientSession(headers={"Authorization": f"bearer {ENGINE}"}) as engine,
+        aiohttp.ClientSession() as anonymous,
+    ):
+        yield {"router": router, "engine": engine, "anonymous": anonymous}
+
+
+async def signed_post(
+    http: aiohttp.ClientSession, url: str, path: str, body: Any, *, secret: str, sender: str
+) -> tuple[int, Any]:
+    raw = json.dumps(body).encode()
+    headers = {**JSON, **Signer(secret, sender).headers("POST", path, raw)}
+    async with http.post(url + path, data=raw, headers=headers) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def decode_layout(http: aiohttp.ClientSession, dep: LocalDeployment) -> LayoutInfo:
+    headers = Signer(PEER, dep.prefill_urls[0]).headers("GET", "/v1/layout", b"")
+    async with http.get(dep.decode_url + "/v1/layout", headers=headers) as resp:
+        assert resp.status == 200
+        return msgspec.json.decode(await resp.read(), type=LayoutInfo)
+
+
+async def attempts(
+    sessions: dict[str, aiohttp.ClientSession], url: str, path: str, body: Any
+) -> dict[str, int]:
+    """The same forged message as each credential an attacker might hold, but the peer secret."""
+    out = {}
+    raw = json.dumps(body).encode()
+    for name in ("router", "engine", "anonymous"):
+        async with sessions[name].post(url + path, data=raw, headers=JSON) as resp:
+            out[name] = resp.status
+            problem = await resp.json(content_type=None)
+            assert resp.content_type == "application/problem+json", problem
+    for key in (ROUTER, ENGINE):  # a bearer secret used as the signing key
+        status, _ = await signed_post(
+            sessions["anonymous"], url, path, body, secret=key, sender=url
+        )
+        out[f"signed with {key}"] = status
+    return out
+
+
+REFUSED = {
+    "router": 403,
+    "engine": 403,
+    "anonymous": 401,
+    f"signed with {ROUTER}": 401,
+    f"signed with {ENGINE}": 401,
+}
+
+
+async def test_forged_destination_writes_nothing(
+    fresh: LocalDeployment, sessions: dict[str, aiohttp.ClientSession]
+) -> None:
+    dep = fresh
+    before = decode_bytes(dep)
+    layout = await decode_layout(sessions["anonymous"], dep)
+    forged = Moved(src_pages=[1, 2, 3], dst_pages=[10, 11, 12], src_slot=0, dst_slot=3)
+    for r in range(dep.pp_size):  # the engine's half is real: the stages wait for a destination
+        assert (await ready(sessions["engine"], dep, "forged-dest", r, forged))[0] == 202
+    for r in range(dep.pp_size):
+        msg = {
+            "handoff_id": "forged-dest",
+            "decode_url": dep.decode_url,
+            "decode_target": layout.target,
+            "decode_fingerprint": layout.stages[0].fingerprint,
+            "decode_address_key": layout.stages[0].layout.address_key,
+            "pp_ranks": [r],
+            "dst_pages": forged.dst_pages,
+            "dst_slot": forged.dst_slot,
+            "deadline_at": time.time() + 30,
+        }
+        url = dep.url_of_stage(r)
+        assert await attempts(sessions, url, "/v1/peer/destinations", [msg]) == REFUSED
+        # A peer-secret holder speaking for the decode service it is not: refused per item.
+        status, outcomes = await signed_post(
+            sessions["anonymous"],
+            url,
+            "/v1/peer/destinations",
+            [msg],
+            secret=PEER,
+            sender=dep.url_of_stage(1 - r),
+        )
+        assert status == 200 and outcomes[0]["status"] == 403, outcomes
+        assert outcomes[0]["problem"]["field"] == "decode_url"
+    # A real handoff through the same stages completes: they processed everything sent before.
+    real = Moved(src_pages=[4, 5], dst_pages=[30, 31], src_slot=1, dst_slot=2)
+    assert (await create(sessions["router"], dep, "real-after-dest", real))[0] == 201
+    for r in range(dep.pp_size):
+        assert (await ready(sessions["engine"], dep, "real-after-dest", r, real))[0] == 202
+    view = await finished(sessions["router"], dep, "real-after-dest")
+    assert view["state"] == "completed", view
+    assert landed(dep, [real]) == []  # and nothing outside its pages changed
+    assert before != decode_bytes(dep)
+
+
+async def test_forged_arrivals_and_failures_change_nothing(
+    fresh: LocalDeployment, sessions: dict[str, aiohttp.ClientSession]
+) -> None:
+    dep = fresh
+    before = decode_bytes(dep)
+    m = Moved(src_pages=[6, 7], dst_pages=[40, 41], src_slot=2, dst_slot=4)
+    assert (await create(sessions["router"], dep, "victim", m))[0] == 201
+    for r in range(dep.pp_size):
+        arrival = {"handoff_id": "victim", "pp_rank": r, "bytes": 0, "blocks": 0}
+        failure = {"handoff_id": "victim", "pp_rank": r, "code": "x", "reason": "forged"}
+        for path, msg in (("/v1/peer/arrivals", arrival), ("/v1/peer/stage-failures", failure)):
+            assert await attempts(sessions, dep.decode_url, path, [msg]) == REFUSED
+            # Signed, but by the other stage's service: only a stage's own peer reports on it.
+            other = next(u for u in dep.prefill_urls if u != dep.url_of_stage(r))
+            status, outcomes = await signed_post(
+                sessions["anonymous"], dep.decode_url, path, [msg], secret=PEER, sender=other
+            )
+            assert status == 200 and outcomes[0]["status"] == 403, outcomes
+    async with sessions["router"].get(f"{dep.decode_url}/v1/handoffs/victim") as resp:
+        view = await resp.json()
+    assert view["state"] in ("pending", "transferring"), view  # destinations delivered
+    assert [s["state"] for s in view["stages"]] == ["waiting"] * dep.pp_size
+    assert view["bytes"] == 0 and "error" not in view
+    assert decode_bytes(dep) == before
+    for r in range(dep.pp_size):  # the victim is intact: its real stages complete it
+        assert (await ready(sessions["engine"], dep, "victim", r, m))[0] == 202
+    assert (await finished(sessions["router"], dep, "victim"))["state"] == "completed"
+    assert landed(dep, [m]) == []
+
+
+async def test_replayed_and_stale_peer_messages_are_refused(
+    fresh: LocalDeployment, sessions: dict[str, aiohttp.ClientSession]
+) -> None:
+    dep = fresh
+    before = decode_bytes(dep)
+    http = sessions["anonymous"]
+    url = dep.url_of_stage(0)
+    path = "/v1/peer/heartbeats"
+    raw = json.dumps({"sender_url": dep.decode_url, "role": "decode"}).encode()
+    headers = {**JSON, **Signer(PEER, dep.decode_url).headers("POST", path, raw)}
+    async with http.post(url + path, data=raw, headers=headers) as resp:
+        assert resp.status == 200
+    async with http.post(url + path, data=raw, headers=headers) as resp:
+        problem = await resp.json()
+        assert (resp.status, problem["code"]) == (409, "replayed"), problem
+    stale = Signer(PEER, dep.decode_url, clock=lambda: time.time() - 120)
+    headers = {**JSON, **stale.headers("POST", path, raw)}
+    async with http.post(url + path, data=raw, headers=headers) as resp:
+        assert resp.status == 401
+    # A heartbeat claiming to be another service than the signer's: 403.
+    headers = {**JSON, **Signer(PEER, dep.prefill_urls[-1]).headers("POST", path, raw)}
+    async with http.post(url + path, data=raw, headers=headers) as resp:
+        assert (resp.status, (await resp.json())["field"]) == (403, "sender_url")
+    assert decode_bytes(dep) == before
+
+
+async def test_router_credential_is_refused_on_every_peer_route(
+    fresh: LocalDeployment, sessions: dict[str, aiohttp.ClientSession]
+) -> None:
+    dep = fresh
+    before = decode_bytes(dep)
+    routes = [
+        (dep.decode_url, "GET", "/v1/layout"),
+        (dep.decode_url, "POST", "/v1/peer/arrivals"),
+        (dep.decode_url, "POST", "/v1/peer/stage-failures"),
+        (dep.decode_url, "POST", "/v1/peer/heartbeats"),
+        (dep.prefill_urls[0], "GET", "/v1/layout"),
+        (dep.prefill_urls[0], "POST", "/v1/peer/destinations"),
+        (dep.prefill_urls[0], "POST", "/v1/peer/aborts"),
+    ]
+    for base, method, path in routes:
+        for name, status in (("router", 403), ("engine", 403), ("anonymous", 401)):
+            async with sessions[name].request(method, base + path, json=[]) as resp:
+                assert resp.status == status, (name, path, await resp.text())
+    # ... while each credential works where it belongs.
+    async with sessions["router"].get(f"{dep.decode_url}/v1/handoffs") as resp:
+        assert resp.status == 200
+    async with sessions["engine"].get(f"{dep.decode_url}/v1/handoffs") as resp:
+        assert resp.status == 403
+    assert decode_bytes(dep) == before
