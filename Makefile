@@ -7,7 +7,7 @@ TORCH_CPU ?= torch==2.13.0
 # Shared libraries the non-CUDA Mooncake wheel links against.
 APT_PACKAGES := libibverbs1 librdmacm1 libnuma1
 
-.PHONY: setup test lint fmt typecheck demo bench bench-plan bench-transport clean
+.PHONY: setup test lint fmt typecheck demo bench bench-plan bench-transport fuzz reliability clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,18 @@ fmt: setup
 
 demo: setup
 	$(VENV)/bin/kvhandoff demo
+
+# A longer schemathesis pass than CI's (tests/integration/test_fuzz.py): more cases per
+# operation and a new seed each run.
+FUZZ_EXAMPLES ?= 300
+fuzz: setup
+	KVHANDOFF_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) KVHANDOFF_FUZZ_SEED=random \
+	  $(PY) -m pytest tests/integration/test_fuzz.py -p no:cacheprovider -o timeout=1800 -v
+
+# Regenerates RELIABILITY.md: forgeries, bad inputs, fuzz cases, kills and stops against a real
+# deployment, and what held.
+reliability: setup
+	$(PY) -m tests.reliability --out RELIABILITY.md
 
 bench: bench-plan bench-transport
 

@@ -78,7 +78,13 @@ def run_schemathesis(dep: LocalDeployment, url: str, tmp_path: Path) -> tuple[in
         "KVHANDOFF_FUZZ_PREFILL": ",".join(dep.prefill_urls),
     }
     done = subprocess.run(
-        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False
+        command,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=max(600, 20 * EXAMPLES),
+        check=False,
     )
     output = done.stdout + done.stderr
     return done.returncode, output
