@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from pipelines.decode import HANDOFF_ID_PATTERN
 from service.api import inputs
 from service.api.validate import MAX_PREFILL
 from service.http.app import MAX_JSON_DEPTH, PEERS, json_depth
@@ -234,3 +235,33 @@ async def test_empty_pages_without_state_are_refused() -> None:
         reply = await d.create("nothing", [], None)
         assert_problem(reply, 422, "invalid_input", field="dst_pages")
         assert (await d.create("something", [1], None)).status == 201
+
+
+async def test_openapi_is_complete_enough_to_fuzz() -> None:
+    async with open_deployment(token="t") as d:
+        async with d.http.get(f"{d.decode.url}/openapi.json") as resp:
+            decode = await resp.json()
+        async with d.http.get(f"{d.prefill_urls[0]}/openapi.json") as resp:
+            prefill = await resp.json()
+    schemas = decode["components"]["schemas"]
+    assert schemas["HandoffRequest"]["additionalProperties"] is False
+    create = decode["paths"]["/v1/handoffs"]["post"]
+    assert {"200", "201", "400", "401", "403", "409", "413", "415", "422", "429"} <= set(
+        create["responses"]
+    )
+    assert create["security"] == [{"routerBearer": []}]
+    listed = decode["paths"]["/v1/handoffs"]["get"]
+    assert [p["name"] for p in listed["parameters"]] == ["state", "limit", "cursor"]
+    one = decode["paths"]["/v1/handoffs/{id}"]["get"]
+    id_schema = next(p for p in one["parameters"] if p["name"] == "id")["schema"]
+    assert id_schema["pattern"] == HANDOFF_ID_PATTERN
+    assert [p["name"] for p in one["parameters"] if p["in"] == "query"] == ["wait_s"]
+    arrivals = decode["paths"]["/v1/peer/arrivals"]["post"]
+    assert arrivals["security"] == [{"peerSignature": []}]
+    assert {"401", "403", "409"} <= set(arrivals["responses"])
+    assert set(decode["components"]["securitySchemes"]) == {"routerBearer", "peerSignature"}
+    ready_op = prefill["paths"]["/v1/handoffs/{id}/stages/{pp_rank}/ready"]["post"]
+    assert ready_op["security"] == [{"engineBearer": []}]
+    rank = next(p for p in ready_op["parameters"] if p["name"] == "pp_rank")["schema"]
+    assert rank["pattern"] == "^[0-9]{1,9}$"
+    assert prefill["components"]["schemas"]["StageReady"]["additionalProperties"] is False
