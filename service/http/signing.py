@@ -117,7 +117,7 @@ class Verifier:
                 f"(at most {self.max_skew_s:g} s)"
             )
         scheme, _, given = signature.partition("=")
-        if scheme != SCHEME:
+        if scheme != SCHEME or not given.isascii():  # compare_digest takes ASCII str only
             raise SignatureRejected(f"{SIGNATURE_HEADER} must be {SCHEME}=<hex HMAC-SHA256>")
         message = canonical(method, path_qs, stamp, nonce, sender, body)
         if not any(hmac.compare_digest(_mac(s, message), given) for s in self._secrets):

@@ -50,6 +50,7 @@ def test_a_signed_request_verifies_and_names_its_sender(clock: Clock) -> None:
         (lambda h: {**h, NONCE_HEADER: "other"}, "does not verify"),
         (lambda h: {**h, SIGNATURE_HEADER: "v1=" + "0" * 64}, "does not verify"),
         (lambda h: {**h, SIGNATURE_HEADER: "v2=" + h[SIGNATURE_HEADER][3:]}, "must be v1="),
+        (lambda h: {**h, SIGNATURE_HEADER: "v1=\u00e9" + h[SIGNATURE_HEADER][4:]}, "must be v1="),
         (lambda h: {**h, SIGNATURE_HEADER: None}, "missing KVHandoff-Signature"),
         (lambda h: {**h, TIMESTAMP_HEADER: "nan"}, "at most 30 s"),
         (lambda h: {**h, TIMESTAMP_HEADER: "soon"}, "not a number"),
