@@ -56,6 +56,7 @@ from tests.integration.handoff_checks import (
     rows,
 )
 from tests.integration.test_fuzz import FUZZ
+from tests.integration.test_trust import delivered
 
 ROUTER, ENGINE, PEER = "rel-router", "rel-engine", "rel-peer"
 ENV = {
@@ -246,6 +247,19 @@ async def forgeries(dep: LocalDeployment, p: Parties, c: Campaign, round_: int) 
             await attempt(
                 f"{who} credential on peer routes", "each of the 7 peer routes", {403}, call
             )
+    await delivered(p.router, dep, victim)  # the prefill side knows who the victim's decode is
+    for r in range(dep.pp_size):
+        raw = json.dumps({"handoff_id": victim, "reason": "forged"}).encode()
+        base, path = dep.url_of_stage(r), "/v1/peer/aborts"
+        other = next(u for u in dep.prefill_urls if u != base)
+        for who, session in (("router token", p.router), ("engine token", p.engine)):
+            call = send(session, "POST", base + path, raw, JSON)
+            await attempt("forged abort", f"with the {who}", {403}, call)
+        await attempt(
+            "forged abort", "unsigned", {401}, send(p.anonymous, "POST", base + path, raw, JSON)
+        )
+        call = signed(p.anonymous, base, path, json.loads(raw), sender=other)
+        await attempt("forged abort", "signed by a peer claiming another service", {403}, call)
     # The victim is intact: its real stages complete it, and its bytes land where they should.
     for r in range(dep.pp_size):
         await ready(p.engine, dep, victim, r, real)

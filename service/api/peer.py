@@ -4,7 +4,8 @@
 destinations and aborts on prefill services; arrivals and stage failures on decode services;
 heartbeats on both. Every route takes a signed peer request (service.http.auth) when a peer
 secret is configured; then a message that names its sender — a destination's `decode_url`, a
-heartbeat's `sender_url`, the stage an arrival or failure reports on — must name the service
+heartbeat's `sender_url`, the stage an arrival or failure reports on, the decode service an
+abort's handoff got its destination from — must name the service
 that signed it, or it is refused with 403 before the pipeline sees it. Each message's protocol
 version is checked before it is acted on.
 """
@@ -140,7 +141,14 @@ async def destinations(request: web.Request) -> web.StreamResponse:
 async def abort(request: web.Request) -> web.StreamResponse:
     msg = await decode_body(request, AbortMsg)
     check_version(msg.version)
-    return json_response(await prefill_of(request).abort(msg.handoff_id, msg.reason))
+    pipeline = prefill_of(request)
+    sender = signed_sender(request)
+    handoff = pipeline.handoffs.get(msg.handoff_id)
+    if sender is not None and handoff is not None and handoff.decode_url is not None:
+        # Only the decode service that sent the destination may stop it (before one arrives,
+        # nothing can be written, and any peer may stop the waiting).
+        _same_service(handoff.decode_url, sender, "the abort", "handoff_id")
+    return json_response(await pipeline.abort(msg.handoff_id, msg.reason))
 
 
 @decode_peer_routes.post(

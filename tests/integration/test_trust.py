@@ -8,6 +8,7 @@ forgery needs it, a holder of the peer secret who claims to be another service.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -108,6 +109,18 @@ async def attempts(
     return out
 
 
+async def delivered(http: aiohttp.ClientSession, dep: LocalDeployment, hid: str) -> None:
+    """Until every prefill service acknowledged the handoff's destination (its state leaves
+    pending), so a check that depends on the prefill side knowing it is deterministic."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        async with http.get(f"{dep.decode_url}/v1/handoffs/{hid}") as resp:
+            if (await resp.json())["state"] != "pending":
+                return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{hid}: destinations not delivered within 10 s")
+
+
 REFUSED = {
     "router": 403,
     "engine": 403,
@@ -186,6 +199,19 @@ async def test_forged_arrivals_and_failures_change_nothing(
     assert [s["state"] for s in view["stages"]] == ["waiting"] * dep.pp_size
     assert view["bytes"] == 0 and "error" not in view
     assert decode_bytes(dep) == before
+    await delivered(sessions["router"], dep, "victim")
+    for r in range(dep.pp_size):  # nor may anyone but its decode service stop it on a stage
+        abort = {"handoff_id": "victim", "reason": "forged"}
+        assert await attempts(sessions, dep.url_of_stage(r), "/v1/peer/aborts", abort) == REFUSED
+        status, problem = await signed_post(
+            sessions["anonymous"],
+            dep.url_of_stage(r),
+            "/v1/peer/aborts",
+            abort,
+            secret=PEER,
+            sender=dep.url_of_stage(1 - r),
+        )
+        assert (status, problem["field"]) == (403, "handoff_id"), problem
     for r in range(dep.pp_size):  # the victim is intact: its real stages complete it
         assert (await ready(sessions["engine"], dep, "victim", r, m))[0] == 202
     assert (await finished(sessions["router"], dep, "victim"))["state"] == "completed"
