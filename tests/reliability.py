@@ -29,6 +29,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
@@ -636,9 +637,10 @@ def fuzz(dep: LocalDeployment, c: Campaign, examples: int) -> None:
             "KVHANDOFF_FUZZ_DECODE": dep.decode_url,
             "KVHANDOFF_FUZZ_PREFILL": ",".join(dep.prefill_urls),
         }
-        done = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=900, check=False
-        )
+        with tempfile.TemporaryDirectory() as work:  # schemathesis leaves its cache in cwd
+            done = subprocess.run(
+                command, cwd=work, env=env, capture_output=True, text=True, timeout=900, check=False
+            )
         summary = done.stdout.rsplit("Test cases:", 1)[-1]
         cases = int((re.search(r"(\d+) generated", summary) or [0, 0])[1])
         failed = sum(int(x) for x in re.findall(r"(\d+) (?:found|errored)", summary))
