@@ -3,11 +3,11 @@
 `GET /v1/layout` on both roles (what a peer must know to pair with and write to this process);
 destinations and aborts on prefill services; arrivals and stage failures on decode services;
 heartbeats on both. Every route takes a signed peer request (service.http.auth) when a peer
-secret is configured; then a message that names its sender — a destination's `decode_url`, a
-heartbeat's `sender_url`, the stage an arrival or failure reports on, the decode service an
-abort's handoff got its destination from — must name the service
-that signed it, or it is refused with 403 before the pipeline sees it. Each message's protocol
-version is checked before it is acted on.
+secret is configured; then whoever a message implies as its sender — a destination's
+`decode_url`, a heartbeat's `sender_url`, the prefill service assigned to the stage an arrival
+or failure reports on, the decode service an aborted handoff got its destination from — must
+be the service that signed it, or the message is refused with 403 before the pipeline sees it.
+Each message's protocol version is checked before it is acted on.
 """
 
 from __future__ import annotations
