@@ -16,6 +16,7 @@
 #   - the image layers (podman's layer cache: the dependency layer is reused until the
 #     wheelhouse changes; only the kvhandoff wheel layer follows source changes).
 set -euo pipefail
+shopt -s inherit_errexit  # a failure inside $(...) stops the build too
 
 PY=${1:?usage: build-image.sh PYTHON IMAGE}
 IMAGE=${2:?usage: build-image.sh PYTHON IMAGE}
@@ -23,9 +24,9 @@ BASE=${BASE:-python:3.11-slim-bookworm}
 TORCH_CPU=${TORCH_CPU:-torch==2.13.0}
 CACHE=${KVHANDOFF_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvhandoff-image}
 LOCAL_BASE=localhost/kvhandoff-base:bookworm
-# python3 + venv is what python:3.11-slim-bookworm offers; the three libraries are Mooncake's
+# python3 + venv is what python:3.11-slim-bookworm offers; the four libraries are Mooncake's
 # (with them in the base, the Dockerfile's apt step needs no package index).
-BASE_PACKAGES=python3,python3-venv,ca-certificates,libibverbs1,librdmacm1,libnuma1
+BASE_PACKAGES=python3,python3-venv,ca-certificates,libibverbs1,librdmacm1,libnuma1,libcurl4
 WHEELHOUSE=build/wheelhouse
 
 cd "$(dirname "$0")/.."
@@ -68,13 +69,13 @@ resolve_base() {
         if [[ ! -s $tarball ]]; then
             mirror=$(debian_mirror)
             say "mmdebstrap bookworm from $mirror"
-            mmdebstrap --quiet --variant=minbase --include="$BASE_PACKAGES" \
+            mmdebstrap --quiet --format=tar --variant=minbase --include="$BASE_PACKAGES" \
                 --dpkgopt='path-exclude=/usr/share/man/*' \
                 --dpkgopt='path-exclude=/usr/share/locale/*' \
                 --dpkgopt='path-exclude=/usr/share/doc/*' \
                 --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-                bookworm "$tarball.tmp" "$mirror"
-            mv "$tarball.tmp" "$tarball"
+                bookworm "${tarball%.tar}.partial.tar" "$mirror"
+            mv "${tarball%.tar}.partial.tar" "$tarball"
         fi
         podman import -q "$tarball" "$LOCAL_BASE" >/dev/null
     fi

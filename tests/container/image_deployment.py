@@ -32,14 +32,13 @@ _PR_SET_PDEATHSIG = 1
 
 
 def image_config(image: str) -> dict[str, Any]:
-    """The image's config (User, Entrypoint, Cmd, Healthcheck, ExposedPorts, Volumes, ...)."""
+    """The image's config (User, Entrypoint, Cmd, ExposedPorts, Volumes, ...) and its
+    Healthcheck (which podman reports beside the OCI config, not in it)."""
     out = subprocess.run(
-        ["podman", "image", "inspect", "--format", "{{json .Config}}", image],
-        check=True,
-        capture_output=True,
-        text=True,
+        ["podman", "image", "inspect", image], check=True, capture_output=True, text=True
     ).stdout
-    config: dict[str, Any] = json.loads(out)
+    (inspected,) = json.loads(out)
+    config: dict[str, Any] = {**inspected["Config"], "Healthcheck": inspected.get("Healthcheck")}
     return config
 
 

@@ -93,6 +93,10 @@ async def test_handoffs_across_containers_land_byte_for_byte(dep: ImageDeploymen
 
 def test_sigterm_stops_every_service_with_status_0(dep: ImageDeployment) -> None:
     # Last in this module (pytest keeps file order): it ends the deployment the others share.
+    # A handoff still live (its stages never signalled ready) must not hold up the shutdown.
+    body = {"id": "img-live", "prefill": dep.prefill_urls, "dst_pages": [0], "dst_slot": 0}
+    status, view = asyncio.run(_create(dep, body))
+    assert status == 201, view
     names = [p.name for p in dep.processes]
     codes = dep.stop(names, STOP_TIMEOUT_S)
     logs = {name: dep.process(name).log_tail(1500) for name in names}
@@ -100,3 +104,10 @@ def test_sigterm_stops_every_service_with_status_0(dep: ImageDeployment) -> None
     for name in names:
         assert "Traceback" not in dep.process(name).log_tail(), logs[name]
 
+
+async def _create(dep: ImageDeployment, body: dict[str, object]) -> tuple[int, object]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{dep.decode_url}/v1/handoffs", json=body) as resp,
+    ):
+        return resp.status, await resp.json(content_type=None)
