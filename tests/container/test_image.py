@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -56,7 +57,7 @@ def _moves(dep: ImageDeployment, seed: int) -> list[Moved]:
 
 def test_services_run_as_the_image_user(dep: ImageDeployment) -> None:
     for proc in dep.processes:
-        status = open(f"/proc/{dep.service_pid(proc.name)}/status").read()
+        status = Path(f"/proc/{dep.service_pid(proc.name)}/status").read_text()
         uid_line = next(line for line in status.splitlines() if line.startswith("Uid:"))
         assert uid_line.split()[1:] == [str(dep.uid)] * 4, (proc.name, uid_line)
         assert dep.uid != 0
