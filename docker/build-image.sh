@@ -114,8 +114,13 @@ project_wheel() {
 base=$(resolve_base)
 deps_wheelhouse
 project_wheel
+previous=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 say "podman build $IMAGE from $base"
 podman build --isolation chroot --format docker --layers --pull=missing \
     --build-arg "BASE=$base" -f docker/Dockerfile -t "$IMAGE" .
+# The image this build replaced is untagged now: drop it (kept if it is still in use).
+if [[ -n $previous && $previous != $(podman image inspect --format '{{.Id}}' "$IMAGE") ]]; then
+    podman rmi "$previous" >/dev/null 2>&1 || true
+fi
 size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
 say "$IMAGE: $((size / 1000000)) MB"
