@@ -4,8 +4,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The CPU wheel of torch is pinned here (not in pyproject) so set-up never pulls a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
-# Shared libraries the non-CUDA Mooncake wheel links against.
-APT_PACKAGES := libibverbs1 librdmacm1 libnuma1
+# Shared libraries the non-CUDA Mooncake wheel links against (libcurl too: a minimal Debian lacks it).
+APT_PACKAGES := libibverbs1 librdmacm1 libnuma1 libcurl4
 # The container image: its tag, its base (made locally with mmdebstrap when it cannot be pulled)
 # and the Debian tools that build and start it without a Docker daemon.
 IMAGE ?= localhost/kvhandoff:cpu
@@ -20,7 +20,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'librdmacm.so.1' \
-	    || ! ldconfig -p | grep -q 'libnuma.so.1'; then \
+	    || ! ldconfig -p | grep -q 'libnuma.so.1' || ! ldconfig -p | grep -q 'libcurl.so.4'; then \
 	  echo "installing $(APT_PACKAGES)"; \
 	  $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq && \
 	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \

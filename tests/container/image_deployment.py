@@ -72,8 +72,8 @@ class ImageDeployment(LocalDeployment):
         os.chown(self.work_dir, self.uid, self.gid)
         for path in self.work_dir.iterdir():
             os.chown(path, self.uid, self.gid)
-        pools = [*self._stage_pools.values(), self.decode_pool]
-        for pool in pools:
+        pools = [self.stage_pool(r) for r in self.stage_layouts]
+        for pool in [*pools, self.decode_pool]:
             os.chown(Path(SHM_DIR) / pool.name, self.uid, self.gid)
 
     def _launch(self, proc: ServiceProcess) -> None:
