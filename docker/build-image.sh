@@ -18,26 +18,23 @@
 set -euo pipefail
 shopt -s inherit_errexit  # a failure inside $(...) stops the build too
 
-PY=${1:?usage: build-image.sh PYTHON IMAGE}
-IMAGE=${2:?usage: build-image.sh PYTHON IMAGE}
 BASE=${BASE:-python:3.11-slim-bookworm}
 TORCH_CPU=${TORCH_CPU:-torch==2.13.0}
-CACHE=${KVHANDOFF_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvhandoff-image}
+CACHE=${KVHANDOFF_IMAGE_CACHE:-${XDG_CACHE_HOME:-${HOME:?set HOME or KVHANDOFF_IMAGE_CACHE}/.cache}/kvhandoff-image}
 LOCAL_BASE=localhost/kvhandoff-base:bookworm
 # python3 + venv is what python:3.11-slim-bookworm offers; the four libraries are Mooncake's
 # (with them in the base, the Dockerfile's apt step needs no package index).
 BASE_PACKAGES=python3,python3-venv,ca-certificates,libibverbs1,librdmacm1,libnuma1,libcurl4
 WHEELHOUSE=build/wheelhouse
+APT_ETC=${APT_ETC:-/etc/apt}  # where debian_mirror reads the apt sources (tests point elsewhere)
 
-cd "$(dirname "$0")/.."
-mkdir -p "$CACHE"
 say() { printf '[image] %s\n' "$*" >&2; }
 
 # The bookworm mirror this machine's apt uses (deb822 .sources files or one-line lists).
 debian_mirror() {
     if [[ -n ${DEBIAN_MIRROR:-} ]]; then echo "$DEBIAN_MIRROR"; return; fi
     local f
-    for f in /etc/apt/sources.list.d/*.sources; do
+    for f in "$APT_ETC"/sources.list.d/*.sources; do
         [[ -r $f ]] || continue
         awk 'BEGIN { RS = ""; FS = "\n" }
              {
@@ -50,11 +47,16 @@ debian_mirror() {
                if (deb && suite && uris != "") { split(uris, u, /[[:space:]]+/); print u[1]; exit }
              }' "$f"
     done | head -n1 | grep . && return
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+    for f in "$APT_ETC"/sources.list "$APT_ETC"/sources.list.d/*.list; do
         [[ -r $f ]] || continue
-        awk '$1 == "deb" { for (i = 2; i <= NF; i++) if ($i !~ /^\[/) { if ($(i + 1) == "bookworm") { print $i; exit } ; break } }' "$f"
+        # deb [option=value ...] URI SUITE COMPONENT...
+        awk '$1 == "deb" {
+               i = 2
+               if ($i ~ /^\[/) { while (i < NF && $i !~ /\]$/) i++; i++ }
+               if ($(i + 1) == "bookworm") { print $i; exit }
+             }' "$f"
     done | head -n1 | grep . && return
-    echo "no Debian bookworm source in /etc/apt; set DEBIAN_MIRROR" >&2
+    echo "no Debian bookworm source in $APT_ETC; set DEBIAN_MIRROR" >&2
     return 1
 }
 
@@ -111,16 +113,28 @@ project_wheel() {
     SOURCE_DATE_EPOCH=315532800 "$PY" -m pip wheel -q --no-deps --wheel-dir "$WHEELHOUSE/project" .
 }
 
-base=$(resolve_base)
-deps_wheelhouse
-project_wheel
-previous=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
-say "podman build $IMAGE from $base"
-podman build --isolation chroot --format docker --layers --pull=missing \
-    --build-arg "BASE=$base" -f docker/Dockerfile -t "$IMAGE" .
-# The image this build replaced is untagged now: drop it (kept if it is still in use).
-if [[ -n $previous && $previous != $(podman image inspect --format '{{.Id}}' "$IMAGE") ]]; then
-    podman rmi "$previous" >/dev/null 2>&1 || true
+main() {
+    PY=${1:?usage: build-image.sh PYTHON IMAGE}
+    IMAGE=${2:?usage: build-image.sh PYTHON IMAGE}
+    cd "$(dirname "$0")/.."
+    mkdir -p "$CACHE"
+    local base previous
+    base=$(resolve_base)
+    deps_wheelhouse
+    project_wheel
+    previous=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
+    say "podman build $IMAGE from $base"
+    podman build --isolation chroot --format docker --layers --pull=missing \
+        --build-arg "BASE=$base" -f docker/Dockerfile -t "$IMAGE" .
+    # The image this build replaced is untagged now: drop it (kept if it is still in use).
+    if [[ -n $previous && $previous != $(podman image inspect --format '{{.Id}}' "$IMAGE") ]]; then
+        podman rmi "$previous" >/dev/null 2>&1 || true
+    fi
+    size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
+    say "$IMAGE: $((size / 1000000)) MB"
+}
+
+# Sourced (tests/unit/test_docker.py), it only defines the functions.
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
+    main "$@"
 fi
-size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
-say "$IMAGE: $((size / 1000000)) MB"

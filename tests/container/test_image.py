@@ -26,7 +26,7 @@ IMAGE = os.environ.get("KVHANDOFF_TEST_IMAGE", "")
 pytestmark = pytest.mark.skipif(not IMAGE, reason="set KVHANDOFF_TEST_IMAGE (make image-test)")
 
 PP = 2
-HANDOFFS = 8  # one decode slot each (SMALL has 8), disjoint decode pages
+HANDOFFS = SMALL["num_slots"]  # one decode slot each, disjoint decode pages
 PAGES_PER_HANDOFF = 6
 #: Docker's default stop timeout: a clean shutdown must fit in it.
 STOP_TIMEOUT_S = 10.0
@@ -48,7 +48,7 @@ def _moves(dep: ImageDeployment, seed: int) -> list[Moved]:
         Moved(
             src_pages=sorted(rng.choice(num_pages, PAGES_PER_HANDOFF, replace=False).tolist()),
             dst_pages=dst[i].tolist(),
-            src_slot=int(rng.integers(0, 8)),
+            src_slot=int(rng.integers(0, SMALL["num_slots"])),
             dst_slot=i,
         )
         for i in range(HANDOFFS)

@@ -448,3 +448,65 @@ def test_healthcheck_exit_status_follows_readyz(
 
 def test_healthcheck_fails_on_a_bad_config(healthcheck: ModuleType, tmp_path: Path) -> None:
     assert healthcheck.main(["kvhandoff-healthcheck", str(tmp_path / "missing.toml")]) == 1
+
+
+# -- docker/build-image.sh ---------------------------------------------------------------------
+
+
+def debian_mirror(apt_etc: Path) -> subprocess.CompletedProcess[str]:
+    """build-image.sh's `debian_mirror` run against the apt configuration under `apt_etc`."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(apt_etc), "APT_ETC": str(apt_etc)}
+    return subprocess.run(
+        ["bash", "-c", 'source "$1" && debian_mirror', "bash", str(DOCKER / "build-image.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+DEB822 = """\
+Types: deb
+URIs: http://mirror.example/debian-security
+Suites: bookworm-security
+Components: main
+
+Types: deb-src
+URIs: http://src.example/debian
+Suites: bookworm
+Components: main
+
+Types: deb
+# a comment inside the stanza
+URIs: http://mirror.example/debian http://second.example/debian
+Suites: bookworm bookworm-updates
+Components: main
+"""
+
+
+@pytest.mark.parametrize(
+    ("files", "mirror"),
+    [
+        ({"sources.list.d/debian.sources": DEB822}, "http://mirror.example/debian"),
+        (
+            {
+                "sources.list": "# deb http://old.example/debian bookworm main\n"
+                "deb http://up.example/debian bookworm-updates main\n"
+                "deb [arch=amd64 signed-by=/k.gpg] http://list.example/debian bookworm main\n"
+            },
+            "http://list.example/debian",
+        ),
+        ({"sources.list.d/other.list": "deb http://x.example/ubuntu jammy main\n"}, None),
+    ],
+)
+def test_base_mirror_comes_from_the_apt_sources(
+    tmp_path: Path, files: dict[str, str], mirror: str | None
+) -> None:
+    (tmp_path / "sources.list.d").mkdir()
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    done = debian_mirror(tmp_path)
+    if mirror is None:
+        assert done.returncode != 0 and "set DEBIAN_MIRROR" in done.stderr
+    else:
+        assert (done.returncode, done.stdout.strip()) == (0, mirror), done.stderr
