@@ -4,16 +4,23 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The CPU wheel of torch is pinned here (not in pyproject) so set-up never pulls a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
-# Shared libraries the non-CUDA Mooncake wheel links against.
-APT_PACKAGES := libibverbs1 librdmacm1 libnuma1
+# Shared libraries the non-CUDA Mooncake wheel links against (libcurl too: a minimal Debian lacks it).
+APT_PACKAGES := libibverbs1 librdmacm1 libnuma1 libcurl4
+# The container image: its tag, its base (made locally with mmdebstrap when it cannot be pulled)
+# and the Debian tools that build and start it without a Docker daemon.
+IMAGE ?= localhost/kvhandoff:cpu
+BASE ?= python:3.11-slim-bookworm
+IMAGE_TOOLS := podman buildah mmdebstrap
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: setup test lint fmt typecheck demo bench bench-plan bench-transport fuzz reliability clean
+.PHONY: setup test lint fmt typecheck demo bench bench-plan bench-transport fuzz reliability clean \
+	image-setup image image-test
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'librdmacm.so.1' \
-	    || ! ldconfig -p | grep -q 'libnuma.so.1'; then \
+	    || ! ldconfig -p | grep -q 'libnuma.so.1' || ! ldconfig -p | grep -q 'libcurl.so.4'; then \
 	  echo "installing $(APT_PACKAGES)"; \
 	  $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq && \
 	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
@@ -59,5 +66,21 @@ bench-plan: setup
 bench-transport: setup
 	$(VENV)/bin/kvhandoff bench transport
 
+image-setup:
+	@if ! command -v podman >/dev/null || ! command -v buildah >/dev/null \
+	    || ! command -v mmdebstrap >/dev/null; then \
+	  echo "installing $(IMAGE_TOOLS)"; \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(IMAGE_TOOLS); \
+	fi
+
+# The CPU image, from a wheelhouse built here (see docker/build-image.sh for what is cached).
+image: setup image-setup
+	BASE="$(BASE)" TORCH_CPU="$(TORCH_CPU)" docker/build-image.sh $(PY) $(IMAGE)
+
+# Decode + two prefill stages started from the image, verified handoffs across them, SIGTERM.
+image-test: image
+	KVHANDOFF_TEST_IMAGE=$(IMAGE) $(PY) -m pytest tests/container -q
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info build
