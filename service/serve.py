@@ -35,6 +35,7 @@ EXTENSIONS: tuple[str, ...] = (
     "service.api.validate:install_validate",
     "service.api.handoffs:install_handoffs",
     "service.api.events:install_events",
+    "service.api.metrics:install_metrics",
 )
 
 #: How long shutdown waits for in-flight requests (SSE streams included) before closing them.
