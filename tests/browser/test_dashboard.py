@@ -1,0 +1,145 @@
+"""The dashboard page (`GET /`) in a real browser against a real deployment.
+
+Debian's Chromium, driven by Playwright with the system executable, opens the decode service's
+page of a `LocalDeployment` (decode + 2 PP prefill processes, real Mooncake over TCP) that
+requires a token: the page asks for it. The test then starts handoffs over the API and waits
+for the page to show them in flight and then completed, without a reload; kills a stage's
+process and waits for the failure (with its reason and stage) and the lost peer. A screenshot
+is saved under `tests/artifacts/`. Every wait is for something to appear on the page, bounded
+by `WAIT_MS` only so that a broken page fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.config import HandoffConfig
+from service.tools.deployment import LocalDeployment
+
+pytestmark = pytest.mark.integration
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+TOKEN = "dashboard-test-token"
+WAIT_MS = 30_000
+
+
+def call(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Authorization", f"Bearer {TOKEN}")
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return resp.status, json.loads(resp.read() or b"null")
+
+
+@pytest.fixture
+def dep() -> Iterator[LocalDeployment]:
+    with LocalDeployment(
+        model={"scale": 64, "page_size": 16, "num_layers": 16},
+        pp_size=2,
+        num_pages=64,
+        num_slots=8,
+        token=TOKEN,
+        # A killed stage is noticed within about a second.
+        handoff=HandoffConfig(heartbeat_interval_s=0.2, peer_timeout_s=1.0),
+    ) as deployment:
+        yield deployment
+
+
+@pytest.fixture
+def page() -> Iterator[Any]:
+    assert shutil.which(CHROMIUM) or Path(CHROMIUM).exists(), "make setup installs chromium"
+    profile = tempfile.mkdtemp(prefix="kvhandoff-chromium-")
+    try:
+        with playwright_api.sync_playwright() as pw:
+            # A fresh profile per run; Playwright takes it as the persistent context's dir.
+            context = pw.chromium.launch_persistent_context(
+                profile,
+                executable_path=CHROMIUM,
+                args=CHROMIUM_ARGS,
+                viewport={"width": 1200, "height": 860},
+            )
+            try:
+                yield context.new_page()
+            finally:
+                context.close()
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def create(dep: LocalDeployment, handoff_id: str, dst: list[int], slot: int) -> None:
+    status, view = call(
+        "POST",
+        f"{dep.decode_url}/v1/handoffs",
+        {"id": handoff_id, "prefill": dep.prefill_urls, "dst_pages": dst, "dst_slot": slot},
+    )
+    assert status == 201, view
+
+
+def ready(dep: LocalDeployment, handoff_id: str, rank: int, src: list[int], slot: int) -> None:
+    url = f"{dep.url_of_stage(rank)}/v1/handoffs/{handoff_id}/stages/{rank}/ready"
+    status, ack = call("POST", url, {"src_pages": src, "src_slot": slot})
+    assert status == 202, ack
+
+
+def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, page: Any) -> None:
+    expect = playwright_api.expect
+    page.set_default_timeout(WAIT_MS)
+    page.goto(dep.decode_url + "/")
+    # The page needs the token, asks once, and keeps it out of every URL.
+    expect(page.locator("#login")).to_be_visible()
+    page.fill("#token", TOKEN)
+    page.click("#login button")
+    expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+    assert TOKEN not in page.url
+
+    # In flight: stage 0 arrived, stage 1 not signalled yet.
+    create(dep, "dash-1", [3, 4], 1)
+    ready(dep, "dash-1", 0, [1, 2], 1)
+    row = page.locator('#inflight tr[data-id="dash-1"]')
+    expect(row).to_be_visible()
+    expect(row.locator('.stage[data-rank="0"]')).to_have_attribute("data-done", "true")
+    expect(row.locator('.stage[data-rank="1"]')).to_have_attribute("data-done", "false")
+    ready(dep, "dash-1", 1, [1, 2], 1)
+    expect(page.locator('#recent tr[data-id="dash-1"][data-state="completed"]')).to_be_visible()
+    expect(row).to_have_count(0)
+
+    # A stage dies with a handoff waiting on it: the failure and the lost peer show.
+    create(dep, "dash-2", [5, 6], 2)
+    ready(dep, "dash-2", 0, [7, 8], 2)
+    expect(page.locator('#inflight tr[data-id="dash-2"]')).to_be_visible()
+    lost_url = dep.url_of_stage(1)
+    dep.kill(1)
+    failed = page.locator('#recent tr[data-id="dash-2"][data-state="failed"]')
+    expect(failed).to_be_visible()
+    expect(failed).to_contain_text("peer_unreachable")
+    expect(failed).to_contain_text("stage 1")
+    expect(page.locator(f'#peers tr[data-peer="{lost_url}"][data-lost="true"]')).to_be_visible()
+    expect(page.locator("#k-p50")).not_to_have_text("–")
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+    page.set_viewport_size({"width": 390, "height": 844})  # a phone
+    page.screenshot(path=str(ARTIFACTS / "dashboard-phone.png"), full_page=True)
+    # Nothing on a phone width needs horizontal scrolling.
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
