@@ -20,7 +20,7 @@ from msgspec import Struct
 from service.http.app import CONFIG, ROUTES, VERSION, json_response
 from service.http.routing import RouteTable
 from service.peers.heartbeat import PeerHealth
-from service.runtime.activity import BUCKET_S, Activity, Bucket, HandoffActivity, Latency
+from service.runtime.activity import BUCKET_S, RECENT, Activity, Bucket, HandoffActivity, Latency
 from service.runtime.pipelines import RUNTIME
 
 ACTIVITY = web.AppKey("dashboard_activity", Activity)
@@ -66,7 +66,11 @@ async def dashboard_summary(request: web.Request) -> web.StreamResponse:
     app = request.app
     runtime, activity, config = app[RUNTIME], app[ACTIVITY], app[CONFIG]
     health = {p.url: p for p in runtime.heartbeats.health()}
-    for url in config.peers.prefill:  # configured but not talked to yet
+    # Peers configured or named by recent handoffs, but not heard by the heartbeats yet.
+    known = list(config.peers.prefill)
+    if runtime.decode is not None:
+        known += [p for h in list(runtime.decode.handoffs.values())[-RECENT:] for p in h.peers]
+    for url in known:
         health.setdefault(url, PeerHealth(url, None, False, 0, 0))
     handoffs = list(activity.handoffs.values())
     return json_response(
