@@ -11,9 +11,12 @@ by `WAIT_MS` only so that a broken page fails instead of hanging.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import socket
 import tempfile
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,8 +24,12 @@ from typing import Any
 
 import pytest
 
+from pipelines.events import EventBus, HandoffCompleted, HandoffCreated
 from service.config import HandoffConfig
+from service.runtime.pipelines import RUNTIME
+from service.serve import serve
 from service.tools.deployment import LocalDeployment
+from tests.unit.service.handoff_fixtures import decode_config, extensions
 
 pytestmark = pytest.mark.integration
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -105,6 +112,7 @@ def ready(dep: LocalDeployment, handoff_id: str, rank: int, src: list[int], slot
 def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, page: Any) -> None:
     expect = playwright_api.expect
     page.set_default_timeout(WAIT_MS)
+    expect.set_options(timeout=WAIT_MS)
     page.goto(dep.decode_url + "/")
     # The page needs the token, asks once, and keeps it out of every URL.
     expect(page.locator("#login")).to_be_visible()
@@ -143,3 +151,76 @@ def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, 
     page.screenshot(path=str(ARTIFACTS / "dashboard-phone.png"), full_page=True)
     # Nothing on a phone width needs horizontal scrolling.
     assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+
+
+class ThreadedDecode:
+    """A decode service in this process on a fixed port, run by its own event loop in a thread,
+    so the test can stop it and start a new one on the same port while the page stays open."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self.bus: EventBus | None = None
+
+    def start(self) -> ThreadedDecode:
+        up = threading.Event()
+        config = decode_config({"server.port": self.port})
+
+        async def main() -> None:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            async with serve(config, extensions) as server:
+                self.bus = server.app[RUNTIME].bus
+                up.set()
+                await self._stop.wait()
+
+        self._thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+        self._thread.start()
+        assert up.wait(30), "the decode service did not start"
+        return self
+
+    def publish(self, event: Any) -> None:
+        assert self._loop is not None and self.bus is not None
+        bus = self.bus
+        self._loop.call_soon_threadsafe(bus.publish, event)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(30)
+            self._loop = None
+
+
+def test_the_page_reconnects_by_itself_after_a_restart_and_says_so(page: Any) -> None:
+    expect = playwright_api.expect
+    page.set_default_timeout(WAIT_MS)
+    expect.set_options(timeout=WAIT_MS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = ThreadedDecode(port).start()
+    second = None
+    try:
+        page.goto(f"http://127.0.0.1:{port}/")  # no token: the page uses EventSource
+        expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+        first.publish(HandoffCreated(handoff_id="before", role="decode", num_pages=1, pp_size=2))
+        expect(page.locator('#inflight tr[data-id="before"]')).to_be_visible()
+        first.stop()
+        expect(page.locator("#conn")).to_have_attribute("data-state", "down")
+        second = ThreadedDecode(port).start()
+        expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+        expect(page.locator("#notice")).to_contain_text("reconnected")
+        expect(page.locator("#notice")).to_contain_text("restarted")
+        expect(page.locator('#inflight tr[data-id="before"]')).to_have_count(0)  # reloaded
+        second.publish(HandoffCreated(handoff_id="after", role="decode", num_pages=1, pp_size=2))
+        second.publish(
+            HandoffCompleted(
+                handoff_id="after", role="decode", bytes=1, seconds=0.1, verified=False
+            )
+        )
+        expect(page.locator('#recent tr[data-id="after"][data-state="completed"]')).to_be_visible()
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
