@@ -364,7 +364,9 @@ async def _over_http(dep: LocalDeployment, args: argparse.Namespace) -> int:
         results, wall, args, mode="multiprocess", transport=dep.transport.backend, raw=baseline
     )
     if args.serve:
-        print(json.dumps(_serve_info(dep)), flush=True)
+        info = _serve_info(dep)
+        print(json.dumps(info), flush=True)
+        print(f"kvhandoff demo: dashboard at {info['dashboard']} (Ctrl-C stops)", file=sys.stderr)
         await stop.wait()
     return status
 
@@ -394,6 +396,8 @@ def _serve_info(dep: LocalDeployment) -> dict[str, Any]:
         "prefill": dep.prefill_urls,
         "stages": {str(r): dep.url_of_stage(r) for r in range(dep.pp_size)},
         "openapi": f"{dep.decode_url}/openapi.json",
+        "dashboard": f"{dep.decode_url}/",
+        "metrics": f"{dep.decode_url}/metrics",
     }
 
 
