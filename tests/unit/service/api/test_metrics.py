@@ -7,9 +7,13 @@ what the run did, compared with the handoffs' own views.
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
@@ -17,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.peers.heartbeat import PeerHealth
 from service.runtime.metrics import Metrics, PeerCollector
-from tests.unit.service.api.test_handoffs import Move, ready_all
+from tests.unit.service.api.test_handoffs import MOVE, Move, ready_all
 from tests.unit.service.handoff_fixtures import (
     Deployment,
     fill_sources,
@@ -129,3 +133,43 @@ def test_peer_health_is_exported_per_peer() -> None:
     assert ("kvhandoff_peer_last_heard_seconds", (("peer", "http://b:2"),)) not in samples
     assert value(samples, "kvhandoff_peer_heartbeat_misses_total", peer="http://b:2") == 7
     assert value(samples, "kvhandoff_peer_lost_total", peer="http://b:2") == 1
+
+
+DASHBOARD = Path(__file__).resolve().parents[4] / "docker/grafana/dashboards/kvhandoff.json"
+
+
+def dashboard_exprs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        found = [node["expr"]] if isinstance(node.get("expr"), str) else []
+        return found + [e for v in node.values() for e in dashboard_exprs(v)]
+    if isinstance(node, list):
+        return [e for v in node for e in dashboard_exprs(v)]
+    return []
+
+
+async def test_the_grafana_dashboard_queries_only_exported_metrics(d: Deployment) -> None:
+    assert (await d.create("g", MOVE.dst_pages, MOVE.dst_slot)).status == 201
+    await ready_all(d, "g")
+    await d.finish("g")
+    texts = []
+    for url in (d.decode.url, d.prefill_urls[0]):
+        texts.append((await scrape(d, url))[0])
+    peers = Metrics("decode", "0")
+    peers.add_collector(PeerCollector(lambda: [PeerHealth("http://a:1", 0.1, False, 0, 0)]))
+    texts.append(generate_latest(peers.registry).decode())
+    exported = set()
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            # A labelled family with no child yet (no pairing failure) has no sample.
+            suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+            exported |= {family.name + s for s in suffixes.get(family.type, [""])}
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = dashboard_exprs(dashboard["panels"])
+    assert len(exprs) >= 15
+    used = {name for expr in exprs for name in re.findall(r"\bkvhandoff_\w+", expr)}
+    assert used - exported == set()
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in ("throughput", "latency", "failures by code", "peer health"):
+        assert topic in titles
+    assert any(p["type"] == "heatmap" for p in dashboard["panels"])
