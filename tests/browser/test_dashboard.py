@@ -143,7 +143,7 @@ def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, 
     expect(failed).to_contain_text("peer_unreachable")
     expect(failed).to_contain_text("stage 1")
     expect(page.locator(f'#peers tr[data-peer="{lost_url}"][data-lost="true"]')).to_be_visible()
-    expect(page.locator("#k-p50")).not_to_have_text("–")
+    expect(page.locator("#k-p50")).not_to_have_text("\u2013")
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
