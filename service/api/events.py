@@ -252,8 +252,13 @@ async def _serve(
                 return web.Response(status=204)
         elif resume is not None:
             backlog, gap = _replay(request, resume, keep)
-        response = await _open(request)
+        # Counted before the response starts, so a reader that has the headers is counted.
         stats.opened(sub, task)
+        try:
+            response = await _open(request)
+        except BaseException:
+            stats.closed(sub)
+            raise
         try:
             stream = _Stream(request, response, resume or 0, config.sse_keepalive_s)
             if gap is not None:
