@@ -215,7 +215,9 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
     errors=(404, 422),
     summary="One handoff's events (Server-Sent Events), from its first; ends after its last",
     description="On the decode service the handoff must exist (404 otherwise); its stored "
-    "timeline is sent first. On a prefill service the stream waits for the handoff's events.",
+    "timeline is sent first. On a prefill service the stream waits for the handoff's events. "
+    "204 (no stream) when the handoff has ended and `Last-Event-ID` is at or past its last "
+    "event, which stops a browser `EventSource` from reconnecting.",
     tags=("events",),
 )
 async def handoff_stream(request: web.Request) -> web.StreamResponse:
@@ -235,6 +237,8 @@ async def _serve(
     stats = request.app[STREAMS]
     # Subscribe before reading any backlog: an event published in between is in both, and
     # `_Stream.send` drops the repeat by id.
+    if handoff_id is not None and resume is not None and resume > bus.last_seq:
+        resume = None  # an id from before a restart: this process's ids start again from 1
     sub = bus.subscribe(maxsize=config.sse_queue)
     task = asyncio.current_task()
     try:
