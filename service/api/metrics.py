@@ -1,9 +1,9 @@
 """`GET /metrics`: the service's Prometheus metrics (installed on both roles by `install_metrics`).
 
-Builds the app's `Metrics` (`service.runtime.metrics`) when installed, so later extensions can add
-collectors to `app[METRICS]`; once the role's pipeline is up it listens to the event bus and reads
-the heartbeats' peer health. The route is outside `/v1/`, so scrapers need no token (it carries no
-handoff ids and no payload).
+Builds the app's `Metrics` (`service.runtime.metrics`) at install, so any feature can add its
+collectors to `app[METRICS]` when it starts (e.g. the webhook outbox); once the role's pipeline
+is up, it listens to the event bus and reads the heartbeats' peer health. The route is outside
+`/v1/`, so scrapers need no token (it carries no handoff ids and no payload).
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, gene
 
 from service.http.app import CONFIG, ROUTES, VERSION
 from service.http.routing import RouteTable
-from service.runtime.metrics import Metrics, PeerCollector, StreamCollector
+from service.runtime.metrics import METRICS, Metrics, PeerCollector, StreamCollector
 from service.runtime.pipelines import RUNTIME
 from service.runtime.streams import STREAMS
-
-METRICS = web.AppKey("metrics", Metrics)
 
 routes = RouteTable()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -151,6 +152,11 @@ class Metrics:
         elif isinstance(event, TERMINAL_EVENTS):
             for key in [k for k in self._emitted_at if k[0] == event.handoff_id]:
                 del self._emitted_at[key]
+
+
+#: The app's `Metrics`, set by `service.api.metrics.install_metrics`; a feature with numbers of
+#: its own adds a collector here when it starts (`app[METRICS].add_collector(...)`).
+METRICS = web.AppKey("metrics", Metrics)
 
 
 class PeerCollector(Collector):
