@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import threading
 
+import msgspec
+
 
 class FakeEngine:
     """Stands in for `mooncake.engine.TransferEngine` in unit tests of `MooncakeTransport`.
@@ -64,3 +66,23 @@ class FakeEngine:
         finally:
             with self._lock:
                 self.active -= 1
+
+
+# -- observability -------------------------------------------------------------------------------
+
+
+class FakeTransportStats(msgspec.Struct, frozen=True, kw_only=True):
+    """What `service.runtime.metrics.TransportCollector` reads of a transport's `stats()`: the
+    fields of `transport.base.TransportStats` (branch writepath), for a transport without it."""
+
+    batches_submitted: int = 0
+    batches_succeeded: int = 0
+    batches_failed: int = 0
+    batches_timed_out: int = 0
+    bytes_written: int = 0
+    blocks_written: int = 0
+    engine_calls: int = 0
+    engine_errors_by_rc: dict[int, int] = {}
+    engine_exceptions: int = 0
+    live_lanes: int = 0
+    worker_threads: int = 0

@@ -15,9 +15,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, gene
 
 from service.http.app import CONFIG, ROUTES, VERSION
 from service.http.routing import RouteTable
-from service.runtime.metrics import METRICS, Metrics, PeerCollector, StreamCollector
+from service.runtime.metrics import (
+    METRICS,
+    Metrics,
+    PeerCollector,
+    StreamCollector,
+    TransportCollector,
+)
 from service.runtime.pipelines import RUNTIME
 from service.runtime.streams import STREAMS
+from service.runtime.transport import TRANSPORT
 
 routes = RouteTable()
 
@@ -36,6 +43,11 @@ async def _listen(app: web.Application) -> AsyncIterator[None]:
     runtime, metrics = app[RUNTIME], app[METRICS]
     runtime.bus.add_listener(metrics.observe)
     metrics.add_collector(PeerCollector(runtime.heartbeats.health))
+    # `Transport.stats()` comes with the transport's counters (branch writepath); a transport
+    # without it exports no transport metrics rather than made-up ones.
+    stats = getattr(app[TRANSPORT], "stats", None)
+    if stats is not None:
+        metrics.add_collector(TransportCollector(stats))
     decode, prefill = runtime.decode, runtime.prefill
     if decode is not None:
         metrics.count_in_flight(lambda: sum(not h.state.terminal for h in decode.handoffs.values()))

@@ -13,6 +13,7 @@ outbox, add theirs the same way). Labels are bounded: role, state, error code, p
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -218,6 +219,69 @@ class StreamCollector(Collector):
             "kvhandoff_sse_gaps",
             "SSE resumes that asked for events no longer buffered (stream.gap)",
             value=s.gaps_total,
+        )
+
+    def describe(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        return []
+
+
+class TransportCollector(Collector):
+    """The transport's cumulative counters (`Transport.stats()`, a snapshot any thread may take),
+    read at scrape time: batches by result, bytes and blocks written, engine calls and errors by
+    return code, live lanes and worker threads."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._stats()
+        yield CounterMetricFamily(
+            "kvhandoff_transport_batches_submitted",
+            "Transfer batches handed to the engine",
+            value=s.batches_submitted,
+        )
+        batches = CounterMetricFamily(
+            "kvhandoff_transport_batches",
+            "Transfer batches by result (succeeded, failed, timed_out)",
+            labels=["result"],
+        )
+        batches.add_metric(["succeeded"], s.batches_succeeded)
+        batches.add_metric(["failed"], s.batches_failed)
+        batches.add_metric(["timed_out"], s.batches_timed_out)
+        yield batches
+        yield CounterMetricFamily(
+            "kvhandoff_transport_written_bytes",
+            "Bytes of succeeded batches",
+            value=s.bytes_written,
+        )
+        yield CounterMetricFamily(
+            "kvhandoff_transport_written_blocks",
+            "Blocks of succeeded batches",
+            value=s.blocks_written,
+        )
+        yield CounterMetricFamily(
+            "kvhandoff_transport_engine_calls", "Engine calls made", value=s.engine_calls
+        )
+        errors = CounterMetricFamily(
+            "kvhandoff_transport_engine_errors",
+            "Engine calls that returned a non-zero return code, by code",
+            labels=["rc"],
+        )
+        for rc, count in sorted(s.engine_errors_by_rc.items()):
+            errors.add_metric([str(rc)], count)
+        yield errors
+        yield CounterMetricFamily(
+            "kvhandoff_transport_engine_exceptions",
+            "Engine calls that raised",
+            value=s.engine_exceptions,
+        )
+        yield GaugeMetricFamily(
+            "kvhandoff_transport_lanes", "Peers with a transfer lane now", value=s.live_lanes
+        )
+        yield GaugeMetricFamily(
+            "kvhandoff_transport_worker_threads",
+            "Transfer worker threads alive now",
+            value=s.worker_threads,
         )
 
     def describe(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:

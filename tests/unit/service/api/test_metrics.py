@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,15 +18,15 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.peers.heartbeat import PeerHealth
-from service.runtime.metrics import Metrics, PeerCollector
+from service.runtime.metrics import Metrics, PeerCollector, TransportCollector
+from tests.fakes import FakeTransportStats
 from tests.unit.service.api.test_handoffs import MOVE, Move, ready_all
 from tests.unit.service.handoff_fixtures import (
     Deployment,
     fill_sources,
     open_deployment,
 )
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+from tests.unit.service.metrics_checks import Samples, parse, promtool_check, value
 
 
 @pytest.fixture
@@ -43,25 +41,7 @@ async def scrape(d: Deployment, url: str) -> tuple[str, Samples]:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/plain; version=")
         text = await resp.text()
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-    return text, samples
-
-
-def promtool_check(text: str) -> None:
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is missing: `make setup` installs Debian's prometheus package"
-    done = subprocess.run(
-        [promtool, "check", "metrics"], input=text.encode(), capture_output=True, check=False
-    )
-    assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    return text, parse(text)
 
 
 async def test_metrics_pass_promtool_and_counters_move_by_exactly_the_run(d: Deployment) -> None:
@@ -154,9 +134,13 @@ async def test_the_grafana_dashboard_queries_only_exported_metrics(d: Deployment
     texts = []
     for url in (d.decode.url, d.prefill_urls[0]):
         texts.append((await scrape(d, url))[0])
-    peers = Metrics("decode", "0")
-    peers.add_collector(PeerCollector(lambda: [PeerHealth("http://a:1", 0.1, False, 0, 0)]))
-    texts.append(generate_latest(peers.registry).decode())
+    # Collectors whose series need peers or a transport with `stats()`, over test doubles.
+    others = Metrics("decode", "0")
+    others.add_collector(PeerCollector(lambda: [PeerHealth("http://a:1", 0.1, False, 0, 0)]))
+    others.add_collector(
+        TransportCollector(lambda: FakeTransportStats(engine_errors_by_rc={-1: 1}))
+    )
+    texts.append(generate_latest(others.registry).decode())
     exported = set()
     for text in texts:
         for family in text_string_to_metric_families(text):
@@ -170,6 +154,6 @@ async def test_the_grafana_dashboard_queries_only_exported_metrics(d: Deployment
     used = {name for expr in exprs for name in re.findall(r"\bkvhandoff_\w+", expr)}
     assert used - exported == set()
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    for topic in ("throughput", "latency", "failures by code", "peer health"):
+    for topic in ("throughput", "latency", "failures by code", "peer health", "engine errors"):
         assert topic in titles
     assert any(p["type"] == "heatmap" for p in dashboard["panels"])

@@ -4,7 +4,6 @@ moves exactly its metrics; labels stay bounded."""
 from __future__ import annotations
 
 from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pipelines.events import (
     ChunksEmitted,
@@ -17,7 +16,9 @@ from pipelines.events import (
     StagePaired,
     StageTransferred,
 )
-from service.runtime.metrics import Metrics
+from service.runtime.metrics import Metrics, TransportCollector
+from tests.fakes import FakeTransportStats
+from tests.unit.service.metrics_checks import parse, promtool_check
 
 
 class Clock:
@@ -29,12 +30,7 @@ class Clock:
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = generate_latest(metrics.registry).decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    return parse(generate_latest(metrics.registry).decode())
 
 
 def test_decode_events_move_handoff_counters_and_latency() -> None:
@@ -95,3 +91,30 @@ def test_prefill_events_move_stage_counters_and_planning_time() -> None:
     assert abs(s[("kvhandoff_stage_planning_seconds_sum", rank)] - 0.004) < 1e-9
     metrics.count_in_flight(lambda: 7)
     assert samples(metrics)[("kvhandoff_handoffs_in_flight", ())] == 7
+
+
+def test_transport_counters_are_read_at_scrape_time() -> None:
+    metrics = Metrics("prefill", "9")
+    current = [FakeTransportStats()]
+    metrics.add_collector(TransportCollector(lambda: current[0]))
+    assert samples(metrics)[("kvhandoff_transport_batches_submitted_total", ())] == 0
+    current[0] = FakeTransportStats(
+        batches_submitted=12, batches_succeeded=9, batches_failed=2, batches_timed_out=1,
+        bytes_written=4096, blocks_written=64, engine_calls=10,
+        engine_errors_by_rc={-1: 1, -800: 2}, engine_exceptions=1, live_lanes=3, worker_threads=2,
+    )  # fmt: skip
+    text = generate_latest(metrics.registry).decode()
+    promtool_check(text)
+    s = samples(metrics)
+    assert s[("kvhandoff_transport_batches_submitted_total", ())] == 12
+    assert s[("kvhandoff_transport_batches_total", (("result", "succeeded"),))] == 9
+    assert s[("kvhandoff_transport_batches_total", (("result", "failed"),))] == 2
+    assert s[("kvhandoff_transport_batches_total", (("result", "timed_out"),))] == 1
+    assert s[("kvhandoff_transport_written_bytes_total", ())] == 4096
+    assert s[("kvhandoff_transport_written_blocks_total", ())] == 64
+    assert s[("kvhandoff_transport_engine_calls_total", ())] == 10
+    assert s[("kvhandoff_transport_engine_errors_total", (("rc", "-800"),))] == 2
+    assert s[("kvhandoff_transport_engine_errors_total", (("rc", "-1"),))] == 1
+    assert s[("kvhandoff_transport_engine_exceptions_total", ())] == 1
+    assert s[("kvhandoff_transport_lanes", ())] == 3
+    assert s[("kvhandoff_transport_worker_threads", ())] == 2
