@@ -163,6 +163,41 @@ async def test_an_id_from_before_a_restart_is_announced_and_the_new_ids_follow(
         assert [int(f.id) for f in frames[1:]] == [1, 2, 3]
 
 
+class FastReader:
+    """Reads one stream as fast as frames come, and lets the test wait until it has an id."""
+
+    def __init__(self, source: Any) -> None:
+        self.ids: list[int] = []
+        self._caught_up = asyncio.Condition()
+        self._task = asyncio.create_task(self._read(source))
+
+    async def _read(self, source: Any) -> None:
+        async for sse in source.aiter_sse():
+            self.ids.append(int(sse.id))
+            async with self._caught_up:
+                self._caught_up.notify_all()
+
+    async def wait_for(self, seq: int) -> None:
+        async with self._caught_up, asyncio.timeout(WAIT_S):
+            await self._caught_up.wait_for(lambda: bool(self.ids) and self.ids[-1] >= seq)
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+async def publish_until_dropped(
+    bus: EventBus, stats: StreamStats, fast: FastReader, n: int
+) -> None:
+    """Publish big events, `n` at a time and each round only once the fast reader has it, until
+    the bus drops a reader that reads nothing (its socket buffers full, then its queue)."""
+    for _ in range(5000):
+        await fast.wait_for(publish_many(bus, n, pad=8192)[-1])
+        if stats.dropped_total:
+            return
+
+
 async def test_a_slow_reader_is_dropped_with_overflow_while_a_fast_one_sees_everything(
     http: httpx.AsyncClient,
 ) -> None:
@@ -170,41 +205,19 @@ async def test_a_slow_reader_is_dropped_with_overflow_while_a_fast_one_sees_ever
     async with decode_service({"handoff.sse_queue": queue, "handoff.sse_buffer": 64}) as server:
         bus, stats = bus_of(server), stats_of(server)
         url = f"{server.url}/v1/events"
-        fast_ids: list[int] = []
-        caught_up = asyncio.Condition()
-
-        async def fast(source: Any) -> None:
-            async for sse in source.aiter_sse():
-                fast_ids.append(int(sse.id))
-                async with caught_up:
-                    caught_up.notify_all()
-
         async with (
             aconnect_sse(http, "GET", url) as fast_source,
             httpx.AsyncClient(timeout=httpx.Timeout(WAIT_S)) as slow_http,
             aconnect_sse(slow_http, "GET", url) as slow_source,
         ):
-            reader = asyncio.create_task(fast(fast_source))
-
-            async def publish_round() -> None:
-                last = publish_many(bus, queue // 2, pad=8192)[-1]
-                async with caught_up, asyncio.timeout(WAIT_S):
-                    await caught_up.wait_for(lambda: bool(fast_ids) and fast_ids[-1] >= last)
-
-            # The slow reader reads nothing: once the socket buffers are full its queue fills
-            # and the bus drops it. Publish in rounds the fast reader keeps up with.
-            for _ in range(5000):
-                await publish_round()
-                if stats.dropped_total:
-                    break
+            fast = FastReader(fast_source)
+            await publish_until_dropped(bus, stats, fast, queue // 2)
             assert stats.dropped_total == 1
             for _ in range(4):  # the fast reader is unaffected afterwards
-                await publish_round()
+                await fast.wait_for(publish_many(bus, queue // 2)[-1])
             slow = [sse async for sse in slow_source.aiter_sse()]  # ends: it was disconnected
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
-        assert fast_ids == list(range(1, bus.last_seq + 1))
+            await fast.stop()
+        assert fast.ids == list(range(1, bus.last_seq + 1))
         assert slow[-1].event == "stream.overflow"
         delivered = [int(f.id) for f in slow[:-1]]
         assert delivered == list(range(1, len(delivered) + 1))
@@ -214,6 +227,28 @@ async def test_a_slow_reader_is_dropped_with_overflow_while_a_fast_one_sees_ever
             "queue": queue,
         }
         assert stats.subscribers == 1
+
+
+async def test_a_reader_that_stopped_reading_is_cut_off(http: httpx.AsyncClient) -> None:
+    settings = {"handoff.sse_queue": 16, "handoff.sse_keepalive_s": 0.05}
+    async with decode_service(settings) as server:
+        bus, stats = bus_of(server), stats_of(server)
+        url = f"{server.url}/v1/events"
+        async with (
+            aconnect_sse(http, "GET", url) as fast_source,
+            httpx.AsyncClient(timeout=httpx.Timeout(WAIT_S)) as stuck_http,
+            aconnect_sse(stuck_http, "GET", url),
+        ):
+            fast = FastReader(fast_source)
+            await publish_until_dropped(bus, stats, fast, 8)
+            # Its handler waits on a full socket; after four keep-alive periods it gives up
+            # and closes the connection instead of waiting for ever.
+            async with asyncio.timeout(WAIT_S):
+                while stats.subscribers != 1:
+                    await asyncio.sleep(0.01)
+            await fast.wait_for(publish_many(bus, 1)[-1])  # the other reader still reads
+            await fast.stop()
+        assert stats.dropped_total == 1
 
 
 async def test_keep_alive_comments_flow_while_nothing_happens() -> None:
