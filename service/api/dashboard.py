@@ -72,6 +72,8 @@ async def dashboard_summary(request: web.Request) -> web.StreamResponse:
         known += [p for h in list(runtime.decode.handoffs.values())[-RECENT:] for p in h.peers]
     for url in known:
         health.setdefault(url, PeerHealth(url, None, False, 0, 0))
+    if runtime.prefill is not None:
+        activity.settle(runtime.prefill.handoffs.keys())
     handoffs = list(activity.handoffs.values())
     return json_response(
         Summary(

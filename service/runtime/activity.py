@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from msgspec import Struct
 
@@ -43,8 +43,11 @@ class StageProgress(Struct):
 
 class HandoffActivity(Struct):
     id: str
-    state: str  # pending, transferring, completed, failed, aborted
+    #: pending, transferring, completed, failed, aborted; on a prefill service also "sent": its
+    #: stages here are done (the decode service decides the outcome).
+    state: str
     started_at: float
+    updated_at: float = 0.0  # the last event's time
     pp_size: int = 0
     bytes: int = 0
     finished_at: float | None = None
@@ -122,7 +125,17 @@ class Activity:
             )
             while len(self.handoffs) > RECENT:
                 self.handoffs.popitem(last=False)
+        h.updated_at = event.at
         return h
+
+    def settle(self, live: Collection[str]) -> None:
+        """Mark "sent" what a prefill pipeline no longer runs (`live`: the ids it does): it
+        publishes no terminal event for a handoff whose stages all arrived."""
+        for h in self.handoffs.values():
+            if h.finished_at is None and h.id not in live and h.state == "transferring":
+                self._finish(h, "sent", h.updated_at)
+                for s in h.stages:
+                    s.done = not s.failed
 
     @staticmethod
     def _stage(h: HandoffActivity, rank: int) -> StageProgress:

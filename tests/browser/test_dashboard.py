@@ -87,7 +87,11 @@ def page() -> Iterator[Any]:
                 viewport={"width": 1200, "height": 860},
             )
             try:
-                yield context.new_page()
+                page = context.new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                yield page
+                assert errors == [], errors  # the page's own script never threw
             finally:
                 context.close()
     finally:
@@ -147,6 +151,17 @@ def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, 
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+
+    # A prefill service's page shows its own stages: dash-1's part there is done.
+    prefill = page.context.new_page()
+    prefill.goto(dep.url_of_stage(0) + "/")
+    prefill.fill("#token", TOKEN)
+    prefill.click("#login button")
+    expect(prefill.locator("#role")).to_contain_text("prefill")
+    sent = prefill.locator('#recent tr[data-id="dash-1"][data-state="sent"]')
+    expect(sent).to_be_visible()
+    prefill.screenshot(path=str(ARTIFACTS / "dashboard-prefill.png"), full_page=True)
+    prefill.close()
     page.set_viewport_size({"width": 390, "height": 844})  # a phone
     page.screenshot(path=str(ARTIFACTS / "dashboard-phone.png"), full_page=True)
     # Nothing on a phone width needs horizontal scrolling.

@@ -56,5 +56,6 @@ async def test_the_snapshot_needs_the_token_and_shows_what_happened(d: Deploymen
     reply = await d.request("GET", f"{d.prefills[0].url}/v1/dashboard")
     assert reply.body["role"] == "prefill"
     [h] = reply.body["handoffs"]
-    assert [s["pp_rank"] for s in h["stages"]] == [0, 1]
+    assert h["state"] == "sent" and h["finished_at"] is not None  # its stages are done
+    assert [(s["pp_rank"], s["done"]) for s in h["stages"]] == [(0, True), (1, True)]
     assert sum(s["bytes"] for s in h["stages"]) == view["bytes"]

@@ -106,3 +106,22 @@ def test_only_the_most_recent_handoffs_are_kept() -> None:
         bus.publish(HandoffCreated(handoff_id=f"h{i}", role="decode", num_pages=1, pp_size=1))
     assert len(activity.handoffs) == RECENT
     assert next(iter(activity.handoffs)) == "h5"
+
+
+def test_settle_marks_sent_what_a_prefill_pipeline_no_longer_runs() -> None:
+    clock = Clock()
+    activity = Activity(clock)
+    bus = bus_with(activity, clock)
+    for hid in ("done", "live"):
+        bus.publish(
+            StageTransferred(
+                handoff_id=hid, role="prefill", pp_rank=1, blocks=1, bytes=8, batches=1,
+                seconds=0.01, final=False,
+            )
+        )  # fmt: skip
+    at = clock.now
+    clock.now += 5
+    activity.settle({"live"})
+    done, live = activity.handoffs["done"], activity.handoffs["live"]
+    assert (done.state, done.finished_at, done.stages[0].done) == ("sent", at, True)
+    assert (live.state, live.finished_at) == ("transferring", None)
