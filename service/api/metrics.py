@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service.http.app import CONFIG, ROUTES, VERSION
 from service.http.routing import RouteTable
@@ -31,7 +31,6 @@ routes = RouteTable()
 
 def install_metrics(app: web.Application) -> None:
     """Serve `/metrics` (an `Extension`; after the handoffs and events ones)."""
-    disable_created_metrics()  # type: ignore[no-untyped-call] # `_created` series double the output and no dashboard reads them
     metrics = app[METRICS] = Metrics(app[CONFIG].role, VERSION)
     if STREAMS in app:
         metrics.add_collector(StreamCollector(app[STREAMS]))

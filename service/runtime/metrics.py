@@ -52,7 +52,7 @@ class Metrics:
             registry=r,
         ).labels(version, role).set(1)  # fmt: skip
         self.created = Counter(
-            "kvhandoff_handoffs_created", "Handoffs this service started", registry=r
+            "kvhandoff_handoffs_accepted", "Handoffs this service accepted (created)", registry=r
         )
         self.finished = Counter(
             "kvhandoff_handoffs_finished",

@@ -46,7 +46,7 @@ async def scrape(d: Deployment, url: str) -> tuple[str, Samples]:
 
 async def test_metrics_pass_promtool_and_counters_move_by_exactly_the_run(d: Deployment) -> None:
     _, before = await scrape(d, d.decode.url)
-    assert value(before, "kvhandoff_handoffs_created_total") == 0
+    assert value(before, "kvhandoff_handoffs_accepted_total") == 0
     moves = [Move([1 + 3 * i, 2 + 3 * i], [10 + 2 * i, 11 + 2 * i], i, i) for i in range(3)]
     views = []
     for i, move in enumerate(moves):
@@ -61,7 +61,7 @@ async def test_metrics_pass_promtool_and_counters_move_by_exactly_the_run(d: Dep
     text, dec = await scrape(d, d.decode.url)
     promtool_check(text)
     assert value(dec, "kvhandoff_build_info", role="decode", version="0.1.0") == 1
-    assert value(dec, "kvhandoff_handoffs_created_total") == 4
+    assert value(dec, "kvhandoff_handoffs_accepted_total") == 4
     assert value(dec, "kvhandoff_handoffs_finished_total", state="completed", code="") == 3
     assert value(dec, "kvhandoff_handoffs_finished_total", state="aborted", code="") == 1
     assert value(dec, "kvhandoff_handoffs_in_flight") == 0

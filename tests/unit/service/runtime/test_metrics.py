@@ -52,7 +52,7 @@ def test_decode_events_move_handoff_counters_and_latency() -> None:
     bus.publish(HandoffAborted(handoff_id="h9", role="decode", reason="asked"))
     s = samples(metrics)
     assert s[("kvhandoff_build_info", (("role", "decode"), ("version", "9")))] == 1
-    assert s[("kvhandoff_handoffs_created_total", ())] == 3
+    assert s[("kvhandoff_handoffs_accepted_total", ())] == 3
     finished = {k[1]: v for k, v in s.items() if k[0] == "kvhandoff_handoffs_finished_total"}
     assert finished == {
         (("code", ""), ("state", "completed")): 1,
