@@ -67,8 +67,8 @@ def dep() -> Iterator[LocalDeployment]:
         num_pages=64,
         num_slots=8,
         token=TOKEN,
-        # A killed stage is noticed within about a second.
-        handoff=HandoffConfig(heartbeat_interval_s=0.2, peer_timeout_s=1.0),
+        # A killed stage is noticed within about two seconds; a busy machine is not a dead peer.
+        handoff=HandoffConfig(heartbeat_interval_s=0.25, peer_timeout_s=2.0),
     ) as deployment:
         yield deployment
 
