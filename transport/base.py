@@ -60,6 +60,10 @@ class Transport(Protocol):
         when that write's bytes can no longer land."""
         ...
 
+    def stats(self) -> TransportStats:
+        """Cumulative counters (a snapshot, see `TransportStats`); cheap, any thread."""
+        ...
+
     def register(self, regions: Sequence[Region]) -> None:
         """Make `regions` readable/writable by transfers, in one engine call.
 

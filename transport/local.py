@@ -18,9 +18,12 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import msgspec
+
+from transport.base import TransportStats
 from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
 from transport.config import DEFAULT_MAX_BYTES_PER_BATCH
-from transport.errors import TransportError, TransportTimeout
+from transport.errors import EngineCallError, TransportError, TransportTimeout
 from transport.regions import Region, RegionTable
 
 _ids = itertools.count(1)
@@ -43,10 +46,16 @@ def copy_blocks(blocks: Blocks) -> None:
 
 
 def _copy_unless_late(blocks: Blocks, start_by: float | None, peer: str) -> None:
-    """Worker thread: copy, unless the write's start-by instant has passed."""
+    """Worker thread: copy, unless the write's start-by instant has passed (checked right
+    before the copy, in this thread). Anything the copy raises fails the batch with that cause."""
     if start_by is not None and time.monotonic() > start_by:
         raise TransportTimeout("the write's deadline passed before this batch started", peer=peer)
-    copy_blocks(blocks)
+    try:
+        copy_blocks(blocks)
+    except Exception as exc:  # a failed copy must never read as success
+        raise EngineCallError(
+            f"local copy raised {type(exc).__name__}: {exc}", cause=exc, peer=peer
+        ) from exc
 
 
 class LocalTransport:
@@ -66,6 +75,7 @@ class LocalTransport:
             max_workers=1, thread_name_prefix="kvhandoff-local"
         )
         self._running: set[Future[None]] = set()
+        self._stats = TransportStats(worker_threads=1)
         _open[self._target] = self
 
     @property
@@ -100,7 +110,28 @@ class LocalTransport:
             fut = executor.submit(_copy_unless_late, batch, start_by, peer)
             self._running.add(fut)
             fut.add_done_callback(self._running.discard)
-            await asyncio.wrap_future(fut)
+            self._count(batches_submitted=1)
+            try:
+                await asyncio.wrap_future(fut)
+            except TransportError:
+                self._count(batches_failed=1)
+                raise
+            self._count(
+                batches_succeeded=1,
+                engine_calls=1,
+                bytes_written=batch.total_bytes,
+                blocks_written=len(batch),
+            )
+
+    def stats(self) -> TransportStats:
+        return self._stats
+
+    def _count(self, **add: int) -> None:
+        """Loop only: replace the snapshot with one where the named counters grew."""
+        s = self._stats
+        self._stats = msgspec.structs.replace(
+            s, **{name: getattr(s, name) + n for name, n in add.items()}
+        )
 
     async def quiesce(self, peer: str | None = None) -> None:
         running = list(self._running)
