@@ -206,7 +206,7 @@ class MooncakeTransport:
         self._workers = Workers(
             config.max_worker_threads,
             config.peer_idle_s,
-            name="kvhandoff-mooncake",
+            name=f"kvhandoff-mooncake {target}",
             initializer=_lower_priority,
         )
         self._calls = itertools.count(1)

@@ -19,6 +19,11 @@ from transport.errors import EngineCallError, TransportError, TransportTimeout
 from transport.mooncake import MooncakeTransport
 
 
+async def in_thread(fn, *args) -> None:
+    """Block on a FakeEngine wait without blocking the loop (the transport posts to it)."""
+    await asyncio.to_thread(fn, *args)
+
+
 def setup_blocks(
     make_buffer, transport, n: int, block: int = 16
 ) -> tuple[np.ndarray, np.ndarray, Blocks]:
@@ -59,7 +64,7 @@ async def test_inflight_batches_per_peer_are_bounded(fake_engine, make_buffer) -
     _, _, blocks = setup_blocks(make_buffer, t, 64 * 10)
     fake_engine.hang = threading.Event()
     task = asyncio.create_task(t.write("peer:1", blocks))
-    await asyncio.sleep(0.2)
+    await in_thread(fake_engine.wait_entered, 1)
     assert len(fake_engine.batch_sizes) == 1  # one worker thread per peer: one call at a time
     assert not task.done()
     fake_engine.hang.set()
@@ -73,7 +78,7 @@ async def test_peers_do_not_share_a_worker(fake_engine, make_buffer) -> None:
     _, _, blocks = setup_blocks(make_buffer, t, 8)
     fake_engine.hang = threading.Event()
     tasks = [asyncio.create_task(t.write(p, blocks)) for p in ("a:1", "b:1")]
-    await asyncio.sleep(0.2)
+    await in_thread(fake_engine.wait_entered, 2)
     assert fake_engine.active == 2
     fake_engine.hang.set()
     await asyncio.gather(*tasks)
@@ -109,7 +114,7 @@ async def test_cancelled_write_skips_batches_not_started(fake_engine, make_buffe
     _, _, blocks = setup_blocks(make_buffer, t, 640)
     fake_engine.hang = threading.Event()
     task = asyncio.create_task(t.write("peer:1", blocks))
-    await asyncio.sleep(0.1)
+    await in_thread(fake_engine.wait_entered, 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -172,9 +177,9 @@ async def test_small_writes_queued_behind_a_running_call_share_the_next_one(
     src, dst, blocks = setup_blocks(make_buffer, t, 40)
     fake_engine.hang = threading.Event()
     first = asyncio.create_task(t.write("peer:1", blocks[0:30]))
-    await asyncio.sleep(0.1)  # the worker is inside the engine with the first write
+    await in_thread(fake_engine.wait_entered, 1)  # the worker is inside the engine
     rest = [asyncio.create_task(t.write("peer:1", blocks[i : i + 2])) for i in (30, 32, 34, 36)]
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0)  # all four are queued behind it
     fake_engine.hang.set()
     await asyncio.gather(first, *rest)
     assert fake_engine.batch_sizes == [30, 8]  # four queued writes, one engine call
@@ -187,10 +192,10 @@ async def test_a_failed_shared_call_fails_every_write_in_it(fake_engine, make_bu
     _, _, blocks = setup_blocks(make_buffer, t, 10)
     fake_engine.hang = threading.Event()
     first = asyncio.create_task(t.write("peer:1", blocks[0:2]))
-    await asyncio.sleep(0.1)
+    await in_thread(fake_engine.wait_entered, 1)
     fake_engine.rc = -1
     rest = [asyncio.create_task(t.write("peer:1", blocks[i : i + 2])) for i in (2, 4)]
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0)
     fake_engine.hang.set()
     for task in [first, *rest]:
         with pytest.raises(TransportError):
@@ -208,9 +213,11 @@ async def test_no_batch_starts_after_the_writes_start_by_instant(fake_engine, ma
     # A batch queued behind a slow call is checked when the worker reaches it, not before.
     fake_engine.hang = threading.Event()
     first = asyncio.create_task(t.write("peer:1", blocks[0:5]))
-    await asyncio.sleep(0.1)
-    late = asyncio.create_task(t.write("peer:1", blocks[5:10], start_by=time.monotonic() + 0.1))
-    await asyncio.sleep(0.3)  # its instant passes while the first call still runs
+    await in_thread(fake_engine.wait_entered, 1)
+    late_by = time.monotonic() + 0.05
+    late = asyncio.create_task(t.write("peer:1", blocks[5:10], start_by=late_by))
+    while time.monotonic() <= late_by:  # its instant passes while the first call still runs
+        await asyncio.sleep(0.01)
     fake_engine.hang.set()
     await first
     with pytest.raises(TransportTimeout):
@@ -248,11 +255,6 @@ async def test_batches_are_capped_in_bytes_and_a_larger_block_is_cut(
 
 
 # -- the write path's safety rules, against the fault-injecting engine --------------------------
-
-
-async def in_thread(fn, *args) -> None:
-    """Block on a FakeEngine wait without blocking the loop (the transport posts to it)."""
-    await asyncio.to_thread(fn, *args)
 
 
 async def test_an_engine_exception_fails_every_batch_of_the_call_with_its_cause(
@@ -481,7 +483,7 @@ async def test_worker_threads_are_bounded_and_lanes_and_threads_reclaimed_when_i
     fake_engine.hang = threading.Event()
     tasks = [asyncio.create_task(t.write(f"peer:{i}", blocks[i : i + 1])) for i in range(200)]
     await in_thread(fake_engine.wait_entered, 4)
-    assert threads_named("kvhandoff-mooncake") == 4 and fake_engine.active == 4
+    assert threads_named(f"kvhandoff-mooncake {t.local_target}") == 4 and fake_engine.active == 4
     assert t.stats().live_lanes == 200 and t.stats().worker_threads == 4
     fake_engine.hang.set()
     await asyncio.gather(*tasks)
@@ -489,11 +491,11 @@ async def test_worker_threads_are_bounded_and_lanes_and_threads_reclaimed_when_i
     assert fake_engine.max_active == 4 and len(set(fake_engine.targets)) == 200
     while t.stats().live_lanes or t.stats().worker_threads:
         await asyncio.sleep(0.02)  # reclaimed after peer_idle_s; the test timeout bounds this
-    assert threads_named("kvhandoff-mooncake") == 0
+    assert threads_named(f"kvhandoff-mooncake {t.local_target}") == 0
     await t.write("peer:7", blocks[0:1])  # a reclaimed peer's lane comes back on demand
     assert t.stats().live_lanes == 1
     t.close()
-    assert threads_named("kvhandoff-mooncake") == 0 and t.stats().live_lanes == 0
+    assert threads_named(f"kvhandoff-mooncake {t.local_target}") == 0 and t.stats().live_lanes == 0
 
 
 async def test_one_call_per_peer_even_with_threads_to_spare(fake_engine, make_buffer) -> None:
@@ -526,6 +528,6 @@ async def test_close_fails_queued_batches_and_joins_the_threads(fake_engine, mak
     with pytest.raises(TransportError):
         await task
     assert fake_engine.batch_sizes == [64]
-    assert threads_named("kvhandoff-mooncake") == 0
+    assert threads_named(f"kvhandoff-mooncake {t.local_target}") == 0
     with pytest.raises(TransportError, match="closed"):
         await t.write("peer:1", blocks)
