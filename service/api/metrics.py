@@ -42,11 +42,7 @@ async def _listen(app: web.Application) -> AsyncIterator[None]:
     runtime, metrics = app[RUNTIME], app[METRICS]
     runtime.bus.add_listener(metrics.observe)
     metrics.add_collector(PeerCollector(runtime.heartbeats.health))
-    # `Transport.stats()` comes with the transport's counters (branch writepath); a transport
-    # without it exports no transport metrics rather than made-up ones.
-    stats = getattr(app[TRANSPORT], "stats", None)
-    if stats is not None:
-        metrics.add_collector(TransportCollector(stats))
+    metrics.add_collector(TransportCollector(app[TRANSPORT].stats))
     decode, prefill = runtime.decode, runtime.prefill
     if decode is not None:
         metrics.count_in_flight(lambda: sum(not h.state.terminal for h in decode.handoffs.values()))

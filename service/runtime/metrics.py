@@ -13,7 +13,6 @@ outbox, add theirs the same way). Labels are bounded: role, state, error code, p
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -34,6 +33,7 @@ from pipelines.events import (
 )
 from service.peers.heartbeat import PeerHealth
 from service.runtime.streams import StreamStats
+from transport.base import TransportStats
 
 #: 1 ms to 30 s: one page on loopback to a large request over a slow link.
 LATENCY_BUCKETS_S = (
@@ -230,7 +230,7 @@ class TransportCollector(Collector):
     read at scrape time: batches by result, bytes and blocks written, engine calls and errors by
     return code, live lanes and worker threads."""
 
-    def __init__(self, stats: Callable[[], Any]) -> None:
+    def __init__(self, stats: Callable[[], TransportStats]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:

@@ -19,7 +19,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.peers.heartbeat import PeerHealth
 from service.runtime.metrics import Metrics, PeerCollector, TransportCollector
-from tests.fakes import FakeTransportStats
 from tests.unit.service.api.test_handoffs import MOVE, Move, ready_all
 from tests.unit.service.handoff_fixtures import (
     Deployment,
@@ -27,6 +26,7 @@ from tests.unit.service.handoff_fixtures import (
     open_deployment,
 )
 from tests.unit.service.metrics_checks import Samples, parse, promtool_check, value
+from transport.base import TransportStats
 
 
 @pytest.fixture
@@ -76,6 +76,17 @@ async def test_metrics_pass_promtool_and_counters_move_by_exactly_the_run(d: Dep
     text, pre = await scrape(d, d.prefill_urls[0])
     promtool_check(text)
     assert value(pre, "kvhandoff_handoffs_in_flight") == 0
+    # The transport's own counters (read from `Transport.stats()`) agree with the events.
+    sent = {
+        kind: sum(value(pre, f"kvhandoff_stage_sent_{kind}_total", pp_rank=r) for r in "01")
+        for kind in ("bytes", "blocks", "batches")
+    }
+    assert value(pre, "kvhandoff_transport_written_bytes_total") == sent["bytes"]
+    assert value(pre, "kvhandoff_transport_written_blocks_total") == sent["blocks"]
+    assert value(pre, "kvhandoff_transport_batches_submitted_total") == sent["batches"]
+    assert value(pre, "kvhandoff_transport_batches_total", result="succeeded") == sent["batches"]
+    assert value(pre, "kvhandoff_transport_batches_total", result="failed") == 0
+    assert value(dec, "kvhandoff_transport_written_bytes_total") == 0  # decode only receives
     for rank in (0, 1):
         arrived = value(dec, "kvhandoff_stage_arrived_bytes_total", pp_rank=str(rank))
         assert value(pre, "kvhandoff_stage_sent_bytes_total", pp_rank=str(rank)) == arrived
@@ -137,9 +148,7 @@ async def test_the_grafana_dashboard_queries_only_exported_metrics(d: Deployment
     # Collectors whose series need peers or a transport with `stats()`, over test doubles.
     others = Metrics("decode", "0")
     others.add_collector(PeerCollector(lambda: [PeerHealth("http://a:1", 0.1, False, 0, 0)]))
-    others.add_collector(
-        TransportCollector(lambda: FakeTransportStats(engine_errors_by_rc={-1: 1}))
-    )
+    others.add_collector(TransportCollector(lambda: TransportStats(engine_errors_by_rc={-1: 1})))
     texts.append(generate_latest(others.registry).decode())
     exported = set()
     for text in texts:

@@ -17,8 +17,8 @@ from pipelines.events import (
     StageTransferred,
 )
 from service.runtime.metrics import Metrics, TransportCollector
-from tests.fakes import FakeTransportStats
 from tests.unit.service.metrics_checks import parse, promtool_check
+from transport.base import TransportStats
 
 
 class Clock:
@@ -95,10 +95,10 @@ def test_prefill_events_move_stage_counters_and_planning_time() -> None:
 
 def test_transport_counters_are_read_at_scrape_time() -> None:
     metrics = Metrics("prefill", "9")
-    current = [FakeTransportStats()]
+    current = [TransportStats()]
     metrics.add_collector(TransportCollector(lambda: current[0]))
     assert samples(metrics)[("kvhandoff_transport_batches_submitted_total", ())] == 0
-    current[0] = FakeTransportStats(
+    current[0] = TransportStats(
         batches_submitted=12, batches_succeeded=9, batches_failed=2, batches_timed_out=1,
         bytes_written=4096, blocks_written=64, engine_calls=10,
         engine_errors_by_rc={-1: 1, -800: 2}, engine_exceptions=1, live_lanes=3, worker_threads=2,
