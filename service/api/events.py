@@ -45,6 +45,7 @@ routes = RouteTable()
 def install_events(app: web.Application) -> None:
     """Serve the SSE routes over the role's event bus (an `Extension`; after the handoffs one)."""
     app[STREAMS] = StreamStats()
+    app[_FRAMES] = Frames(app[CONFIG].handoff.sse_buffer)
     app.on_shutdown.append(_close_streams)
     app[ROUTES].include(routes)
 
@@ -105,6 +106,26 @@ def frame(event: Event) -> bytes:
     )
 
 
+class Frames:
+    """Each event's frame, encoded once however many streams send it; keeps the last `size`
+    (the replay buffer's worth), so a resume replays from here too."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._frames: dict[int, bytes] = {}  # by seq, oldest first
+
+    def __call__(self, event: Event) -> bytes:
+        data = self._frames.get(event.seq)
+        if data is None:
+            data = self._frames[event.seq] = frame(event)
+            if len(self._frames) > self._size:
+                del self._frames[next(iter(self._frames))]
+        return data
+
+
+_FRAMES = web.AppKey("sse_frames", Frames)
+
+
 def control_frame(event: StreamGap | StreamOverflow, event_id: int) -> bytes:
     tag = type(event).__struct_config__.tag
     return b"id: %d\nevent: %s\ndata: %s\n\n" % (
@@ -127,6 +148,7 @@ class _Stream:
     def __init__(
         self, request: web.Request, response: web.StreamResponse, last_id: int, keepalive_s: float
     ) -> None:
+        self.frames = request.app[_FRAMES]
         self.request = request
         self.response = response
         self.last_id = last_id
@@ -145,7 +167,7 @@ class _Stream:
             raise ConnectionResetError("SSE reader stopped reading") from None
 
     async def send(self, events: list[Event]) -> None:
-        data = [frame(e) for e in events if e.seq > self.last_id]
+        data = [self.frames(e) for e in events if e.seq > self.last_id]
         if data:
             await self.write(b"".join(data))
             self.last_id = max(self.last_id, events[-1].seq)

@@ -19,6 +19,7 @@ import pytest
 from httpx_sse import ServerSentEvent, aconnect_sse
 
 from pipelines.events import EventBus, HandoffCompleted, HandoffCreated, StageArrived
+from service.api.events import Frames
 from service.runtime.pipelines import RUNTIME
 from service.runtime.streams import STREAMS, StreamStats
 from service.serve import Server, serve
@@ -335,3 +336,15 @@ async def test_one_handoffs_stream_runs_from_its_first_event_to_its_terminal_one
     assert again == ids
     reply = await http.get(url, headers={"Last-Event-ID": str(ids[-1])})
     assert reply.status_code == 204
+
+
+def test_a_frame_is_encoded_once_and_the_cache_is_bounded() -> None:
+    frames = Frames(2)
+    bus = EventBus()
+    events = [bus.publish(created(f"h{i}")) for i in range(3)]
+    first = frames(events[0])
+    assert first.startswith(b"id: 1\nevent: handoff.created\ndata: {") and first.endswith(b"\n\n")
+    assert frames(events[0]) is first  # the same bytes object: not encoded again
+    frames(events[1])
+    frames(events[2])  # evicts the oldest
+    assert frames(events[0]) is not first and frames(events[0]) == first
