@@ -2,17 +2,48 @@
 
 Called by the handoff pipeline (`write`, `quiesce`) and by pools (`register`, `unregister`).
 
-How a write runs. Each peer gets one worker thread that calls the engine's
-`batch_transfer_sync_write` for one batch (<= `max_blocks_per_batch` blocks) at a time — small
-batches of several writes queued behind a running call share the next one (if that call fails,
-every write in it fails: they all go to the same peer, whose failures are rarely per block); at
-most `max_inflight_batches_per_peer` batches per peer are submitted (one running, the rest queued
-for the worker), so the asyncio side gets backpressure and the engine never runs more than one
-call per peer. That bound matters: Mooncake TCP keeps a per-peer queue of about 2,048 requests; more
-queued requests fail (`TCP lane queue-full rejection`, rc -1) — measured with 8 async batches of
-2,048 in flight.
+How a write runs. `write` cuts its blocks into batches (at most `max_blocks_per_batch` blocks
+and `max_bytes_per_batch` bytes; larger blocks are cut) and queues them on the peer's lane; at most
+`max_inflight_batches_per_peer` batches per peer are submitted, so the asyncio side gets
+backpressure. Worker threads, shared by all peers (`transport.workers`: at most
+`max_worker_threads`, each exiting after `peer_idle_s` idle), drain the lanes: one engine call
+per peer at a time, small batches of several writes queued behind a running call sharing the
+next one (if it fails, every write in it fails: they all go to the same peer, whose failures are
+rarely per block). One call per peer matters: Mooncake TCP keeps a per-peer queue of about 2,048
+requests; more queued requests fail (`TCP lane queue-full rejection`, rc -1) — measured with 8
+async batches of 2,048 in flight. A lane idle for `peer_idle_s` is forgotten.
 
-Why sync calls on a thread per peer, not `batch_transfer_async_write` + one waiter thread: both
+The write path's safety rules, each enforced in one place here:
+
+1. *A batch has one outcome, and success only when the engine said so.* `_call` starts every
+   batch of a call as failed and marks success only after `batch_transfer_sync_write` returned
+   0; a non-zero rc fails them with that rc, an exception from the call or its preparation
+   (`Blocks.concat`, `.tolist()`) with `EngineCallError` carrying the cause. The outcome is
+   written once by whoever takes the batch off the lane's queue (`_report` in the worker;
+   `_expire` and `_enqueue` on the loop, under the lane lock) and read once (`_settle`), each
+   with its own exception instance. Tests: `test_an_engine_exception_fails_every_batch_...`,
+   `test_an_exception_while_preparing_the_call_fails_its_batches`.
+2. *Only the caller cancels.* The futures a write awaits carry errors as values and nothing
+   cancels them; a write's `_Write.abandoned` (its own failure or cancellation) only skips its
+   own batches not started. Tests: `test_a_later_failing_batch_never_turns_a_landed_one_...`,
+   `test_a_late_batch_does_not_cancel_the_one_before_it`,
+   `test_a_failed_write_skips_only_its_own_batches`.
+3. *No batch starts after its `start_by`, nor after its write gave up.* Checked in `_call`, in the
+   worker thread, under the lane lock, after the call's lists are built and immediately before
+   the engine call, so neither a stalled loop nor slow preparation can delay it. Test:
+   `test_no_batch_starts_after_start_by_even_if_it_passes_while_preparing`.
+4. *`quiesce` returns only once no started call can still write.* Calls are counted under the
+   same lock as check 3 (`calls_started`/`calls_ended`); `quiesce` waits for the calls started
+   before it; a call starting after it has passed check 3 after the caller abandoned its write.
+   Test: `test_only_the_callers_cancellation_cancels_and_started_calls_finish`.
+5. *A call's writes end by `max_call_s` after it started* (`MooncakeConfig.max_call_s`: the
+   engine's timeout plus 1 ns per byte of the largest batch). A peer that knows a write's
+   `start_by` knows when its bytes can no longer land: `start_by + max_call_s`.
+6. *"Stuck" is a fact, not a flag*: a lane is stuck while the call that outlived
+   `transfer_timeout_s` is still running (`_PeerLane.stuck`, read from the call ids under the
+   lock). Test: `test_a_stuck_peer_fails_queued_batches_with_their_own_current_error`.
+
+Why sync calls on worker threads, not `batch_transfer_async_write` + one waiter thread: both
 engine paths busy-wait a core while a batch runs, and on this 2-core machine (256 MiB to a
 receiver process on loopback, best of 2) they tie within noise:
 
@@ -24,7 +55,8 @@ receiver process on loopback, best of 2) they tie within noise:
 
 so the simpler one wins: one call, one return code, no batch id to free (the async path returns
 batch id 0, or -1 cast to uint64, on failure, and passing that to `get_batch_transfer_status`
-dereferences it), and a peer whose calls hang cannot stall writes to other peers.
+dereferences it), and a peer whose calls hang holds one worker thread, not the other peers'
+(up to `max_worker_threads - 1` hung peers leave a thread for the rest).
 
 What the engine does when a peer goes away (TCP, measured): a killed receiver fails the running
 batch within ~40 ms (rc -1, "Connection reset by peer"); later batches to it fail after ~1 s
@@ -34,7 +66,7 @@ constructed; floor 5 s, default 30 s) plus 1 ns per byte of the batch. So `start
 `MC_TRANSFER_TIMEOUT` from `transfer_timeout_s`, and the asyncio side enforces
 `transfer_timeout_s` per batch itself (timer armed when the worker starts the batch): the write
 raises `TransportTimeout` on time, while the worker thread stays inside the engine call until the
-engine gives up. Until then the peer is marked stuck: new writes to it fail at once, and
+engine gives up. Until then the peer is stuck (rule 6): new writes to it fail at once, and
 `quiesce(peer)` waits for the call to return — the only point after which no byte can still land.
 
 Other facts: writes into unregistered destination memory are rejected by the receiver (rc -1)
