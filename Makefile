@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
 # Shared libraries the non-CUDA Mooncake wheel links against (libcurl too: a minimal Debian lacks it).
 APT_PACKAGES := libibverbs1 librdmacm1 libnuma1 libcurl4
+# Test tools: the browser the dashboard test drives (Playwright with the system executable) and
+# promtool (from Debian's prometheus package) that checks the /metrics exposition.
+APT_TEST_TOOLS := chromium prometheus
 # The container image: its tag, its base (made locally with mmdebstrap when it cannot be pulled)
 # and the Debian tools that build and start it without a Docker daemon.
 IMAGE ?= localhost/kvhandoff:cpu
@@ -13,8 +16,8 @@ BASE ?= python:3.11-slim-bookworm
 IMAGE_TOOLS := podman buildah mmdebstrap
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: setup test lint fmt typecheck demo bench bench-plan bench-transport fuzz reliability clean \
-	image-setup image image-test
+.PHONY: setup test-tools test lint fmt typecheck demo bench bench-plan bench-transport bench-events fuzz \
+	reliability clean image-setup image image-test
 
 setup: $(STAMP)
 
@@ -31,7 +34,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[cpu,test]"
 	touch $(STAMP)
 
-test: setup
+# Only the tests need these (not the demo), so they are installed here rather than in setup.
+test-tools:
+	@if ! command -v chromium >/dev/null || ! command -v promtool >/dev/null; then \
+	  echo "installing $(APT_TEST_TOOLS)"; \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_TEST_TOOLS); \
+	fi
+
+test: setup test-tools
 	$(PY) -m pytest
 
 lint: setup
@@ -58,7 +69,7 @@ fuzz: setup
 reliability: setup
 	$(PY) -m tests.reliability --out RELIABILITY.md
 
-bench: bench-plan bench-transport
+bench: bench-plan bench-transport bench-events
 
 bench-plan: setup
 	$(VENV)/bin/kvhandoff bench plan
@@ -81,6 +92,9 @@ image: setup image-setup
 # Decode + two prefill stages started from the image, verified handoffs across them, SIGTERM.
 image-test: image
 	KVHANDOFF_TEST_IMAGE=$(IMAGE) $(PY) -m pytest tests/container -q
+
+bench-events: setup
+	$(VENV)/bin/kvhandoff bench events
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info build

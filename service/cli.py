@@ -27,6 +27,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "service.tools.bench.handoff",
         "handoffs through the HTTP services vs. raw baselines",
     ),
+    "events": (
+        "service.tools.bench.events",
+        "SSE fan-out to many readers vs. the bus publishing alone",
+    ),
 }
 
 

@@ -62,6 +62,8 @@ class ServerConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     #: Webhook outbox and other persistent state; default $XDG_STATE_HOME/kvhandoff.
     state_dir: str = ""
     log_level: LogLevel = "info"
+    #: Origins allowed to read the SSE stream from a browser page elsewhere ("*": any).
+    cors_origins: list[str] = []
 
     def __post_init__(self) -> None:
         if not self.public_url:
@@ -171,6 +173,10 @@ class HandoffConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     max_concurrent: Positive = 256
     #: Events kept for SSE `Last-Event-ID` resume.
     sse_buffer: Positive = 4096
+    #: Seconds between SSE keep-alive comments (proxies close idle streams).
+    sse_keepalive_s: PositiveSeconds = 15.0
+    #: Events one SSE subscriber may fall behind before it is dropped with `stream.overflow`.
+    sse_queue: Positive = 1024
 
 
 class PeersConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

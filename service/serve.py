@@ -35,6 +35,9 @@ EXTENSIONS: tuple[str, ...] = (
     "service.runtime.transport:install_transport",
     "service.api.validate:install_validate",
     "service.api.handoffs:install_handoffs",
+    "service.api.events:install_events",
+    "service.api.metrics:install_metrics",
+    "service.api.dashboard:install_dashboard",
 )
 
 #: How long shutdown waits for in-flight requests (SSE streams included) before closing them.

@@ -18,11 +18,20 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import msgspec
+
+from transport.base import TransportStats
 from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
-from transport.errors import TransportError, TransportTimeout
+from transport.config import DEFAULT_MAX_BYTES_PER_BATCH
+from transport.errors import EngineCallError, TransportError, TransportTimeout
 from transport.regions import Region, RegionTable
 
 _ids = itertools.count(1)
+#: `max_call_s` of a local copy: a fixed allowance for scheduling (the worker thread may wait for
+#: a core) plus the largest batch at a memmove rate far below any host's (DRAM copies run at
+#: several GB/s; 100 MB/s leaves room for a loaded, swapping machine).
+LOCAL_CALL_BASE_S = 1.0
+LOCAL_MIN_BYTES_PER_S = 100e6
 #: Open local transports of this process by target name: the peers a write can name.
 _open: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
 
@@ -37,28 +46,47 @@ def copy_blocks(blocks: Blocks) -> None:
 
 
 def _copy_unless_late(blocks: Blocks, start_by: float | None, peer: str) -> None:
-    """Worker thread: copy, unless the write's start-by instant has passed."""
+    """Worker thread: copy, unless the write's start-by instant has passed (checked right
+    before the copy, in this thread). Anything the copy raises fails the batch with that cause."""
     if start_by is not None and time.monotonic() > start_by:
         raise TransportTimeout("the write's deadline passed before this batch started", peer=peer)
-    copy_blocks(blocks)
+    try:
+        copy_blocks(blocks)
+    except Exception as exc:  # a failed copy must never read as success
+        raise EngineCallError(
+            f"local copy raised {type(exc).__name__}: {exc}", cause=exc, peer=peer
+        ) from exc
 
 
 class LocalTransport:
     """Moves blocks inside this process; every block must lie in registered regions."""
 
-    def __init__(self, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOCKS_PER_BATCH) -> None:
+    def __init__(
+        self,
+        *,
+        max_blocks_per_batch: int = DEFAULT_MAX_BLOCKS_PER_BATCH,
+        max_bytes_per_batch: int = DEFAULT_MAX_BYTES_PER_BATCH,
+    ) -> None:
         self._regions = RegionTable()
         self._target = f"local:{next(_ids)}"
         self._max_blocks = max_blocks_per_batch
+        self._max_bytes = max_bytes_per_batch
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="kvhandoff-local"
         )
         self._running: set[Future[None]] = set()
+        self._stats = TransportStats(worker_threads=1)
         _open[self._target] = self
 
     @property
     def local_target(self) -> str:
         return self._target
+
+    @property
+    def max_call_s(self) -> float:
+        """One batch's memmove, bounded generously: `LOCAL_CALL_BASE_S + max_bytes_per_batch /
+        LOCAL_MIN_BYTES_PER_S`."""
+        return LOCAL_CALL_BASE_S + self._max_bytes / LOCAL_MIN_BYTES_PER_S
 
     def register(self, regions: Sequence[Region]) -> None:
         self._check_open()
@@ -78,11 +106,32 @@ class LocalTransport:
         self._regions.check(blocks.src_addr, blocks.length, side="source", peer=peer)
         target._regions.check(blocks.dst_addr, blocks.length, side="destination", peer=peer)
         # Batches keep a cancelled write from copying much more than one batch afterwards.
-        for batch in blocks.batches(self._max_blocks):
+        for batch in blocks.batches(self._max_blocks, self._max_bytes):
             fut = executor.submit(_copy_unless_late, batch, start_by, peer)
             self._running.add(fut)
             fut.add_done_callback(self._running.discard)
-            await asyncio.wrap_future(fut)
+            self._count(batches_submitted=1)
+            try:
+                await asyncio.wrap_future(fut)
+            except TransportError:
+                self._count(batches_failed=1)
+                raise
+            self._count(
+                batches_succeeded=1,
+                engine_calls=1,
+                bytes_written=batch.total_bytes,
+                blocks_written=len(batch),
+            )
+
+    def stats(self) -> TransportStats:
+        return self._stats
+
+    def _count(self, **add: int) -> None:
+        """Loop only: replace the snapshot with one where the named counters grew."""
+        s = self._stats
+        self._stats = msgspec.structs.replace(
+            s, **{name: getattr(s, name) + n for name, n in add.items()}
+        )
 
     async def quiesce(self, peer: str | None = None) -> None:
         running = list(self._running)

@@ -17,11 +17,23 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from msgspec import Struct
+
 from pipelines.errors import KVHandoffError
 from pipelines.messages import HeartbeatMsg
 from service.peers.protocol import HttpPeers
 
 log = logging.getLogger("kvhandoff.heartbeat")
+
+
+class PeerHealth(Struct, frozen=True):
+    """One peer as the heartbeats see it (read by metrics and the dashboard)."""
+
+    url: str
+    last_heard_s: float | None  # seconds since it was last heard; None: never
+    lost: bool  # declared lost and not heard since
+    misses: int  # heartbeats to it that failed, since start
+    losses: int  # times it was declared lost, since start
 
 
 class Heartbeats:
@@ -49,6 +61,25 @@ class Heartbeats:
         self._clock = clock
         self._last: dict[str, float] = {}  # peers with live handoffs -> last time heard
         self._lost_peers: set[str] = set()
+        # Cumulative, for metrics: one entry per peer ever shared (a deployment's peers).
+        self._heard_at: dict[str, float] = {}
+        self._misses: dict[str, int] = {}
+        self._losses: dict[str, int] = {}
+
+    def health(self) -> list[PeerHealth]:
+        """Every peer shared so far, by URL."""
+        now = self._clock()
+        peers = sorted(self._heard_at.keys() | self._misses.keys() | self._losses.keys())
+        return [
+            PeerHealth(
+                url=url,
+                last_heard_s=now - self._heard_at[url] if url in self._heard_at else None,
+                lost=url in self._lost_peers,
+                misses=self._misses.get(url, 0),
+                losses=self._losses.get(url, 0),
+            )
+            for url in peers
+        ]
 
     def watch(
         self,
@@ -63,6 +94,7 @@ class Heartbeats:
 
     def heard(self, url: str) -> None:
         """`url` answered or sent a heartbeat."""
+        self._heard_at[url] = self._clock()
         if url in self._last:
             self._last[url] = self._clock()
         if url in self._lost_peers:
@@ -92,6 +124,7 @@ class Heartbeats:
             if silent > self.timeout_s:
                 del self._last[peer]
                 self._lost_peers.add(peer)
+                self._losses[peer] = self._losses.get(peer, 0) + 1
                 reason = f"was silent for {silent:.1f} s (heartbeat timeout {self.timeout_s:g} s)"
                 log.warning("peer %s %s; failing its handoffs", peer, reason)
                 result = self._lost(peer, reason)
@@ -104,5 +137,6 @@ class Heartbeats:
             await self._peers.heartbeat(peer, msg, timeout_s=self.interval_s)
         except KVHandoffError as exc:
             log.debug("heartbeat to %s failed: %s", peer, exc)
+            self._misses[peer] = self._misses.get(peer, 0) + 1
             return
         self.heard(peer)

@@ -8,7 +8,7 @@ handoffs with fragmented page lists: fills every source page with bytes that are
 (request, layer, group or kind, page ordinal), creates the handoff on the decode service, tells
 each stage its pages are ready, long-polls until the handoff is terminal, and checks every byte
 landed in the right decode layer, group, page and slot. `--serve` keeps the deployment up
-afterwards (its URLs as one JSON line) until SIGINT/SIGTERM.
+afterwards (its URLs, the dashboard's included, as one JSON line) until SIGINT/SIGTERM.
 
 `--inprocess` runs the same workload against the pipelines linked in this one process (the
 embedded mode, with `--transport local|mooncake`): a baseline without HTTP or processes.
@@ -80,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--serve",
         action="store_true",
-        help="afterwards keep the deployment up, print its URLs as one JSON line, and wait for "
-        "SIGINT/SIGTERM",
+        help="afterwards keep the deployment up, print its URLs (the dashboard's too) as one "
+        "JSON line, and wait for SIGINT/SIGTERM",
     )
     parser.add_argument(
         "--baseline",
@@ -364,7 +364,9 @@ async def _over_http(dep: LocalDeployment, args: argparse.Namespace) -> int:
         results, wall, args, mode="multiprocess", transport=dep.transport.backend, raw=baseline
     )
     if args.serve:
-        print(json.dumps(_serve_info(dep)), flush=True)
+        info = _serve_info(dep)
+        print(json.dumps(info), flush=True)
+        print(f"kvhandoff demo: dashboard at {info['dashboard']} (Ctrl-C stops)", file=sys.stderr)
         await stop.wait()
     return status
 
@@ -394,6 +396,8 @@ def _serve_info(dep: LocalDeployment) -> dict[str, Any]:
         "prefill": dep.prefill_urls,
         "stages": {str(r): dep.url_of_stage(r) for r in range(dep.pp_size)},
         "openapi": f"{dep.decode_url}/openapi.json",
+        "dashboard": f"{dep.decode_url}/",
+        "metrics": f"{dep.decode_url}/metrics",
     }
 
 

@@ -98,7 +98,11 @@ def test_serve_prints_its_urls_and_cleans_up_on_a_signal(sig: int) -> None:
         summary = json.loads(proc.stdout.readline())
         info = json.loads(proc.stdout.readline())
         assert summary["verified"] == 4
-        assert set(info) == {"decode", "prefill", "stages", "openapi"}
+        assert set(info) == {"decode", "prefill", "stages", "openapi", "dashboard", "metrics"}
+        with urllib.request.urlopen(info["dashboard"], timeout=10) as page:
+            assert page.headers["Content-Type"].startswith("text/html")
+        with urllib.request.urlopen(info["metrics"], timeout=10) as metrics:
+            assert b"kvhandoff_handoffs_finished_total" in metrics.read()
         assert sorted(info["stages"]) == ["0", "1", "2", "3"]
         assert sorted(info["stages"].values()) == sorted(info["prefill"])
         for url in [info["decode"], *info["prefill"]]:

@@ -1,0 +1,115 @@
+"""The live dashboard: `GET /` (one self-contained HTML page) and `GET /v1/dashboard` (its JSON
+snapshot), installed on both roles by `install_dashboard`.
+
+The page loads the snapshot once (recent handoffs with per-stage progress, throughput buckets,
+latency percentiles, peers and their heartbeat health) and then applies the live events of
+`GET /v1/events`; it refreshes the snapshot every few seconds for the charts and peers. The page
+itself is open (it holds no data); the snapshot and the stream are API routes and need the
+token when one is set — the page asks for it once and keeps it in memory only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from importlib import resources
+
+from aiohttp import web
+from msgspec import Struct
+
+from service.http.app import CONFIG, ROUTES, VERSION, json_response
+from service.http.routing import RouteTable
+from service.peers.heartbeat import PeerHealth
+from service.runtime.activity import BUCKET_S, RECENT, Activity, Bucket, HandoffActivity, Latency
+from service.runtime.pipelines import RUNTIME
+
+ACTIVITY = web.AppKey("dashboard_activity", Activity)
+_PAGE = web.AppKey("dashboard_page", bytes)
+
+routes = RouteTable()
+
+
+def install_dashboard(app: web.Application) -> None:
+    """Serve the page and its snapshot (an `Extension`; after the handoffs one)."""
+    app[ACTIVITY] = Activity()
+    app[_PAGE] = resources.files("service.api").joinpath("dashboard.html").read_bytes()
+    app.cleanup_ctx.append(_listen)
+    app[ROUTES].include(routes)
+
+
+async def _listen(app: web.Application) -> AsyncIterator[None]:
+    app[RUNTIME].bus.add_listener(app[ACTIVITY].observe)
+    yield
+
+
+class Summary(Struct, frozen=True):
+    role: str
+    url: str
+    version: str
+    now: float
+    last_event_id: int
+    in_flight: int
+    handoffs: list[HandoffActivity]  # most recent last
+    throughput: list[Bucket]
+    bucket_s: float
+    latency: Latency
+    peers: list[PeerHealth]
+
+
+@routes.get(
+    "/v1/dashboard",
+    response=Summary,
+    summary="The dashboard's snapshot: recent handoffs, throughput, latency, peer health",
+    tags=("observability",),
+)
+async def dashboard_summary(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    runtime, activity, config = app[RUNTIME], app[ACTIVITY], app[CONFIG]
+    health = {p.url: p for p in runtime.heartbeats.health()}
+    # Peers configured or named by recent handoffs, but not heard by the heartbeats yet.
+    known = list(config.peers.prefill)
+    if runtime.decode is not None:
+        known += [p for h in list(runtime.decode.handoffs.values())[-RECENT:] for p in h.peers]
+    for url in known:
+        health.setdefault(url, PeerHealth(url, None, False, 0, 0))
+    if runtime.prefill is not None:
+        activity.settle(runtime.prefill.handoffs.keys())
+    handoffs = list(activity.handoffs.values())
+    return json_response(
+        Summary(
+            role=config.role,
+            url=config.server.public_url,
+            version=VERSION,
+            now=time.time(),
+            last_event_id=runtime.bus.last_seq,
+            in_flight=sum(h.finished_at is None for h in handoffs),
+            handoffs=handoffs,
+            throughput=activity.buckets(),
+            bucket_s=BUCKET_S,
+            latency=activity.latency(),
+            peers=sorted(health.values(), key=lambda p: p.url),
+        )
+    )
+
+
+@routes.get(
+    "/",
+    response=str,
+    content_type="text/html",
+    summary="The live dashboard page (self-contained HTML)",
+    tags=("observability",),
+)
+async def dashboard_page(request: web.Request) -> web.StreamResponse:
+    return web.Response(
+        body=request.app[_PAGE],
+        content_type="text/html",
+        charset="utf-8",
+        headers={"Cache-Control": "no-cache", "Content-Security-Policy": _CSP},
+    )
+
+
+# Everything is inline; nothing may load from elsewhere.
+_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src 'self' data:"
+)

@@ -1,0 +1,288 @@
+"""Prometheus metrics of one service: a registry per app, fed by the event bus and read at scrape.
+
+`Metrics(role, version)` owns a `CollectorRegistry` (one per app, so tests and embedded services
+never share counters). Handoff and stage metrics move in `Metrics.observe`, a bus listener
+(`EventBus.add_listener`): every number is derived from the one event union, so the metrics, the
+SSE stream and the API timeline cannot disagree. State that lives elsewhere — peer health from
+the heartbeats, SSE readers — is read at scrape time by collectors added with
+`Metrics.add_collector` (`service.api.metrics` adds them; other features, e.g. the webhook
+outbox, add theirs the same way). Labels are bounded: role, state, error code, pp_rank, peer URL
+— never a handoff id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pipelines.events import (
+    TERMINAL_EVENTS,
+    ChunksEmitted,
+    Event,
+    HandoffAborted,
+    HandoffCompleted,
+    HandoffCreated,
+    HandoffFailed,
+    StageArrived,
+    StagePaired,
+    StageTransferred,
+)
+from service.peers.heartbeat import PeerHealth
+from service.runtime.streams import StreamStats
+from transport.base import TransportStats
+
+#: 1 ms to 30 s: one page on loopback to a large request over a slow link.
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+#: Error codes that mean the two sides' layouts do not pair (no byte moved).
+PAIRING_CODES = frozenset({"pairing_error", "layout_error", "plan_error"})
+
+
+class Metrics:
+    def __init__(self, role: str, version: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        Gauge(
+            "kvhandoff_build_info", "Build of this service (always 1)", ["version", "role"],
+            registry=r,
+        ).labels(version, role).set(1)  # fmt: skip
+        self.created = Counter(
+            "kvhandoff_handoffs_accepted", "Handoffs this service accepted (created)", registry=r
+        )
+        self.finished = Counter(
+            "kvhandoff_handoffs_finished",
+            "Handoffs that reached a terminal state, by state and error code",
+            ["state", "code"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvhandoff_handoffs_in_flight", "Handoffs started and not yet terminal", registry=r
+        )
+        self.latency = Histogram(
+            "kvhandoff_handoff_duration_seconds",
+            "End-to-end time of completed handoffs (created to last stage arrived)",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.transfer = Histogram(
+            "kvhandoff_stage_transfer_seconds",
+            "Time one stage's transfer (one send of its chunks) took, by pp_rank",
+            ["pp_rank"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.planning = Histogram(
+            "kvhandoff_stage_planning_seconds",
+            "Time from a stage's chunks emitted to its blocks planned, by pp_rank",
+            ["pp_rank"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.sent_bytes = Counter(
+            "kvhandoff_stage_sent_bytes", "Bytes a prefill stage wrote", ["pp_rank"], registry=r
+        )
+        self.sent_blocks = Counter(
+            "kvhandoff_stage_sent_blocks", "Blocks a prefill stage wrote", ["pp_rank"], registry=r
+        )
+        self.sent_batches = Counter(
+            "kvhandoff_stage_sent_batches",
+            "Transfer batches a prefill stage submitted",
+            ["pp_rank"],
+            registry=r,
+        )
+        self.arrived_bytes = Counter(
+            "kvhandoff_stage_arrived_bytes",
+            "Bytes the decode service was told arrived, by the stage that sent them",
+            ["pp_rank"],
+            registry=r,
+        )
+        self.pairing_failures = Counter(
+            "kvhandoff_pairing_failures",
+            "Handoffs failed because the layouts do not pair, by error code",
+            ["code"],
+            registry=r,
+        )
+        # (handoff, pp_rank) -> when its chunks were emitted; cleared at the terminal event.
+        self._emitted_at: dict[tuple[str, int], float] = {}
+
+    def count_in_flight(self, live: Callable[[], int]) -> None:
+        """Read the in-flight gauge from the pipeline at scrape time (a prefill service sees no
+        terminal event for a handoff that went well, so events alone cannot count it)."""
+        self.in_flight.set_function(live)
+
+    def add_collector(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+    def observe(self, event: Event) -> None:
+        """The bus listener: move the metrics by what `event` says happened."""
+        match event:
+            case HandoffCreated():
+                self.created.inc()
+            case ChunksEmitted():
+                self._emitted_at[(event.handoff_id, event.pp_rank)] = event.at
+            case StagePaired():
+                emitted = self._emitted_at.pop((event.handoff_id, event.pp_rank), None)
+                if emitted is not None:
+                    self.planning.labels(str(event.pp_rank)).observe(max(event.at - emitted, 0))
+            case StageTransferred():
+                rank = str(event.pp_rank)
+                self.sent_bytes.labels(rank).inc(event.bytes)
+                self.sent_blocks.labels(rank).inc(event.blocks)
+                self.sent_batches.labels(rank).inc(event.batches)
+                self.transfer.labels(rank).observe(event.seconds)
+            case StageArrived():
+                self.arrived_bytes.labels(str(event.pp_rank)).inc(event.bytes)
+            case HandoffCompleted():
+                self.finished.labels("completed", "").inc()
+                self.latency.observe(event.seconds)
+            case HandoffFailed():
+                self.finished.labels("failed", event.code).inc()
+                if event.code in PAIRING_CODES:
+                    self.pairing_failures.labels(event.code).inc()
+            case HandoffAborted():
+                self.finished.labels("aborted", "").inc()
+            case _:
+                pass
+        if isinstance(event, StageTransferred) and event.final:
+            self._emitted_at.pop((event.handoff_id, event.pp_rank), None)
+        elif isinstance(event, TERMINAL_EVENTS):
+            for key in [k for k in self._emitted_at if k[0] == event.handoff_id]:
+                del self._emitted_at[key]
+
+
+#: The app's `Metrics`, set by `service.api.metrics.install_metrics`; a feature with numbers of
+#: its own adds a collector here when it starts (`app[METRICS].add_collector(...)`).
+METRICS = web.AppKey("metrics", Metrics)
+
+
+class PeerCollector(Collector):
+    """Per-peer heartbeat health, read from the heartbeats at scrape time."""
+
+    def __init__(self, health: Callable[[], list[PeerHealth]]) -> None:
+        self._health = health
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        peers = self._health()
+        up = GaugeMetricFamily(
+            "kvhandoff_peer_up", "1 while a peer answers heartbeats, 0 once lost", labels=["peer"]
+        )
+        heard = GaugeMetricFamily(
+            "kvhandoff_peer_last_heard_seconds",
+            "Seconds since the peer was last heard",
+            labels=["peer"],
+        )
+        misses = CounterMetricFamily(
+            "kvhandoff_peer_heartbeat_misses",
+            "Heartbeats to the peer that failed",
+            labels=["peer"],
+        )
+        lost = CounterMetricFamily(
+            "kvhandoff_peer_lost", "Times the peer was declared lost", labels=["peer"]
+        )
+        for p in peers:
+            up.add_metric([p.url], 0.0 if p.lost else 1.0)
+            if p.last_heard_s is not None:
+                heard.add_metric([p.url], p.last_heard_s)
+            misses.add_metric([p.url], p.misses)
+            lost.add_metric([p.url], p.losses)
+        return [up, heard, misses, lost]
+
+    def describe(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        return []
+
+
+class StreamCollector(Collector):
+    """SSE readers (`service.api.events`), read at scrape time."""
+
+    def __init__(self, stats: StreamStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._stats
+        yield GaugeMetricFamily(
+            "kvhandoff_sse_subscribers", "Open SSE streams", value=s.subscribers
+        )
+        yield CounterMetricFamily(
+            "kvhandoff_sse_streams", "SSE streams opened", value=s.opened_total
+        )
+        yield CounterMetricFamily(
+            "kvhandoff_sse_dropped",
+            "SSE readers dropped for falling behind (stream.overflow)",
+            value=s.dropped_total,
+        )
+        yield CounterMetricFamily(
+            "kvhandoff_sse_gaps",
+            "SSE resumes that asked for events no longer buffered (stream.gap)",
+            value=s.gaps_total,
+        )
+
+    def describe(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        return []
+
+
+class TransportCollector(Collector):
+    """The transport's cumulative counters (`Transport.stats()`, a snapshot any thread may take),
+    read at scrape time: batches by result, bytes and blocks written, engine calls and errors by
+    return code, live lanes and worker threads."""
+
+    def __init__(self, stats: Callable[[], TransportStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._stats()
+        yield CounterMetricFamily(
+            "kvhandoff_transport_batches_submitted",
+            "Transfer batches handed to the engine",
+            value=s.batches_submitted,
+        )
+        batches = CounterMetricFamily(
+            "kvhandoff_transport_batches",
+            "Transfer batches by result (succeeded, failed, timed_out)",
+            labels=["result"],
+        )
+        batches.add_metric(["succeeded"], s.batches_succeeded)
+        batches.add_metric(["failed"], s.batches_failed)
+        batches.add_metric(["timed_out"], s.batches_timed_out)
+        yield batches
+        yield CounterMetricFamily(
+            "kvhandoff_transport_written_bytes",
+            "Bytes of succeeded batches",
+            value=s.bytes_written,
+        )
+        yield CounterMetricFamily(
+            "kvhandoff_transport_written_blocks",
+            "Blocks of succeeded batches",
+            value=s.blocks_written,
+        )
+        yield CounterMetricFamily(
+            "kvhandoff_transport_engine_calls", "Engine calls made", value=s.engine_calls
+        )
+        errors = CounterMetricFamily(
+            "kvhandoff_transport_engine_errors",
+            "Engine calls that returned a non-zero return code, by code",
+            labels=["rc"],
+        )
+        for rc, count in sorted(s.engine_errors_by_rc.items()):
+            errors.add_metric([str(rc)], count)
+        yield errors
+        yield CounterMetricFamily(
+            "kvhandoff_transport_engine_exceptions",
+            "Engine calls that raised",
+            value=s.engine_exceptions,
+        )
+        yield GaugeMetricFamily(
+            "kvhandoff_transport_lanes", "Peers with a transfer lane now", value=s.live_lanes
+        )
+        yield GaugeMetricFamily(
+            "kvhandoff_transport_worker_threads",
+            "Transfer worker threads alive now",
+            value=s.worker_threads,
+        )
+
+    def describe(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        return []

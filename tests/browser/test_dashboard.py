@@ -1,0 +1,241 @@
+"""The dashboard page (`GET /`) in a real browser against a real deployment.
+
+Debian's Chromium, driven by Playwright with the system executable, opens the decode service's
+page of a `LocalDeployment` (decode + 2 PP prefill processes, real Mooncake over TCP) that
+requires a token: the page asks for it. The test then starts handoffs over the API and waits
+for the page to show them in flight and then completed, without a reload; kills a stage's
+process and waits for the failure (with its reason and stage) and the lost peer. A screenshot
+is saved under `tests/artifacts/`. Every wait is for something to appear on the page, bounded
+by `WAIT_MS` only so that a broken page fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import tempfile
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipelines.events import EventBus, HandoffCompleted, HandoffCreated
+from service.config import HandoffConfig
+from service.runtime.pipelines import RUNTIME
+from service.serve import serve
+from service.tools.deployment import LocalDeployment
+from tests.unit.service.handoff_fixtures import decode_config, extensions
+
+pytestmark = pytest.mark.integration
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+TOKEN = "dashboard-test-token"
+WAIT_MS = 30_000
+
+
+def call(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Authorization", f"Bearer {TOKEN}")
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return resp.status, json.loads(resp.read() or b"null")
+
+
+@pytest.fixture
+def dep() -> Iterator[LocalDeployment]:
+    with LocalDeployment(
+        model={"scale": 64, "page_size": 16, "num_layers": 16},
+        pp_size=2,
+        num_pages=64,
+        num_slots=8,
+        token=TOKEN,
+        # A killed stage is noticed within about two seconds; a busy machine is not a dead peer.
+        handoff=HandoffConfig(heartbeat_interval_s=0.25, peer_timeout_s=2.0),
+    ) as deployment:
+        yield deployment
+
+
+@pytest.fixture
+def page() -> Iterator[Any]:
+    assert shutil.which(CHROMIUM) or Path(CHROMIUM).exists(), "make setup installs chromium"
+    profile = tempfile.mkdtemp(prefix="kvhandoff-chromium-")
+    try:
+        with playwright_api.sync_playwright() as pw:
+            # A fresh profile per run; Playwright takes it as the persistent context's dir.
+            context = pw.chromium.launch_persistent_context(
+                profile,
+                executable_path=CHROMIUM,
+                args=CHROMIUM_ARGS,
+                viewport={"width": 1200, "height": 860},
+            )
+            try:
+                page = context.new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                yield page
+                assert errors == [], errors  # the page's own script never threw
+            finally:
+                context.close()
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def create(dep: LocalDeployment, handoff_id: str, dst: list[int], slot: int) -> None:
+    status, view = call(
+        "POST",
+        f"{dep.decode_url}/v1/handoffs",
+        {"id": handoff_id, "prefill": dep.prefill_urls, "dst_pages": dst, "dst_slot": slot},
+    )
+    assert status == 201, view
+
+
+def ready(dep: LocalDeployment, handoff_id: str, rank: int, src: list[int], slot: int) -> None:
+    url = f"{dep.url_of_stage(rank)}/v1/handoffs/{handoff_id}/stages/{rank}/ready"
+    status, ack = call("POST", url, {"src_pages": src, "src_slot": slot})
+    assert status == 202, ack
+
+
+def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, page: Any) -> None:
+    expect = playwright_api.expect
+    page.set_default_timeout(WAIT_MS)
+    expect.set_options(timeout=WAIT_MS)
+    page.goto(dep.decode_url + "/")
+    # The page needs the token, asks once, and keeps it out of every URL.
+    expect(page.locator("#login")).to_be_visible()
+    page.fill("#token", TOKEN)
+    page.click("#login button")
+    expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+    assert TOKEN not in page.url
+
+    # In flight: stage 0 arrived, stage 1 not signalled yet.
+    create(dep, "dash-1", [3, 4], 1)
+    ready(dep, "dash-1", 0, [1, 2], 1)
+    row = page.locator('#inflight tr[data-id="dash-1"]')
+    expect(row).to_be_visible()
+    expect(row.locator('.stage[data-rank="0"]')).to_have_attribute("data-done", "true")
+    expect(row.locator('.stage[data-rank="1"]')).to_have_attribute("data-done", "false")
+    ready(dep, "dash-1", 1, [1, 2], 1)
+    expect(page.locator('#recent tr[data-id="dash-1"][data-state="completed"]')).to_be_visible()
+    expect(row).to_have_count(0)
+
+    # A stage dies with a handoff waiting on it: the failure and the lost peer show.
+    create(dep, "dash-2", [5, 6], 2)
+    ready(dep, "dash-2", 0, [7, 8], 2)
+    expect(page.locator('#inflight tr[data-id="dash-2"]')).to_be_visible()
+    lost_url = dep.url_of_stage(1)
+    dep.kill(1)
+    failed = page.locator('#recent tr[data-id="dash-2"][data-state="failed"]')
+    expect(failed).to_be_visible()
+    expect(failed).to_contain_text("peer_unreachable")
+    expect(failed).to_contain_text("stage 1")
+    expect(page.locator(f'#peers tr[data-peer="{lost_url}"][data-lost="true"]')).to_be_visible()
+    expect(page.locator("#k-p50")).not_to_have_text("\u2013")
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+
+    # A prefill service's page shows its own stages: dash-1's part there is done.
+    prefill = page.context.new_page()
+    prefill.goto(dep.url_of_stage(0) + "/")
+    prefill.fill("#token", TOKEN)
+    prefill.click("#login button")
+    expect(prefill.locator("#role")).to_contain_text("prefill")
+    sent = prefill.locator('#recent tr[data-id="dash-1"][data-state="sent"]')
+    expect(sent).to_be_visible()
+    prefill.screenshot(path=str(ARTIFACTS / "dashboard-prefill.png"), full_page=True)
+    prefill.close()
+    page.set_viewport_size({"width": 390, "height": 844})  # a phone
+    page.screenshot(path=str(ARTIFACTS / "dashboard-phone.png"), full_page=True)
+    # Nothing on a phone width needs horizontal scrolling.
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+
+
+class ThreadedDecode:
+    """A decode service in this process on a fixed port, run by its own event loop in a thread,
+    so the test can stop it and start a new one on the same port while the page stays open."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self.bus: EventBus | None = None
+
+    def start(self) -> ThreadedDecode:
+        up = threading.Event()
+        config = decode_config({"server.port": self.port})
+
+        async def main() -> None:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            async with serve(config, extensions) as server:
+                self.bus = server.app[RUNTIME].bus
+                up.set()
+                await self._stop.wait()
+
+        self._thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+        self._thread.start()
+        assert up.wait(30), "the decode service did not start"
+        return self
+
+    def publish(self, event: Any) -> None:
+        assert self._loop is not None and self.bus is not None
+        bus = self.bus
+        self._loop.call_soon_threadsafe(bus.publish, event)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(30)
+            self._loop = None
+
+
+def test_the_page_reconnects_by_itself_after_a_restart_and_says_so(page: Any) -> None:
+    expect = playwright_api.expect
+    page.set_default_timeout(WAIT_MS)
+    expect.set_options(timeout=WAIT_MS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = ThreadedDecode(port).start()
+    second = None
+    try:
+        page.goto(f"http://127.0.0.1:{port}/")  # no token: the page uses EventSource
+        expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+        first.publish(HandoffCreated(handoff_id="before", role="decode", num_pages=1, pp_size=2))
+        expect(page.locator('#inflight tr[data-id="before"]')).to_be_visible()
+        first.stop()
+        expect(page.locator("#conn")).to_have_attribute("data-state", "down")
+        second = ThreadedDecode(port).start()
+        expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+        expect(page.locator("#notice")).to_contain_text("reconnected")
+        expect(page.locator("#notice")).to_contain_text("restarted")
+        expect(page.locator('#inflight tr[data-id="before"]')).to_have_count(0)  # reloaded
+        second.publish(HandoffCreated(handoff_id="after", role="decode", num_pages=1, pp_size=2))
+        second.publish(
+            HandoffCompleted(
+                handoff_id="after", role="decode", bytes=1, seconds=0.1, verified=False
+            )
+        )
+        expect(page.locator('#recent tr[data-id="after"][data-state="completed"]')).to_be_visible()
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()

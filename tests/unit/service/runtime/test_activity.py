@@ -1,0 +1,127 @@
+"""`service.runtime.activity.Activity`: the dashboard's model, moved by events (fake clock)."""
+
+from __future__ import annotations
+
+from pipelines.events import (
+    EventBus,
+    HandoffCompleted,
+    HandoffCreated,
+    HandoffFailed,
+    StageArrived,
+    StageTransferred,
+)
+from service.runtime.activity import BUCKET_S, RECENT, WINDOW_S, Activity
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def bus_with(activity: Activity, clock: Clock) -> EventBus:
+    bus = EventBus(clock=clock)
+    bus.add_listener(activity.observe)
+    return bus
+
+
+def test_a_handoff_moves_through_its_states_with_per_stage_progress() -> None:
+    clock = Clock()
+    activity = Activity(clock)
+    bus = bus_with(activity, clock)
+    bus.publish(HandoffCreated(handoff_id="a", role="decode", num_pages=2, pp_size=2))
+    assert activity.handoffs["a"].state == "pending"
+    clock.now += 0.1
+    bus.publish(
+        StageArrived(handoff_id="a", role="decode", pp_rank=1, bytes=300, arrived=1, expected=2)
+    )
+    h = activity.handoffs["a"]
+    assert h.state == "transferring" and h.bytes == 300
+    assert [(s.pp_rank, s.bytes, s.done) for s in h.stages] == [(1, 300, True)]
+    clock.now += 0.1
+    bus.publish(
+        StageArrived(handoff_id="a", role="decode", pp_rank=0, bytes=200, arrived=2, expected=2)
+    )
+    bus.publish(
+        HandoffCompleted(handoff_id="a", role="decode", bytes=500, seconds=0.2, verified=False)
+    )
+    assert [s.pp_rank for s in h.stages] == [0, 1]
+    assert h.state == "completed" and h.seconds == 0.2 and h.finished_at == clock.now
+    bus.publish(HandoffCreated(handoff_id="b", role="decode", num_pages=1, pp_size=2))
+    bus.publish(
+        HandoffFailed(handoff_id="b", role="decode", code="peer_unreachable", reason="x", pp_rank=1)
+    )
+    b = activity.handoffs["b"]
+    assert (b.state, b.code, b.pp_rank) == ("failed", "peer_unreachable", 1)
+    assert b.stages[0].failed
+
+
+def test_prefill_progress_counts_layers_sent_and_the_final_send() -> None:
+    clock = Clock()
+    activity = Activity(clock)
+    bus = bus_with(activity, clock)
+    for final in (False, True):
+        bus.publish(
+            StageTransferred(
+                handoff_id="p", role="prefill", pp_rank=0, blocks=2, bytes=64, batches=1,
+                seconds=0.01, final=final,
+            )
+        )  # fmt: skip
+    s = activity.handoffs["p"].stages[0]
+    assert (s.bytes, s.layers, s.done) == (128, 2, True)
+
+
+def test_throughput_buckets_and_latency_cover_the_window_only() -> None:
+    clock = Clock(10_000.0)
+    activity = Activity(clock)
+    bus = bus_with(activity, clock)
+    for i, seconds in enumerate([0.01, 0.02, 0.03, 0.04, 1.0]):
+        bus.publish(
+            StageArrived(handoff_id=f"h{i}", role="decode", pp_rank=0, bytes=10, arrived=1,
+                         expected=1)
+        )  # fmt: skip
+        bus.publish(
+            HandoffCompleted(
+                handoff_id=f"h{i}", role="decode", bytes=10, seconds=seconds, verified=False
+            )
+        )
+    buckets = activity.buckets()
+    assert len(buckets) == int(WINDOW_S // BUCKET_S) + 1
+    assert sum(b.bytes for b in buckets) == 50 and sum(b.handoffs for b in buckets) == 5
+    assert buckets[-1].handoffs == 5  # all now
+    latency = activity.latency()
+    assert (latency.count, latency.p50_s, latency.p99_s) == (5, 0.03, 1.0)
+    clock.now += WINDOW_S + BUCKET_S
+    assert sum(b.handoffs for b in activity.buckets()) == 0
+    assert activity.latency().count == 0
+
+
+def test_only_the_most_recent_handoffs_are_kept() -> None:
+    clock = Clock()
+    activity = Activity(clock)
+    bus = bus_with(activity, clock)
+    for i in range(RECENT + 5):
+        bus.publish(HandoffCreated(handoff_id=f"h{i}", role="decode", num_pages=1, pp_size=1))
+    assert len(activity.handoffs) == RECENT
+    assert next(iter(activity.handoffs)) == "h5"
+
+
+def test_settle_marks_sent_what_a_prefill_pipeline_no_longer_runs() -> None:
+    clock = Clock()
+    activity = Activity(clock)
+    bus = bus_with(activity, clock)
+    for hid in ("done", "live"):
+        bus.publish(
+            StageTransferred(
+                handoff_id=hid, role="prefill", pp_rank=1, blocks=1, bytes=8, batches=1,
+                seconds=0.01, final=False,
+            )
+        )  # fmt: skip
+    at = clock.now
+    clock.now += 5
+    activity.settle({"live"})
+    done, live = activity.handoffs["done"], activity.handoffs["live"]
+    assert (done.state, done.finished_at, done.stages[0].done) == ("sent", at, True)
+    assert (live.state, live.finished_at) == ("transferring", None)
