@@ -45,6 +45,19 @@ SECURITY_SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+#: One Server-Sent Events frame as a client parses it (what tools validate each event against):
+#: `event` is the stable tag, `id` the sequence number, `data` the JSON event as text.
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "data": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+
+
 def _never(role: AuthRole) -> bool:
     return False
 
@@ -120,6 +133,8 @@ def _operation(r: Route, schema_of: dict[Any, Any], secured: bool) -> dict[str, 
     ok: dict[str, Any] = {"description": "success"}
     if r.response is not None:
         ok["content"] = {r.content_type: {"schema": schema_of[r.response]}}
+    elif r.content_type == "text/event-stream":
+        ok["content"] = {r.content_type: {"schema": SSE_EVENT_SCHEMA}}
     elif r.content_type != "application/json":
         ok["content"] = {r.content_type: {"schema": {"type": "string"}}}
     for status in (r.status, *r.also):
