@@ -347,16 +347,24 @@ class MooncakeTransport:
         lane.inflight += 1
         with self._counts.lock:
             self._counts.submitted += 1
-        if self._closed:
-            batch.outcome = TransportError("transport closed before the batch ran", peer=lane.peer)
-            self._settle(lane, batch)
-            return
         with lane.lock:
             lane.pending.append(batch)
             start = not lane.scheduled
             lane.scheduled = True
-        if start:
-            self._workers.submit(functools.partial(self._drain, lane, loop))
+        if not start:
+            return  # the lane's drain, queued or running, takes it
+        if not self._closed:
+            # `Workers.submit` refuses once `close` (perhaps on another thread) has finished.
+            with contextlib.suppress(RuntimeError):
+                self._workers.submit(functools.partial(self._drain, lane, loop))
+                return
+        with lane.lock:
+            stranded = list(lane.pending)
+            lane.pending.clear()
+            lane.scheduled = False
+        for queued in stranded:
+            queued.outcome = TransportError("transport closed before the batch ran", peer=lane.peer)
+            self._settle(lane, queued)
 
     def _settle(self, lane: _PeerLane, batch: _Batch) -> None:
         """Loop: read the batch's outcome (once), free its slot, hand it to its write."""
