@@ -36,9 +36,10 @@ The write path's safety rules, each enforced in one place here:
    same lock as check 3 (`calls_started`/`calls_ended`); `quiesce` waits for the calls started
    before it; a call starting after it has passed check 3 after the caller abandoned its write.
    Test: `test_only_the_callers_cancellation_cancels_and_started_calls_finish`.
-5. *A call's writes end by `max_call_s` after it started* (`MooncakeConfig.max_call_s`: the
-   engine's timeout plus 1 ns per byte of the largest batch). A peer that knows a write's
-   `start_by` knows when its bytes can no longer land: `start_by + max_call_s`.
+5. *A call's writes end by `max_call_s` after its check in rule 3 passed*
+   (`MooncakeConfig.max_call_s`: an allowance for the thread being preempted between the check
+   and the call, the engine's timeout, and 1 ns per byte of the largest batch). A peer that
+   knows a write's `start_by` knows when its bytes can no longer land: `start_by + max_call_s`.
 6. *"Stuck" is a fact, not a flag*: a lane is stuck while the call that outlived
    `transfer_timeout_s` is still running (`_PeerLane.stuck`, read from the call ids under the
    lock). Test: `test_a_stuck_peer_fails_queued_batches_with_their_own_current_error`.

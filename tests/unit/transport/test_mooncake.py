@@ -226,11 +226,11 @@ async def test_no_batch_starts_after_the_writes_start_by_instant(fake_engine, ma
     t.close()
 
 
-def test_max_call_s_is_the_engine_timeout_plus_the_largest_batch_at_1_ns_per_byte() -> None:
+def test_max_call_s_is_allowance_plus_engine_timeout_plus_largest_batch_at_1_ns_per_byte() -> None:
     cfg = MooncakeConfig(transfer_timeout_s=2.5, max_bytes_per_batch=2 << 30)
-    assert cfg.max_call_s == pytest.approx(5 + (2 << 30) / 1e9)
+    assert cfg.max_call_s == pytest.approx(0.5 + 5 + (2 << 30) / 1e9)
     cfg = MooncakeConfig(transfer_timeout_s=12.2, max_bytes_per_batch=1 << 20)
-    assert cfg.max_call_s == pytest.approx(13 + (1 << 20) / 1e9)
+    assert cfg.max_call_s == pytest.approx(0.5 + 13 + (1 << 20) / 1e9)
     assert cfg.engine_timeout_s == cfg.max_call_s
     assert MooncakeTransport(FakeEngine(), cfg, "fake:1").max_call_s == cfg.max_call_s
 
