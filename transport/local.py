@@ -6,6 +6,12 @@ transport`. Its peers are the local transports of this process that are still op
 `local_target`; a destination must lie in memory registered with the peer named.
 Copies run on one dedicated worker thread — `ctypes.memmove` releases the GIL, and a 4 GiB
 request would otherwise stall the event loop for about a second.
+
+Its write path keeps the rules `transport.mooncake` states: batches under both caps, one at a
+time per write; a batch fails with its own error, carrying the cause if the copy or its
+preparation raised (`_copy_unless_late`); the `start_by` check is the last step before the first
+byte moves, in the worker thread; only the caller's cancellation cancels (a copy that started
+finishes, and `quiesce` waits for it); `max_call_s` bounds one batch's copy generously.
 """
 
 from __future__ import annotations
