@@ -36,6 +36,8 @@ class FakeEngine:
         self.batch_sizes: list[int] = []
         self.bytes_per_call: list[int] = []
         self.targets: list[str] = []
+        #: Per call, in the order calls entered: its destination addresses and lengths.
+        self.dst_blocks: list[tuple[list[int], list[int]]] = []
         self.registered: dict[int, int] = {}
         self.active = 0
         self.max_active = 0
@@ -58,6 +60,14 @@ class FakeEngine:
         with self._cv:
             if not self._cv.wait_for(ready, timeout_s):
                 raise AssertionError(f"timed out waiting for {what} (entered {self.entered})")
+
+    def touched(self, lo: int, hi: int, since_call: int = 0) -> bool:
+        """Whether a call (from the `since_call`-th to enter on) wrote into [lo, hi)."""
+        return any(
+            d < hi and lo < d + n
+            for dst, lengths in self.dst_blocks[since_call:]
+            for d, n in zip(dst, lengths, strict=True)
+        )
 
     def get_rpc_port(self) -> int:
         return 12345
@@ -85,6 +95,7 @@ class FakeEngine:
             self.batch_sizes.append(len(src))
             self.bytes_per_call.append(sum(lengths))
             self.targets.append(target)
+            self.dst_blocks.append((dst, lengths))
             self._cv.notify_all()
         try:
             if self.hang is not None:

@@ -44,6 +44,8 @@ class EngineCallError(TransportError):
     exception (also `__cause__`), and every batch of the call fails with its own instance."""
 
     code = "engine_call_error"
+    #: None only on an instance rebuilt from a peer's problem+json body (the cause stayed there).
+    cause: BaseException | None = None
 
     def __init__(self, message: str, *, cause: BaseException, peer: str | None = None) -> None:
         super().__init__(message, peer=peer)

@@ -6,6 +6,12 @@ transport`. Its peers are the local transports of this process that are still op
 `local_target`; a destination must lie in memory registered with the peer named.
 Copies run on one dedicated worker thread — `ctypes.memmove` releases the GIL, and a 4 GiB
 request would otherwise stall the event loop for about a second.
+
+Its write path keeps the rules `transport.mooncake` states: batches under both caps, one at a
+time per write; a batch fails with its own error, carrying the cause if the copy or its
+preparation raised (`_copy_unless_late`); the `start_by` check is the last step before the first
+byte moves, in the worker thread; only the caller's cancellation cancels (a copy that started
+finishes, and `quiesce` waits for it); `max_call_s` bounds one batch's copy generously.
 """
 
 from __future__ import annotations
@@ -36,22 +42,32 @@ LOCAL_MIN_BYTES_PER_S = 100e6
 _open: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
 
 
-def copy_blocks(blocks: Blocks) -> None:
+def as_lists(blocks: Blocks) -> tuple[list[int], list[int], list[int]]:
+    """(dst, src, lengths) as Python ints, what `move_lists` takes."""
+    return blocks.dst_addr.tolist(), blocks.src_addr.tolist(), blocks.length.tolist()
+
+
+def move_lists(dst: list[int], src: list[int], lengths: list[int]) -> None:
     """memmove every block (the caller has checked the addresses)."""
     move = ctypes.memmove
-    for dst, src, n in zip(
-        blocks.dst_addr.tolist(), blocks.src_addr.tolist(), blocks.length.tolist(), strict=True
-    ):
-        move(dst, src, n)
+    for d, s, n in zip(dst, src, lengths, strict=True):
+        move(d, s, n)
 
 
 def _copy_unless_late(blocks: Blocks, start_by: float | None, peer: str) -> None:
-    """Worker thread: copy, unless the write's start-by instant has passed (checked right
-    before the copy, in this thread). Anything the copy raises fails the batch with that cause."""
+    """Worker thread: copy, unless the write's start-by instant has passed — checked in this
+    thread after the lists are built, immediately before the first byte moves. Anything the
+    preparation or the copy raises fails the batch with that cause."""
+    try:
+        lists = as_lists(blocks)
+    except Exception as exc:  # a failed preparation must never read as success
+        raise EngineCallError(
+            f"preparing a local copy raised {type(exc).__name__}: {exc}", cause=exc, peer=peer
+        ) from exc
     if start_by is not None and time.monotonic() > start_by:
         raise TransportTimeout("the write's deadline passed before this batch started", peer=peer)
     try:
-        copy_blocks(blocks)
+        move_lists(*lists)
     except Exception as exc:  # a failed copy must never read as success
         raise EngineCallError(
             f"local copy raised {type(exc).__name__}: {exc}", cause=exc, peer=peer

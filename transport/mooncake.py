@@ -24,7 +24,7 @@ The write path's safety rules, each enforced in one place here:
    with its own exception instance. Tests: `test_an_engine_exception_fails_every_batch_...`,
    `test_an_exception_while_preparing_the_call_fails_its_batches`.
 2. *Only the caller cancels.* The futures a write awaits carry errors as values and nothing
-   cancels them; a write's `_Write.abandoned` (its own failure or cancellation) only skips its
+   cancels them; a write's `Write.abandoned` (its own failure or cancellation) only skips its
    own batches not started. Tests: `test_a_later_failing_batch_never_turns_a_landed_one_...`,
    `test_a_late_batch_does_not_cancel_the_one_before_it`,
    `test_a_failed_write_skips_only_its_own_batches`.
@@ -36,12 +36,13 @@ The write path's safety rules, each enforced in one place here:
    same lock as check 3 (`calls_started`/`calls_ended`); `quiesce` waits for the calls started
    before it; a call starting after it has passed check 3 after the caller abandoned its write.
    Test: `test_only_the_callers_cancellation_cancels_and_started_calls_finish`.
-5. *A call's writes end by `max_call_s` after it started* (`MooncakeConfig.max_call_s`: the
-   engine's timeout plus 1 ns per byte of the largest batch). A peer that knows a write's
-   `start_by` knows when its bytes can no longer land: `start_by + max_call_s`.
+5. *A call's writes end by `max_call_s` after its check in rule 3 passed*
+   (`MooncakeConfig.max_call_s`: an allowance for the thread being preempted between the check
+   and the call, the engine's timeout, and 1 ns per byte of the largest batch). A peer that
+   knows a write's `start_by` knows when its bytes can no longer land: `start_by + max_call_s`.
 6. *"Stuck" is a fact, not a flag*: a lane is stuck while the call that outlived
-   `transfer_timeout_s` is still running (`_PeerLane.stuck`, read from the call ids under the
-   lock). Test: `test_a_stuck_peer_fails_queued_batches_with_their_own_current_error`.
+   `transfer_timeout_s` is still running (`transport.lanes.PeerLane.stuck`, read from the call
+   ids under the lock). Test: `test_a_stuck_peer_fails_queued_batches_with_their_own_current_error`.
 
 Why sync calls on worker threads, not `batch_transfer_async_write` + one waiter thread: both
 engine paths busy-wait a core while a batch runs, and on this 2-core machine (256 MiB to a
@@ -83,7 +84,6 @@ import itertools
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -91,6 +91,7 @@ from transport.base import TransportStats
 from transport.blocks import Blocks
 from transport.config import MooncakeConfig
 from transport.errors import EngineCallError, TransportError, TransportTimeout
+from transport.lanes import Batch, Counters, PeerLane, Write
 from transport.regions import Region, RegionTable
 from transport.workers import Workers
 
@@ -131,100 +132,6 @@ def start_engine(config: MooncakeConfig) -> Engine:
 WORKER_NICE = 10
 
 
-class _Write:
-    """What the batches of one `write` call share: whether that write has given up.
-
-    Set on the loop when the write is cancelled or one of its batches timed out, and by the
-    worker when one of its batches failed; read by the worker, under the lane lock, right before
-    an engine call. It decides only this write's batches that have not started (they fail with
-    their own error); it never changes the outcome of a batch that started.
-    """
-
-    __slots__ = ("abandoned",)
-
-    def __init__(self) -> None:
-        self.abandoned = False
-
-
-class _Batch:
-    """One submitted batch of a write (several may share one engine call).
-
-    `outcome` is the batch's one result: `None` (every byte landed) or its own `TransportError`.
-    It is written once, by whoever takes the batch off its lane's queue — the worker thread
-    (after the engine call, or when it drops the batch before one), or the loop under the lane
-    lock (the lane got stuck, or the transport closed) — and read once, by `_settle` on the loop,
-    which hands it to `verdict`. `verdict` is what the write awaits: the outcome, or a
-    `TransportTimeout` if the batch's call outlived `transfer_timeout_s` first. It carries errors
-    as values, so nothing but the caller's own cancellation can make `write` raise
-    `CancelledError`.
-    """
-
-    __slots__ = ("blocks", "call", "outcome", "slot_held", "start_by", "timer", "verdict", "write")
-
-    def __init__(
-        self,
-        blocks: Blocks,
-        write: _Write,
-        verdict: asyncio.Future[TransportError | None],
-        start_by: float | None,
-    ) -> None:
-        self.blocks = blocks
-        self.write = write
-        self.verdict = verdict
-        self.start_by = start_by
-        self.outcome: TransportError | None = None
-        #: Id of the engine call that carries it (0 until one starts; set under the lane lock).
-        self.call = 0
-        self.timer: asyncio.TimerHandle | None = None
-        self.slot_held = True
-
-
-class _PeerLane:
-    """One peer's queue, in-flight bound and call accounting.
-
-    The lock guards `pending`, `scheduled`, `calls_started`, `calls_ended`, `in_call` and each
-    batch's `call`; the rest is touched on the loop only.
-    """
-
-    def __init__(self, peer: str, max_inflight: int) -> None:
-        self.peer = peer
-        self.lock = threading.Lock()
-        self.slots = asyncio.Semaphore(max_inflight)
-        #: Batches submitted and not yet taken by a worker, oldest first. The worker merges
-        #: those that fit into one engine call (see `_take`).
-        self.pending: deque[_Batch] = deque()
-        #: A drain task for this lane is queued or running (at most one: one call per peer).
-        self.scheduled = False
-        self.calls_started = 0
-        self.calls_ended = 0
-        #: Id of the engine call running now, 0 if none.
-        self.in_call = 0
-        #: Id of a call that outlived `transfer_timeout_s`; the lane is stuck while it runs.
-        self.stuck_call = 0
-        #: Loop only: batches submitted and not settled; `quiesce` waiters (calls_started
-        #: target, future); the timer that reclaims the lane once idle.
-        self.inflight = 0
-        #: Loop only: `write` calls using this lane now (it is not reclaimed under them).
-        self.users = 0
-        self.quiescers: list[tuple[int, asyncio.Future[None]]] = []
-        self.reaper: asyncio.TimerHandle | None = None
-
-    def stuck(self) -> bool:
-        """A call that timed out is still inside the engine (the truth, not a cached flag)."""
-        with self.lock:
-            return self.stuck_call != 0 and self.in_call == self.stuck_call
-
-
-class _Counters:
-    """The cumulative counters behind `stats()`; updated on the loop and by workers."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.submitted = self.succeeded = self.failed = self.timed_out = 0
-        self.bytes = self.blocks = self.calls = self.exceptions = 0
-        self.by_rc: dict[int, int] = {}
-
-
 class MooncakeTransport:
     """`Transport` over one Transfer Engine; build it with `start(config)`. Use from one loop."""
 
@@ -234,7 +141,7 @@ class MooncakeTransport:
         self._config = config
         self._target = target
         self._sources = RegionTable()
-        self._lanes: dict[str, _PeerLane] = {}
+        self._lanes: dict[str, PeerLane] = {}
         self._workers = Workers(
             config.max_worker_threads,
             config.peer_idle_s,
@@ -242,7 +149,7 @@ class MooncakeTransport:
             initializer=_lower_priority,
         )
         self._calls = itertools.count(1)
-        self._counts = _Counters()
+        self._counts = Counters()
 
     @classmethod
     def start(cls, config: MooncakeConfig) -> MooncakeTransport:
@@ -315,8 +222,8 @@ class MooncakeTransport:
         lane = self._lane(peer)
         lane.users += 1
         loop = asyncio.get_running_loop()
-        write = _Write()
-        submitted: list[_Batch] = []
+        write = Write()
+        submitted: list[Batch] = []
         cfg = self._config
         ok = False
         try:
@@ -328,7 +235,7 @@ class MooncakeTransport:
                 if lane.stuck():
                     lane.slots.release()
                     raise self._stuck_error(lane)
-                batch = _Batch(part, write, loop.create_future(), start_by)
+                batch = Batch(part, write, loop.create_future(), start_by)
                 submitted.append(batch)
                 self._enqueue(lane, batch, loop)
             for batch in submitted:
@@ -343,22 +250,30 @@ class MooncakeTransport:
             lane.users -= 1
             self._idle_check(lane, loop)
 
-    def _enqueue(self, lane: _PeerLane, batch: _Batch, loop: asyncio.AbstractEventLoop) -> None:
+    def _enqueue(self, lane: PeerLane, batch: Batch, loop: asyncio.AbstractEventLoop) -> None:
         lane.inflight += 1
         with self._counts.lock:
             self._counts.submitted += 1
-        if self._closed:
-            batch.outcome = TransportError("transport closed before the batch ran", peer=lane.peer)
-            self._settle(lane, batch)
-            return
         with lane.lock:
             lane.pending.append(batch)
             start = not lane.scheduled
             lane.scheduled = True
-        if start:
-            self._workers.submit(functools.partial(self._drain, lane, loop))
+        if not start:
+            return  # the lane's drain, queued or running, takes it
+        if not self._closed:
+            # `Workers.submit` refuses once `close` (perhaps on another thread) has finished.
+            with contextlib.suppress(RuntimeError):
+                self._workers.submit(functools.partial(self._drain, lane, loop))
+                return
+        with lane.lock:
+            stranded = list(lane.pending)
+            lane.pending.clear()
+            lane.scheduled = False
+        for queued in stranded:
+            queued.outcome = TransportError("transport closed before the batch ran", peer=lane.peer)
+            self._settle(lane, queued)
 
-    def _settle(self, lane: _PeerLane, batch: _Batch) -> None:
+    def _settle(self, lane: PeerLane, batch: Batch) -> None:
         """Loop: read the batch's outcome (once), free its slot, hand it to its write."""
         if batch.timer is not None:
             batch.timer.cancel()
@@ -378,12 +293,12 @@ class MooncakeTransport:
         lane.inflight -= 1
         self._idle_check(lane, batch.verdict.get_loop())
 
-    def _idle_check(self, lane: _PeerLane, loop: asyncio.AbstractEventLoop) -> None:
+    def _idle_check(self, lane: PeerLane, loop: asyncio.AbstractEventLoop) -> None:
         """Loop: once nothing uses the lane, reclaim it after `peer_idle_s` (unless reused)."""
         if lane.inflight == 0 and lane.users == 0 and lane.reaper is None and not self._closed:
             lane.reaper = loop.call_later(self._config.peer_idle_s, self._reap, lane)
 
-    def _arm(self, lane: _PeerLane, batches: list[_Batch], started: float) -> None:
+    def _arm(self, lane: PeerLane, batches: list[Batch], started: float) -> None:
         """Loop: start the timeout of batches whose engine call started at `started`."""
         delay = max(0.0, self._config.transfer_timeout_s - (time.monotonic() - started))
         for batch in batches:
@@ -391,7 +306,7 @@ class MooncakeTransport:
                 loop = batch.verdict.get_loop()
                 batch.timer = loop.call_later(delay, self._expire, lane, batch)
 
-    def _expire(self, lane: _PeerLane, batch: _Batch) -> None:
+    def _expire(self, lane: PeerLane, batch: Batch) -> None:
         """Loop: the batch's call outlived `transfer_timeout_s`.
 
         If the call is still inside the engine, the lane is stuck from now until it returns: the
@@ -427,7 +342,7 @@ class MooncakeTransport:
             queued.outcome = self._stuck_error(lane)
             self._settle(lane, queued)
 
-    def _call_ended(self, lane: _PeerLane) -> None:
+    def _call_ended(self, lane: PeerLane) -> None:
         """Loop: a call of this lane returned; wake the `quiesce` calls it was the last for."""
         with lane.lock:
             ended = lane.calls_ended
@@ -439,7 +354,7 @@ class MooncakeTransport:
                 fut.set_result(None)
         lane.quiescers = waiting
 
-    def _stuck_error(self, lane: _PeerLane) -> TransportTimeout:
+    def _stuck_error(self, lane: PeerLane) -> TransportTimeout:
         return TransportTimeout(
             "a previous batch to this peer timed out and is still inside the engine",
             peer=lane.peer,
@@ -466,10 +381,10 @@ class MooncakeTransport:
 
     # -- transfers: the worker side --------------------------------------------------------
 
-    def _drain(self, lane: _PeerLane, loop: asyncio.AbstractEventLoop) -> None:
+    def _drain(self, lane: PeerLane, loop: asyncio.AbstractEventLoop) -> None:
         """Worker thread: one engine call for this lane, then queue the next one behind the
         other lanes' (fair when more peers are busy than there are threads)."""
-        skipped: list[_Batch] = []
+        skipped: list[Batch] = []
         with lane.lock:
             taken = self._take(lane, skipped)
         for batch in skipped:
@@ -482,14 +397,14 @@ class MooncakeTransport:
         if again:
             self._workers.submit(functools.partial(self._drain, lane, loop))
 
-    def _take(self, lane: _PeerLane, skipped: list[_Batch]) -> list[_Batch]:
+    def _take(self, lane: PeerLane, skipped: list[Batch]) -> list[Batch]:
         """Worker, lane lock held: the oldest pending batches that fit in one call together.
 
         Under load many small writes (other stages, other handoffs) queue for the same peer;
         one call for all of them costs the engine one submission and one wait instead of one
         each. Batches of abandoned writes go to `skipped`.
         """
-        taken: list[_Batch] = []
+        taken: list[Batch] = []
         blocks = nbytes = 0
         cap = self._config.max_blocks_per_batch
         cap_bytes = self._config.max_bytes_per_batch
@@ -507,7 +422,7 @@ class MooncakeTransport:
             nbytes += size
         return taken
 
-    def _call(self, lane: _PeerLane, loop: asyncio.AbstractEventLoop, taken: list[_Batch]) -> None:
+    def _call(self, lane: PeerLane, loop: asyncio.AbstractEventLoop, taken: list[Batch]) -> None:
         """Worker thread: one engine call for `taken`; every batch gets exactly one outcome.
 
         The outcome is failure unless the engine call returned 0: an exception from the call or
@@ -591,8 +506,8 @@ class MooncakeTransport:
     def _report(
         self,
         loop: asyncio.AbstractEventLoop,
-        lane: _PeerLane,
-        batch: _Batch,
+        lane: PeerLane,
+        batch: Batch,
         outcome: TransportError | None,
     ) -> None:
         """Worker: write the batch's one outcome and hand it to the loop."""
@@ -600,33 +515,33 @@ class MooncakeTransport:
         _post(loop, self._settle, lane, batch)
 
     @staticmethod
-    def _describe(blocks: Blocks, taken: list[_Batch], elapsed_s: float) -> str:
+    def _describe(blocks: Blocks, taken: list[Batch], elapsed_s: float) -> str:
         writes = f", {len(taken)} writes" if len(taken) > 1 else ""
         return (
             f"batch of {len(blocks)} blocks ({blocks.total_bytes} bytes{writes}) "
             f"after {elapsed_s:.2f}s"
         )
 
-    def _late_error(self, lane: _PeerLane) -> TransportTimeout:
+    def _late_error(self, lane: PeerLane) -> TransportTimeout:
         return TransportTimeout(
             "the write's deadline passed before this batch started", peer=lane.peer
         )
 
-    def _abandoned_error(self, lane: _PeerLane) -> TransportError:
+    def _abandoned_error(self, lane: PeerLane) -> TransportError:
         return TransportError("not started: its write had failed or was cancelled", peer=lane.peer)
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def _lane(self, peer: str) -> _PeerLane:
+    def _lane(self, peer: str) -> PeerLane:
         lane = self._lanes.get(peer)
         if lane is None:
-            lane = self._lanes[peer] = _PeerLane(peer, self._config.max_inflight_batches_per_peer)
+            lane = self._lanes[peer] = PeerLane(peer, self._config.max_inflight_batches_per_peer)
         if lane.reaper is not None:
             lane.reaper.cancel()
             lane.reaper = None
         return lane
 
-    def _reap(self, lane: _PeerLane) -> None:
+    def _reap(self, lane: PeerLane) -> None:
         """Loop: forget a lane idle for `peer_idle_s` (no batch in flight, no call running)."""
         lane.reaper = None
         with lane.lock:

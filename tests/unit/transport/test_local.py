@@ -21,10 +21,10 @@ async def test_an_exception_from_the_copy_fails_the_write_with_its_cause(
     for p in pools:
         p.register(t)
 
-    def broken(blocks: Blocks) -> None:
+    def broken(dst: list[int], src: list[int], lengths: list[int]) -> None:
         raise OSError("copy failed")
 
-    monkeypatch.setattr(local_module, "copy_blocks", broken)
+    monkeypatch.setattr(local_module, "move_lists", broken)
     with pytest.raises(EngineCallError) as info:
         await t.write(t.local_target, Blocks.of([src.ctypes.data], [dst.ctypes.data], [4096]))
     assert isinstance(info.value.cause, OSError)

@@ -226,11 +226,11 @@ async def test_no_batch_starts_after_the_writes_start_by_instant(fake_engine, ma
     t.close()
 
 
-def test_max_call_s_is_the_engine_timeout_plus_the_largest_batch_at_1_ns_per_byte() -> None:
+def test_max_call_s_is_allowance_plus_engine_timeout_plus_largest_batch_at_1_ns_per_byte() -> None:
     cfg = MooncakeConfig(transfer_timeout_s=2.5, max_bytes_per_batch=2 << 30)
-    assert cfg.max_call_s == pytest.approx(5 + (2 << 30) / 1e9)
+    assert cfg.max_call_s == pytest.approx(0.5 + 5 + (2 << 30) / 1e9)
     cfg = MooncakeConfig(transfer_timeout_s=12.2, max_bytes_per_batch=1 << 20)
-    assert cfg.max_call_s == pytest.approx(13 + (1 << 20) / 1e9)
+    assert cfg.max_call_s == pytest.approx(0.5 + 13 + (1 << 20) / 1e9)
     assert cfg.engine_timeout_s == cfg.max_call_s
     assert MooncakeTransport(FakeEngine(), cfg, "fake:1").max_call_s == cfg.max_call_s
 
@@ -531,3 +531,61 @@ async def test_close_fails_queued_batches_and_joins_the_threads(fake_engine, mak
     assert threads_named(f"kvhandoff-mooncake {t.local_target}") == 0
     with pytest.raises(TransportError, match="closed"):
         await t.write("peer:1", blocks)
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_random_failures_and_cancellations_keep_the_write_path_rules(
+    fake_engine, make_buffer, seed: int
+) -> None:
+    """Many writes to a few peers over few threads, with random engine rcs and exceptions and
+    random cancellations. Whatever the interleaving: a write that returns landed every byte; a
+    write raises `CancelledError` only if it was cancelled, otherwise only `TransportError`; and
+    once a cancelled write is drained and its peer quiesced, no engine call touches its memory."""
+    rng = np.random.default_rng(seed)
+    t = fake_transport(fake_engine, max_inflight_batches_per_peer=2, max_worker_threads=2)
+    n_writes, per_write = 24, 200
+    src, dst, blocks = setup_blocks(make_buffer, t, n_writes * per_write)
+    outcomes: list[int | BaseException] = []
+    for _ in range(400):
+        roll = rng.random()
+        outcomes.append(
+            0 if roll < 0.85 else int(-rng.integers(1, 6)) if roll < 0.95 else RuntimeError("x")
+        )
+    fake_engine.script(*outcomes)
+
+    async def one(i: int) -> tuple[str, BaseException | None, int]:
+        peer = f"peer:{i % 3}"
+        size = int(rng.integers(1, per_write + 1))
+        part = blocks[i * per_write : i * per_write + size]
+        task = asyncio.create_task(t.write(peer, part))
+        cancel_after = int(rng.integers(0, 6)) if rng.random() < 0.3 else -1
+        for _ in range(max(cancel_after, 0)):
+            await asyncio.sleep(0)
+        if cancel_after >= 0:
+            task.cancel()
+        try:
+            await task
+        except BaseException as exc:  # noqa: BLE001 — classified below
+            if cancel_after >= 0:
+                await t.quiesce(peer)
+            return ("cancelled" if cancel_after >= 0 else "kept", exc, len(fake_engine.dst_blocks))
+        return ("cancelled" if cancel_after >= 0 else "kept", None, size)
+
+    results = await asyncio.gather(*(one(i) for i in range(n_writes)))
+    await t.quiesce()
+    for i, (kind, exc, info) in enumerate(results):
+        lo = dst.ctypes.data + i * per_write * 16
+        hi = lo + per_write * 16
+        if exc is None:
+            size = info
+            view = slice(i * per_write * 16, (i * per_write + size) * 16)
+            np.testing.assert_array_equal(dst[view], src[view])
+        elif isinstance(exc, asyncio.CancelledError):
+            assert kind == "cancelled", f"write {i} raised CancelledError uncancelled"
+            assert not fake_engine.touched(lo, hi, since_call=info), f"write {i} written late"
+        else:
+            assert isinstance(exc, TransportError), f"write {i} raised {exc!r}"
+    assert fake_engine.active == 0
+    while (s := t.stats()).batches_submitted != s.batches_succeeded + s.batches_failed:
+        await asyncio.sleep(0.01)  # settlements of abandoned batches still in flight to the loop
+    t.close()
