@@ -34,6 +34,7 @@ EXTENSIONS: tuple[str, ...] = (
     "service.runtime.transport:install_transport",
     "service.api.validate:install_validate",
     "service.api.handoffs:install_handoffs",
+    "service.api.webhooks:install_webhooks",  # after handoffs: it needs the decode pipeline
 )
 
 #: How long shutdown waits for in-flight requests (SSE streams included) before closing them.

@@ -25,6 +25,7 @@ from pipelines.errors import InvalidInput
 from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
+from service.runtime.persistence import persistence_of
 from service.runtime.pipelines import decode_of, install_pipelines, prefill_of
 
 _ID = re.compile(HANDOFF_ID_PATTERN)
@@ -89,6 +90,8 @@ def _query_number(
 )
 async def create_handoff(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, HandoffRequest)
+    if body.callback_url is not None:
+        await persistence_of(request).check_callback(body.callback_url)
     view, created = await decode_of(request).create(body)
     return json_response(
         view,
