@@ -165,7 +165,7 @@ class WebhooksConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     #: Signs deliveries to a handoff's `callback_url` ("whsec_..."); unset: callback_url refused.
     callback_secret: str | None = None
     #: Event type prefixes a `callback_url` receives.
-    callback_types: list[str] = ["handoff."]
+    callback_types: list[str] = field(default_factory=lambda: ["handoff."])
     #: One attempt's limit (connect + response).
     timeout_s: PositiveSeconds = 10.0
     #: A delivery is given up after this many attempts or this age, whichever comes first.
