@@ -16,6 +16,7 @@ Errors from the API raise `ApiError` carrying the problem+json members (`code`, 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -224,10 +225,12 @@ class KVHandoffClient:
         out: dict[str, Any] = json.loads(await self._call("POST", "/v1/webhooks", body))
         return out
 
-    async def deliveries(self, endpoint_id: str, state: str | None = None) -> list[dict[str, Any]]:
+    async def deliveries(
+        self, endpoint_id: str, state: str | None = None
+    ) -> builtins.list[dict[str, Any]]:
         params = {"state": state} if state else None
         raw = await self._call("GET", f"/v1/webhooks/{endpoint_id}/deliveries", params=params)
-        items: list[dict[str, Any]] = json.loads(raw)["items"]
+        items: builtins.list[dict[str, Any]] = json.loads(raw)["items"]
         return items
 
     # -- events ------------------------------------------------------------------------------
