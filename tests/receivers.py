@@ -62,6 +62,8 @@ class WebhookReceiver:
         self.received: list[Received] = []
         self.script: deque[Answer] = deque()  # answers for the next requests; then 200
         self.default = Answer()
+        #: When set, decides every answer from the request (overrides `script`).
+        self.respond: Callable[[Received], Answer] | None = None
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self.port = _free_port()
@@ -84,10 +86,13 @@ class WebhookReceiver:
             self._runner = None
 
     async def _handle(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        answer = self.script.popleft() if self.script else self.default
+        got = Received(dict(request.headers), await request.read())
+        if self.respond is not None:
+            answer = self.respond(got)
+        else:
+            answer = self.script.popleft() if self.script else self.default
         async with self._changed:
-            self.received.append(Received(dict(request.headers), body))
+            self.received.append(got)
             self._changed.notify_all()
         if answer.hold is not None:
             await answer.hold.wait()

@@ -9,6 +9,7 @@ names the field) and, for every connection the dispatcher opens, by its resolver
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import socket
 from typing import Any
@@ -95,11 +96,14 @@ class GuardedResolver(AbstractResolver):
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
     ) -> list[ResolveResult]:
         if not self._policy.host_allowed(host):
-            raise OSError(f"host {host!r} is not in webhooks.allow_hosts")
+            raise OSError(errno.EACCES, f"host {host!r} is not in webhooks.allow_hosts")
         results = await self._inner.resolve(host, port, family)
         for result in results:
             if not self._policy.address_allowed(result["host"]):
-                raise OSError(f"host {host!r} resolves to non-public address {result['host']}")
+                # errno + text: aiohttp quotes the strerror in the error it wraps this in.
+                raise OSError(
+                    errno.EACCES, f"{host} resolves to non-public address {result['host']}"
+                )
         return results
 
     async def close(self, *args: Any) -> None:
