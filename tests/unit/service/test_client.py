@@ -85,8 +85,7 @@ class SseSource:
             gap = {"type": "stream.gap", "first": start, "last": self.oldest - 1}
             await resp.write(f"event: stream.gap\ndata: {json.dumps(gap)}\n\n".encode())
             start = self.oldest
-        sent = 0
-        for ev in self.events[start - 1 :]:
+        for sent, ev in enumerate(self.events[start - 1 :]):
             if len(self.requests) == 1 and sent == self.cut_after:
                 # Drop the connection mid-stream, half-way through an event.
                 await resp.write(b"event: handoff.created\nid: 99")
@@ -95,7 +94,6 @@ class SseSource:
                 return resp
             data = json.dumps(ev)
             await resp.write(f"event: {ev['type']}\nid: {ev['seq']}\ndata: {data}\n\n".encode())
-            sent += 1
         return resp
 
 

@@ -6,7 +6,7 @@ import datetime
 import time
 
 import pytest
-from standardwebhooks.webhooks import Webhook
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from service.client import SignatureError, verify_webhook
 from service.http.signatures import new_secret, secret_key, sign
@@ -54,9 +54,8 @@ def test_tampering_is_refused_by_both(change: object, why: str) -> None:
     h, body = change(headers(secret), BODY)  # type: ignore[operator]
     with pytest.raises(SignatureError, match=why):
         verify_webhook(h, body, secret)
-    with pytest.raises(Exception, match=".") as caught:
+    with pytest.raises(WebhookVerificationError):
         Webhook(secret).verify(body, h)
-    assert type(caught.value).__name__ == "WebhookVerificationError"
 
 
 def test_a_stale_timestamp_and_a_wrong_secret_are_refused() -> None:

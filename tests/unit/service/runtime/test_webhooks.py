@@ -106,7 +106,7 @@ def test_backoff_is_full_jitter_under_a_doubling_ceiling() -> None:
     rng = random.Random(1)
     for attempt, ceiling in [(1, 0.5), (2, 1.0), (3, 2.0), (10, 60.0), (30, 60.0)]:
         delays = [retry_delay(attempt, 0.5, 60.0, None, rng) for _ in range(2000)]
-        assert 0.0 <= min(delays) and max(delays) <= ceiling
+        assert min(delays) >= 0.0 and max(delays) <= ceiling
         assert min(delays) < ceiling * 0.05 and max(delays) > ceiling * 0.95  # the full range
     assert retry_delay(1, 0.5, 60.0, 30.0, rng) == 30.0  # a longer Retry-After wins
 
