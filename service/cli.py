@@ -27,6 +27,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "service.tools.bench.handoff",
         "handoffs through the HTTP services vs. raw baselines",
     ),
+    "webhooks": (
+        "service.tools.bench.webhooks",
+        "webhook deliveries from the outbox vs. plain POSTs; the outbox's cost on handoffs",
+    ),
 }
 
 

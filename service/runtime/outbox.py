@@ -13,6 +13,7 @@ A manual retry puts any delivery back to `pending` with a fresh attempt and age 
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import secrets
@@ -123,6 +124,9 @@ class Outbox:
         self.endpoints: dict[str, Endpoint] = {}
         self._callbacks: dict[str, Endpoint] = {}  # handoff id → its callback endpoint
         self._registered: dict[str, Endpoint] = {}  # endpoints for every handoff
+        self._attempts: list[tuple[Any, ...]] = []  # recorded, not yet written (see flush)
+        self._updates: list[tuple[Any, ...]] = []
+        self._flush_scheduled = False
         rows = db.conn.execute(
             "SELECT id, url, secret, types, handoff_id, disabled_at FROM endpoints"
         )
@@ -185,6 +189,7 @@ class Outbox:
         )
 
     def endpoint(self, endpoint_id: str) -> EndpointView:
+        self.flush()
         row = self._db.conn.execute(
             "SELECT id, url, types, description, handoff_id, created_at, disabled_at,"
             " disabled_reason FROM endpoints WHERE id = ?",
@@ -218,6 +223,7 @@ class Outbox:
 
     def disable(self, endpoint_id: str, reason: str, now: float) -> None:
         """Stop delivering to an endpoint (it answered 410 Gone): cancel what is pending."""
+        self.flush()
         with self._db.transaction() as tx:
             tx.execute(
                 "UPDATE endpoints SET disabled_at = ?, disabled_reason = ? WHERE id = ?",
@@ -297,6 +303,7 @@ class Outbox:
 
     def pending(self) -> list[Delivery]:
         """Every pending delivery, oldest first (what a restarted dispatcher resumes)."""
+        self.flush()
         rows = self._db.conn.execute(
             "SELECT d.id, d.endpoint_id, d.handoff_id, d.event_id, e.body, d.attempts,"
             " d.budget_from, d.since, d.next_at FROM deliveries d JOIN events e"
@@ -317,24 +324,41 @@ class Outbox:
         state: DeliveryState,
         next_at: float,
     ) -> None:
-        """One attempt's outcome and the delivery's new state, in one transaction."""
+        """One attempt's outcome and the delivery's new state. Outcomes that end in the same
+        turn of the event loop share one transaction (written at the start of the next turn,
+        and before any read or other write here): a crash in between only sends a delivery
+        again, which at-least-once allows."""
         d.attempts += 1
         d.next_at = next_at
         finished = None if state == "pending" else at
+        self._attempts.append((d.id, d.attempts, at, status, latency_s, error))
+        self._updates.append((state, d.attempts, next_at, finished, status, error, d.id))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write the attempt outcomes recorded so far (one transaction)."""
+        self._flush_scheduled = False
+        if not self._attempts:
+            return
+        attempts, updates = self._attempts, self._updates
+        self._attempts, self._updates = [], []
         with self._db.transaction() as tx:
-            tx.execute(
+            tx.executemany(
                 "INSERT INTO attempts (delivery_id, n, at, status, latency_s, error)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
-                (d.id, d.attempts, at, status, latency_s, error),
+                attempts,
             )
-            tx.execute(
+            tx.executemany(
                 "UPDATE deliveries SET state = ?, attempts = ?, next_at = ?, finished_at = ?,"
                 " last_status = ?, last_error = ? WHERE id = ?",
-                (state, d.attempts, next_at, finished, status, error, d.id),
+                updates,
             )
 
     def retry(self, endpoint_id: str, delivery_id: int, now: float) -> Delivery:
         """Put one delivery back to pending, due now, with fresh ceilings."""
+        self.flush()
         ep = self.endpoints.get(endpoint_id)
         if ep is None:
             raise NotFoundError(f"no webhook endpoint {endpoint_id!r}", field="id")
@@ -413,6 +437,7 @@ class Outbox:
     def purge(self, tx: sqlite3.Connection, before: float, handoff_ids: list[str]) -> None:
         """Within `tx`: drop finished deliveries older than `before`, events nothing refers to,
         and the callback endpoints of purged handoffs."""
+        self.flush()
         tx.execute(
             "DELETE FROM attempts WHERE delivery_id IN (SELECT id FROM deliveries"
             " WHERE state != 'pending' AND finished_at < ?)",

@@ -21,7 +21,6 @@ then the dispatcher (pending deliveries stay in the outbox), then the database.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -50,6 +49,7 @@ from service.runtime.webhooks import Dispatcher
 log = logging.getLogger("kvhandoff.records")
 
 PURGE_INTERVAL_S = 60.0
+CHECKPOINT_INTERVAL_S = 1.0
 RESTARTED = "service_restarted"
 #: A later event type (from the decode state machine) saying a handoff's pages are free.
 RELEASED_TAG = "handoff.released"
@@ -103,15 +103,20 @@ async def _persistence_ctx(app: web.Application) -> AsyncIterator[None]:
         _restore(persistence, decode, bus.publish, config)
         await persistence.dispatcher.start()
         app[PERSISTENCE] = persistence
-        purge = asyncio.get_running_loop().create_task(_purge_every(persistence, config))
+        loop = asyncio.get_running_loop()
+        chores = [
+            loop.create_task(_purge_every(persistence, config)),
+            loop.create_task(_checkpoint_every(db)),
+        ]
         try:
             yield
         finally:
-            purge.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await purge
+            for task in chores:
+                task.cancel()
+            await asyncio.gather(*chores, return_exceptions=True)
             await decode.close()  # idempotent; here so its shutdown aborts reach the outbox
             await persistence.dispatcher.close()
+            persistence.outbox.flush()
     finally:
         db.close()
 
@@ -194,6 +199,12 @@ def purge_once(p: Persistence, config: Config) -> int:
         ids = p.records.purge(tx, now, config.records.retention_s, config.records.max_records)
         p.outbox.purge(tx, now - config.records.retention_s, ids)
     return len(ids)
+
+
+async def _checkpoint_every(db: Database) -> None:
+    while True:
+        await asyncio.sleep(CHECKPOINT_INTERVAL_S)
+        await asyncio.to_thread(db.checkpoint)
 
 
 async def _purge_every(p: Persistence, config: Config) -> None:

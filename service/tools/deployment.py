@@ -46,6 +46,7 @@ from service.config import (
     ENV_PREFIX,
     HandoffConfig,
     ModelConfig,
+    RecordsConfig,
     TransportConfig,
     WebhooksConfig,
     load_config,
@@ -132,6 +133,7 @@ class LocalDeployment:
         transport: TransportConfig | None = None,
         handoff: HandoffConfig | None = None,
         webhooks: WebhooksConfig | None = None,
+        records: RecordsConfig | None = None,
         token: str | None = None,
         log_level: str = "info",
         work_dir: str | Path | None = None,
@@ -157,6 +159,7 @@ class LocalDeployment:
         self.transport = transport or TransportConfig()
         self.handoff = handoff or HandoffConfig()
         self.webhooks = webhooks or WebhooksConfig()
+        self.records = records or RecordsConfig()
         self.token = token
         self.log_level = log_level
         self.ready_timeout_s = ready_timeout_s
@@ -259,6 +262,7 @@ class LocalDeployment:
             "handoff": msgspec.to_builtins(self.handoff),
             "peers": {"prefill": prefill} if proc.role == "decode" else {},
             "webhooks": msgspec.to_builtins(self.webhooks),
+            "records": msgspec.to_builtins(self.records),
             "stages": stages,
         }
 
