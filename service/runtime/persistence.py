@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from pipelines.decode import DecodePipeline
+from pipelines.decode import DecodeHandoff, DecodePipeline
 from pipelines.errors import ConflictError
 from pipelines.events import (
     TERMINAL_EVENTS,
@@ -141,29 +142,37 @@ class _Journal:
         self._decode = decode
 
     def on_event(self, event: Event) -> None:
-        records, outbox = self._p.records, self._p.outbox
+        outbox = self._p.outbox
         h = self._decode.handoffs.get(event.handoff_id)
         tag = event_tag(event)
         callback = h.request.callback_url if h is not None else None
-        recorded = isinstance(event, (HandoffCreated, *TERMINAL_EVENTS)) or tag == RELEASED_TAG
-        if not recorded and not outbox.wanted(event, callback):
-            return  # the common case for stage events: no transaction at all
+        wanted = outbox.wanted(event, callback)
+        if not wanted:
+            # At most one statement (a record): SQLite's autocommit is its own transaction,
+            # without the two extra round trips of BEGIN and COMMIT.
+            self._record(self._p.db.conn, event, tag, h)
+            return
         with self._p.db.transaction() as tx:
-            if isinstance(event, HandoffCreated) and h is not None:
-                records.accepted(tx, h.request, h.created_at, h.deadline_at)
-            elif isinstance(event, TERMINAL_EVENTS):
-                view = (
-                    msgspec.structs.replace(h.view(), timeline=[*h.timeline, event])
-                    if h is not None
-                    else records.restored_view(tx, event)
-                )
-                if view is not None:
-                    records.finished(tx, view)
-            elif tag == RELEASED_TAG:
-                records.released(tx, event.handoff_id)
+            self._record(tx, event, tag, h)
             deliveries = outbox.enqueue(tx, event, callback)
-        if deliveries:
-            self._p.dispatcher.add(deliveries)
+        self._p.dispatcher.add(deliveries)
+
+    def _record(
+        self, tx: sqlite3.Connection, event: Event, tag: str, h: DecodeHandoff | None
+    ) -> None:
+        records = self._p.records
+        if isinstance(event, HandoffCreated) and h is not None:
+            records.accepted(tx, h.request, h.created_at, h.deadline_at)
+        elif isinstance(event, TERMINAL_EVENTS):
+            view = (
+                msgspec.structs.replace(h.view(), timeline=[*h.timeline, event])
+                if h is not None
+                else records.restored_view(tx, event)
+            )
+            if view is not None:
+                records.finished(tx, view)
+        elif tag == RELEASED_TAG:
+            records.released(tx, event.handoff_id)
 
 
 def _restore(
