@@ -226,3 +226,15 @@ def test_config_is_frozen() -> None:
     assert isinstance(config, Config)
     with pytest.raises(AttributeError):
         config.role = "prefill"  # type: ignore[misc]
+
+
+def test_webhook_and_record_keys_are_checked_naming_the_key() -> None:
+    config = make_config(**{"webhooks.allow_hosts": ["a.example"], "records.max_records": 5})
+    assert config.webhooks.allow_hosts == ["a.example"] and config.records.max_records == 5
+    assert config.webhooks.callback_types == ["handoff."] and config.records.persist
+    with pytest.raises(ConfigError, match=r"^webhooks.callback_secret: must be whsec_"):
+        make_config(**{"webhooks.callback_secret": "hunter2"})
+    with pytest.raises(ConfigError, match=r"^webhooks.concurrency"):
+        make_config(**{"webhooks.concurrency": 0})
+    env = load_config(None, {"KVHANDOFF_RECORDS__PERSIST": "false"}, MINIMAL)
+    assert env.records.persist is False
