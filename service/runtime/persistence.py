@@ -40,7 +40,7 @@ from pipelines.events import (
     event_tag,
 )
 from service.config import Config
-from service.http.app import CONFIG
+from service.http.app import CONFIG, READINESS
 from service.runtime.database import FILE_NAME, Database
 from service.runtime.outbox import Outbox
 from service.runtime.pipelines import RUNTIME
@@ -63,6 +63,8 @@ class Persistence:
     outbox: Outbox
     dispatcher: Dispatcher
     clock: Callable[[], float]
+    #: Why the last write failed (disk full, I/O error); /readyz fails while set.
+    broken: str | None = None
 
     async def check_callback(self, url: str) -> None:
         """Refuse (naming `callback_url`) a handoff's callback the service may not call."""
@@ -80,6 +82,10 @@ PERSISTENCE = web.AppKey("persistence", Persistence)
 def install_persistence(app: web.Application) -> None:
     if app[CONFIG].records.persist:
         app.cleanup_ctx.append(_persistence_ctx)
+        # Not ready until restored, nor after a write failed: routers must go elsewhere.
+        app[READINESS].add(
+            "records", lambda: PERSISTENCE in app and app[PERSISTENCE].broken is None
+        )
 
 
 def persistence_of(request: web.Request) -> Persistence:
@@ -142,6 +148,15 @@ class _Journal:
         self._decode = decode
 
     def on_event(self, event: Event) -> None:
+        try:
+            self._write(event)
+        except sqlite3.Error as exc:
+            # Raising into the pipeline would leave its state half-changed; instead the service
+            # stops being ready, so no router is told about state that is not on disk again.
+            self._p.broken = f"{type(exc).__name__}: {exc}"
+            log.exception("recording %s of %s failed", event_tag(event), event.handoff_id)
+
+    def _write(self, event: Event) -> None:
         outbox = self._p.outbox
         h = self._decode.handoffs.get(event.handoff_id)
         tag = event_tag(event)

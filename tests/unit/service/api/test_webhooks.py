@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from pipelines.decode import HandoffRequest
+from service.http.app import READINESS
 from service.http.signatures import new_secret
 from service.runtime.database import FILE_NAME, Database
 from service.runtime.persistence import PERSISTENCE, RESTARTED, Persistence, purge_once
@@ -339,3 +340,15 @@ async def test_retention_purges_old_records_but_never_fenced_ones(tmp_path: Path
         p = persistence(d.decode)
         assert purge_once(p, config) == 1
         assert p.records.find("h1") is None and p.records.find("h2") is not None
+
+
+async def test_a_failed_write_makes_the_service_unready_not_inconsistent() -> None:
+    async with deployment() as d:
+        fill_sources(d)
+        p = persistence(d.decode)
+        p.db.conn.execute("PRAGMA query_only = ON")  # every write now fails, like a full disk
+        reply = await d.create("h1", DST, SLOT)
+        assert reply.status == 201  # the pipeline itself is intact
+        assert await d.decode.app[READINESS].failing() == ["records"]  # /readyz answers 503
+        assert p.broken is not None and "readonly" in p.broken
+        p.db.conn.execute("PRAGMA query_only = OFF")
