@@ -1,22 +1,17 @@
 """Which hosts webhooks may reach (SSRF): the allow-list, and no private targets unless allowed.
 
 Called when an endpoint is registered or a `callback_url` is given (`TargetPolicy.check`, which
-names the field) and, for every connection the dispatcher opens, by its resolver
-(`GuardedResolver`): a name that resolved to a public address at registration may resolve to
-127.0.0.1 later (DNS rebinding), so the addresses actually connected to are checked too.
+names the field) and, for every connection the dispatcher opens, by its sender
+(`service.runtime.sender`): a name that resolved to a public address at registration may resolve
+to 127.0.0.1 later (DNS rebinding), so the address actually connected to is checked too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import ipaddress
 import socket
-from typing import Any
 from urllib.parse import urlsplit
-
-from aiohttp.abc import AbstractResolver, ResolveResult
-from aiohttp.resolver import DefaultResolver
 
 from pipelines.errors import InvalidInput
 
@@ -48,8 +43,7 @@ class TargetPolicy:
         return self.allow_private or ip.is_global
 
     def literal_refusal(self, url: str) -> str | None:
-        """Why `url` may not be called, judged without DNS: aiohttp skips the resolver for an
-        IP literal, so the dispatcher asks this before every attempt."""
+        """Why `url` may not be called, judged without DNS (the host list, an IP literal)."""
         host = urlsplit(url).hostname or ""
         if not self.host_allowed(host):
             return f"host {host!r} is not in webhooks.allow_hosts"
@@ -83,28 +77,3 @@ class TargetPolicy:
                     field=field,
                     address=address,
                 )
-
-
-class GuardedResolver(AbstractResolver):
-    """aiohttp's resolver, refusing a host that resolves to any address the policy forbids."""
-
-    def __init__(self, policy: TargetPolicy) -> None:
-        self._policy = policy
-        self._inner = DefaultResolver()
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        if not self._policy.host_allowed(host):
-            raise OSError(errno.EACCES, f"host {host!r} is not in webhooks.allow_hosts")
-        results = await self._inner.resolve(host, port, family)
-        for result in results:
-            if not self._policy.address_allowed(result["host"]):
-                # errno + text: aiohttp quotes the strerror in the error it wraps this in.
-                raise OSError(
-                    errno.EACCES, f"{host} resolves to non-public address {result['host']}"
-                )
-        return results
-
-    async def close(self, *args: Any) -> None:
-        await self._inner.close()

@@ -28,12 +28,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from service.config import WebhooksConfig
 from service.http.signatures import sign
 from service.runtime.outbox import Delivery, DeliveryState, Endpoint, Outbox
-from service.runtime.targets import GuardedResolver, TargetPolicy
+from service.runtime.sender import Sender, SendError
+from service.runtime.targets import TargetPolicy
 
 log = logging.getLogger("kvhandoff.webhooks")
 USER_AGENT = "kvhandoff-webhooks/1"
@@ -87,18 +86,11 @@ class Dispatcher:
         self._rng = rng or random.Random()
         self.policy = TargetPolicy(settings.allow_hosts, settings.allow_private)
         self._lanes: dict[str, _Lane] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._sender: Sender | None = None
 
     async def start(self) -> None:
-        """Open the HTTP session and resume every pending delivery from the outbox."""
-        connector = aiohttp.TCPConnector(
-            resolver=GuardedResolver(self.policy), limit=0, enable_cleanup_closed=True
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=self._settings.timeout_s),
-            headers={"User-Agent": USER_AGENT},
-        )
+        """Resume every pending delivery from the outbox."""
+        self._sender = Sender(self.policy, USER_AGENT)
         self.add(self._outbox.pending())
 
     async def close(self) -> None:
@@ -110,8 +102,8 @@ class Dispatcher:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._lanes.clear()
-        if self._session is not None:
-            await self._session.close()
+        if self._sender is not None:
+            await self._sender.close()
 
     def add(self, deliveries: Iterable[Delivery]) -> None:
         """Queue committed pending deliveries on their endpoints' lanes."""
@@ -144,7 +136,7 @@ class Dispatcher:
         lane = self._lanes.get(endpoint_id)
         if lane is None:
             endpoint = self._outbox.endpoints.get(endpoint_id)
-            if endpoint is None or endpoint.disabled or self._session is None:
+            if endpoint is None or endpoint.disabled or self._sender is None:
                 return None
             lane = self._lanes[endpoint_id] = _Lane(endpoint)
             lane.task = asyncio.get_running_loop().create_task(
@@ -195,30 +187,30 @@ class Dispatcher:
         self, endpoint: Endpoint, d: Delivery
     ) -> tuple[int | None, str | None, str | None, float]:
         """One POST: (status, Retry-After, error, latency_s); never raises for the network."""
-        assert self._session is not None
-        refusal = self.policy.literal_refusal(endpoint.url)
-        if refusal is not None:
-            return None, None, f"target refused: {refusal}", 0.0
+        assert self._sender is not None
         timestamp = int(time.time())  # the receiver checks it against its own clock
-        headers = {
-            "webhook-id": d.msg_id,
-            "webhook-timestamp": str(timestamp),
-            "webhook-signature": sign(endpoint.key, d.msg_id, timestamp, d.body),
-            "Content-Type": "application/json",
-        }
+        headers = (
+            ("webhook-id", d.msg_id),
+            ("webhook-timestamp", str(timestamp)),
+            ("webhook-signature", sign(endpoint.key, d.msg_id, timestamp, d.body)),
+        )
         started = time.perf_counter()
         try:
-            async with self._session.post(
-                endpoint.url, data=d.body, headers=headers, allow_redirects=False
-            ) as resp:
-                await resp.content.readany()  # a receiver's body is not needed; keep it short
-                status = resp.status
-                retry_after = resp.headers.get("Retry-After")
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            reason = "timed out" if isinstance(exc, TimeoutError) else str(exc) or "no response"
-            return None, None, f"{type(exc).__name__}: {reason}", time.perf_counter() - started
+            answer = await self._sender.post(
+                endpoint.url, headers, d.body, self._settings.timeout_s
+            )
+        except TimeoutError:
+            return None, None, "TimeoutError: timed out", time.perf_counter() - started
+        except SendError as exc:
+            return None, None, str(exc), time.perf_counter() - started
         latency = time.perf_counter() - started
-        return status, retry_after, None if 200 <= status < 300 else f"HTTP {status}", latency
+        status = answer.status
+        return (
+            status,
+            answer.retry_after,
+            None if 200 <= status < 300 else f"HTTP {status}",
+            latency,
+        )
 
     def _settle(
         self,
