@@ -25,6 +25,8 @@ from service.runtime.targets import TargetPolicy
 MAX_BODY_BYTES = 64 * 1024
 #: Idle connections kept per origin.
 MAX_IDLE = 32
+#: Parsed URLs remembered (one per endpoint or callback URL in use).
+MAX_ROUTES = 4096
 
 
 class SendError(Exception):
@@ -58,22 +60,15 @@ class Sender:
         self._user_agent = user_agent
         self._idle: dict[_Origin, list[_Conn]] = {}
         self._tls: ssl.SSLContext | None = None
+        self._routes: dict[str, tuple[_Origin, str]] = {}
 
     async def post(
         self, url: str, headers: Sequence[tuple[str, str]], body: bytes, timeout_s: float
     ) -> Answer:
         """POST `body`; raises SendError or TimeoutError when no answer came in time."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise SendError(f"{url!r} is not an http(s) URL")
-        origin = _Origin(parts.scheme, parts.hostname, parts.port or _DEFAULT_PORT[parts.scheme])
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        host = parts.netloc.rpartition("@")[2]
+        origin, head = self._route(url)
         lines = [
-            f"POST {target} HTTP/1.1",
-            f"Host: {host}",
-            f"User-Agent: {self._user_agent}",
-            "Content-Type: application/json",
+            head,
             f"Content-Length: {len(body)}",
             *(f"{name}: {value}" for name, value in headers),
         ]
@@ -95,6 +90,28 @@ class Sender:
                 raise SendError(
                     f"connection to {origin.host}:{origin.port} failed: {exc}"
                 ) from None
+
+    def _route(self, url: str) -> tuple[_Origin, str]:
+        """The origin and the fixed request lines of `url` (parsed once per URL)."""
+        found = self._routes.get(url)
+        if found is None:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise SendError(f"{url!r} is not an http(s) URL")
+            port = parts.port or _DEFAULT_PORT[parts.scheme]
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            head = "\r\n".join(
+                [
+                    f"POST {target} HTTP/1.1",
+                    f"Host: {parts.netloc.rpartition('@')[2]}",
+                    f"User-Agent: {self._user_agent}",
+                    "Content-Type: application/json",
+                ]
+            )
+            if len(self._routes) >= MAX_ROUTES:
+                self._routes.clear()
+            found = self._routes[url] = (_Origin(parts.scheme, parts.hostname, port), head)
+        return found
 
     async def close(self) -> None:
         for conns in self._idle.values():
