@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 FILE_NAME = "decode.sqlite3"
+#: The WAL file is truncated to this after a checkpoint (it is reused from its start anyway).
+WAL_LIMIT_BYTES = 64 << 20
 #: Bump with a migration below when the schema changes.
 SCHEMA_VERSION = 1
 
@@ -103,6 +105,7 @@ class Database:
         # Checkpoints (the only writes that fsync) run in a thread (`checkpoint`), not in the
         # commit that happens to cross the threshold on the event loop.
         self.conn.execute("PRAGMA wal_autocheckpoint=0")
+        self.conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")  # shrink after a burst
         self._checkpointer: sqlite3.Connection | None = None
         self._checkpointing = threading.Lock()  # close() waits for a checkpoint in its thread
         self.conn.executescript(_SCHEMA)
