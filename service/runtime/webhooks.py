@@ -129,6 +129,11 @@ class Dispatcher:
             lane.wake.set()
 
     @property
+    def lanes(self) -> int:
+        """Endpoints with a running lane (those with deliveries pending)."""
+        return len(self._lanes)
+
+    @property
     def pending_count(self) -> int:
         return sum(len(lane.pending) for lane in self._lanes.values())
 
@@ -148,6 +153,12 @@ class Dispatcher:
         limit = self._settings.concurrency
         while True:
             lane.wake.clear()
+            if not lane.pending:
+                # Nothing left (an attempt in flight keeps its delivery pending): end the lane;
+                # `add` starts a new one. A callback URL's lane lives only this long.
+                if self._lanes.get(lane.endpoint.id) is lane:
+                    del self._lanes[lane.endpoint.id]
+                return
             now = self._clock()
             next_due: float | None = None
             seen: set[str] = set()

@@ -268,3 +268,21 @@ async def test_a_private_target_is_refused_at_send_time_too(
         assert receiver.received == []
     finally:
         await w.dispatcher.close()
+
+
+async def test_a_lane_ends_when_its_endpoint_has_nothing_pending(
+    make_world: object, receiver: WebhookReceiver
+) -> None:
+    w: World = make_world(loopback())  # type: ignore[operator]
+    w.register(receiver.url)
+    await w.dispatcher.start()
+    try:
+        for n in (1, 2):
+            w.publish("a" if n == 1 else "b")
+            await receiver.count(n)
+            await w.until("delivered", n)
+            async with asyncio.timeout(WAIT_S):
+                while w.dispatcher.lanes:
+                    await asyncio.sleep(0.01)
+    finally:
+        await w.dispatcher.close()
