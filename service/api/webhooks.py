@@ -17,7 +17,8 @@ from service.api.handoffs import _query_number
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
 from service.http.signatures import secret_key
-from service.runtime.outbox import (
+from service.runtime.persistence import install_persistence, persistence_of
+from service.runtime.webhook_views import (
     DeliveryPage,
     DeliveryState,
     DeliveryView,
@@ -25,7 +26,6 @@ from service.runtime.outbox import (
     EndpointView,
     TypePrefix,
 )
-from service.runtime.persistence import install_persistence, persistence_of
 
 routes = RouteTable()
 

@@ -19,64 +19,25 @@ import json
 import secrets
 import sqlite3
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import msgspec
-from msgspec import Meta, Struct
 
 from pipelines.errors import ConflictError, NotFoundError
 from pipelines.events import Event, HandoffCreated, event_tag
 from service.http.signatures import new_secret, secret_key
 from service.runtime.database import Database
+from service.runtime.webhook_views import (
+    AttemptView,
+    DeliveryPage,
+    DeliveryState,
+    EndpointCreated,
+    EndpointView,
+    delivery_view,
+    endpoint_view,
+)
 
-DeliveryState = Literal["pending", "delivered", "failed", "cancelled"]
 _encoder = msgspec.json.Encoder()
-
-
-class EndpointView(Struct, frozen=True, omit_defaults=True, kw_only=True):
-    id: str
-    url: str
-    #: Event type prefixes delivered ("handoff.", "stage.arrived"); empty: every event.
-    types: list[str]
-    description: str = ""
-    #: Set for a handoff's `callback_url`: only that handoff's events.
-    handoff_id: str | None = None
-    created_at: float
-    disabled_at: float | None = None
-    disabled_reason: str | None = None
-
-
-class EndpointCreated(EndpointView, frozen=True, kw_only=True):
-    #: The signing secret; shown here once, never again.
-    secret: str
-
-
-class AttemptView(Struct, frozen=True, omit_defaults=True):
-    n: int
-    at: float
-    latency_s: float
-    status: int | None = None  # the HTTP status; None when no response came
-    error: str | None = None
-
-
-class DeliveryView(Struct, frozen=True, omit_defaults=True, kw_only=True):
-    id: int
-    webhook_id: str
-    type: str
-    handoff_id: str
-    state: DeliveryState
-    attempts: int
-    created_at: float
-    next_at: float | None = None
-    finished_at: float | None = None
-    last_status: int | None = None
-    last_error: str | None = None
-    history: list[AttemptView] = []
-
-
-class DeliveryPage(Struct, frozen=True):
-    items: list[DeliveryView]
-    next_cursor: int | None
 
 
 @dataclass
@@ -197,14 +158,14 @@ class Outbox:
         ).fetchone()
         if row is None:
             raise NotFoundError(f"no webhook endpoint {endpoint_id!r}", field="id")
-        return _endpoint_view(row)
+        return endpoint_view(row)
 
     def list_endpoints(self) -> list[EndpointView]:
         rows = self._db.conn.execute(
             "SELECT id, url, types, description, handoff_id, created_at, disabled_at,"
             " disabled_reason FROM endpoints WHERE handoff_id IS NULL ORDER BY created_at"
         )
-        return [_endpoint_view(row) for row in rows]
+        return [endpoint_view(row) for row in rows]
 
     def delete_endpoint(self, endpoint_id: str) -> None:
         self.endpoint(endpoint_id)  # 404 if unknown
@@ -431,7 +392,7 @@ class Outbox:
                 [r[0] for r in rows],
             ):
                 history.setdefault(did, []).append(AttemptView(n, at, latency, status, error))
-        items = [_delivery_view(row, self._msg_id(row[1]), history.get(row[0], [])) for row in rows]
+        items = [delivery_view(row, self._msg_id(row[1]), history.get(row[0], [])) for row in rows]
         return DeliveryPage(items, rows[-1][0] if more else None)
 
     def purge(self, tx: sqlite3.Connection, before: float, handoff_ids: list[str]) -> None:
@@ -457,39 +418,3 @@ class Outbox:
                 tx.execute("DELETE FROM endpoints WHERE id = ?", (ep.id,))
                 self._callbacks.pop(hid, None)
                 self.endpoints.pop(ep.id, None)
-
-
-def _delivery_view(row: tuple[Any, ...], msg_id: str, history: list[AttemptView]) -> DeliveryView:
-    did, _, tag, hid, state, attempts, created, next_at, finished, last_status, last_error = row
-    return DeliveryView(
-        id=did,
-        webhook_id=msg_id,
-        type=tag,
-        handoff_id=hid,
-        state=state,
-        attempts=attempts,
-        created_at=created,
-        next_at=next_at if state == "pending" else None,
-        finished_at=finished,
-        last_status=last_status,
-        last_error=last_error,
-        history=history,
-    )
-
-
-def _endpoint_view(row: tuple[Any, ...]) -> EndpointView:
-    eid, url, types, description, handoff_id, created_at, disabled_at, reason = row
-    return EndpointView(
-        id=eid,
-        url=url,
-        types=json.loads(types),
-        description=description,
-        handoff_id=handoff_id,
-        created_at=created_at,
-        disabled_at=disabled_at,
-        disabled_reason=reason,
-    )
-
-
-#: Event type prefixes in an endpoint's `types`.
-TypePrefix = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[a-z_.]+$")]

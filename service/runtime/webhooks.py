@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 
 from service.config import WebhooksConfig
 from service.http.signatures import sign
-from service.runtime.outbox import Delivery, DeliveryState, Endpoint, Outbox
+from service.runtime.outbox import Delivery, Endpoint, Outbox
 from service.runtime.sender import Sender, SendError
 from service.runtime.targets import TargetPolicy
+from service.runtime.webhook_views import DeliveryState
 
 log = logging.getLogger("kvhandoff.webhooks")
 USER_AGENT = "kvhandoff-webhooks/1"

@@ -14,7 +14,8 @@ import pytest
 from pipelines.events import EventBus, HandoffCompleted, HandoffCreated
 from service.config import WebhooksConfig
 from service.runtime.database import FILE_NAME, Database
-from service.runtime.outbox import DeliveryView, Outbox
+from service.runtime.outbox import Outbox
+from service.runtime.webhook_views import DeliveryView
 from service.runtime.webhooks import Dispatcher, parse_retry_after, retry_delay
 from tests.receivers import WAIT_S, Answer, Received, WebhookReceiver
 
