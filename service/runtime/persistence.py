@@ -39,7 +39,7 @@ from pipelines.events import (
     HandoffFailed,
     event_tag,
 )
-from service.config import Config
+from service.config import Config, ConfigError
 from service.http.app import CONFIG, READINESS
 from service.runtime.database import FILE_NAME, Database
 from service.runtime.outbox import Outbox
@@ -102,7 +102,11 @@ async def _persistence_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     decode = app[RUNTIME].decode
     assert decode is not None, "persistence is installed on the decode role only"
-    db = Database(config.server.state_path / FILE_NAME)
+    path = config.server.state_path / FILE_NAME
+    try:
+        db = Database(path)
+    except (OSError, sqlite3.Error) as exc:
+        raise ConfigError("server.state_dir", f"cannot open {path}: {exc}") from None
     try:
         persistence = _build(config, db)
         bus = app[RUNTIME].bus

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from pipelines.decode import HandoffRequest
+from service.config import ConfigError
 from service.http.app import READINESS
 from service.http.signatures import new_secret
 from service.runtime.database import FILE_NAME, Database
@@ -352,3 +353,12 @@ async def test_a_failed_write_makes_the_service_unready_not_inconsistent() -> No
         assert await d.decode.app[READINESS].failing() == ["records"]  # /readyz answers 503
         assert p.broken is not None and "readonly" in p.broken
         p.db.conn.execute("PRAGMA query_only = OFF")
+
+
+async def test_an_unusable_state_dir_stops_start_up_naming_the_key(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    config = decode_config({"server.state_dir": str(blocker / "state")})
+    with pytest.raises(ConfigError, match=r"^server.state_dir: cannot open"):
+        async with serve(config, extensions):
+            pass
