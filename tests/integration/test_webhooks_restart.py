@@ -16,7 +16,7 @@ from service.client import ApiError, KVHandoffClient
 from service.config import HandoffConfig, WebhooksConfig
 from service.tools.deployment import LocalDeployment
 from tests.integration.handoff_checks import Moved, create, fill_sources, ready, reset_decode
-from tests.receivers import Received, WebhookReceiver
+from tests.receivers import Answer, Received, WebhookReceiver
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,9 @@ def dep() -> Iterator[LocalDeployment]:
         num_pages=64,
         num_slots=8,
         handoff=HandoffConfig(default_deadline_s=20.0),
-        webhooks=WebhooksConfig(allow_private=True, backoff_base_s=0.05, backoff_max_s=0.5),
+        webhooks=WebhooksConfig(
+            allow_private=True, backoff_base_s=0.05, backoff_max_s=0.5, timeout_s=1.0
+        ),
     ) as d:
         fill_sources(d, seed=3)
         reset_decode(d)
@@ -115,3 +117,54 @@ async def test_sigkill_with_handoffs_in_flight_and_deliveries_pending(
         assert pending_ids <= {r.webhook_id for r in got}
     finally:
         await receiver.stop()
+
+
+async def test_receivers_that_are_busy_gone_or_slow(
+    dep: LocalDeployment, http: aiohttp.ClientSession
+) -> None:
+    busy, gone, slow = [await WebhookReceiver().start() for _ in range(3)]
+    busy.script.append(Answer(503, {"Retry-After": "1"}))
+    gone.default = Answer(410)
+    hold = asyncio.Event()
+    slow.script.append(Answer(200, hold=hold))  # answers only after the 1 s timeout
+    kv = KVHandoffClient(dep.decode_url, session=http)
+    try:
+        endpoints = {
+            name: await kv.register_webhook(r.url, types=["handoff.completed"])
+            for name, r in (("busy", busy), ("gone", gone), ("slow", slow))
+        }
+        await complete(http, dep, "receivers", Moved([5], [40], 5, 5))
+        assert (await kv.wait("receivers")).state.value == "completed"
+        for name, r in (("busy", busy), ("slow", slow)):
+            got = await r.count(2, timeout_s=30)
+            assert got[0].webhook_id == got[1].webhook_id, name  # the same message, again
+            for received in got:
+                assert received.verified(endpoints[name]["secret"])["type"] == "handoff.completed"
+
+        async def history(name: str) -> list[dict[str, object]]:
+            for _ in range(500):
+                items = await kv.deliveries(endpoints[name]["id"], state="delivered")
+                if items:
+                    return list(items[0]["history"])
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"{name}: not delivered")
+
+        busy_attempts = await history("busy")
+        assert [a.get("status") for a in busy_attempts] == [503, 200]
+        assert float(busy_attempts[1]["at"]) - float(busy_attempts[0]["at"]) >= 1.0  # type: ignore[arg-type]
+        slow_attempts = await history("slow")
+        assert "status" not in slow_attempts[0] and "Timeout" in str(slow_attempts[0]["error"])
+        assert slow_attempts[1]["status"] == 200
+        await gone.count(1)
+        for _ in range(500):
+            async with http.get(f"{dep.decode_url}/v1/webhooks/{endpoints['gone']['id']}") as r:
+                body = await r.json()
+            if "disabled_at" in body:
+                break
+            await asyncio.sleep(0.02)
+        assert "410" in body["disabled_reason"]
+        assert [d["state"] for d in await kv.deliveries(endpoints["gone"]["id"])] == ["cancelled"]
+    finally:
+        hold.set()
+        for r in (busy, gone, slow):
+            await r.stop()
