@@ -291,7 +291,7 @@ class Outbox:
         again, which at-least-once allows."""
         d.attempts += 1
         d.next_at = next_at
-        finished = None if state == "pending" else at
+        finished = None if state == "pending" else at + latency_s
         self._attempts.append((d.id, d.attempts, at, status, latency_s, error))
         self._updates.append((state, d.attempts, next_at, finished, status, error, d.id))
         if not self._flush_scheduled:

@@ -37,7 +37,7 @@ class EndpointCreated(EndpointView, frozen=True, kw_only=True):
 
 class AttemptView(Struct, frozen=True, omit_defaults=True):
     n: int
-    at: float
+    at: float  # when it started (unix seconds)
     latency_s: float
     status: int | None = None  # the HTTP status; None when no response came
     error: str | None = None

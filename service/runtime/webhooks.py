@@ -188,8 +188,9 @@ class Dispatcher:
 
     async def _attempt(self, lane: _Lane, d: Delivery) -> None:
         try:
+            started_at = self._clock()
             status, retry_after, error, latency = await self._send(lane.endpoint, d)
-            self._settle(lane, d, status, retry_after, error, latency)
+            self._settle(lane, d, started_at, status, retry_after, error, latency)
         finally:
             d.sending = False
             lane.busy.discard(d.handoff_id)
@@ -228,6 +229,7 @@ class Dispatcher:
         self,
         lane: _Lane,
         d: Delivery,
+        started_at: float,
         status: int | None,
         retry_after: str | None,
         error: str | None,
@@ -240,7 +242,7 @@ class Dispatcher:
         if error is None:
             state, next_at = "delivered", now
         elif status == 410:
-            self._outbox.record_attempt(d, now, latency_s, status, error, "cancelled", now)
+            self._outbox.record_attempt(d, started_at, latency_s, status, error, "cancelled", now)
             lane.pending.pop(d.id, None)
             self._outbox.disable(lane.endpoint.id, "the receiver answered 410 Gone", now)
             log.warning("webhook endpoint %s answered 410: disabled", lane.endpoint.id)
@@ -259,6 +261,6 @@ class Dispatcher:
             next_at = now + wait
             exhausted = tried >= s.max_attempts or next_at - d.since > s.max_age_s
             state = "failed" if exhausted else "pending"
-        self._outbox.record_attempt(d, now, latency_s, status, error, state, next_at)
+        self._outbox.record_attempt(d, started_at, latency_s, status, error, state, next_at)
         if state != "pending":
             lane.pending.pop(d.id, None)
