@@ -8,9 +8,11 @@ against a baseline measured in the same run.
   POSTs of the same bodies to the same receiver at the same concurrency, no outbox, no
   signature. Also the publish-side cost (µs per event committed).
 - `handoffs`: one-page handoffs (the `bench handoff` small case: PP=1, every step over HTTP)
-  on two decode deployments up at once, one with `records.persist = false`, one with records
-  and an endpoint receiving every `handoff.` event; reps alternate between them. Reported:
-  handoffs/s of both and their ratio (the outbox's cost).
+  on four deployments up at once: `records.persist = false`; records only; records and an
+  endpoint for the outcome (`handoff.completed|failed|aborted`: one webhook a handoff); records
+  and an endpoint for every `handoff.` event (two). Rounds run each back to back in rotating
+  order. Reported: handoffs/s, the median over rounds of each one's ratio to records off, and
+  the decode process's CPU time per handoff (steadier than rates on a shared machine).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from service.runtime.outbox import Outbox, webhook_body
 from service.runtime.webhooks import Dispatcher
 from service.tools.bench.handoff import Driver, Request, run_lanes
 from service.tools.deployment import LocalDeployment
+
+TERMINAL = ("handoff.completed", "handoff.failed", "handoff.aborted")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -236,29 +240,32 @@ async def handoffs(args: argparse.Namespace) -> dict[str, Any]:
         Receiver() as receiver,
         LocalDeployment(records=RecordsConfig(persist=False), **common) as off,
         LocalDeployment(**common) as records,
+        LocalDeployment(**common) as outcome,
         LocalDeployment(**common) as on,
     ):
         await _wait_up(receiver.url)
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as http:
-            async with http.post(
-                f"{on.decode_url}/v1/webhooks", json={"url": receiver.url, "types": ["handoff."]}
-            ) as resp:
-                if resp.status != 201:
-                    raise RuntimeError(f"registering the endpoint: {await resp.text()}")
+            for dep, types in ((outcome, list(TERMINAL)), (on, ["handoff."])):
+                async with http.post(
+                    f"{dep.decode_url}/v1/webhooks", json={"url": receiver.url, "types": types}
+                ) as resp:
+                    if resp.status != 201:
+                        raise RuntimeError(f"registering the endpoint: {await resp.text()}")
             drivers = {
                 "off": Driver(http, off),
                 "records": Driver(http, records),
+                "outcome": Driver(http, outcome),
                 "on": Driver(http, on),
             }
             walls: dict[str, list[float]] = {name: [] for name in drivers}
             cpu = dict.fromkeys(drivers, 0.0)
-            pids = {"off": _decode_pid(off), "records": _decode_pid(records), "on": _decode_pid(on)}
+            pids = {name: _decode_pid(d.client.dep) for name, d in drivers.items()}
             for name, driver in drivers.items():
                 await run_lanes(200, lanes, driver.handoff, f"warm-{name}")
             for rep in range(args.repeat):
                 # Back to back, in a rotating order: each round's ratios see the same load.
-                names = list(drivers)[rep % 3 :] + list(drivers)[: rep % 3]
+                names = list(drivers)[rep % 4 :] + list(drivers)[: rep % 4]
                 for name in names:
                     cpu0 = _cpu_seconds(pids[name])
                     wall, _, _ = await run_lanes(
@@ -278,8 +285,10 @@ async def handoffs(args: argparse.Namespace) -> dict[str, Any]:
         "concurrency": args.small_concurrency,
         "records_off_per_s": rate["off"],
         "records_per_s": rate["records"],
+        "records_outcome_webhook_per_s": rate["outcome"],
         "records_webhooks_per_s": rate["on"],
         "records_ratio": paired("records"),
+        "outcome_webhook_ratio": paired("outcome"),
         "webhooks_ratio": paired("on"),
         "rounds": args.repeat,
         # CPU time of the decode process per handoff: robust to other load on the machine.
@@ -324,6 +333,10 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"  records (SQLite, no endpoint)  {r['records_per_s']:8.0f} /s  "
                 f"({r['records_ratio']:.2f}x)  decode CPU {us['records']:5.0f} us/handoff"
+            )
+            print(
+                f"  records + 1 webhook/handoff    {r['records_outcome_webhook_per_s']:8.0f} /s  "
+                f"({r['outcome_webhook_ratio']:.2f}x)  decode CPU {us['outcome']:5.0f} us/handoff"
             )
             print(
                 f"  records + 2 webhooks/handoff   {r['records_webhooks_per_s']:8.0f} /s  "
