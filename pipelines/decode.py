@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Annotated, Any, Protocol
@@ -93,6 +93,8 @@ class HandoffRequest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     deadline_s: Annotated[float, Meta(gt=0, le=3600)] | None = None
     verify: bool | None = None
     metadata: dict[str, Any] = {}
+    #: Receives this handoff's lifecycle events as signed webhooks (the service checks the host).
+    callback_url: Annotated[str, Meta(pattern=r"^https?://", max_length=2048)] | None = None
 
 
 class PrefillPeer(Protocol):
@@ -139,6 +141,29 @@ class HandoffView(Struct, frozen=True, omit_defaults=True):
 class HandoffPage(Struct, frozen=True):
     items: list[HandoffView]
     next_cursor: int | None
+
+
+class ArchivedHandoff(Struct, frozen=True):
+    """A handoff this process does not hold (an earlier process's, or evicted), as recorded."""
+
+    request: HandoffRequest
+    view: HandoffView
+
+
+class HandoffArchive(Protocol):
+    """Where the service keeps finished handoffs (`service.runtime.records`)."""
+
+    def find(self, handoff_id: str) -> ArchivedHandoff | None: ...
+
+
+class FencedPages(Struct, frozen=True):
+    """Pages and slot an earlier process leased to `handoff_id`, writable by its prefill stages
+    until `release_at` (unix seconds): its deadline plus the engine's timeout."""
+
+    handoff_id: str
+    dst_pages: list[int]
+    dst_slot: int | None
+    release_at: float
 
 
 @dataclass
@@ -242,6 +267,8 @@ class DecodePipeline:
         self._covered: set[tuple[tuple[int, str, str], ...]] = set()
         self._closing = False  # shutting down: one abort attempt per peer, no grace
         self._tasks: set[asyncio.Task[None]] = set()
+        self._archive: HandoffArchive | None = None
+        self._fence_timers: list[asyncio.TimerHandle] = []
 
     # ----------------------------------------------------------------- router-facing
 
@@ -259,14 +286,14 @@ class DecodePipeline:
             req = msgspec.structs.replace(req, prefill=self._default_prefill)
         existing = self._existing(req)
         if existing is not None:
-            return existing.view(), False
+            return existing, False
         dst_pages = validate_pages_for_layout(
             self.layout, req.dst_pages, req.dst_slot, side="destination", unique=True
         )
         stages = await self._stages_of(req.prefill)
         existing = self._existing(req)  # another create of this id may have won meanwhile
         if existing is not None:
-            return existing.view(), False
+            return existing, False
         if self._live >= self._max_live:  # checked after the await: creates run concurrently
             raise CapacityExceeded(
                 f"{self._live} handoffs are in flight (handoff.max_concurrent = {self._max_live})",
@@ -304,10 +331,13 @@ class DecodePipeline:
         return h.view(), True
 
     def get(self, handoff_id: str) -> HandoffView:
-        return self._get(handoff_id).view()
+        h = self.handoffs.get(handoff_id)
+        return h.view() if h is not None else self._archived(handoff_id)
 
     async def wait(self, handoff_id: str, timeout_s: float) -> HandoffView:
         """The handoff once terminal, or as it is after `timeout_s` (a router's long poll)."""
+        if handoff_id not in self.handoffs:
+            return self._archived(handoff_id)  # archived handoffs are terminal
         h = self._get(handoff_id)
         if not h.state.terminal and timeout_s > 0:
             with contextlib.suppress(TimeoutError):
@@ -332,12 +362,15 @@ class DecodePipeline:
 
     async def abort(self, handoff_id: str, reason: str = "aborted by request") -> HandoffView:
         """Abort a live handoff; returns once no write of it can still land on decode pages."""
-        h = self._get(handoff_id)
-        if h.state == HandoffState.ABORTED:
-            return h.view()
-        if h.state.terminal:
+        h = self.handoffs.get(handoff_id)
+        view = h.view() if h is not None else self._archived(handoff_id)
+        if view.state == HandoffState.ABORTED:
+            return view
+        if h is None or h.state.terminal:
             raise ConflictError(
-                f"handoff {handoff_id!r} is already {h.state.value}", field="id", state=h.state
+                f"handoff {handoff_id!r} is already {view.state.value}",
+                field="id",
+                state=view.state,
             )
         h.aborting = True
         # The quiesce runs as its own task: a caller that stops waiting (a timeout, a closed
@@ -409,6 +442,26 @@ class DecodePipeline:
                     out.setdefault(peer, []).append(h.id)
         return out
 
+    def adopt(self, archive: HandoffArchive, fenced: Iterable[FencedPages]) -> None:
+        """After a restart (call before serving): answer for ids this process does not hold from
+        `archive`, and keep each `fenced` handoff's pages leased until its `release_at`, so no
+        new handoff gets pages an earlier process's prefill stages may still write."""
+        self._archive = archive
+        loop = asyncio.get_running_loop()
+        for f in fenced:
+            delay = f.release_at - self._clock()
+            if delay <= 0:
+                continue
+            try:
+                pages = validate_pages_for_layout(
+                    self.layout, f.dst_pages, f.dst_slot, side="destination", unique=True
+                )
+                self.leases.acquire(f.handoff_id, pages, f.dst_slot if self.layout.state else None)
+            except KVHandoffError as exc:  # the pool shrank between runs: nothing there to fence
+                log.warning("not fencing pages of restored handoff %s: %s", f.handoff_id, exc)
+                continue
+            self._fence_timers.append(loop.call_later(delay, self.leases.release, f.handoff_id))
+
     async def close(self) -> None:
         """Abort every live handoff (so no prefill stage keeps writing into pages this service
         is about to release), then stop the background tasks."""
@@ -424,18 +477,30 @@ class DecodePipeline:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for timer in self._fence_timers:
+            timer.cancel()
 
     # ----------------------------------------------------------------- internals
 
-    def _existing(self, req: HandoffRequest) -> DecodeHandoff | None:
+    def _existing(self, req: HandoffRequest) -> HandoffView | None:
         h = self.handoffs.get(req.id)
-        if h is None:
+        if h is not None:
+            found: ArchivedHandoff | None = ArchivedHandoff(h.request, h.view())
+        else:
+            found = self._archive.find(req.id) if self._archive is not None else None
+        if found is None:
             return None
-        if h.request != req:
+        if found.request != req:
             raise ConflictError(
                 f"handoff {req.id!r} exists with a different request body", field="id"
             )
-        return h
+        return found.view
+
+    def _archived(self, handoff_id: str) -> HandoffView:
+        old = self._archive.find(handoff_id) if self._archive is not None else None
+        if old is None:
+            raise NotFoundError(f"no handoff {handoff_id!r}", field="id")
+        return old.view
 
     def _get(self, handoff_id: str) -> DecodeHandoff:
         h = self.handoffs.get(handoff_id)

@@ -31,6 +31,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "service.tools.bench.events",
         "SSE fan-out to many readers vs. the bus publishing alone",
     ),
+    "webhooks": (
+        "service.tools.bench.webhooks",
+        "webhook deliveries from the outbox vs. plain POSTs; the outbox's cost on handoffs",
+    ),
 }
 
 

@@ -37,6 +37,7 @@ NonNeg = Annotated[int, Meta(ge=0)]
 PositiveSeconds = Annotated[float, Meta(gt=0)]
 
 # torch:cpu, torch:cuda, torch:cuda:0, torch:npu:3, shm:<name> (a file name under /dev/shm)
+_WHSEC = re.compile(r"^whsec_[A-Za-z0-9+/]{16,}={0,2}$")
 _POOL_SPEC = re.compile(r"^(torch:(cpu|(cuda|npu)(:\d+)?)|shm:[A-Za-z0-9._-]+)$")
 
 
@@ -179,6 +180,40 @@ class HandoffConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     sse_queue: Positive = 1024
 
 
+class RecordsConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Decode role: handoff records and the webhook outbox in SQLite under `server.state_dir`."""
+
+    #: Keep every accepted handoff and its terminal state across restarts (and feed webhooks).
+    persist: bool = True
+    #: Terminal records (and finished deliveries) older than this are deleted.
+    retention_s: PositiveSeconds = 7 * 86400.0
+    #: At most this many terminal records are kept (the oldest go first).
+    max_records: Positive = 100_000
+
+
+class WebhooksConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Delivery of events to registered endpoints (Standard Webhooks), from the outbox."""
+
+    #: Hosts webhooks may target; empty: any. ".example.com" also admits its subdomains.
+    allow_hosts: list[str] = []
+    #: Admit loopback, private, link-local and other non-public addresses (tests, one machine).
+    allow_private: bool = False
+    #: Signs deliveries to a handoff's `callback_url` ("whsec_..."); unset: callback_url refused.
+    callback_secret: str | None = None
+    #: Event type prefixes a `callback_url` receives.
+    callback_types: list[str] = field(default_factory=lambda: ["handoff."])
+    #: One attempt's limit (connect + response).
+    timeout_s: PositiveSeconds = 10.0
+    #: A delivery is given up after this many attempts or this age, whichever comes first.
+    max_attempts: Positive = 12
+    max_age_s: PositiveSeconds = 86400.0
+    #: Retry delays: full jitter over min(max, base * 2**attempt); Retry-After wins when longer.
+    backoff_base_s: PositiveSeconds = 0.5
+    backoff_max_s: PositiveSeconds = 300.0
+    #: Deliveries in flight to one endpoint; the events of one handoff always go one at a time.
+    concurrency: Positive = 8
+
+
 class PeersConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     #: Decode role: prefill services to send destinations to when a request names none.
     prefill: list[str] = []
@@ -205,6 +240,8 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    records: RecordsConfig = field(default_factory=RecordsConfig)
+    webhooks: WebhooksConfig = field(default_factory=WebhooksConfig)
     stages: list[StageConfig]
 
     def secrets(self, role: str) -> tuple[str, ...]:
@@ -318,6 +355,9 @@ def check(config: Config) -> None:
         raise ConfigError(f"stages[{bad}].num_slots", f"model {spec.name} has state; must be > 0")
     if config.role == "prefill":
         config.layer_partition()
+    secret = config.webhooks.callback_secret
+    if secret is not None and not _WHSEC.match(secret):
+        raise ConfigError("webhooks.callback_secret", "must be whsec_ followed by base64")
     for i, url in enumerate(config.peers.prefill):
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"peers.prefill[{i}]", f"{url!r} is not an http(s) URL")

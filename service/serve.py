@@ -38,6 +38,7 @@ EXTENSIONS: tuple[str, ...] = (
     "service.api.events:install_events",
     "service.api.metrics:install_metrics",
     "service.api.dashboard:install_dashboard",
+    "service.api.webhooks:install_webhooks",  # after handoffs: it needs the decode pipeline
 )
 
 #: How long shutdown waits for in-flight requests (SSE streams included) before closing them.

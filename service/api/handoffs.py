@@ -26,6 +26,7 @@ from service.api import inputs
 from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
+from service.runtime.persistence import persistence_of
 from service.runtime.pipelines import RUNTIME, decode_of, install_pipelines, prefill_of
 
 _ID = re.compile(HANDOFF_ID_PATTERN)
@@ -105,6 +106,8 @@ async def create_handoff(request: web.Request) -> web.StreamResponse:
         raise InvalidInput(
             "dst_pages is empty and the model has no state to move", field="dst_pages"
         )
+    if body.callback_url is not None:
+        await persistence_of(request).check_callback(body.callback_url)
     view, created = await decode_of(request).create(body)
     return json_response(
         view,

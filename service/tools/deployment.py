@@ -42,7 +42,15 @@ from pipelines.layout import StageLayout
 from pipelines.models import ModelSpec, decode_layout, partition_layers, stage_layout
 from pipelines.pairing import PairingCache
 from pipelines.planning import plan
-from service.config import ENV_PREFIX, HandoffConfig, ModelConfig, TransportConfig, load_config
+from service.config import (
+    ENV_PREFIX,
+    HandoffConfig,
+    ModelConfig,
+    RecordsConfig,
+    TransportConfig,
+    WebhooksConfig,
+    load_config,
+)
 from transport.blocks import Blocks
 from transport.config import alignment_for
 from transport.pool_shm import SHM_DIR, ShmPool
@@ -124,6 +132,8 @@ class LocalDeployment:
         decode_slots: int | None = None,
         transport: TransportConfig | None = None,
         handoff: HandoffConfig | None = None,
+        webhooks: WebhooksConfig | None = None,
+        records: RecordsConfig | None = None,
         token: str | None = None,
         log_level: str = "info",
         work_dir: str | Path | None = None,
@@ -148,6 +158,8 @@ class LocalDeployment:
         )
         self.transport = transport or TransportConfig()
         self.handoff = handoff or HandoffConfig()
+        self.webhooks = webhooks or WebhooksConfig()
+        self.records = records or RecordsConfig()
         self.token = token
         self.log_level = log_level
         self.ready_timeout_s = ready_timeout_s
@@ -249,15 +261,17 @@ class LocalDeployment:
             "model": self._model_table,
             "handoff": msgspec.to_builtins(self.handoff),
             "peers": {"prefill": prefill} if proc.role == "decode" else {},
+            "webhooks": msgspec.to_builtins(self.webhooks),
+            "records": msgspec.to_builtins(self.records),
             "stages": stages,
         }
 
-    def _launch(self, proc: ServiceProcess) -> None:
+    def _launch(self, proc: ServiceProcess, *, append: bool = False) -> None:
         # The kernel's parent-death signal follows the thread that forked: only from the main
         # thread does it mean "the harness died" rather than "a worker thread ended".
         watch = os.getpid() if threading.current_thread() is threading.main_thread() else 0
         cmd = [sys.executable, "-c", _BOOT, str(watch), "serve", "--config", str(proc.config_path)]
-        with proc.log_path.open("wb") as log:
+        with proc.log_path.open("ab" if append else "wb") as log:
             # Same session as ours, so a terminal's Ctrl-C reaches the services too; close()
             # stops whatever is left either way.
             proc.popen = subprocess.Popen(
@@ -269,9 +283,9 @@ class LocalDeployment:
                 cwd=self.work_dir,
             )
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, processes: list[ServiceProcess] | None = None) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
-        waiting = list(self.processes)
+        waiting = list(self.processes if processes is None else processes)
         while waiting:
             for proc in list(waiting):
                 assert proc.popen is not None
@@ -365,6 +379,18 @@ class LocalDeployment:
             proc.popen.send_signal(sig)
             if wait_s is not None:
                 proc.popen.wait(wait_s)
+        return proc
+
+    def restart(self, name: str) -> ServiceProcess:
+        """Start a process that exited (e.g. after `kill`) again: same config, port, pools and
+        state directory (its log is appended to), and wait until it is ready."""
+        proc = self.process(name)
+        if proc.running:
+            raise RuntimeError(f"{name} is still running")
+        with proc.log_path.open("ab") as log:
+            log.write(b"\n--- restarted ---\n")
+        self._launch(proc, append=True)
+        self._wait_ready([proc])
         return proc
 
     # -- stop -------------------------------------------------------------------------------

@@ -21,6 +21,9 @@ PACKAGES = ("transport", "pipelines", "service")
 SERVICE_RANKS = {
     "config": 0,
     "http": 1,
+    # The router client: an HTTP library over the API's public schemas and the webhook
+    # signature code (service/http), usable by anything above; it knows no running service.
+    "client": 1,
     "peers": 2,
     "runtime": 3,
     "api": 4,

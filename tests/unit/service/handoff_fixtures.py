@@ -11,6 +11,9 @@ know that something happened instead of sleeping.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -49,11 +52,13 @@ def make_config(
     model: dict[str, Any] | None = None,
     settings: Mapping[str, Any] | None = None,
 ) -> Config:
-    """A config on a free port over the local transport; `settings` maps dotted keys to values,
-    e.g. `{"handoff.max_concurrent": 2}`."""
+    """A config on a free port over the local transport, with a fresh state directory (records
+    and outbox); `settings` maps dotted keys to values, e.g. `{"handoff.max_concurrent": 2}`."""
+    state_dir = tempfile.mkdtemp(prefix="kvh-state-")
+    atexit.register(shutil.rmtree, state_dir, ignore_errors=True)
     base = {
         "role": role,
-        "server": {"port": 0},
+        "server": {"port": 0, "state_dir": state_dir},
         "transport": {"backend": "local"},
         "model": model or MODEL,
         "stages": stages,

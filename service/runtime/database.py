@@ -1,0 +1,149 @@
+"""The decode service's SQLite database: handoff records and the webhook outbox, one file.
+
+Opened by `service.runtime.persistence` at start-up (`server.state_dir/decode.sqlite3`) and used
+only from the event loop's thread, by `service.runtime.records` and `service.runtime.outbox`.
+WAL mode with `synchronous=NORMAL`: a committed transaction is in the WAL file before `commit`
+returns, so it survives the process being killed (SIGKILL, OOM); only a power loss or kernel
+crash can lose the last transactions. Each write is one short transaction on the loop thread
+(tens of microseconds), which is what lets an event be committed before anyone sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+FILE_NAME = "decode.sqlite3"
+#: The WAL file is truncated to this after a checkpoint (it is reused from its start anyway).
+WAL_LIMIT_BYTES = 64 << 20
+#: Bump with a migration below when the schema changes.
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+-- One row per accepted handoff. `state` is 'accepted' until a terminal event, then the terminal
+-- state with its final `view`. `released`: its pages were given back (no write can land).
+CREATE TABLE IF NOT EXISTS handoffs (
+    id TEXT PRIMARY KEY,
+    request BLOB NOT NULL,
+    dst_pages BLOB NOT NULL,
+    created_at REAL NOT NULL,
+    deadline_at REAL NOT NULL,
+    state TEXT NOT NULL,
+    view BLOB,
+    finished_at REAL,
+    released INTEGER NOT NULL DEFAULT 0
+);
+-- No index on `state`: only start-up looks for unfinished records, and every index costs each
+-- handoff's two writes on the event loop.
+CREATE INDEX IF NOT EXISTS handoffs_by_finish ON handoffs (finished_at);
+CREATE TABLE IF NOT EXISTS endpoints (
+    id TEXT PRIMARY KEY,
+    url TEXT NOT NULL,
+    secret TEXT NOT NULL,
+    types TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    handoff_id TEXT,
+    created_at REAL NOT NULL,
+    disabled_at REAL,
+    disabled_reason TEXT
+);
+CREATE INDEX IF NOT EXISTS endpoints_by_handoff ON endpoints (handoff_id);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    type TEXT NOT NULL,
+    handoff_id TEXT NOT NULL,
+    body BLOB NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS deliveries (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    event_id INTEGER NOT NULL,
+    endpoint_id TEXT NOT NULL,
+    handoff_id TEXT NOT NULL,
+    state TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    budget_from INTEGER NOT NULL DEFAULT 0,
+    since REAL NOT NULL,
+    next_at REAL NOT NULL,
+    created_at REAL NOT NULL,
+    finished_at REAL,
+    last_status INTEGER,
+    last_error TEXT
+);
+CREATE INDEX IF NOT EXISTS deliveries_by_state ON deliveries (state, id);
+CREATE INDEX IF NOT EXISTS deliveries_by_endpoint ON deliveries (endpoint_id, id);
+CREATE TABLE IF NOT EXISTS attempts (
+    delivery_id INTEGER NOT NULL,
+    n INTEGER NOT NULL,
+    at REAL NOT NULL,
+    status INTEGER,
+    latency_s REAL NOT NULL,
+    error TEXT,
+    PRIMARY KEY (delivery_id, n)
+);
+"""
+
+
+class Database:
+    """One SQLite connection in autocommit mode; `transaction()` groups writes."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.conn = sqlite3.connect(path, isolation_level=None)
+        # 1 KiB pages (for a new file; fixed once it exists): a commit writes whole pages to the
+        # WAL, and a handoff's record is well under 4 KiB, so this writes a third of the bytes.
+        self.conn.execute("PRAGMA page_size=1024")
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=NORMAL")
+        self.conn.execute("PRAGMA busy_timeout=5000")
+        # Checkpoints (the only writes that fsync) run in a thread (`checkpoint`), not in the
+        # commit that happens to cross the threshold on the event loop.
+        self.conn.execute("PRAGMA wal_autocheckpoint=0")
+        self.conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")  # shrink after a burst
+        self._checkpointer: sqlite3.Connection | None = None
+        self._checkpointing = threading.Lock()  # close() waits for a checkpoint in its thread
+        self.conn.executescript(_SCHEMA)
+        self.instance = self._meta("instance", secrets.token_hex(6))
+        version = int(self._meta("schema_version", str(SCHEMA_VERSION)))
+        if version != SCHEMA_VERSION:
+            raise RuntimeError(f"{path} has schema version {version}, expected {SCHEMA_VERSION}")
+
+    def _meta(self, key: str, default: str) -> str:
+        self.conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (key, default))
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return str(row[0])
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN … COMMIT (ROLLBACK on an exception); nested use joins the outer transaction."""
+        if self.conn.in_transaction:
+            yield self.conn
+            return
+        self.conn.execute("BEGIN")  # one writing connection: no lock to take early
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database file (PASSIVE: never blocks the writer). Call from a
+        worker thread, one at a time (`asyncio.to_thread`)."""
+        with self._checkpointing:
+            if self._checkpointer is None:
+                self._checkpointer = sqlite3.connect(self.path, check_same_thread=False)
+            self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def close(self) -> None:
+        with self._checkpointing:
+            if self._checkpointer is not None:
+                self._checkpointer.close()
+                self._checkpointer = None
+        self.conn.close()

@@ -1,0 +1,243 @@
+"""Records and webhooks wired into a decode service: the database, the bus listener, restore.
+
+`install_persistence(app)` (called by `service.api.webhooks` on the decode role, after the
+pipelines are installed) adds a cleanup context that, once the decode pipeline exists:
+
+1. opens `server.state_dir/decode.sqlite3` (`service.runtime.database`);
+2. adds one synchronous bus listener that, for each event, writes its handoff record
+   (`service.runtime.records`) and its webhook deliveries (`service.runtime.outbox`) in one
+   transaction — committed inside `EventBus.publish`, so before any route answers with the new
+   state and before any SSE subscriber sees the event — then hands the deliveries to the
+   dispatcher (`service.runtime.webhooks`);
+3. ends what an earlier process left in flight: each such handoff fails with
+   `service_restarted` (a published event: its record, its webhooks), and every page a handoff
+   may still be written through stays fenced until its deadline plus the engine's timeout;
+4. purges records and deliveries past retention, at start and every `PURGE_INTERVAL_S`.
+
+On shutdown it closes the decode pipeline first (so the aborts of live handoffs are recorded),
+then the dispatcher (pending deliveries stay in the outbox), then the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+
+from pipelines.decode import DecodeHandoff, DecodePipeline
+from pipelines.errors import ConflictError
+from pipelines.events import (
+    TERMINAL_EVENTS,
+    Event,
+    HandoffCreated,
+    HandoffFailed,
+    event_tag,
+)
+from service.config import Config, ConfigError
+from service.http.app import CONFIG, READINESS
+from service.runtime.database import FILE_NAME, Database
+from service.runtime.outbox import Outbox
+from service.runtime.pipelines import RUNTIME
+from service.runtime.records import HandoffRecords
+from service.runtime.webhooks import Dispatcher
+
+log = logging.getLogger("kvhandoff.records")
+
+PURGE_INTERVAL_S = 60.0
+CHECKPOINT_INTERVAL_S = 1.0
+RESTARTED = "service_restarted"
+#: A later event type (from the decode state machine) saying a handoff's pages are free.
+RELEASED_TAG = "handoff.released"
+
+
+@dataclass
+class Persistence:
+    db: Database
+    records: HandoffRecords
+    outbox: Outbox
+    dispatcher: Dispatcher
+    clock: Callable[[], float]
+    #: Why the last write failed (disk full, I/O error); /readyz fails while set.
+    broken: str | None = None
+
+    async def check_callback(self, url: str) -> None:
+        """Refuse (naming `callback_url`) a handoff's callback the service may not call."""
+        if not self.outbox.callbacks_enabled:
+            raise ConflictError(
+                "callback_url needs webhooks.callback_secret to be configured",
+                field="callback_url",
+            )
+        await self.dispatcher.policy.check(url, "callback_url")
+
+
+PERSISTENCE = web.AppKey("persistence", Persistence)
+
+
+def install_persistence(app: web.Application) -> None:
+    if app[CONFIG].records.persist:
+        app.cleanup_ctx.append(_persistence_ctx)
+        # Not ready until restored, nor after a write failed: routers must go elsewhere.
+        app[READINESS].add(
+            "records", lambda: PERSISTENCE in app and app[PERSISTENCE].broken is None
+        )
+
+
+def persistence_of(request: web.Request) -> Persistence:
+    found = request.app.get(PERSISTENCE)
+    if found is None:
+        raise ConflictError(
+            "records and webhooks are off on this service (records.persist = false)",
+            field="records.persist",
+        )
+    return found
+
+
+async def _persistence_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    decode = app[RUNTIME].decode
+    assert decode is not None, "persistence is installed on the decode role only"
+    path = config.server.state_path / FILE_NAME
+    try:
+        db = Database(path)
+    except (OSError, sqlite3.Error) as exc:
+        raise ConfigError("server.state_dir", f"cannot open {path}: {exc}") from None
+    try:
+        persistence = _build(config, db)
+        bus = app[RUNTIME].bus
+        bus.add_listener(_Journal(persistence, decode).on_event)
+        _restore(persistence, decode, bus.publish, config)
+        await persistence.dispatcher.start()
+        app[PERSISTENCE] = persistence
+        loop = asyncio.get_running_loop()
+        chores = [
+            loop.create_task(_purge_every(persistence, config)),
+            loop.create_task(_checkpoint_every(db)),
+        ]
+        try:
+            yield
+        finally:
+            for task in chores:
+                task.cancel()
+            await asyncio.gather(*chores, return_exceptions=True)
+            await decode.close()  # idempotent; here so its shutdown aborts reach the outbox
+            await persistence.dispatcher.close()
+            persistence.outbox.flush()
+    finally:
+        db.close()
+
+
+def _build(config: Config, db: Database, clock: Callable[[], float] = time.time) -> Persistence:
+    hooks = config.webhooks
+    outbox = Outbox(db, hooks.callback_secret, hooks.callback_types)
+    return Persistence(
+        db=db,
+        records=HandoffRecords(db, grace_s=config.transport.engine_timeout_s),
+        outbox=outbox,
+        dispatcher=Dispatcher(outbox, hooks, clock=clock),
+        clock=clock,
+    )
+
+
+class _Journal:
+    """The bus listener: one transaction per event that concerns records or webhooks."""
+
+    def __init__(self, p: Persistence, decode: DecodePipeline) -> None:
+        self._p = p
+        self._decode = decode
+
+    def on_event(self, event: Event) -> None:
+        try:
+            self._write(event)
+        except sqlite3.Error as exc:
+            # Raising into the pipeline would leave its state half-changed; instead the service
+            # stops being ready, so no router is told about state that is not on disk again.
+            self._p.broken = f"{type(exc).__name__}: {exc}"
+            log.exception("recording %s of %s failed", event_tag(event), event.handoff_id)
+
+    def _write(self, event: Event) -> None:
+        outbox = self._p.outbox
+        h = self._decode.handoffs.get(event.handoff_id)
+        tag = event_tag(event)
+        callback = h.request.callback_url if h is not None else None
+        wanted = outbox.wanted(event, callback)
+        if not wanted:
+            # At most one statement (a record): SQLite's autocommit is its own transaction,
+            # without the two extra round trips of BEGIN and COMMIT.
+            self._record(self._p.db.conn, event, tag, h)
+            return
+        with self._p.db.transaction() as tx:
+            self._record(tx, event, tag, h)
+            deliveries = outbox.enqueue(tx, event, callback)
+        self._p.dispatcher.add(deliveries)
+
+    def _record(
+        self, tx: sqlite3.Connection, event: Event, tag: str, h: DecodeHandoff | None
+    ) -> None:
+        records = self._p.records
+        if isinstance(event, HandoffCreated) and h is not None:
+            records.accepted(tx, h.request, h.created_at, h.deadline_at)
+        elif isinstance(event, TERMINAL_EVENTS):
+            view = (
+                msgspec.structs.replace(h.view(), timeline=[*h.timeline, event])
+                if h is not None
+                else records.restored_view(tx, event)
+            )
+            if view is not None:
+                records.finished(tx, view)
+        elif tag == RELEASED_TAG:
+            records.released(tx, event.handoff_id)
+
+
+def _restore(
+    p: Persistence, decode: DecodePipeline, publish: Callable[[Event], Event], config: Config
+) -> None:
+    interrupted = p.records.interrupted()
+    for old in interrupted:
+        publish(
+            HandoffFailed(
+                handoff_id=old.request.id,
+                role="decode",
+                code=RESTARTED,
+                reason="the decode service restarted while the handoff was in flight",
+                metadata=old.request.metadata,
+            )
+        )
+    fenced = p.records.fenced(p.clock())
+    decode.adopt(p.records, fenced)
+    if interrupted or fenced:
+        log.warning(
+            "restart: %d in-flight handoff(s) failed with %s; pages of %d kept fenced until "
+            "their old writers' deadline plus %.3g s",
+            len(interrupted),
+            RESTARTED,
+            len(fenced),
+            config.transport.engine_timeout_s,
+        )
+
+
+def purge_once(p: Persistence, config: Config) -> int:
+    now = p.clock()
+    with p.db.transaction() as tx:
+        ids = p.records.purge(tx, now, config.records.retention_s, config.records.max_records)
+        p.outbox.purge(tx, now - config.records.retention_s, ids)
+    return len(ids)
+
+
+async def _checkpoint_every(db: Database) -> None:
+    while True:
+        await asyncio.sleep(CHECKPOINT_INTERVAL_S)
+        await asyncio.to_thread(db.checkpoint)
+
+
+async def _purge_every(p: Persistence, config: Config) -> None:
+    while True:
+        purged = purge_once(p, config)
+        if purged:
+            log.info("purged %d handoff record(s) past retention", purged)
+        await asyncio.sleep(PURGE_INTERVAL_S)

@@ -1,0 +1,177 @@
+"""Handoff records: every accepted handoff and its terminal state, kept across restarts.
+
+Called by the bus listener in `service.runtime.persistence` (`accepted`, `finished`,
+`released`, inside the transaction that commits the event), by the decode pipeline as its
+`HandoffArchive` (`find`: `GET /v1/handoffs/{id}` of an id this process does not hold), and at
+start-up (`interrupted`, `fenced`) to end what an earlier process left in flight.
+
+A record is `accepted` until its terminal event, then holds the final `HandoffView`. Its pages
+count as released once the handoff completed or was aborted (both wait for every writer), or a
+`handoff.released` event says so; until then a restarted service keeps them fenced until the
+deadline plus the engine's timeout, after which no write of the old prefill stages can land.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+
+import msgspec
+
+from pipelines.decode import (
+    ArchivedHandoff,
+    ErrorView,
+    FencedPages,
+    HandoffRequest,
+    HandoffState,
+    HandoffView,
+)
+from pipelines.events import Event, HandoffCompleted, HandoffFailed
+from service.runtime.database import Database
+
+ACCEPTED = "accepted"
+_encoder = msgspec.json.Encoder()
+_request_decoder = msgspec.json.Decoder(HandoffRequest)
+_view_decoder = msgspec.json.Decoder(HandoffView)
+_pages_decoder = msgspec.json.Decoder(list[int])
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """A handoff an earlier process accepted and never finished."""
+
+    request: HandoffRequest
+    created_at: float
+    deadline_at: float
+
+
+class HandoffRecords:
+    def __init__(self, db: Database, *, grace_s: float) -> None:
+        self._db = db
+        self._grace_s = grace_s
+
+    # -- written by the bus listener, inside its transaction -----------------------------------
+
+    def accepted(
+        self,
+        tx: sqlite3.Connection,
+        request: HandoffRequest,
+        created_at: float,
+        deadline_at: float,
+    ) -> None:
+        tx.execute(
+            "INSERT OR REPLACE INTO handoffs (id, request, dst_pages, created_at, deadline_at,"
+            " state) VALUES (?, ?, ?, ?, ?, ?)",
+            (
+                request.id,
+                _encoder.encode(request),
+                _encoder.encode(request.dst_pages),
+                created_at,
+                deadline_at,
+                ACCEPTED,
+            ),
+        )
+
+    def finished(self, tx: sqlite3.Connection, view: HandoffView) -> None:
+        # Completed and aborted handoffs end after every writer stopped; a failed one may
+        # still be quiescing, so its pages stay unreleased until a `handoff.released` event.
+        released = view.state in (HandoffState.COMPLETED, HandoffState.ABORTED)
+        tx.execute(
+            "UPDATE handoffs SET state = ?, view = ?, finished_at = ?,"
+            " released = MAX(released, ?) WHERE id = ?",
+            (view.state.value, _encoder.encode(view), view.finished_at, int(released), view.id),
+        )
+
+    def released(self, tx: sqlite3.Connection, handoff_id: str) -> None:
+        tx.execute("UPDATE handoffs SET released = 1 WHERE id = ?", (handoff_id,))
+
+    def restored_view(self, tx: sqlite3.Connection, event: Event) -> HandoffView | None:
+        """The terminal view of a handoff this process does not hold (one an earlier process
+        left in flight), built from its record and the terminal `event`."""
+        row = tx.execute(
+            "SELECT request, created_at, deadline_at FROM handoffs WHERE id = ? AND state = ?",
+            (event.handoff_id, ACCEPTED),
+        ).fetchone()
+        if row is None:
+            return None
+        request = _request_decoder.decode(row[0])
+        error = None
+        state = HandoffState.ABORTED
+        if isinstance(event, HandoffFailed):
+            state = HandoffState.FAILED
+            error = ErrorView(event.code, event.reason, event.pp_rank, event.context)
+        elif isinstance(event, HandoffCompleted):
+            state = HandoffState.COMPLETED
+        return HandoffView(
+            id=request.id,
+            state=state,
+            created_at=row[1],
+            deadline_at=row[2],
+            num_pages=len(request.dst_pages),
+            dst_slot=request.dst_slot,
+            prefill=list(request.prefill),
+            verify=bool(request.verify),
+            bytes=0,
+            stages=[],
+            finished_at=event.at,
+            error=error,
+            metadata=request.metadata,
+            timeline=[event],
+        )
+
+    # -- read -----------------------------------------------------------------------------
+
+    def find(self, handoff_id: str) -> ArchivedHandoff | None:
+        """`HandoffArchive.find`: a finished handoff's request and final view."""
+        row = self._db.conn.execute(
+            "SELECT request, view FROM handoffs WHERE id = ? AND view IS NOT NULL", (handoff_id,)
+        ).fetchone()
+        if row is None:
+            return None
+        return ArchivedHandoff(_request_decoder.decode(row[0]), _view_decoder.decode(row[1]))
+
+    def interrupted(self) -> list[Interrupted]:
+        """Handoffs accepted and never finished (the process died while they were in flight)."""
+        rows = self._db.conn.execute(
+            "SELECT request, created_at, deadline_at FROM handoffs WHERE state = ?"
+            " ORDER BY created_at",
+            (ACCEPTED,),
+        )
+        return [Interrupted(_request_decoder.decode(r), c, d) for r, c, d in rows]
+
+    def fenced(self, now: float) -> list[FencedPages]:
+        """Pages not known released whose old writers may still write after `now`."""
+        rows = self._db.conn.execute(
+            "SELECT id, dst_pages, request, deadline_at FROM handoffs"
+            " WHERE released = 0 AND deadline_at + ? > ?",
+            (self._grace_s, now),
+        )
+        out = []
+        for hid, pages, request, deadline_at in rows:
+            req = _request_decoder.decode(request)
+            out.append(
+                FencedPages(
+                    hid, _pages_decoder.decode(pages), req.dst_slot, deadline_at + self._grace_s
+                )
+            )
+        return out
+
+    def purge(
+        self, tx: sqlite3.Connection, now: float, retention_s: float, max_records: int
+    ) -> list[str]:
+        """Within `tx`: delete terminal records past retention or beyond the newest
+        `max_records`, never one whose pages may still be written. Returns the ids deleted."""
+        safe = "(released = 1 OR deadline_at + ? < ?)"
+        ids = [
+            r[0]
+            for r in tx.execute(
+                f"SELECT id FROM handoffs WHERE view IS NOT NULL AND {safe} AND finished_at < ?"
+                " UNION SELECT id FROM (SELECT id, released, deadline_at FROM handoffs"
+                f" WHERE view IS NOT NULL ORDER BY finished_at DESC LIMIT -1 OFFSET ?)"
+                f" WHERE {safe}",
+                (self._grace_s, now, now - retention_s, max_records, self._grace_s, now),
+            )
+        ]
+        if ids:
+            tx.executemany("DELETE FROM handoffs WHERE id = ?", [(i,) for i in ids])
+        return ids

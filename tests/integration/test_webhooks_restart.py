@@ -1,0 +1,170 @@
+"""Webhooks and records as a router integrates them: real `kvhandoff serve` processes, Mooncake
+over TCP on 127.0.0.1, the decode service's SQLite file on disk, a real receiver in this test,
+signatures verified with the `standardwebhooks` package. The decode service is SIGKILLed with
+handoffs in flight and deliveries pending, and restarted on the same state directory."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Iterator
+
+import aiohttp
+import pytest
+
+from service.client import ApiError, KVHandoffClient
+from service.config import HandoffConfig, WebhooksConfig
+from service.tools.deployment import LocalDeployment
+from tests.integration.handoff_checks import Moved, create, fill_sources, ready, reset_decode
+from tests.receivers import Answer, Received, WebhookReceiver
+
+pytestmark = pytest.mark.integration
+
+MODEL = {"scale": 64, "page_size": 16, "num_layers": 8}
+TERMINAL = ("handoff.completed", "handoff.failed", "handoff.aborted")
+
+
+@pytest.fixture(scope="module")
+def dep() -> Iterator[LocalDeployment]:
+    with LocalDeployment(
+        preset="hybrid-npu-mla",
+        model=MODEL,
+        pp_size=2,
+        num_pages=64,
+        num_slots=8,
+        handoff=HandoffConfig(default_deadline_s=20.0),
+        webhooks=WebhooksConfig(
+            allow_private=True, backoff_base_s=0.05, backoff_max_s=0.5, timeout_s=1.0
+        ),
+    ) as d:
+        fill_sources(d, seed=3)
+        reset_decode(d)
+        yield d
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def complete(http: aiohttp.ClientSession, dep: LocalDeployment, hid: str, m: Moved) -> None:
+    assert (await create(http, dep, hid, m))[0] == 201
+    for r in range(dep.pp_size):
+        assert (await ready(http, dep, hid, r, m))[0] == 202
+
+
+async def test_sigkill_with_handoffs_in_flight_and_deliveries_pending(
+    dep: LocalDeployment, http: aiohttp.ClientSession
+) -> None:
+    receiver = await WebhookReceiver().start()
+    kv = KVHandoffClient(dep.decode_url, session=http)
+    try:
+        endpoint = await kv.register_webhook(receiver.url, types=["handoff."])
+        secret = endpoint["secret"]
+        # Delivered before the crash.
+        await complete(http, dep, "done-1", Moved([1, 2], [1, 2], 0, 0))
+        assert (await kv.wait("done-1")).state.value == "completed"
+        await receiver.wait_for(
+            lambda got: any(r.handoff_id == "done-1" and r.type == "handoff.completed" for r in got)
+        )
+        # The receiver goes down: what follows stays pending in the outbox.
+        await receiver.stop()
+        await complete(http, dep, "done-2", Moved([3, 4], [3, 4], 1, 1))
+        assert (await kv.wait("done-2")).state.value == "completed"
+        in_flight = {f"live-{i}": Moved([10 + i], [20 + i], i + 2, i + 2) for i in range(3)}
+        for hid, m in in_flight.items():
+            assert (await create(http, dep, hid, m))[0] == 201  # accepted, never signalled
+        with pytest.raises(ApiError) as refused:
+            await kv.create("never", [10_000], dst_slot=0)
+        assert refused.value.status == 422
+        pending = await kv.deliveries(endpoint["id"], state="pending")
+        pending_ids = {d["webhook_id"] for d in pending if d["handoff_id"] == "done-2"}
+        assert pending_ids  # done-2's deliveries wait for the receiver
+
+        await asyncio.to_thread(dep.kill, "decode", signal.SIGKILL)
+        await receiver.start()  # up again, same port
+        await asyncio.to_thread(dep.restart, "decode")
+
+        # Every accepted id is terminal; the in-flight ones failed as restarted.
+        for hid in ("done-1", "done-2"):
+            assert (await kv.get(hid)).state.value == "completed"
+        for hid in in_flight:
+            view = await kv.get(hid)
+            assert view.state.value == "failed" and view.error is not None
+            assert view.error.code == "service_restarted"
+        with pytest.raises(ApiError) as missing:
+            await kv.get("never")
+        assert missing.value.status == 404
+        # Their pages stay fenced: the old prefill stages may write until deadline + timeout.
+        with pytest.raises(ApiError) as fenced:
+            await kv.create("reuse", [20], dst_slot=7)
+        assert fenced.value.status == 409 and fenced.value.problem["holder"] == "live-0"
+
+        # Every terminal event's webhook arrives at least once, signed; none for "never".
+        accepted = {"done-1", "done-2", *in_flight}
+
+        def all_terminal(got: list[Received]) -> bool:
+            return accepted <= {r.handoff_id for r in got if r.type in TERMINAL}
+
+        got = await receiver.wait_for(all_terminal, timeout_s=30)
+        payloads = [r.verified(secret) for r in got]
+        assert "never" not in {p["data"]["handoff_id"] for p in payloads}
+        restarted = [p for p in payloads if p["type"] == "handoff.failed"]
+        assert {p["data"]["handoff_id"] for p in restarted} == set(in_flight)
+        assert {p["data"]["code"] for p in restarted} == {"service_restarted"}
+        # done-2's deliveries pending at the crash arrive with the webhook-id they had.
+        assert pending_ids <= {r.webhook_id for r in got}
+    finally:
+        await receiver.stop()
+
+
+async def test_receivers_that_are_busy_gone_or_slow(
+    dep: LocalDeployment, http: aiohttp.ClientSession
+) -> None:
+    busy, gone, slow = [await WebhookReceiver().start() for _ in range(3)]
+    busy.script.append(Answer(503, {"Retry-After": "1"}))
+    gone.default = Answer(410)
+    hold = asyncio.Event()
+    slow.script.append(Answer(200, hold=hold))  # answers only after the 1 s timeout
+    kv = KVHandoffClient(dep.decode_url, session=http)
+    try:
+        endpoints = {
+            name: await kv.register_webhook(r.url, types=["handoff.completed"])
+            for name, r in (("busy", busy), ("gone", gone), ("slow", slow))
+        }
+        await complete(http, dep, "receivers", Moved([5], [40], 5, 5))
+        assert (await kv.wait("receivers")).state.value == "completed"
+        for name, r in (("busy", busy), ("slow", slow)):
+            got = await r.count(2, timeout_s=30)
+            assert got[0].webhook_id == got[1].webhook_id, name  # the same message, again
+            for received in got:
+                assert received.verified(endpoints[name]["secret"])["type"] == "handoff.completed"
+
+        async def history(name: str) -> list[dict[str, object]]:
+            for _ in range(500):
+                items = await kv.deliveries(endpoints[name]["id"], state="delivered")
+                if items:
+                    return list(items[0]["history"])
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"{name}: not delivered")
+
+        busy_attempts = await history("busy")
+        assert [a.get("status") for a in busy_attempts] == [503, 200]
+        assert float(busy_attempts[1]["at"]) - float(busy_attempts[0]["at"]) >= 1.0  # type: ignore[arg-type]
+        slow_attempts = await history("slow")
+        assert "status" not in slow_attempts[0] and "Timeout" in str(slow_attempts[0]["error"])
+        assert slow_attempts[1]["status"] == 200
+        await gone.count(1)
+        for _ in range(500):
+            async with http.get(f"{dep.decode_url}/v1/webhooks/{endpoints['gone']['id']}") as r:
+                body = await r.json()
+            if "disabled_at" in body:
+                break
+            await asyncio.sleep(0.02)
+        assert "410" in body["disabled_reason"]
+        assert [d["state"] for d in await kv.deliveries(endpoints["gone"]["id"])] == ["cancelled"]
+    finally:
+        hold.set()
+        for r in (busy, gone, slow):
+            await r.stop()

@@ -1,0 +1,289 @@
+"""The webhook dispatcher over a real outbox file and a real receiver, on a controlled clock:
+retry timing is checked against the clock the dispatcher reads, never against sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from pipelines.events import EventBus, HandoffCompleted, HandoffCreated
+from service.config import WebhooksConfig
+from service.runtime.database import FILE_NAME, Database
+from service.runtime.outbox import Outbox
+from service.runtime.webhook_views import DeliveryView
+from service.runtime.webhooks import Dispatcher, parse_retry_after, retry_delay
+from tests.receivers import WAIT_S, Answer, Received, WebhookReceiver
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = time.time()  # near real time: receivers check webhook-timestamp against it
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class World:
+    def __init__(self, path: Path, settings: WebhooksConfig) -> None:
+        self.clock = Clock()
+        self.bus = EventBus(clock=self.clock)
+        self.db = Database(path / FILE_NAME)
+        self.outbox = Outbox(self.db, None, [])
+        self.settings = settings
+        self.dispatcher = Dispatcher(self.outbox, settings, clock=self.clock, rng=random.Random(7))
+        self.secret = ""
+        self.endpoint_id = ""
+
+    def register(self, url: str) -> None:
+        created = self.outbox.create_endpoint(url, [], None, "", self.clock())
+        self.secret, self.endpoint_id = created.secret, created.id
+
+    def publish(self, handoff_id: str, *, completed: bool = False) -> None:
+        event = self.bus.publish(
+            HandoffCompleted(
+                handoff_id=handoff_id, role="decode", bytes=1, seconds=0.1, verified=False
+            )
+            if completed
+            else HandoffCreated(handoff_id=handoff_id, role="decode", num_pages=1, pp_size=1)
+        )
+        with self.db.transaction() as tx:
+            deliveries = self.outbox.enqueue(tx, event, None)
+        self.dispatcher.add(deliveries)
+
+    def deliveries(self, state: str | None = None) -> list[DeliveryView]:
+        return self.outbox.deliveries(self.endpoint_id, state, 100, 0).items  # type: ignore[arg-type]
+
+    async def advance(self, seconds: float) -> None:
+        self.clock.now += seconds
+        self.dispatcher.poke()
+        await settle()
+
+    async def until(self, state: str, n: int = 1) -> list[DeliveryView]:
+        async with asyncio.timeout(WAIT_S):
+            while len(found := self.deliveries(state)) < n:
+                await asyncio.sleep(0.01)
+        return found
+
+
+async def settle() -> None:
+    """Let every ready task run (lanes re-scan after a poke) without waiting on time."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def loopback(**overrides: object) -> WebhooksConfig:
+    return WebhooksConfig(allow_private=True, **overrides)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[WebhookReceiver]:
+    r = await WebhookReceiver().start()
+    yield r
+    await r.stop()
+
+
+@pytest.fixture
+def make_world(tmp_path: Path) -> Iterator[object]:
+    worlds: list[World] = []
+
+    def make(settings: WebhooksConfig) -> World:
+        worlds.append(World(tmp_path, settings))
+        return worlds[-1]
+
+    yield make
+    for w in worlds:
+        w.db.close()
+
+
+# ------------------------------------------------------------------------------ policy
+
+
+def test_backoff_is_full_jitter_under_a_doubling_ceiling() -> None:
+    rng = random.Random(1)
+    for attempt, ceiling in [(1, 0.5), (2, 1.0), (3, 2.0), (10, 60.0), (30, 60.0)]:
+        delays = [retry_delay(attempt, 0.5, 60.0, None, rng) for _ in range(2000)]
+        assert min(delays) >= 0.0 and max(delays) <= ceiling
+        assert min(delays) < ceiling * 0.05 and max(delays) > ceiling * 0.95  # the full range
+    assert retry_delay(1, 0.5, 60.0, 30.0, rng) == 30.0  # a longer Retry-After wins
+
+
+def test_retry_after_takes_seconds_or_an_http_date() -> None:
+    assert parse_retry_after("7", 0.0) == 7.0
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", 1445412470.0) == 10.0
+    assert parse_retry_after("soon", 0.0) is None
+    assert parse_retry_after(None, 0.0) is None
+
+
+# ------------------------------------------------------------------------------ dispatcher
+
+
+async def test_503_with_retry_after_is_retried_exactly_then(
+    make_world: object, receiver: WebhookReceiver
+) -> None:
+    w: World = make_world(loopback())  # type: ignore[operator]
+    receiver.script.append(Answer(503, {"Retry-After": "30"}))
+    w.register(receiver.url)
+    await w.dispatcher.start()
+    try:
+        w.publish("a")
+        first = (await receiver.count(1))[0]
+        async with asyncio.timeout(WAIT_S):
+            while not (d := w.deliveries())[0].attempts:
+                await asyncio.sleep(0.01)
+        assert d[0].state == "pending" and d[0].last_status == 503
+        assert d[0].next_at == pytest.approx(w.clock.now + 30.0)
+        await w.advance(29.9)
+        assert len(receiver.received) == 1  # not before Retry-After
+        await w.advance(0.1)
+        second = (await receiver.count(2))[1]
+        await w.until("delivered")
+        assert second.webhook_id == first.webhook_id
+        assert second.verified(w.secret) == first.verified(w.secret)
+    finally:
+        await w.dispatcher.close()
+
+
+async def test_a_slow_receiver_times_out_and_the_retry_carries_the_same_id(
+    make_world: object, receiver: WebhookReceiver
+) -> None:
+    w: World = make_world(loopback(timeout_s=0.2, backoff_base_s=1.0))  # type: ignore[operator]
+    hold = asyncio.Event()
+    receiver.script.append(Answer(200, hold=hold))  # answers only after the client gave up
+    w.register(receiver.url)
+    await w.dispatcher.start()
+    try:
+        w.publish("a")
+        async with asyncio.timeout(WAIT_S):
+            while not w.deliveries()[0].attempts:
+                await asyncio.sleep(0.01)
+        attempt = w.deliveries()[0].history[0]
+        assert attempt.status is None and attempt.error == "TimeoutError: timed out"
+        await w.advance(1.0)  # past any jitter under the 1 s ceiling of the first retry
+        got = await receiver.count(2)
+        delivered = await w.until("delivered")
+        assert got[0].webhook_id == got[1].webhook_id
+        assert [a.status for a in delivered[0].history] == [None, 200]
+    finally:
+        hold.set()
+        await w.dispatcher.close()
+
+
+async def test_one_handoffs_events_wait_for_each_other_while_others_go_on(
+    make_world: object, receiver: WebhookReceiver
+) -> None:
+    w: World = make_world(loopback(concurrency=4))  # type: ignore[operator]
+    failed_once: set[str] = set()
+
+    def respond(r: Received) -> Answer:
+        if r.handoff_id == "a" and r.type == "handoff.created" and not failed_once:
+            failed_once.add(r.webhook_id)
+            return Answer(500)
+        return Answer(200)
+
+    receiver.respond = respond
+    w.register(receiver.url)
+    await w.dispatcher.start()
+    try:
+        w.publish("a")
+        w.publish("b")
+        w.publish("a", completed=True)
+        w.publish("b", completed=True)
+        await w.until("delivered", 2)  # b's two events
+        sent = [(r.handoff_id, r.type) for r in receiver.received]
+        assert ("a", "handoff.completed") not in sent  # a's second waits for its first
+        assert sent.index(("b", "handoff.created")) < sent.index(("b", "handoff.completed"))
+        await w.advance(1.0)
+        await w.until("delivered", 4)
+        a_sent = [r.type for r in receiver.received if r.handoff_id == "a"]
+        assert a_sent == ["handoff.created", "handoff.created", "handoff.completed"]
+    finally:
+        await w.dispatcher.close()
+
+
+async def test_attempt_and_age_ceilings_end_a_delivery_as_failed(
+    make_world: object, receiver: WebhookReceiver
+) -> None:
+    w: World = make_world(loopback(max_attempts=3, max_age_s=100.0))  # type: ignore[operator]
+    receiver.default = Answer(500)
+    w.register(receiver.url)
+    await w.dispatcher.start()
+    try:
+        w.publish("a")
+        for n in (1, 2):
+            await receiver.count(n)
+            async with asyncio.timeout(WAIT_S):
+                while w.deliveries()[0].attempts < n:
+                    await asyncio.sleep(0.01)
+            await w.advance(10.0)
+        failed = await w.until("failed")
+        assert failed[0].attempts == 3 and len(receiver.received) == 3
+        receiver.script.append(Answer(503, {"Retry-After": "500"}))  # beyond max_age_s
+        w.publish("b")
+        failed = await w.until("failed", 2)
+        assert failed[0].handoff_id == "b" and failed[0].attempts == 1
+    finally:
+        await w.dispatcher.close()
+
+
+async def test_pending_deliveries_resume_from_the_outbox_after_a_restart(
+    make_world: object, receiver: WebhookReceiver
+) -> None:
+    w: World = make_world(loopback())  # type: ignore[operator]
+    w.register(receiver.url)
+    w.publish("a")  # committed; this dispatcher never ran (the process "died")
+    w.publish("a", completed=True)
+    again: World = make_world(loopback())  # type: ignore[operator]
+    again.endpoint_id, again.secret = w.endpoint_id, w.secret
+    await again.dispatcher.start()
+    try:
+        got = await receiver.count(2)
+        assert [r.verified(w.secret)["type"] for r in got] == [
+            "handoff.created",
+            "handoff.completed",
+        ]
+        await again.until("delivered", 2)
+    finally:
+        await again.dispatcher.close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+async def test_a_private_target_is_refused_at_send_time_too(
+    make_world: object, receiver: WebhookReceiver, host: str
+) -> None:
+    # Registered while allowed (or resolving elsewhere); the dispatcher checks every connection.
+    w: World = make_world(WebhooksConfig(allow_private=False))  # type: ignore[operator]
+    w.register(receiver.url.replace("127.0.0.1", host))
+    await w.dispatcher.start()
+    try:
+        w.publish("a")
+        async with asyncio.timeout(WAIT_S):
+            while not w.deliveries()[0].attempts:
+                await asyncio.sleep(0.01)
+        attempt = w.deliveries()[0].history[0]
+        assert attempt.status is None and "non-public" in (attempt.error or "")
+        assert receiver.received == []
+    finally:
+        await w.dispatcher.close()
+
+
+async def test_a_lane_ends_when_its_endpoint_has_nothing_pending(
+    make_world: object, receiver: WebhookReceiver
+) -> None:
+    w: World = make_world(loopback())  # type: ignore[operator]
+    w.register(receiver.url)
+    await w.dispatcher.start()
+    try:
+        for n in (1, 2):
+            w.publish("a" if n == 1 else "b")
+            await receiver.count(n)
+            await w.until("delivered", n)
+            async with asyncio.timeout(WAIT_S):
+                while w.dispatcher.lanes:
+                    await asyncio.sleep(0.01)
+    finally:
+        await w.dispatcher.close()
