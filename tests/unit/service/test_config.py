@@ -263,6 +263,8 @@ def test_no_secret_serves_two_roles(overrides: dict[str, object], field: str) ->
     with pytest.raises(ConfigError) as info:
         make_config(**overrides)
     assert info.value.context["field"] == field
+
+
 def test_webhook_and_record_keys_are_checked_naming_the_key() -> None:
     config = make_config(**{"webhooks.allow_hosts": ["a.example"], "records.max_records": 5})
     assert config.webhooks.allow_hosts == ["a.example"] and config.records.max_records == 5
