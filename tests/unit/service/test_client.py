@@ -1,6 +1,8 @@
-"""The router client against a real decode service (in-process, local transport), and its
-event stream against a small real SSE endpoint speaking the wire format of `GET /v1/events`
-(`event:` tag, `id:` sequence number, `data:` JSON, `Last-Event-ID` resume, `stream.gap`)."""
+"""The router client against a real decode service (in-process, local transport), its event
+stream against the service's own `GET /v1/events`, and — for what a live service cannot be made
+to do on cue (a connection cut half-way through a frame, a gap of chosen ids) — against a small
+SSE endpoint speaking the same wire format (`event:` tag, `id:` sequence number, `data:` JSON,
+`Last-Event-ID` resume, `stream.gap` with `first_id`/`last_id`)."""
 
 from __future__ import annotations
 
@@ -61,6 +63,31 @@ async def test_api_errors_carry_the_problem_members(d: Deployment) -> None:
 # ------------------------------------------------------------------------------ events
 
 
+async def test_events_from_the_service_stream_and_resume_from_an_id(d: Deployment) -> None:
+    async with KVHandoffClient(d.decode.url) as kv:
+        stream = kv.events(handoffs=["h1"], types=["handoff."])
+        first = asyncio.ensure_future(anext(stream))
+        await kv.create("h1", DST, dst_slot=1, prefill=d.prefill_urls)
+        for rank in (0, 1):
+            await d.ready("h1", rank, SRC, 0)
+        got = [await first]
+        async with asyncio.timeout(10):
+            async for event in stream:
+                got.append(event)
+                if event.type == "handoff.completed":
+                    break
+        await stream.aclose()  # type: ignore[attr-defined]
+        assert got[0].type == "handoff.created" and got[-1].type == "handoff.completed"
+        assert all(e.data["handoff_id"] == "h1" for e in got)
+        ids = [e.id for e in got]
+        assert ids == sorted(ids) and len(set(ids)) == len(ids)
+        # Resuming after the first event replays the rest from the service's buffer, exactly.
+        again = kv.events(handoffs=["h1"], types=["handoff."], last_event_id=ids[0])
+        rest = await collect(again, len(ids) - 1)
+        await again.aclose()  # type: ignore[attr-defined]
+        assert [e.id for e in rest] == ids[1:]
+
+
 class SseSource:
     """Serves `events` (id 1..N) as text/event-stream from `Last-Event-ID`; the first
     connection is cut after `cut_after` events; ids before `oldest` are announced as a gap."""
@@ -82,7 +109,7 @@ class SseSource:
         start = int(last) + 1 if last else 1
         await resp.write(b": keep-alive\n\nretry: 10\n\n")
         if start < self.oldest:
-            gap = {"type": "stream.gap", "first": start, "last": self.oldest - 1}
+            gap = {"type": "stream.gap", "first_id": start, "last_id": self.oldest - 1}
             await resp.write(f"event: stream.gap\ndata: {json.dumps(gap)}\n\n".encode())
             start = self.oldest
         for sent, ev in enumerate(self.events[start - 1 :]):
@@ -136,8 +163,8 @@ async def test_events_surface_a_gap_explicitly() -> None:
         await stream.aclose()  # type: ignore[attr-defined]
     assert got[0].type == "stream.gap" and got[0].data == {
         "type": "stream.gap",
-        "first": 3,
-        "last": 5,
+        "first_id": 3,
+        "last_id": 5,
     }
     assert [e.id for e in got[1:]] == [6, 7, 8, 9, 10]
     assert source.requests[0]["last"] == "2"
