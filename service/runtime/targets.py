@@ -56,17 +56,30 @@ class TargetPolicy:
     async def check(self, url: str, field: str) -> None:
         """Raise TargetRefused naming `field` unless `url` is http(s) to an allowed host whose
         every address is allowed."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise TargetRefused(f"{url!r} is not an http(s) URL with a host", field=field)
+        # International names travel as punycode: a non-ASCII URL (or one whose port is not a
+        # number) is refused here, before the resolver can fail on it in its own way.
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError:
+            port, parts = None, None
+        if (
+            parts is None
+            or not url.isascii()
+            or parts.scheme not in ("http", "https")
+            or not parts.hostname
+        ):
+            raise TargetRefused(
+                f"{url!r} is not an ASCII http(s) URL with a host and a valid port", field=field
+            )
         host = parts.hostname
         if not self.host_allowed(host):
             raise TargetRefused(f"host {host!r} is not in webhooks.allow_hosts", field=field)
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(
-                host, parts.port or 443, type=socket.SOCK_STREAM
+                host, port or 443, type=socket.SOCK_STREAM
             )
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:  # UnicodeError: a label IDNA cannot encode
             raise TargetRefused(f"host {host!r} does not resolve: {exc}", field=field) from None
         for info in infos:
             address = str(info[4][0])

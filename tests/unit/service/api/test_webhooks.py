@@ -159,8 +159,25 @@ async def test_private_targets_and_hosts_off_the_allow_list_are_refused() -> Non
             "POST", f"{d.decode.url}/v1/webhooks", json={"url": "http://x", "secret": "abc"}
         )
         assert_problem(bad, 422, field="secret")
+        # Found by the fuzzer (500 before): a host IDNA cannot encode, in a body with odd text.
+        fuzzed = {
+            "types": [],
+            "description": "\udaaf\udc7c\u00fb",
+            "url": 'http://x\u00b6"n\u00ac[}mF\ud964\udcb7}9\ud8cf\udc9c',
+        }
+        reply = await d.request("POST", f"{d.decode.url}/v1/webhooks", json=fuzzed)
+        assert_problem(reply, 422, "webhook_target_refused", field="url")
         listed = await d.request("GET", f"{d.decode.url}/v1/webhooks")
         assert listed.body["items"] == []
+    async with deployment(**{"webhooks.allow_private": True}) as d:
+        # A lone surrogate cannot be stored as UTF-8 text: refused before anything is stored.
+        reply = await d.request(
+            "POST",
+            f"{d.decode.url}/v1/webhooks",
+            data=b'{"url": "http://127.0.0.1:9/x", "description": "\\udaaf"}',
+        )
+        assert_problem(reply, 400, "malformed_body")
+        assert (await d.request("GET", f"{d.decode.url}/v1/webhooks")).body["items"] == []
     async with deployment(**{"webhooks.allow_hosts": ["hooks.example.com"]}) as d:
         reply = await d.request(
             "POST", f"{d.decode.url}/v1/webhooks", json={"url": "http://127.0.0.1:9/hook"}

@@ -61,3 +61,20 @@ async def test_check_names_the_field_and_the_address() -> None:
     with pytest.raises(TargetRefused, match="http"):
         await policy.check("ftp://example.com/x", "callback_url")
     await TargetPolicy([], allow_private=True).check("http://127.0.0.1:9/x", "url")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        # Found by the fuzzer: a host IDNA cannot encode made the resolver raise UnicodeError (500).
+        'http://x\u00b6"n\u00ac[}mF\ud964\udcb7}9\ud8cf\udc9c',
+        "http://b\u00fccher.example/x",  # international names are sent as punycode
+        "http://example.com:99999/x",
+        "http://example.com:port/x",
+        "http://[::1/x",
+    ],
+)
+async def test_malformed_urls_are_refused_naming_the_field(url: str) -> None:
+    with pytest.raises(TargetRefused) as refused:
+        await TargetPolicy([], allow_private=True).check(url, "url")
+    assert refused.value.context["field"] == "url"
