@@ -33,6 +33,7 @@ from pipelines.events import (
 )
 from service.peers.heartbeat import PeerHealth
 from service.runtime.streams import StreamStats
+from service.runtime.webhooks import WebhookStats
 from transport.base import TransportStats
 
 #: 1 ms to 30 s: one page on loopback to a large request over a slow link.
@@ -219,6 +220,51 @@ class StreamCollector(Collector):
             "kvhandoff_sse_gaps",
             "SSE resumes that asked for events no longer buffered (stream.gap)",
             value=s.gaps_total,
+        )
+
+    def describe(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        return []
+
+
+class WebhookCollector(Collector):
+    """Webhook deliveries from the outbox (`service.runtime.webhooks`), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], WebhookStats], depth: Callable[[], int]) -> None:
+        self._stats = stats
+        self._depth = depth
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._stats()
+        yield CounterMetricFamily(
+            "kvhandoff_webhook_attempts", "Webhook delivery attempts", value=s.attempts
+        )
+        ended = CounterMetricFamily(
+            "kvhandoff_webhook_deliveries",
+            "Webhook deliveries that ended, by result (delivered, failed: given up)",
+            labels=["result"],
+        )
+        ended.add_metric(["delivered"], s.delivered)
+        ended.add_metric(["failed"], s.failed)
+        yield ended
+        yield CounterMetricFamily(
+            "kvhandoff_webhook_retries",
+            "Webhook attempts that failed and were scheduled again",
+            value=s.retried,
+        )
+        yield CounterMetricFamily(
+            "kvhandoff_webhook_endpoints_disabled",
+            "Webhook endpoints disabled by a 410 answer",
+            value=s.disabled,
+        )
+        yield CounterMetricFamily(
+            "kvhandoff_webhook_delivered_latency_seconds",
+            "Seconds the delivered attempts took, summed",
+            value=s.delivered_latency_s,
+        )
+        yield GaugeMetricFamily(
+            "kvhandoff_webhook_outbox_depth",
+            "Deliveries pending in the outbox (queued or waiting for a retry)",
+            value=self._depth(),
         )
 
     def describe(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:

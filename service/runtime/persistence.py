@@ -42,6 +42,7 @@ from pipelines.events import (
 from service.config import Config, ConfigError
 from service.http.app import CONFIG, READINESS
 from service.runtime.database import FILE_NAME, Database
+from service.runtime.metrics import METRICS, WebhookCollector
 from service.runtime.outbox import Outbox
 from service.runtime.pipelines import RUNTIME
 from service.runtime.records import HandoffRecords
@@ -114,6 +115,11 @@ async def _persistence_ctx(app: web.Application) -> AsyncIterator[None]:
         _restore(persistence, decode, bus.publish, config)
         await persistence.dispatcher.start()
         app[PERSISTENCE] = persistence
+        if METRICS in app:
+            dispatcher = persistence.dispatcher
+            app[METRICS].add_collector(
+                WebhookCollector(lambda: dispatcher.stats, lambda: dispatcher.pending_count)
+            )
         loop = asyncio.get_running_loop()
         chores = [
             loop.create_task(_purge_every(persistence, config)),

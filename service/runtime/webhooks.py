@@ -72,6 +72,22 @@ class _Lane:
     attempts: set[asyncio.Task[None]] = field(default_factory=set)
 
 
+@dataclass
+class WebhookStats:
+    """Cumulative delivery counters since start (read at scrape time by the metrics)."""
+
+    attempts: int = 0
+    delivered: int = 0
+    #: Attempts that did not deliver and were scheduled again.
+    retried: int = 0
+    #: Deliveries given up after `max_attempts` or `max_age_s`.
+    failed: int = 0
+    #: Endpoints disabled by a 410 answer.
+    disabled: int = 0
+    #: Seconds each delivered attempt took, summed (with `delivered`, the mean latency).
+    delivered_latency_s: float = 0.0
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -88,6 +104,7 @@ class Dispatcher:
         self.policy = TargetPolicy(settings.allow_hosts, settings.allow_private)
         self._lanes: dict[str, _Lane] = {}
         self._sender: Sender | None = None
+        self.stats = WebhookStats()
 
     async def start(self) -> None:
         """Resume every pending delivery from the outbox."""
@@ -238,10 +255,14 @@ class Dispatcher:
         now = self._clock()
         if lane.endpoint.id not in self._outbox.endpoints:
             return  # deleted while the attempt ran
+        self.stats.attempts += 1
         state: DeliveryState
         if error is None:
             state, next_at = "delivered", now
+            self.stats.delivered += 1
+            self.stats.delivered_latency_s += latency_s
         elif status == 410:
+            self.stats.disabled += 1
             self._outbox.record_attempt(d, started_at, latency_s, status, error, "cancelled", now)
             lane.pending.pop(d.id, None)
             self._outbox.disable(lane.endpoint.id, "the receiver answered 410 Gone", now)
@@ -261,6 +282,10 @@ class Dispatcher:
             next_at = now + wait
             exhausted = tried >= s.max_attempts or next_at - d.since > s.max_age_s
             state = "failed" if exhausted else "pending"
+            if exhausted:
+                self.stats.failed += 1
+            else:
+                self.stats.retried += 1
         self._outbox.record_attempt(d, started_at, latency_s, status, error, state, next_at)
         if state != "pending":
             lane.pending.pop(d.id, None)

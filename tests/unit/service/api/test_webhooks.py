@@ -31,6 +31,7 @@ from tests.unit.service.handoff_fixtures import (
     open_deployment,
     prefill_config,
 )
+from tests.unit.service.metrics_checks import parse, promtool_check, value
 
 SRC, DST, SLOT = [3, 4], [10, 11], 1
 LOOPBACK: dict[str, Any] = {"webhooks.allow_private": True, "webhooks.backoff_base_s": 0.01}
@@ -108,6 +109,18 @@ async def test_every_event_is_delivered_signed_once_and_in_sequence(
         assert [i["state"] for i in items] == ["delivered"] * len(wanted)
         assert {i["webhook_id"] for i in items} == {r.webhook_id for r in got}
         assert all(i["history"][0]["status"] == 200 for i in items)
+        # The metrics count exactly these deliveries, and the exposition passes promtool.
+        async with d.http.get(f"{d.decode.url}/metrics") as resp:
+            text = await resp.text()
+        promtool_check(text)
+        samples = parse(text)
+        assert value(samples, "kvhandoff_webhook_deliveries_total", result="delivered") == len(
+            wanted
+        )
+        assert value(samples, "kvhandoff_webhook_deliveries_total", result="failed") == 0
+        assert value(samples, "kvhandoff_webhook_attempts_total") == len(wanted)
+        assert value(samples, "kvhandoff_webhook_retries_total") == 0
+        assert value(samples, "kvhandoff_webhook_outbox_depth") == 0
 
 
 async def test_a_type_prefix_selects_events_and_a_given_secret_signs(
@@ -230,6 +243,10 @@ async def test_410_disables_the_endpoint_and_cancels_what_is_pending(
         assert len(receiver.received) == 1  # a disabled endpoint gets nothing more
         retry = await d.request("POST", f"{url}/deliveries/1/retry")
         assert_problem(retry, 409, "conflict", field="id")
+        async with d.http.get(f"{d.decode.url}/metrics") as resp:
+            samples = parse(await resp.text())
+        assert value(samples, "kvhandoff_webhook_endpoints_disabled_total") == 1
+        assert value(samples, "kvhandoff_webhook_deliveries_total", result="delivered") == 0
 
 
 async def test_a_failed_delivery_can_be_retried_by_hand(receiver: WebhookReceiver) -> None:
