@@ -2,11 +2,13 @@
 
 `GET /v1/layout` on both roles (what a peer must know to pair with and write to this process);
 destinations and aborts on prefill services; arrivals and stage failures on decode services;
-heartbeats on both. Each message's protocol version is checked before it is acted on.
+heartbeats and the watch stream on both. Each message's protocol version is checked before it is acted on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -33,6 +35,7 @@ from service.peers.protocol import (
     HEARTBEATS_PATH,
     LAYOUT_PATH,
     STAGE_FAILURES_PATH,
+    WATCH_PATH,
     Outcome,
 )
 from service.runtime.pipelines import RUNTIME, check_version, decode_of, prefill_of
@@ -82,9 +85,25 @@ async def layout(request: web.Request) -> web.StreamResponse:
 async def heartbeat(request: web.Request) -> web.StreamResponse:
     msg = await decode_body(request, HeartbeatMsg)
     check_version(msg.version)
+    return json_response(request.app[RUNTIME].heartbeats.receive(msg))
+
+
+@common_routes.get(
+    WATCH_PATH,
+    content_type="text/plain",
+    summary="A peer holds this open to learn at once when this process ends (a byte a second)",
+    tags=("peer",),
+)
+async def watch(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
-    runtime.heartbeats.heard(msg.sender_url)
-    return json_response(HeartbeatAck(role=runtime.role, url=runtime.url))
+    response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+    await response.prepare(request)
+    while not runtime.closing.is_set():
+        await response.write(b"\n")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(runtime.heartbeats.interval_s):
+                await runtime.closing.wait()
+    return response
 
 
 @prefill_peer_routes.post(
@@ -110,7 +129,9 @@ async def destinations(request: web.Request) -> web.StreamResponse:
 async def abort(request: web.Request) -> web.StreamResponse:
     msg = await decode_body(request, AbortMsg)
     check_version(msg.version)
-    return json_response(await prefill_of(request).abort(msg.handoff_id, msg.reason))
+    return json_response(
+        await prefill_of(request).abort(msg.handoff_id, msg.reason, msg.decode_incarnation)
+    )
 
 
 @decode_peer_routes.post(

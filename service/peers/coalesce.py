@@ -8,7 +8,8 @@ latency, and a busy one sends a few large requests instead of many small ones.
 
 Each notice still gets its own outcome: the receiver answers one result per item, and `submit`
 raises the error of its own item only. A failed request (peer unreachable) fails every notice in
-it. Batches are capped in bytes so they stay under the receiver's body limit.
+it. Batches are capped in bytes so they stay under the receiver's body limit. A lane exists only
+while its peer has notices pending or in flight.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class Coalescer:
             raise
         finally:
             lane.task = None
+            if not lane.pending and self._lanes.get(peer) is lane:
+                del self._lanes[peer]  # an idle peer keeps no lane
 
     def _take(self, lane: _Lane) -> list[tuple[msgspec.Raw, asyncio.Future[None]]]:
         """The oldest notices that fit in one batch (always at least one)."""
