@@ -21,6 +21,7 @@ class FakeEngine:
         self.hang: threading.Event | None = None
         self.max_blocks = max_blocks
         self.batch_sizes: list[int] = []
+        self.bytes_per_call: list[int] = []
         self.targets: list[str] = []
         self.registered: dict[int, int] = {}
         self.active = 0
@@ -50,6 +51,7 @@ class FakeEngine:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
             self.batch_sizes.append(len(src))
+            self.bytes_per_call.append(sum(lengths))
             self.targets.append(target)
         try:
             if self.hang is not None:

@@ -10,8 +10,38 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import msgspec
+
 from transport.blocks import Blocks
 from transport.regions import Region
+
+
+class TransportStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Cumulative counters since the transport started (`Transport.stats()`), for metrics.
+
+    A batch is the unit `write` submits (at most `max_blocks_per_batch` blocks and
+    `max_bytes_per_batch` bytes); several small batches to one peer may share one engine call.
+    """
+
+    #: Batches handed to the engine's queue by `write`.
+    batches_submitted: int = 0
+    #: Batches whose engine call returned success: their bytes landed.
+    batches_succeeded: int = 0
+    #: Batches that failed: engine rc or exception, started too late, skipped because their
+    #: write had failed or was cancelled, or the transport closed. Each has its own error.
+    batches_failed: int = 0
+    #: Batches whose write stopped waiting after `transfer_timeout_s` (the call may still run).
+    batches_timed_out: int = 0
+    #: Bytes and blocks of succeeded batches.
+    bytes_written: int = 0
+    blocks_written: int = 0
+    #: Engine calls made, calls that returned a non-zero rc (by rc), and calls that raised.
+    engine_calls: int = 0
+    engine_errors_by_rc: dict[int, int] = msgspec.field(default_factory=dict)
+    engine_exceptions: int = 0
+    #: Peers with a lane now (queue and in-flight bound), and worker threads alive now.
+    live_lanes: int = 0
+    worker_threads: int = 0
 
 
 @runtime_checkable
@@ -21,6 +51,13 @@ class Transport(Protocol):
     @property
     def local_target(self) -> str:
         """The name peers pass to `write` to reach this process's registered memory."""
+        ...
+
+    @property
+    def max_call_s(self) -> float:
+        """The longest one engine call started by this transport can still write after it
+        started (given its byte cap per batch). A peer adds it to a write's `start_by` to know
+        when that write's bytes can no longer land."""
         ...
 
     def register(self, regions: Sequence[Region]) -> None:

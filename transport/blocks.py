@@ -68,9 +68,43 @@ class Blocks:
     def __getitem__(self, index: slice) -> Blocks:
         return Blocks(self.src_addr[index], self.dst_addr[index], self.length[index])
 
-    def batches(self, max_blocks: int = DEFAULT_MAX_BLOCKS_PER_BATCH) -> Iterator[Blocks]:
-        """Yield consecutive slices of at most `max_blocks` blocks (views, no copies)."""
+    def split(self, max_bytes: int) -> Blocks:
+        """The same bytes, with every block longer than `max_bytes` cut into consecutive pieces
+        of at most `max_bytes` (`self` itself when none is)."""
+        if max_bytes <= 0:
+            raise ValueError("max_bytes must be positive")
+        if len(self) == 0 or int(self.length.max()) <= max_bytes:
+            return self
+        cap = np.uint64(max_bytes)
+        pieces = np.maximum((self.length + cap - np.uint64(1)) // cap, np.uint64(1))
+        owner = np.repeat(np.arange(len(self)), pieces.astype(np.int64))
+        # Index of each piece within its block: 0, 1, ... restarting at every block.
+        first = np.cumsum(pieces) - pieces
+        k = np.arange(owner.shape[0], dtype=np.uint64) - first[owner]
+        offset = k * cap
+        length = np.minimum(self.length[owner] - offset, cap)
+        return Blocks(self.src_addr[owner] + offset, self.dst_addr[owner] + offset, length)
+
+    def batches(
+        self, max_blocks: int = DEFAULT_MAX_BLOCKS_PER_BATCH, max_bytes: int | None = None
+    ) -> Iterator[Blocks]:
+        """Yield consecutive batches of at most `max_blocks` blocks and `max_bytes` bytes.
+
+        Without `max_bytes` the batches are views; with it, blocks longer than `max_bytes` are
+        first cut (`split`) and each batch is the longest run of whole blocks under both caps.
+        """
         if max_blocks <= 0:
             raise ValueError("max_blocks must be positive")
-        for start in range(0, len(self), max_blocks):
-            yield self[start : start + max_blocks]
+        if max_bytes is None:
+            for start in range(0, len(self), max_blocks):
+                yield self[start : start + max_blocks]
+            return
+        blocks = self.split(max_bytes)
+        ends = np.cumsum(blocks.length, dtype=np.uint64)  # bytes up to and including block i
+        start, n, before = 0, len(blocks), 0
+        while start < n:
+            fit = int(np.searchsorted(ends, before + max_bytes, side="right"))
+            stop = min(start + max_blocks, max(fit, start + 1))
+            yield blocks[start:stop]
+            before = int(ends[stop - 1])
+            start = stop

@@ -25,6 +25,15 @@ DEFAULT_ALIGN_BYTES = 4 << 10
 
 #: The engine reads `MC_TRANSFER_TIMEOUT` (whole seconds) and clamps it to at least 5.
 ENGINE_MIN_TIMEOUT_S = 5
+#: The engine allows a batch 1 ns per byte on top of `MC_TRANSFER_TIMEOUT` before giving up on
+#: it: the slowest throughput a running call is granted. A constant, not a setting: a larger
+#: value would declare a bound the engine does not keep.
+ENGINE_MIN_BYTES_PER_S = 1e9
+#: Default byte cap per engine call: large enough that per-call overhead is noise (256 blocks of
+#: 1 MiB), small enough that its per-byte allowance adds a quarter of a second to `max_call_s`.
+DEFAULT_MAX_BYTES_PER_BATCH = 256 << 20
+#: How long a peer's lane (queue, bound, counters) outlives its last batch.
+DEFAULT_PEER_IDLE_S = 60.0
 
 
 def alignment_for(protocol: str) -> int:
@@ -49,6 +58,10 @@ class MooncakeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_blocks_per_batch: Annotated[int, Meta(ge=1, le=DEFAULT_MAX_BLOCKS_PER_BATCH)] = (
         DEFAULT_MAX_BLOCKS_PER_BATCH
     )
+    #: Bytes per engine call. Bounds how long one call may still write after it started
+    #: (`max_call_s`): batches are cut at whichever cap comes first, and a block larger than
+    #: this is cut into pieces of at most this many bytes.
+    max_bytes_per_batch: Annotated[int, Meta(ge=4096, le=1 << 40)] = DEFAULT_MAX_BYTES_PER_BATCH
     #: Batches per peer submitted (one running in the engine, the rest queued behind the peer's
     #: worker thread). Queued batches keep the worker busy back to back: with 2, whole-handoff
     #: throughput measured 0.6-0.8x raw Mooncake (the worker idled between batches while the
@@ -56,6 +69,13 @@ class MooncakeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_inflight_batches_per_peer: Annotated[int, Meta(ge=1, le=64)] = 8
     #: Upper bound for one batch, from the moment the engine starts it to the last byte landing.
     transfer_timeout_s: Annotated[float, Meta(gt=0, le=600)] = 10.0
+    #: Worker threads that make engine calls, shared by all peers (one call per peer at a time,
+    #: so this is also how many peers can be written to at once). Threads start on demand and
+    #: exit after `peer_idle_s` without work: 200 peers do not mean 200 threads.
+    max_worker_threads: Annotated[int, Meta(ge=1, le=256)] = 16
+    #: A peer's lane (queue, in-flight bound) and an idle worker thread are reclaimed after this
+    #: long without a batch; a new write recreates them.
+    peer_idle_s: Annotated[float, Meta(gt=0, le=86400)] = DEFAULT_PEER_IDLE_S
     #: Extra engine tuning, e.g. {"MC_TCP_SLICE_SIZE": "262144"}; only `MC_TCP_*` keys allowed.
     tcp_env: dict[str, str] = msgspec.field(default_factory=dict)
 
@@ -69,10 +89,20 @@ class MooncakeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return alignment_for(self.protocol)
 
     @property
+    def max_call_s(self) -> float:
+        """How long one engine call can still write after it started, at most.
+
+        The engine gives up on a batch after `MC_TRANSFER_TIMEOUT` (whole seconds, floor 5; see
+        `engine_env`) plus 1 ns per byte, and a batch holds at most `max_bytes_per_batch` bytes:
+        `max(5, ceil(transfer_timeout_s)) + max_bytes_per_batch / ENGINE_MIN_BYTES_PER_S`.
+        """
+        engine_s = max(ENGINE_MIN_TIMEOUT_S, math.ceil(self.transfer_timeout_s))
+        return engine_s + self.max_bytes_per_batch / ENGINE_MIN_BYTES_PER_S
+
+    @property
     def engine_timeout_s(self) -> float:
-        """How long one engine call can still write after it started, at most: the engine's own
-        timeout (whole seconds, floor 5) plus a second for its per-byte allowance."""
-        return max(ENGINE_MIN_TIMEOUT_S, math.ceil(self.transfer_timeout_s)) + 1.0
+        """The same bound as `max_call_s`, for callers that size a grace period from config."""
+        return self.max_call_s
 
     def engine_env(self) -> dict[str, str]:
         """Environment the engine must see at construction.

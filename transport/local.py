@@ -19,10 +19,16 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
+from transport.config import DEFAULT_MAX_BYTES_PER_BATCH
 from transport.errors import TransportError, TransportTimeout
 from transport.regions import Region, RegionTable
 
 _ids = itertools.count(1)
+#: `max_call_s` of a local copy: a fixed allowance for scheduling (the worker thread may wait for
+#: a core) plus the largest batch at a memmove rate far below any host's (DRAM copies run at
+#: several GB/s; 100 MB/s leaves room for a loaded, swapping machine).
+LOCAL_CALL_BASE_S = 1.0
+LOCAL_MIN_BYTES_PER_S = 100e6
 #: Open local transports of this process by target name: the peers a write can name.
 _open: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
 
@@ -46,10 +52,16 @@ def _copy_unless_late(blocks: Blocks, start_by: float | None, peer: str) -> None
 class LocalTransport:
     """Moves blocks inside this process; every block must lie in registered regions."""
 
-    def __init__(self, *, max_blocks_per_batch: int = DEFAULT_MAX_BLOCKS_PER_BATCH) -> None:
+    def __init__(
+        self,
+        *,
+        max_blocks_per_batch: int = DEFAULT_MAX_BLOCKS_PER_BATCH,
+        max_bytes_per_batch: int = DEFAULT_MAX_BYTES_PER_BATCH,
+    ) -> None:
         self._regions = RegionTable()
         self._target = f"local:{next(_ids)}"
         self._max_blocks = max_blocks_per_batch
+        self._max_bytes = max_bytes_per_batch
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="kvhandoff-local"
         )
@@ -59,6 +71,12 @@ class LocalTransport:
     @property
     def local_target(self) -> str:
         return self._target
+
+    @property
+    def max_call_s(self) -> float:
+        """One batch's memmove, bounded generously: `LOCAL_CALL_BASE_S + max_bytes_per_batch /
+        LOCAL_MIN_BYTES_PER_S`."""
+        return LOCAL_CALL_BASE_S + self._max_bytes / LOCAL_MIN_BYTES_PER_S
 
     def register(self, regions: Sequence[Region]) -> None:
         self._check_open()
@@ -78,7 +96,7 @@ class LocalTransport:
         self._regions.check(blocks.src_addr, blocks.length, side="source", peer=peer)
         target._regions.check(blocks.dst_addr, blocks.length, side="destination", peer=peer)
         # Batches keep a cancelled write from copying much more than one batch afterwards.
-        for batch in blocks.batches(self._max_blocks):
+        for batch in blocks.batches(self._max_blocks, self._max_bytes):
             fut = executor.submit(_copy_unless_late, batch, start_by, peer)
             self._running.add(fut)
             fut.add_done_callback(self._running.discard)

@@ -158,6 +158,12 @@ class MooncakeTransport:
     def config(self) -> MooncakeConfig:
         return self._config
 
+    @property
+    def max_call_s(self) -> float:
+        """`MooncakeConfig.max_call_s`: the engine's timeout plus its per-byte allowance for the
+        largest batch (`max_bytes_per_batch`)."""
+        return self._config.max_call_s
+
     # -- memory ----------------------------------------------------------------------------
 
     def register(self, regions: Sequence[Region]) -> None:
@@ -189,10 +195,11 @@ class MooncakeTransport:
         lane = self._lane(peer)
         loop = asyncio.get_running_loop()
         stop = threading.Event()
+        cap = self._config
         submitted: list[_Batch] = []
         ok = False
         try:
-            for part in blocks.batches(self._config.max_blocks_per_batch):
+            for part in blocks.batches(cap.max_blocks_per_batch, cap.max_bytes_per_batch):
                 await lane.slots.acquire()
                 if stop.is_set() or lane.stuck:
                     lane.slots.release()
@@ -224,18 +231,21 @@ class MooncakeTransport:
         each. Batches of stopped writes go to `skipped` (the loop cancels them).
         """
         taken: list[_Batch] = []
-        blocks = 0
+        blocks = nbytes = 0
         cap = self._config.max_blocks_per_batch
+        cap_bytes = self._config.max_bytes_per_batch
         while lane.pending:
             batch = lane.pending[0]
             if batch.stop.is_set():
                 skipped.append(lane.pending.popleft())
                 continue
-            if taken and blocks + len(batch.blocks) > cap:
+            size = batch.blocks.total_bytes
+            if taken and (blocks + len(batch.blocks) > cap or nbytes + size > cap_bytes):
                 break
             lane.pending.popleft()
             taken.append(batch)
             blocks += len(batch.blocks)
+            nbytes += size
         return taken
 
     def _run(self, lane: _PeerLane, loop: asyncio.AbstractEventLoop) -> None:

@@ -26,7 +26,10 @@ def open_transport(config: TransportConfig) -> Transport:
     if config.backend == "local":
         from transport.local import LocalTransport
 
-        return LocalTransport(max_blocks_per_batch=config.max_blocks_per_batch)
+        return LocalTransport(
+            max_blocks_per_batch=config.max_blocks_per_batch,
+            max_bytes_per_batch=config.max_bytes_per_batch,
+        )
     from transport.mooncake import MooncakeTransport  # imports the engine only when used
 
     return MooncakeTransport.start(config)

@@ -159,3 +159,7 @@ async def test_closed_transport_refuses_writes_and_close_is_idempotent(
 async def test_quiesce_returns_when_idle(transport: Transport) -> None:
     await transport.quiesce()
     await transport.quiesce(transport.local_target)
+
+
+async def test_declares_a_finite_bound_for_one_call(transport: Transport) -> None:
+    assert 0 < transport.max_call_s < 60

@@ -11,10 +11,12 @@ import time
 import numpy as np
 import pytest
 
+from tests.fakes import FakeEngine
 from tests.unit.transport.conftest import fake_transport, pool_of
 from transport.blocks import Blocks
 from transport.config import MooncakeConfig
 from transport.errors import TransportError, TransportTimeout
+from transport.mooncake import MooncakeTransport
 
 
 def setup_blocks(
@@ -214,4 +216,32 @@ async def test_no_batch_starts_after_the_writes_start_by_instant(fake_engine, ma
     with pytest.raises(TransportTimeout):
         await late
     assert fake_engine.batch_sizes == [5]
+    t.close()
+
+
+def test_max_call_s_is_the_engine_timeout_plus_the_largest_batch_at_1_ns_per_byte() -> None:
+    cfg = MooncakeConfig(transfer_timeout_s=2.5, max_bytes_per_batch=2 << 30)
+    assert cfg.max_call_s == pytest.approx(5 + (2 << 30) / 1e9)
+    cfg = MooncakeConfig(transfer_timeout_s=12.2, max_bytes_per_batch=1 << 20)
+    assert cfg.max_call_s == pytest.approx(13 + (1 << 20) / 1e9)
+    assert cfg.engine_timeout_s == cfg.max_call_s
+    assert MooncakeTransport(FakeEngine(), cfg, "fake:1").max_call_s == cfg.max_call_s
+
+
+async def test_batches_are_capped_in_bytes_and_a_larger_block_is_cut(
+    fake_engine, make_buffer
+) -> None:
+    t = fake_transport(fake_engine, max_bytes_per_batch=4096)
+    src, dst = make_buffer(3 * 4096), make_buffer(3 * 4096)
+    src[:] = np.arange(src.size) % 253
+    pool_of(src).register(t)
+    # One 10 KiB block, then two of 1 KiB: 4096 + 4096 + 2048 (+ 1024 + 1024 share a call).
+    blocks = Blocks.of(
+        [src.ctypes.data, src.ctypes.data + 10240, src.ctypes.data + 11264],
+        [dst.ctypes.data, dst.ctypes.data + 10240, dst.ctypes.data + 11264],
+        [10240, 1024, 1024],
+    )
+    await t.write("peer:1", blocks)
+    assert fake_engine.bytes_per_call == [4096, 4096, 4096]
+    np.testing.assert_array_equal(src, dst)
     t.close()
