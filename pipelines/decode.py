@@ -932,12 +932,17 @@ class DecodePipeline:
             delay = 0.05
             while not all(s.stopped for s in h.stages.values() if s.peer == peer):
                 try:
-                    ack = await self._prefill.abort(
-                        peer,
-                        AbortMsg(
-                            handoff_id=h.id, reason=reason, decode_incarnation=self.incarnation
-                        ),
-                    )
+                    # Past the bound the pages are free whatever the peer says: stop waiting.
+                    async with asyncio.timeout(max(0.0, give_up - self._clock())):
+                        ack = await self._prefill.abort(
+                            peer,
+                            AbortMsg(
+                                handoff_id=h.id, reason=reason, decode_incarnation=self.incarnation
+                            ),
+                        )
+                except TimeoutError:
+                    log.warning("handoff %s: %s did not answer the abort by the bound", h.id, peer)
+                    return
                 except KVHandoffError as exc:
                     if peer in self._lost_peers or self._clock() >= give_up:
                         log.warning("handoff %s: not waiting for %s any more: %s", h.id, peer, exc)

@@ -67,9 +67,7 @@ class InProcessLink:
         self._prefill(url)[0].deliver(msg)
 
     async def abort(self, url: str, msg: AbortMsg) -> AbortAck:
-        return await self._prefill(url)[0].abort(
-            msg.handoff_id, msg.reason, msg.decode_incarnation
-        )
+        return await self._prefill(url)[0].abort(msg.handoff_id, msg.reason, msg.decode_incarnation)
 
     # prefill -> decode
     async def decode_layout(self, dest: DestinationMsg) -> StageLayout:

@@ -73,6 +73,11 @@ class BlockWriter(Protocol):
 
     async def quiesce(self, peer: str | None = None) -> None: ...
 
+    @property
+    def max_call_s(self) -> float:
+        """The longest one engine call can still write once started."""
+        ...
+
 
 class DecodePeer(Protocol):
     """Prefill → decode calls, implemented by the service over HTTP (or in-process)."""
@@ -173,7 +178,7 @@ class PrefillPipeline:
         *,
         url: str = "",
         incarnation: str | None = None,
-        max_call_s: float = 0.0,
+        max_call_s: float | None = None,
         cache: PairingCache | None = None,
         default_deadline_s: float = 30.0,
         max_blocks_per_batch: int = 2048,
@@ -186,7 +191,7 @@ class PrefillPipeline:
         # The longest one engine call of this process can still write once started (the
         # transport's bound): declared to the decode side, which waits that long past the
         # deadline for a writer it cannot hear from.
-        self.max_call_s = max_call_s
+        self.max_call_s = writer.max_call_s if max_call_s is None else max_call_s
         self._writer = writer
         self._decode = decode
         self._bus = bus

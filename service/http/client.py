@@ -129,7 +129,6 @@ class PeerClient:
                 f"{method} {peer}{path} answered with an unexpected body: {exc}", peer=peer
             ) from None
 
-
     async def hold(
         self,
         session: aiohttp.ClientSession,

@@ -103,7 +103,10 @@ class HttpPeers:
     # prefill -> decode
     async def decode_layout(self, dest: DestinationMsg) -> StageLayout:
         key = _layout_key(
-            dest.decode_url, dest.decode_incarnation, dest.decode_fingerprint, dest.decode_address_key
+            dest.decode_url,
+            dest.decode_incarnation,
+            dest.decode_fingerprint,
+            dest.decode_address_key,
         )
         layout = self._decode_layouts.get(key)
         if layout is None:
@@ -111,7 +114,9 @@ class HttpPeers:
             for stage in info.stages:
                 lay = stage.layout
                 self._decode_layouts.put(
-                    _layout_key(dest.decode_url, info.incarnation, lay.fingerprint, lay.address_key),
+                    _layout_key(
+                        dest.decode_url, info.incarnation, lay.fingerprint, lay.address_key
+                    ),
                     lay,
                 )
             layout = self._decode_layouts.get(key)

@@ -156,10 +156,9 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
         watch_idle_s=2 * handoff.heartbeat_interval_s + 1.0,
     )
     incarnation = new_incarnation()
-    # The longest one engine call can still write once started. TODO-free note: the transport
-    # states its own bound as `max_call_s` where it has one (branch writepath); until then its
-    # engine timeout is that bound.
-    max_call_s = float(getattr(transport, "max_call_s", config.transport.engine_timeout_s))
+    # The longest one engine call of this process can still write once started: declared to
+    # the decode side, whose grace past the deadline it bounds.
+    max_call_s = transport.max_call_s
     runtime = Runtime(
         role=config.role,
         url=url,
@@ -217,7 +216,6 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
             bus,
             url=url,
             incarnation=incarnation,
-            max_call_s=max_call_s,
             default_deadline_s=handoff.default_deadline_s,
             max_blocks_per_batch=config.transport.max_blocks_per_batch,
         )
