@@ -8,7 +8,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from pipelines.decode import DecodePipeline, HandoffRequest, HandoffState
+from pipelines.decode import DecodePipeline, HandoffRequest
+from pipelines.states import HandoffState
 from pipelines.errors import (
     CapacityExceeded,
     ConflictError,

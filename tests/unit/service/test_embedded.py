@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.decode import HandoffRequest, HandoffState
+from pipelines.decode import HandoffRequest
+from pipelines.states import HandoffState
 from pipelines.errors import (
     ConflictError,
     InvalidInput,
