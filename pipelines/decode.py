@@ -550,7 +550,7 @@ class DecodePipeline:
             raise ConflictError(
                 f"stage {rank} of handoff {h.id!r} is assigned to {stage.peer} (incarnation "
                 f"{stage.incarnation}), not {msg.sender_url} ({msg.sender_incarnation})",
-                field="sender_url",
+                field="sender_url" if msg.sender_url != stage.peer else "sender_incarnation",
                 pp_rank=rank,
             )
         stage.max_call_s = max(stage.max_call_s, msg.max_call_s)
