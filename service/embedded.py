@@ -140,8 +140,8 @@ class EmbeddedService:
         Returns once no write can land in the engine's buffers any more: every handoff's pages
         are released first (each writer confirmed it stopped, or the bound — the deadline plus
         the longest engine call its prefill declared — passed), so by default it waits as long
-        as that takes; past `timeout_s` it raises TimeoutError instead. Idempotent; a no-op on a service never started. An error of the
-        shutdown itself is raised here, once.
+        as that takes; past `timeout_s` it raises TimeoutError instead. Idempotent; a no-op on a
+        service never started. An error of the shutdown itself is raised here, once.
         """
         with self._lock:
             phase = self._phase

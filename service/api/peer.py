@@ -2,7 +2,8 @@
 
 `GET /v1/layout` on both roles (what a peer must know to pair with and write to this process);
 destinations and aborts on prefill services; arrivals and stage failures on decode services;
-heartbeats and the watch stream on both. Each message's protocol version is checked before it is acted on.
+heartbeats and the watch stream on both. Each message's protocol version is checked before it is
+acted on.
 """
 
 from __future__ import annotations

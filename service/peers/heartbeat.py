@@ -117,7 +117,7 @@ class Heartbeats:
                 # The task outlives any one round: a bug in a callback is logged with its
                 # traceback, and the next round runs (a dead heartbeat task would leave every
                 # peer's loss undetected).
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("heartbeat round failed")
                 await asyncio.sleep(self.interval_s)
         finally:

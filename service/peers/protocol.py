@@ -14,7 +14,6 @@ import msgspec
 
 from pipelines.errors import KVHandoffError, NotFoundError
 from pipelines.layout import StageLayout
-from pipelines.peercache import MAX_PEERS, PeerCache
 from pipelines.messages import (
     AbortAck,
     AbortMsg,
@@ -25,6 +24,7 @@ from pipelines.messages import (
     LayoutInfo,
     StageFailedMsg,
 )
+from pipelines.peercache import MAX_PEERS, PeerCache
 from service.http.client import PeerClient
 from service.http.problems import PeerError, encode_problem, error_from_problem
 from service.peers.coalesce import Coalescer, SendBatch

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from pipelines.decode import DecodePipeline, HandoffRequest
-from pipelines.states import HandoffState
 from pipelines.errors import (
     CapacityExceeded,
     ConflictError,
@@ -25,6 +24,7 @@ from pipelines.memory import PoolMemory
 from pipelines.messages import AbortAck, AbortMsg, DestinationMsg, StageFailedMsg
 from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
+from pipelines.states import HandoffState
 from transport.local import LocalTransport
 from transport.pools import open_pool
 

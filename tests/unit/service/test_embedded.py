@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from pipelines.decode import HandoffRequest
-from pipelines.states import HandoffState
 from pipelines.errors import (
     ConflictError,
     InvalidInput,
@@ -27,6 +26,7 @@ from pipelines.errors import (
     NotFoundError,
     PlanError,
 )
+from pipelines.states import HandoffState
 from service.config import Config, ConfigError, load_config
 from service.embedded import EmbeddedService, WrongRole, embedded_layout
 from service.http.problems import NotReady
