@@ -626,6 +626,7 @@ class DecodePipeline:
                     exc.context.setdefault("field", f"prefill[{i}]")
                     raise
                 self._layouts.put(url, info)
+                self._lost_peers.pop(url)  # it answered: no longer lost
             if info.role != "prefill":
                 raise InvalidInput(f"{url} is a {info.role} service", field=f"prefill[{i}]")
             if info.max_call_s > self._max_grace_s:

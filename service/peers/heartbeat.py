@@ -130,6 +130,7 @@ class Heartbeats:
         for peer in list(self._last):
             if peer not in live:
                 del self._last[peer]  # nothing shared any more: a later handoff starts afresh
+        self._lost_peers &= set(live)  # per-peer state lives only while handoffs are shared
         for peer in live:
             self._last.setdefault(peer, now)  # a new peer gets a full window
         await self._stop_watchers(set(self._watchers) - set(live))

@@ -128,6 +128,9 @@ def test_full_handoff_lands_every_byte_in_the_engines_tensors(pair: Pair) -> Non
     done = pair.decode.wait("r1", 15.0)
     assert done.state == HandoffState.COMPLETED, done.error
     assert pair.decode.get("r1").state == HandoffState.COMPLETED
+    # What an engine waits for before it reuses the pages: every stage arrived, so at once.
+    assert pair.decode.released("r1", 5.0)
+    assert pair.decode.wait("r1", 5.0, released=True).released_at is not None
 
     dec = embedded_layout(pair.decode_config, 0)
     dst = pair.dst[0]
@@ -222,7 +225,8 @@ def test_a_call_of_the_other_role_is_refused(pair: Pair) -> None:
 
 def test_abort_and_stop_abort_live_handoffs(pair: Pair) -> None:
     pair.decode.expect_handoff(HandoffRequest(id="r5", dst_pages=[1], dst_slot=0))
-    assert pair.decode.abort("r5").state == HandoffState.ABORTED
+    aborted = pair.decode.abort("r5")
+    assert aborted.state == HandoffState.ABORTED and aborted.released  # answers once released
     with pytest.raises(ConflictError, match="already aborted"):
         pair.prefill.stage_ready("r5", 0, [1], 0)
 
