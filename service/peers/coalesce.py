@@ -15,6 +15,7 @@ while its peer has notices pending or in flight.
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -66,7 +67,9 @@ class Coalescer:
                 try:
                     errors = await self._send(peer, [raw for raw, _ in live])
                 except KVHandoffError as exc:
-                    errors = [exc] * len(live)
+                    # One instance per waiter: a raised exception collects each raiser's
+                    # traceback, so a shared one would grow and mix unrelated stacks.
+                    errors = [copy.copy(exc) for _ in live]
                 for (_, fut), error in zip(live, errors, strict=True):
                     if fut.done():
                         pass

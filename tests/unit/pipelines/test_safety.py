@@ -4,6 +4,7 @@ and prefill pipelines linked in-process over the local transport, real memory.""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import pytest
@@ -314,3 +315,36 @@ async def test_finding_4_the_prefill_stops_a_handoff_its_decode_no_longer_has(w:
     await delivered(w, "m")
     restarted = HeartbeatAck(role="decode", url="d", incarnation="new", live=["m"])
     assert await w.prefill.reconcile("d", restarted, ["m"]) == ["m"]
+
+
+async def test_finding_3_a_prefill_declaring_longer_engine_calls_than_the_ceiling_is_refused(
+    w: World,
+) -> None:
+    w.prefill.max_call_s = 120.0  # above the decode's max_grace_s (60 s)
+    with pytest.raises(InvalidInput) as caught:
+        await w.decode.create(HandoffRequest(id="n", prefill=["p"], dst_pages=[4], dst_slot=0))
+    assert caught.value.context["field"] == "prefill[0]"
+    assert "n" not in w.decode.handoffs and not w.decode.leases.holds("n")
+
+
+async def test_finding_3_the_deadline_travels_as_a_remaining_duration(w: World) -> None:
+    link = link_of(w)
+    seen: list[DestinationMsg] = []
+    real = link.deliver
+
+    async def record(url: str, msg: DestinationMsg) -> None:
+        seen.append(msg)
+        await real(url, msg)
+
+    link.deliver = record  # type: ignore[method-assign]
+    before = time.monotonic()
+    await w.decode.create(
+        HandoffRequest(id="t", prefill=["p"], dst_pages=[4], dst_slot=0, deadline_s=7.0)
+    )
+    await delivered(w, "t")
+    assert len(seen) == 1 and 6.0 < seen[0].deadline_in_s <= 7.0
+    assert not hasattr(seen[0], "deadline_at")  # no wall-clock instant crosses hosts
+    h = w.prefill.handoffs["t"]
+    assert h.deadline_mono is not None
+    # Measured on receipt on the prefill's own monotonic clock: never later than the decode's.
+    assert before + 6.0 < h.deadline_mono <= time.monotonic() + 7.0
