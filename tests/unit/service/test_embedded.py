@@ -303,3 +303,22 @@ def test_a_start_up_error_in_the_service_thread_is_raised_in_the_caller(tmp_path
         with pytest.raises(OSError, match="address already in use"):
             EmbeddedService(config).start()
     assert service_threads() == []
+
+
+def test_an_expect_handoff_that_times_out_was_not_created(tmp_path: Path) -> None:
+    # A "prefill" that accepts connections and never answers: the create waits on its layout.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    config = make_config(tmp_path, "decode", **{"peers.request_timeout_s": 30.0})
+    try:
+        with EmbeddedService(config, buffers=allocate(config), call_timeout_s=0.3) as decode:
+            with pytest.raises(TimeoutError, match="was not created"):
+                decode.expect_handoff(
+                    HandoffRequest(id="late", prefill=[url], dst_pages=[1], dst_slot=0)
+                )
+            with pytest.raises(NotFoundError):
+                decode.get("late")  # and never will be: the create was cut on the loop
+    finally:
+        silent.close()
