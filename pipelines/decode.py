@@ -260,6 +260,8 @@ class DecodePipeline:
         self._lost_peers: PeerCache[float] = PeerCache(MAX_PEERS)  # url -> when declared lost
         self._covered: set[tuple[tuple[int, str, str], ...]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        # Told the peers of every new handoff (the heartbeats start watching them at once).
+        self.on_peers: Callable[[list[str]], None] = lambda peers: None
 
     # ----------------------------------------------------------------- router-facing
 
@@ -327,6 +329,7 @@ class DecodePipeline:
             ),
         )
         self._spawn(self._deliver(h))
+        self.on_peers(h.peers)
         return h.view(), True
 
     def get(self, handoff_id: str) -> HandoffView:

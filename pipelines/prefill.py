@@ -204,6 +204,8 @@ class PrefillPipeline:
         # Recently finished ids, so a late or repeated signal is refused rather than waiting for
         # a destination that will never come.
         self._finished: OrderedDict[str, str] = OrderedDict()
+        # Told the decode service of every delivered destination (the heartbeats watch it).
+        self.on_peers: Callable[[list[str]], None] = lambda peers: None
 
     # ----------------------------------------------------------------- inputs
 
@@ -318,6 +320,7 @@ class PrefillPipeline:
             )
         h.deadline_mono = time.monotonic() + msg.deadline_in_s
         h.destination.set_result(msg)
+        self.on_peers([msg.decode_url])
 
     async def abort(
         self, handoff_id: str, reason: str, decode_incarnation: str | None = None

@@ -89,6 +89,18 @@ class Heartbeats:
         if listing is not None:
             self._listing = listing
 
+    def follow(self, peers: list[str]) -> None:
+        """A handoff with `peers` was just created or delivered: watch them now, not at the next
+        round, so a kill right after is noticed at once. Called by the role's pipeline."""
+        loop = asyncio.get_running_loop()
+        now = self._clock()
+        for peer in peers:
+            self._last.setdefault(peer, now)
+            if peer not in self._watchers and peer not in self._lost_peers:
+                self._watchers[peer] = loop.create_task(
+                    self._watch(peer), name=f"kvhandoff-watch:{peer}"
+                )
+
     def heard(self, url: str) -> None:
         """`url` answered or sent a heartbeat."""
         if url in self._last:
@@ -134,11 +146,7 @@ class Heartbeats:
         for peer in live:
             self._last.setdefault(peer, now)  # a new peer gets a full window
         await self._stop_watchers(set(self._watchers) - set(live))
-        for peer in live:
-            if peer not in self._watchers and peer not in self._lost_peers:
-                self._watchers[peer] = asyncio.get_running_loop().create_task(
-                    self._watch(peer), name=f"kvhandoff-watch:{peer}"
-                )
+        self.follow(list(live))
         await asyncio.gather(*(self._ping(peer, ids) for peer, ids in live.items()))
         now = self._clock()
         for peer in list(live):

@@ -205,6 +205,7 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
             reconcile=decode.reconcile,
             listing=decode.live_with,
         )
+        decode.on_peers = beats.follow
     else:
         prefill = runtime.prefill = PrefillPipeline(
             {
@@ -225,6 +226,7 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
             reconcile=prefill.reconcile,
             listing=prefill.live_with,
         )
+        prefill.on_peers = beats.follow
     return runtime
 
 

@@ -239,3 +239,18 @@ async def test_a_heartbeat_is_answered_with_our_incarnation_and_our_handoffs_wit
         "d1",
         ["mine"],
     )
+
+
+async def test_a_new_handoff_s_peer_is_watched_at_once_not_at_the_next_round() -> None:
+    b = Beats()
+    b.hb.follow([PEER])  # what the pipeline calls on create / delivery
+    await asyncio.sleep(0)
+    assert b.peers.watching == {PEER: 1} and b.peers.sent == []  # no round ran
+    b.peers.down.add(PEER)
+    b.peers.drop[PEER].set()
+    for _ in range(100):
+        if b.lost:
+            break
+        await asyncio.sleep(0.001)
+    assert [url for url, _ in b.lost] == [PEER]
+    await b.close()
