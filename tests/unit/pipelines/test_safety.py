@@ -348,3 +348,12 @@ async def test_finding_3_the_deadline_travels_as_a_remaining_duration(w: World) 
     assert h.deadline_mono is not None
     # Measured on receipt on the prefill's own monotonic clock: never later than the decode's.
     assert before + 6.0 < h.deadline_mono <= time.monotonic() + 7.0
+
+
+async def test_a_repeated_ready_with_another_src_slot_is_a_conflict(w: World) -> None:
+    w.prefill.ready("q", 0, [1, 2], 1, layers=[])
+    with pytest.raises(ConflictError) as caught:
+        w.prefill.ready("q", 0, [1, 2], 2)
+    assert caught.value.context["field"] == "src_slot"
+    w.prefill.ready("q", 0, None, None)  # leaving them out is fine
+    w.prefill.ready("q", 0, [1, 2], 1)  # and so is repeating them
