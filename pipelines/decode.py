@@ -47,7 +47,7 @@ from pipelines.events import (
 )
 from pipelines.layout import StageLayout
 from pipelines.leases import Leases
-from pipelines.memory import EntryMemory, destination_digests
+from pipelines.memory import EntryMemory
 from pipelines.messages import (
     AbortAck,
     AbortMsg,
@@ -57,6 +57,7 @@ from pipelines.messages import (
     LayoutInfo,
     StageFailedMsg,
 )
+from pipelines.notices import check_accounting, check_sender, first_mismatch
 from pipelines.pairing import PairingCache, pairing_report
 from pipelines.peercache import MAX_PEERS, PeerCache, new_incarnation
 from pipelines.planning import validate_pages_for_layout
@@ -541,51 +542,12 @@ class DecodePipeline:
     def _check_sender(
         self, h: DecodeHandoff, rank: int, stage: _Stage, msg: ArrivalMsg | StageFailedMsg
     ) -> None:
-        """Only the stage's own prefill life may speak for it, and only to this decode life."""
-        if msg.decode_incarnation != self.incarnation:
-            raise ConflictError(
-                f"the notice is for decode incarnation {msg.decode_incarnation}, this is "
-                f"{self.incarnation} (the decode restarted)",
-                field="decode_incarnation",
-                pp_rank=rank,
-            )
-        if msg.sender_url != stage.peer or msg.sender_incarnation != stage.incarnation:
-            raise ConflictError(
-                f"stage {rank} of handoff {h.id!r} is assigned to {stage.peer} (incarnation "
-                f"{stage.incarnation}), not {msg.sender_url} ({msg.sender_incarnation})",
-                field="sender_url" if msg.sender_url != stage.peer else "sender_incarnation",
-                pp_rank=rank,
-            )
+        check_sender(h.id, rank, stage.peer, stage.incarnation, self.incarnation, msg)
         stage.max_call_s = max(stage.max_call_s, msg.max_call_s)
 
     def _check_accounting(self, h: DecodeHandoff, msg: ArrivalMsg) -> None:
-        """The arrival must account for exactly the bytes this destination expects of the stage
-        (so 0 bytes never completes a stage that has pages), in a plausible number of blocks."""
-        stage = h.stages[msg.pp_rank]
-        pairing = self.cache.get(stage.layout, self.layout)
-        n = int(h.dst_pages.shape[0])
-        expected = pairing.kv_bytes_per_page * n
-        state_blocks = pairing.num_state_pairs if h.request.dst_slot is not None else 0
-        if state_blocks:
-            expected += pairing.state_bytes_per_slot
-        if msg.bytes != expected:
-            raise InvalidInput(
-                f"stage {msg.pp_rank} reports {msg.bytes} bytes; this destination expects "
-                f"{expected}",
-                field="bytes",
-                pp_rank=msg.pp_rank,
-                expected=expected,
-            )
-        runs = 0 if n == 0 else int(np.count_nonzero(np.diff(h.dst_pages) != 1)) + 1
-        lo = pairing.num_kv_pairs * runs + state_blocks
-        hi = pairing.num_kv_pairs * n + state_blocks
-        if not lo <= msg.blocks <= hi:
-            raise InvalidInput(
-                f"stage {msg.pp_rank} reports {msg.blocks} blocks; this destination takes "
-                f"{lo} to {hi}",
-                field="blocks",
-                pp_rank=msg.pp_rank,
-            )
+        pairing = self.cache.get(h.stages[msg.pp_rank].layout, self.layout)
+        check_accounting(pairing, h.dst_pages, h.request.dst_slot, msg)
 
     # ----------------------------------------------------------------- internals
 
@@ -754,34 +716,9 @@ class DecodePipeline:
         self._complete(h, verified=True)
 
     def _verify(self, h: DecodeHandoff) -> tuple[str, int, dict[str, Any]] | None:
-        """The first stage whose landed bytes differ from its digests (or that sent none)."""
         assert self._memory is not None
-        for rank, st in sorted(h.stages.items()):
-            if st.digests is None:
-                return (
-                    f"stage {rank} sent no digests to verify against (its memory is not "
-                    "host-readable)",
-                    rank,
-                    {"field": "digests"},
-                )
-            landed = destination_digests(
-                self.layout, self._memory, set(st.digests), h.dst_pages, h.request.dst_slot
-            )
-            for key, digest in sorted(st.digests.items()):
-                if landed.get(key) != digest:
-                    kind, layer, which = key.split(":", 2)
-                    ctx: dict[str, Any] = {"layer_id": int(layer)}
-                    if kind == "state":
-                        ctx["kind"] = which
-                    else:
-                        ctx["group"] = int(which)
-                    return (
-                        f"bytes landed for {kind} {layer}:{which} differ from what stage {rank} "
-                        "sent",
-                        rank,
-                        ctx,
-                    )
-        return None
+        digests = {rank: st.digests for rank, st in h.stages.items()}
+        return first_mismatch(self.layout, self._memory, digests, h.dst_pages, h.request.dst_slot)
 
     def _complete(self, h: DecodeHandoff, *, verified: bool = False) -> None:
         self._finish(h, HandoffState.COMPLETED)
