@@ -60,6 +60,10 @@ class Transport(Protocol):
         when that write's bytes can no longer land."""
         ...
 
+    def stats(self) -> TransportStats:
+        """Cumulative counters (a snapshot, see `TransportStats`); cheap, any thread."""
+        ...
+
     def register(self, regions: Sequence[Region]) -> None:
         """Make `regions` readable/writable by transfers, in one engine call.
 
@@ -74,9 +78,12 @@ class Transport(Protocol):
     async def write(self, peer: str, blocks: Blocks, *, start_by: float | None = None) -> None:
         """Copy every block from local memory to `peer`'s memory; returns when all bytes landed.
 
-        Splits into batches under the configured cap. Raises `TransportError` (rc, peer) on any
-        failure and `TransportTimeout` when a batch exceeds the transfer timeout; never returns
-        success for a partial copy. Cancelling it stops batches not yet started; see `quiesce`.
+        Splits into batches under the configured caps (blocks and bytes). Raises
+        `TransportError` (rc, peer) on any failure — `EngineCallError` (with the `cause`) when the
+        engine call or its preparation raised — and `TransportTimeout` when a batch exceeds the
+        transfer timeout; never returns success for a partial copy, and raises `CancelledError`
+        only when its caller was cancelled. Cancelling it stops its batches not yet started;
+        see `quiesce`.
         No batch starts after `start_by` (a `time.monotonic()` instant; it then raises
         `TransportTimeout`), checked where the copy starts, not in the event loop, so it holds
         even if the loop stalls: a peer can bound when this write's bytes may still land.

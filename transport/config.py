@@ -29,9 +29,16 @@ ENGINE_MIN_TIMEOUT_S = 5
 #: it: the slowest throughput a running call is granted. A constant, not a setting: a larger
 #: value would declare a bound the engine does not keep.
 ENGINE_MIN_BYTES_PER_S = 1e9
-#: Default byte cap per engine call: large enough that per-call overhead is noise (256 blocks of
-#: 1 MiB), small enough that its per-byte allowance adds a quarter of a second to `max_call_s`.
-DEFAULT_MAX_BYTES_PER_BATCH = 256 << 20
+#: Between the worker's last `start_by` check and the engine starting the call there is only a
+#: Python call in the same thread (no lock, no I/O), but that thread runs at lowered priority
+#: and may be preempted right after the check; `max_call_s` allows this much for it.
+CALL_START_ALLOWANCE_S = 0.5
+#: Default byte cap per engine call: 1 GiB keeps the per-byte part of `max_call_s` where the
+#: engine timeout plus one second has always put it (+1.07 s), and a 2,048-block batch stays
+#: whole for blocks up to 512 KiB. Smaller caps cost calls: `kvhandoff bench transport --cases
+#: bulk --repeat 7` (256 MiB in 1 MiB blocks, loopback, busy 2-core host) gave ours/raw 0.71
+#: with a 64 MiB cap (4 calls) against 0.91-2.0 with one call.
+DEFAULT_MAX_BYTES_PER_BATCH = 1 << 30
 #: How long a peer's lane (queue, bound, counters) outlives its last batch.
 DEFAULT_PEER_IDLE_S = 60.0
 
@@ -90,14 +97,16 @@ class MooncakeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def max_call_s(self) -> float:
-        """How long one engine call can still write after it started, at most.
+        """How long one engine call can still write after it started (after the worker's last
+        `start_by` check passed), at most.
 
         The engine gives up on a batch after `MC_TRANSFER_TIMEOUT` (whole seconds, floor 5; see
         `engine_env`) plus 1 ns per byte, and a batch holds at most `max_bytes_per_batch` bytes:
-        `max(5, ceil(transfer_timeout_s)) + max_bytes_per_batch / ENGINE_MIN_BYTES_PER_S`.
+        `CALL_START_ALLOWANCE_S + max(5, ceil(transfer_timeout_s)) + max_bytes_per_batch /
+        ENGINE_MIN_BYTES_PER_S` (11.57 s with the defaults).
         """
         engine_s = max(ENGINE_MIN_TIMEOUT_S, math.ceil(self.transfer_timeout_s))
-        return engine_s + self.max_bytes_per_batch / ENGINE_MIN_BYTES_PER_S
+        return CALL_START_ALLOWANCE_S + engine_s + self.max_bytes_per_batch / ENGINE_MIN_BYTES_PER_S
 
     @property
     def engine_timeout_s(self) -> float:

@@ -39,6 +39,20 @@ class TransportError(KVHandoffError):
         self.peer = peer
 
 
+class EngineCallError(TransportError):
+    """The engine call (or its preparation) raised instead of returning a code; `cause` is that
+    exception (also `__cause__`), and every batch of the call fails with its own instance."""
+
+    code = "engine_call_error"
+    #: None only on an instance rebuilt from a peer's problem+json body (the cause stayed there).
+    cause: BaseException | None = None
+
+    def __init__(self, message: str, *, cause: BaseException, peer: str | None = None) -> None:
+        super().__init__(message, peer=peer)
+        self.cause = cause
+        self.__cause__ = cause
+
+
 class TransportTimeout(TransportError):
     """A transfer did not finish within the configured transfer timeout."""
 

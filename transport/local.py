@@ -6,6 +6,12 @@ transport`. Its peers are the local transports of this process that are still op
 `local_target`; a destination must lie in memory registered with the peer named.
 Copies run on one dedicated worker thread — `ctypes.memmove` releases the GIL, and a 4 GiB
 request would otherwise stall the event loop for about a second.
+
+Its write path keeps the rules `transport.mooncake` states: batches under both caps, one at a
+time per write; a batch fails with its own error, carrying the cause if the copy or its
+preparation raised (`_copy_unless_late`); the `start_by` check is the last step before the first
+byte moves, in the worker thread; only the caller's cancellation cancels (a copy that started
+finishes, and `quiesce` waits for it); `max_call_s` bounds one batch's copy generously.
 """
 
 from __future__ import annotations
@@ -18,9 +24,12 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import msgspec
+
+from transport.base import TransportStats
 from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
 from transport.config import DEFAULT_MAX_BYTES_PER_BATCH
-from transport.errors import TransportError, TransportTimeout
+from transport.errors import EngineCallError, TransportError, TransportTimeout
 from transport.regions import Region, RegionTable
 
 _ids = itertools.count(1)
@@ -33,20 +42,36 @@ LOCAL_MIN_BYTES_PER_S = 100e6
 _open: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
 
 
-def copy_blocks(blocks: Blocks) -> None:
+def as_lists(blocks: Blocks) -> tuple[list[int], list[int], list[int]]:
+    """(dst, src, lengths) as Python ints, what `move_lists` takes."""
+    return blocks.dst_addr.tolist(), blocks.src_addr.tolist(), blocks.length.tolist()
+
+
+def move_lists(dst: list[int], src: list[int], lengths: list[int]) -> None:
     """memmove every block (the caller has checked the addresses)."""
     move = ctypes.memmove
-    for dst, src, n in zip(
-        blocks.dst_addr.tolist(), blocks.src_addr.tolist(), blocks.length.tolist(), strict=True
-    ):
-        move(dst, src, n)
+    for d, s, n in zip(dst, src, lengths, strict=True):
+        move(d, s, n)
 
 
 def _copy_unless_late(blocks: Blocks, start_by: float | None, peer: str) -> None:
-    """Worker thread: copy, unless the write's start-by instant has passed."""
+    """Worker thread: copy, unless the write's start-by instant has passed — checked in this
+    thread after the lists are built, immediately before the first byte moves. Anything the
+    preparation or the copy raises fails the batch with that cause."""
+    try:
+        lists = as_lists(blocks)
+    except Exception as exc:  # a failed preparation must never read as success
+        raise EngineCallError(
+            f"preparing a local copy raised {type(exc).__name__}: {exc}", cause=exc, peer=peer
+        ) from exc
     if start_by is not None and time.monotonic() > start_by:
         raise TransportTimeout("the write's deadline passed before this batch started", peer=peer)
-    copy_blocks(blocks)
+    try:
+        move_lists(*lists)
+    except Exception as exc:  # a failed copy must never read as success
+        raise EngineCallError(
+            f"local copy raised {type(exc).__name__}: {exc}", cause=exc, peer=peer
+        ) from exc
 
 
 class LocalTransport:
@@ -66,6 +91,7 @@ class LocalTransport:
             max_workers=1, thread_name_prefix="kvhandoff-local"
         )
         self._running: set[Future[None]] = set()
+        self._stats = TransportStats(worker_threads=1)
         _open[self._target] = self
 
     @property
@@ -100,7 +126,28 @@ class LocalTransport:
             fut = executor.submit(_copy_unless_late, batch, start_by, peer)
             self._running.add(fut)
             fut.add_done_callback(self._running.discard)
-            await asyncio.wrap_future(fut)
+            self._count(batches_submitted=1)
+            try:
+                await asyncio.wrap_future(fut)
+            except TransportError:
+                self._count(batches_failed=1)
+                raise
+            self._count(
+                batches_succeeded=1,
+                engine_calls=1,
+                bytes_written=batch.total_bytes,
+                blocks_written=len(batch),
+            )
+
+    def stats(self) -> TransportStats:
+        return self._stats
+
+    def _count(self, **add: int) -> None:
+        """Loop only: replace the snapshot with one where the named counters grew."""
+        s = self._stats
+        self._stats = msgspec.structs.replace(
+            s, **{name: getattr(s, name) + n for name, n in add.items()}
+        )
 
     async def quiesce(self, peer: str | None = None) -> None:
         running = list(self._running)

@@ -2,17 +2,49 @@
 
 Called by the handoff pipeline (`write`, `quiesce`) and by pools (`register`, `unregister`).
 
-How a write runs. Each peer gets one worker thread that calls the engine's
-`batch_transfer_sync_write` for one batch (<= `max_blocks_per_batch` blocks) at a time — small
-batches of several writes queued behind a running call share the next one (if that call fails,
-every write in it fails: they all go to the same peer, whose failures are rarely per block); at
-most `max_inflight_batches_per_peer` batches per peer are submitted (one running, the rest queued
-for the worker), so the asyncio side gets backpressure and the engine never runs more than one
-call per peer. That bound matters: Mooncake TCP keeps a per-peer queue of about 2,048 requests; more
-queued requests fail (`TCP lane queue-full rejection`, rc -1) — measured with 8 async batches of
-2,048 in flight.
+How a write runs. `write` cuts its blocks into batches (at most `max_blocks_per_batch` blocks
+and `max_bytes_per_batch` bytes; larger blocks are cut) and queues them on the peer's lane; at most
+`max_inflight_batches_per_peer` batches per peer are submitted, so the asyncio side gets
+backpressure. Worker threads, shared by all peers (`transport.workers`: at most
+`max_worker_threads`, each exiting after `peer_idle_s` idle), drain the lanes: one engine call
+per peer at a time, small batches of several writes queued behind a running call sharing the
+next one (if it fails, every write in it fails: they all go to the same peer, whose failures are
+rarely per block). One call per peer matters: Mooncake TCP keeps a per-peer queue of about 2,048
+requests; more queued requests fail (`TCP lane queue-full rejection`, rc -1) — measured with 8
+async batches of 2,048 in flight. A lane idle for `peer_idle_s` is forgotten.
 
-Why sync calls on a thread per peer, not `batch_transfer_async_write` + one waiter thread: both
+The write path's safety rules, each enforced in one place here:
+
+1. *A batch has one outcome, and success only when the engine said so.* `_call` starts every
+   batch of a call as failed and marks success only after `batch_transfer_sync_write` returned
+   0; a non-zero rc fails them with that rc, an exception from the call or its preparation
+   (`Blocks.concat`, `.tolist()`) with `EngineCallError` carrying the cause. The outcome is
+   written once by whoever takes the batch off the lane's queue (`_report` in the worker;
+   `_expire` and `_enqueue` on the loop, under the lane lock) and read once (`_settle`), each
+   with its own exception instance. Tests: `test_an_engine_exception_fails_every_batch_...`,
+   `test_an_exception_while_preparing_the_call_fails_its_batches`.
+2. *Only the caller cancels.* The futures a write awaits carry errors as values and nothing
+   cancels them; a write's `Write.abandoned` (its own failure or cancellation) only skips its
+   own batches not started. Tests: `test_a_later_failing_batch_never_turns_a_landed_one_...`,
+   `test_a_late_batch_does_not_cancel_the_one_before_it`,
+   `test_a_failed_write_skips_only_its_own_batches`.
+3. *No batch starts after its `start_by`, nor after its write gave up.* Checked in `_call`, in the
+   worker thread, under the lane lock, after the call's lists are built and immediately before
+   the engine call, so neither a stalled loop nor slow preparation can delay it. Test:
+   `test_no_batch_starts_after_start_by_even_if_it_passes_while_preparing`.
+4. *`quiesce` returns only once no started call can still write.* Calls are counted under the
+   same lock as check 3 (`calls_started`/`calls_ended`); `quiesce` waits for the calls started
+   before it; a call starting after it has passed check 3 after the caller abandoned its write.
+   Test: `test_only_the_callers_cancellation_cancels_and_started_calls_finish`.
+5. *A call's writes end by `max_call_s` after its check in rule 3 passed*
+   (`MooncakeConfig.max_call_s`: an allowance for the thread being preempted between the check
+   and the call, the engine's timeout, and 1 ns per byte of the largest batch). A peer that
+   knows a write's `start_by` knows when its bytes can no longer land: `start_by + max_call_s`.
+6. *"Stuck" is a fact, not a flag*: a lane is stuck while the call that outlived
+   `transfer_timeout_s` is still running (`transport.lanes.PeerLane.stuck`, read from the call
+   ids under the lock). Test: `test_a_stuck_peer_fails_queued_batches_with_their_own_current_error`.
+
+Why sync calls on worker threads, not `batch_transfer_async_write` + one waiter thread: both
 engine paths busy-wait a core while a batch runs, and on this 2-core machine (256 MiB to a
 receiver process on loopback, best of 2) they tie within noise:
 
@@ -24,7 +56,8 @@ receiver process on loopback, best of 2) they tie within noise:
 
 so the simpler one wins: one call, one return code, no batch id to free (the async path returns
 batch id 0, or -1 cast to uint64, on failure, and passing that to `get_batch_transfer_status`
-dereferences it), and a peer whose calls hang cannot stall writes to other peers.
+dereferences it), and a peer whose calls hang holds one worker thread, not the other peers'
+(up to `max_worker_threads - 1` hung peers leave a thread for the rest).
 
 What the engine does when a peer goes away (TCP, measured): a killed receiver fails the running
 batch within ~40 ms (rc -1, "Connection reset by peer"); later batches to it fail after ~1 s
@@ -34,7 +67,7 @@ constructed; floor 5 s, default 30 s) plus 1 ns per byte of the batch. So `start
 `MC_TRANSFER_TIMEOUT` from `transfer_timeout_s`, and the asyncio side enforces
 `transfer_timeout_s` per batch itself (timer armed when the worker starts the batch): the write
 raises `TransportTimeout` on time, while the worker thread stays inside the engine call until the
-engine gives up. Until then the peer is marked stuck: new writes to it fail at once, and
+engine gives up. Until then the peer is stuck (rule 6): new writes to it fail at once, and
 `quiesce(peer)` waits for the call to return — the only point after which no byte can still land.
 
 Other facts: writes into unregistered destination memory are rejected by the receiver (rc -1)
@@ -46,18 +79,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from transport.base import TransportStats
 from transport.blocks import Blocks
 from transport.config import MooncakeConfig
-from transport.errors import TransportError, TransportTimeout
+from transport.errors import EngineCallError, TransportError, TransportTimeout
+from transport.lanes import Batch, Counters, PeerLane, Write
 from transport.regions import Region, RegionTable
+from transport.workers import Workers
 
 
 class Engine(Protocol):
@@ -96,53 +132,24 @@ def start_engine(config: MooncakeConfig) -> Engine:
 WORKER_NICE = 10
 
 
-class _Batch:
-    """One submitted batch of a write (several may share one engine call): its blocks, the
-    asyncio future for its outcome and its timeout timer."""
-
-    __slots__ = ("blocks", "done", "slot_held", "start_by", "stop", "timer")
-
-    def __init__(
-        self,
-        blocks: Blocks,
-        done: asyncio.Future[None],
-        stop: threading.Event,
-        start_by: float | None,
-    ) -> None:
-        self.blocks = blocks
-        self.done = done
-        self.stop = stop
-        self.start_by = start_by
-        self.timer: asyncio.TimerHandle | None = None
-        self.slot_held = True
-
-
-class _PeerLane:
-    """The worker thread, in-flight bound and stuck flag of one peer."""
-
-    def __init__(self, peer: str, max_inflight: int) -> None:
-        self.peer = peer
-        self.executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="kvhandoff-mooncake", initializer=_lower_priority
-        )
-        self.slots = asyncio.Semaphore(max_inflight)
-        self.running: set[Future[None]] = set()
-        #: Batches submitted and not yet taken by the worker, oldest first. The worker merges
-        #: those that fit into one engine call (see `_take`).
-        self.pending: deque[_Batch] = deque()
-        #: Set while a batch has outlived the timeout but is still inside the engine call.
-        self.stuck = False
-
-
 class MooncakeTransport:
     """`Transport` over one Transfer Engine; build it with `start(config)`. Use from one loop."""
 
     def __init__(self, engine: Engine, config: MooncakeConfig, target: str) -> None:
-        self._engine: Engine | None = engine
+        self._engine = engine
+        self._closed = False
         self._config = config
         self._target = target
         self._sources = RegionTable()
-        self._lanes: dict[str, _PeerLane] = {}
+        self._lanes: dict[str, PeerLane] = {}
+        self._workers = Workers(
+            config.max_worker_threads,
+            config.peer_idle_s,
+            name=f"kvhandoff-mooncake {target}",
+            initializer=_lower_priority,
+        )
+        self._calls = itertools.count(1)
+        self._counts = Counters()
 
     @classmethod
     def start(cls, config: MooncakeConfig) -> MooncakeTransport:
@@ -164,6 +171,23 @@ class MooncakeTransport:
         largest batch (`max_bytes_per_batch`)."""
         return self._config.max_call_s
 
+    def stats(self) -> TransportStats:
+        c = self._counts
+        with c.lock:
+            return TransportStats(
+                batches_submitted=c.submitted,
+                batches_succeeded=c.succeeded,
+                batches_failed=c.failed,
+                batches_timed_out=c.timed_out,
+                bytes_written=c.bytes,
+                blocks_written=c.blocks,
+                engine_calls=c.calls,
+                engine_errors_by_rc=dict(c.by_rc),
+                engine_exceptions=c.exceptions,
+                live_lanes=len(self._lanes),
+                worker_threads=self._workers.threads,
+            )
+
     # -- memory ----------------------------------------------------------------------------
 
     def register(self, regions: Sequence[Region]) -> None:
@@ -177,15 +201,18 @@ class MooncakeTransport:
         self._sources.add(regions)
 
     def unregister(self, regions: Sequence[Region]) -> None:
-        if self._engine is None:
+        if self._closed:
             return
+        self._unregister(regions)
+
+    def _unregister(self, regions: Sequence[Region]) -> None:
         known = self._sources.remove(regions)
         if known:
             rc = self._engine.batch_unregister_memory([r.addr for r in known])
             if rc != 0:
                 raise TransportError(f"unregistering {len(known)} regions failed", rc=rc)
 
-    # -- transfers -------------------------------------------------------------------------
+    # -- transfers: the loop side ----------------------------------------------------------
 
     async def write(self, peer: str, blocks: Blocks, *, start_by: float | None = None) -> None:
         self._check_open()
@@ -193,50 +220,197 @@ class MooncakeTransport:
             return
         self._sources.check(blocks.src_addr, blocks.length, side="source", peer=peer)
         lane = self._lane(peer)
+        lane.users += 1
         loop = asyncio.get_running_loop()
-        stop = threading.Event()
-        cap = self._config
-        submitted: list[_Batch] = []
+        write = Write()
+        submitted: list[Batch] = []
+        cfg = self._config
         ok = False
         try:
-            for part in blocks.batches(cap.max_blocks_per_batch, cap.max_bytes_per_batch):
+            for part in blocks.batches(cfg.max_blocks_per_batch, cfg.max_bytes_per_batch):
                 await lane.slots.acquire()
-                if stop.is_set() or lane.stuck:
+                if write.abandoned:  # a batch of this write failed: its error is raised below
                     lane.slots.release()
-                    if stop.is_set():
-                        break  # a batch of this write has failed: its error is raised below
+                    break
+                if lane.stuck():
+                    lane.slots.release()
                     raise self._stuck_error(lane)
-                batch = _Batch(part, loop.create_future(), stop, start_by)
+                batch = Batch(part, write, loop.create_future(), start_by)
                 submitted.append(batch)
-                lane.pending.append(batch)
-                fut = lane.executor.submit(self._run, lane, loop)
-                lane.running.add(fut)
-                fut.add_done_callback(lane.running.discard)
+                self._enqueue(lane, batch, loop)
             for batch in submitted:
-                await batch.done
+                error = await batch.verdict
+                if error is not None:
+                    raise error
             ok = True
         finally:
             if not ok:
-                stop.set()  # batches the worker has not started yet are skipped
-                for batch in submitted:
-                    if batch.done.done() and not batch.done.cancelled():
-                        batch.done.exception()  # retrieved: the first error is what we raise
-                    batch.done.cancel()
+                # Cancelled or failed: this write's batches not yet started are dropped.
+                write.abandoned = True
+            lane.users -= 1
+            self._idle_check(lane, loop)
 
-    def _take(self, lane: _PeerLane, skipped: list[_Batch]) -> list[_Batch]:
-        """Worker thread: the oldest pending batches that fit in one engine call together.
+    def _enqueue(self, lane: PeerLane, batch: Batch, loop: asyncio.AbstractEventLoop) -> None:
+        lane.inflight += 1
+        with self._counts.lock:
+            self._counts.submitted += 1
+        with lane.lock:
+            lane.pending.append(batch)
+            start = not lane.scheduled
+            lane.scheduled = True
+        if not start:
+            return  # the lane's drain, queued or running, takes it
+        if not self._closed:
+            # `Workers.submit` refuses once `close` (perhaps on another thread) has finished.
+            with contextlib.suppress(RuntimeError):
+                self._workers.submit(functools.partial(self._drain, lane, loop))
+                return
+        with lane.lock:
+            stranded = list(lane.pending)
+            lane.pending.clear()
+            lane.scheduled = False
+        for queued in stranded:
+            queued.outcome = TransportError("transport closed before the batch ran", peer=lane.peer)
+            self._settle(lane, queued)
+
+    def _settle(self, lane: PeerLane, batch: Batch) -> None:
+        """Loop: read the batch's outcome (once), free its slot, hand it to its write."""
+        if batch.timer is not None:
+            batch.timer.cancel()
+        if batch.slot_held:
+            batch.slot_held = False
+            lane.slots.release()
+        outcome = batch.outcome
+        with self._counts.lock:
+            if outcome is None:
+                self._counts.succeeded += 1
+                self._counts.bytes += batch.blocks.total_bytes
+                self._counts.blocks += len(batch.blocks)
+            else:
+                self._counts.failed += 1
+        if not batch.verdict.done():
+            batch.verdict.set_result(outcome)
+        lane.inflight -= 1
+        self._idle_check(lane, batch.verdict.get_loop())
+
+    def _idle_check(self, lane: PeerLane, loop: asyncio.AbstractEventLoop) -> None:
+        """Loop: once nothing uses the lane, reclaim it after `peer_idle_s` (unless reused)."""
+        if lane.inflight == 0 and lane.users == 0 and lane.reaper is None and not self._closed:
+            lane.reaper = loop.call_later(self._config.peer_idle_s, self._reap, lane)
+
+    def _arm(self, lane: PeerLane, batches: list[Batch], started: float) -> None:
+        """Loop: start the timeout of batches whose engine call started at `started`."""
+        delay = max(0.0, self._config.transfer_timeout_s - (time.monotonic() - started))
+        for batch in batches:
+            if not batch.verdict.done():
+                loop = batch.verdict.get_loop()
+                batch.timer = loop.call_later(delay, self._expire, lane, batch)
+
+    def _expire(self, lane: PeerLane, batch: Batch) -> None:
+        """Loop: the batch's call outlived `transfer_timeout_s`.
+
+        If the call is still inside the engine, the lane is stuck from now until it returns: the
+        write gets `TransportTimeout`, the batches queued behind the call fail now (each with its
+        own error; the worker can no longer take them), and new writes fail at once. If the call
+        has already returned, its outcome is on its way and decides.
+        """
+        with lane.lock:
+            running = lane.in_call == batch.call
+            stranded = list(lane.pending) if running else []
+            if running:
+                lane.stuck_call = batch.call
+                lane.pending.clear()
+        if not running:
+            return
+        batch.write.abandoned = True
+        # Free the slot now so writes waiting for one wake up and fail fast on `stuck`; the
+        # worker still holds the engine call, so nothing new reaches the engine.
+        if batch.slot_held:
+            batch.slot_held = False
+            lane.slots.release()
+        with self._counts.lock:
+            self._counts.timed_out += 1
+        if not batch.verdict.done():
+            batch.verdict.set_result(
+                TransportTimeout(
+                    f"batch of {len(batch.blocks)} blocks did not finish within "
+                    f"{self._config.transfer_timeout_s}s",
+                    peer=lane.peer,
+                )
+            )
+        for queued in stranded:
+            queued.outcome = self._stuck_error(lane)
+            self._settle(lane, queued)
+
+    def _call_ended(self, lane: PeerLane) -> None:
+        """Loop: a call of this lane returned; wake the `quiesce` calls it was the last for."""
+        with lane.lock:
+            ended = lane.calls_ended
+        waiting = []
+        for target, fut in lane.quiescers:
+            if target > ended:
+                waiting.append((target, fut))
+            elif not fut.done():
+                fut.set_result(None)
+        lane.quiescers = waiting
+
+    def _stuck_error(self, lane: PeerLane) -> TransportTimeout:
+        return TransportTimeout(
+            "a previous batch to this peer timed out and is still inside the engine",
+            peer=lane.peer,
+        )
+
+    async def quiesce(self, peer: str | None = None) -> None:
+        if peer is None:
+            lanes = list(self._lanes.values())
+        else:
+            lanes = [self._lanes[peer]] if peer in self._lanes else []
+        loop = asyncio.get_running_loop()
+        waits: list[asyncio.Future[None]] = []
+        for lane in lanes:
+            # A call that starts after this read was checked, under the same lock, against its
+            # write's `abandoned` (set before a pipeline calls `quiesce`): not ours to wait for.
+            with lane.lock:
+                started, ended = lane.calls_started, lane.calls_ended
+            if ended < started:
+                fut = loop.create_future()
+                lane.quiescers.append((started, fut))
+                waits.append(fut)
+        if waits:
+            await asyncio.wait(waits)
+
+    # -- transfers: the worker side --------------------------------------------------------
+
+    def _drain(self, lane: PeerLane, loop: asyncio.AbstractEventLoop) -> None:
+        """Worker thread: one engine call for this lane, then queue the next one behind the
+        other lanes' (fair when more peers are busy than there are threads)."""
+        skipped: list[Batch] = []
+        with lane.lock:
+            taken = self._take(lane, skipped)
+        for batch in skipped:
+            self._report(loop, lane, batch, self._abandoned_error(lane))
+        if taken:
+            self._call(lane, loop, taken)
+        with lane.lock:
+            again = bool(lane.pending)
+            lane.scheduled = again
+        if again:
+            self._workers.submit(functools.partial(self._drain, lane, loop))
+
+    def _take(self, lane: PeerLane, skipped: list[Batch]) -> list[Batch]:
+        """Worker, lane lock held: the oldest pending batches that fit in one call together.
 
         Under load many small writes (other stages, other handoffs) queue for the same peer;
         one call for all of them costs the engine one submission and one wait instead of one
-        each. Batches of stopped writes go to `skipped` (the loop cancels them).
+        each. Batches of abandoned writes go to `skipped`.
         """
-        taken: list[_Batch] = []
+        taken: list[Batch] = []
         blocks = nbytes = 0
         cap = self._config.max_blocks_per_batch
         cap_bytes = self._config.max_bytes_per_batch
         while lane.pending:
             batch = lane.pending[0]
-            if batch.stop.is_set():
+            if batch.write.abandoned:
                 skipped.append(lane.pending.popleft())
                 continue
             size = batch.blocks.total_bytes
@@ -248,154 +422,149 @@ class MooncakeTransport:
             nbytes += size
         return taken
 
-    def _run(self, lane: _PeerLane, loop: asyncio.AbstractEventLoop) -> None:
-        """Worker thread: one engine call for the pending batches that fit, reporting back."""
-        taken: list[_Batch] = []
-        skipped: list[_Batch] = []
-        error: TransportError | None = None
+    def _call(self, lane: PeerLane, loop: asyncio.AbstractEventLoop, taken: list[Batch]) -> None:
+        """Worker thread: one engine call for `taken`; every batch gets exactly one outcome.
+
+        The outcome is failure unless the engine call returned 0: an exception from the call or
+        from its preparation (`Blocks.concat`, `.tolist()`) fails every batch with that cause.
+        """
+        fail: Callable[[], TransportError] = functools.partial(
+            TransportError, "the worker stopped before the engine call returned", peer=lane.peer
+        )
+        succeeded = False
         try:
-            while lane.pending and lane.pending[0].stop.is_set():
-                skipped.append(lane.pending.popleft())
-            engine = self._engine
-            if not lane.pending:
-                return  # an earlier call took this task's batch along
-            if engine is None:
-                taken = [lane.pending.popleft()]
-                error = TransportError("transport closed during the write", peer=lane.peer)
+            if self._closed:
+                fail = functools.partial(
+                    TransportError, "transport closed before the batch ran", peer=lane.peer
+                )
                 return
-            if lane.stuck:
-                taken = [lane.pending.popleft()]
-                error = self._stuck_error(lane)
-                return
-            taken = self._take(lane, skipped)
-            now = time.monotonic()
-            late = [b for b in taken if b.start_by is not None and now > b.start_by]
-            if late:
-                # Checked here, in the worker: a stalled event loop cannot delay it. The late
-                # batches fail now; the others of this call still run.
-                for batch in late:
-                    batch.stop.set()
-                    _post(loop, self._finish, lane, batch, self._late_error(lane))
-                taken = [b for b in taken if b not in late]
+            while True:
+                blocks = (
+                    taken[0].blocks if len(taken) == 1 else Blocks.concat([b.blocks for b in taken])
+                )
+                src = blocks.src_addr.tolist()
+                dst = blocks.dst_addr.tolist()
+                lengths = blocks.length.tolist()
+                # The last check before the engine call, in this thread, after the lists are
+                # built: no batch starts after its `start_by`, none of an abandoned write starts,
+                # and `quiesce` (same lock) sees every call that does start.
+                with lane.lock:
+                    now = time.monotonic()
+                    late = [b for b in taken if b.start_by is not None and now > b.start_by]
+                    gone = [b for b in taken if b.write.abandoned and b not in late]
+                    if not late and not gone:
+                        call = next(self._calls)
+                        lane.calls_started += 1
+                        lane.in_call = call
+                        for b in taken:
+                            b.call = call
+                        break
+                for b in late:
+                    self._report(loop, lane, b, self._late_error(lane))
+                for b in gone:
+                    self._report(loop, lane, b, self._abandoned_error(lane))
+                taken = [b for b in taken if b not in late and b not in gone]
                 if not taken:
                     return
-            blocks = (
-                taken[0].blocks if len(taken) == 1 else Blocks.concat([b.blocks for b in taken])
-            )
-            src, dst, lengths = (
-                blocks.src_addr.tolist(),
-                blocks.dst_addr.tolist(),
-                blocks.length.tolist(),
-            )
-            for batch in taken:
-                _post(loop, self._arm, lane, batch)
+            _post(loop, self._arm, lane, taken, time.monotonic())
             started = time.monotonic()
-            rc = engine.batch_transfer_sync_write(lane.peer, src, dst, lengths)
-            if rc < 0:
-                # Set here, in the worker, so the writes' batches queued behind these are
-                # skipped before the loop has even heard of the failure.
-                for batch in taken:
-                    batch.stop.set()
-                error = TransportError(
-                    f"batch of {len(blocks)} blocks ({blocks.total_bytes} bytes"
-                    f"{f', {len(taken)} writes' if len(taken) > 1 else ''}) failed after "
-                    f"{time.monotonic() - started:.2f}s",
-                    rc=rc,
-                    peer=lane.peer,
-                )
-        finally:
-            for batch in skipped:
-                _post(loop, self._finish, lane, batch, None)
-            for batch in taken:
-                _post(loop, self._finish, lane, batch, error)
-
-    def _arm(self, lane: _PeerLane, batch: _Batch) -> None:
-        loop = batch.done.get_loop()
-        batch.timer = loop.call_later(self._config.transfer_timeout_s, self._expire, lane, batch)
-
-    def _expire(self, lane: _PeerLane, batch: _Batch) -> None:
-        lane.stuck = True
-        batch.stop.set()
-        # Free the slot now so writes waiting for one wake up and fail fast on `stuck`; the
-        # worker thread still holds the engine call, so nothing new reaches the engine.
-        batch.slot_held = False
-        lane.slots.release()
-        if not batch.done.done():
-            batch.done.set_exception(
-                TransportTimeout(
-                    f"batch of {len(batch.blocks)} blocks did not finish within "
-                    f"{self._config.transfer_timeout_s}s",
-                    peer=lane.peer,
-                )
+            try:
+                rc = self._engine.batch_transfer_sync_write(lane.peer, src, dst, lengths)
+            finally:
+                with lane.lock:
+                    lane.calls_ended += 1
+                    lane.in_call = 0
+                with self._counts.lock:
+                    self._counts.calls += 1
+                _post(loop, self._call_ended, lane)
+            if rc == 0:
+                succeeded = True
+            else:
+                with self._counts.lock:
+                    self._counts.by_rc[rc] = self._counts.by_rc.get(rc, 0) + 1
+                what = self._describe(blocks, taken, time.monotonic() - started)
+                fail = functools.partial(TransportError, f"{what} failed", rc=rc, peer=lane.peer)
+        except Exception as exc:  # noqa: BLE001 (see below)
+            # The one place the write path catches everything: whatever the binding (pybind11
+            # turns C++ exceptions into Python ones) or numpy raises fails these batches with
+            # that cause. It must never read as success.
+            with self._counts.lock:
+                self._counts.exceptions += 1
+            fail = functools.partial(
+                EngineCallError,
+                f"engine call for {len(taken)} batch(es) raised {type(exc).__name__}: {exc}",
+                cause=exc,
+                peer=lane.peer,
             )
+        finally:
+            for batch in taken:
+                error = None if succeeded else fail()
+                if error is not None:
+                    batch.write.abandoned = True  # its write skips its batches not started
+                self._report(loop, lane, batch, error)
 
-    def _finish(self, lane: _PeerLane, batch: _Batch, error: TransportError | None) -> None:
-        if batch.timer is not None:
-            batch.timer.cancel()
-            lane.stuck = False  # the engine call has returned, whatever it said
-        if batch.slot_held:
-            batch.slot_held = False
-            lane.slots.release()
-        if batch.done.done():
-            return
-        if error is not None:
-            batch.stop.set()  # the write has failed: skip its batches not yet started
-            batch.done.set_exception(error)
-        elif batch.stop.is_set():
-            batch.done.cancel()
-        else:
-            batch.done.set_result(None)
+    def _report(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        lane: PeerLane,
+        batch: Batch,
+        outcome: TransportError | None,
+    ) -> None:
+        """Worker: write the batch's one outcome and hand it to the loop."""
+        batch.outcome = outcome
+        _post(loop, self._settle, lane, batch)
 
-    def _late_error(self, lane: _PeerLane) -> TransportTimeout:
+    @staticmethod
+    def _describe(blocks: Blocks, taken: list[Batch], elapsed_s: float) -> str:
+        writes = f", {len(taken)} writes" if len(taken) > 1 else ""
+        return (
+            f"batch of {len(blocks)} blocks ({blocks.total_bytes} bytes{writes}) "
+            f"after {elapsed_s:.2f}s"
+        )
+
+    def _late_error(self, lane: PeerLane) -> TransportTimeout:
         return TransportTimeout(
             "the write's deadline passed before this batch started", peer=lane.peer
         )
 
-    def _stuck_error(self, lane: _PeerLane) -> TransportTimeout:
-        return TransportTimeout(
-            "a previous batch to this peer timed out and is still inside the engine",
-            peer=lane.peer,
-        )
-
-    async def quiesce(self, peer: str | None = None) -> None:
-        lanes = [self._lanes[peer]] if peer in self._lanes else []
-        if peer is None:
-            lanes = list(self._lanes.values())
-        # list(): worker threads drop finished futures from the set while we look at it.
-        running = [asyncio.wrap_future(f) for lane in lanes for f in list(lane.running)]
-        if running:
-            await asyncio.wait(running)
+    def _abandoned_error(self, lane: PeerLane) -> TransportError:
+        return TransportError("not started: its write had failed or was cancelled", peer=lane.peer)
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def _lane(self, peer: str) -> _PeerLane:
+    def _lane(self, peer: str) -> PeerLane:
         lane = self._lanes.get(peer)
         if lane is None:
-            lane = self._lanes[peer] = _PeerLane(peer, self._config.max_inflight_batches_per_peer)
+            lane = self._lanes[peer] = PeerLane(peer, self._config.max_inflight_batches_per_peer)
+        if lane.reaper is not None:
+            lane.reaper.cancel()
+            lane.reaper = None
         return lane
 
+    def _reap(self, lane: PeerLane) -> None:
+        """Loop: forget a lane idle for `peer_idle_s` (no batch in flight, no call running)."""
+        lane.reaper = None
+        with lane.lock:
+            busy = lane.scheduled or lane.in_call != 0 or bool(lane.pending)
+        idle = lane.inflight == 0 and lane.users == 0 and not busy and not lane.quiescers
+        if idle and self._lanes.get(lane.peer) is lane:
+            del self._lanes[lane.peer]
+
     def _check_open(self) -> Engine:
-        if self._engine is None:
+        if self._closed:
             raise TransportError("transport is closed", peer=self._target)
         return self._engine
 
     def close(self) -> None:
-        """Wait for running engine calls (bounded by the engine timeout), unregister, drop it."""
-        if self._engine is None:
+        """Wait for running engine calls (bounded by `max_call_s`), fail what is queued,
+        unregister, and stop the worker threads. Idempotent."""
+        if self._closed:
             return
-        for lane in self._lanes.values():
-            lane.executor.shutdown(wait=True, cancel_futures=True)
-            # Batches whose worker task was cancelled above: their writes must not wait forever.
-            while lane.pending:
-                batch = lane.pending.popleft()
-                closed = TransportError("transport closed before the batch ran", peer=lane.peer)
-                _post(batch.done.get_loop(), self._finish, lane, batch, closed)
+        self._closed = True  # workers fail the batches they take from now on, without a call
+        self._workers.close()  # runs the queued drains (fast now) and joins every thread
+        # Reaper timers left armed find their lane gone: close may run off the loop's thread.
         self._lanes.clear()
-        regions = self._sources.regions
-        try:
-            self.unregister(regions)
-        finally:
-            self._engine = None
+        self._unregister(self._sources.regions)
 
 
 def _lower_priority() -> None:

@@ -138,6 +138,27 @@ async def test_ten_thousand_blocks_are_split_under_the_cap(
     src_pool.close()
 
 
+async def test_blocks_above_the_byte_cap_are_cut_and_land_byte_exact(remote: Remote) -> None:
+    """The real engine, with batches capped at 64 KiB: 1 MiB blocks travel in 64 KiB pieces."""
+    t = MooncakeTransport.start(MooncakeConfig(max_bytes_per_batch=64 << 10))
+    src_pool = open_pool("torch:cpu", [4 << 20])
+    try:
+        src_pool.register(t)
+        random_source(src_pool, 6)
+        offs = np.array([0, 2 << 20], dtype=np.uint64)
+        blocks = Blocks.of(
+            offs + src_pool.bases[0], offs + remote.receiver.bases[0] + 4096, [1 << 20] * 2
+        )
+        await t.write(remote.target, blocks)
+        np.testing.assert_array_equal(remote.file, expected_image(remote, blocks))
+        stats = t.stats()
+        assert stats.engine_calls == stats.batches_succeeded == 32
+        assert stats.bytes_written == 2 << 20 and stats.engine_errors_by_rc == {}
+    finally:
+        src_pool.close()
+        t.close()
+
+
 async def test_unregistered_destination_fails_cleanly_and_the_peer_stays_usable(
     sender: MooncakeTransport, remote: Remote
 ) -> None:

@@ -9,7 +9,8 @@ Two cases, one block list each, every method moving exactly the same bytes:
 
 Methods: `memcpy` (numpy slice copies of the block list: the in-process floor), `local`
 (LocalTransport), `mooncake-raw` (the engine's `batch_transfer_sync_write` called in a loop over
-2,048-block batches from the main thread) and `mooncake` (MooncakeTransport.write). The
+2,048-block batches from the main thread) and `mooncake` (MooncakeTransport.write, batches also
+capped at `--max-bytes-per-batch`). The
 destination is a shm pool owned by a receiver process; the in-process methods attach to the same
 file, so every method writes the same memory. Ratios compare best times.
 """
@@ -51,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--item-kib", type=int, default=16)
     parser.add_argument("--max-run", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-bytes-per-batch",
+        type=int,
+        default=MooncakeConfig().max_bytes_per_batch,
+        help="byte cap per engine call for `local` and `mooncake` (raw calls use 2,048 blocks)",
+    )
     parser.add_argument(
         "--cases", default="bulk,fragmented", help="comma-separated: bulk, fragmented"
     )
@@ -168,7 +175,7 @@ def run_case(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
 
         # Each transport registers the same spans directly (a Pool registers with one only).
         async def local_runs() -> None:
-            local = LocalTransport()
+            local = LocalTransport(max_bytes_per_batch=args.max_bytes_per_batch)
             local.register([src_span, dst_span])
             results["local"] = await atimed(
                 lambda: local.write(local.local_target, local_blocks), args.repeat
@@ -177,7 +184,7 @@ def run_case(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
 
         asyncio.run(local_runs())
 
-        config = MooncakeConfig()
+        config = MooncakeConfig(max_bytes_per_batch=args.max_bytes_per_batch)
         raw = start_engine(config)
         if raw.batch_register_memory([src_span.addr], [src_span.length]) != 0:
             raise RuntimeError("raw engine could not register the source")

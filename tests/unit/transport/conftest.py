@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import numpy as np
@@ -45,6 +46,9 @@ async def transport(request: pytest.FixtureRequest) -> AsyncIterator[Transport]:
     t.close()
 
 
+_fake_ports = itertools.count(1)
+
+
 @pytest.fixture
 def fake_engine() -> FakeEngine:
     return FakeEngine(max_blocks=64)
@@ -52,4 +56,4 @@ def fake_engine() -> FakeEngine:
 
 def fake_transport(engine: FakeEngine, **config: object) -> MooncakeTransport:
     cfg = MooncakeConfig(**{"max_blocks_per_batch": 64, **config})  # type: ignore[arg-type]
-    return MooncakeTransport(engine, cfg, "fake:1")
+    return MooncakeTransport(engine, cfg, f"fake:{next(_fake_ports)}")

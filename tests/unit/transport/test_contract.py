@@ -163,3 +163,21 @@ async def test_quiesce_returns_when_idle(transport: Transport) -> None:
 
 async def test_declares_a_finite_bound_for_one_call(transport: Transport) -> None:
     assert 0 < transport.max_call_s < 60
+
+
+async def test_stats_count_what_landed(transport: Transport, make_buffer) -> None:
+    src, dst = make_buffer(SIZE), make_buffer(SIZE)
+    src[:] = 3
+    pools = [pool_of(src), pool_of(dst)]
+    for p in pools:
+        p.register(transport)
+    blocks = fragmented(src.ctypes.data, dst.ctypes.data, np.random.default_rng(4), 100)
+    before = transport.stats()
+    await transport.write(transport.local_target, blocks)
+    after = transport.stats()
+    assert after.bytes_written - before.bytes_written == blocks.total_bytes
+    assert after.blocks_written - before.blocks_written == len(blocks)
+    assert after.batches_succeeded - before.batches_succeeded == 2  # 100 blocks, cap 64
+    assert after.batches_failed == before.batches_failed
+    for p in pools:
+        p.close()

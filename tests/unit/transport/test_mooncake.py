@@ -11,12 +11,17 @@ import time
 import numpy as np
 import pytest
 
-from tests.fakes import FakeEngine
+from tests.fakes import FakeEngine, threads_named
 from tests.unit.transport.conftest import fake_transport, pool_of
 from transport.blocks import Blocks
 from transport.config import MooncakeConfig
-from transport.errors import TransportError, TransportTimeout
+from transport.errors import EngineCallError, TransportError, TransportTimeout
 from transport.mooncake import MooncakeTransport
+
+
+async def in_thread(fn, *args) -> None:
+    """Block on a FakeEngine wait without blocking the loop (the transport posts to it)."""
+    await asyncio.to_thread(fn, *args)
 
 
 def setup_blocks(
@@ -59,7 +64,7 @@ async def test_inflight_batches_per_peer_are_bounded(fake_engine, make_buffer) -
     _, _, blocks = setup_blocks(make_buffer, t, 64 * 10)
     fake_engine.hang = threading.Event()
     task = asyncio.create_task(t.write("peer:1", blocks))
-    await asyncio.sleep(0.2)
+    await in_thread(fake_engine.wait_entered, 1)
     assert len(fake_engine.batch_sizes) == 1  # one worker thread per peer: one call at a time
     assert not task.done()
     fake_engine.hang.set()
@@ -73,7 +78,7 @@ async def test_peers_do_not_share_a_worker(fake_engine, make_buffer) -> None:
     _, _, blocks = setup_blocks(make_buffer, t, 8)
     fake_engine.hang = threading.Event()
     tasks = [asyncio.create_task(t.write(p, blocks)) for p in ("a:1", "b:1")]
-    await asyncio.sleep(0.2)
+    await in_thread(fake_engine.wait_entered, 2)
     assert fake_engine.active == 2
     fake_engine.hang.set()
     await asyncio.gather(*tasks)
@@ -109,7 +114,7 @@ async def test_cancelled_write_skips_batches_not_started(fake_engine, make_buffe
     _, _, blocks = setup_blocks(make_buffer, t, 640)
     fake_engine.hang = threading.Event()
     task = asyncio.create_task(t.write("peer:1", blocks))
-    await asyncio.sleep(0.1)
+    await in_thread(fake_engine.wait_entered, 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -172,9 +177,9 @@ async def test_small_writes_queued_behind_a_running_call_share_the_next_one(
     src, dst, blocks = setup_blocks(make_buffer, t, 40)
     fake_engine.hang = threading.Event()
     first = asyncio.create_task(t.write("peer:1", blocks[0:30]))
-    await asyncio.sleep(0.1)  # the worker is inside the engine with the first write
+    await in_thread(fake_engine.wait_entered, 1)  # the worker is inside the engine
     rest = [asyncio.create_task(t.write("peer:1", blocks[i : i + 2])) for i in (30, 32, 34, 36)]
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0)  # all four are queued behind it
     fake_engine.hang.set()
     await asyncio.gather(first, *rest)
     assert fake_engine.batch_sizes == [30, 8]  # four queued writes, one engine call
@@ -187,10 +192,10 @@ async def test_a_failed_shared_call_fails_every_write_in_it(fake_engine, make_bu
     _, _, blocks = setup_blocks(make_buffer, t, 10)
     fake_engine.hang = threading.Event()
     first = asyncio.create_task(t.write("peer:1", blocks[0:2]))
-    await asyncio.sleep(0.1)
+    await in_thread(fake_engine.wait_entered, 1)
     fake_engine.rc = -1
     rest = [asyncio.create_task(t.write("peer:1", blocks[i : i + 2])) for i in (2, 4)]
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0)
     fake_engine.hang.set()
     for task in [first, *rest]:
         with pytest.raises(TransportError):
@@ -208,9 +213,11 @@ async def test_no_batch_starts_after_the_writes_start_by_instant(fake_engine, ma
     # A batch queued behind a slow call is checked when the worker reaches it, not before.
     fake_engine.hang = threading.Event()
     first = asyncio.create_task(t.write("peer:1", blocks[0:5]))
-    await asyncio.sleep(0.1)
-    late = asyncio.create_task(t.write("peer:1", blocks[5:10], start_by=time.monotonic() + 0.1))
-    await asyncio.sleep(0.3)  # its instant passes while the first call still runs
+    await in_thread(fake_engine.wait_entered, 1)
+    late_by = time.monotonic() + 0.05
+    late = asyncio.create_task(t.write("peer:1", blocks[5:10], start_by=late_by))
+    while time.monotonic() <= late_by:  # its instant passes while the first call still runs
+        await asyncio.sleep(0.01)
     fake_engine.hang.set()
     await first
     with pytest.raises(TransportTimeout):
@@ -219,11 +226,11 @@ async def test_no_batch_starts_after_the_writes_start_by_instant(fake_engine, ma
     t.close()
 
 
-def test_max_call_s_is_the_engine_timeout_plus_the_largest_batch_at_1_ns_per_byte() -> None:
+def test_max_call_s_is_allowance_plus_engine_timeout_plus_largest_batch_at_1_ns_per_byte() -> None:
     cfg = MooncakeConfig(transfer_timeout_s=2.5, max_bytes_per_batch=2 << 30)
-    assert cfg.max_call_s == pytest.approx(5 + (2 << 30) / 1e9)
+    assert cfg.max_call_s == pytest.approx(0.5 + 5 + (2 << 30) / 1e9)
     cfg = MooncakeConfig(transfer_timeout_s=12.2, max_bytes_per_batch=1 << 20)
-    assert cfg.max_call_s == pytest.approx(13 + (1 << 20) / 1e9)
+    assert cfg.max_call_s == pytest.approx(0.5 + 13 + (1 << 20) / 1e9)
     assert cfg.engine_timeout_s == cfg.max_call_s
     assert MooncakeTransport(FakeEngine(), cfg, "fake:1").max_call_s == cfg.max_call_s
 
@@ -244,4 +251,341 @@ async def test_batches_are_capped_in_bytes_and_a_larger_block_is_cut(
     await t.write("peer:1", blocks)
     assert fake_engine.bytes_per_call == [4096, 4096, 4096]
     np.testing.assert_array_equal(src, dst)
+    t.close()
+
+
+# -- the write path's safety rules, against the fault-injecting engine --------------------------
+
+
+async def test_an_engine_exception_fails_every_batch_of_the_call_with_its_cause(
+    fake_engine, make_buffer
+) -> None:
+    """Finding 1: an exception from `batch_transfer_sync_write` is a failure, never success."""
+    t = fake_transport(fake_engine)
+    _, dst, blocks = setup_blocks(make_buffer, t, 10)
+    fake_engine.hang = threading.Event()
+    first = asyncio.create_task(t.write("peer:1", blocks[0:2]))
+    await in_thread(fake_engine.wait_entered, 1)
+    # Two writes queued behind the running call share the next one, which raises.
+    fake_engine.script(0, TypeError("incompatible function arguments"))
+    rest = [asyncio.create_task(t.write("peer:1", blocks[i : i + 2])) for i in (2, 4)]
+    await asyncio.sleep(0)  # both are queued before the running call returns
+    fake_engine.hang.set()
+    await first
+    errors = []
+    for task in rest:
+        with pytest.raises(EngineCallError) as info:
+            await task
+        errors.append(info.value)
+    assert fake_engine.batch_sizes == [2, 4]
+    assert all(isinstance(e.cause, TypeError) and e.__cause__ is e.cause for e in errors)
+    assert errors[0] is not errors[1]  # each future its own instance
+    assert errors[0].context == {"peer": "peer:1"}
+    assert not dst[2 * 16 :].any()
+    assert t.stats().engine_exceptions == 1 and t.stats().batches_failed == 2
+    t.close()
+
+
+async def test_an_exception_while_preparing_the_call_fails_its_batches(
+    fake_engine, make_buffer, monkeypatch
+) -> None:
+    """Finding 1: `Blocks.concat` (or `.tolist()`) raising fails the call's batches."""
+    t = fake_transport(fake_engine)
+    _, dst, blocks = setup_blocks(make_buffer, t, 10)
+    fake_engine.hang = threading.Event()
+    first = asyncio.create_task(t.write("peer:1", blocks[0:2]))
+    await in_thread(fake_engine.wait_entered, 1)
+
+    def broken(parts: list[Blocks]) -> Blocks:
+        raise MemoryError("concat")
+
+    monkeypatch.setattr(Blocks, "concat", staticmethod(broken))
+    rest = [asyncio.create_task(t.write("peer:1", blocks[i : i + 2])) for i in (2, 4)]
+    await asyncio.sleep(0)
+    fake_engine.hang.set()
+    await first
+    for task in rest:
+        with pytest.raises(EngineCallError, match="MemoryError"):
+            await task
+    assert fake_engine.batch_sizes == [2] and not dst[2 * 16 :].any()
+    t.close()
+
+
+async def test_no_batch_starts_after_start_by_even_if_it_passes_while_preparing(
+    fake_engine, make_buffer, monkeypatch
+) -> None:
+    """Deliverable 3: the late-start check is the last step before the engine call, after
+    `concat`/`tolist`, in the worker thread."""
+    t = fake_transport(fake_engine)
+    _, dst, blocks = setup_blocks(make_buffer, t, 10)
+    fake_engine.hang = threading.Event()
+    first = asyncio.create_task(t.write("peer:1", blocks[0:2]))
+    await in_thread(fake_engine.wait_entered, 1)
+    in_concat, resume = threading.Event(), threading.Event()
+    real = Blocks.concat
+
+    def slow(parts: list[Blocks]) -> Blocks:
+        in_concat.set()
+        resume.wait()
+        return real(parts)
+
+    monkeypatch.setattr(Blocks, "concat", staticmethod(slow))
+    start_by = time.monotonic() + 0.05
+    rest = [
+        asyncio.create_task(t.write("peer:1", blocks[i : i + 2], start_by=start_by)) for i in (2, 4)
+    ]
+    await asyncio.sleep(0)
+    fake_engine.hang.set()
+    await first
+    await in_thread(in_concat.wait)  # both are on time when the worker takes them ...
+    while time.monotonic() <= start_by:  # ... and late once the call is prepared
+        await asyncio.sleep(0.01)
+    resume.set()
+    for task in rest:
+        with pytest.raises(TransportTimeout, match="deadline passed"):
+            await task
+    assert fake_engine.batch_sizes == [2] and not dst[2 * 16 :].any()
+    t.close()
+
+
+async def test_a_later_failing_batch_never_turns_a_landed_one_into_a_cancellation(
+    fake_engine, make_buffer
+) -> None:
+    """Finding 5: the write raises the failing batch's error, not `CancelledError`, and the
+    batch before it stays a success (its bytes landed and are counted)."""
+    t = fake_transport(fake_engine)
+    src, dst, blocks = setup_blocks(make_buffer, t, 128)
+    for rc_second in range(20):
+        dst[:] = 0
+        fake_engine.script(0, -(rc_second + 1))
+        task = asyncio.create_task(t.write("peer:1", blocks))
+        await asyncio.sleep(0)  # both batches submitted
+        # Hold the loop until the worker has finished both calls: the second batch's failure
+        # is known in the worker before the loop has read the first batch's success.
+        fake_engine.wait_returned(2 * (rc_second + 1))
+        with pytest.raises(TransportError) as info:
+            await task
+        assert info.value.rc == -(rc_second + 1)
+        np.testing.assert_array_equal(dst[: 64 * 16], src[: 64 * 16])
+        assert not dst[64 * 16 :].any()
+    stats = t.stats()
+    assert stats.batches_succeeded == 20 and stats.batches_failed == 20
+    assert stats.engine_errors_by_rc == {-(i + 1): 1 for i in range(20)}
+    assert stats.bytes_written == 20 * 64 * 16
+    t.close()
+
+
+async def test_a_late_batch_does_not_cancel_the_one_before_it(fake_engine, make_buffer) -> None:
+    """Finding 5: batch 1 starts in time and lands; batch 2 is late; the write raises the
+    timeout (never `CancelledError`)."""
+    t = fake_transport(fake_engine)
+    src, dst, blocks = setup_blocks(make_buffer, t, 128)
+    fake_engine.hang = threading.Event()
+    start_by = time.monotonic() + 0.05
+    task = asyncio.create_task(t.write("peer:1", blocks, start_by=start_by))
+    await in_thread(fake_engine.wait_entered, 1)
+    while time.monotonic() <= start_by:
+        await asyncio.sleep(0.01)
+    fake_engine.hang.set()
+    # Hold the loop while the worker finishes batch 1 and finds batch 2 late (the window in which
+    # a shared stop flag used to turn batch 1 into a cancellation; a longer hold only widens it).
+    fake_engine.wait_returned(1)
+    time.sleep(0.05)
+    with pytest.raises(TransportTimeout, match="deadline passed"):
+        await task
+    np.testing.assert_array_equal(dst[: 64 * 16], src[: 64 * 16])
+    assert fake_engine.batch_sizes == [64] and t.stats().batches_succeeded == 1
+    t.close()
+
+
+async def test_a_failed_write_skips_only_its_own_batches(fake_engine, make_buffer) -> None:
+    """Finding 5: W1's failure skips W1's queued batches; W2's, queued behind them, run."""
+    t = fake_transport(fake_engine)
+    src, dst, blocks = setup_blocks(make_buffer, t, 64 * 5)
+    fake_engine.hang = threading.Event()
+    fake_engine.script(-3)
+    w1 = asyncio.create_task(t.write("peer:1", blocks[0 : 64 * 3]))
+    await in_thread(fake_engine.wait_entered, 1)
+    w2 = asyncio.create_task(t.write("peer:1", blocks[64 * 3 :]))
+    await asyncio.sleep(0)
+    fake_engine.hang.set()
+    with pytest.raises(TransportError) as info:
+        await w1
+    assert info.value.rc == -3
+    await w2
+    assert fake_engine.batch_sizes == [64, 64, 64]
+    assert not dst[: 64 * 3 * 16].any()
+    np.testing.assert_array_equal(dst[64 * 3 * 16 :], src[64 * 3 * 16 :])
+    t.close()
+
+
+async def test_only_the_callers_cancellation_cancels_and_started_calls_finish(
+    fake_engine, make_buffer
+) -> None:
+    t = fake_transport(fake_engine)
+    src, dst, blocks = setup_blocks(make_buffer, t, 640)
+    fake_engine.hang = threading.Event()
+    task = asyncio.create_task(t.write("peer:1", blocks))
+    await in_thread(fake_engine.wait_entered, 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    quiet = asyncio.create_task(t.quiesce("peer:1"))
+    await asyncio.sleep(0)
+    assert not quiet.done()  # the started call can still write
+    fake_engine.hang.set()
+    await quiet
+    assert fake_engine.batch_sizes == [64]  # the batches not started were skipped
+    np.testing.assert_array_equal(dst[: 64 * 16], src[: 64 * 16])  # the started one landed
+    assert not dst[64 * 16 :].any()
+    t.close()
+
+
+async def test_a_stuck_peer_fails_queued_batches_with_their_own_current_error(
+    fake_engine, make_buffer
+) -> None:
+    """Finding 10: batches queued behind a call that outlives the timeout fail when it does,
+    each with its own instance; once the call returns, no stale flag fails the next write."""
+    t = fake_transport(fake_engine, transfer_timeout_s=0.2)
+    src, dst, blocks = setup_blocks(make_buffer, t, 10)
+    fake_engine.hang = threading.Event()
+    first = asyncio.create_task(t.write("peer:1", blocks[0:2]))
+    await in_thread(fake_engine.wait_entered, 1)
+    queued = [asyncio.create_task(t.write("peer:1", blocks[i : i + 2])) for i in (2, 4)]
+    with pytest.raises(TransportTimeout, match="did not finish"):
+        await first
+    errors = []
+    for task in queued:
+        with pytest.raises(TransportTimeout, match="still inside the engine") as info:
+            await task
+        errors.append(info.value)
+    assert errors[0] is not errors[1]
+    with pytest.raises(TransportTimeout, match="still inside the engine"):
+        await t.write("peer:1", blocks[6:8])  # fail fast while the call runs
+    fake_engine.hang.set()
+    # The call has returned; hold the loop (no callback from the worker runs) and write at once:
+    # stuck is read from the lane's state, not from a flag the loop has yet to clear.
+    fake_engine.wait_returned(1)
+    while t.stats().engine_calls < 1:
+        time.sleep(0.001)
+    await t.write("peer:1", blocks[8:10])
+    np.testing.assert_array_equal(dst[8 * 16 : 10 * 16], src[8 * 16 : 10 * 16])
+    assert fake_engine.batch_sizes == [2, 2] and t.stats().batches_timed_out == 1
+    t.close()
+
+
+async def test_worker_threads_are_bounded_and_lanes_and_threads_reclaimed_when_idle(
+    fake_engine, make_buffer
+) -> None:
+    """Finding 8: 200 peers share `max_worker_threads` threads; idle lanes and threads go."""
+    t = fake_transport(fake_engine, max_worker_threads=4, peer_idle_s=0.1)
+    src, dst, blocks = setup_blocks(make_buffer, t, 200)
+    fake_engine.hang = threading.Event()
+    tasks = [asyncio.create_task(t.write(f"peer:{i}", blocks[i : i + 1])) for i in range(200)]
+    await in_thread(fake_engine.wait_entered, 4)
+    assert threads_named(f"kvhandoff-mooncake {t.local_target}") == 4 and fake_engine.active == 4
+    assert t.stats().live_lanes == 200 and t.stats().worker_threads == 4
+    fake_engine.hang.set()
+    await asyncio.gather(*tasks)
+    np.testing.assert_array_equal(src, dst)
+    assert fake_engine.max_active == 4 and len(set(fake_engine.targets)) == 200
+    while t.stats().live_lanes or t.stats().worker_threads:
+        await asyncio.sleep(0.02)  # reclaimed after peer_idle_s; the test timeout bounds this
+    assert threads_named(f"kvhandoff-mooncake {t.local_target}") == 0
+    await t.write("peer:7", blocks[0:1])  # a reclaimed peer's lane comes back on demand
+    assert t.stats().live_lanes == 1
+    t.close()
+    assert threads_named(f"kvhandoff-mooncake {t.local_target}") == 0 and t.stats().live_lanes == 0
+
+
+async def test_one_call_per_peer_even_with_threads_to_spare(fake_engine, make_buffer) -> None:
+    t = fake_transport(fake_engine, max_worker_threads=8)
+    _, _, blocks = setup_blocks(make_buffer, t, 64 * 6)
+    fake_engine.hang = threading.Event()
+    writes = [
+        asyncio.create_task(t.write("peer:1", blocks[i * 64 : (i + 2) * 64])) for i in (0, 2, 4)
+    ]
+    await in_thread(fake_engine.wait_entered, 1)
+    await asyncio.sleep(0.05)
+    assert fake_engine.active == 1
+    fake_engine.hang.set()
+    await asyncio.gather(*writes)
+    assert fake_engine.max_active == 1
+    t.close()
+
+
+async def test_close_fails_queued_batches_and_joins_the_threads(fake_engine, make_buffer) -> None:
+    t = fake_transport(fake_engine)
+    _, _, blocks = setup_blocks(make_buffer, t, 64 * 3)
+    fake_engine.hang = threading.Event()
+    task = asyncio.create_task(t.write("peer:1", blocks))
+    await in_thread(fake_engine.wait_entered, 1)
+    closing = asyncio.create_task(asyncio.to_thread(t.close))
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # waits for the running call
+    fake_engine.hang.set()
+    await closing
+    with pytest.raises(TransportError):
+        await task
+    assert fake_engine.batch_sizes == [64]
+    assert threads_named(f"kvhandoff-mooncake {t.local_target}") == 0
+    with pytest.raises(TransportError, match="closed"):
+        await t.write("peer:1", blocks)
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_random_failures_and_cancellations_keep_the_write_path_rules(
+    fake_engine, make_buffer, seed: int
+) -> None:
+    """Many writes to a few peers over few threads, with random engine rcs and exceptions and
+    random cancellations. Whatever the interleaving: a write that returns landed every byte; a
+    write raises `CancelledError` only if it was cancelled, otherwise only `TransportError`; and
+    once a cancelled write is drained and its peer quiesced, no engine call touches its memory."""
+    rng = np.random.default_rng(seed)
+    t = fake_transport(fake_engine, max_inflight_batches_per_peer=2, max_worker_threads=2)
+    n_writes, per_write = 24, 200
+    src, dst, blocks = setup_blocks(make_buffer, t, n_writes * per_write)
+    outcomes: list[int | BaseException] = []
+    for _ in range(400):
+        roll = rng.random()
+        outcomes.append(
+            0 if roll < 0.85 else int(-rng.integers(1, 6)) if roll < 0.95 else RuntimeError("x")
+        )
+    fake_engine.script(*outcomes)
+
+    async def one(i: int) -> tuple[str, BaseException | None, int]:
+        peer = f"peer:{i % 3}"
+        size = int(rng.integers(1, per_write + 1))
+        part = blocks[i * per_write : i * per_write + size]
+        task = asyncio.create_task(t.write(peer, part))
+        cancel_after = int(rng.integers(0, 6)) if rng.random() < 0.3 else -1
+        for _ in range(max(cancel_after, 0)):
+            await asyncio.sleep(0)
+        if cancel_after >= 0:
+            task.cancel()
+        try:
+            await task
+        except BaseException as exc:  # noqa: BLE001 — classified below
+            if cancel_after >= 0:
+                await t.quiesce(peer)
+            return ("cancelled" if cancel_after >= 0 else "kept", exc, len(fake_engine.dst_blocks))
+        return ("cancelled" if cancel_after >= 0 else "kept", None, size)
+
+    results = await asyncio.gather(*(one(i) for i in range(n_writes)))
+    await t.quiesce()
+    for i, (kind, exc, info) in enumerate(results):
+        lo = dst.ctypes.data + i * per_write * 16
+        hi = lo + per_write * 16
+        if exc is None:
+            size = info
+            view = slice(i * per_write * 16, (i * per_write + size) * 16)
+            np.testing.assert_array_equal(dst[view], src[view])
+        elif isinstance(exc, asyncio.CancelledError):
+            assert kind == "cancelled", f"write {i} raised CancelledError uncancelled"
+            assert not fake_engine.touched(lo, hi, since_call=info), f"write {i} written late"
+        else:
+            assert isinstance(exc, TransportError), f"write {i} raised {exc!r}"
+    assert fake_engine.active == 0
+    while (s := t.stats()).batches_submitted != s.batches_succeeded + s.batches_failed:
+        await asyncio.sleep(0.01)  # settlements of abandoned batches still in flight to the loop
     t.close()

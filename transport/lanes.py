@@ -1,0 +1,109 @@
+"""The per-write, per-batch and per-peer state of `transport.mooncake`'s write path.
+
+Data only, plus the one derived fact a lane answers (`PeerLane.stuck`). `MooncakeTransport` is the
+only user; its module docstring states the rules this state serves, and which code (and lock)
+writes each field is said field by field here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+
+from transport.blocks import Blocks
+from transport.errors import TransportError
+
+
+class Write:
+    """What the batches of one `write` call share: whether that write has given up.
+
+    Set on the loop when the write is cancelled or one of its batches timed out, and by the
+    worker when one of its batches failed; read by the worker, under the lane lock, right before
+    an engine call. It decides only this write's batches that have not started (they fail with
+    their own error); it never changes the outcome of a batch that started.
+    """
+
+    __slots__ = ("abandoned",)
+
+    def __init__(self) -> None:
+        self.abandoned = False
+
+
+class Batch:
+    """One submitted batch of a write (several may share one engine call).
+
+    `outcome` is the batch's one result: `None` (every byte landed) or its own `TransportError`.
+    It is written once, by whoever takes the batch off its lane's queue — the worker thread
+    (after the engine call, or when it drops the batch before one), or the loop under the lane
+    lock (the lane got stuck, or the transport closed) — and read once, on the loop, by
+    `MooncakeTransport._settle`, which hands it to `verdict`. `verdict` is what the write awaits:
+    the outcome, or a `TransportTimeout` if the batch's call outlived `transfer_timeout_s`
+    first. It carries errors as values, so nothing but the caller's own cancellation can make
+    `write` raise `CancelledError`.
+    """
+
+    __slots__ = ("blocks", "call", "outcome", "slot_held", "start_by", "timer", "verdict", "write")
+
+    def __init__(
+        self,
+        blocks: Blocks,
+        write: Write,
+        verdict: asyncio.Future[TransportError | None],
+        start_by: float | None,
+    ) -> None:
+        self.blocks = blocks
+        self.write = write
+        self.verdict = verdict
+        self.start_by = start_by
+        self.outcome: TransportError | None = None
+        #: Id of the engine call that carries it (0 until one starts; set under the lane lock).
+        self.call = 0
+        self.timer: asyncio.TimerHandle | None = None
+        self.slot_held = True
+
+
+class PeerLane:
+    """One peer's queue, in-flight bound and call accounting.
+
+    The lock guards `pending`, `scheduled`, `calls_started`, `calls_ended`, `in_call` and each
+    batch's `call`; the rest is touched on the loop only.
+    """
+
+    def __init__(self, peer: str, max_inflight: int) -> None:
+        self.peer = peer
+        self.lock = threading.Lock()
+        self.slots = asyncio.Semaphore(max_inflight)
+        #: Batches submitted and not yet taken by a worker, oldest first. The worker merges
+        #: those that fit into one engine call (see `MooncakeTransport._take`).
+        self.pending: deque[Batch] = deque()
+        #: A drain task for this lane is queued or running (at most one: one call per peer).
+        self.scheduled = False
+        self.calls_started = 0
+        self.calls_ended = 0
+        #: Id of the engine call running now, 0 if none.
+        self.in_call = 0
+        #: Id of a call that outlived `transfer_timeout_s`; the lane is stuck while it runs.
+        self.stuck_call = 0
+        #: Loop only: batches submitted and not settled; `quiesce` waiters (calls_started
+        #: target, future); the timer that reclaims the lane once idle.
+        self.inflight = 0
+        #: Loop only: `write` calls using this lane now (it is not reclaimed under them).
+        self.users = 0
+        self.quiescers: list[tuple[int, asyncio.Future[None]]] = []
+        self.reaper: asyncio.TimerHandle | None = None
+
+    def stuck(self) -> bool:
+        """A call that timed out is still inside the engine (the truth, not a cached flag)."""
+        with self.lock:
+            return self.stuck_call != 0 and self.in_call == self.stuck_call
+
+
+class Counters:
+    """The cumulative counters behind `stats()`; updated on the loop and by workers."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.submitted = self.succeeded = self.failed = self.timed_out = 0
+        self.bytes = self.blocks = self.calls = self.exceptions = 0
+        self.by_rc: dict[int, int] = {}
