@@ -1,10 +1,12 @@
 """The decode side of a handoff: create, deliver destinations, aggregate arrivals, finish.
 
 Called by the service's router-facing routes (`create`, `get`, `list`, `abort`), its peer routes
-(`arrived`, `stage_failed`) and its heartbeat task (`peer_lost`). A handoff is created here with
-its destination; every check that can fail (pages, fencing, prefill layouts, pairing) runs before
-the destination is sent, so a rejected handoff never moves a byte. Terminal states are final, and
-the pages' lease is held until no write of the handoff can still land.
+(`arrived`, `stage_failed`) and its heartbeat task (`peer_lost`, `reconcile`). A handoff is
+created here with its destination; every check that can fail (pages, fencing, prefill layouts,
+pairing) runs before the destination is sent, so a rejected handoff never moves a byte. The
+outcome is announced as soon as it is known; the pages' lease is released (`handoff.released`)
+only once no write of the handoff can still land. States and their legal changes: `states.py`;
+the safety argument: SAFETY.md.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Annotated, Any, Protocol
 
 import msgspec
@@ -41,21 +42,32 @@ from pipelines.events import (
     HandoffCompleted,
     HandoffCreated,
     HandoffFailed,
+    HandoffReleased,
     StageArrived,
 )
 from pipelines.layout import StageLayout
 from pipelines.leases import Leases
-from pipelines.memory import EntryMemory, destination_digests
+from pipelines.memory import EntryMemory
 from pipelines.messages import (
     AbortAck,
     AbortMsg,
     ArrivalMsg,
     DestinationMsg,
+    HeartbeatAck,
     LayoutInfo,
     StageFailedMsg,
 )
+from pipelines.notices import check_accounting, check_sender, first_mismatch
 from pipelines.pairing import PairingCache, pairing_report
+from pipelines.peercache import MAX_PEERS, PeerCache, new_incarnation
 from pipelines.planning import validate_pages_for_layout
+from pipelines.states import (
+    TRANSITIONS,
+    HandoffState,
+    ReleaseState,
+    StageState,
+    advance,
+)
 
 log = logging.getLogger(__name__)
 I64 = npt.NDArray[np.int64]
@@ -67,18 +79,6 @@ HANDOFF_ID_PATTERN = (
     r"^(?:[A-Za-z0-9._:@-]{3,256}|[A-Za-z0-9_:@-][A-Za-z0-9._:@-]?|\.[A-Za-z0-9_:@-])$"
 )
 HandoffId = Annotated[str, Meta(min_length=1, max_length=256, pattern=HANDOFF_ID_PATTERN)]
-
-
-class HandoffState(StrEnum):
-    PENDING = "pending"
-    TRANSFERRING = "transferring"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    ABORTED = "aborted"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (HandoffState.COMPLETED, HandoffState.FAILED, HandoffState.ABORTED)
 
 
 class HandoffRequest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -110,7 +110,7 @@ class PrefillPeer(Protocol):
 class StageView(Struct, frozen=True):
     pp_rank: int
     peer: str
-    state: str  # "waiting", "arrived", "failed"
+    state: StageState
     bytes: int
 
 
@@ -122,6 +122,10 @@ class ErrorView(Struct, frozen=True, omit_defaults=True):
 
 
 class HandoffView(Struct, frozen=True, omit_defaults=True):
+    """A handoff as a router sees it. `state` is its outcome once terminal; `released` says
+    whether its destination pages and slot are free again (a router reschedules on the outcome,
+    an engine reuses the pages only once released)."""
+
     id: str
     state: HandoffState
     created_at: float
@@ -132,7 +136,11 @@ class HandoffView(Struct, frozen=True, omit_defaults=True):
     verify: bool
     bytes: int
     stages: list[StageView]
+    released: bool
     finished_at: float | None = None
+    released_at: float | None = None
+    # "passed", or "skipped: <why>" when verification was asked for and could not run.
+    verification: str | None = None
     error: ErrorView | None = None
     metadata: dict[str, Any] = {}
     timeline: list[Event] = []
@@ -169,9 +177,16 @@ class FencedPages(Struct, frozen=True):
 @dataclass
 class _Stage:
     peer: str
-    state: str = "waiting"
+    incarnation: str  # the prefill life this stage is bound to (from its layout)
+    layout: StageLayout
+    max_call_s: float  # the longest engine call its prefill declared
+    state: StageState = StageState.WAITING
     bytes: int = 0
     digests: dict[str, str] | None = None
+    delivered: bool = False  # its prefill service accepted the destination
+    # No write of this stage can land any more: it arrived, reported its own failure, or its
+    # prefill acknowledged an abort (or no longer has the handoff).
+    stopped: bool = False
 
 
 @dataclass
@@ -184,15 +199,17 @@ class DecodeHandoff:
     verify: bool
     stages: dict[int, _Stage]
     state: HandoffState = HandoffState.PENDING
+    release: ReleaseState = ReleaseState.HELD
     finished_at: float | None = None
+    released_at: float | None = None
+    verification: str | None = None
     error: ErrorView | None = None
     timeline: list[Event] = field(default_factory=list)
-    stopping: bool = False  # an abort or failure is quiescing the prefill side (never cleared)
-    aborting: bool = False  # an abort is in progress: it, not a failure, decides the outcome
-    quiesced: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
-    quiesce: asyncio.Task[None] | None = None  # the one task stopping the prefill side
-    done: asyncio.Event = field(default_factory=asyncio.Event)  # set on reaching a terminal state
+    quiesce: asyncio.Task[None] | None = None  # the one task that stops writers and releases
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # the outcome is known
+    released: asyncio.Event = field(default_factory=asyncio.Event)  # the pages are free
+    progress: asyncio.Event = field(default_factory=asyncio.Event)  # a stage stopped / hurry up
 
     @property
     def id(self) -> str:
@@ -216,7 +233,10 @@ class DecodeHandoff:
             stages=[
                 StageView(rank, s.peer, s.state, s.bytes) for rank, s in sorted(self.stages.items())
             ],
+            released=self.release == ReleaseState.RELEASED,
             finished_at=self.finished_at,
+            released_at=self.released_at,
+            verification=self.verification,
             error=self.error,
             metadata=self.request.metadata,
             timeline=list(self.timeline) if timeline else [],
@@ -238,13 +258,15 @@ class DecodePipeline:
         max_live: int = 256,
         default_deadline_s: float = 30.0,
         verify_default: bool = False,
-        quiesce_grace_s: float = 10.0,
+        max_grace_s: float = 60.0,
         history: int = 10000,
+        incarnation: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.layout = layout
         self.target = target
         self.url = url
+        self.incarnation = incarnation or new_incarnation()
         self._prefill = prefill
         self._bus = bus
         self._memory = memory
@@ -253,7 +275,8 @@ class DecodePipeline:
         self._max_live = max_live
         self._default_deadline_s = default_deadline_s
         self._verify_default = verify_default
-        self._grace_s = quiesce_grace_s
+        # The ceiling on any prefill's declared engine-call bound (see `_grace_s`).
+        self._max_grace_s = max_grace_s
         self._history = history
         self._clock = clock
         num_pages = min((e.num_items for e in layout.kv), default=0)
@@ -261,14 +284,17 @@ class DecodePipeline:
         self.leases = Leases(num_pages, num_slots)
         self.handoffs: dict[str, DecodeHandoff] = {}
         self._seq = 0
-        self._live = 0  # handoffs not yet terminal
-        self._layouts: dict[str, LayoutInfo] = {}
-        self._lost_peers: set[str] = set()
+        self._live = 0  # handoffs without an outcome yet
+        self._layouts: PeerCache[LayoutInfo] = PeerCache(MAX_PEERS)
+        self._lost_peers: PeerCache[float] = PeerCache(MAX_PEERS)  # url -> when declared lost
         self._covered: set[tuple[tuple[int, str, str], ...]] = set()
-        self._closing = False  # shutting down: one abort attempt per peer, no grace
         self._tasks: set[asyncio.Task[None]] = set()
         self._archive: HandoffArchive | None = None
+        # Restored handoffs whose pages an earlier life's prefill may still write, until when.
+        self._fenced_until: dict[str, float] = {}
         self._fence_timers: list[asyncio.TimerHandle] = []
+        # Told the peers of every new handoff (the heartbeats start watching them at once).
+        self.on_peers: Callable[[list[str]], None] = lambda peers: None
 
     # ----------------------------------------------------------------- router-facing
 
@@ -302,6 +328,7 @@ class DecodePipeline:
         self.leases.acquire(req.id, dst_pages, req.dst_slot if self.layout.state else None)
         now = self._clock()
         deadline_s = req.deadline_s or self._default_deadline_s
+        verify = self._verify_default if req.verify is None else req.verify
         self._seq += 1
         h = DecodeHandoff(
             request=req,
@@ -309,14 +336,21 @@ class DecodePipeline:
             dst_pages=dst_pages,
             created_at=now,
             deadline_at=now + deadline_s,
-            verify=self._verify_default if req.verify is None else req.verify,
-            stages={rank: _Stage(peer) for rank, (peer, _) in stages.items()},
+            verify=verify,
+            stages={
+                rank: _Stage(url, info.incarnation, layout, info.max_call_s)
+                for rank, (url, info, layout) in stages.items()
+            },
+            verification=(
+                "skipped: the decode pool is not host-readable"
+                if verify and self._memory is None
+                else None
+            ),
         )
         self.handoffs[req.id] = h
         self._live += 1
         self._evict()
-        loop = asyncio.get_running_loop()
-        h.timer = loop.call_later(deadline_s, self._expire, h)
+        h.timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, h)
         self._publish(
             h,
             HandoffCreated(
@@ -328,21 +362,27 @@ class DecodePipeline:
             ),
         )
         self._spawn(self._deliver(h))
+        self.on_peers(h.peers)
         return h.view(), True
 
     def get(self, handoff_id: str) -> HandoffView:
         h = self.handoffs.get(handoff_id)
         return h.view() if h is not None else self._archived(handoff_id)
 
-    async def wait(self, handoff_id: str, timeout_s: float) -> HandoffView:
-        """The handoff once terminal, or as it is after `timeout_s` (a router's long poll)."""
+    async def wait(
+        self, handoff_id: str, timeout_s: float, *, released: bool = False
+    ) -> HandoffView:
+        """The handoff once it has an outcome (or, with `released`, once its pages are free),
+        or as it is after `timeout_s` (a router's long poll). A handoff of an earlier life of
+        this service is answered from the archive as it was recorded."""
         if handoff_id not in self.handoffs:
-            return self._archived(handoff_id)  # archived handoffs are terminal
+            return self._archived(handoff_id)
         h = self._get(handoff_id)
-        if not h.state.terminal and timeout_s > 0:
+        event = h.released if released else h.done
+        if not event.is_set() and timeout_s > 0:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout_s):
-                    await h.done.wait()
+                    await event.wait()
         return h.view()
 
     def page(
@@ -361,33 +401,68 @@ class DecodePipeline:
         return HandoffPage(items=items, next_cursor=next_cursor)
 
     async def abort(self, handoff_id: str, reason: str = "aborted by request") -> HandoffView:
-        """Abort a live handoff; returns once no write of it can still land on decode pages."""
+        """Abort a handoff; returns once its pages are released (no write of it can land).
+
+        The outcome `aborted` is announced at once. On a failed handoff whose pages are not
+        released yet, this retries stopping its writers now and waits for the release instead
+        of refusing. A completed (or failed and released) handoff is a ConflictError, as is one
+        of an earlier life of this service that did not end aborted.
+        """
         h = self.handoffs.get(handoff_id)
-        view = h.view() if h is not None else self._archived(handoff_id)
-        if view.state == HandoffState.ABORTED:
-            return view
-        if h is None or h.state.terminal:
+        if h is None:
+            view = self._archived(handoff_id)
+            if view.state == HandoffState.ABORTED:
+                return view
             raise ConflictError(
                 f"handoff {handoff_id!r} is already {view.state.value}",
                 field="id",
                 state=view.state,
             )
-        h.aborting = True
-        # The quiesce runs as its own task: a caller that stops waiting (a timeout, a closed
-        # connection) must not cut it short and free the pages while a stage may still write.
-        await asyncio.shield(self._stop(h, reason))
+        if h.state == HandoffState.FAILED and h.release != ReleaseState.RELEASED:
+            h.progress.set()  # the quiesce retries unanswered peers now
+        elif h.state.terminal and h.state != HandoffState.ABORTED:
+            raise ConflictError(
+                f"handoff {handoff_id!r} is already {h.state.value}", field="id", state=h.state
+            )
+        elif not h.state.terminal:
+            self._finish(h, HandoffState.ABORTED)
+            self._publish(
+                h,
+                HandoffAborted(
+                    handoff_id=h.id, role=ROLE, reason=reason, metadata=h.request.metadata
+                ),
+            )
+        task = self._stop(h, reason)
+        if task is not None:
+            # Shielded: a caller that stops waiting (a timeout, a closed connection) must not cut
+            # the quiesce short and free the pages while a stage may still write.
+            await asyncio.shield(task)
         return h.view()
 
     # ----------------------------------------------------------------- peer-facing
 
     def arrived(self, msg: ArrivalMsg) -> None:
+        """Stage `msg.pp_rank` says every byte landed. Refused (changing nothing) unless it comes
+        from the stage's own prefill life to this decode life and accounts for exactly the bytes
+        this destination expects; a replay is a ConflictError."""
         h = self._get(msg.handoff_id)
         stage = self._stage(h, msg.pp_rank)
-        if h.state.terminal or h.stopping or stage.state != "waiting":
-            return  # late or repeated notice: terminal states never change
-        stage.state, stage.bytes, stage.digests = "arrived", msg.bytes, msg.digests
-        h.state = HandoffState.TRANSFERRING
-        arrived = sum(1 for s in h.stages.values() if s.state == "arrived")
+        self._check_sender(h, msg.pp_rank, stage, msg)
+        if stage.state == StageState.ARRIVED:
+            raise ConflictError(
+                f"stage {msg.pp_rank} of handoff {h.id!r} has already arrived (replay refused)",
+                field="pp_rank",
+                pp_rank=msg.pp_rank,
+            )
+        self._check_accounting(h, msg)
+        self._confirm_stopped(h, stage)  # its sender has finished writing either way
+        if h.state.terminal or stage.state.final:
+            return  # a late notice: an outcome never changes
+        stage.state = advance(stage.state, StageState.ARRIVED, f"handoff {h.id!r} stage")
+        stage.bytes, stage.digests = msg.bytes, msg.digests
+        if h.state == HandoffState.PENDING:
+            h.state = advance(h.state, HandoffState.TRANSFERRING, f"handoff {h.id!r}")
+        arrived = sum(1 for s in h.stages.values() if s.state == StageState.ARRIVED)
         self._publish(
             h,
             StageArrived(
@@ -400,46 +475,85 @@ class DecodePipeline:
             ),
         )
         if arrived == len(h.stages):
-            self._complete(h)
+            if h.verify and self._memory is not None:
+                self._spawn(self._verify_then_complete(h))  # digests off the event loop
+            else:
+                self._complete(h)
 
     def stage_failed(self, msg: StageFailedMsg) -> None:
+        """Stage `msg.pp_rank` failed and says no write of it can still land (from its own
+        prefill life only)."""
         h = self._get(msg.handoff_id)
         stage = self._stage(h, msg.pp_rank)
-        if h.state.terminal:
+        self._check_sender(h, msg.pp_rank, stage, msg)
+        self._confirm_stopped(h, stage)
+        if stage.state.final:
             return
-        stage.state = "failed"
+        stage.state = advance(stage.state, StageState.FAILED, f"handoff {h.id!r} stage")
         self._fail(h, msg.code, f"stage {msg.pp_rank}: {msg.reason}", msg.pp_rank, msg.context)
 
     def peer_lost(self, url: str, reason: str) -> list[str]:
-        """A prefill service went silent: fail every live handoff that waits on it."""
-        self._lost_peers.add(url)
-        self._layouts.pop(url, None)  # a restarted process registers memory at new addresses
-        victims = []
-        for h in list(self.handoffs.values()):
-            if h.state.terminal:
+        """A prefill service went silent or refuses connections: fail every handoff that waits
+        on one of its stages. Its writers are not confirmed stopped: their pages stay leased
+        until the bound passes (or the peer answers an abort after all)."""
+        self._lost_peers.put(url, self._clock())
+        self._layouts.pop(url)  # a restarted process registers memory at new addresses
+        return self._fail_peer_stages(url, f"prefill peer {url}", reason)
+
+    def peer_back(self, url: str) -> None:
+        self._lost_peers.pop(url)
+
+    def reconcile(self, url: str, ack: HeartbeatAck, sent: list[str]) -> list[str]:
+        """A heartbeat answer from prefill `url`: a stage bound to another life of it fails (the
+        process restarted), and a handoff listed in `sent` (delivered before the ping) that the
+        peer no longer runs fails at once. Returns the failed handoff ids."""
+        victims = set(
+            self._fail_peer_stages(
+                url,
+                f"prefill peer {url}",
+                f"restarted (incarnation {ack.incarnation})",
+                only=lambda s: s.incarnation != ack.incarnation,
+            )
+        )
+        theirs = set(ack.live)
+        for hid in sent:
+            h = self.handoffs.get(hid)
+            if h is None or hid in theirs:
                 continue
-            ranks = [r for r, s in h.stages.items() if s.peer == url and s.state == "waiting"]
-            if ranks:
-                victims.append(h.id)
+            gone = [
+                r
+                for r, s in h.stages.items()
+                if s.peer == url and s.delivered and s.incarnation == ack.incarnation
+            ]
+            for r in gone:
+                # The peer ended its work on it: its task drained before it forgot the handoff.
+                self._confirm_stopped(h, h.stages[r])
+            waiting = [r for r in gone if not h.stages[r].state.final]
+            if waiting and not h.state.terminal:
+                victims.add(hid)
+                self._mark_failed(h, waiting)
                 self._fail(
                     h,
                     PeerUnreachable.code,
-                    f"prefill peer {url} (stage{'s' if len(ranks) > 1 else ''} "
-                    f"{', '.join(map(str, ranks))}) {reason}",
-                    ranks[0],
+                    f"prefill peer {url} (stage{'s' if len(waiting) > 1 else ''} "
+                    f"{', '.join(map(str, waiting))}) no longer has this handoff",
+                    waiting[0],
                     {"peer": url},
                 )
-        return victims
-
-    def peer_back(self, url: str) -> None:
-        self._lost_peers.discard(url)
+        return sorted(victims)
 
     def live_by_prefill(self) -> dict[str, list[str]]:
+        """Whom the heartbeats must ping (every prefill with an unreleased handoff) and, per
+        peer, the handoffs it has accepted the destination of (what the answer is checked
+        against)."""
         out: dict[str, list[str]] = {}
         for h in self.handoffs.values():
-            if not h.state.terminal or not h.quiesced.is_set():
-                for peer in h.peers:
-                    out.setdefault(peer, []).append(h.id)
+            if h.release == ReleaseState.RELEASED:
+                continue
+            for peer in h.peers:
+                ids = out.setdefault(peer, [])
+                if all(s.delivered for s in h.stages.values() if s.peer == peer):
+                    ids.append(h.id)
         return out
 
     def adopt(self, archive: HandoffArchive, fenced: Iterable[FencedPages]) -> None:
@@ -449,6 +563,7 @@ class DecodePipeline:
         self._archive = archive
         loop = asyncio.get_running_loop()
         for f in fenced:
+            self._fenced_until[f.handoff_id] = f.release_at
             delay = f.release_at - self._clock()
             if delay <= 0:
                 continue
@@ -462,10 +577,18 @@ class DecodePipeline:
                 continue
             self._fence_timers.append(loop.call_later(delay, self.leases.release, f.handoff_id))
 
+    def live_with(self, url: str) -> list[str]:
+        """Every unreleased handoff with a stage on prefill `url` (a heartbeat answer)."""
+        return [
+            h.id
+            for h in self.handoffs.values()
+            if h.release != ReleaseState.RELEASED and any(s.peer == url for s in h.stages.values())
+        ]
+
     async def close(self) -> None:
-        """Abort every live handoff (so no prefill stage keeps writing into pages this service
-        is about to release), then stop the background tasks."""
-        self._closing = True
+        """Abort every live handoff and wait until every handoff's pages are released — never
+        sooner, so no prefill stage can write into pages this service gives back — then stop
+        the remaining background tasks."""
         live = [h.id for h in self.handoffs.values() if not h.state.terminal]
         outcomes = await asyncio.gather(
             *(self.abort(hid, "decode service shutting down") for hid in live),
@@ -474,11 +597,26 @@ class DecodePipeline:
         for hid, outcome in zip(live, outcomes):
             if isinstance(outcome, BaseException):
                 log.warning("abort of %s on shutdown failed: %r", hid, outcome)
+        quiescing = [h.quiesce for h in self.handoffs.values() if h.quiesce is not None]
+        await asyncio.gather(*quiescing, return_exceptions=True)
         for task in list(self._tasks):
-            task.cancel()
+            if task not in quiescing:
+                task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for timer in self._fence_timers:
             timer.cancel()
+
+    # ----------------------------------------------------------------- checks
+
+    def _check_sender(
+        self, h: DecodeHandoff, rank: int, stage: _Stage, msg: ArrivalMsg | StageFailedMsg
+    ) -> None:
+        check_sender(h.id, rank, stage.peer, stage.incarnation, self.incarnation, msg)
+        stage.max_call_s = max(stage.max_call_s, msg.max_call_s)
+
+    def _check_accounting(self, h: DecodeHandoff, msg: ArrivalMsg) -> None:
+        pairing = self.cache.get(h.stages[msg.pp_rank].layout, self.layout)
+        check_accounting(pairing, h.dst_pages, h.request.dst_slot, msg)
 
     # ----------------------------------------------------------------- internals
 
@@ -500,7 +638,14 @@ class DecodePipeline:
         old = self._archive.find(handoff_id) if self._archive is not None else None
         if old is None:
             raise NotFoundError(f"no handoff {handoff_id!r}", field="id")
-        return old.view
+        view = old.view
+        if not view.released:
+            # Recorded before its release: released once the fence of the restart has passed
+            # (or at once when it was not fenced: its bound had passed before this life began).
+            until = self._fenced_until.get(handoff_id)
+            if until is None or self._clock() >= until:
+                view = msgspec.structs.replace(view, released=True, released_at=until)
+        return view
 
     def _get(self, handoff_id: str) -> DecodeHandoff:
         h = self.handoffs.get(handoff_id)
@@ -516,10 +661,10 @@ class DecodePipeline:
             )
         return stage
 
-    async def _stages_of(self, urls: list[str]) -> dict[int, tuple[str, StageLayout]]:
+    async def _stages_of(self, urls: list[str]) -> dict[int, tuple[str, LayoutInfo, StageLayout]]:
         """Fetch (cached) layouts of the prefill peers, check they form one PP instance and
         pair with this decode layout. Raises before anything is leased or sent."""
-        stages: dict[int, tuple[str, StageLayout]] = {}
+        stages: dict[int, tuple[str, LayoutInfo, StageLayout]] = {}
         index: dict[str, int] = {}  # each URL once, with the position it is first named at
         for i, url in enumerate(urls):
             index.setdefault(url, i)
@@ -531,9 +676,17 @@ class DecodePipeline:
                 except KVHandoffError as exc:
                     exc.context.setdefault("field", f"prefill[{i}]")
                     raise
-                self._layouts[url] = info
+                self._layouts.put(url, info)
+                self._lost_peers.pop(url)  # it answered: no longer lost
             if info.role != "prefill":
                 raise InvalidInput(f"{url} is a {info.role} service", field=f"prefill[{i}]")
+            if info.max_call_s > self._max_grace_s:
+                raise InvalidInput(
+                    f"{url} declares engine calls of up to {info.max_call_s:g} s, more than this "
+                    f"decode waits for a silent writer (handoff.max_grace_s = "
+                    f"{self._max_grace_s:g})",
+                    field=f"prefill[{i}]",
+                )
             for st in info.stages:
                 rank = st.layout.pp_rank
                 if rank in stages:
@@ -542,8 +695,8 @@ class DecodePipeline:
                         field=f"prefill[{i}]",
                         pp_rank=rank,
                     )
-                stages[rank] = (url, st.layout)
-        sizes = {layout.pp_size for _, layout in stages.values()}
+                stages[rank] = (url, info, st.layout)
+        sizes = {layout.pp_size for _, _, layout in stages.values()}
         if len(sizes) != 1 or sorted(stages) != list(range(next(iter(sizes)))):
             size = max(sizes) if sizes else 0
             missing = sorted(set(range(size)) - set(stages))
@@ -553,9 +706,9 @@ class DecodePipeline:
                 field="prefill",
                 pp_rank=missing[0] if missing else None,
             )
-        for _, layout in stages.values():
+        for _, _, layout in stages.values():
             self.cache.get(layout, self.layout)  # PairingError names layer, group or kind
-        self._check_coverage([layout for _, layout in stages.values()])
+        self._check_coverage([layout for _, _, layout in stages.values()])
         return stages
 
     def _check_coverage(self, layouts: list[StageLayout]) -> None:
@@ -574,10 +727,11 @@ class DecodePipeline:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _stop(self, h: DecodeHandoff, reason: str) -> asyncio.Task[None]:
-        """The one quiesce of `h` (started on the first abort or failure)."""
-        if h.quiesce is None:
-            h.stopping = True
+    def _stop(self, h: DecodeHandoff, reason: str) -> asyncio.Task[None] | None:
+        """The one quiesce of `h` (started with its first failure or abort; none once it is
+        released)."""
+        if h.quiesce is None and h.release == ReleaseState.HELD:
+            h.release = advance(h.release, ReleaseState.RELEASING, f"handoff {h.id!r} lease")
             h.quiesce = self._spawn(self._quiesce(h, reason))
         return h.quiesce
 
@@ -587,21 +741,28 @@ class DecodePipeline:
             by_peer.setdefault(st.peer, []).append(rank)
 
         async def one(peer: str, ranks: list[int]) -> None:
-            await self._prefill.deliver(
-                peer,
-                DestinationMsg(
-                    handoff_id=h.id,
-                    decode_url=self.url,
-                    decode_target=self.target,
-                    decode_fingerprint=self.layout.fingerprint,
-                    decode_address_key=self.layout.address_key,
-                    pp_ranks=sorted(ranks),
-                    dst_pages=h.request.dst_pages,
-                    dst_slot=h.request.dst_slot,
-                    deadline_at=h.deadline_at,
-                    verify=h.verify,
-                ),
+            msg = DestinationMsg(
+                handoff_id=h.id,
+                decode_url=self.url,
+                decode_incarnation=self.incarnation,
+                prefill_incarnation=h.stages[ranks[0]].incarnation,
+                decode_target=self.target,
+                decode_fingerprint=self.layout.fingerprint,
+                decode_address_key=self.layout.address_key,
+                pp_ranks=sorted(ranks),
+                dst_pages=h.request.dst_pages,
+                dst_slot=h.request.dst_slot,
+                deadline_in_s=max(0.0, h.deadline_at - self._clock()),
+                verify=h.verify,
             )
+            try:
+                await self._prefill.deliver(peer, msg)
+            except KVHandoffError as exc:
+                exc.context.setdefault("peer", peer)
+                exc.context.setdefault("pp_ranks", sorted(ranks))
+                raise
+            for rank in ranks:
+                h.stages[rank].delivered = True
 
         failure: KVHandoffError | None = None
         try:
@@ -611,43 +772,42 @@ class DecodePipeline:
         except* KVHandoffError as group:
             failure = group.exceptions[0]  # type: ignore[assignment]
         if failure is not None:
-            # The peer may have restarted with other stages: fetch its layout afresh next time.
-            for peer in by_peer:
-                self._layouts.pop(peer, None)
+            peer = str(failure.context.get("peer"))
+            ranks = sorted(by_peer.get(peer, []))
+            # The peer may have restarted with other stages: fetch its layouts afresh next time.
+            for url in by_peer:
+                self._layouts.pop(url)
+            self._mark_failed(h, ranks)
             self._fail(
                 h,
                 failure.code,
-                f"delivering the destination failed: {failure.message}",
-                None,
+                f"delivering the destination to {peer} (stage{'s' if len(ranks) > 1 else ''} "
+                f"{', '.join(map(str, ranks))}) failed: {failure.message}",
+                ranks[0] if ranks else None,
                 failure.context,
             )
         elif h.state == HandoffState.PENDING:
-            h.state = HandoffState.TRANSFERRING
+            h.state = advance(h.state, HandoffState.TRANSFERRING, f"handoff {h.id!r}")
 
-    def _complete(self, h: DecodeHandoff) -> None:
-        verified = False
-        if h.verify and self._memory is not None:
-            mismatch = self._verify(h)
-            if mismatch is not None:
-                key, rank = mismatch
-                _, layer, which = key.split(":", 2)
-                ctx: dict[str, Any] = {"layer_id": int(layer)}
-                ctx["kind" if key.startswith("state") else "group"] = (
-                    which if key.startswith("state") else int(which)
-                )
-                self._fail(
-                    h,
-                    "verification_failed",
-                    f"bytes landed for {key.replace(':', ' ', 1)} differ from what stage {rank} "
-                    "sent",
-                    rank,
-                    ctx,
-                )
-                return
-            verified = True
+    async def _verify_then_complete(self, h: DecodeHandoff) -> None:
+        problem = await asyncio.to_thread(self._verify, h)
+        if h.state.terminal:
+            return  # a deadline or an abort came first
+        if problem is not None:
+            reason, rank, ctx = problem
+            self._mark_failed(h, [rank])
+            self._fail(h, "verification_failed", reason, rank, ctx)
+            return
+        h.verification = "passed"
+        self._complete(h, verified=True)
+
+    def _verify(self, h: DecodeHandoff) -> tuple[str, int, dict[str, Any]] | None:
+        assert self._memory is not None
+        digests = {rank: st.digests for rank, st in h.stages.items()}
+        return first_mismatch(self.layout, self._memory, digests, h.dst_pages, h.request.dst_slot)
+
+    def _complete(self, h: DecodeHandoff, *, verified: bool = False) -> None:
         self._finish(h, HandoffState.COMPLETED)
-        self.leases.release(h.id)  # every stage arrived: nothing of it can still land
-        h.quiesced.set()
         self._publish(
             h,
             HandoffCompleted(
@@ -659,27 +819,38 @@ class DecodePipeline:
                 metadata=h.request.metadata,
             ),
         )
-
-    def _verify(self, h: DecodeHandoff) -> tuple[str, int] | None:
-        assert self._memory is not None
-        for rank, st in sorted(h.stages.items()):
-            if st.digests is None:
-                return (f"stage:{rank}:digests", rank)
-            landed = destination_digests(
-                self.layout, self._memory, set(st.digests), h.dst_pages, h.request.dst_slot
-            )
-            for key, digest in sorted(st.digests.items()):
-                if landed.get(key) != digest:
-                    return key, rank
-        return None
+        self._release(h, confirmed=True)  # every stage arrived: nothing of it can still land
 
     def _finish(self, h: DecodeHandoff, state: HandoffState) -> None:
-        h.state = state
+        """Record the outcome (once: the table refuses a second)."""
+        h.state = advance(h.state, state, f"handoff {h.id!r}")
         h.finished_at = self._clock()
         h.done.set()
         self._live -= 1
         if h.timer is not None:
             h.timer.cancel()
+
+    def _release(self, h: DecodeHandoff, *, confirmed: bool) -> None:
+        """The one place a lease is given back: after the outcome, once no write can land."""
+        assert h.state.terminal, "a lease is released only after the outcome"
+        h.release = advance(h.release, ReleaseState.RELEASED, f"handoff {h.id!r} lease")
+        self.leases.release(h.id)
+        h.released_at = self._clock()
+        for st in h.stages.values():
+            if not st.state.final:
+                st.state = advance(st.state, StageState.STOPPED, f"handoff {h.id!r} stage")
+        h.released.set()
+        self._publish(
+            h,
+            HandoffReleased(
+                handoff_id=h.id,
+                role=ROLE,
+                outcome=h.state.value,
+                confirmed=confirmed,
+                seconds_after_outcome=h.released_at - (h.finished_at or h.released_at),
+                metadata=h.request.metadata,
+            ),
+        )
 
     def _fail(
         self,
@@ -689,8 +860,8 @@ class DecodePipeline:
         pp_rank: int | None,
         context: dict[str, Any],
     ) -> None:
-        if h.state.terminal or h.aborting:
-            return  # e.g. a destination refused because the abort reached the prefill first
+        if h.state.terminal:
+            return  # the first outcome stands (e.g. an abort that reached the prefill first)
         self._finish(h, HandoffState.FAILED)
         h.error = ErrorView(code=code, reason=reason, pp_rank=pp_rank, context=context)
         self._publish(
@@ -707,10 +878,54 @@ class DecodePipeline:
         )
         self._stop(h, f"handoff failed: {reason}")
 
+    def _mark_failed(self, h: DecodeHandoff, ranks: list[int]) -> None:
+        for r in ranks:
+            st = h.stages[r]
+            if st.state != StageState.FAILED and StageState.FAILED in TRANSITIONS[st.state]:
+                st.state = advance(st.state, StageState.FAILED, f"handoff {h.id!r} stage {r}")
+
+    def _confirm_stopped(self, h: DecodeHandoff, stage: _Stage) -> None:
+        if not stage.stopped:
+            stage.stopped = True
+            h.progress.set()
+
+    def _fail_peer_stages(
+        self,
+        url: str,
+        who: str,
+        reason: str,
+        only: Callable[[_Stage], bool] = lambda s: True,
+    ) -> list[str]:
+        victims = []
+        for h in list(self.handoffs.values()):
+            if h.release == ReleaseState.RELEASED:
+                continue
+            ranks = [
+                r
+                for r, s in sorted(h.stages.items())
+                if s.peer == url and not s.state.final and only(s)
+            ]
+            if not ranks:
+                continue
+            h.progress.set()  # a quiesce retrying this peer reconsiders now
+            self._mark_failed(h, ranks)
+            if not h.state.terminal:
+                victims.append(h.id)
+                self._fail(
+                    h,
+                    PeerUnreachable.code,
+                    f"{who} (stage{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}) "
+                    f"{reason}",
+                    ranks[0],
+                    {"peer": url},
+                )
+        return victims
+
     def _expire(self, h: DecodeHandoff) -> None:
-        if not h.state.terminal and not h.stopping:
+        if not h.state.terminal:
             err = DeadlineExceeded("")
-            waiting = sorted(r for r, s in h.stages.items() if s.state == "waiting")
+            waiting = sorted(r for r, s in h.stages.items() if not s.state.final)
+            self._mark_failed(h, waiting)
             self._fail(
                 h,
                 err.code,
@@ -720,68 +935,81 @@ class DecodePipeline:
                 {},
             )
 
-    async def _quiesce(self, h: DecodeHandoff, reason: str) -> None:
-        """Stop every prefill stage of `h` that may still write, then release its lease, and
-        end an aborted handoff as `aborted`.
+    def _grace_s(self, h: DecodeHandoff) -> float:
+        """How long after the deadline an unconfirmed writer may still write: the longest
+        engine call its prefill declared (none declared: the ceiling), at most the ceiling."""
+        declared = [s.max_call_s for s in h.stages.values() if not s.stopped]
+        longest = max(declared, default=0.0)
+        return self._max_grace_s if longest <= 0 else min(longest, self._max_grace_s)
 
-        A peer that cannot be reached is retried until it answers, is declared lost by the
-        heartbeat task, or the deadline plus the grace period has passed. Without its answer,
-        the lease is kept until then anyway: a prefill process the heartbeats cannot hear (a
-        stalled event loop, a partitioned control network beside a working RDMA one) may still
-        be writing; but its transport starts no batch after the deadline, and a started one
-        ends within the engine's timeout, which `quiesce_grace_s` covers.
+    async def _quiesce(self, h: DecodeHandoff, reason: str) -> None:
+        """Stop every prefill stage of `h` that may still write, then release its lease.
+
+        A peer that cannot be reached is retried (at once when `abort` hurries it) until it
+        answers, is declared lost, or the bound passed. Without its answer the lease is kept
+        until the bound: the deadline (after which no prefill batch starts: the prefill measures
+        the deadline as a remaining duration from its receipt, so its own comes no later) plus
+        the longest engine call the prefill declared. A process the heartbeats cannot hear (a
+        stalled loop, a partitioned control network beside a working data one) may still write
+        until then. Cancelled (the event loop ends), the lease is never released.
         """
-        give_up = max(h.deadline_at, self._clock()) + self._grace_s
-        unconfirmed = False
+        give_up = max(h.deadline_at, self._clock()) + self._grace_s(h)
 
         async def stop(peer: str) -> None:
-            nonlocal unconfirmed
             delay = 0.05
-            while True:
+            while not all(s.stopped for s in h.stages.values() if s.peer == peer):
                 try:
-                    await self._prefill.abort(peer, AbortMsg(handoff_id=h.id, reason=reason))
+                    # Past the bound the pages are free whatever the peer says: stop waiting.
+                    async with asyncio.timeout(max(0.0, give_up - self._clock())):
+                        ack = await self._prefill.abort(
+                            peer,
+                            AbortMsg(
+                                handoff_id=h.id, reason=reason, decode_incarnation=self.incarnation
+                            ),
+                        )
+                except TimeoutError:
+                    log.warning("handoff %s: %s did not answer the abort by the bound", h.id, peer)
                     return
                 except KVHandoffError as exc:
-                    if peer in self._lost_peers or self._clock() >= give_up or self._closing:
+                    if peer in self._lost_peers or self._clock() >= give_up:
                         log.warning("handoff %s: not waiting for %s any more: %s", h.id, peer, exc)
-                        unconfirmed = True
                         return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                    h.progress.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(delay):
+                            await h.progress.wait()
+                    delay = min(delay * 2, 1.0)
+                    continue
+                for st in h.stages.values():
+                    if st.peer == peer and st.incarnation == ack.incarnation:
+                        st.max_call_s = max(st.max_call_s, ack.max_call_s)
+                        self._confirm_stopped(h, st)
+                if not all(s.stopped for s in h.stages.values() if s.peer == peer):
+                    return  # another life answered: the old one is not confirmed stopped
 
-        try:
-            peers = [
-                p
-                for p in h.peers
-                if any(s.peer == p and s.state == "waiting" for s in h.stages.values())
-            ]
-            await asyncio.gather(*(stop(p) for p in peers))
-            if unconfirmed and not self._closing:
-                await asyncio.sleep(max(0.0, give_up - self._clock()))
-        finally:
-            self.leases.release(h.id)
-            h.quiesced.set()
-            if h.aborting and not h.state.terminal:
-                self._finish(h, HandoffState.ABORTED)
-                self._publish(
-                    h,
-                    HandoffAborted(
-                        handoff_id=h.id, role=ROLE, reason=reason, metadata=h.request.metadata
-                    ),
-                )
+        await asyncio.gather(*(stop(p) for p in h.peers))
+        while not all(s.stopped for s in h.stages.values()):
+            left = give_up - self._clock()
+            if left <= 0:
+                break
+            h.progress.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await h.progress.wait()
+        self._release(h, confirmed=all(s.stopped for s in h.stages.values()))
 
     def _publish(self, h: DecodeHandoff, event: Event) -> None:
         h.timeline.append(self._bus.publish(event))
 
     def _evict(self) -> None:
-        """Forget the oldest finished handoffs beyond the history limit."""
+        """Forget the oldest released handoffs beyond the history limit."""
         excess = len(self.handoffs) - self._history
         if excess > 0:
             # islice: stop at the few needed (dicts keep creation order, oldest first).
-            for handoff_id in list(itertools.islice(self._oldest_finished(), excess)):
+            for handoff_id in list(itertools.islice(self._oldest_released(), excess)):
                 del self.handoffs[handoff_id]
 
-    def _oldest_finished(self) -> Iterator[str]:
+    def _oldest_released(self) -> Iterator[str]:
         for h in self.handoffs.values():
-            if h.state.terminal and h.quiesced.is_set():
+            if h.release == ReleaseState.RELEASED:
                 yield h.id

@@ -90,6 +90,18 @@ class HandoffAborted(_Event, frozen=True, tag="handoff.aborted"):
     metadata: dict[str, Any] = {}
 
 
+class HandoffReleased(_Event, frozen=True, tag="handoff.released"):
+    """The destination pages and slot are free: no write of this handoff can land any more.
+    Follows every terminal event; an engine reuses the pages only after this."""
+
+    outcome: str  # the terminal state it follows
+    # True: every writer confirmed it stopped; False: the proven bound (deadline plus the
+    # longest engine call the prefill declared) passed without a confirmation.
+    confirmed: bool
+    seconds_after_outcome: float
+    metadata: dict[str, Any] = {}
+
+
 Event = (
     HandoffCreated
     | StageReady
@@ -100,6 +112,7 @@ Event = (
     | HandoffCompleted
     | HandoffFailed
     | HandoffAborted
+    | HandoffReleased
 )
 TERMINAL_EVENTS = (HandoffCompleted, HandoffFailed, HandoffAborted)
 

@@ -31,6 +31,8 @@ class InProcessLink:
         self.prefill: dict[str, tuple[PrefillPipeline, str]] = {}  # url -> (pipeline, target)
 
     def add_prefill(self, url: str, pipeline: PrefillPipeline, target: str) -> None:
+        """Link `pipeline` under `url` (which becomes the sender URL of its notices)."""
+        pipeline.url = url
         self.prefill[url] = (pipeline, target)
 
     def _prefill(self, url: str) -> tuple[PrefillPipeline, str]:
@@ -52,14 +54,20 @@ class InProcessLink:
             for _, s in sorted(pipeline.stages.items())
         ]
         return LayoutInfo(
-            version=PEER_PROTOCOL_VERSION, role="prefill", url=url, target=target, stages=stages
+            version=PEER_PROTOCOL_VERSION,
+            role="prefill",
+            url=url,
+            target=target,
+            stages=stages,
+            incarnation=pipeline.incarnation,
+            max_call_s=pipeline.max_call_s,
         )
 
     async def deliver(self, url: str, msg: DestinationMsg) -> None:
         self._prefill(url)[0].deliver(msg)
 
     async def abort(self, url: str, msg: AbortMsg) -> AbortAck:
-        return await self._prefill(url)[0].abort(msg.handoff_id, msg.reason)
+        return await self._prefill(url)[0].abort(msg.handoff_id, msg.reason, msg.decode_incarnation)
 
     # prefill -> decode
     async def decode_layout(self, dest: DestinationMsg) -> StageLayout:

@@ -4,6 +4,14 @@ Each message carries `version` (PEER_PROTOCOL_VERSION); a receiver rejects a maj
 not speak instead of guessing. Change history:
 
 - v1: layout exchange, destination delivery, arrival and failure notices, abort, heartbeat.
+- v2: incarnations (`LayoutInfo.incarnation`; every message names its sender's incarnation and,
+  where it has one, the addressee's; a message for another incarnation is refused); a
+  destination's deadline travels as a remaining duration (`deadline_in_s`, measured on receipt)
+  instead of a wall-clock instant; each prefill declares `max_call_s`, the longest one of its
+  engine calls can still write (in its layout, arrivals, failures and abort acks), which bounds
+  the decode's grace; arrivals and failures name their sender (`sender_url`); heartbeat acks
+  carry the receiver's incarnation and live handoff ids, so each side fails at once a handoff its
+  peer no longer has.
 """
 
 from __future__ import annotations
@@ -14,9 +22,12 @@ from msgspec import Meta, Struct
 
 from pipelines.layout import StageLayout
 
-PEER_PROTOCOL_VERSION = 1
+PEER_PROTOCOL_VERSION = 2
 
 NonNeg = Annotated[int, Meta(ge=0)]
+Seconds = Annotated[float, Meta(ge=0)]
+#: A random id a service draws at start: messages of an earlier (or later) life are refused.
+Incarnation = Annotated[str, Meta(min_length=1, max_length=64)]
 Pages = list[NonNeg]
 
 
@@ -42,6 +53,9 @@ class LayoutInfo(Struct, frozen=True):
     url: str  # the service's public URL
     target: str  # the transport's target name (Mooncake: host:rpc_port)
     stages: list[StageInfo]
+    incarnation: Incarnation
+    # Prefill: the longest one engine call of this process can still write once started.
+    max_call_s: Seconds = 0.0
 
 
 class DestinationMsg(Struct, frozen=True, kw_only=True):
@@ -50,6 +64,8 @@ class DestinationMsg(Struct, frozen=True, kw_only=True):
     version: int = PEER_PROTOCOL_VERSION
     handoff_id: str
     decode_url: str
+    decode_incarnation: Incarnation  # the decode life that leased the pages
+    prefill_incarnation: Incarnation  # the prefill life the decode bound these stages to
     decode_target: str
     decode_fingerprint: str
     # With the fingerprint, identifies the registered decode memory: a decode process restarted
@@ -58,7 +74,9 @@ class DestinationMsg(Struct, frozen=True, kw_only=True):
     pp_ranks: list[NonNeg]  # the stages of the receiving process this handoff expects
     dst_pages: Pages
     dst_slot: NonNeg | None = None
-    deadline_at: float  # unix seconds
+    # Seconds left until the handoff's deadline when the decode sent this; the receiver adds it
+    # to its own monotonic clock on receipt (transit only shortens it: no clocks to agree on).
+    deadline_in_s: Seconds
     verify: bool = False
 
 
@@ -67,6 +85,10 @@ class ArrivalMsg(Struct, frozen=True, kw_only=True):
 
     version: int = PEER_PROTOCOL_VERSION
     handoff_id: str
+    sender_url: str  # the prefill service that hosts the stage
+    sender_incarnation: Incarnation
+    decode_incarnation: Incarnation  # the addressee's life, from the destination
+    max_call_s: Seconds = 0.0
     pp_rank: NonNeg
     bytes: NonNeg
     blocks: NonNeg
@@ -79,6 +101,10 @@ class StageFailedMsg(Struct, frozen=True, kw_only=True):
 
     version: int = PEER_PROTOCOL_VERSION
     handoff_id: str
+    sender_url: str
+    sender_incarnation: Incarnation
+    decode_incarnation: Incarnation
+    max_call_s: Seconds = 0.0
     pp_rank: NonNeg
     code: str
     reason: str
@@ -91,6 +117,7 @@ class AbortMsg(Struct, frozen=True, kw_only=True):
     version: int = PEER_PROTOCOL_VERSION
     handoff_id: str
     reason: str
+    decode_incarnation: Incarnation  # an abort from another decode life is refused
 
 
 class AbortAck(Struct, frozen=True, kw_only=True):
@@ -98,6 +125,8 @@ class AbortAck(Struct, frozen=True, kw_only=True):
     handoff_id: str
     quiesced: bool
     stages: list[int]  # the stages that were still running and were stopped
+    incarnation: Incarnation  # the answering prefill's
+    max_call_s: Seconds = 0.0
 
 
 class HeartbeatMsg(Struct, frozen=True, kw_only=True):
@@ -105,11 +134,17 @@ class HeartbeatMsg(Struct, frozen=True, kw_only=True):
 
     version: int = PEER_PROTOCOL_VERSION
     sender_url: str
+    sender_incarnation: Incarnation
     role: str
     live: list[str] = []  # handoff ids the sender still runs with the receiver
 
 
 class HeartbeatAck(Struct, frozen=True, kw_only=True):
+    """The receiver's life and the handoffs it still runs with the sender: what the sender
+    reconciles against (a handoff it runs that the receiver no longer has fails at once)."""
+
     version: int = PEER_PROTOCOL_VERSION
     role: str
     url: str
+    incarnation: Incarnation
+    live: list[str] = []

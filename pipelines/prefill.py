@@ -1,16 +1,18 @@
 """The prefill side of a handoff: per-stage pipelines from stage completion to landed bytes.
 
 Called by the service's engine-facing route (`ready`), its peer routes (`deliver`, `abort`) and
-its heartbeat task (`peer_lost`). For each handoff, one `asyncio.TaskGroup` runs, per PP stage
-hosted here, three tasks joined by bounded queues:
+its heartbeat task (`peer_lost`, `reconcile`). For each handoff, one `asyncio.TaskGroup` runs,
+per PP stage hosted here, three tasks joined by bounded queues:
 
     emit (ready signals -> layer-tagged KV / state chunks)
       -> pair (chunks -> validated transfer plans, pairing cached per layout pair)
       -> send (plans -> bounded concurrent batch writes) -> arrival notice to the decode side
 
-A failing stage cancels its siblings. Cancellation (abort, deadline, lost peer) never abandons a
-batch the engine is still writing: senders drain their in-flight writes before re-raising, so
-"quiesced" really means no write of this handoff can still land.
+A failing stage cancels its siblings and names itself (its rank) in the failure it reports.
+Cancellation (abort, deadline, lost peer) never abandons a batch the engine is still writing:
+senders drain their in-flight writes before re-raising, so "quiesced" really means no write of
+this handoff can still land. A destination is bound to the decode life that issued it and to this
+prefill's life; its deadline is measured from its receipt on this host's monotonic clock.
 """
 
 from __future__ import annotations
@@ -46,9 +48,17 @@ from pipelines.events import (
 )
 from pipelines.layout import StageLayout
 from pipelines.memory import EntryMemory, source_digests
-from pipelines.messages import AbortAck, ArrivalMsg, DestinationMsg, StageFailedMsg
+from pipelines.messages import (
+    AbortAck,
+    ArrivalMsg,
+    DestinationMsg,
+    HeartbeatAck,
+    StageFailedMsg,
+)
 from pipelines.pairing import Pairing, PairingCache
+from pipelines.peercache import new_incarnation
 from pipelines.planning import TransferPlan, plan, validate_pages_for_layout, validate_request
+from pipelines.states import StageState, advance
 from transport.blocks import Blocks
 
 log = logging.getLogger(__name__)
@@ -62,6 +72,11 @@ class BlockWriter(Protocol):
     async def write(self, peer: str, blocks: Blocks, *, start_by: float | None = None) -> None: ...
 
     async def quiesce(self, peer: str | None = None) -> None: ...
+
+    @property
+    def max_call_s(self) -> float:
+        """The longest one engine call can still write once started."""
+        ...
 
 
 class DecodePeer(Protocol):
@@ -122,9 +137,27 @@ class PrefillHandoff:
     inputs: dict[int, _StageInput] = field(default_factory=dict)
     # Set when a stage's first ready signal (which carries its source pages) arrives.
     input_seen: dict[int, asyncio.Event] = field(default_factory=dict)
-    stage_state: dict[int, str] = field(default_factory=dict)
+    stage_state: dict[int, StageState] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
     bytes_sent: int = 0
+    # The deadline on this host's monotonic clock, measured when the destination arrived.
+    deadline_mono: float | None = None
+
+    def set_stage(self, rank: int, state: StageState) -> None:
+        current = self.stage_state.get(rank, StageState.WAITING)
+        self.stage_state[rank] = advance(
+            current, state, f"handoff {self.handoff_id!r} stage {rank}"
+        )
+
+    def settled(self, ranks: list[int]) -> bool:
+        """Every stage of `ranks` has its bytes landed (its arrival notice may be on its way) or
+        has ended: none can still write."""
+        return all(
+            self.stage_state.get(r, StageState.WAITING)
+            in (StageState.NOTIFYING, StageState.ARRIVED)
+            or self.stage_state.get(r, StageState.WAITING).final
+            for r in ranks
+        )
 
     @property
     def decode_url(self) -> str | None:
@@ -143,6 +176,9 @@ class PrefillPipeline:
         decode: DecodePeer,
         bus: EventBus,
         *,
+        url: str = "",
+        incarnation: str | None = None,
+        max_call_s: float | None = None,
         cache: PairingCache | None = None,
         default_deadline_s: float = 30.0,
         max_blocks_per_batch: int = 2048,
@@ -150,6 +186,12 @@ class PrefillPipeline:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.stages = dict(stages)
+        self.url = url  # this service's public URL: the sender of its notices
+        self.incarnation = incarnation or new_incarnation()
+        # The longest one engine call of this process can still write once started (the
+        # transport's bound): declared to the decode side, which waits that long past the
+        # deadline for a writer it cannot hear from.
+        self.max_call_s = writer.max_call_s if max_call_s is None else max_call_s
         self._writer = writer
         self._decode = decode
         self._bus = bus
@@ -162,6 +204,8 @@ class PrefillPipeline:
         # Recently finished ids, so a late or repeated signal is refused rather than waiting for
         # a destination that will never come.
         self._finished: OrderedDict[str, str] = OrderedDict()
+        # Told the decode service of every delivered destination (the heartbeats watch it).
+        self.on_peers: Callable[[list[str]], None] = lambda peers: None
 
     # ----------------------------------------------------------------- inputs
 
@@ -219,7 +263,8 @@ class PrefillPipeline:
                 )
             if src_slot is not None and src_slot != current.src_slot:
                 raise ConflictError(
-                    f"stage {pp_rank} of handoff {handoff_id!r} already reported another src_slot",
+                    f"stage {pp_rank} of handoff {handoff_id!r} already reported src_slot "
+                    f"{current.src_slot}",
                     field="src_slot",
                     pp_rank=pp_rank,
                 )
@@ -229,7 +274,8 @@ class PrefillPipeline:
         if current is None:
             current = _StageInput(pages, src_slot, asyncio.Queue(len(stage.layout.kv) + 64))
             h.inputs[pp_rank] = current
-            h.stage_state[pp_rank] = "ready"
+            if h.stage_state.get(pp_rank, StageState.WAITING) == StageState.WAITING:
+                h.set_stage(pp_rank, StageState.READY)
             h.input_seen.setdefault(pp_rank, asyncio.Event()).set()
         try:
             current.signals.put_nowait(ReadySignal(layer_set))
@@ -249,7 +295,14 @@ class PrefillPipeline:
         )
 
     def deliver(self, msg: DestinationMsg) -> None:
-        """The decode service says where this handoff's bytes go."""
+        """The decode service says where this handoff's bytes go. Refused (changing nothing)
+        when it was issued for another life of this service."""
+        if msg.prefill_incarnation != self.incarnation:
+            raise ConflictError(
+                f"the destination of {msg.handoff_id!r} was issued for prefill incarnation "
+                f"{msg.prefill_incarnation}, this is {self.incarnation} (did it restart?)",
+                field="prefill_incarnation",
+            )
         self._refuse_finished(msg.handoff_id)
         missing = [r for r in msg.pp_ranks if r not in self.stages]
         if missing:
@@ -265,21 +318,49 @@ class PrefillPipeline:
             raise ConflictError(
                 f"handoff {msg.handoff_id!r} already has another destination", field="handoff_id"
             )
+        h.deadline_mono = time.monotonic() + msg.deadline_in_s
         h.destination.set_result(msg)
+        self.on_peers([msg.decode_url])
 
-    async def abort(self, handoff_id: str, reason: str) -> AbortAck:
-        """Stop a handoff; returns once no write of it can still land."""
+    async def abort(
+        self, handoff_id: str, reason: str, decode_incarnation: str | None = None
+    ) -> AbortAck:
+        """Stop a handoff; returns once no write of it can still land. With
+        `decode_incarnation`, a handoff bound to another decode life is refused."""
         h = self.handoffs.get(handoff_id)
         if h is None:
             self._remember(handoff_id, "aborted")
-            return AbortAck(handoff_id=handoff_id, quiesced=True, stages=[])
-        running = [r for r, s in h.stage_state.items() if s not in ("arrived", "failed")]
+            return self._ack(handoff_id, [])
+        dest = h.destination.result() if h.destination.done() else None
+        if (
+            decode_incarnation is not None
+            and dest is not None
+            and dest.decode_incarnation != decode_incarnation
+        ):
+            raise ConflictError(
+                f"handoff {handoff_id!r} belongs to decode incarnation "
+                f"{dest.decode_incarnation}, not {decode_incarnation}",
+                field="decode_incarnation",
+            )
+        running = [r for r, s in h.stage_state.items() if not s.final]
         if h.task is not None:
             h.task.cancel()
             await asyncio.wait([h.task])
+        for rank in running:
+            if not h.stage_state[rank].final:
+                h.set_stage(rank, StageState.STOPPED)
         self._close(h, "aborted")
         self._publish(HandoffAborted(handoff_id=handoff_id, role=ROLE, reason=reason))
-        return AbortAck(handoff_id=handoff_id, quiesced=True, stages=sorted(running))
+        return self._ack(handoff_id, sorted(running))
+
+    def _ack(self, handoff_id: str, stopped: list[int]) -> AbortAck:
+        return AbortAck(
+            handoff_id=handoff_id,
+            quiesced=True,
+            stages=stopped,
+            incarnation=self.incarnation,
+            max_call_s=self.max_call_s,
+        )
 
     async def peer_lost(self, decode_url: str, reason: str) -> list[str]:
         """A decode service went silent: stop sending to it. Returns the stopped handoff ids."""
@@ -287,6 +368,30 @@ class PrefillPipeline:
         for handoff_id in victims:
             await self.abort(handoff_id, reason)
         return victims
+
+    async def reconcile(self, decode_url: str, ack: HeartbeatAck, sent: list[str]) -> list[str]:
+        """A heartbeat answer from `decode_url`: stop every handoff bound to another life of it
+        (it restarted: the pages we would write are no longer that handoff's), and every handoff
+        in `sent` that it no longer runs while a stage here may still write. Returns their ids."""
+        theirs = set(ack.live)
+        victims = []
+        for h in list(self.handoffs.values()):
+            dest = h.destination.result() if h.destination.done() else None
+            if dest is None or dest.decode_url != decode_url:
+                continue
+            if dest.decode_incarnation != ack.incarnation:
+                victims.append((h.handoff_id, f"decode {decode_url} restarted"))
+            elif (
+                h.handoff_id in sent and h.handoff_id not in theirs and not h.settled(dest.pp_ranks)
+            ):
+                victims.append((h.handoff_id, f"decode {decode_url} no longer has it"))
+        for handoff_id, why in victims:
+            await self.abort(handoff_id, why)
+        return [hid for hid, _ in victims]
+
+    def live_with(self, decode_url: str) -> list[str]:
+        """Handoffs bound to `decode_url` (a heartbeat answer)."""
+        return self.live_by_decode().get(decode_url, [])
 
     def live_by_decode(self) -> dict[str, list[str]]:
         """Live handoff ids per decode URL: whom the heartbeat task must keep pinging."""
@@ -340,7 +445,9 @@ class PrefillPipeline:
         try:
             async with asyncio.timeout_at(fallback) as scope:
                 dest = await h.destination
-                scope.reschedule(loop.time() + max(0.0, dest.deadline_at - self._clock()))
+                assert h.deadline_mono is not None
+                # loop.time() is the monotonic clock the deadline was measured on.
+                scope.reschedule(loop.time() + max(0.0, h.deadline_mono - time.monotonic()))
                 dst_layout = await self._decode.decode_layout(dest)
                 async with asyncio.TaskGroup() as tg:
                     for rank in dest.pp_ranks:
@@ -364,13 +471,14 @@ class PrefillPipeline:
         self, h: PrefillHandoff, dest: DestinationMsg | None, error: KVHandoffError
     ) -> None:
         for rank in dest.pp_ranks if dest else sorted(h.inputs):
-            if h.stage_state.get(rank) not in ("arrived", "failed"):
+            if not h.stage_state.get(rank, StageState.WAITING).final:
                 await self._report_failure(h, dest, rank, error)
 
     async def _report_failure(
         self, h: PrefillHandoff, dest: DestinationMsg | None, rank: int, error: KVHandoffError
     ) -> None:
-        h.stage_state[rank] = "failed"
+        h.set_stage(rank, StageState.FAILED)
+        error.context.setdefault("pp_rank", rank)
         self._publish(
             HandoffFailed(
                 handoff_id=h.handoff_id,
@@ -385,6 +493,10 @@ class PrefillPipeline:
             return
         msg = StageFailedMsg(
             handoff_id=h.handoff_id,
+            sender_url=self.url,
+            sender_incarnation=self.incarnation,
+            decode_incarnation=dest.decode_incarnation,
+            max_call_s=self.max_call_s,
             pp_rank=rank,
             code=error.code,
             reason=error.message,
@@ -405,7 +517,7 @@ class PrefillPipeline:
             await h.input_seen.setdefault(rank, asyncio.Event()).wait()
             inp = h.inputs[rank]
             validate_request(pairing, inp.src_pages, dest.dst_pages, inp.src_slot, dest.dst_slot)
-            h.stage_state[rank] = "sending"
+            h.set_stage(rank, StageState.SENDING)
             chunks: asyncio.Queue[Chunk | _End] = asyncio.Queue(self._queue_depth)
             plans: asyncio.Queue[TransferPlan | _End] = asyncio.Queue(self._queue_depth)
             async with asyncio.TaskGroup() as tg:
@@ -413,9 +525,12 @@ class PrefillPipeline:
                 tg.create_task(self._pair(h, rank, pairing, inp, dest, chunks, plans))
                 sent = tg.create_task(self._send(h, rank, dest, plans))
             total_bytes, total_blocks = sent.result()
+            h.set_stage(rank, StageState.NOTIFYING)
             digests = None
             if dest.verify and stage.memory is not None:
-                digests = source_digests(
+                # Off the event loop: hashing a large stage takes long enough to stall heartbeats.
+                digests = await asyncio.to_thread(
+                    source_digests,
                     pairing,
                     stage.memory,
                     inp.src_pages,
@@ -427,15 +542,28 @@ class PrefillPipeline:
                 dest.decode_url,
                 ArrivalMsg(
                     handoff_id=h.handoff_id,
+                    sender_url=self.url,
+                    sender_incarnation=self.incarnation,
+                    decode_incarnation=dest.decode_incarnation,
+                    max_call_s=self.max_call_s,
                     pp_rank=rank,
                     bytes=total_bytes,
                     blocks=total_blocks,
                     digests=digests,
                 ),
             )
-            h.stage_state[rank] = "arrived"
+            h.set_stage(rank, StageState.ARRIVED)
         except* KVHandoffError as group:
             await self._report_failure(h, dest, rank, group.exceptions[0])  # type: ignore[arg-type]
+            raise _StageFailed from None
+        except* Exception as group:
+            # A bug in this stage: report it as this stage's failure (not a sibling's), so the
+            # decode side names the stage that raised.
+            log.error(
+                "handoff %s stage %d crashed", h.handoff_id, rank, exc_info=group.exceptions[0]
+            )
+            error = InternalError(f"stage {rank} crashed: {group.exceptions[0]!r}", pp_rank=rank)
+            await self._report_failure(h, dest, rank, error)
             raise _StageFailed from None
 
     async def _emit(
@@ -516,7 +644,8 @@ class PrefillPipeline:
             final = isinstance(p, _End)
             if isinstance(p, TransferPlan) and len(p):
                 t0 = time.perf_counter()
-                batches = await self._write_all(dest, p)
+                assert h.deadline_mono is not None
+                batches = await self._write_all(dest, p, h.deadline_mono)
                 total_bytes += p.total_bytes
                 total_blocks += len(p)
                 h.bytes_sent += p.total_bytes
@@ -535,7 +664,7 @@ class PrefillPipeline:
             if final:
                 return total_bytes, total_blocks
 
-    async def _write_all(self, dest: DestinationMsg, p: TransferPlan) -> int:
+    async def _write_all(self, dest: DestinationMsg, p: TransferPlan, start_by: float) -> int:
         """Write one plan (the transport splits it under its block cap and bounds in-flight
         batches per peer). On cancellation or error, leave only once the engine can no longer
         write anything of it: the write task is drained, then the peer's lane quiesced.
@@ -543,7 +672,6 @@ class PrefillPipeline:
         No batch starts after the handoff's deadline, even if this loop stalls: the decode side
         relies on that to know when a stage it cannot reach any more has stopped writing."""
         target = dest.decode_target
-        start_by = time.monotonic() + (dest.deadline_at - self._clock())
         write = self._writer.write(target, p.blocks, start_by=start_by)
         task = asyncio.get_running_loop().create_task(write)
         try:

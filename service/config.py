@@ -172,6 +172,10 @@ class HandoffConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     #: Read back and compare bytes after each transfer (slow; tests and demos).
     verify: bool = False
     max_concurrent: Positive = 256
+    #: Decode role: the most it waits, past a handoff's deadline, for a prefill writer that did
+    #: not confirm it stopped (each prefill declares its own engine-call bound; one above this
+    #: is refused at create). Pages stay leased until then.
+    max_grace_s: PositiveSeconds = 60.0
     #: Events kept for SSE `Last-Event-ID` resume.
     sse_buffer: Positive = 4096
     #: Seconds between SSE keep-alive comments (proxies close idle streams).

@@ -137,11 +137,11 @@ class EmbeddedService:
     def stop(self, timeout_s: float | None = None) -> None:
         """Abort live handoffs, unregister the buffers, close the transport, join the thread.
 
-        Returns once no write can land in the engine's buffers any more: by default it waits as
-        long as that takes (an abort gives up on a silent peer once the heartbeats declare it
-        lost, or at the handoff's deadline plus a transfer timeout); past `timeout_s` it raises
-        TimeoutError instead. Idempotent; a no-op on a service never started. An error of the
-        shutdown itself is raised here, once.
+        Returns once no write can land in the engine's buffers any more: every handoff's pages
+        are released first (each writer confirmed it stopped, or the bound — the deadline plus
+        the longest engine call its prefill declared — passed), so by default it waits as long
+        as that takes; past `timeout_s` it raises TimeoutError instead. Idempotent; a no-op on a
+        service never started. An error of the shutdown itself is raised here, once.
         """
         with self._lock:
             phase = self._phase
@@ -219,32 +219,53 @@ class EmbeddedService:
 
     def expect_handoff(self, request: HandoffRequest) -> HandoffView:
         """Create a handoff into these decode pages, as `POST /v1/handoffs` (idempotent for an
-        identical request; ConflictError for another one under the same id)."""
+        identical request; ConflictError for another one under the same id).
+
+        A TimeoutError here means the handoff was not created: the time limit is applied on the
+        service's loop, where a create cut short leases nothing (it leases only after its last
+        wait), and this call waits for that cut to happen."""
         self._require("decode", "expect_handoff")
         checked = _checked_request(request)
+        limit_s = self._call_timeout_s
 
         async def create(runtime: Runtime) -> HandoffView:
-            view, _ = await _decode_of(runtime).create(checked)
+            try:
+                async with asyncio.timeout(limit_s):
+                    view, _ = await _decode_of(runtime).create(checked)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"handoff {checked.id!r} was not created within {limit_s:g} s"
+                ) from None
             return view
 
-        return self._call(create, self._call_timeout_s)
+        # The loop-side limit decides; the margin only covers handing the answer back.
+        return self._call(create, limit_s + 5.0)
 
     def get(self, handoff_id: str) -> HandoffView:
         self._require("decode", "get")
         return self._call_sync(lambda runtime: _decode_of(runtime).get(handoff_id))
 
-    def wait(self, handoff_id: str, timeout_s: float) -> HandoffView:
-        """The handoff once terminal, or as it is after `timeout_s`."""
+    def wait(self, handoff_id: str, timeout_s: float, *, released: bool = False) -> HandoffView:
+        """The handoff once it has an outcome (`state` completed, failed or aborted: what a
+        scheduler acts on), or with `released=True` once its pages are free again (`released`:
+        what an engine must wait for before it reuses the pages); or as it is after
+        `timeout_s`."""
         self._require("decode", "wait")
         if not timeout_s >= 0:
             raise InvalidInput(f"timeout_s = {timeout_s} is not >= 0", field="timeout_s")
         return self._call(
-            lambda runtime: _decode_of(runtime).wait(handoff_id, timeout_s),
+            lambda runtime: _decode_of(runtime).wait(handoff_id, timeout_s, released=released),
             timeout_s + self._call_timeout_s,
         )
 
+    def released(self, handoff_id: str, timeout_s: float) -> bool:
+        """Whether the handoff's destination pages and slot are free (no write of it can land
+        any more), waiting up to `timeout_s` for it. Reuse pages only after True."""
+        return self.wait(handoff_id, timeout_s, released=True).released
+
     def abort(self, handoff_id: str) -> HandoffView:
-        """Abort a live handoff; returns once no write of it can still land on decode pages."""
+        """Abort a handoff; returns once its pages are released (no write of it can still land
+        on them). On a failed handoff not yet released, hurries and waits for its release."""
         self._require("decode", "abort")
         return self._call(
             lambda runtime: _decode_of(runtime).abort(handoff_id), self._call_timeout_s

@@ -18,10 +18,10 @@ from pipelines.decode import (
     HANDOFF_ID_PATTERN,
     HandoffPage,
     HandoffRequest,
-    HandoffState,
     HandoffView,
 )
 from pipelines.errors import InvalidInput
+from pipelines.states import HandoffState
 from service.api import inputs
 from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
@@ -121,8 +121,11 @@ async def create_handoff(request: web.Request) -> web.StreamResponse:
     response=HandoffView,
     errors=(404, 422),
     summary="One handoff: state, per-stage progress, bytes, error and event timeline",
-    description="With `?wait_s=S` (at most 60), answers as soon as the handoff is terminal, or "
-    "after S seconds with its current state: a router's long poll.",
+    description="With `?wait_s=S` (at most 60), answers as soon as the handoff has its outcome "
+    "(`state` completed, failed or aborted: what a router reschedules on), or after S seconds "
+    "with its current state: a router's long poll. With `&until=released` it waits instead for "
+    "`released` (the destination pages and slot are free: what an engine must see before it "
+    "reuses them).",
     tags=("handoffs",),
     path_schemas={"id": _ID_SCHEMA},
     query=(("wait_s", {"type": "number", "minimum": 0, "maximum": MAX_WAIT_S}),),
@@ -130,8 +133,15 @@ async def create_handoff(request: web.Request) -> web.StreamResponse:
 async def get_handoff(request: web.Request) -> web.StreamResponse:
     handoff_id = _handoff_id(request)
     wait_s = _query_number(request, "wait_s", 0.0, 0.0, MAX_WAIT_S, float)
+    until = request.query.get("until", "outcome")
+    if until not in ("outcome", "released"):
+        raise InvalidInput(f"until={until!r} is not one of outcome, released", field="until")
     pipeline = decode_of(request)
-    view = await pipeline.wait(handoff_id, wait_s) if wait_s else pipeline.get(handoff_id)
+    view = (
+        await pipeline.wait(handoff_id, wait_s, released=until == "released")
+        if wait_s
+        else pipeline.get(handoff_id)
+    )
     return json_response(view)
 
 
@@ -169,7 +179,11 @@ async def list_handoffs(request: web.Request) -> web.StreamResponse:
     "/v1/handoffs/{id}",
     response=HandoffView,
     errors=(404, 409, 422),
-    summary="Abort a handoff; answers once no write of it can still land on decode pages",
+    summary="Abort a handoff; answers once its pages are released (no write of it can land)",
+    description="The outcome `aborted` is announced at once (`handoff.aborted`), the answer "
+    "comes after `handoff.released`. On a failed handoff whose pages are not released yet, it "
+    "retries stopping the prefill stages now and answers once released, instead of 409. 409 for "
+    "a completed handoff, or a failed one already released.",
     tags=("handoffs",),
     path_schemas={"id": _ID_SCHEMA},
 )

@@ -2,16 +2,18 @@
 
 `GET /v1/layout` on both roles (what a peer must know to pair with and write to this process);
 destinations and aborts on prefill services; arrivals and stage failures on decode services;
-heartbeats on both. Every route takes a signed peer request (service.http.auth) when a peer
-secret is configured; then whoever a message implies as its sender — a destination's
-`decode_url`, a heartbeat's `sender_url`, the prefill service assigned to the stage an arrival
-or failure reports on, the decode service an aborted handoff got its destination from — must
-be the service that signed it, or the message is refused with 403 before the pipeline sees it.
-Each message's protocol version is checked before it is acted on.
+heartbeats and the watch stream on both. Every route takes a signed peer request
+(service.http.auth) when a peer secret is configured; then whoever a message implies as its
+sender — a destination's `decode_url`, a heartbeat's `sender_url`, the prefill service assigned
+to the stage an arrival or failure reports on, the decode service an aborted handoff got its
+destination from — must be the service that signed it, or the message is refused with 403 before
+the pipeline sees it. Each message's protocol version is checked before it is acted on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -39,6 +41,7 @@ from service.peers.protocol import (
     HEARTBEATS_PATH,
     LAYOUT_PATH,
     STAGE_FAILURES_PATH,
+    WATCH_PATH,
     Outcome,
 )
 from service.runtime.pipelines import RUNTIME, check_version, decode_of, prefill_of
@@ -107,9 +110,25 @@ async def heartbeat(request: web.Request) -> web.StreamResponse:
     sender = signed_sender(request)
     if sender is not None:
         _same_service(msg.sender_url, sender, "the heartbeat", "sender_url")
+    return json_response(request.app[RUNTIME].heartbeats.receive(msg))
+
+
+@common_routes.get(
+    WATCH_PATH,
+    content_type="text/plain",
+    summary="A peer holds this open to learn at once when this process ends (a byte a second)",
+    tags=("peer",),
+)
+async def watch(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
-    runtime.heartbeats.heard(msg.sender_url)
-    return json_response(HeartbeatAck(role=runtime.role, url=runtime.url))
+    response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+    await response.prepare(request)
+    while not runtime.closing.is_set():
+        await response.write(b"\n")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(runtime.heartbeats.interval_s):
+                await runtime.closing.wait()
+    return response
 
 
 @prefill_peer_routes.post(
@@ -148,7 +167,7 @@ async def abort(request: web.Request) -> web.StreamResponse:
         # Only the decode service that sent the destination may stop it (before one arrives,
         # nothing can be written, and any peer may stop the waiting).
         _same_service(handoff.decode_url, sender, "the abort", "handoff_id")
-    return json_response(await pipeline.abort(msg.handoff_id, msg.reason))
+    return json_response(await pipeline.abort(msg.handoff_id, msg.reason, msg.decode_incarnation))
 
 
 @decode_peer_routes.post(

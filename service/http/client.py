@@ -11,6 +11,7 @@ process (`service.http.app.PEERS`).
 
 from __future__ import annotations
 
+import asyncio
 from functools import cache
 from typing import Any, TypeVar, overload
 
@@ -151,6 +152,42 @@ class PeerClient:
             raise PeerError(
                 f"{method} {peer}{path} answered with an unexpected body: {exc}", peer=peer
             ) from None
+
+    async def hold(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        path: str,
+        *,
+        idle_timeout_s: float,
+    ) -> None:
+        """Open a streaming GET on `session` and read it until the peer ends it. Raises
+        PeerUnreachable when the connection breaks or is refused, PeerTimeout when nothing
+        arrives for `idle_timeout_s` (the peer streams a byte more often than that)."""
+        peer = url.rstrip("/")
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=idle_timeout_s)
+        try:
+            target = URL(peer + path, encoded=True)
+        except ValueError as exc:
+            raise PeerUnreachable(f"GET {peer}{path}: bad URL: {exc}", peer=peer) from None
+        headers = (
+            {} if self._signer is None else self._signer.headers("GET", target.raw_path_qs, b"")
+        )
+        try:
+            async with session.get(target, headers=headers, timeout=timeout) as response:
+                if response.status >= 300:
+                    raise _remote_error(response.status, await response.read(), peer)
+                while True:
+                    async with asyncio.timeout(idle_timeout_s):
+                        chunk = await response.content.readany()
+                    if not chunk:
+                        raise PeerUnreachable(f"{peer}{path} closed the connection", peer=peer)
+        except TimeoutError:
+            raise PeerTimeout(
+                f"GET {peer}{path} sent nothing for {idle_timeout_s} s", peer=peer
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise PeerUnreachable(f"GET {peer}{path} failed: {exc}", peer=peer) from None
 
 
 def _remote_error(status: int, raw: bytes, peer: str) -> KVHandoffError:

@@ -8,12 +8,14 @@ latency, and a busy one sends a few large requests instead of many small ones.
 
 Each notice still gets its own outcome: the receiver answers one result per item, and `submit`
 raises the error of its own item only. A failed request (peer unreachable) fails every notice in
-it. Batches are capped in bytes so they stay under the receiver's body limit.
+it. Batches are capped in bytes so they stay under the receiver's body limit. A lane exists only
+while its peer has notices pending or in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -65,7 +67,9 @@ class Coalescer:
                 try:
                     errors = await self._send(peer, [raw for raw, _ in live])
                 except KVHandoffError as exc:
-                    errors = [exc] * len(live)
+                    # One instance per waiter: a raised exception collects each raiser's
+                    # traceback, so a shared one would grow and mix unrelated stacks.
+                    errors = [copy.copy(exc) for _ in live]
                 for (_, fut), error in zip(live, errors, strict=True):
                     if fut.done():
                         pass
@@ -85,6 +89,8 @@ class Coalescer:
             raise
         finally:
             lane.task = None
+            if not lane.pending and self._lanes.get(peer) is lane:
+                del self._lanes[peer]  # an idle peer keeps no lane
 
     def _take(self, lane: _Lane) -> list[tuple[msgspec.Raw, asyncio.Future[None]]]:
         """The oldest notices that fit in one batch (always at least one)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import msgspec
 
 from pipelines.errors import KVHandoffError, NotFoundError
@@ -23,6 +24,7 @@ from pipelines.messages import (
     LayoutInfo,
     StageFailedMsg,
 )
+from pipelines.peercache import MAX_PEERS, PeerCache
 from service.http.client import PeerClient
 from service.http.problems import PeerError, encode_problem, error_from_problem
 from service.peers.coalesce import Coalescer, SendBatch
@@ -33,6 +35,7 @@ ABORTS_PATH = "/v1/peer/aborts"
 ARRIVALS_PATH = "/v1/peer/arrivals"
 STAGE_FAILURES_PATH = "/v1/peer/stage-failures"
 HEARTBEATS_PATH = "/v1/peer/heartbeats"
+WATCH_PATH = "/v1/peer/watch"
 
 
 class Outcome(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -45,11 +48,18 @@ class Outcome(msgspec.Struct, frozen=True, omit_defaults=True):
 class HttpPeers:
     """Both directions of the peer protocol over one `PeerClient`."""
 
-    def __init__(self, client: PeerClient, *, abort_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, client: PeerClient, *, abort_timeout_s: float = 30.0, watch_idle_s: float = 3.0
+    ) -> None:
         self._client = client
         # An abort answers only once the peer's in-flight writes drained: allow a transfer's time.
         self._abort_timeout_s = abort_timeout_s
-        self._decode_layouts: dict[tuple[str, str, str], StageLayout] = {}
+        self._watch_idle_s = watch_idle_s
+        # Watches hold one idle connection per live peer: their own session, so they never take
+        # the pool slots of the calls that move handoffs along.
+        self._watch_session: aiohttp.ClientSession | None = None
+        # Placed decode layouts by (url, fingerprint, address key): bounded, oldest out.
+        self._decode_layouts: PeerCache[StageLayout] = PeerCache(MAX_PEERS)
         # Destinations, arrivals and failures are coalesced per peer (see service.peers.coalesce).
         self._destinations = Coalescer(self._batch_sender(DESTINATIONS_PATH))
         self._arrivals = Coalescer(self._batch_sender(ARRIVALS_PATH))
@@ -75,6 +85,8 @@ class HttpPeers:
     async def close(self) -> None:
         for coalescer in (self._destinations, self._arrivals, self._failures):
             await coalescer.close()
+        if self._watch_session is not None:
+            await self._watch_session.close()
 
     # decode -> prefill
     async def layout(self, url: str) -> LayoutInfo:
@@ -90,19 +102,30 @@ class HttpPeers:
 
     # prefill -> decode
     async def decode_layout(self, dest: DestinationMsg) -> StageLayout:
-        key = (dest.decode_url, dest.decode_fingerprint, dest.decode_address_key)
+        key = _layout_key(
+            dest.decode_url,
+            dest.decode_incarnation,
+            dest.decode_fingerprint,
+            dest.decode_address_key,
+        )
         layout = self._decode_layouts.get(key)
         if layout is None:
             info = await self._client.get(dest.decode_url, LAYOUT_PATH, LayoutInfo)
             for stage in info.stages:
                 lay = stage.layout
-                self._decode_layouts[(dest.decode_url, lay.fingerprint, lay.address_key)] = lay
+                self._decode_layouts.put(
+                    _layout_key(
+                        dest.decode_url, info.incarnation, lay.fingerprint, lay.address_key
+                    ),
+                    lay,
+                )
             layout = self._decode_layouts.get(key)
             if layout is None:
                 raise NotFoundError(
-                    f"decode layout {dest.decode_fingerprint} is not the one {dest.decode_url} "
-                    "serves now (did it restart?)",
-                    field="decode_fingerprint",
+                    f"decode layout {dest.decode_fingerprint} of incarnation "
+                    f"{dest.decode_incarnation} is not the one {dest.decode_url} serves now "
+                    f"(incarnation {info.incarnation}: did it restart?)",
+                    field="decode_incarnation",
                 )
         return layout
 
@@ -113,5 +136,17 @@ class HttpPeers:
         await self._failures.submit(decode_url, msg)
 
     # either direction
+    async def watch(self, url: str) -> None:
+        """Hold `WATCH_PATH` open until the peer ends it (see `service.peers.heartbeat`)."""
+        if self._watch_session is None:
+            self._watch_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        await self._client.hold(
+            self._watch_session, url, WATCH_PATH, idle_timeout_s=self._watch_idle_s
+        )
+
     async def heartbeat(self, url: str, msg: HeartbeatMsg, timeout_s: float) -> HeartbeatAck:
         return await self._client.post(url, HEARTBEATS_PATH, msg, HeartbeatAck, timeout_s=timeout_s)
+
+
+def _layout_key(url: str, incarnation: str, fingerprint: str, address_key: str) -> str:
+    return "|".join((url, incarnation, fingerprint, address_key))

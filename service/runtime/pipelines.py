@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -27,6 +27,7 @@ from pipelines.decode import DecodePipeline
 from pipelines.errors import InvalidInput
 from pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag
 from pipelines.messages import PEER_PROTOCOL_VERSION, LayoutInfo
+from pipelines.peercache import new_incarnation
 from pipelines.prefill import HostedStage, PrefillPipeline
 from service.config import Config, ConfigError
 from service.http.app import CONFIG, PEERS, READINESS
@@ -47,8 +48,12 @@ class Runtime:
     hosted: list[HostedMemory]
     heartbeats: Heartbeats
     peers: HttpPeers
+    incarnation: str
+    max_call_s: float
     decode: DecodePipeline | None = None
     prefill: PrefillPipeline | None = None
+    # Set when the app begins to shut down: ends the peers' watch streams.
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
 
     def layout_info(self) -> LayoutInfo:
         return LayoutInfo(
@@ -57,6 +62,8 @@ class Runtime:
             url=self.url,
             target=self.target,
             stages=[h.info() for h in self.hosted],
+            incarnation=self.incarnation,
+            max_call_s=self.max_call_s,
         )
 
 
@@ -92,7 +99,14 @@ EMBEDDED_BUFFERS = web.AppKey("embedded_buffers", dict)
 def install_pipelines(app: web.Application) -> None:
     """Build the role's pipeline with the app (after the transport extension) and gate /readyz."""
     app.cleanup_ctx.append(_handoffs_ctx)
+    app.on_shutdown.append(_closing)
     app[READINESS].add("handoffs", lambda: RUNTIME in app)
+
+
+async def _closing(app: web.Application) -> None:
+    # Runs before the server waits for open handlers: the watch streams must end first.
+    if RUNTIME in app:
+        app[RUNTIME].closing.set()
 
 
 async def _handoffs_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -136,7 +150,15 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
     bus = EventBus(replay=handoff.sse_buffer)
     bus.add_listener(_log_event)
     # An abort answers once in-flight writes drained: give it a transfer's time and then some.
-    peers = HttpPeers(app[PEERS], abort_timeout_s=config.transport.transfer_timeout_s + 5.0)
+    peers = HttpPeers(
+        app[PEERS],
+        abort_timeout_s=config.transport.transfer_timeout_s + 5.0,
+        watch_idle_s=2 * handoff.heartbeat_interval_s + 1.0,
+    )
+    incarnation = new_incarnation()
+    # The longest one engine call of this process can still write once started: declared to
+    # the decode side, whose grace past the deadline it bounds.
+    max_call_s = transport.max_call_s
     runtime = Runtime(
         role=config.role,
         url=url,
@@ -144,10 +166,13 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
         bus=bus,
         hosted=hosted,
         peers=peers,
+        incarnation=incarnation,
+        max_call_s=max_call_s,
         heartbeats=Heartbeats(  # watching the pipeline built below
             url=url,
             role=config.role,
             peers=peers,
+            incarnation=incarnation,
             interval_s=handoff.heartbeat_interval_s,
             timeout_s=handoff.peer_timeout_s,
         ),
@@ -168,10 +193,19 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
             max_live=handoff.max_concurrent,
             default_deadline_s=handoff.default_deadline_s,
             verify_default=handoff.verify,
-            # After the deadline no prefill batch starts; one started ends within this.
-            quiesce_grace_s=config.transport.engine_timeout_s,
+            # After the deadline no prefill batch starts; one started ends within what its
+            # prefill declared, which may not exceed this.
+            max_grace_s=handoff.max_grace_s,
+            incarnation=incarnation,
         )
-        beats.watch(live=decode.live_by_prefill, lost=decode.peer_lost, back=decode.peer_back)
+        beats.watch(
+            live=decode.live_by_prefill,
+            lost=decode.peer_lost,
+            back=decode.peer_back,
+            reconcile=decode.reconcile,
+            listing=decode.live_with,
+        )
+        decode.on_peers = beats.follow
     else:
         prefill = runtime.prefill = PrefillPipeline(
             {
@@ -181,10 +215,18 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
             transport,
             peers,
             bus,
+            url=url,
+            incarnation=incarnation,
             default_deadline_s=handoff.default_deadline_s,
             max_blocks_per_batch=config.transport.max_blocks_per_batch,
         )
-        beats.watch(live=prefill.live_by_decode, lost=prefill.peer_lost)
+        beats.watch(
+            live=prefill.live_by_decode,
+            lost=prefill.peer_lost,
+            reconcile=prefill.reconcile,
+            listing=prefill.live_with,
+        )
+        prefill.on_peers = beats.follow
     return runtime
 
 

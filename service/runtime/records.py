@@ -6,9 +6,10 @@ Called by the bus listener in `service.runtime.persistence` (`accepted`, `finish
 start-up (`interrupted`, `fenced`) to end what an earlier process left in flight.
 
 A record is `accepted` until its terminal event, then holds the final `HandoffView`. Its pages
-count as released once the handoff completed or was aborted (both wait for every writer), or a
-`handoff.released` event says so; until then a restarted service keeps them fenced until the
-deadline plus the engine's timeout, after which no write of the old prefill stages can land.
+count as released once the handoff completed (every writer reported its bytes landed) or a
+`handoff.released` event says so (an abort or a failure is announced before its writers stop);
+until then a restarted service keeps them fenced until the deadline plus the engine's timeout,
+after which no write of the old prefill stages can land.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from pipelines.decode import (
     ErrorView,
     FencedPages,
     HandoffRequest,
-    HandoffState,
     HandoffView,
 )
 from pipelines.events import Event, HandoffCompleted, HandoffFailed
+from pipelines.states import HandoffState
 from service.runtime.database import Database
 
 ACCEPTED = "accepted"
@@ -74,8 +75,9 @@ class HandoffRecords:
 
     def finished(self, tx: sqlite3.Connection, view: HandoffView) -> None:
         # Completed and aborted handoffs end after every writer stopped; a failed one may
-        # still be quiescing, so its pages stay unreleased until a `handoff.released` event.
-        released = view.state in (HandoffState.COMPLETED, HandoffState.ABORTED)
+        # still be quiescing, and an abort is announced before its writers stopped, so their
+        # pages stay unreleased until a `handoff.released` event.
+        released = view.state == HandoffState.COMPLETED
         tx.execute(
             "UPDATE handoffs SET state = ?, view = ?, finished_at = ?,"
             " released = MAX(released, ?) WHERE id = ?",
@@ -114,6 +116,7 @@ class HandoffRecords:
             bytes=0,
             stages=[],
             finished_at=event.at,
+            released=False,  # its writers may outlive the crash: fenced until the bound passed
             error=error,
             metadata=request.metadata,
             timeline=[event],

@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from pipelines.decode import DecodePipeline, HandoffRequest, HandoffState
+from pipelines.decode import DecodePipeline, HandoffRequest
 from pipelines.errors import (
     CapacityExceeded,
     ConflictError,
@@ -21,9 +21,10 @@ from pipelines.events import EventBus, event_tag
 from pipelines.inprocess import InProcessLink
 from pipelines.leases import Leases
 from pipelines.memory import PoolMemory
-from pipelines.messages import AbortAck, AbortMsg, DestinationMsg
+from pipelines.messages import AbortAck, AbortMsg, DestinationMsg, StageFailedMsg
 from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
+from pipelines.states import HandoffState
 from transport.local import LocalTransport
 from transport.pools import open_pool
 
@@ -123,7 +124,7 @@ async def test_pp2_handoff_lands_every_byte_in_the_right_entry(world: World) -> 
             b = w.dec.region(len(w.dec.layout.kv) + j)[1 * s.item_len : 2 * s.item_len]
             assert np.array_equal(a, b)
     tags = [event_tag(e) for e in w.decode.get("a").timeline]
-    assert tags[0] == "handoff.created" and tags[-1] == "handoff.completed"
+    assert tags[0] == "handoff.created" and tags[-2:] == ["handoff.completed", "handoff.released"]
     assert not w.decode.leases.holds("a")
 
 
@@ -280,12 +281,15 @@ async def test_a_caller_giving_up_on_abort_does_not_cut_the_quiesce_short(world:
     await w.decode.create(HandoffRequest(id="c", prefill=["p"], dst_pages=[2], dst_slot=0))
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(w.decode.abort("c"), 0.05)
-    # The pages stay fenced and the outcome open until the prefill side confirms.
-    assert w.decode.leases.holds("c") and not w.decode.get("c").state.terminal
+    # The outcome is known at once; the pages stay fenced until the prefill side confirms.
+    view = w.decode.get("c")
+    assert view.state == HandoffState.ABORTED and not view.released
+    assert w.decode.leases.holds("c")
     with pytest.raises(ConflictError):
         await w.decode.create(HandoffRequest(id="d", prefill=["p"], dst_pages=[2], dst_slot=1))
     release.set()
-    assert (await w.decode.wait("c", 5)).state == HandoffState.ABORTED
+    view = await w.decode.wait("c", 5, released=True)
+    assert view.state == HandoffState.ABORTED and view.released
     assert not w.decode.leases.holds("c")
     assert w.decode.live_by_prefill() == {}  # nothing left to keep heartbeating for
 
@@ -296,12 +300,16 @@ async def test_pages_of_a_stage_that_never_confirmed_stay_fenced_until_deadline_
     w = world
     link = w.decode._prefill
     assert isinstance(link, InProcessLink)
-    w.decode._grace_s = 0.2
+    w.prefill.max_call_s = 0.2  # what the prefill declares its engine calls can take
 
     async def unreachable(url: str, msg: AbortMsg) -> AbortAck:
         raise PeerUnreachable("connection refused", peer=url)
 
+    async def unheard(url: str, msg: StageFailedMsg) -> None:
+        raise PeerUnreachable("connection refused", peer=url)
+
     link.abort = unreachable  # type: ignore[method-assign]
+    link.stage_failed = unheard  # type: ignore[method-assign]  # its own report is lost too
     req = HandoffRequest(id="l", prefill=["p"], dst_pages=[4], dst_slot=0, deadline_s=0.3)
     await w.decode.create(req)
     loop = asyncio.get_running_loop()
@@ -309,7 +317,11 @@ async def test_pages_of_a_stage_that_never_confirmed_stay_fenced_until_deadline_
     assert w.decode.peer_lost("p", "was silent") == ["l"]
     assert w.decode.get("l").state == HandoffState.FAILED  # reported at once ...
     assert w.decode.leases.holds("l")  # ... but the page stays fenced
-    await asyncio.wait_for(w.decode.handoffs["l"].quiesced.wait(), 5)
-    # Not before the deadline (0.3 s) plus the grace (0.2 s): only then can nothing still land.
+    assert not w.decode.get("l").released
+    view = await w.decode.wait("l", 5, released=True)
+    # Not before the deadline (0.3 s) plus the declared grace (0.2 s): only then can nothing
+    # still land.
     assert loop.time() - t0 >= 0.45
-    assert not w.decode.leases.holds("l")
+    assert view.released and not w.decode.leases.holds("l")
+    released = [e for e in view.timeline if event_tag(e) == "handoff.released"]
+    assert len(released) == 1 and released[0].confirmed is False  # type: ignore[union-attr]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.decode import HandoffRequest, HandoffState
+from pipelines.decode import HandoffRequest
 from pipelines.errors import (
     ConflictError,
     InvalidInput,
@@ -26,6 +26,7 @@ from pipelines.errors import (
     NotFoundError,
     PlanError,
 )
+from pipelines.states import HandoffState
 from service.config import Config, ConfigError, load_config
 from service.embedded import EmbeddedService, WrongRole, embedded_layout
 from service.http.problems import NotReady
@@ -127,6 +128,9 @@ def test_full_handoff_lands_every_byte_in_the_engines_tensors(pair: Pair) -> Non
     done = pair.decode.wait("r1", 15.0)
     assert done.state == HandoffState.COMPLETED, done.error
     assert pair.decode.get("r1").state == HandoffState.COMPLETED
+    # What an engine waits for before it reuses the pages: every stage arrived, so at once.
+    assert pair.decode.released("r1", 5.0)
+    assert pair.decode.wait("r1", 5.0, released=True).released_at is not None
 
     dec = embedded_layout(pair.decode_config, 0)
     dst = pair.dst[0]
@@ -221,7 +225,8 @@ def test_a_call_of_the_other_role_is_refused(pair: Pair) -> None:
 
 def test_abort_and_stop_abort_live_handoffs(pair: Pair) -> None:
     pair.decode.expect_handoff(HandoffRequest(id="r5", dst_pages=[1], dst_slot=0))
-    assert pair.decode.abort("r5").state == HandoffState.ABORTED
+    aborted = pair.decode.abort("r5")
+    assert aborted.state == HandoffState.ABORTED and aborted.released  # answers once released
     with pytest.raises(ConflictError, match="already aborted"):
         pair.prefill.stage_ready("r5", 0, [1], 0)
 
@@ -298,3 +303,22 @@ def test_a_start_up_error_in_the_service_thread_is_raised_in_the_caller(tmp_path
         with pytest.raises(OSError, match="address already in use"):
             EmbeddedService(config).start()
     assert service_threads() == []
+
+
+def test_an_expect_handoff_that_times_out_was_not_created(tmp_path: Path) -> None:
+    # A "prefill" that accepts connections and never answers: the create waits on its layout.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    config = make_config(tmp_path, "decode", **{"peers.request_timeout_s": 30.0})
+    try:
+        with EmbeddedService(config, buffers=allocate(config), call_timeout_s=0.3) as decode:
+            with pytest.raises(TimeoutError, match="was not created"):
+                decode.expect_handoff(
+                    HandoffRequest(id="late", prefill=[url], dst_pages=[1], dst_slot=0)
+                )
+            with pytest.raises(NotFoundError):
+                decode.get("late")  # and never will be: the create was cut on the loop
+    finally:
+        silent.close()

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from pipelines.errors import ConflictError, KVHandoffError, PeerUnreachable
+from pipelines.messages import AbortMsg
 from service.peers.coalesce import Coalescer
 
 
@@ -112,3 +113,19 @@ async def test_a_cancelled_submitter_is_skipped_and_close_cancels_the_waiting() 
     await co.close()
     with pytest.raises(asyncio.CancelledError):
         await stuck
+
+
+async def test_a_lane_is_reclaimed_once_its_peer_is_idle() -> None:
+    sent: list[str] = []
+
+    async def send(peer: str, notices: list[msgspec.Raw]) -> list[KVHandoffError | None]:
+        sent.append(peer)
+        return [None] * len(notices)
+
+    c = Coalescer(send)
+    for i in range(50):
+        await c.submit(
+            f"http://peer-{i}", AbortMsg(handoff_id="h", reason="r", decode_incarnation="d")
+        )
+    assert len(sent) == 50
+    assert c._lanes == {}  # 50 peers served, none kept

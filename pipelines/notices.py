@@ -1,0 +1,111 @@
+"""What the decode side checks of a prefill's notices before it believes them.
+
+Called by `DecodePipeline.arrived` / `stage_failed` (who may speak for a stage, what an arrival
+must account for) and its verification task (what the landed bytes must hash to). Each check
+raises, or returns a problem, naming the stage and the field; none changes anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pipelines.errors import ConflictError, InvalidInput
+from pipelines.layout import StageLayout
+from pipelines.memory import EntryMemory, destination_digests
+from pipelines.messages import ArrivalMsg, StageFailedMsg
+from pipelines.pairing import Pairing
+
+I64 = npt.NDArray[np.int64]
+
+
+def check_sender(
+    handoff_id: str,
+    rank: int,
+    peer: str,
+    peer_incarnation: str,
+    decode_incarnation: str,
+    msg: ArrivalMsg | StageFailedMsg,
+) -> None:
+    """Only the stage's own prefill life (`peer`, `peer_incarnation`) may speak for stage
+    `rank`, and only to this decode life. Raises ConflictError naming the field."""
+    if msg.decode_incarnation != decode_incarnation:
+        raise ConflictError(
+            f"the notice is for decode incarnation {msg.decode_incarnation}, this is "
+            f"{decode_incarnation} (the decode restarted)",
+            field="decode_incarnation",
+            pp_rank=rank,
+        )
+    if msg.sender_url != peer or msg.sender_incarnation != peer_incarnation:
+        raise ConflictError(
+            f"stage {rank} of handoff {handoff_id!r} is assigned to {peer} (incarnation "
+            f"{peer_incarnation}), not {msg.sender_url} ({msg.sender_incarnation})",
+            field="sender_url" if msg.sender_url != peer else "sender_incarnation",
+            pp_rank=rank,
+        )
+
+
+def check_accounting(
+    pairing: Pairing, dst_pages: I64, dst_slot: int | None, msg: ArrivalMsg
+) -> None:
+    """The arrival must account for exactly the bytes this destination expects of the stage,
+    computed from the cached pairs and the pages (so 0 bytes never completes a stage that has
+    pages), in a block count the pages allow. Raises InvalidInput naming `bytes` or `blocks`."""
+    n = int(dst_pages.shape[0])
+    expected = pairing.kv_bytes_per_page * n
+    state_blocks = pairing.num_state_pairs if dst_slot is not None else 0
+    if state_blocks:
+        expected += pairing.state_bytes_per_slot
+    if msg.bytes != expected:
+        raise InvalidInput(
+            f"stage {msg.pp_rank} reports {msg.bytes} bytes; this destination expects {expected}",
+            field="bytes",
+            pp_rank=msg.pp_rank,
+            expected=expected,
+        )
+    # One block per pair and run of consecutive pages at least; one per pair and page at most.
+    runs = 0 if n == 0 else int(np.count_nonzero(np.diff(dst_pages) != 1)) + 1
+    lo = pairing.num_kv_pairs * runs + state_blocks
+    hi = pairing.num_kv_pairs * n + state_blocks
+    if not lo <= msg.blocks <= hi:
+        raise InvalidInput(
+            f"stage {msg.pp_rank} reports {msg.blocks} blocks; this destination takes {lo} to {hi}",
+            field="blocks",
+            pp_rank=msg.pp_rank,
+        )
+
+
+def first_mismatch(
+    layout: StageLayout,
+    memory: EntryMemory,
+    digests: dict[int, dict[str, str] | None],
+    dst_pages: I64,
+    dst_slot: int | None,
+) -> tuple[str, int, dict[str, Any]] | None:
+    """The first stage (by rank) whose landed bytes differ from the digests it sent, or that
+    sent none: (reason, rank, context naming the layer and group/kind or the field). Reads
+    decode memory: call it off the event loop."""
+    for rank, sent in sorted(digests.items()):
+        if sent is None:
+            return (
+                f"stage {rank} sent no digests to verify against (its memory is not host-readable)",
+                rank,
+                {"field": "digests"},
+            )
+        landed = destination_digests(layout, memory, set(sent), dst_pages, dst_slot)
+        for key, digest in sorted(sent.items()):
+            if landed.get(key) != digest:
+                kind, layer, which = key.split(":", 2)
+                ctx: dict[str, Any] = {"layer_id": int(layer)}
+                if kind == "state":
+                    ctx["kind"] = which
+                else:
+                    ctx["group"] = int(which)
+                return (
+                    f"bytes landed for {kind} {layer}:{which} differ from what stage {rank} sent",
+                    rank,
+                    ctx,
+                )
+    return None

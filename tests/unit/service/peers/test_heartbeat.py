@@ -1,0 +1,256 @@
+"""Heartbeats alone: silence, kills (a refused watch), reconciliation, robustness — over fake
+peers and a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import cast
+
+from pipelines.errors import InternalError, PeerUnreachable
+from pipelines.messages import HeartbeatAck, HeartbeatMsg
+from service.http.problems import PeerTimeout
+from service.peers.heartbeat import Heartbeats
+from service.peers.protocol import HttpPeers
+
+PEER = "http://prefill:1"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakePeers:
+    """Answers heartbeats unless the peer is down (refused) or hung (times out); a watch is held
+    until `drop` is set for that peer. Records what was sent."""
+
+    def __init__(self) -> None:
+        self.down: set[str] = set()
+        self.hung: set[str] = set()
+        self.sent: list[tuple[str, HeartbeatMsg]] = []
+        self.live: dict[str, list[str]] = {}
+        self.incarnation = "p1"
+        self.drop: dict[str, asyncio.Event] = {}
+        self.watching: dict[str, int] = {}
+
+    async def heartbeat(self, url: str, msg: HeartbeatMsg, timeout_s: float) -> HeartbeatAck:
+        self.sent.append((url, msg))
+        if url in self.hung:
+            raise PeerTimeout(f"{url} got no answer", peer=url)
+        if url in self.down:
+            raise PeerUnreachable(f"cannot reach {url}", peer=url)
+        return HeartbeatAck(
+            role="prefill", url=url, incarnation=self.incarnation, live=self.live.get(url, [])
+        )
+
+    async def watch(self, url: str) -> None:
+        self.watching[url] = self.watching.get(url, 0) + 1
+        if url in self.down:
+            raise PeerUnreachable(f"cannot reach {url}", peer=url)
+        await self.drop.setdefault(url, asyncio.Event()).wait()
+        raise PeerUnreachable(f"{url} closed the connection", peer=url)
+
+
+class Beats:
+    """A `Heartbeats` (interval 0.1 s, timeout 0.3 s) over fake peers and clock, with one live
+    handoff on PEER. Declaring a peer lost ends its handoffs, as the pipelines do."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.peers = FakePeers()
+        self.live: dict[str, list[str]] = {PEER: ["h1"]}
+        self.lost: list[tuple[str, str]] = []
+        self.back: list[str] = []
+        self.reconciled: list[tuple[str, HeartbeatAck, list[str]]] = []
+        self.hb = Heartbeats(
+            url="http://decode:1",
+            role="decode",
+            peers=cast(HttpPeers, self.peers),
+            incarnation="d1",
+            interval_s=0.1,
+            timeout_s=0.3,
+            confirm_s=0.001,
+            clock=self.clock,
+        )
+        self.hb.watch(
+            live=lambda: dict(self.live),
+            lost=self._lost,
+            back=self.back.append,
+            reconcile=lambda url, ack, sent: self.reconciled.append((url, ack, sent)),
+            listing=lambda url: ["mine"],
+        )
+
+    def _lost(self, url: str, reason: str) -> None:
+        self.lost.append((url, reason))
+
+    async def tick_at(self, now: float) -> None:
+        self.clock.now = now
+        await self.hb.tick()
+
+    async def close(self) -> None:
+        await self.hb._stop_watchers(set(self.hb._watchers))
+
+
+async def test_heartbeats_declare_a_silent_peer_lost_once_after_the_timeout() -> None:
+    b = Beats()
+    b.peers.hung.add(PEER)  # a stopped process: the connection holds, nothing answers
+    for now in (0.0, 0.1, 0.2, 0.3):
+        await b.tick_at(now)
+    assert b.lost == []  # silent for 0.3 s: not more than the timeout yet
+    await b.tick_at(0.4)
+    assert [url for url, _ in b.lost] == [PEER]
+    assert "silent for 0.4 s" in b.lost[0][1]
+    # Its handoffs are still quiescing (it stays in `live`): declared once, not every timeout.
+    for now in (0.5, 1.0, 2.0):
+        await b.tick_at(now)
+    assert len(b.lost) == 1
+    url, msg = b.peers.sent[0]
+    assert (url, msg.sender_url, msg.sender_incarnation, msg.role, msg.live) == (
+        PEER,
+        "http://decode:1",
+        "d1",
+        "decode",
+        ["h1"],
+    )
+    await b.close()
+
+
+async def test_heartbeats_a_peer_that_is_heard_is_not_lost() -> None:
+    b = Beats()
+    b.peers.hung.add(PEER)  # our pings fail, but the peer's own heartbeats reach us
+    await b.tick_at(0.0)
+    b.clock.now = 0.25
+    b.hb.heard(PEER)
+    await b.tick_at(0.5)
+    assert b.lost == []  # 0.25 s since heard
+    await b.tick_at(0.6)
+    assert [url for url, _ in b.lost] == [PEER]
+    await b.close()
+
+
+async def test_heartbeats_answered_pings_keep_a_peer_alive_and_are_reconciled() -> None:
+    b = Beats()
+    b.peers.live[PEER] = ["h1"]
+    for step in range(20):
+        await b.tick_at(step * 0.1)
+    assert b.lost == [] and len(b.peers.sent) == 20
+    url, ack, sent = b.reconciled[-1]
+    assert (url, ack.incarnation, ack.live, sent) == (PEER, "p1", ["h1"], ["h1"])
+    await b.close()
+
+
+async def test_heartbeats_report_a_lost_peer_back_once_when_heard_again() -> None:
+    b = Beats()
+    b.peers.hung.add(PEER)
+    await b.tick_at(0.0)
+    await b.tick_at(0.5)
+    assert len(b.lost) == 1 and b.back == []
+    b.peers.hung.clear()
+    b.live[PEER] = ["h2"]  # a new handoff with the peer, whose ping now answers
+    await b.tick_at(0.6)
+    assert b.back == [PEER]
+    b.hb.heard(PEER)
+    await b.tick_at(0.7)
+    assert b.back == [PEER] and len(b.lost) == 1
+    await b.close()
+
+
+async def test_a_killed_peer_is_lost_as_soon_as_its_watch_breaks_and_connections_are_refused() -> (
+    None
+):
+    b = Beats()
+    await b.tick_at(0.0)  # starts the watch
+    await asyncio.sleep(0)
+    assert b.peers.watching == {PEER: 1}
+    b.peers.down.add(PEER)  # the process is gone: its port refuses connections
+    b.peers.drop[PEER].set()  # ... and its kernel closed our connection
+    for _ in range(100):
+        if b.lost:
+            break
+        await asyncio.sleep(0.001)
+    # Lost without any heartbeat round and with the fake clock standing still: not by silence.
+    assert [url for url, _ in b.lost] == [PEER]
+    assert "refuses connections" in b.lost[0][1]
+    await b.tick_at(0.05)
+    assert len(b.lost) == 1  # declared once
+    await b.close()
+
+
+async def test_a_broken_watch_of_a_peer_that_still_answers_is_not_a_loss() -> None:
+    b = Beats()
+    await b.tick_at(0.0)
+    await asyncio.sleep(0)
+    b.peers.drop[PEER].set()  # e.g. a proxy closed an idle connection
+    for _ in range(50):
+        await asyncio.sleep(0.001)
+    assert b.lost == []
+    assert b.peers.watching[PEER] > 1  # watched again
+    await b.close()
+
+
+async def test_a_hung_peer_is_not_lost_by_its_watch_only_by_silence() -> None:
+    b = Beats()
+    await b.tick_at(0.0)
+    await asyncio.sleep(0)
+    b.peers.hung.add(PEER)  # probes time out: slow is not gone
+    b.peers.drop[PEER].set()
+    for _ in range(50):
+        await asyncio.sleep(0.001)
+    assert b.lost == []
+    await b.tick_at(0.4)
+    assert [url for url, _ in b.lost] == [PEER] and "silent" in b.lost[0][1]
+    await b.close()
+
+
+async def test_the_heartbeat_task_survives_a_failing_callback() -> None:
+    b = Beats()
+    calls = 0
+
+    def broken_live() -> dict[str, list[str]]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise InternalError("a bug in one round")
+        return {}
+
+    b.hb.watch(live=broken_live, lost=b._lost)
+    b.hb.interval_s = 0.001
+    task = asyncio.get_running_loop().create_task(b.hb.run())
+    for _ in range(200):
+        if calls >= 3:
+            break
+        await asyncio.sleep(0.001)
+    assert calls >= 3 and not task.done()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_heartbeat_is_answered_with_our_incarnation_and_our_handoffs_with_the_sender() -> (
+    None
+):
+    b = Beats()
+    ack = b.hb.receive(HeartbeatMsg(sender_url=PEER, sender_incarnation="p1", role="prefill"))
+    assert (ack.role, ack.url, ack.incarnation, ack.live) == (
+        "decode",
+        "http://decode:1",
+        "d1",
+        ["mine"],
+    )
+
+
+async def test_a_new_handoff_s_peer_is_watched_at_once_not_at_the_next_round() -> None:
+    b = Beats()
+    b.hb.follow([PEER])  # what the pipeline calls on create / delivery
+    await asyncio.sleep(0)
+    assert b.peers.watching == {PEER: 1} and b.peers.sent == []  # no round ran
+    b.peers.down.add(PEER)
+    b.peers.drop[PEER].set()
+    for _ in range(100):
+        if b.lost:
+            break
+        await asyncio.sleep(0.001)
+    assert [url for url, _ in b.lost] == [PEER]
+    await b.close()
