@@ -85,6 +85,7 @@ class Heartbeats:
         self._heard_at: dict[str, float] = {}
         self._misses: dict[str, int] = {}
         self._losses: dict[str, int] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
 
     def health(self) -> list[PeerHealth]:
         """Every peer shared so far, by URL."""
@@ -100,7 +101,6 @@ class Heartbeats:
             )
             for url in peers
         ]
-        self._watchers: dict[str, asyncio.Task[None]] = {}
 
     def watch(
         self,

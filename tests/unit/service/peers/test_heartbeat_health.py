@@ -1,10 +1,10 @@
 """`Heartbeats.health()`: the per-peer snapshot metrics and the dashboard read (fake clock and
-peers, from the heartbeat tests in `tests/unit/service/api/test_handoffs.py`)."""
+peers from `test_heartbeat.py`)."""
 
 from __future__ import annotations
 
 from service.peers.heartbeat import PeerHealth
-from tests.unit.service.api.test_handoffs import PEER, Beats
+from tests.unit.service.peers.test_heartbeat import PEER, Beats
 
 
 async def test_health_counts_misses_losses_and_the_time_since_heard() -> None:
@@ -12,13 +12,14 @@ async def test_health_counts_misses_losses_and_the_time_since_heard() -> None:
     assert b.hb.health() == []  # no peer shared yet
     await b.tick_at(0.0)
     assert b.hb.health() == [PeerHealth(PEER, 0.0, False, 0, 0)]
-    b.peers.down.add(PEER)
+    b.peers.hung.add(PEER)  # a stopped process: every ping times out, the silence decides
     for now in (0.1, 0.2, 0.3, 0.4):
         await b.tick_at(now)
     b.clock.now = 0.5
     assert b.hb.health() == [PeerHealth(PEER, 0.5, True, 4, 1)]
-    b.peers.down.clear()
+    b.peers.hung.clear()
     b.live[PEER] = ["h2"]  # a new handoff with the peer, which answers again
     await b.tick_at(1.0)
     assert b.hb.health() == [PeerHealth(PEER, 0.0, False, 4, 1)]
     assert b.back == [PEER]
+    await b.close()
