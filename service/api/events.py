@@ -21,7 +21,13 @@ from aiohttp import web
 
 from pipelines.decode import HANDOFF_ID_PATTERN
 from pipelines.errors import InvalidInput
-from pipelines.events import TERMINAL_EVENTS, Event, Subscription, event_encoder, event_tag
+from pipelines.events import (
+    Event,
+    HandoffReleased,
+    Subscription,
+    event_encoder,
+    event_tag,
+)
 from service.http.app import CONFIG, ROUTES
 from service.http.routing import RouteTable
 from service.runtime.pipelines import RUNTIME
@@ -237,7 +243,8 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
     errors=(404, 422),
     summary="One handoff's events (Server-Sent Events), from its first; ends after its last",
     description="On the decode service the handoff must exist (404 otherwise); its stored "
-    "timeline is sent first. On a prefill service the stream waits for the handoff's events. "
+    "timeline is sent first, and the stream ends after `handoff.released` (which follows the "
+    "outcome: `handoff.completed`, `.failed` or `.aborted`). On a prefill service the stream waits for the handoff's events. "
     "204 (no stream) when the handoff has ended and `Last-Event-ID` is at or past its last "
     "event, which stops a browser `EventSource` from reconnecting.",
     tags=("events",),
@@ -273,7 +280,7 @@ async def _serve(
             else:
                 timeline, gap = _replay(request, 0, keep)
             backlog = [e for e in timeline if resume is None or e.seq > resume]
-            if not backlog and any(isinstance(e, TERMINAL_EVENTS) for e in timeline):
+            if not backlog and any(isinstance(e, HandoffReleased) for e in timeline):
                 # Ended, and the reader has it all: 204 stops an EventSource reconnecting.
                 return web.Response(status=204)
         elif resume is not None:
@@ -293,7 +300,7 @@ async def _serve(
                 if gap.reason == "restarted":
                     stream.last_id = 0  # this process's ids start again from 1
             await stream.send(backlog)
-            if handoff_id is not None and any(isinstance(e, TERMINAL_EVENTS) for e in backlog):
+            if handoff_id is not None and any(isinstance(e, HandoffReleased) for e in backlog):
                 return response
             await _live(sub, stream, keep, config.sse_keepalive_s, handoff_id)
         except ConnectionResetError:  # the reader left (aiohttp's reset error subclasses it)
@@ -332,5 +339,9 @@ async def _live(
             batch.append(queue.get_nowait())
         events = [e for e in batch if keep(e)]
         await stream.send(events)
-        if handoff_id is not None and any(isinstance(e, TERMINAL_EVENTS) for e in events):
+        # A handoff's last event is its release (after its outcome); judged before the type
+        # filter, so a reader of `handoff.completed` alone still sees the stream end.
+        if handoff_id is not None and any(
+            isinstance(e, HandoffReleased) and e.handoff_id == handoff_id for e in batch
+        ):
             return

@@ -84,8 +84,14 @@ async def signed_post(
 
 
 async def decode_layout(http: aiohttp.ClientSession, dep: LocalDeployment) -> LayoutInfo:
-    headers = Signer(PEER, dep.prefill_urls[0]).headers("GET", "/v1/layout", b"")
-    async with http.get(dep.decode_url + "/v1/layout", headers=headers) as resp:
+    return await layout_of(http, dep.decode_url, dep.prefill_urls[0])
+
+
+async def layout_of(http: aiohttp.ClientSession, url: str, signer_url: str) -> LayoutInfo:
+    """A service's layout (and incarnation), read as a peer would: what a forger who holds the
+    peer secret knows, so the forged messages below are well-formed down to the incarnations."""
+    headers = Signer(PEER, signer_url).headers("GET", "/v1/layout", b"")
+    async with http.get(url + "/v1/layout", headers=headers) as resp:
         assert resp.status == 200
         return msgspec.json.decode(await resp.read(), type=LayoutInfo)
 
@@ -140,16 +146,19 @@ async def test_forged_destination_writes_nothing(
     for r in range(dep.pp_size):  # the engine's half is real: the stages wait for a destination
         assert (await ready(sessions["engine"], dep, "forged-dest", r, forged))[0] == 202
     for r in range(dep.pp_size):
+        stage = await layout_of(sessions["anonymous"], dep.url_of_stage(r), dep.decode_url)
         msg = {
             "handoff_id": "forged-dest",
             "decode_url": dep.decode_url,
+            "decode_incarnation": layout.incarnation,
+            "prefill_incarnation": stage.incarnation,
             "decode_target": layout.target,
             "decode_fingerprint": layout.stages[0].fingerprint,
             "decode_address_key": layout.stages[0].layout.address_key,
             "pp_ranks": [r],
             "dst_pages": forged.dst_pages,
             "dst_slot": forged.dst_slot,
-            "deadline_at": time.time() + 30,
+            "deadline_in_s": 30.0,
         }
         url = dep.url_of_stage(r)
         assert await attempts(sessions, url, "/v1/peer/destinations", [msg]) == REFUSED
@@ -182,9 +191,16 @@ async def test_forged_arrivals_and_failures_change_nothing(
     before = decode_bytes(dep)
     m = Moved(src_pages=[6, 7], dst_pages=[40, 41], src_slot=2, dst_slot=4)
     assert (await create(sessions["router"], dep, "victim", m))[0] == 201
+    layout = await decode_layout(sessions["anonymous"], dep)
     for r in range(dep.pp_size):
-        arrival = {"handoff_id": "victim", "pp_rank": r, "bytes": 0, "blocks": 0}
-        failure = {"handoff_id": "victim", "pp_rank": r, "code": "x", "reason": "forged"}
+        stage = await layout_of(sessions["anonymous"], dep.url_of_stage(r), dep.decode_url)
+        sender = {
+            "sender_url": dep.url_of_stage(r),  # claims to be the stage's own service
+            "sender_incarnation": stage.incarnation,
+            "decode_incarnation": layout.incarnation,
+        }
+        arrival = {"handoff_id": "victim", "pp_rank": r, "bytes": 0, "blocks": 0, **sender}
+        failure = {"handoff_id": "victim", "pp_rank": r, "code": "x", "reason": "forged", **sender}
         for path, msg in (("/v1/peer/arrivals", arrival), ("/v1/peer/stage-failures", failure)):
             assert await attempts(sessions, dep.decode_url, path, [msg]) == REFUSED
             # Signed, but by the other stage's service: only a stage's own peer reports on it.
@@ -193,6 +209,18 @@ async def test_forged_arrivals_and_failures_change_nothing(
                 sessions["anonymous"], dep.decode_url, path, [msg], secret=PEER, sender=other
             )
             assert status == 200 and outcomes[0]["status"] == 403, outcomes
+        # Signed by the stage's own service (a peer-secret holder) but moving 0 of the bytes the
+        # stage owes: the decode's accounting refuses it, naming the field.
+        status, outcomes = await signed_post(
+            sessions["anonymous"],
+            dep.decode_url,
+            "/v1/peer/arrivals",
+            [arrival],
+            secret=PEER,
+            sender=dep.url_of_stage(r),
+        )
+        assert status == 200 and outcomes[0]["status"] == 422, outcomes
+        assert outcomes[0]["problem"]["field"] == "bytes", outcomes
     async with sessions["router"].get(f"{dep.decode_url}/v1/handoffs/victim") as resp:
         view = await resp.json()
     assert view["state"] in ("pending", "transferring"), view  # destinations delivered
@@ -201,7 +229,11 @@ async def test_forged_arrivals_and_failures_change_nothing(
     assert decode_bytes(dep) == before
     await delivered(sessions["router"], dep, "victim")
     for r in range(dep.pp_size):  # nor may anyone but its decode service stop it on a stage
-        abort = {"handoff_id": "victim", "reason": "forged"}
+        abort = {
+            "handoff_id": "victim",
+            "reason": "forged",
+            "decode_incarnation": layout.incarnation,
+        }
         assert await attempts(sessions, dep.url_of_stage(r), "/v1/peer/aborts", abort) == REFUSED
         status, problem = await signed_post(
             sessions["anonymous"],
@@ -226,7 +258,10 @@ async def test_replayed_and_stale_peer_messages_are_refused(
     http = sessions["anonymous"]
     url = dep.url_of_stage(0)
     path = "/v1/peer/heartbeats"
-    raw = json.dumps({"sender_url": dep.decode_url, "role": "decode"}).encode()
+    layout = await decode_layout(http, dep)
+    raw = json.dumps(
+        {"sender_url": dep.decode_url, "sender_incarnation": layout.incarnation, "role": "decode"}
+    ).encode()
     headers = {**JSON, **Signer(PEER, dep.decode_url).headers("POST", path, raw)}
     async with http.post(url + path, data=raw, headers=headers) as resp:
         assert resp.status == 200

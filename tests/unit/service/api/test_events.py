@@ -315,7 +315,7 @@ async def d() -> AsyncIterator[Deployment]:
         yield deployment
 
 
-async def test_one_handoffs_stream_runs_from_its_first_event_to_its_terminal_one(
+async def test_one_handoffs_stream_runs_from_its_first_event_to_its_release(
     d: Deployment, http: httpx.AsyncClient
 ) -> None:
     assert (await d.create("h1", MOVE.dst_pages, MOVE.dst_slot)).status == 201
@@ -325,7 +325,7 @@ async def test_one_handoffs_stream_runs_from_its_first_event_to_its_terminal_one
         async with asyncio.timeout(WAIT_S):
             frames = [sse async for sse in source.aiter_sse()]  # ends by itself
     tags = [f.event for f in frames]
-    assert tags[0] == "handoff.created" and tags[-1] == "handoff.completed"
+    assert tags[0] == "handoff.created" and tags[-2:] == ["handoff.completed", "handoff.released"]
     assert tags.count("stage.arrived") == 2
     ids = [int(f.id) for f in frames]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)

@@ -94,7 +94,10 @@ async def test_every_event_is_delivered_signed_once_and_in_sequence(
         assert [p["type"] for p in payloads] == wanted
         assert [p["data"]["seq"] for p in payloads] == sorted(p["data"]["seq"] for p in payloads)
         assert all(p["data"]["handoff_id"] == "h1" for p in payloads)
-        assert payloads[-1]["data"]["type"] == "handoff.completed"
+        assert [p["data"]["type"] for p in payloads[-2:]] == [
+            "handoff.completed",
+            "handoff.released",  # the pages are free: what an engine waits for
+        ]
         assert payloads[-1]["timestamp"].endswith("Z")
         assert len({r.webhook_id for r in got}) == len(got)
         # The secret is shown once: never in the listing or the endpoint itself.
@@ -146,9 +149,11 @@ async def test_callback_url_receives_its_handoffs_events_signed_with_the_callbac
         await run(d, "h1", callback_url=receiver.url)
         await run(d, "h2", dst_pages=[20, 21])  # no callback: nothing for it
         got = await receiver.wait_for(lambda r: any(x.type == "handoff.completed" for x in r))
+        got = await receiver.wait_for(lambda r: any(x.type == "handoff.released" for x in r))
         assert [r.verified(CALLBACK_SECRET)["type"] for r in got] == [
             "handoff.created",
             "handoff.completed",
+            "handoff.released",
         ]
         assert {r.handoff_id for r in got} == {"h1"}
 

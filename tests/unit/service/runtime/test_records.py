@@ -8,7 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from pipelines.decode import HandoffRequest, HandoffState, HandoffView
+from pipelines.decode import HandoffRequest, HandoffView
+from pipelines.states import HandoffState
 from pipelines.events import EventBus, HandoffFailed
 from service.runtime.database import FILE_NAME, Database
 from service.runtime.records import HandoffRecords
@@ -39,6 +40,7 @@ def view(req: HandoffRequest, state: HandoffState, finished_at: float) -> Handof
         verify=False,
         bytes=5,
         stages=[],
+        released=state == HandoffState.COMPLETED,  # an outcome view, before handoff.released
         finished_at=finished_at,
     )
 
