@@ -244,7 +244,8 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
     summary="One handoff's events (Server-Sent Events), from its first; ends after its last",
     description="On the decode service the handoff must exist (404 otherwise); its stored "
     "timeline is sent first, and the stream ends after `handoff.released` (which follows the "
-    "outcome: `handoff.completed`, `.failed` or `.aborted`). On a prefill service the stream waits for the handoff's events. "
+    "outcome: `handoff.completed`, `.failed` or `.aborted`). On a prefill service the stream "
+    "waits for the handoff's events. "
     "204 (no stream) when the handoff has ended and `Last-Event-ID` is at or past its last "
     "event, which stops a browser `EventSource` from reconnecting.",
     tags=("events",),

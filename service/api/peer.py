@@ -115,6 +115,7 @@ async def heartbeat(request: web.Request) -> web.StreamResponse:
 
 @common_routes.get(
     WATCH_PATH,
+    role="peer",
     content_type="text/plain",
     summary="A peer holds this open to learn at once when this process ends (a byte a second)",
     tags=("peer",),

@@ -19,6 +19,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 #: Routes under this prefix are the API (a credential when configured); the rest stay open.
 API_PREFIX = "/v1/"
+#: Everything under it is the peer protocol: signed with the peer secret, whatever it declares.
+PEER_PREFIX = "/v1/peer/"
 
 #: Who may call a route (see service.http.auth): a router's or an engine's bearer token, a
 #: peer service's signature, or anyone.
@@ -64,6 +66,12 @@ class Route:
 
     @property
     def auth_role(self) -> AuthRole:
+        if self.path.startswith(PEER_PREFIX):
+            # Structural, not per declaration: a peer route that forgot `role=` must not take a
+            # router's credential (a peer message moves or frees decode memory).
+            if self.role not in (None, "peer"):
+                raise ValueError(f"{self.path} is a peer route; it cannot take role {self.role}")
+            return "peer"
         if self.role is not None:
             return self.role
         return "router" if self.is_api else "open"

@@ -61,4 +61,4 @@ async def test_a_dropped_reader_resumes_and_reads_every_event_once(
                     if seen[-1] == expected[-1]:
                         break
     assert seen == expected
-    assert len(expected) == 10 * 4  # created, two stages arrived, completed
+    assert len(expected) == 10 * 5  # created, two stages arrived, completed, released

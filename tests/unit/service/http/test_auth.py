@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from service.http.app import ROUTES, json_response
+from service.http.app import ROUTES, create_app, json_response
 from service.http.auth import signed_sender, signer_for
 from service.http.routing import RouteTable
 from service.http.signing import Signer
+from service.serve import EXTENSIONS, load_extension
 from tests.unit.service.conftest import ClientFactory, make_config
 
 ROLES = {"router": "r-secret", "engine": "e-secret", "peer": "p-secret"}
@@ -131,3 +132,25 @@ async def test_server_token_alone_serves_every_role(make_client: ClientFactory) 
     response = await client.post(ROUTE_OF["router"], headers=bearer("t"))
     assert response.status == 403  # "t" is the engine's (and peer's) credential now
     assert (await client.post(ROUTE_OF["router"], headers=bearer("r-secret"))).status == 200
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_every_peer_route_the_service_serves_takes_the_peer_credential(role: str) -> None:
+    app = create_app(make_config(role=role), extensions=[load_extension(e) for e in EXTENSIONS])
+    peer_paths = [r.path for r in app[ROUTES] if r.path.startswith("/v1/peer/")]
+    assert peer_paths, "no peer routes found"
+    for r in app[ROUTES]:
+        if r.path.startswith("/v1/peer/") or r.path == "/v1/layout":
+            assert r.auth_role == "peer", (r.method, r.path)
+
+
+def test_a_peer_path_cannot_be_declared_for_another_role() -> None:
+    async def handler(request: web.Request) -> web.Response:
+        return json_response({})
+
+    routes = RouteTable()
+    undeclared = routes.add("GET", "/v1/peer/new", handler)
+    assert undeclared.auth_role == "peer"  # a forgotten role= still needs the peer secret
+    wrong = routes.add("GET", "/v1/peer/other", handler, role="router")
+    with pytest.raises(ValueError, match="peer route"):
+        _ = wrong.auth_role

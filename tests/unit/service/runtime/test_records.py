@@ -9,8 +9,8 @@ import msgspec
 import pytest
 
 from pipelines.decode import HandoffRequest, HandoffView
-from pipelines.states import HandoffState
 from pipelines.events import EventBus, HandoffFailed
+from pipelines.states import HandoffState
 from service.runtime.database import FILE_NAME, Database
 from service.runtime.records import HandoffRecords
 
