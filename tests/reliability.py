@@ -191,19 +191,31 @@ async def forgeries(dep: LocalDeployment, p: Parties, c: Campaign, round_: int) 
         t.record(ok, status, f"got {status}: {result[2]}")
 
     for r in range(dep.pp_size):
+        # What a forger holding the peer secret can read, so every message is well-formed down
+        # to the incarnations and only the checks that matter can refuse it.
+        headers = Signer(PEER, dep.decode_url).headers("GET", "/v1/layout", b"")
+        async with p.anonymous.get(dep.url_of_stage(r) + "/v1/layout", headers=headers) as resp:
+            stage = msgspec.json.decode(await resp.read(), type=LayoutInfo)
+        claims = {
+            "sender_url": dep.url_of_stage(r),
+            "sender_incarnation": stage.incarnation,
+            "decode_incarnation": layout.incarnation,
+        }
         dest = {
             "handoff_id": hid,
             "decode_url": dep.decode_url,
+            "decode_incarnation": layout.incarnation,
+            "prefill_incarnation": stage.incarnation,
             "decode_target": layout.target,
             "decode_fingerprint": layout.stages[0].fingerprint,
             "decode_address_key": layout.stages[0].layout.address_key,
             "pp_ranks": [r],
             "dst_pages": m.dst_pages,
             "dst_slot": m.dst_slot,
-            "deadline_at": time.time() + 30,
+            "deadline_in_s": 30.0,
         }
-        arrival = {"handoff_id": victim, "pp_rank": r, "bytes": 0, "blocks": 0}
-        failure = {"handoff_id": victim, "pp_rank": r, "code": "x", "reason": "forged"}
+        arrival = {"handoff_id": victim, "pp_rank": r, "bytes": 0, "blocks": 0, **claims}
+        failure = {"handoff_id": victim, "pp_rank": r, "code": "x", "reason": "forged", **claims}
         other = next(u for u in dep.prefill_urls if u != dep.url_of_stage(r))
         for name, base, path, msg, impostor in (
             ("forged destination", dep.url_of_stage(r), "/v1/peer/destinations", dest, other),
@@ -221,8 +233,17 @@ async def forgeries(dep: LocalDeployment, p: Parties, c: Campaign, round_: int) 
             await attempt(name, "signed with the router's token as key", {401}, call)
             call = signed(p.anonymous, base, path, [msg], sender=impostor)
             await attempt(name, "signed by a peer claiming another service", {403}, call)
+        # Signed by the stage's own service, but accounting for none of the stage's bytes.
+        call = signed(
+            p.anonymous, dep.decode_url, "/v1/peer/arrivals", [arrival], sender=dep.url_of_stage(r)
+        )
+        await attempt("forged arrival (0 bytes)", "signed by the stage's own service", {422}, call)
 
-    beat = {"sender_url": dep.decode_url, "role": "decode"}
+    beat = {
+        "sender_url": dep.decode_url,
+        "sender_incarnation": layout.incarnation,
+        "role": "decode",
+    }
     raw = json.dumps(beat).encode()
     path = "/v1/peer/heartbeats"
     url = dep.url_of_stage(0)
@@ -250,7 +271,8 @@ async def forgeries(dep: LocalDeployment, p: Parties, c: Campaign, round_: int) 
             )
     await delivered(p.router, dep, victim)  # the prefill side knows who the victim's decode is
     for r in range(dep.pp_size):
-        raw = json.dumps({"handoff_id": victim, "reason": "forged"}).encode()
+        abort = {"handoff_id": victim, "reason": "forged", "decode_incarnation": layout.incarnation}
+        raw = json.dumps(abort).encode()
         base, path = dep.url_of_stage(r), "/v1/peer/aborts"
         other = next(u for u in dep.prefill_urls if u != base)
         for who, session in (("router token", p.router), ("engine token", p.engine)):
