@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import signal
 import subprocess
@@ -56,8 +55,8 @@ from tests.integration.handoff_checks import (
     reset_decode,
     rows,
 )
-from tests.integration.test_fuzz import FUZZ
-from tests.integration.test_trust import delivered
+from tests.integration.test_fuzz import run_schemathesis
+from tests.integration.test_trust import delivered, forged_destination, layout_of
 
 ROUTER, ENGINE, PEER = "rel-router", "rel-engine", "rel-peer"
 ENV = {
@@ -193,27 +192,13 @@ async def forgeries(dep: LocalDeployment, p: Parties, c: Campaign, round_: int) 
     for r in range(dep.pp_size):
         # What a forger holding the peer secret can read, so every message is well-formed down
         # to the incarnations and only the checks that matter can refuse it.
-        headers = Signer(PEER, dep.decode_url).headers("GET", "/v1/layout", b"")
-        async with p.anonymous.get(dep.url_of_stage(r) + "/v1/layout", headers=headers) as resp:
-            stage = msgspec.json.decode(await resp.read(), type=LayoutInfo)
+        stage = await layout_of(p.anonymous, dep.url_of_stage(r), dep.decode_url, PEER)
         claims = {
             "sender_url": dep.url_of_stage(r),
             "sender_incarnation": stage.incarnation,
             "decode_incarnation": layout.incarnation,
         }
-        dest = {
-            "handoff_id": hid,
-            "decode_url": dep.decode_url,
-            "decode_incarnation": layout.incarnation,
-            "prefill_incarnation": stage.incarnation,
-            "decode_target": layout.target,
-            "decode_fingerprint": layout.stages[0].fingerprint,
-            "decode_address_key": layout.stages[0].layout.address_key,
-            "pp_ranks": [r],
-            "dst_pages": m.dst_pages,
-            "dst_slot": m.dst_slot,
-            "deadline_in_s": 30.0,
-        }
+        dest = forged_destination(dep, hid, r, layout, stage, m)
         arrival = {"handoff_id": victim, "pp_rank": r, "bytes": 0, "blocks": 0, **claims}
         failure = {"handoff_id": victim, "pp_rank": r, "code": "x", "reason": "forged", **claims}
         other = next(u for u in dep.prefill_urls if u != dep.url_of_stage(r))
@@ -635,38 +620,14 @@ async def kill_or_stop(c: Campaign, sig: int, round_: int) -> None:
 
 def fuzz(dep: LocalDeployment, c: Campaign, examples: int) -> None:
     for name, url in (("decode", dep.decode_url), ("prefill", dep.prefill_urls[0])):
-        command = [
-            str(Path(sys.executable).parent / "st"),
-            "--config-file",
-            str(FUZZ / "schemathesis.toml"),
-            "run",
-            f"{url}/openapi.json",
-            "--checks",
-            "all",
-            "--exclude-checks",
-            "use_after_free",
-            "--max-examples",
-            str(examples),
-            "--no-color",
-            "--seed",
-            "20261201",
-        ]
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "SCHEMATHESIS_HOOKS": "tests.fuzz.hooks",
-            "KVHANDOFF_FUZZ_TOKEN": ROUTER,
-            "KVHANDOFF_FUZZ_DECODE": dep.decode_url,
-            "KVHANDOFF_FUZZ_PREFILL": ",".join(dep.prefill_urls),
-        }
-        with tempfile.TemporaryDirectory() as work:  # schemathesis leaves its cache in cwd
-            done = subprocess.run(
-                command, cwd=work, env=env, capture_output=True, text=True, timeout=900, check=False
+        with tempfile.TemporaryDirectory() as work:
+            code, output = run_schemathesis(
+                dep, url, Path(work), examples=examples, seed="20261201", token=ROUTER
             )
-        summary = done.stdout.rsplit("Test cases:", 1)[-1]
+        summary = output.rsplit("Test cases:", 1)[-1]
         cases = int((re.search(r"(\d+) generated", summary) or [0, 0])[1])
         failed = sum(int(x) for x in re.findall(r"(\d+) (?:found|errored)", summary))
-        c.fuzz.append((name, cases, failed if done.returncode == 0 else max(failed, 1)))
+        c.fuzz.append((name, cases, failed if code == 0 else max(failed, 1)))
 
 
 # ---------------------------------------------------------------------------------------------

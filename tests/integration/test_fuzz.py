@@ -50,7 +50,17 @@ def dep() -> Iterator[LocalDeployment]:
         yield deployment
 
 
-def run_schemathesis(dep: LocalDeployment, url: str, tmp_path: Path) -> tuple[int, str]:
+def run_schemathesis(
+    dep: LocalDeployment,
+    url: str,
+    workdir: Path,
+    *,
+    examples: int = EXAMPLES,
+    seed: str = SEED,
+    token: str = TOKEN,
+) -> tuple[int, str]:
+    """One schemathesis pass over the service at `url` (exit status, output); also used by
+    `tests/reliability.py`. schemathesis leaves its cache in `workdir`."""
     command = [
         str(Path(sys.executable).parent / "st"),
         "--config-file",
@@ -62,28 +72,28 @@ def run_schemathesis(dep: LocalDeployment, url: str, tmp_path: Path) -> tuple[in
         "--exclude-checks",
         "use_after_free",
         "--max-examples",
-        str(EXAMPLES),
+        str(examples),
         "--workers",
         "1",
         "--no-color",
     ]
-    if SEED != "random":
-        command += ["--seed", SEED]
+    if seed != "random":
+        command += ["--seed", seed]
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "SCHEMATHESIS_HOOKS": "tests.fuzz.hooks",
-        "KVHANDOFF_FUZZ_TOKEN": TOKEN,
+        "KVHANDOFF_FUZZ_TOKEN": token,
         "KVHANDOFF_FUZZ_DECODE": dep.decode_url,
         "KVHANDOFF_FUZZ_PREFILL": ",".join(dep.prefill_urls),
     }
     done = subprocess.run(
         command,
-        cwd=tmp_path,
+        cwd=workdir,
         env=env,
         capture_output=True,
         text=True,
-        timeout=max(600, 20 * EXAMPLES),
+        timeout=max(600, 20 * examples),
         check=False,
     )
     output = done.stdout + done.stderr

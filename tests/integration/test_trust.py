@@ -87,13 +87,40 @@ async def decode_layout(http: aiohttp.ClientSession, dep: LocalDeployment) -> La
     return await layout_of(http, dep.decode_url, dep.prefill_urls[0])
 
 
-async def layout_of(http: aiohttp.ClientSession, url: str, signer_url: str) -> LayoutInfo:
+async def layout_of(
+    http: aiohttp.ClientSession, url: str, signer_url: str, secret: str = PEER
+) -> LayoutInfo:
     """A service's layout (and incarnation), read as a peer would: what a forger who holds the
     peer secret knows, so the forged messages below are well-formed down to the incarnations."""
-    headers = Signer(PEER, signer_url).headers("GET", "/v1/layout", b"")
+    headers = Signer(secret, signer_url).headers("GET", "/v1/layout", b"")
     async with http.get(url + "/v1/layout", headers=headers) as resp:
         assert resp.status == 200
         return msgspec.json.decode(await resp.read(), type=LayoutInfo)
+
+
+def forged_destination(
+    dep: LocalDeployment,
+    handoff_id: str,
+    pp_rank: int,
+    decode: LayoutInfo,
+    stage: LayoutInfo,
+    moved: Moved,
+) -> dict[str, Any]:
+    """A destination for `moved` that no handoff leases, well-formed down to the incarnations
+    (read from the layouts a peer-secret holder can fetch): only the trust checks can refuse it."""
+    return {
+        "handoff_id": handoff_id,
+        "decode_url": dep.decode_url,
+        "decode_incarnation": decode.incarnation,
+        "prefill_incarnation": stage.incarnation,
+        "decode_target": decode.target,
+        "decode_fingerprint": decode.stages[0].fingerprint,
+        "decode_address_key": decode.stages[0].layout.address_key,
+        "pp_ranks": [pp_rank],
+        "dst_pages": moved.dst_pages,
+        "dst_slot": moved.dst_slot,
+        "deadline_in_s": 30.0,
+    }
 
 
 async def attempts(
@@ -147,19 +174,7 @@ async def test_forged_destination_writes_nothing(
         assert (await ready(sessions["engine"], dep, "forged-dest", r, forged))[0] == 202
     for r in range(dep.pp_size):
         stage = await layout_of(sessions["anonymous"], dep.url_of_stage(r), dep.decode_url)
-        msg = {
-            "handoff_id": "forged-dest",
-            "decode_url": dep.decode_url,
-            "decode_incarnation": layout.incarnation,
-            "prefill_incarnation": stage.incarnation,
-            "decode_target": layout.target,
-            "decode_fingerprint": layout.stages[0].fingerprint,
-            "decode_address_key": layout.stages[0].layout.address_key,
-            "pp_ranks": [r],
-            "dst_pages": forged.dst_pages,
-            "dst_slot": forged.dst_slot,
-            "deadline_in_s": 30.0,
-        }
+        msg = forged_destination(dep, "forged-dest", r, layout, stage, forged)
         url = dep.url_of_stage(r)
         assert await attempts(sessions, url, "/v1/peer/destinations", [msg]) == REFUSED
         # A peer-secret holder speaking for the decode service it is not: refused per item.
