@@ -16,8 +16,8 @@ BASE ?= python:3.11-slim-bookworm
 IMAGE_TOOLS := podman buildah mmdebstrap
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: setup test-tools test lint fmt typecheck demo bench bench-plan bench-transport bench-events fuzz \
-	reliability clean image-setup image image-test
+.PHONY: setup test-tools test lint fmt typecheck demo bench bench-plan bench-transport \
+	bench-events bench-webhooks fuzz reliability clean image-setup image image-test
 
 setup: $(STAMP)
 
@@ -69,7 +69,7 @@ fuzz: setup
 reliability: setup
 	$(PY) -m tests.reliability --out RELIABILITY.md
 
-bench: bench-plan bench-transport bench-events
+bench: bench-plan bench-transport bench-events bench-webhooks
 
 bench-plan: setup
 	$(VENV)/bin/kvhandoff bench plan
@@ -95,6 +95,9 @@ image-test: image
 
 bench-events: setup
 	$(VENV)/bin/kvhandoff bench events
+
+bench-webhooks: setup
+	$(VENV)/bin/kvhandoff bench webhooks
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info build

@@ -128,7 +128,10 @@ async def create_handoff(request: web.Request) -> web.StreamResponse:
     "reuses them).",
     tags=("handoffs",),
     path_schemas={"id": _ID_SCHEMA},
-    query=(("wait_s", {"type": "number", "minimum": 0, "maximum": MAX_WAIT_S}),),
+    query=(
+        ("wait_s", {"type": "number", "minimum": 0, "maximum": MAX_WAIT_S}),
+        ("until", {"type": "string", "enum": ["outcome", "released"]}),
+    ),
 )
 async def get_handoff(request: web.Request) -> web.StreamResponse:
     handoff_id = _handoff_id(request)
