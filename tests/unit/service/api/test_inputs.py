@@ -255,7 +255,7 @@ async def test_openapi_is_complete_enough_to_fuzz() -> None:
     one = decode["paths"]["/v1/handoffs/{id}"]["get"]
     id_schema = next(p for p in one["parameters"] if p["name"] == "id")["schema"]
     assert id_schema["pattern"] == HANDOFF_ID_PATTERN
-    assert [p["name"] for p in one["parameters"] if p["in"] == "query"] == ["wait_s"]
+    assert [p["name"] for p in one["parameters"] if p["in"] == "query"] == ["wait_s", "until"]
     arrivals = decode["paths"]["/v1/peer/arrivals"]["post"]
     assert arrivals["security"] == [{"peerSignature": []}]
     assert {"401", "403", "409"} <= set(arrivals["responses"])
