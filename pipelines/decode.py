@@ -18,13 +18,22 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Protocol
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
-from msgspec import Meta, Struct
 
+from pipelines.decode_views import (
+    ArchivedHandoff,
+    ErrorView,
+    FencedPages,
+    HandoffArchive,
+    HandoffPage,
+    HandoffRequest,
+    HandoffView,
+    StageView,
+)
 from pipelines.errors import (
     CapacityExceeded,
     ConflictError,
@@ -73,29 +82,6 @@ log = logging.getLogger(__name__)
 I64 = npt.NDArray[np.int64]
 ROLE = "decode"
 
-#: A handoff id is a URL path segment (`/v1/handoffs/{id}`): no "/", and not "." or "..",
-#: which standard clients resolve away (RFC 3986 dot-segments). No lookahead: JSON Schema users.
-HANDOFF_ID_PATTERN = (
-    r"^(?:[A-Za-z0-9._:@-]{3,256}|[A-Za-z0-9_:@-][A-Za-z0-9._:@-]?|\.[A-Za-z0-9_:@-])$"
-)
-HandoffId = Annotated[str, Meta(min_length=1, max_length=256, pattern=HANDOFF_ID_PATTERN)]
-
-
-class HandoffRequest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Router → decode: move one request's KV cache and state into these decode pages."""
-
-    id: HandoffId  # the router's request id
-    # Base URLs of the prefill services hosting the request's PP stages (together, every stage
-    # once); empty: the decode service's configured `peers.prefill`.
-    prefill: list[Annotated[str, Meta(pattern=r"^https?://")]] = []
-    dst_pages: list[Annotated[int, Meta(ge=0)]]
-    dst_slot: Annotated[int, Meta(ge=0)] | None = None
-    deadline_s: Annotated[float, Meta(gt=0, le=3600)] | None = None
-    verify: bool | None = None
-    metadata: dict[str, Any] = {}
-    #: Receives this handoff's lifecycle events as signed webhooks (the service checks the host).
-    callback_url: Annotated[str, Meta(pattern=r"^https?://", max_length=2048)] | None = None
-
 
 class PrefillPeer(Protocol):
     """Decode → prefill calls, implemented by the service over HTTP."""
@@ -105,73 +91,6 @@ class PrefillPeer(Protocol):
     async def deliver(self, url: str, msg: DestinationMsg) -> None: ...
 
     async def abort(self, url: str, msg: AbortMsg) -> AbortAck: ...
-
-
-class StageView(Struct, frozen=True):
-    pp_rank: int
-    peer: str
-    state: StageState
-    bytes: int
-
-
-class ErrorView(Struct, frozen=True, omit_defaults=True):
-    code: str
-    reason: str
-    pp_rank: int | None = None
-    context: dict[str, Any] = {}
-
-
-class HandoffView(Struct, frozen=True, omit_defaults=True):
-    """A handoff as a router sees it. `state` is its outcome once terminal; `released` says
-    whether its destination pages and slot are free again (a router reschedules on the outcome,
-    an engine reuses the pages only once released)."""
-
-    id: str
-    state: HandoffState
-    created_at: float
-    deadline_at: float
-    num_pages: int
-    dst_slot: int | None
-    prefill: list[str]
-    verify: bool
-    bytes: int
-    stages: list[StageView]
-    released: bool
-    finished_at: float | None = None
-    released_at: float | None = None
-    # "passed", or "skipped: <why>" when verification was asked for and could not run.
-    verification: str | None = None
-    error: ErrorView | None = None
-    metadata: dict[str, Any] = {}
-    timeline: list[Event] = []
-
-
-class HandoffPage(Struct, frozen=True):
-    items: list[HandoffView]
-    next_cursor: int | None
-
-
-class ArchivedHandoff(Struct, frozen=True):
-    """A handoff this process does not hold (an earlier process's, or evicted), as recorded."""
-
-    request: HandoffRequest
-    view: HandoffView
-
-
-class HandoffArchive(Protocol):
-    """Where the service keeps finished handoffs (`service.runtime.records`)."""
-
-    def find(self, handoff_id: str) -> ArchivedHandoff | None: ...
-
-
-class FencedPages(Struct, frozen=True):
-    """Pages and slot an earlier process leased to `handoff_id`, writable by its prefill stages
-    until `release_at` (unix seconds): its deadline plus the engine's timeout."""
-
-    handoff_id: str
-    dst_pages: list[int]
-    dst_slot: int | None
-    release_at: float
 
 
 @dataclass

@@ -30,7 +30,8 @@ import numpy as np
 import uvloop
 from aiohttp import web
 
-from pipelines.decode import DecodePipeline, HandoffId, HandoffRequest, HandoffView
+from pipelines.decode import DecodePipeline
+from pipelines.decode_views import HandoffId, HandoffRequest, HandoffView
 from pipelines.errors import InternalError, InvalidInput
 from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo

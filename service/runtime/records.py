@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pipelines.decode import (
+from pipelines.decode_views import (
     ArchivedHandoff,
     ErrorView,
     FencedPages,

@@ -8,7 +8,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from pipelines.decode import DecodePipeline, HandoffRequest
+from pipelines.decode import DecodePipeline
+from pipelines.decode_views import HandoffRequest
 from pipelines.errors import (
     CapacityExceeded,
     ConflictError,

@@ -9,7 +9,8 @@ import time
 import msgspec
 import pytest
 
-from pipelines.decode import DecodePipeline, HandoffRequest
+from pipelines.decode import DecodePipeline
+from pipelines.decode_views import HandoffRequest
 from pipelines.errors import ConflictError, InvalidInput, PeerUnreachable
 from pipelines.events import EventBus, event_tag
 from pipelines.inprocess import InProcessLink

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipelines.decode import DecodePipeline, HandoffRequest
+from pipelines.decode import DecodePipeline
+from pipelines.decode_views import HandoffRequest
 from pipelines.errors import PeerUnreachable, TransportError
 from pipelines.events import EventBus, event_tag
 from pipelines.inprocess import InProcessLink

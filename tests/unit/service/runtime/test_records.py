@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from pipelines.decode import HandoffRequest, HandoffView
+from pipelines.decode_views import HandoffRequest, HandoffView
 from pipelines.events import EventBus, HandoffFailed
 from pipelines.states import HandoffState
 from service.runtime.database import FILE_NAME, Database
