@@ -485,16 +485,41 @@ class DecodePipeline:
             self._fenced_until[f.handoff_id] = f.release_at
             delay = f.release_at - self._clock()
             if delay <= 0:
+                self._release_restored(f.handoff_id, leased=False)
                 continue
             try:
                 pages = validate_pages_for_layout(
                     self.layout, f.dst_pages, f.dst_slot, side="destination", unique=True
                 )
                 self.leases.acquire(f.handoff_id, pages, f.dst_slot if self.layout.state else None)
-            except KVHandoffError as exc:  # the pool shrank between runs: nothing there to fence
+            except InvalidInput as exc:  # the pool shrank between runs: nothing there to fence
                 log.warning("not fencing pages of restored handoff %s: %s", f.handoff_id, exc)
+                self._release_restored(f.handoff_id, leased=False)
                 continue
-            self._fence_timers.append(loop.call_later(delay, self.leases.release, f.handoff_id))
+            self._fence_timers.append(
+                loop.call_later(delay, self._release_restored, f.handoff_id, True)
+            )
+
+    def _release_restored(self, handoff_id: str, leased: bool) -> None:
+        """The bound of an earlier life's handoff passed: free its pages and say so, like any
+        release (`handoff.released`, unconfirmed), so the record, webhooks and SSE readers see it
+        and a later restart does not fence these pages again."""
+        if leased:
+            self.leases.release(handoff_id)
+        old = self._archive.find(handoff_id) if self._archive is not None else None
+        if old is None:
+            return
+        now = self._clock()
+        self._bus.publish(
+            HandoffReleased(
+                handoff_id=handoff_id,
+                role=ROLE,
+                outcome=old.view.state.value,
+                confirmed=False,
+                seconds_after_outcome=max(0.0, now - (old.view.finished_at or now)),
+                metadata=old.request.metadata,
+            )
+        )
 
     def live_with(self, url: str) -> list[str]:
         """Every unreleased handoff with a stage on prefill `url` (a heartbeat answer)."""
@@ -504,24 +529,45 @@ class DecodePipeline:
             if h.release != ReleaseState.RELEASED and any(s.peer == url for s in h.stages.values())
         ]
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float | None = None) -> None:
         """Abort every live handoff and wait until every handoff's pages are released — never
         sooner, so no prefill stage can write into pages this service gives back — then stop
-        the remaining background tasks."""
+        the remaining background tasks.
+
+        `timeout_s` bounds the wait of a service that is stopping (its prefill peers may be gone
+        too, and then only the deadline plus the declared engine bound would free the pages).
+        What is unreleased by then stays leased: its quiesce is cancelled, which releases
+        nothing. The caller must then close the transport that receives the writes before the
+        memory is reused; the service does (pools are unregistered and the engine closed right
+        after this returns), so no write can land afterwards, and the handoff's record, still
+        unreleased, keeps the pages fenced if the service starts again on them."""
         live = [h.id for h in self.handoffs.values() if not h.state.terminal]
-        outcomes = await asyncio.gather(
+        aborts = asyncio.gather(
             *(self.abort(hid, "decode service shutting down") for hid in live),
             return_exceptions=True,
         )
-        for hid, outcome in zip(live, outcomes):
-            if isinstance(outcome, BaseException):
-                log.warning("abort of %s on shutdown failed: %r", hid, outcome)
-        quiescing = [h.quiesce for h in self.handoffs.values() if h.quiesce is not None]
-        await asyncio.gather(*quiescing, return_exceptions=True)
+        try:
+            async with asyncio.timeout(timeout_s):
+                outcomes = await asyncio.shield(aborts)
+                for hid, outcome in zip(live, outcomes):
+                    if isinstance(outcome, BaseException):
+                        log.warning("abort of %s on shutdown failed: %r", hid, outcome)
+                quiescing = [h.quiesce for h in self.handoffs.values() if h.quiesce is not None]
+                await asyncio.shield(asyncio.gather(*quiescing, return_exceptions=True))
+        except TimeoutError:
+            unreleased = [
+                h.id for h in self.handoffs.values() if h.release != ReleaseState.RELEASED
+            ]
+            log.warning(
+                "stopping with %d handoff(s) unreleased after %g s (%s): their pages stay "
+                "leased until this service's transport is closed",
+                len(unreleased),
+                timeout_s,
+                ", ".join(unreleased[:8]),
+            )
         for task in list(self._tasks):
-            if task not in quiescing:
-                task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+            task.cancel()  # finished ones are unaffected; a cancelled quiesce releases nothing
+        await asyncio.gather(*self._tasks, aborts, return_exceptions=True)
         for timer in self._fence_timers:
             timer.cancel()
 

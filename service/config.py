@@ -176,6 +176,10 @@ class HandoffConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     #: not confirm it stopped (each prefill declares its own engine-call bound; one above this
     #: is refused at create). Pages stay leased until then.
     max_grace_s: PositiveSeconds = 60.0
+    #: How long a stopping decode service waits for its handoffs' pages to be released (its
+    #: prefill stages confirming they stopped) before it closes its transport anyway — after
+    #: which no write can land — leaving what is unreleased fenced in its records.
+    shutdown_grace_s: PositiveSeconds = 5.0
     #: Events kept for SSE `Last-Event-ID` resume.
     sse_buffer: Positive = 4096
     #: Seconds between SSE keep-alive comments (proxies close idle streams).

@@ -274,14 +274,20 @@ async def _serve(
     try:
         backlog: list[Event] = []
         gap: StreamGap | None = None
+        ended = False  # the handoff's last event is already in its timeline
         if handoff_id is not None:
             if runtime.decode is not None:
                 # Raises NotFoundError (404) before any header is sent.
-                timeline = runtime.decode.get(handoff_id).timeline
+                view = runtime.decode.get(handoff_id)
+                timeline = view.timeline
+                # An earlier life's handoff, answered from its record, may have no release event
+                # in its timeline: its view says whether it is released.
+                ended = view.released and view.state.terminal
             else:
                 timeline, gap = _replay(request, 0, keep)
+            ended = ended or any(isinstance(e, HandoffReleased) for e in timeline)
             backlog = [e for e in timeline if resume is None or e.seq > resume]
-            if not backlog and any(isinstance(e, HandoffReleased) for e in timeline):
+            if not backlog and ended:
                 # Ended, and the reader has it all: 204 stops an EventSource reconnecting.
                 return web.Response(status=204)
         elif resume is not None:
@@ -301,7 +307,7 @@ async def _serve(
                 if gap.reason == "restarted":
                     stream.last_id = 0  # this process's ids start again from 1
             await stream.send(backlog)
-            if handoff_id is not None and any(isinstance(e, HandoffReleased) for e in backlog):
+            if handoff_id is not None and ended:
                 return response
             await _live(sub, stream, keep, config.sse_keepalive_s, handoff_id)
         except ConnectionResetError:  # the reader left (aiohttp's reset error subclasses it)

@@ -20,8 +20,9 @@ from pipelines.states import HandoffState
 from service.api import inputs
 from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
+from service.http.problems import NotReady
 from service.http.routing import RouteTable
-from service.runtime.persistence import persistence_of
+from service.runtime.persistence import PERSISTENCE, persistence_of
 from service.runtime.pipelines import RUNTIME, decode_of, install_pipelines, prefill_of
 
 _ID = re.compile(HANDOFF_ID_PATTERN)
@@ -84,7 +85,7 @@ def _query_number(
     response=HandoffView,
     status=201,
     also=(200,),
-    errors=(404, 409, 422, 429, 502, 504),
+    errors=(404, 409, 422, 429, 502, 503, 504),
     summary="Create a handoff (idempotent for an identical body; 409 for another body)",
     description="Checks the destination pages and slot, fences them, fetches and pairs the "
     "prefill layouts, then sends the destination to every prefill service. Answers 201 for a new "
@@ -100,6 +101,15 @@ async def create_handoff(request: web.Request) -> web.StreamResponse:
         # Empty pages are a state-only handoff (README); without state there is nothing to move.
         raise InvalidInput(
             "dst_pages is empty and the model has no state to move", field="dst_pages"
+        )
+    records = request.app.get(PERSISTENCE)
+    if records is not None and records.broken is not None:
+        # A handoff accepted without its record would not be fenced after a crash: refuse new
+        # work once a write failed (readiness says the same) until the service is restarted.
+        raise NotReady(
+            f"handoff records cannot be written ({records.broken}); use another decode service "
+            "until this one is restarted",
+            not_ready=["records"],
         )
     if body.callback_url is not None:
         await persistence_of(request).check_callback(body.callback_url)

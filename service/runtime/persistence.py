@@ -131,7 +131,9 @@ async def _persistence_ctx(app: web.Application) -> AsyncIterator[None]:
             for task in chores:
                 task.cancel()
             await asyncio.gather(*chores, return_exceptions=True)
-            await decode.close()  # idempotent; here so its shutdown aborts reach the outbox
+            await decode.close(
+                config.handoff.shutdown_grace_s
+            )  # idempotent; here so its shutdown aborts reach the outbox
             await persistence.dispatcher.close()
             persistence.outbox.flush()
     finally:
@@ -143,7 +145,9 @@ def _build(config: Config, db: Database, clock: Callable[[], float] = time.time)
     outbox = Outbox(db, hooks.callback_secret, hooks.callback_types)
     return Persistence(
         db=db,
-        records=HandoffRecords(db, grace_s=config.transport.engine_timeout_s),
+        # The longest any prefill may declare its engine calls run (a create is refused beyond it):
+        # after a crash, the handoff's own declaration is gone with the process.
+        records=HandoffRecords(db, grace_s=config.handoff.max_grace_s),
         outbox=outbox,
         dispatcher=Dispatcher(outbox, hooks, clock=clock),
         clock=clock,
@@ -223,7 +227,7 @@ def _restore(
             len(interrupted),
             RESTARTED,
             len(fenced),
-            config.transport.engine_timeout_s,
+            config.handoff.max_grace_s,
         )
 
 

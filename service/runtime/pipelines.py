@@ -132,7 +132,7 @@ async def _handoffs_ctx(app: web.Application) -> AsyncIterator[None]:
             # Heartbeats keep running while live handoffs are aborted: a peer that stops
             # answering is declared lost instead of holding up the shutdown.
             if runtime.decode is not None:
-                await runtime.decode.close()
+                await runtime.decode.close(config.handoff.shutdown_grace_s)
             if runtime.prefill is not None:
                 await runtime.prefill.close()
             beat.cancel()

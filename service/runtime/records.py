@@ -74,9 +74,9 @@ class HandoffRecords:
         )
 
     def finished(self, tx: sqlite3.Connection, view: HandoffView) -> None:
-        # Completed and aborted handoffs end after every writer stopped; a failed one may
-        # still be quiescing, and an abort is announced before its writers stopped, so their
-        # pages stay unreleased until a `handoff.released` event.
+        # A completed handoff ended after every writer reported its bytes; a failed or aborted
+        # one is announced before its writers stopped, so its pages stay unreleased until a
+        # `handoff.released` event.
         released = view.state == HandoffState.COMPLETED
         tx.execute(
             "UPDATE handoffs SET state = ?, view = ?, finished_at = ?,"

@@ -217,6 +217,31 @@ async def test_finding_6_close_never_releases_pages_a_writer_may_still_touch(w: 
     assert released[0].confirmed is False  # type: ignore[union-attr]
 
 
+async def test_a_bounded_close_leaves_unconfirmed_pages_leased_never_released(w: World) -> None:
+    """A stopping service does not wait out the bound when its peers are gone: after
+    `timeout_s` it returns with the handoff still leased and unreleased (the service then
+    closes the transport that receives writes), and publishes no release it cannot prove."""
+    link = link_of(w)
+
+    async def unreachable(url: str, msg: AbortMsg) -> AbortAck:
+        raise PeerUnreachable("connection refused", peer=url)
+
+    async def unheard(url: str, msg: StageFailedMsg) -> None:
+        raise PeerUnreachable("connection refused", peer=url)
+
+    link.abort = unreachable  # type: ignore[method-assign]
+    link.stage_failed = unheard  # type: ignore[method-assign]
+    w.prefill.max_call_s = 30.0
+    req = HandoffRequest(id="s", prefill=["p"], dst_pages=[9], dst_slot=0, deadline_s=30.0)
+    await w.decode.create(req)
+    async with asyncio.timeout(5.0):  # not the 60 s of deadline plus bound
+        await w.decode.close(timeout_s=0.05)
+    view = w.decode.get("s")
+    assert view.state == HandoffState.ABORTED and not view.released
+    assert w.decode.leases.holds("s")
+    assert not [e for e in view.timeline if event_tag(e) == "handoff.released"]
+
+
 async def test_finding_7_missing_digests_fail_the_handoff_naming_the_stage(w: World) -> None:
     link = link_of(w)
     real = link.arrived

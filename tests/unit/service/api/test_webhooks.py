@@ -350,6 +350,43 @@ async def test_a_handoff_in_flight_at_a_crash_fails_as_restarted_with_its_pages_
         await run(d, "new2", dst_pages=[8, 9])
 
 
+async def test_a_restored_fence_lasts_the_longest_declarable_grace_then_is_released(
+    tmp_path: Path, receiver: WebhookReceiver
+) -> None:
+    # The fence of an earlier life's handoff lasts its deadline plus handoff.max_grace_s (the
+    # longest engine call any prefill may declare; the decode's own transport bound is shorter),
+    # then ends like any release: handoff.released, the record marked, the pages reusable.
+    grace_s = 20.0
+    now = time.time()
+    db = Database(tmp_path / FILE_NAME)
+    request = HandoffRequest(id="old", prefill=["http://p"], dst_pages=[5, 6], dst_slot=2)
+    with db.transaction() as tx:
+        HandoffRecords(db, grace_s=grace_s).accepted(tx, request, now - 60, now - grace_s + 1.5)
+    db.close()
+    settings = {**LOOPBACK, "server.state_dir": str(tmp_path), "handoff.max_grace_s": grace_s}
+    async with open_deployment(decode=decode_config(settings)) as d:
+        fill_sources(d)
+        ep = await register(d, receiver.url, types=["handoff.released"])
+        fenced = await d.create("new", [6, 7], SLOT)  # 1.5 s left of the fence
+        assert_problem(fenced, 409, "conflict", field="dst_pages[0]", holder="old")
+        assert (await d.get("old")).body["released"] is False
+        async with asyncio.timeout(WAIT_S):
+            while not (await d.get("old")).body["released"]:
+                await asyncio.sleep(0.05)
+        released = (await receiver.count(1))[0].verified(ep["secret"])
+        assert released["data"]["handoff_id"] == "old"
+        assert released["data"]["confirmed"] is False and released["data"]["outcome"] == "failed"
+        p = persistence(d.decode)
+        assert p.records.fenced(time.time()) == []  # a later restart fences nothing again
+        # Its event stream (from its record) ends instead of waiting for ever, and its pages
+        # serve a new handoff.
+        async with d.http.get(f"{d.decode.url}/v1/handoffs/old/events") as resp:
+            async with asyncio.timeout(WAIT_S):
+                text = await resp.text()
+        assert "event: handoff.failed" in text
+        await run(d, "new", dst_pages=[6, 7])
+
+
 async def test_the_restart_failure_reaches_a_webhook_registered_before_the_crash(
     tmp_path: Path, receiver: WebhookReceiver
 ) -> None:
@@ -391,6 +428,10 @@ async def test_a_failed_write_makes_the_service_unready_not_inconsistent() -> No
         assert reply.status == 201  # the pipeline itself is intact
         assert await d.decode.app[READINESS].failing() == ["records"]  # /readyz answers 503
         assert p.broken is not None and "readonly" in p.broken
+        # No more handoffs without a record: a crash would leave their pages unfenced.
+        refused = await d.create("h2", [20, 21], SLOT + 1)
+        assert_problem(refused, 503, "not_ready", not_ready=["records"])
+        assert (await d.request("GET", f"{d.decode.url}/v1/handoffs/h2")).status == 404
         p.db.conn.execute("PRAGMA query_only = OFF")
 
 
