@@ -192,7 +192,9 @@ async def test_delete_of_a_failed_unreleased_handoff_hurries_its_release(w: Worl
     assert view.state == HandoffState.FAILED and view.released
 
 
-async def test_finding_6_close_never_releases_pages_a_writer_may_still_touch(w: World) -> None:
+def cut_off(w: World) -> None:
+    """The prefill can neither answer an abort nor report its own failure: only the bound can
+    free its handoffs' pages."""
     link = link_of(w)
 
     async def unreachable(url: str, msg: AbortMsg) -> AbortAck:
@@ -203,6 +205,10 @@ async def test_finding_6_close_never_releases_pages_a_writer_may_still_touch(w: 
 
     link.abort = unreachable  # type: ignore[method-assign]
     link.stage_failed = unheard  # type: ignore[method-assign]
+
+
+async def test_finding_6_close_never_releases_pages_a_writer_may_still_touch(w: World) -> None:
+    cut_off(w)
     w.prefill.max_call_s = 0.2
     req = HandoffRequest(id="c", prefill=["p"], dst_pages=[9], dst_slot=0, deadline_s=0.3)
     await w.decode.create(req)
@@ -221,16 +227,7 @@ async def test_a_bounded_close_leaves_unconfirmed_pages_leased_never_released(w:
     """A stopping service does not wait out the bound when its peers are gone: after
     `timeout_s` it returns with the handoff still leased and unreleased (the service then
     closes the transport that receives writes), and publishes no release it cannot prove."""
-    link = link_of(w)
-
-    async def unreachable(url: str, msg: AbortMsg) -> AbortAck:
-        raise PeerUnreachable("connection refused", peer=url)
-
-    async def unheard(url: str, msg: StageFailedMsg) -> None:
-        raise PeerUnreachable("connection refused", peer=url)
-
-    link.abort = unreachable  # type: ignore[method-assign]
-    link.stage_failed = unheard  # type: ignore[method-assign]
+    cut_off(w)
     w.prefill.max_call_s = 30.0
     req = HandoffRequest(id="s", prefill=["p"], dst_pages=[9], dst_slot=0, deadline_s=30.0)
     await w.decode.create(req)
