@@ -114,9 +114,12 @@ class DecodeHandoff:
     seq: int
     dst_pages: I64
     created_at: float
-    deadline_at: float
+    deadline_at: float  # unix seconds, for views and records
     verify: bool
     stages: dict[int, _Stage]
+    # The same deadline on the monotonic clock: every bound is measured on it, so a step of the
+    # wall clock (NTP) cannot shorten how long pages stay fenced.
+    deadline_mono: float = 0.0
     state: HandoffState = HandoffState.PENDING
     release: ReleaseState = ReleaseState.HELD
     finished_at: float | None = None
@@ -181,6 +184,7 @@ class DecodePipeline:
         history: int = 10000,
         incarnation: str | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.layout = layout
         self.target = target
@@ -197,7 +201,8 @@ class DecodePipeline:
         # The ceiling on any prefill's declared engine-call bound (see `_grace_s`).
         self._max_grace_s = max_grace_s
         self._history = history
-        self._clock = clock
+        self._clock = clock  # unix time of views, events and records
+        self._monotonic = monotonic  # what bounds are measured on
         num_pages = min((e.num_items for e in layout.kv), default=0)
         num_slots = min((s.num_slots for s in layout.state), default=0)
         self.leases = Leases(num_pages, num_slots)
@@ -255,6 +260,7 @@ class DecodePipeline:
             dst_pages=dst_pages,
             created_at=now,
             deadline_at=now + deadline_s,
+            deadline_mono=self._monotonic() + deadline_s,
             verify=verify,
             stages={
                 rank: _Stage(url, info.incarnation, layout, info.max_call_s)
@@ -717,7 +723,7 @@ class DecodePipeline:
                 pp_ranks=sorted(ranks),
                 dst_pages=h.request.dst_pages,
                 dst_slot=h.request.dst_slot,
-                deadline_in_s=max(0.0, h.deadline_at - self._clock()),
+                deadline_in_s=max(0.0, h.deadline_mono - self._monotonic()),
                 verify=h.verify,
             )
             try:
@@ -918,14 +924,14 @@ class DecodePipeline:
         stalled loop, a partitioned control network beside a working data one) may still write
         until then. Cancelled (the event loop ends), the lease is never released.
         """
-        give_up = max(h.deadline_at, self._clock()) + self._grace_s(h)
+        give_up = max(h.deadline_mono, self._monotonic()) + self._grace_s(h)
 
         async def stop(peer: str) -> None:
             delay = 0.05
             while not all(s.stopped for s in h.stages.values() if s.peer == peer):
                 try:
                     # Past the bound the pages are free whatever the peer says: stop waiting.
-                    async with asyncio.timeout(max(0.0, give_up - self._clock())):
+                    async with asyncio.timeout(max(0.0, give_up - self._monotonic())):
                         ack = await self._prefill.abort(
                             peer,
                             AbortMsg(
@@ -936,7 +942,7 @@ class DecodePipeline:
                     log.warning("handoff %s: %s did not answer the abort by the bound", h.id, peer)
                     return
                 except KVHandoffError as exc:
-                    if peer in self._lost_peers or self._clock() >= give_up:
+                    if peer in self._lost_peers or self._monotonic() >= give_up:
                         log.warning("handoff %s: not waiting for %s any more: %s", h.id, peer, exc)
                         return
                     h.progress.clear()
@@ -954,7 +960,7 @@ class DecodePipeline:
 
         await asyncio.gather(*(stop(p) for p in h.peers))
         while not all(s.stopped for s in h.stages.values()):
-            left = give_up - self._clock()
+            left = give_up - self._monotonic()
             if left <= 0:
                 break
             h.progress.clear()

@@ -223,6 +223,27 @@ async def test_finding_6_close_never_releases_pages_a_writer_may_still_touch(w: 
     assert released[0].confirmed is False  # type: ignore[union-attr]
 
 
+async def test_a_wall_clock_step_does_not_shorten_the_fence(w: World) -> None:
+    """The bound is measured on the monotonic clock: an NTP step of the decode host's wall
+    clock (an hour forward, right after create) frees the pages no sooner than deadline plus
+    the declared engine bound. Measured on the wall clock, they were freed 0.2 s after create,
+    before the deadline itself."""
+    cut_off(w)
+    w.prefill.max_call_s = 0.2
+    wall = [time.time()]
+    decode = DecodePipeline(
+        w.dec.layout, "t", "d2", link_of(w), EventBus(), memory=None, clock=lambda: wall[0]
+    )
+    started = time.monotonic()
+    await decode.create(
+        HandoffRequest(id="j", prefill=["p"], dst_pages=[9], dst_slot=0, deadline_s=0.3)
+    )
+    wall[0] += 3600.0
+    view = await decode.abort("j")  # answers once released
+    assert view.released and decode.get("j").timeline[-1].confirmed is False  # type: ignore[union-attr]
+    assert time.monotonic() - started >= 0.3 + 0.2 - 0.01
+
+
 async def test_a_bounded_close_leaves_unconfirmed_pages_leased_never_released(w: World) -> None:
     """A stopping service does not wait out the bound when its peers are gone: after
     `timeout_s` it returns with the handoff still leased and unreleased (the service then
