@@ -220,6 +220,9 @@ class WebhooksConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     backoff_max_s: PositiveSeconds = 300.0
     #: Deliveries in flight to one endpoint; the events of one handoff always go one at a time.
     concurrency: Positive = 8
+    #: Deliveries of one endpoint held in memory; beyond it they wait in the outbox (committed
+    #: already) and are loaded, oldest first, as the held ones end. Bounds a dead endpoint's cost.
+    max_held: Positive = 10000
 
 
 class PeersConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

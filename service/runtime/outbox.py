@@ -2,9 +2,9 @@
 
 Called by the bus listener in `service.runtime.persistence` (`enqueue`, inside the transaction
 that commits the event before anyone sees it), by the dispatcher (`service.runtime.webhooks`:
-`pending`, `record_attempt`, `disable`) and by the webhook routes (`service.api.webhooks`:
-endpoints, deliveries, retry). Endpoints live in memory too, so matching an event costs no query;
-an event no endpoint wants is not stored at all.
+`pending_by_endpoint` and `pending` to load its lanes, `record_attempt`, `disable`) and by the
+webhook routes (`service.api.webhooks`: endpoints, deliveries, retry). Endpoints live in memory
+too, so matching an event costs no query; an event no endpoint wants is not stored at all.
 
 Delivery states: `pending` (to be attempted at `next_at`) → `delivered` (a 2xx) | `failed`
 (attempts or age ceiling reached) | `cancelled` (its endpoint was disabled by a 410 or deleted).
@@ -262,18 +262,43 @@ class Outbox:
             )
         return out
 
-    def pending(self) -> list[Delivery]:
-        """Every pending delivery, oldest first (what a restarted dispatcher resumes)."""
+    def pending(
+        self, endpoint_id: str | None = None, after_id: int = 0, limit: int = -1
+    ) -> list[Delivery]:
+        """Pending deliveries, oldest first: every one, or one endpoint's with an id above
+        `after_id`, at most `limit` (-1: all) — what a dispatcher's lane loads, at start-up and
+        whenever it drains below its cap."""
         self.flush()
-        rows = self._db.conn.execute(
+        query = (
             "SELECT d.id, d.endpoint_id, d.handoff_id, d.event_id, e.body, d.attempts,"
-            " d.budget_from, d.since, d.next_at FROM deliveries d JOIN events e"
-            " ON e.id = d.event_id WHERE d.state = 'pending' ORDER BY d.id"
+            " d.budget_from, d.since, d.next_at FROM deliveries d{} JOIN events e"
+            " ON e.id = d.event_id WHERE d.state = 'pending'{} ORDER BY d.id LIMIT ?"
         )
+        if endpoint_id is None:
+            rows = self._db.conn.execute(query.format("", ""), (limit,))
+        else:
+            # By endpoint and id: above a lane's cursor every row is pending (it was never
+            # loaded, so never attempted), so a load reads only the rows it returns.
+            rows = self._db.conn.execute(
+                query.format(
+                    " INDEXED BY deliveries_by_endpoint", " AND d.endpoint_id = ? AND d.id > ?"
+                ),
+                (endpoint_id, after_id, limit),
+            )
         return [
             Delivery(did, eid, hid, self._msg_id(ev), bytes(body), att, budget, since, next_at)
             for did, eid, hid, ev, body, att, budget, since, next_at in rows
         ]
+
+    def pending_by_endpoint(self) -> dict[str, tuple[int, int]]:
+        """Endpoint id → (its oldest pending delivery's id, how many are pending): where each
+        lane of a restarted dispatcher starts loading, and its backlog."""
+        self.flush()
+        rows = self._db.conn.execute(
+            "SELECT endpoint_id, MIN(id), COUNT(*) FROM deliveries WHERE state = 'pending'"
+            " GROUP BY endpoint_id"
+        )
+        return {eid: (first, count) for eid, first, count in rows}
 
     def record_attempt(
         self,

@@ -4,7 +4,15 @@ Started and stopped by `service.runtime.persistence`; fed by its bus listener (`
 outbox rows are committed) and by the retry route (`add`); told by the routes when an endpoint
 goes away (`drop`). One lane (a task) per endpoint starts deliveries oldest first, at most
 `webhooks.concurrency` at a time, and never two of the same handoff at once, so a receiver sees
-each handoff's events in sequence order. An attempt's outcome:
+each handoff's events in sequence order.
+
+A lane's cost per event and per attempt does not grow with its backlog (an endpoint that is down
+collects one; the lane runs on the loop that serves handoffs): it queues each handoff's
+deliveries in order and keeps only each idle handoff's head in a heap by due time, so a wake
+pops what is due and sleeps until the next head is; an attempt that ends promotes its handoff's
+next delivery. At most `webhooks.max_held` deliveries of an endpoint are held in memory: beyond
+that they stay in the outbox, where they are committed already, and the lane loads them oldest
+first (the same query as at start-up) once it has drained to half of that. An attempt's outcome:
 
 - 2xx: delivered. 410: the endpoint is disabled and its pending deliveries cancelled.
 - anything else (status, timeout, refused connection, refused target): retried after a delay
@@ -22,9 +30,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import heapq
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -64,12 +74,49 @@ def parse_retry_after(value: str | None, now: float) -> float | None:
 
 @dataclass
 class _Lane:
+    """One endpoint's deliveries held in memory, and where the rest wait in the outbox."""
+
     endpoint: Endpoint
-    pending: dict[int, Delivery] = field(default_factory=dict)  # by id: oldest first
+    held: dict[int, Delivery] = field(default_factory=dict)  # by id: in memory, incl. in flight
+    #: Each handoff's held deliveries in sequence order; the head is in flight or in `ready`.
+    queues: dict[str, deque[Delivery]] = field(default_factory=dict)
+    #: Heads of the handoffs with nothing in flight: a heap of (due time, delivery id, handoff).
+    ready: list[tuple[float, int, str]] = field(default_factory=list)
     busy: set[str] = field(default_factory=set)  # handoffs with a delivery in flight
+    #: While some of this endpoint's pending deliveries are in the outbox only: every pending
+    #: one with an id up to here is held, none above it is, and `unloaded` of them are pending.
+    loaded_to: int | None = None
+    unloaded: int = 0
+    top: int = 0  # the highest delivery id held so far
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     attempts: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def hold(self, d: Delivery) -> None:
+        """Queue `d` behind its handoff's held deliveries; a new head becomes ready."""
+        queue = self.queues.get(d.handoff_id)
+        self.held[d.id] = d
+        self.top = max(self.top, d.id)
+        if queue is None:
+            self.queues[d.handoff_id] = deque([d])
+            heapq.heappush(self.ready, (d.next_at, d.id, d.handoff_id))
+            self.wake.set()
+        else:
+            queue.append(d)
+
+    def release(self, d: Delivery) -> None:
+        """`d`'s attempt ended: it is ready again if still pending, else its successor is."""
+        self.busy.discard(d.handoff_id)
+        queue = self.queues[d.handoff_id]
+        if d.id not in self.held:
+            queue.popleft()
+            if not queue:
+                del self.queues[d.handoff_id]
+                self.wake.set()  # the lane may have drained (load more, or end)
+                return
+            d = queue[0]
+        heapq.heappush(self.ready, (d.next_at, d.id, d.handoff_id))
+        self.wake.set()
 
 
 @dataclass
@@ -107,9 +154,13 @@ class Dispatcher:
         self.stats = WebhookStats()
 
     async def start(self) -> None:
-        """Resume every pending delivery from the outbox."""
+        """Resume every pending delivery from the outbox (each lane loads up to its cap)."""
         self._sender = Sender(self.policy, USER_AGENT)
-        self.add(self._outbox.pending())
+        for endpoint_id, (first, count) in self._outbox.pending_by_endpoint().items():
+            lane = self._lane(endpoint_id)
+            if lane is not None:
+                lane.loaded_to, lane.unloaded = first - 1, count
+                self._load(lane)
 
     async def close(self) -> None:
         """Stop every lane and attempt; what was not delivered stays pending in the outbox."""
@@ -124,13 +175,23 @@ class Dispatcher:
             await self._sender.close()
 
     def add(self, deliveries: Iterable[Delivery]) -> None:
-        """Queue committed pending deliveries on their endpoints' lanes."""
+        """Queue committed pending deliveries on their endpoints' lanes (each in O(log n); those
+        beyond a lane's cap are left to the outbox, to be loaded as the lane drains)."""
+        cap = self._settings.max_held
         for d in deliveries:
             lane = self._lane(d.endpoint_id)
-            if lane is None:
+            if lane is None or d.id in lane.held:
                 continue
-            lane.pending[d.id] = d
-            lane.wake.set()
+            if lane.loaded_to is None and len(lane.held) >= cap and d.id > lane.top:
+                # Every pending delivery of the lane so far is held (ids are committed, and
+                # added, in order): from here on the outbox holds the newer ones.
+                lane.loaded_to = lane.top
+            if lane.loaded_to is not None and d.id > lane.loaded_to:
+                lane.unloaded += 1
+            else:
+                # An older id is a manual retry of a delivery that had ended: held even beyond
+                # the cap (retries come one request at a time), as the outbox cursor is past it.
+                lane.hold(d)
 
     def drop(self, endpoint_id: str) -> None:
         """Forget an endpoint's lane (deleted or disabled): its attempts are cancelled."""
@@ -153,7 +214,13 @@ class Dispatcher:
 
     @property
     def pending_count(self) -> int:
-        return sum(len(lane.pending) for lane in self._lanes.values())
+        """Deliveries pending (held in memory or waiting in the outbox for their lane)."""
+        return sum(len(lane.held) + lane.unloaded for lane in self._lanes.values())
+
+    @property
+    def held_count(self) -> int:
+        """Deliveries held in memory (at most `max_held` per endpoint, plus manual retries)."""
+        return sum(len(lane.held) for lane in self._lanes.values())
 
     def _lane(self, endpoint_id: str) -> _Lane | None:
         lane = self._lanes.get(endpoint_id)
@@ -167,31 +234,41 @@ class Dispatcher:
             )
         return lane
 
+    def _load(self, lane: _Lane) -> None:
+        """Hold the lane's oldest deliveries from the outbox, up to its cap."""
+        assert lane.loaded_to is not None
+        room = self._settings.max_held - len(lane.held)
+        rows = self._outbox.pending(lane.endpoint.id, lane.loaded_to, room)
+        for d in rows:
+            if d.id not in lane.held:
+                lane.hold(d)
+                lane.unloaded = max(0, lane.unloaded - 1)
+        if len(rows) < room:  # the outbox has no more: the lane holds all its pending ones
+            lane.loaded_to, lane.unloaded = None, 0
+        elif rows:
+            lane.loaded_to = rows[-1].id
+
     async def _run(self, lane: _Lane) -> None:
         limit = self._settings.concurrency
+        low_water = self._settings.max_held // 2
         while True:
             lane.wake.clear()
-            if not lane.pending:
-                # Nothing left (an attempt in flight keeps its delivery pending): end the lane;
+            if lane.loaded_to is not None and len(lane.held) <= low_water:
+                self._load(lane)
+            if not lane.held:
+                # Nothing left (an attempt in flight keeps its delivery held): end the lane;
                 # `add` starts a new one. A callback URL's lane lives only this long.
                 if self._lanes.get(lane.endpoint.id) is lane:
                     del self._lanes[lane.endpoint.id]
                 return
             now = self._clock()
-            next_due: float | None = None
-            seen: set[str] = set()
-            for d in lane.pending.values():
-                if len(lane.busy) >= limit:
-                    break
-                if d.sending or d.handoff_id in seen or d.handoff_id in lane.busy:
-                    seen.add(d.handoff_id)  # a handoff's later events wait for its earlier ones
-                    continue
-                seen.add(d.handoff_id)
-                if d.next_at <= now:
-                    self._start(lane, d)
-                else:
-                    next_due = d.next_at if next_due is None else min(next_due, d.next_at)
-            timeout = None if next_due is None else max(0.0, next_due - now)
+            ready = lane.ready
+            while ready and ready[0][0] <= now and len(lane.busy) < limit:
+                _, _, handoff_id = heapq.heappop(ready)
+                self._start(lane, lane.queues[handoff_id][0])
+            timeout = None
+            if ready and len(lane.busy) < limit:
+                timeout = max(0.0, ready[0][0] - now)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await lane.wake.wait()
@@ -210,8 +287,7 @@ class Dispatcher:
             self._settle(lane, d, started_at, status, retry_after, error, latency)
         finally:
             d.sending = False
-            lane.busy.discard(d.handoff_id)
-            lane.wake.set()
+            lane.release(d)
 
     async def _send(
         self, endpoint: Endpoint, d: Delivery
@@ -264,7 +340,7 @@ class Dispatcher:
         elif status == 410:
             self.stats.disabled += 1
             self._outbox.record_attempt(d, started_at, latency_s, status, error, "cancelled", now)
-            lane.pending.pop(d.id, None)
+            lane.held.pop(d.id, None)
             self._outbox.disable(lane.endpoint.id, "the receiver answered 410 Gone", now)
             log.warning("webhook endpoint %s answered 410: disabled", lane.endpoint.id)
             self.drop(lane.endpoint.id)
@@ -288,4 +364,4 @@ class Dispatcher:
                 self.stats.retried += 1
         self._outbox.record_attempt(d, started_at, latency_s, status, error, state, next_at)
         if state != "pending":
-            lane.pending.pop(d.id, None)
+            lane.held.pop(d.id, None)

@@ -13,6 +13,14 @@ against a baseline measured in the same run.
   and an endpoint for every `handoff.` event (two). Rounds run each back to back in rotating
   order. Reported: handoffs/s, the median over rounds of each one's ratio to records off, and
   the decode process's CPU time per handoff (steadier than rates on a shared machine).
+- `backlog`: what a backlog to a dead endpoint (a port that refuses connections) costs each new
+  event. `--backlog` deliveries (4 events per handoff) that already failed once and wait an hour
+  are in the outbox and loaded by the dispatcher; then `--backlog-events` events of new handoffs
+  are published (committed by the bus listener) and the run ends when each new delivery has
+  been attempted once. Baseline: the same with no backlog, in the same round. Reported: events/s
+  of both and their ratio (the median over rounds), and the publish-side cost per event; and
+  the publish-side cost when the backlog exceeds `webhooks.max_held`, so that the new events
+  wait in the outbox (they are not attempted in the run), with how many deliveries were held.
 """
 
 from __future__ import annotations
@@ -45,10 +53,14 @@ TERMINAL = ("handoff.completed", "handoff.failed", "handoff.aborted")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cases", default="deliveries,handoffs", help="deliveries, handoffs")
+    parser.add_argument(
+        "--cases", default="deliveries,handoffs,backlog", help="deliveries, handoffs, backlog"
+    )
     parser.add_argument("--events", type=int, default=5000, help="deliveries case: events")
     parser.add_argument("--handoffs", type=int, default=1000, help="deliveries case: handoffs")
     parser.add_argument("--concurrency", type=int, default=16, help="deliveries per endpoint")
+    parser.add_argument("--backlog", type=int, default=20000, help="backlog case: deliveries")
+    parser.add_argument("--backlog-events", type=int, default=1000, help="backlog case: events")
     parser.add_argument("--small-requests", type=int, default=1000)
     parser.add_argument("--small-concurrency", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3, help="timed runs (rounds) per method")
@@ -199,6 +211,117 @@ async def deliveries(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# -- backlog ------------------------------------------------------------------------------------
+
+
+def _seed_backlog(db: Database, outbox: Outbox, count: int, now: float) -> None:
+    """`count` deliveries (4 events per handoff) that failed once and are due in an hour."""
+    bus = EventBus(replay=1)
+    with db.transaction() as tx:
+        seeded = [
+            d
+            for e in _events(count, max(1, count // 4))
+            for d in outbox.enqueue(tx, bus.publish(e), None)
+        ]
+    for d in seeded:
+        outbox.record_attempt(d, now, 0.001, None, "refused", "pending", now + 3600.0)
+    outbox.flush()
+
+
+async def _backlog_run(
+    url: str, backlog: int, count: int, work: Path, max_held: int
+) -> tuple[float, float, int]:
+    """(seconds until each of `count` new deliveries was attempted once — or, when they wait
+    beyond `max_held` in the outbox, until published —, publish-side seconds, deliveries held)."""
+    db = Database(work / FILE_NAME)
+    try:
+        outbox = Outbox(db, None, [])
+        outbox.create_endpoint(url, [], None, "", time.time())
+        _seed_backlog(db, outbox, backlog, time.time())
+        # Retries an hour out: within the run, each new delivery is attempted exactly once.
+        settings = WebhooksConfig(
+            allow_private=True, backoff_base_s=3600.0, backoff_max_s=3600.0, max_held=max_held
+        )
+        dispatcher = Dispatcher(outbox, settings, rng=random.Random(0))
+        bus = EventBus(replay=16)
+
+        def journal(event: Any) -> None:
+            with db.transaction() as tx:
+                deliveries = outbox.enqueue(tx, event, None)
+            dispatcher.add(deliveries)
+
+        bus.add_listener(journal)
+        await dispatcher.start()
+        events = [
+            HandoffCreated(handoff_id=f"new{i}", role="decode", num_pages=1, pp_size=1)
+            for i in range(count)
+        ]
+        publish_s = 0.0
+        t0 = time.perf_counter()
+        for i, event in enumerate(events):
+            p0 = time.perf_counter()
+            bus.publish(event)
+            publish_s += time.perf_counter() - p0
+            if i % 50 == 49:
+                await asyncio.sleep(0)  # let the dispatcher run, as a live service would
+        if backlog + count <= max_held:
+            while dispatcher.stats.attempts < count:
+                await asyncio.sleep(0.002)
+        wall = time.perf_counter() - t0
+        held = dispatcher.held_count
+        if dispatcher.pending_count != backlog + count:
+            raise RuntimeError(f"{dispatcher.pending_count} pending, not {backlog + count}")
+        await dispatcher.close()
+        return wall, publish_s, held
+    finally:
+        db.close()
+
+
+async def backlog(args: argparse.Namespace) -> dict[str, Any]:
+    n: int = args.backlog_events
+    size: int = args.backlog
+    cap = WebhooksConfig().max_held
+    # (backlog, max_held): none; all held in memory; beyond the default cap (in the outbox).
+    arms = {"empty": (0, cap), "held": (size, size + n), "capped": (size, cap)}
+    walls: dict[str, list[float]] = {arm: [] for arm in arms}
+    publish: dict[str, list[float]] = {arm: [] for arm in arms}
+    held: dict[str, int] = {}
+    # Bound, never listening: every connection to it is refused at once (a receiver that is down).
+    with socket.socket() as dead, tempfile.TemporaryDirectory(prefix="kvh-bench-") as tmp:
+        dead.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{dead.getsockname()[1]}/hook"
+        for rep in range(args.repeat):
+            names = list(arms)[rep % 3 :] + list(arms)[: rep % 3]
+            for arm in names:
+                work = Path(tmp) / f"run{rep}-{arm}"
+                work.mkdir()
+                size_of, cap_of = arms[arm]
+                wall, publish_s, held[arm] = await _backlog_run(url, size_of, n, work, cap_of)
+                walls[arm].append(wall)
+                publish[arm].append(publish_s)
+
+    def us(arm: str) -> float:
+        return min(publish[arm]) / n * 1e6
+
+    return {
+        "case": "backlog",
+        "backlog": size,
+        "events": n,
+        "max_held": cap,
+        "empty_per_s": n / min(walls["empty"]),
+        "backlog_per_s": n / min(walls["held"]),
+        "ratio": float(np.median([e / b for e, b in zip(walls["empty"], walls["held"])])),
+        "empty_publish_us_per_event": us("empty"),
+        "backlog_publish_us_per_event": us("held"),
+        "capped_publish_us_per_event": us("capped"),
+        "capped_publish_ratio": float(
+            np.median([e / c for e, c in zip(publish["empty"], publish["capped"])])
+        ),
+        "capped_held": held["capped"],
+        "rounds": args.repeat,
+    }
+
+
 async def _wait_up(url: str) -> None:
     async with aiohttp.ClientSession() as http:
         for _ in range(200):
@@ -301,7 +424,7 @@ async def handoffs(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    known = {"deliveries": deliveries, "handoffs": handoffs}
+    known = {"deliveries": deliveries, "handoffs": handoffs, "backlog": backlog}
     unknown = set(cases) - set(known)
     if unknown:
         raise SystemExit(f"unknown case(s) {sorted(unknown)}; choose from {', '.join(known)}")
@@ -319,6 +442,28 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"  signed outbox deliveries   {r['deliveries_per_s']:8.0f} /s  ({r['ratio']:.2f}x)"
                 f"  publish {r['publish_us_per_event']:.0f} us/event"
+            )
+        elif r["case"] == "backlog":
+            print(
+                f"backlog: {r['events']} new events to a dead endpoint, best of {r['rounds']} "
+                f"rounds (ratio: median of the rounds' ratios)"
+            )
+            print(
+                f"  no backlog                          {r['empty_per_s']:8.0f} /s"
+                f"          publish {r['empty_publish_us_per_event']:.0f} us/event"
+            )
+            print(
+                f"  {r['backlog']:6,} waiting, all held in memory  {r['backlog_per_s']:8.0f} /s"
+                f"  ({r['ratio']:.2f}x)  publish {r['backlog_publish_us_per_event']:.0f} us/event"
+            )
+            print(
+                f"  {r['backlog']:6,} waiting, beyond max_held   {'':8}    "
+                f"          publish {r['capped_publish_us_per_event']:.0f} us/event"
+                f" ({r['capped_publish_ratio']:.2f}x)"
+            )
+            print(
+                f"    (max_held {r['max_held']:,}: {r['capped_held']:,} held, the rest and the new"
+                " events wait in the outbox)"
             )
         else:
             print(
