@@ -104,3 +104,25 @@ def test_unknown_endpoints_and_deliveries_are_404_and_pending_retries_409(db: Da
         (d,) = outbox.enqueue(tx, event, None)
     with pytest.raises(ConflictError):
         outbox.retry(ep.id, d.id, 0.0)
+
+
+async def test_a_lane_loads_one_endpoints_pending_deliveries_after_its_cursor(db: Database) -> None:
+    outbox = Outbox(db, None, [])
+    a = outbox.create_endpoint("http://a/x", [], None, "", 0.0)
+    b = outbox.create_endpoint("http://b/x", ["handoff.completed"], None, "", 0.0)
+    bus = EventBus()
+    for i in range(4):
+        event = bus.publish(
+            HandoffCompleted(
+                handoff_id=f"h{i}", role="decode", bytes=1, seconds=0.1, verified=False
+            )
+        )
+        with db.transaction() as tx:
+            outbox.enqueue(tx, event, None)
+    ids = {ep: [d.id for d in outbox.pending() if d.endpoint_id == ep] for ep in (a.id, b.id)}
+    first = outbox.pending(a.id, 0, 1)[0]
+    outbox.record_attempt(first, 1.0, 0.1, 200, None, "delivered", 1.0)  # written by pending()
+    assert [d.id for d in outbox.pending(a.id, 0, 2)] == ids[a.id][1:3]
+    assert [d.id for d in outbox.pending(a.id, ids[a.id][2])] == ids[a.id][3:]
+    assert [d.handoff_id for d in outbox.pending(b.id, ids[b.id][0], 10)] == ["h1", "h2", "h3"]
+    assert outbox.pending_by_endpoint() == {a.id: (ids[a.id][1], 3), b.id: (ids[b.id][0], 4)}

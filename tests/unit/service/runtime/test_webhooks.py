@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 
 from pipelines.events import EventBus, HandoffCompleted, HandoffCreated
 from service.config import WebhooksConfig
+from service.runtime import outbox as outbox_module
 from service.runtime.database import FILE_NAME, Database
-from service.runtime.outbox import Outbox
+from service.runtime.outbox import Delivery, Outbox
 from service.runtime.webhook_views import DeliveryView
 from service.runtime.webhooks import Dispatcher, parse_retry_after, retry_delay
 from tests.receivers import WAIT_S, Answer, Received, WebhookReceiver
@@ -294,5 +298,169 @@ async def test_a_lane_ends_when_its_endpoint_has_nothing_pending(
             async with asyncio.timeout(WAIT_S):
                 while w.dispatcher.lanes:
                     await asyncio.sleep(0.01)
+    finally:
+        await w.dispatcher.close()
+
+
+# ------------------------------------------------------------------------------ backlog
+
+
+class CountingDelivery(Delivery):
+    """A delivery that counts every read of its fields, by whether it is part of the backlog."""
+
+    reads: ClassVar[Counter[str]] = Counter()
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("__"):
+            old = object.__getattribute__(self, "handoff_id").startswith("old")
+            CountingDelivery.reads["backlog" if old else "new"] += 1
+        return object.__getattribute__(self, name)
+
+
+def seed(w: World, handoffs: int, per_handoff: int, wait_s: float) -> list[Delivery]:
+    """Committed deliveries of handoffs `old0`... that failed once and are due in `wait_s`."""
+    with w.db.transaction() as tx:
+        out = [
+            d
+            for n in range(per_handoff)
+            for i in range(handoffs)
+            for d in w.outbox.enqueue(
+                tx,
+                w.bus.publish(
+                    HandoffCompleted(
+                        handoff_id=f"old{i}", role="decode", bytes=n, seconds=0.1, verified=False
+                    )
+                ),
+                None,
+            )
+        ]
+    for d in out:
+        w.outbox.record_attempt(d, w.clock(), 0.001, None, "refused", "pending", w.clock() + wait_s)
+    w.outbox.flush()
+    return out
+
+
+@pytest.fixture
+def dead_url() -> Iterator[str]:
+    """A port that is bound but never listens: every connection is refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{s.getsockname()[1]}/hook"
+
+
+async def test_new_events_do_not_scan_a_dead_endpoints_backlog(
+    make_world: object, dead_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 20,000 deliveries of 5,000 handoffs wait an hour to retry; 1,000 new handoffs' events are
+    # each attempted once. A lane that scanned its backlog per wake would read the backlog's
+    # deliveries thousands of times per wake; this one never touches them after loading.
+    monkeypatch.setattr(outbox_module, "Delivery", CountingDelivery)
+    w: World = make_world(loopback(max_held=25_000))  # type: ignore[operator]
+    w.register(dead_url)
+    seed(w, 5_000, 4, 3600.0)
+    await w.dispatcher.start()
+    assert w.dispatcher.held_count == 20_000
+    CountingDelivery.reads.clear()
+    try:
+        for i in range(1_000):
+            w.publish(f"new{i}")
+            if i % 50 == 49:
+                await asyncio.sleep(0)  # the lane runs between publishes, as in the service
+        async with asyncio.timeout(WAIT_S):
+            while w.dispatcher.stats.attempts < 1_000:
+                assert CountingDelivery.reads["backlog"] == 0
+                await asyncio.sleep(0.01)
+        await settle()
+        assert w.dispatcher.stats.attempts == 1_000  # each new one once; the backlog not yet
+        assert w.dispatcher.pending_count == 21_000
+        assert CountingDelivery.reads["backlog"] == 0
+        assert CountingDelivery.reads["new"] <= 1_000 * 40  # a bounded number per event
+    finally:
+        await w.dispatcher.close()
+
+
+async def test_beyond_max_held_deliveries_wait_in_the_outbox_in_order_and_none_is_lost(
+    make_world: object, receiver: WebhookReceiver
+) -> None:
+    w: World = make_world(loopback(max_held=8, concurrency=4))  # type: ignore[operator]
+    up = False
+    accepted: list[Received] = []
+
+    def respond(r: Received) -> Answer:
+        if up:
+            accepted.append(r)
+            return Answer(200)
+        return Answer(503)
+
+    receiver.respond = respond
+    w.register(receiver.url)
+    await w.dispatcher.start()
+    try:
+        for completed in (False, True):
+            for i in range(15):
+                w.publish(f"h{i}", completed=completed)
+        assert w.dispatcher.held_count == 8 and w.dispatcher.pending_count == 30
+        await receiver.count(8)  # the held handoffs' first events, each refused once
+        assert {r.handoff_id for r in receiver.received} == {f"h{i}" for i in range(8)}
+        up = True
+        async with asyncio.timeout(WAIT_S):
+            while w.dispatcher.pending_count:
+                assert w.dispatcher.held_count <= 8
+                await w.advance(1.0)  # every retry is due within 0.5 s
+                await asyncio.sleep(0.01)
+        assert len(w.deliveries("delivered")) == 30
+        assert len({r.webhook_id for r in accepted}) == len(accepted) == 30
+        for i in range(15):
+            mine = [r.type for r in accepted if r.handoff_id == f"h{i}"]
+            assert mine == ["handoff.created", "handoff.completed"], i
+    finally:
+        await w.dispatcher.close()
+
+
+async def test_a_restart_holds_max_held_and_loads_the_rest_as_the_lane_drains(
+    make_world: object, receiver: WebhookReceiver
+) -> None:
+    w: World = make_world(loopback())  # type: ignore[operator]
+    w.register(receiver.url)
+    for completed in (False, True):
+        for i in range(10):
+            w.publish(f"h{i}", completed=completed)  # committed; this dispatcher never ran
+    again: World = make_world(loopback(max_held=5))  # type: ignore[operator]
+    again.endpoint_id, again.secret = w.endpoint_id, w.secret
+    await again.dispatcher.start()
+    try:
+        assert again.dispatcher.held_count == 5 and again.dispatcher.pending_count == 20
+        got = await receiver.count(20)
+        await again.until("delivered", 20)
+        for i in range(10):
+            mine = [r.type for r in got if r.handoff_id == f"h{i}"]
+            assert mine == ["handoff.created", "handoff.completed"], i
+        async with asyncio.timeout(WAIT_S):
+            while again.dispatcher.lanes:
+                await asyncio.sleep(0.01)
+        assert again.dispatcher.pending_count == 0
+    finally:
+        await again.dispatcher.close()
+
+
+async def test_a_manual_retry_is_held_even_while_the_lane_is_beyond_its_cap(
+    make_world: object, receiver: WebhookReceiver
+) -> None:
+    w: World = make_world(loopback(max_held=2, max_attempts=1))  # type: ignore[operator]
+    receiver.default = Answer(500)
+    w.register(receiver.url)
+    await w.dispatcher.start()
+    try:
+        w.publish("a")
+        (failed,) = await w.until("failed")
+        # The lane is at its cap with 2 held (due in an hour), and 3 more wait in the outbox.
+        for d in seed(w, 5, 1, 3600.0):
+            w.dispatcher.add([d])
+        assert w.dispatcher.held_count == 2 and w.dispatcher.pending_count == 5
+        receiver.default = Answer(200)
+        w.dispatcher.add([w.outbox.retry(w.endpoint_id, failed.id, w.clock())])
+        assert w.dispatcher.held_count == 3 and w.dispatcher.pending_count == 6
+        await w.until("delivered")
+        assert receiver.received[-1].webhook_id == failed.webhook_id
     finally:
         await w.dispatcher.close()
