@@ -4,6 +4,7 @@ peers and a fake clock."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import cast
 
 from pipelines.errors import InternalError, PeerUnreachable
@@ -46,10 +47,12 @@ class FakePeers:
             role="prefill", url=url, incarnation=self.incarnation, live=self.live.get(url, [])
         )
 
-    async def watch(self, url: str) -> None:
+    async def watch(self, url: str, opened: Callable[[], None] | None = None) -> None:
         self.watching[url] = self.watching.get(url, 0) + 1
         if url in self.down:
             raise PeerUnreachable(f"cannot reach {url}", peer=url)
+        if opened is not None:
+            opened()
         await self.drop.setdefault(url, asyncio.Event()).wait()
         raise PeerUnreachable(f"{url} closed the connection", peer=url)
 
@@ -89,9 +92,13 @@ class Beats:
     async def tick_at(self, now: float) -> None:
         self.clock.now = now
         await self.hb.tick()
+        await self.hb.settled()
 
     async def close(self) -> None:
-        await self.hb._stop_watchers(set(self.hb._watchers))
+        tasks = list(self.hb._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def test_heartbeats_declare_a_silent_peer_lost_once_after_the_timeout() -> None:
@@ -183,6 +190,7 @@ async def test_a_broken_watch_of_a_peer_that_still_answers_is_not_a_loss() -> No
     b = Beats()
     await b.tick_at(0.0)
     await asyncio.sleep(0)
+    b.clock.now = 0.1  # open for a heartbeat interval: the stream lived
     b.peers.drop[PEER].set()  # e.g. a proxy closed an idle connection
     for _ in range(50):
         await asyncio.sleep(0.001)
