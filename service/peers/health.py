@@ -39,7 +39,8 @@ class PeerHealth(Struct, frozen=True):
     watch_status: int | None = None
     #: Why the watch is refused or failing, as the last attempt said; "" otherwise.
     watch_detail: str = ""
-    #: Watch connections attempted, since it was first tracked.
+    #: Connections its current watch attempted (a watch starts afresh when the peer shares
+    #: handoffs again after none, or is back after a loss).
     watch_attempts: int = 0
 
 
@@ -83,6 +84,10 @@ class HealthTable:
         for url in self._live:
             self._row(url, now).active_at = now
         self._prune(now)
+
+    def shared(self, url: str) -> None:
+        """`url` was just named by a handoff (before any round pinned it): track it now."""
+        self._row(url, self._clock()).active_at = self._clock()
 
     def heard(self, url: str) -> None:
         now = self._clock()

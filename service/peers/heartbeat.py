@@ -144,6 +144,7 @@ class Heartbeats:
         now = self._clock()
         for peer in peers:
             self._last.setdefault(peer, now)
+            self._table.shared(peer)
             if peer not in self._watchers and peer not in self._lost_peers:
                 watch = PeerWatch(
                     peer,

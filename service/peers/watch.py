@@ -80,6 +80,7 @@ class PeerWatch:
         self.attempts = 0
         self.failures = 0  # attempts in a row that neither lived nor were lost
         self._opened_at: float | None = None
+        self._reported: tuple[str, int | None] | None = None  # the last state logged
 
     async def run(self) -> None:
         """Watch until the peer is judged gone (then `lost` was called) or the task is cancelled."""
@@ -118,14 +119,21 @@ class PeerWatch:
 
     def _opened(self) -> None:
         self._opened_at = self._clock()
-        self._set("watching", None, "")
+        self.state, self.status, self.detail = "watching", None, ""
+        # A peer that refused the route accepts it now: say so at once. After streams that
+        # ended at once, an open stream proves nothing yet: that is said once one lived.
+        if self._reported is None or self._reported[0] == "refused":
+            self._report("watching", None)
 
     def _set(self, state: str, status: int | None, detail: str) -> None:
-        """Record the outcome of an attempt; log only when it differs from the last one."""
-        changed = (state, status) != (self.state, self.status)
-        previous = self.state
+        """Record how an attempt ended ("connecting": it lived and ended); log a change."""
         self.state, self.status, self.detail = state, status, detail
-        if not changed:
+        self._report("watching" if state == "connecting" else state, status)
+
+    def _report(self, state: str, status: int | None) -> None:
+        """Log `state` if it differs from the last one logged: once per change, not per try."""
+        previous, self._reported = self._reported, (state, status)
+        if previous == self._reported:
             return
         if state == "refused":
             log.warning(
@@ -133,15 +141,20 @@ class PeerWatch:
                 "is noticed by heartbeat silence only until the watch is accepted",
                 self.peer,
                 status,
-                detail,
+                self.detail,
             )
         elif state == "failing":
             log.warning(
                 "watch of peer %s ends at once while it still answers (%s); retrying with backoff",
                 self.peer,
-                detail,
+                self.detail,
             )
-        elif state == "watching" and previous in ("refused", "failing"):
-            log.info("watch of peer %s open again after %d attempts", self.peer, self.attempts)
+        elif previous is not None:
+            log.info(
+                "watch of peer %s open again after %d attempts (%s before)",
+                self.peer,
+                self.attempts,
+                previous[0],
+            )
         else:
-            log.debug("watch of peer %s: %s", self.peer, state)
+            log.debug("watch of peer %s open", self.peer)
