@@ -17,10 +17,10 @@ A peer counts as heard when it answers one, or sends one itself. Two ways to los
 
 A lost peer is declared once, and again only after it was heard in between.
 
-Peers are independent: a round only *starts* work. Each peer's beat (its ping, bounded by
-`interval_s`, then the reconciliation of the answer) runs in its own task, one at a time per peer
-— a slow peer skips rounds, its beats never pile up — and what the pipeline does with a loss
-(failing that peer's handoffs) runs in a task of its own. So one dead, hung or slow peer, or a
+Peers are independent: a round only *starts* work, in tasks of their own. Each peer has at most
+one ping in flight (bounded by `interval_s`: a slow peer skips rounds, its pings never pile up),
+at most one reconciliation of an answer (the pings go on meanwhile), and what the pipeline does
+with a loss (failing that peer's handoffs) runs on its own. So one dead, hung or slow peer, or a
 slow or failing callback about it, never delays the heartbeats to the others or the verdict on
 them. Per-peer health for metrics and the dashboard is a bounded table
 (`service.peers.health`). Used by `service.runtime.pipelines` (which runs `run()` and stops it)
@@ -96,7 +96,8 @@ class Heartbeats:
             clock=clock, configured=configured, forget_after_s=forget_after_s, max_peers=max_peers
         )
         self._watchers: dict[str, tuple[PeerWatch, asyncio.Task[None]]] = {}
-        self._beats: dict[str, asyncio.Task[None]] = {}  # each peer's beat in flight
+        self._beats: dict[str, asyncio.Task[None]] = {}  # each peer's ping in flight
+        self._reconciling: dict[str, asyncio.Task[None]] = {}  # each peer's answer being checked
         self._tasks: set[asyncio.Task[None]] = set()  # every task started here, until it ends
 
     def health(self) -> list[PeerHealth]:
@@ -262,7 +263,7 @@ class Heartbeats:
             await result
 
     async def _beat(self, peer: str, handoff_ids: list[str]) -> None:
-        """Ping `peer` (bounded by `interval_s`) and reconcile its answer."""
+        """Ping `peer` (bounded by `interval_s`); hand its answer to the reconciliation."""
         try:
             msg = HeartbeatMsg(
                 sender_url=self._url,
@@ -270,20 +271,33 @@ class Heartbeats:
                 role=self._role,
                 live=handoff_ids,
             )
-            try:
-                ack = await self._peers.heartbeat(peer, msg, timeout_s=self.interval_s)
-            except KVHandoffError as exc:
-                log.debug("heartbeat to %s failed: %s", peer, exc)
-                self._table.missed(peer)
-                return
-            self.heard(peer)
-            if self._reconcile is not None:
-                result = self._reconcile(peer, ack, handoff_ids)
-                if inspect.isawaitable(result):
-                    await result
+            ack = await self._peers.heartbeat(peer, msg, timeout_s=self.interval_s)
+        except KVHandoffError as exc:
+            log.debug("heartbeat to %s failed: %s", peer, exc)
+            self._table.missed(peer)
+            return
         finally:
             if self._beats.get(peer) is asyncio.current_task():
                 del self._beats[peer]
+        self.heard(peer)
+        # The pipeline may take its time over an answer (a prefill aborts what the decode no
+        # longer has); the pings go on meanwhile, so a busy peer is never judged silent. One
+        # reconciliation per peer at a time: an answer that comes during one is not checked
+        # (the next beat's is).
+        if self._reconcile is not None and peer not in self._reconciling:
+            self._reconciling[peer] = self._spawn(
+                self._reconcile_answer(peer, ack, handoff_ids), f"kvhandoff-reconcile:{peer}"
+            )
+
+    async def _reconcile_answer(self, peer: str, ack: HeartbeatAck, sent: list[str]) -> None:
+        try:
+            if self._reconcile is not None:
+                result = self._reconcile(peer, ack, sent)
+                if inspect.isawaitable(result):
+                    await result
+        finally:
+            if self._reconciling.get(peer) is asyncio.current_task():
+                del self._reconciling[peer]
 
     async def _watch(self, watch: PeerWatch) -> None:
         try:

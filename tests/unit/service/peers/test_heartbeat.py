@@ -346,3 +346,28 @@ async def test_a_failing_loss_callback_for_one_peer_does_not_spare_the_others_th
     assert sorted(told) == [PEER, other]
     assert {h.url for h in b.hb.health() if h.lost} == {PEER, other}
     await b.close()
+
+
+async def test_a_slow_reconciliation_neither_stops_the_pings_nor_runs_twice_at_once() -> None:
+    b = Beats()
+    checking = asyncio.Event()  # a prefill aborting what the decode no longer has, say
+    checked: list[list[str]] = []
+
+    async def reconcile(url: str, ack: HeartbeatAck, sent: list[str]) -> None:
+        checked.append(sent)
+        await checking.wait()
+
+    b.hb.watch(live=lambda: dict(b.live), lost=b._lost, reconcile=reconcile)
+    for step in range(6):  # 0.5 s of rounds: past the 0.3 s silence timeout
+        b.clock.now = step * 0.1
+        await b.hb.tick()
+        ping = b.hb._beats.get(PEER)
+        if ping is not None:
+            await ping
+    assert len(b.peers.sent) == 6 and b.lost == []  # pinged and heard every round
+    assert checked == [["h1"]]  # the first answer is still being checked; the rest skipped
+    checking.set()
+    await b.hb.settled()
+    await b.tick_at(0.6)
+    assert len(checked) == 2
+    await b.close()
