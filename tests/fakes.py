@@ -210,6 +210,14 @@ class PeerServer:
         if self._server is not None:
             await self._server.close()
 
+    async def kill(self) -> None:
+        """What a killed process looks like: its port refuses first, then the kernel ends its
+        streams. (Stopping the listener leaves open connections open.)"""
+        assert self._server is not None and self._server.runner is not None
+        for site in list(self._server.runner.sites):
+            await site.stop()
+        self.end_watch.set()
+
     async def heartbeats_reach(self, n: int) -> None:
         """Wait until `n` heartbeats arrived (an event, not a time)."""
         async with self._beat:

@@ -99,6 +99,8 @@ class Heartbeats:
         self._beats: dict[str, asyncio.Task[None]] = {}  # each peer's ping in flight
         self._reconciling: dict[str, asyncio.Task[None]] = {}  # each peer's answer being checked
         self._tasks: set[asyncio.Task[None]] = set()  # every task started here, until it ends
+        # What ended watches last logged, for the next watch of the same peer (health table's).
+        self._watch_reported: dict[str, tuple[str, int | None]] = {}
 
     def health(self) -> list[PeerHealth]:
         """The peers of the health table (configured, live, or heard lately), by URL."""
@@ -159,6 +161,7 @@ class Heartbeats:
                     rewatch_s=self.confirm_s,
                     clock=self._clock,
                     sleep=self._sleep,
+                    reported=self._watch_reported.pop(peer, None),
                 )
                 task = self._spawn(self._watch(watch), f"kvhandoff-watch:{peer}")
                 self._watchers[peer] = (watch, task)
@@ -213,6 +216,8 @@ class Heartbeats:
         for peer in live:
             self._last.setdefault(peer, now)  # a new peer gets a full window
         self._table.pin(live)
+        for peer in [p for p in self._watch_reported if p not in self._table]:
+            del self._watch_reported[peer]  # forgotten by the health table: forgotten here
         for peer in set(self._watchers) - set(live):
             self._watchers.pop(peer)[1].cancel()
         self.follow(list(live))
@@ -306,6 +311,8 @@ class Heartbeats:
             w = self._watchers.get(watch.peer)
             if w is not None and w[0] is watch:
                 del self._watchers[watch.peer]
+            if watch.reported is not None and watch.peer in self._table:
+                self._watch_reported[watch.peer] = watch.reported
 
     async def _refuses(self, peer: str) -> bool:
         """Whether each of `confirm_probes` probes, `confirm_s` apart, is refused."""

@@ -64,6 +64,7 @@ class PeerWatch:
         rewatch_s: float,
         clock: Callable[[], float],
         sleep: Callable[[float], Awaitable[None]],
+        reported: tuple[str, int | None] | None = None,
     ) -> None:
         self.peer = peer
         self._open = open_stream
@@ -80,7 +81,9 @@ class PeerWatch:
         self.attempts = 0
         self.failures = 0  # attempts in a row that neither lived nor were lost
         self._opened_at: float | None = None
-        self._reported: tuple[str, int | None] | None = None  # the last state logged
+        # The last state logged (`reported`: by an earlier watch of the peer, so a peer that
+        # refuses every watch is not logged again each time it shares handoffs again).
+        self.reported = reported
 
     async def run(self) -> None:
         """Watch until the peer is judged gone (then `lost` was called) or the task is cancelled."""
@@ -122,7 +125,7 @@ class PeerWatch:
         self.state, self.status, self.detail = "watching", None, ""
         # A peer that refused the route accepts it now: say so at once. After streams that
         # ended at once, an open stream proves nothing yet: that is said once one lived.
-        if self._reported is None or self._reported[0] == "refused":
+        if self.reported is None or self.reported[0] == "refused":
             self._report("watching", None)
 
     def _set(self, state: str, status: int | None, detail: str) -> None:
@@ -132,8 +135,8 @@ class PeerWatch:
 
     def _report(self, state: str, status: int | None) -> None:
         """Log `state` if it differs from the last one logged: once per change, not per try."""
-        previous, self._reported = self._reported, (state, status)
-        if previous == self._reported:
+        previous, self.reported = self.reported, (state, status)
+        if previous == self.reported:
             return
         if state == "refused":
             log.warning(

@@ -46,7 +46,8 @@ class World:
             sleep=self.time.sleep,
             rand=lambda: 0.5,
         )
-        self.hb.watch(live=lambda: {server.url: ["h1"]}, lost=self._lost)
+        self.live = {server.url: ["h1"]}
+        self.hb.watch(live=lambda: dict(self.live), lost=self._lost)
         self.opened = asyncio.Event()  # set once our side saw the peer accept a watch
         hold = self.peers.watch
 
@@ -173,6 +174,28 @@ async def test_a_stream_that_lived_resets_the_backoff(
         await server.close()
 
 
+async def test_a_peer_that_refuses_every_watch_is_logged_once_across_its_handoffs(
+    session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = PeerServer(watch="absent")
+    url = await server.start()
+    w = World(server, session)
+    caplog.set_level(logging.WARNING, logger="kvhandoff.heartbeat")
+    try:
+        for _ in range(3):  # three handoffs with it, one after the other
+            w.live = {url: ["h1"]}
+            await w.hb.tick()  # watched again
+            assert await w.time.next_sleep() == STEPS[0]  # refused: waiting to retry
+            w.live = {}
+            await w.hb.tick()  # nothing shared any more: the watch stops
+            await w.hb.settled()
+        assert server.watch_attempts == 3
+        assert len(caplog.records) == 1 and "refused: HTTP 404" in caplog.records[0].getMessage()
+    finally:
+        await w.close()
+        await server.close()
+
+
 async def test_a_killed_peer_ends_its_watch_and_is_lost_without_backoff(
     session: aiohttp.ClientSession,
 ) -> None:
@@ -182,13 +205,14 @@ async def test_a_killed_peer_ends_its_watch_and_is_lost_without_backoff(
     try:
         w.hb.follow([url])
         await w.opened.wait()
-        await server.close()  # its port now refuses, and the stream ends
+        await server.kill()  # its port now refuses, and the stream ends
         assert await w.time.next_sleep() == 0.1  # between the two refused probes
+        (watching,) = [task for _, task in w.hb._watchers.values()]
         w.time.wake()
-        await w.hb.settled()
-        for task in [t for _, t in w.hb._watchers.values()]:
-            await asyncio.gather(task, return_exceptions=True)
+        await watching  # ends: the peer is gone
+        await w.hb.settled()  # and its loss was handled
         assert [u for u, _ in w.lost] == [url] and "refuses connections" in w.lost[0][1]
         assert w.time.delays == [0.1]  # no backoff wait: lost at once
     finally:
         await w.close()
+        await server.close()
