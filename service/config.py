@@ -230,6 +230,18 @@ class PeersConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True)
     prefill: list[str] = []
     #: Default timeout of one service-to-service HTTP call.
     request_timeout_s: PositiveSeconds = 5.0
+    #: Peer health (`/metrics` labels, the dashboard) forgets a peer that is neither configured
+    #: (`prefill`) nor sharing live handoffs once it has been idle — not heard, nothing shared
+    #: — for this long.
+    forget_after_s: PositiveSeconds = 600.0
+    #: At most this many peers in the health table: beyond it, the unpinned ones idle longest
+    #: are forgotten first (configured peers and peers with live handoffs always stay).
+    max_tracked: Positive = 256
+    #: A peer's watch stream that is refused (e.g. 404 from an older version, 401/403) or ends
+    #: at once is retried after an exponential backoff from this step (jittered down to half)...
+    watch_retry_min_s: PositiveSeconds = 0.5
+    #: ... up to this one; a stream that stayed open a heartbeat interval resets it.
+    watch_retry_max_s: PositiveSeconds = 30.0
 
 
 class StageConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -372,6 +384,12 @@ def check(config: Config) -> None:
     for i, url in enumerate(config.peers.prefill):
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"peers.prefill[{i}]", f"{url!r} is not an http(s) URL")
+    if config.peers.watch_retry_max_s < config.peers.watch_retry_min_s:
+        raise ConfigError(
+            "peers.watch_retry_max_s",
+            f"{config.peers.watch_retry_max_s:g} is below peers.watch_retry_min_s "
+            f"{config.peers.watch_retry_min_s:g}",
+        )
     _check_roles_apart(config)
 
 

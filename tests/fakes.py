@@ -3,11 +3,18 @@ Transfer Engine in real processes."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+
+import msgspec
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from pipelines.messages import HeartbeatAck, HeartbeatMsg
 
 # -- transport ------------------------------------------------------------------------------
 
@@ -130,3 +137,117 @@ def wait_until(ready: Callable[[], bool], timeout_s: float = 30.0, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.005)
+
+
+# -- peers ----------------------------------------------------------------------------------
+
+
+class SteppedTime:
+    """A clock and a `sleep` that only the test moves on: `sleep(d)` parks its caller;
+    `await next_sleep()` returns the next parked delay, `wake()` advances the clock by it and
+    resumes that sleeper. Whatever a task does between two sleeps is what happened at one
+    instant of the controlled time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.delays: list[float] = []
+        self._parked: asyncio.Queue[tuple[float, asyncio.Future[None]]] = asyncio.Queue()
+        self._current: tuple[float, asyncio.Future[None]] | None = None
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, delay_s: float) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._parked.put((delay_s, done))
+        await done
+
+    async def next_sleep(self) -> float:
+        self._current = await self._parked.get()
+        self.delays.append(self._current[0])
+        return self._current[0]
+
+    def wake(self) -> None:
+        assert self._current is not None, "next_sleep() first"
+        delay_s, done = self._current
+        self._current = None
+        self.now += delay_s
+        done.set_result(None)
+
+
+class PeerServer:
+    """A real HTTP peer on 127.0.0.1 serving the heartbeat and watch routes of the peer
+    protocol, for the heartbeat tests. `watch` says how the watch route answers: "hold" (200,
+    then streams until `end_watch` is set), "at_once" (200, one byte, closed), "absent" (no such
+    route: an older version's 404) or an HTTP status (a problem+json refusal). Heartbeats are
+    answered, or held until `release` is set while `hold_heartbeats` is. Counts what it got."""
+
+    def __init__(self, watch: str | int = "hold") -> None:
+        self.watch = watch
+        self.hold_heartbeats = False
+        self.release = asyncio.Event()
+        self.end_watch = asyncio.Event()
+        self.watch_opened = asyncio.Event()
+        self.watch_attempts = 0
+        self.heartbeats = 0
+        self._beat = asyncio.Condition()
+        self._server: TestServer | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/peer/heartbeats", self._heartbeat)
+        app.router.add_get("/v1/peer/watch", self._watch)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        self._server = server
+        self.url = str(server.make_url("")).rstrip("/")
+        return self.url
+
+    async def close(self) -> None:
+        self.release.set()
+        self.end_watch.set()
+        if self._server is not None:
+            await self._server.close()
+
+    async def kill(self) -> None:
+        """What a killed process looks like: its port refuses first, then the kernel ends its
+        streams. (Stopping the listener leaves open connections open.)"""
+        assert self._server is not None and self._server.runner is not None
+        for site in list(self._server.runner.sites):
+            await site.stop()
+        self.end_watch.set()
+
+    async def heartbeats_reach(self, n: int) -> None:
+        """Wait until `n` heartbeats arrived (an event, not a time)."""
+        async with self._beat:
+            await self._beat.wait_for(lambda: self.heartbeats >= n)
+
+    async def _heartbeat(self, request: web.Request) -> web.Response:
+        msg = msgspec.json.decode(await request.read(), type=HeartbeatMsg)
+        async with self._beat:
+            self.heartbeats += 1
+            self._beat.notify_all()
+        if self.hold_heartbeats:
+            await self.release.wait()
+        ack = HeartbeatAck(role="prefill", url=self.url, incarnation="p1", live=msg.live)
+        return web.Response(body=msgspec.json.encode(ack), content_type="application/json")
+
+    async def _watch(self, request: web.Request) -> web.StreamResponse:
+        self.watch_attempts += 1
+        if self.watch == "absent":
+            raise web.HTTPNotFound()
+        if isinstance(self.watch, int):
+            problem = {"status": self.watch, "code": {401: "unauthorized"}.get(self.watch)}
+            return web.Response(
+                status=self.watch,
+                body=msgspec.json.encode({k: v for k, v in problem.items() if v is not None}),
+                content_type="application/problem+json",
+            )
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        await response.write(b"\n")
+        if self.watch == "hold":
+            self.watch_opened.set()
+            await self.end_watch.wait()
+        return response

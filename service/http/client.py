@@ -12,6 +12,7 @@ process (`service.http.app.PEERS`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from functools import cache
 from typing import Any, TypeVar, overload
 
@@ -160,10 +161,12 @@ class PeerClient:
         path: str,
         *,
         idle_timeout_s: float,
+        opened: Callable[[], None] | None = None,
     ) -> None:
         """Open a streaming GET on `session` and read it until the peer ends it. Raises
         PeerUnreachable when the connection breaks or is refused, PeerTimeout when nothing
-        arrives for `idle_timeout_s` (the peer streams a byte more often than that)."""
+        arrives for `idle_timeout_s` (the peer streams a byte more often than that), the peer's
+        error for a non-2xx answer. `opened()` is called once the peer accepted the stream."""
         peer = url.rstrip("/")
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=idle_timeout_s)
         try:
@@ -177,6 +180,8 @@ class PeerClient:
             async with session.get(target, headers=headers, timeout=timeout) as response:
                 if response.status >= 300:
                     raise _remote_error(response.status, await response.read(), peer)
+                if opened is not None:
+                    opened()
                 while True:
                     async with asyncio.timeout(idle_timeout_s):
                         chunk = await response.content.readany()

@@ -9,14 +9,22 @@ longer has, or one bound to an earlier life of the peer, fails at once).
 A peer counts as heard when it answers one, or sends one itself. Two ways to lose it:
 
 - **killed**: besides the heartbeats, each live peer is watched over one idle streaming
-  connection (`watch`), which a killed process's kernel closes at once. Then the peer is probed
-  `confirm_probes` times, `confirm_s` apart; if each probe is refused (not merely slow), it is
-  lost now, well under a heartbeat interval after the kill;
+  connection (`service.peers.watch`), which a killed process's kernel closes at once. Then the
+  peer is probed `confirm_probes` times, `confirm_s` apart; if each probe is refused (not merely
+  slow), it is lost now, well under a heartbeat interval after the kill;
 - **hung** (stopped, partitioned): the connection stays open but nothing answers; it is lost once
   it has not been heard for more than `timeout_s`.
 
-A lost peer is declared once, and again only after it was heard in between. Used by
-`service.runtime.pipelines` (which runs `run()` and stops it) and `service.api.peer` (`receive`).
+A lost peer is declared once, and again only after it was heard in between.
+
+Peers are independent: a round only *starts* work, in tasks of their own. Each peer has at most
+one ping in flight (bounded by `interval_s`: a slow peer skips rounds, its pings never pile up),
+at most one reconciliation of an answer (the pings go on meanwhile), and what the pipeline does
+with a loss (failing that peer's handoffs) runs on its own. So one dead, hung or slow peer, or a
+slow or failing callback about it, never delays the heartbeats to the others or the verdict on
+them. Per-peer health for metrics and the dashboard is a bounded table
+(`service.peers.health`). Used by `service.runtime.pipelines` (which runs `run()` and stops it)
+and `service.api.peer` (`receive`).
 """
 
 from __future__ import annotations
@@ -24,31 +32,24 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
-
-from msgspec import Struct
 
 from pipelines.errors import KVHandoffError, PeerUnreachable
 from pipelines.messages import HeartbeatAck, HeartbeatMsg
 from service.http.problems import PeerTimeout
+from service.peers.health import HealthTable, PeerHealth
 from service.peers.protocol import HttpPeers
+from service.peers.watch import Backoff, PeerWatch
+
+__all__ = ["Heartbeats", "PeerHealth"]
 
 log = logging.getLogger("kvhandoff.heartbeat")
 
 Live = Callable[[], dict[str, list[str]]]
 Reconcile = Callable[[str, HeartbeatAck, list[str]], Awaitable[Any] | Any]
-
-
-class PeerHealth(Struct, frozen=True):
-    """One peer as the heartbeats see it (read by metrics and the dashboard)."""
-
-    url: str
-    last_heard_s: float | None  # seconds since it was last heard; None: never
-    lost: bool  # declared lost and not heard since
-    misses: int  # heartbeats to it that failed, since start
-    losses: int  # times it was declared lost, since start
 
 
 class Heartbeats:
@@ -63,7 +64,14 @@ class Heartbeats:
         timeout_s: float = 3.0,
         confirm_s: float = 0.1,
         confirm_probes: int = 2,
+        configured: Iterable[str] = (),
+        forget_after_s: float = 600.0,
+        max_peers: int = 256,
+        watch_retry_min_s: float = 0.5,
+        watch_retry_max_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rand: Callable[[], float] = random.random,
     ) -> None:
         self._url = url
         self._role = role
@@ -79,28 +87,41 @@ class Heartbeats:
         self.confirm_s = confirm_s
         self.confirm_probes = confirm_probes
         self._clock = clock
+        self._sleep = sleep
+        self._backoff = Backoff(watch_retry_min_s, watch_retry_max_s, rand)
         self._last: dict[str, float] = {}  # peers with live handoffs -> last time heard
         self._lost_peers: set[str] = set()
-        # Cumulative, for metrics: one entry per peer ever shared (a deployment's peers).
-        self._heard_at: dict[str, float] = {}
-        self._misses: dict[str, int] = {}
-        self._losses: dict[str, int] = {}
-        self._watchers: dict[str, asyncio.Task[None]] = {}
+        # For metrics and the dashboard: configured and live peers, and others for a while.
+        self._table = HealthTable(
+            clock=clock, configured=configured, forget_after_s=forget_after_s, max_peers=max_peers
+        )
+        self._watchers: dict[str, tuple[PeerWatch, asyncio.Task[None]]] = {}
+        self._beats: dict[str, asyncio.Task[None]] = {}  # each peer's ping in flight
+        self._reconciling: dict[str, asyncio.Task[None]] = {}  # each peer's answer being checked
+        self._tasks: set[asyncio.Task[None]] = set()  # every task started here, until it ends
+        # What ended watches last logged, for the next watch of the same peer (health table's).
+        self._watch_reported: dict[str, tuple[str, int | None]] = {}
 
     def health(self) -> list[PeerHealth]:
-        """Every peer shared so far, by URL."""
-        now = self._clock()
-        peers = sorted(self._heard_at.keys() | self._misses.keys() | self._losses.keys())
-        return [
-            PeerHealth(
-                url=url,
-                last_heard_s=now - self._heard_at[url] if url in self._heard_at else None,
-                lost=url in self._lost_peers,
-                misses=self._misses.get(url, 0),
-                losses=self._losses.get(url, 0),
+        """The peers of the health table (configured, live, or heard lately), by URL."""
+        out = []
+        for url, heard_s, misses, losses in self._table.rows():
+            w = self._watchers.get(url)
+            watch = w[0] if w is not None else None
+            out.append(
+                PeerHealth(
+                    url=url,
+                    last_heard_s=heard_s,
+                    lost=url in self._lost_peers,
+                    misses=misses,
+                    losses=losses,
+                    watch="" if watch is None else watch.state,
+                    watch_status=None if watch is None else watch.status,
+                    watch_detail="" if watch is None else watch.detail,
+                    watch_attempts=0 if watch is None else watch.attempts,
+                )
             )
-            for url in peers
-        ]
+        return out
 
     def watch(
         self,
@@ -123,18 +144,31 @@ class Heartbeats:
     def follow(self, peers: list[str]) -> None:
         """A handoff with `peers` was just created or delivered: watch them now, not at the next
         round, so a kill right after is noticed at once. Called by the role's pipeline."""
-        loop = asyncio.get_running_loop()
         now = self._clock()
         for peer in peers:
             self._last.setdefault(peer, now)
+            self._table.shared(peer)
             if peer not in self._watchers and peer not in self._lost_peers:
-                self._watchers[peer] = loop.create_task(
-                    self._watch(peer), name=f"kvhandoff-watch:{peer}"
+                watch = PeerWatch(
+                    peer,
+                    open_stream=self._peers.watch,
+                    refuses=self._refuses,
+                    lost=self._declare_lost,
+                    backoff=self._backoff,
+                    # The peer streams a byte every heartbeat interval: a stream open that long
+                    # was accepted and working, whatever ended it.
+                    lived_s=self.interval_s,
+                    rewatch_s=self.confirm_s,
+                    clock=self._clock,
+                    sleep=self._sleep,
+                    reported=self._watch_reported.pop(peer, None),
                 )
+                task = self._spawn(self._watch(watch), f"kvhandoff-watch:{peer}")
+                self._watchers[peer] = (watch, task)
 
     def heard(self, url: str) -> None:
         """`url` answered or sent a heartbeat."""
-        self._heard_at[url] = self._clock()
+        self._table.heard(url)
         if url in self._last:
             self._last[url] = self._clock()
         if url in self._lost_peers:
@@ -165,10 +199,14 @@ class Heartbeats:
                     log.exception("heartbeat round failed")
                 await asyncio.sleep(self.interval_s)
         finally:
-            await self._stop_watchers(set(self._watchers))
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def tick(self) -> None:
-        """One round: ping every peer sharing live handoffs, then judge the silent ones."""
+        """One round: start a beat to every peer sharing live handoffs (unless its last one is
+        still running), then judge the silent ones. Waits for no peer (see `settled`)."""
         live = self._live()
         now = self._clock()
         for peer in list(self._last):
@@ -177,73 +215,110 @@ class Heartbeats:
         self._lost_peers &= set(live)  # per-peer state lives only while handoffs are shared
         for peer in live:
             self._last.setdefault(peer, now)  # a new peer gets a full window
-        await self._stop_watchers(set(self._watchers) - set(live))
+        self._table.pin(live)
+        for peer in [p for p in self._watch_reported if p not in self._table]:
+            del self._watch_reported[peer]  # forgotten by the health table: forgotten here
+        for peer in set(self._watchers) - set(live):
+            self._watchers.pop(peer)[1].cancel()
         self.follow(list(live))
-        await asyncio.gather(*(self._ping(peer, ids) for peer, ids in live.items()))
-        now = self._clock()
-        for peer in list(live):
+        for peer, ids in live.items():
+            if peer not in self._beats:
+                self._beats[peer] = self._spawn(self._beat(peer, ids), f"kvhandoff-beat:{peer}")
+        for peer in live:
             if peer in self._lost_peers:
                 continue  # declared once; again only after it was heard in between
             silent = now - self._last.get(peer, now)
             if silent > self.timeout_s:
                 reason = f"was silent for {silent:.1f} s (heartbeat timeout {self.timeout_s:g} s)"
-                await self._declare_lost(peer, reason)
+                self._declare_lost(peer, reason)
 
-    async def _declare_lost(self, peer: str, reason: str) -> None:
+    async def settled(self) -> None:
+        """Wait until the beats and loss handling started so far have ended (watches run on).
+        For callers that step rounds by hand (`tick`), e.g. tests and tools."""
+        watching = {task for _, task in self._watchers.values()}
+        while pending := self._tasks - watching:
+            await asyncio.wait(pending)
+            watching = {task for _, task in self._watchers.values()}
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+        return task
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # One peer's bug is logged with its traceback; the other peers carry on.
+            log.error("%s failed", task.get_name(), exc_info=task.exception())
+
+    def _declare_lost(self, peer: str, reason: str) -> None:
+        """Mark `peer` lost now; the pipeline fails its handoffs in a task of its own."""
         if peer in self._lost_peers:
             return
         self._last.pop(peer, None)
         self._lost_peers.add(peer)
-        self._losses[peer] = self._losses.get(peer, 0) + 1
+        self._table.lost(peer)
         log.warning("peer %s %s; failing its handoffs", peer, reason)
+        self._spawn(self._handle_loss(peer, reason), f"kvhandoff-lost:{peer}")
+
+    async def _handle_loss(self, peer: str, reason: str) -> None:
         result = self._lost(peer, reason)
         if inspect.isawaitable(result):
             await result
 
-    async def _ping(self, peer: str, handoff_ids: list[str]) -> None:
-        msg = HeartbeatMsg(
-            sender_url=self._url,
-            sender_incarnation=self.incarnation,
-            role=self._role,
-            live=handoff_ids,
-        )
+    async def _beat(self, peer: str, handoff_ids: list[str]) -> None:
+        """Ping `peer` (bounded by `interval_s`); hand its answer to the reconciliation."""
         try:
+            msg = HeartbeatMsg(
+                sender_url=self._url,
+                sender_incarnation=self.incarnation,
+                role=self._role,
+                live=handoff_ids,
+            )
             ack = await self._peers.heartbeat(peer, msg, timeout_s=self.interval_s)
         except KVHandoffError as exc:
             log.debug("heartbeat to %s failed: %s", peer, exc)
-            self._misses[peer] = self._misses.get(peer, 0) + 1
+            self._table.missed(peer)
             return
-        self.heard(peer)
-        if self._reconcile is not None:
-            result = self._reconcile(peer, ack, handoff_ids)
-            if inspect.isawaitable(result):
-                await result
-
-    async def _watch(self, peer: str) -> None:
-        """Hold one idle connection to `peer`; when it breaks, confirm by probing that the
-        peer refuses connections, and declare it lost at once if so."""
-        try:
-            while peer not in self._lost_peers:
-                try:
-                    await self._peers.watch(peer)  # returns or raises when the connection ends
-                except KVHandoffError as exc:
-                    log.debug("watch of %s ended: %s", peer, exc)
-                if await self._refuses(peer):
-                    await self._declare_lost(
-                        peer, "refuses connections (its process ended: the connection closed)"
-                    )
-                    return
-                # Still answering (or only slow: the silence timeout judges that); watch again.
-                await asyncio.sleep(self.confirm_s)
         finally:
-            if self._watchers.get(peer) is asyncio.current_task():
-                del self._watchers[peer]
+            if self._beats.get(peer) is asyncio.current_task():
+                del self._beats[peer]
+        self.heard(peer)
+        # The pipeline may take its time over an answer (a prefill aborts what the decode no
+        # longer has); the pings go on meanwhile, so a busy peer is never judged silent. One
+        # reconciliation per peer at a time: an answer that comes during one is not checked
+        # (the next beat's is).
+        if self._reconcile is not None and peer not in self._reconciling:
+            self._reconciling[peer] = self._spawn(
+                self._reconcile_answer(peer, ack, handoff_ids), f"kvhandoff-reconcile:{peer}"
+            )
+
+    async def _reconcile_answer(self, peer: str, ack: HeartbeatAck, sent: list[str]) -> None:
+        try:
+            if self._reconcile is not None:
+                result = self._reconcile(peer, ack, sent)
+                if inspect.isawaitable(result):
+                    await result
+        finally:
+            if self._reconciling.get(peer) is asyncio.current_task():
+                del self._reconciling[peer]
+
+    async def _watch(self, watch: PeerWatch) -> None:
+        try:
+            await watch.run()
+        finally:
+            w = self._watchers.get(watch.peer)
+            if w is not None and w[0] is watch:
+                del self._watchers[watch.peer]
+            if watch.reported is not None and watch.peer in self._table:
+                self._watch_reported[watch.peer] = watch.reported
 
     async def _refuses(self, peer: str) -> bool:
         """Whether each of `confirm_probes` probes, `confirm_s` apart, is refused."""
         for i in range(self.confirm_probes):
             if i:
-                await asyncio.sleep(self.confirm_s)
+                await self._sleep(self.confirm_s)
             try:
                 await self._peers.heartbeat(
                     peer,
@@ -261,9 +336,3 @@ class Heartbeats:
             self.heard(peer)
             return False
         return True
-
-    async def _stop_watchers(self, peers: set[str]) -> None:
-        tasks = [self._watchers.pop(p) for p in peers if p in self._watchers]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -7,6 +7,7 @@ HTTP peer from an in-process one (`pipelines.inprocess`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -136,12 +137,13 @@ class HttpPeers:
         await self._failures.submit(decode_url, msg)
 
     # either direction
-    async def watch(self, url: str) -> None:
-        """Hold `WATCH_PATH` open until the peer ends it (see `service.peers.heartbeat`)."""
+    async def watch(self, url: str, opened: Callable[[], None] | None = None) -> None:
+        """Hold `WATCH_PATH` open until the peer ends it (see `service.peers.watch`); `opened()`
+        is called once the peer accepted the stream."""
         if self._watch_session is None:
             self._watch_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         await self._client.hold(
-            self._watch_session, url, WATCH_PATH, idle_timeout_s=self._watch_idle_s
+            self._watch_session, url, WATCH_PATH, idle_timeout_s=self._watch_idle_s, opened=opened
         )
 
     async def heartbeat(self, url: str, msg: HeartbeatMsg, timeout_s: float) -> HeartbeatAck:

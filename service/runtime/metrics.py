@@ -31,7 +31,7 @@ from pipelines.events import (
     StagePaired,
     StageTransferred,
 )
-from service.peers.heartbeat import PeerHealth
+from service.peers.health import PeerHealth
 from service.runtime.streams import StreamStats
 from service.runtime.webhooks import WebhookStats
 from transport.base import TransportStats
@@ -161,6 +161,10 @@ class Metrics:
 METRICS = web.AppKey("metrics", Metrics)
 
 
+#: The states of a peer's watch stream (`PeerHealth.watch`), one series each.
+WATCH_STATES = ("connecting", "watching", "refused", "failing")
+
+
 class PeerCollector(Collector):
     """Per-peer heartbeat health, read from the heartbeats at scrape time."""
 
@@ -185,13 +189,36 @@ class PeerCollector(Collector):
         lost = CounterMetricFamily(
             "kvhandoff_peer_lost", "Times the peer was declared lost", labels=["peer"]
         )
+        watch = GaugeMetricFamily(
+            "kvhandoff_peer_watch_state",
+            "1 for the state the peer's watch stream is in (connecting, watching, refused: it "
+            "answered with an HTTP error, failing: it ends at once); absent while not watched",
+            labels=["peer", "state"],
+        )
+        refused = GaugeMetricFamily(
+            "kvhandoff_peer_watch_refused_status",
+            "The HTTP status the peer refuses its watch stream with (e.g. 404: an older "
+            "version), while it does",
+            labels=["peer"],
+        )
+        attempts = CounterMetricFamily(
+            "kvhandoff_peer_watch_attempts",
+            "Watch stream connections attempted to the peer",
+            labels=["peer"],
+        )
         for p in peers:
             up.add_metric([p.url], 0.0 if p.lost else 1.0)
             if p.last_heard_s is not None:
                 heard.add_metric([p.url], p.last_heard_s)
             misses.add_metric([p.url], p.misses)
             lost.add_metric([p.url], p.losses)
-        return [up, heard, misses, lost]
+            if p.watch:
+                for state in WATCH_STATES:
+                    watch.add_metric([p.url, state], 1.0 if p.watch == state else 0.0)
+                attempts.add_metric([p.url], p.watch_attempts)
+            if p.watch == "refused" and p.watch_status is not None:
+                refused.add_metric([p.url], p.watch_status)
+        return [up, heard, misses, lost, watch, refused, attempts]
 
     def describe(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
         return []

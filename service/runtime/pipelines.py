@@ -175,6 +175,11 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
             incarnation=incarnation,
             interval_s=handoff.heartbeat_interval_s,
             timeout_s=handoff.peer_timeout_s,
+            configured=config.peers.prefill,
+            forget_after_s=config.peers.forget_after_s,
+            max_peers=config.peers.max_tracked,
+            watch_retry_min_s=config.peers.watch_retry_min_s,
+            watch_retry_max_s=config.peers.watch_retry_max_s,
         ),
     )
     beats = runtime.heartbeats

@@ -192,6 +192,8 @@ def test_stage_rank_not_below_pp_size(tmp_path: Path) -> None:
         ),
         ({"model.preset": "hybrid-mha"}, "stages[0].num_slots"),  # state model needs slots
         ({"peers.prefill": ["prefill:8100"]}, "peers.prefill[0]"),
+        ({"peers.watch_retry_max_s": 0.1}, "peers.watch_retry_max_s"),  # below the 0.5 s min
+        ({"peers.max_tracked": 0}, "peers.max_tracked"),
         ({"model": {}}, "model.preset"),
     ],
 )

@@ -4,13 +4,18 @@ peers and a fake clock."""
 from __future__ import annotations
 
 import asyncio
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
+
+import aiohttp
 
 from pipelines.errors import InternalError, PeerUnreachable
 from pipelines.messages import HeartbeatAck, HeartbeatMsg
+from service.http.client import PeerClient
 from service.http.problems import PeerTimeout
 from service.peers.heartbeat import Heartbeats
 from service.peers.protocol import HttpPeers
+from tests.fakes import PeerServer
 
 PEER = "http://prefill:1"
 
@@ -46,10 +51,12 @@ class FakePeers:
             role="prefill", url=url, incarnation=self.incarnation, live=self.live.get(url, [])
         )
 
-    async def watch(self, url: str) -> None:
+    async def watch(self, url: str, opened: Callable[[], None] | None = None) -> None:
         self.watching[url] = self.watching.get(url, 0) + 1
         if url in self.down:
             raise PeerUnreachable(f"cannot reach {url}", peer=url)
+        if opened is not None:
+            opened()
         await self.drop.setdefault(url, asyncio.Event()).wait()
         raise PeerUnreachable(f"{url} closed the connection", peer=url)
 
@@ -58,7 +65,7 @@ class Beats:
     """A `Heartbeats` (interval 0.1 s, timeout 0.3 s) over fake peers and clock, with one live
     handoff on PEER. Declaring a peer lost ends its handoffs, as the pipelines do."""
 
-    def __init__(self) -> None:
+    def __init__(self, **options: Any) -> None:
         self.clock = FakeClock()
         self.peers = FakePeers()
         self.live: dict[str, list[str]] = {PEER: ["h1"]}
@@ -74,6 +81,7 @@ class Beats:
             timeout_s=0.3,
             confirm_s=0.001,
             clock=self.clock,
+            **options,
         )
         self.hb.watch(
             live=lambda: dict(self.live),
@@ -89,9 +97,13 @@ class Beats:
     async def tick_at(self, now: float) -> None:
         self.clock.now = now
         await self.hb.tick()
+        await self.hb.settled()
 
     async def close(self) -> None:
-        await self.hb._stop_watchers(set(self.hb._watchers))
+        tasks = list(self.hb._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def test_heartbeats_declare_a_silent_peer_lost_once_after_the_timeout() -> None:
@@ -183,6 +195,7 @@ async def test_a_broken_watch_of_a_peer_that_still_answers_is_not_a_loss() -> No
     b = Beats()
     await b.tick_at(0.0)
     await asyncio.sleep(0)
+    b.clock.now = 0.1  # open for a heartbeat interval: the stream lived
     b.peers.drop[PEER].set()  # e.g. a proxy closed an idle connection
     for _ in range(50):
         await asyncio.sleep(0.001)
@@ -253,4 +266,108 @@ async def test_a_new_handoff_s_peer_is_watched_at_once_not_at_the_next_round() -
             break
         await asyncio.sleep(0.001)
     assert [url for url, _ in b.lost] == [PEER]
+    await b.close()
+
+
+async def test_a_hung_peer_and_the_slow_failing_of_its_handoffs_never_hold_up_the_others() -> None:
+    """Real peers on 127.0.0.1: A hangs (its heartbeats are never answered), B answers. Rounds
+    every 1,000 s of controlled time; a ping may take up to the interval, so a round that waited
+    for A would never return within this test."""
+    a, b = PeerServer(), PeerServer()
+    url_a, url_b = await a.start(), await b.start()
+    a.hold_heartbeats = True
+    clock = FakeClock()
+    failing = asyncio.Event()  # the pipeline's failing of A's handoffs, until the test ends
+    lost: list[str] = []
+
+    async def fail_handoffs_of(url: str, reason: str) -> None:
+        lost.append(url)
+        await failing.wait()
+
+    async def beat_to_b_ends(n: int) -> None:
+        await b.heartbeats_reach(n)  # B got it; now its answer is read and the beat ends
+        beat = hb._beats.get(url_b)
+        if beat is not None:
+            await beat
+
+    async with aiohttp.ClientSession() as session:
+        peers = HttpPeers(PeerClient(session), watch_idle_s=10_000.0)
+        hb = Heartbeats(
+            url="http://decode:1",
+            role="decode",
+            peers=peers,
+            interval_s=1000.0,
+            timeout_s=2500.0,
+            clock=clock,
+        )
+        hb.watch(live=lambda: {url_a: ["a1"], url_b: ["b1"]}, lost=fail_handoffs_of)
+        try:
+            for r in range(3):
+                clock.now = 1000.0 * r
+                await hb.tick()
+                await beat_to_b_ends(r + 1)
+            assert a.heartbeats == 1  # its one beat still hangs: later rounds skip it, no pile-up
+            clock.now = 3000.0  # A silent for 3,000 s: lost; failing its handoffs takes long
+            await hb.tick()
+            await beat_to_b_ends(4)
+            for r in (4, 5):
+                clock.now = 1000.0 * r
+                await hb.tick()
+                await beat_to_b_ends(r + 1)
+            assert lost == [url_a] and a.heartbeats == 1
+            health = {h.url: h for h in hb.health()}
+            assert health[url_a].lost and not health[url_b].lost
+            assert health[url_b].last_heard_s == 0.0
+        finally:
+            failing.set()
+            for task in list(hb._tasks):
+                task.cancel()
+            await asyncio.gather(*hb._tasks, return_exceptions=True)
+            await a.close()
+            await b.close()
+            await peers.close()
+
+
+async def test_a_failing_loss_callback_for_one_peer_does_not_spare_the_others_that_round() -> None:
+    b = Beats()
+    other = "http://prefill:2"
+    b.live = {PEER: ["h1"], other: ["h2"]}
+    b.peers.hung |= {PEER, other}
+    told: list[str] = []
+
+    def lost(url: str, reason: str) -> None:
+        told.append(url)
+        if url == PEER:
+            raise InternalError("a bug while failing this peer's handoffs")
+
+    b.hb.watch(live=lambda: dict(b.live), lost=lost)
+    await b.tick_at(0.0)
+    await b.tick_at(0.5)  # both silent past the timeout, in the same round
+    assert sorted(told) == [PEER, other]
+    assert {h.url for h in b.hb.health() if h.lost} == {PEER, other}
+    await b.close()
+
+
+async def test_a_slow_reconciliation_neither_stops_the_pings_nor_runs_twice_at_once() -> None:
+    b = Beats()
+    checking = asyncio.Event()  # a prefill aborting what the decode no longer has, say
+    checked: list[list[str]] = []
+
+    async def reconcile(url: str, ack: HeartbeatAck, sent: list[str]) -> None:
+        checked.append(sent)
+        await checking.wait()
+
+    b.hb.watch(live=lambda: dict(b.live), lost=b._lost, reconcile=reconcile)
+    for step in range(6):  # 0.5 s of rounds: past the 0.3 s silence timeout
+        b.clock.now = step * 0.1
+        await b.hb.tick()
+        ping = b.hb._beats.get(PEER)
+        if ping is not None:
+            await ping
+    assert len(b.peers.sent) == 6 and b.lost == []  # pinged and heard every round
+    assert checked == [["h1"]]  # the first answer is still being checked; the rest skipped
+    checking.set()
+    await b.hb.settled()
+    await b.tick_at(0.6)
+    assert len(checked) == 2
     await b.close()

@@ -11,15 +11,16 @@ async def test_health_counts_misses_losses_and_the_time_since_heard() -> None:
     b = Beats()
     assert b.hb.health() == []  # no peer shared yet
     await b.tick_at(0.0)
-    assert b.hb.health() == [PeerHealth(PEER, 0.0, False, 0, 0)]
+    watch = "watching"  # its watch stream is open (the fake peer holds it)
+    assert b.hb.health() == [PeerHealth(PEER, 0.0, False, 0, 0, watch, None, "", 1)]
     b.peers.hung.add(PEER)  # a stopped process: every ping times out, the silence decides
     for now in (0.1, 0.2, 0.3, 0.4):
         await b.tick_at(now)
     b.clock.now = 0.5
-    assert b.hb.health() == [PeerHealth(PEER, 0.5, True, 4, 1)]
+    assert b.hb.health() == [PeerHealth(PEER, 0.5, True, 4, 1, watch, None, "", 1)]
     b.peers.hung.clear()
     b.live[PEER] = ["h2"]  # a new handoff with the peer, which answers again
     await b.tick_at(1.0)
-    assert b.hb.health() == [PeerHealth(PEER, 0.0, False, 4, 1)]
+    assert b.hb.health() == [PeerHealth(PEER, 0.0, False, 4, 1, watch, None, "", 1)]
     assert b.back == [PEER]
     await b.close()
