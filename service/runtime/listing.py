@@ -14,9 +14,10 @@ restarts in between.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 
@@ -35,27 +36,32 @@ def handoff_page(
 ) -> HandoffPage:
     """At most `limit` handoffs (of `state`) after `cursor`; `next_cursor` None on the last page.
 
-    Reads at most a few of `limit + 1` record rows per page (more only where records of handoffs
-    this process holds are skipped), never the whole table."""
+    Reads at most `2 * (limit + 1)` record rows: the page's `limit + 1` candidates among the
+    live ones bound the records worth reading (none beyond the last of them), and each record in
+    that range that is not a candidate's own is one the page needs."""
+    wanted = limit + 1
+    live = list(itertools.islice(_live(decode, records, state, cursor), wanted))
+    before = live[-1][0] if len(live) == wanted else None
     merged = heapq.merge(
-        _live(decode, records, state, cursor),
-        _recorded(decode, records, state, cursor, limit + 1),
-        key=lambda item: item[0],
+        live, _recorded(decode, records, state, cursor, before, 2 * wanted), key=_seq
     )
-    taken = list(itertools.islice(merged, limit + 1))
-    items = [view for _, view in taken[:limit]]
-    more = len(taken) > limit
-    return HandoffPage(items=items, next_cursor=taken[limit - 1][0] if more else None)
+    taken = list(itertools.islice(merged, wanted))
+    items = [view() for _, view in taken[:limit]]
+    return HandoffPage(items=items, next_cursor=taken[limit - 1][0] if len(taken) > limit else None)
+
+
+def _seq(item: tuple[int, Callable[[], HandoffView]]) -> int:
+    return item[0]
 
 
 def _live(
     decode: DecodePipeline, records: HandoffRecords, state: HandoffState | None, cursor: int
-) -> Iterator[tuple[int, HandoffView]]:
+) -> Iterator[tuple[int, Callable[[], HandoffView]]]:
     # The pipeline's dict is in creation order, and so are the seqs this life gives its records.
     for h in decode.handoffs.values():
         seq = records.seq_of(h.seq)
         if seq > cursor and (state is None or h.state == state):
-            yield seq, h.view(timeline=False)
+            yield seq, functools.partial(h.view, timeline=False)
 
 
 def _recorded(
@@ -63,14 +69,20 @@ def _recorded(
     records: HandoffRecords,
     state: HandoffState | None,
     cursor: int,
+    before: int | None,
     batch: int,
-) -> Iterator[tuple[int, HandoffView]]:
+) -> Iterator[tuple[int, Callable[[], HandoffView]]]:
+    """Records after `cursor` (and before `before`) of handoffs this process does not hold."""
     after = cursor
     while True:
-        rows = records.listed(after, state, batch)
+        rows = records.listed(after, state, batch, before=before)
         for seq, hid in rows:
             if hid not in decode.handoffs:  # held here: `_live` answers for it
-                yield seq, msgspec.structs.replace(decode.get(hid), timeline=[])
+                yield seq, functools.partial(_archived, decode, hid)
         if len(rows) < batch:
             return
         after = rows[-1][0]
+
+
+def _archived(decode: DecodePipeline, handoff_id: str) -> HandoffView:
+    return msgspec.structs.replace(decode.get(handoff_id), timeline=[])

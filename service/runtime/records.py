@@ -151,11 +151,17 @@ class HandoffRecords:
             return None
         return ArchivedHandoff(_request_decoder.decode(row[0]), _view_decoder.decode(row[1]))
 
-    def listed(self, after: int, state: HandoffState | None, limit: int) -> list[tuple[int, str]]:
-        """`(seq, id)` of at most `limit` finished records after `after`, in creation order,
-        optionally of one `state`: one indexed range read, whatever the table holds."""
+    def listed(
+        self, after: int, state: HandoffState | None, limit: int, *, before: int | None = None
+    ) -> list[tuple[int, str]]:
+        """`(seq, id)` of at most `limit` finished records after `after` (and before `before`),
+        in creation order, optionally of one `state`: one indexed range read, whatever the
+        table holds."""
         where = "seq > ? AND view IS NOT NULL"
         args: list[object] = [after]
+        if before is not None:
+            where += " AND seq < ?"
+            args.append(before)
         if state is not None:
             where += " AND state = ?"
             args.append(state.value)
