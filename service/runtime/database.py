@@ -91,12 +91,15 @@ CREATE TABLE IF NOT EXISTS attempts (
 );
 """
 
-# After the migrations: they add the columns these index. Each index costs every handoff's
-# writes on the event loop (`seq` one insert, `state` one more update at its outcome); they keep a
-# list call to its page of rows, filtered by state or not, however many records there are.
+# After the migrations: they add the columns these index. They keep a list call to its page of
+# rows however many records there are: in creation order, and of the outcomes few records have.
+# No index on every `state`: a record changes state at its outcome, and updating such an index
+# took a handoff's two record writes from 38 to 47 us of CPU on the event loop; the partial
+# index costs nothing to a handoff that completes, the seq index about 2 us (on insert only).
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS handoffs_by_seq ON handoffs (seq);
-CREATE INDEX IF NOT EXISTS handoffs_by_state ON handoffs (state, seq);
+CREATE INDEX IF NOT EXISTS handoffs_by_outcome ON handoffs (state, seq)
+    WHERE state IN ('failed', 'aborted');
 """
 
 

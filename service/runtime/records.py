@@ -32,6 +32,8 @@ from pipelines.states import HandoffState
 from service.runtime.database import LIFE_SHIFT, Database
 
 ACCEPTED = "accepted"
+#: The condition of the partial index `handoffs_by_outcome` (`service.runtime.database`).
+_OUTCOME_INDEXED = "state IN ('failed', 'aborted')"
 _encoder = msgspec.json.Encoder()
 _request_decoder = msgspec.json.Decoder(HandoffRequest)
 _view_decoder = msgspec.json.Decoder(HandoffView)
@@ -155,16 +157,21 @@ class HandoffRecords:
         self, after: int, state: HandoffState | None, limit: int, *, before: int | None = None
     ) -> list[tuple[int, str]]:
         """`(seq, id)` of at most `limit` finished records after `after` (and before `before`),
-        in creation order, optionally of one `state`: one indexed range read, whatever the
-        table holds."""
+        in creation order, optionally of one `state`: a range read through an index, whatever
+        the table holds (for `completed`, the state of most records, the read walks creation
+        order and stops at the `limit`th match)."""
         where = "seq > ? AND view IS NOT NULL"
         args: list[object] = [after]
         if before is not None:
             where += " AND seq < ?"
             args.append(before)
         if state is not None:
+            if not state.terminal:
+                return []  # a record holds its outcome, or nothing to list (`find`)
             where += " AND state = ?"
             args.append(state.value)
+            if state != HandoffState.COMPLETED:
+                where += f" AND {_OUTCOME_INDEXED}"  # the exact term lets SQLite use the index
         rows = self._db.conn.execute(
             f"SELECT seq, id FROM handoffs WHERE {where} ORDER BY seq LIMIT ?", (*args, limit)
         )

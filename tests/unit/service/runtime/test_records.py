@@ -151,7 +151,8 @@ def test_records_are_listed_in_creation_order_across_lives(tmp_path: Path) -> No
         assert listed[-1][0] == r.seq_of(1)
         assert [hid for _, hid in r.listed(listed[1][0], None, 2)] == ["c", "d"]
         assert r.listed(0, HandoffState.FAILED, 10) == [listed[-1]]
-        assert r.listed(0, HandoffState.PENDING, 10) == []
+        assert r.listed(0, HandoffState.PENDING, 10) == []  # what the process itself holds
+        assert r.listed(0, HandoffState.COMPLETED, 10, before=listed[2][0]) == listed[:2]
     finally:
         again.close()
 
@@ -178,7 +179,8 @@ def test_a_page_reads_its_rows_through_an_index_not_the_table(db: Database) -> N
             for n in range(start, stop):
                 req = request(f"h{n}", [n])
                 r.accepted(tx, req, float(n), 30.0, n)
-                state = HandoffState.ABORTED if n == 1000 else HandoffState.COMPLETED
+                rare = {1000: HandoffState.ABORTED, 1001: HandoffState.FAILED}
+                state = rare.get(n, HandoffState.COMPLETED)
                 r.finished(tx, view(req, state, float(n)))
 
     def steps(state: HandoffState | None) -> int:
@@ -196,9 +198,10 @@ def test_a_page_reads_its_rows_through_an_index_not_the_table(db: Database) -> N
         return count[0]
 
     fill(1, 2001)
-    small = {state: steps(state) for state in (None, HandoffState.ABORTED)}
+    kinds = (None, HandoffState.ABORTED, HandoffState.FAILED)
+    small = {state: steps(state) for state in kinds}
     fill(2001, 40001)
-    large = {state: steps(state) for state in (None, HandoffState.ABORTED)}
+    large = {state: steps(state) for state in kinds}
     for state, n in small.items():
         assert large[state] < 2 * n, (state, small, large)
 
