@@ -36,9 +36,9 @@ def handoff_page(
 ) -> HandoffPage:
     """At most `limit` handoffs (of `state`) after `cursor`; `next_cursor` None on the last page.
 
-    Reads at most `2 * (limit + 1)` record rows: the page's `limit + 1` candidates among the
-    live ones bound the records worth reading (none beyond the last of them), and each record in
-    that range that is not a candidate's own is one the page needs."""
+    Asks the records for at most `2 * (limit + 1)` rows, once: the page's `limit + 1` candidates
+    among the live handoffs bound the records worth reading (none beyond the last of them), and
+    each record in that range that is not a candidate's own is one the page needs."""
     wanted = limit + 1
     live = list(itertools.islice(_live(decode, records, state, cursor), wanted))
     before = live[-1][0] if len(live) == wanted else None
