@@ -78,6 +78,9 @@ class HandoffView(Struct, frozen=True, omit_defaults=True):
 
 
 class HandoffPage(Struct, frozen=True):
+    """One page of `GET /v1/handoffs`, in creation order (views without their timelines).
+    `next_cursor` is the `cursor` of the next page (opaque), null on the last page."""
+
     items: list[HandoffView]
     next_cursor: int | None
 

@@ -22,6 +22,7 @@ from service.api.peer import common_routes, decode_peer_routes, prefill_peer_rou
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
 from service.http.problems import NotReady
 from service.http.routing import RouteTable
+from service.runtime.listing import handoff_page
 from service.runtime.persistence import PERSISTENCE, persistence_of
 from service.runtime.pipelines import RUNTIME, decode_of, install_pipelines, prefill_of
 
@@ -32,6 +33,11 @@ _ID_SCHEMA = {"type": "string", "pattern": HANDOFF_ID_PATTERN, "maxLength": 256}
 
 #: Longest a `GET /v1/handoffs/{id}?wait_s=` long poll may hold a connection.
 MAX_WAIT_S = 60.0
+#: Items of one `GET /v1/handoffs` page: by default, and at most.
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+#: Cursors are `seq`s (`service.runtime.database.LIFE_SHIFT`), below this.
+MAX_CURSOR = 2**62
 
 decode_routes = RouteTable()
 prefill_routes = RouteTable()
@@ -158,13 +164,18 @@ async def get_handoff(request: web.Request) -> web.StreamResponse:
     response=HandoffPage,
     errors=(422,),
     summary="Handoffs in creation order, optionally of one state; paginated by cursor",
-    description="Query: `state` (pending, transferring, completed, failed, aborted), `limit` "
-    "(1..1000, default 100), `cursor` (the previous page's `next_cursor`).",
+    description="Every handoff `GET /v1/handoffs/{id}` answers for, once each: those this "
+    "process holds and, where records persist, those its records keep from earlier lives of "
+    "the service (each as the single GET answers, without the timeline). Query: `state` "
+    "(pending, transferring, completed, failed, aborted), `limit` (1..1000, default 100), "
+    "`cursor` (the previous page's `next_cursor`, opaque; null on the last page). The order "
+    "is creation order and stays put across restarts: a later life's handoffs come after an "
+    "earlier one's, so paging goes on where it was after a restart.",
     tags=("handoffs",),
     query=(
         ("state", {"type": "string", "enum": [s.value for s in HandoffState]}),
-        ("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
-        ("cursor", {"type": "integer", "minimum": 0, "maximum": 2**62}),
+        ("limit", {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT}),
+        ("cursor", {"type": "integer", "minimum": 0, "maximum": MAX_CURSOR}),
     ),
 )
 async def list_handoffs(request: web.Request) -> web.StreamResponse:
@@ -178,9 +189,13 @@ async def list_handoffs(request: web.Request) -> web.StreamResponse:
             raise InvalidInput(
                 f"state={raw_state!r} is not one of {choices}", field="state"
             ) from None
-    limit = int(_query_number(request, "limit", 100, 1, 1000))
-    cursor = int(_query_number(request, "cursor", 0, 0, 2**62))
-    return json_response(decode_of(request).page(state, limit, cursor))
+    limit = int(_query_number(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT))
+    cursor = int(_query_number(request, "cursor", 0, 0, MAX_CURSOR))
+    persistence = request.app.get(PERSISTENCE)
+    if persistence is None:  # records off: this process's handoffs are all there is
+        return json_response(decode_of(request).page(state, limit, cursor))
+    page = handoff_page(decode_of(request), persistence.records, state, limit, cursor)
+    return json_response(page)
 
 
 @decode_routes.delete(

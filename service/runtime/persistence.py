@@ -191,7 +191,7 @@ class _Journal:
     ) -> None:
         records = self._p.records
         if isinstance(event, HandoffCreated) and h is not None:
-            records.accepted(tx, h.request, h.created_at, h.deadline_at)
+            records.accepted(tx, h.request, h.created_at, h.deadline_at, h.seq)
         elif isinstance(event, TERMINAL_EVENTS):
             view = (
                 msgspec.structs.replace(h.view(), timeline=[*h.timeline, event])

@@ -2,7 +2,8 @@
 
 Called by the bus listener in `service.runtime.persistence` (`accepted`, `finished`,
 `released`, inside the transaction that commits the event), by the decode pipeline as its
-`HandoffArchive` (`find`: `GET /v1/handoffs/{id}` of an id this process does not hold), and at
+`HandoffArchive` (`find`: `GET /v1/handoffs/{id}` of an id this process does not hold), by
+`service.runtime.listing` (`listed`: `GET /v1/handoffs`, in creation order across lives), and at
 start-up (`interrupted`, `fenced`) to end what an earlier process left in flight.
 
 A record is `accepted` until its terminal event, then holds the final `HandoffView`. Its pages
@@ -28,9 +29,11 @@ from pipelines.decode_views import (
 )
 from pipelines.events import Event, HandoffCompleted, HandoffFailed
 from pipelines.states import HandoffState
-from service.runtime.database import Database
+from service.runtime.database import LIFE_SHIFT, Database
 
 ACCEPTED = "accepted"
+#: The condition of the partial index `handoffs_by_outcome` (`service.runtime.database`).
+_OUTCOME_INDEXED = "state IN ('failed', 'aborted')"
 _encoder = msgspec.json.Encoder()
 _request_decoder = msgspec.json.Decoder(HandoffRequest)
 _view_decoder = msgspec.json.Decoder(HandoffView)
@@ -59,10 +62,22 @@ class HandoffRecords:
         request: HandoffRequest,
         created_at: float,
         deadline_at: float,
+        number: int | None = None,
     ) -> None:
+        """Record an accepted handoff. `number`: its creation number in this life (the decode
+        pipeline's `seq`, so the list orders live handoffs and records alike); None: the next
+        after this life's records (a writer without a pipeline)."""
+        seq = (
+            self.seq_of(number)
+            if number is not None
+            else tx.execute(
+                "SELECT COALESCE(MAX(seq) + 1, ?) FROM handoffs WHERE seq > ?",
+                (self.seq_of(1), self.seq_of(0)),
+            ).fetchone()[0]
+        )
         tx.execute(
             "INSERT OR REPLACE INTO handoffs (id, request, dst_pages, created_at, deadline_at,"
-            " state) VALUES (?, ?, ?, ?, ?, ?)",
+            " state, seq) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (
                 request.id,
                 _encoder.encode(request),
@@ -70,8 +85,13 @@ class HandoffRecords:
                 created_at,
                 deadline_at,
                 ACCEPTED,
+                seq,
             ),
         )
+
+    def seq_of(self, number: int) -> int:
+        """The list position of this life's handoff number `number` (after every earlier life's)."""
+        return self._db.life << LIFE_SHIFT | number
 
     def finished(self, tx: sqlite3.Connection, view: HandoffView) -> None:
         # A completed handoff ended after every writer reported its bytes; a failed or aborted
@@ -132,6 +152,30 @@ class HandoffRecords:
         if row is None:
             return None
         return ArchivedHandoff(_request_decoder.decode(row[0]), _view_decoder.decode(row[1]))
+
+    def listed(
+        self, after: int, state: HandoffState | None, limit: int, *, before: int | None = None
+    ) -> list[tuple[int, str]]:
+        """`(seq, id)` of at most `limit` finished records after `after` (and before `before`),
+        in creation order, optionally of one `state`: a range read through an index, whatever
+        the table holds (for `completed`, the state of most records, the read walks creation
+        order and stops at the `limit`th match)."""
+        where = "seq > ? AND view IS NOT NULL"
+        args: list[object] = [after]
+        if before is not None:
+            where += " AND seq < ?"
+            args.append(before)
+        if state is not None:
+            if not state.terminal:
+                return []  # a record holds its outcome, or nothing to list (`find`)
+            where += " AND state = ?"
+            args.append(state.value)
+            if state != HandoffState.COMPLETED:
+                where += f" AND {_OUTCOME_INDEXED}"  # the exact term lets SQLite use the index
+        rows = self._db.conn.execute(
+            f"SELECT seq, id FROM handoffs WHERE {where} ORDER BY seq LIMIT ?", (*args, limit)
+        )
+        return [(seq, hid) for seq, hid in rows]
 
     def interrupted(self) -> list[Interrupted]:
         """Handoffs accepted and never finished (the process died while they were in flight)."""

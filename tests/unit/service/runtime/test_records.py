@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from pipelines.decode_views import HandoffRequest, HandoffView
 from pipelines.events import EventBus, HandoffFailed
 from pipelines.states import HandoffState
-from service.runtime.database import FILE_NAME, Database
+from service.runtime.database import FILE_NAME, LIFE_SHIFT, SCHEMA_VERSION, Database
 from service.runtime.records import HandoffRecords
 
 GRACE_S = 11.0
@@ -119,3 +120,155 @@ def test_retention_by_age_and_count_spares_what_may_still_be_written(db: Databas
     with db.transaction() as tx:
         assert r.purge(tx, now=2000.0, retention_s=1e9, max_records=0) == ["h0"]
     assert r.find("h0") is None
+
+
+# ------------------------------------------------------------------------------ the list's order
+
+
+def finish(db: Database, r: HandoffRecords, hid: str, state: HandoffState, number: int) -> None:
+    req = request(hid, [number])
+    with db.transaction() as tx:
+        r.accepted(tx, req, float(number), 30.0, number)
+        r.finished(tx, view(req, state, float(number)))
+
+
+def test_records_are_listed_in_creation_order_across_lives(tmp_path: Path) -> None:
+    path = tmp_path / FILE_NAME
+    first = Database(path)
+    r = HandoffRecords(first, grace_s=GRACE_S)
+    for n, hid in enumerate(["b", "a", "c"], 1):  # ordered by creation, not by id
+        finish(first, r, hid, HandoffState.COMPLETED, n)
+    accept(first, r, request("live", [9]))  # not finished: the process answers for it itself
+    first.close()
+    again = Database(path)
+    try:
+        r = HandoffRecords(again, grace_s=GRACE_S)
+        assert again.life == first.life + 1
+        finish(again, r, "d", HandoffState.FAILED, 1)  # number 1 again, in a later life
+        listed = r.listed(0, None, 10)
+        assert [hid for _, hid in listed] == ["b", "a", "c", "d"]
+        assert listed[0][0] == r.seq_of(1) - (1 << LIFE_SHIFT)  # the first life's number 1
+        assert listed[-1][0] == r.seq_of(1)
+        assert [hid for _, hid in r.listed(listed[1][0], None, 2)] == ["c", "d"]
+        assert r.listed(0, HandoffState.FAILED, 10) == [listed[-1]]
+        assert r.listed(0, HandoffState.PENDING, 10) == []  # what the process itself holds
+        assert r.listed(0, HandoffState.COMPLETED, 10, before=listed[2][0]) == listed[:2]
+    finally:
+        again.close()
+
+
+def test_a_record_written_without_a_number_comes_after_this_lifes(db: Database) -> None:
+    r = HandoffRecords(db, grace_s=GRACE_S)
+    finish(db, r, "one", HandoffState.COMPLETED, 5)
+    accept(db, r, request("two", [1]))
+    accept(db, r, request("three", [2]))
+    seqs = dict(
+        (hid, seq) for seq, hid in db.conn.execute("SELECT seq, id FROM handoffs").fetchall()
+    )
+    assert seqs == {"one": r.seq_of(5), "two": r.seq_of(6), "three": r.seq_of(7)}
+
+
+def test_a_page_reads_its_rows_through_an_index_not_the_table(db: Database) -> None:
+    # Count SQLite's virtual-machine steps for one page: with 20 times the records, a page of
+    # the list (all, or of a state with fewer rows than the page) costs about the same, so no
+    # call walks the table.
+    r = HandoffRecords(db, grace_s=GRACE_S)
+
+    def fill(start: int, stop: int) -> None:
+        with db.transaction() as tx:
+            for n in range(start, stop):
+                req = request(f"h{n}", [n])
+                r.accepted(tx, req, float(n), 30.0, n)
+                rare = {1000: HandoffState.ABORTED, 1001: HandoffState.FAILED}
+                state = rare.get(n, HandoffState.COMPLETED)
+                r.finished(tx, view(req, state, float(n)))
+
+    def steps(state: HandoffState | None) -> int:
+        count = [0]
+
+        def step() -> int:
+            count[0] += 1
+            return 0
+
+        db.conn.set_progress_handler(step, 1)
+        try:
+            assert len(r.listed(r.seq_of(500), state, 2)) == (2 if state is None else 1)
+        finally:
+            db.conn.set_progress_handler(None, 0)
+        return count[0]
+
+    fill(1, 2001)
+    kinds = (None, HandoffState.ABORTED, HandoffState.FAILED)
+    small = {state: steps(state) for state in kinds}
+    fill(2001, 40001)
+    large = {state: steps(state) for state in kinds}
+    for state, n in small.items():
+        assert large[state] < 2 * n, (state, small, large)
+
+
+V1_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+INSERT INTO meta VALUES ('instance', 'abc'), ('schema_version', '1');
+CREATE TABLE handoffs (
+    id TEXT PRIMARY KEY, request BLOB NOT NULL, dst_pages BLOB NOT NULL,
+    created_at REAL NOT NULL, deadline_at REAL NOT NULL, state TEXT NOT NULL, view BLOB,
+    finished_at REAL, released INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX handoffs_by_finish ON handoffs (finished_at);
+"""
+
+
+def test_a_file_of_schema_1_is_migrated_keeping_its_records_in_creation_order(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / FILE_NAME
+    old = sqlite3.connect(path)
+    old.executescript(V1_SCHEMA)
+    for hid, created_at in (("late", 20.0), ("early", 10.0), ("mid", 15.0)):
+        req = request(hid, [1])
+        done = view(req, HandoffState.COMPLETED, created_at + 1)
+        old.execute(
+            "INSERT INTO handoffs VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1)",
+            (
+                hid,
+                msgspec.json.encode(req),
+                b"[1]",
+                created_at,
+                30.0,
+                "completed",
+                msgspec.json.encode(done),
+                created_at + 1,
+            ),
+        )
+    old.commit()
+    old.close()
+    db = Database(path)
+    try:
+        assert db.instance == "abc" and db.life == 1
+        version = db.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'")
+        assert int(version.fetchone()[0]) == SCHEMA_VERSION
+        r = HandoffRecords(db, grace_s=GRACE_S)
+        found = r.find("mid")
+        assert found is not None and found.view.state == HandoffState.COMPLETED
+        finish(db, r, "new", HandoffState.COMPLETED, 1)
+        assert [hid for _, hid in r.listed(0, None, 10)] == ["early", "mid", "late", "new"]
+    finally:
+        db.close()
+    again = Database(path)  # migrated once: opens as it is
+    try:
+        assert again.life == 2
+        r = HandoffRecords(again, grace_s=GRACE_S)
+        assert [hid for _, hid in r.listed(0, None, 10)] == ["early", "mid", "late", "new"]
+    finally:
+        again.close()
+
+
+def test_a_file_of_a_later_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / FILE_NAME
+    Database(path).close()
+    newer = sqlite3.connect(path)
+    newer.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION + 1,))
+    newer.commit()
+    newer.close()
+    with pytest.raises(RuntimeError, match="schema version"):
+        Database(path)
