@@ -196,7 +196,8 @@ class KVHandoffClient:
     async def list(
         self, state: str | None = None, *, page_size: int = 100
     ) -> AsyncIterator[HandoffView]:
-        """Every handoff (of `state`) this service holds, following the pagination cursor."""
+        """Every handoff (of `state`) the decode service knows, those of its earlier lives too (from
+        its records), following the pagination cursor."""
         cursor = 0
         while True:
             params = {"limit": str(page_size), "cursor": str(cursor)}
