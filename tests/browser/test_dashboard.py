@@ -211,9 +211,13 @@ def test_the_page_reconnects_by_itself_after_a_restart_and_says_so(page: Any) ->
     expect = playwright_api.expect
     page.set_default_timeout(WAIT_MS)
     expect.set_options(timeout=WAIT_MS)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # A bound socket that never listens holds the port for the whole test, so nothing else on
+    # the machine can take it while the decode service is down (the page's reconnects are
+    # refused meanwhile); each service binds it beside the holder (both with SO_REUSEADDR).
+    hold = socket.socket()
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hold.bind(("127.0.0.1", 0))
+    port = hold.getsockname()[1]
     first = ThreadedDecode(port).start()
     second = None
     try:
@@ -239,3 +243,4 @@ def test_the_page_reconnects_by_itself_after_a_restart_and_says_so(page: Any) ->
         first.stop()
         if second is not None:
             second.stop()
+        hold.close()
