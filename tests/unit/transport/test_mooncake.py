@@ -165,9 +165,18 @@ def test_close_unregisters_everything(fake_engine, make_buffer) -> None:
 
 
 def test_config_validation_and_engine_env() -> None:
-    assert MooncakeConfig().engine_env() == {"MC_TRANSFER_TIMEOUT": "10"}
+    assert MooncakeConfig().engine_env() == {
+        "MC_TCP_ADMISSION_TIMEOUT_MS": "10000",  # a request waits for queue room as long as
+        "MC_TRANSFER_TIMEOUT": "10",  # its call may take, not the engine's 1 s
+    }
     cfg = MooncakeConfig(transfer_timeout_s=2.5, tcp_env={"MC_TCP_SLICE_SIZE": "65536"})
-    assert cfg.engine_env() == {"MC_TCP_SLICE_SIZE": "65536", "MC_TRANSFER_TIMEOUT": "5"}
+    assert cfg.engine_env() == {
+        "MC_TCP_ADMISSION_TIMEOUT_MS": "5000",
+        "MC_TCP_SLICE_SIZE": "65536",
+        "MC_TRANSFER_TIMEOUT": "5",
+    }
+    tuned = MooncakeConfig(tcp_env={"MC_TCP_ADMISSION_TIMEOUT_MS": "2000"})
+    assert tuned.engine_env()["MC_TCP_ADMISSION_TIMEOUT_MS"] == "2000"  # an operator's wins
     assert MooncakeConfig(protocol="ascend").align_bytes == 2 << 20
     with pytest.raises(ValueError):
         MooncakeConfig(tcp_env={"LD_PRELOAD": "x"})
