@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,8 +19,9 @@ from typing import Any
 from aiohttp import web
 from standardwebhooks.webhooks import Webhook
 
-#: Longest a test waits for a delivery before failing instead of hanging.
-WAIT_S = 10.0
+#: Longest a test waits for a delivery before failing instead of hanging: far beyond what a
+#: delivery takes, even on a busy machine (it bounds failures, not successes).
+WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,16 @@ class WebhookReceiver:
         self.respond: Callable[[Received], Answer] | None = None
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
-        self.port = _free_port()
+        # The port is held for the receiver's whole life by a socket that is bound but never
+        # listens: while the receiver is down, connections are refused, and no other process
+        # can take the port (a port picked, released and bound later may be taken meanwhile by
+        # any process on the machine, an outgoing connection included). The server binds the
+        # same port beside it (both set SO_REUSEADDR; only the server listens).
+        hold = socket.socket()
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        hold.bind(("127.0.0.1", 0))
+        weakref.finalize(self, hold.close)
+        self.port = int(hold.getsockname()[1])
 
     @property
     def url(self) -> str:
@@ -107,8 +118,3 @@ class WebhookReceiver:
 
     async def count(self, n: int, timeout_s: float = WAIT_S) -> list[Received]:
         return await self.wait_for(lambda r: len(r) >= n, timeout_s)
-
-
-def _free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return int(s.getsockname()[1])

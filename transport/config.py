@@ -119,6 +119,15 @@ class MooncakeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         `MC_TRANSFER_TIMEOUT` follows `transfer_timeout_s` (rounded up; the engine's floor is 5 s)
         so the engine gives up on a hung peer about when the asyncio side does, and the worker
         thread blocked in it is freed (default would be 30 s).
+
+        `MC_TCP_ADMISSION_TIMEOUT_MS` (unless `tcp_env` sets it) is that same timeout: a batch's
+        requests beyond the peer's TCP lane queue (1,024 by default) wait for room at most that
+        long, 1 s by default. On a starved CPU the lanes drain slower than that: the requests
+        failed (rc -1), and the peer often stayed failed (2,048-block batches on a loaded 2-core
+        host: in one run 39 of 40 writes failed). Admitted no later than the call's own timeout,
+        a request enters the queue while its call still waits for it, as if the queue had held
+        it from the start: `max_call_s` is unchanged.
         """
         timeout = max(ENGINE_MIN_TIMEOUT_S, math.ceil(self.transfer_timeout_s))
-        return {**self.tcp_env, "MC_TRANSFER_TIMEOUT": str(timeout)}
+        admission = {"MC_TCP_ADMISSION_TIMEOUT_MS": str(timeout * 1000)}
+        return {**admission, **self.tcp_env, "MC_TRANSFER_TIMEOUT": str(timeout)}

@@ -171,6 +171,7 @@ class LocalDeployment:
         self._stage_pools: dict[int, ShmPool] = {}
         self._decode_pool: ShmPool | None = None
         self.processes: list[ServiceProcess] = []
+        self._port_holds: list[socket.socket] = []  # see _hold_ports; closed by close()
         self._started = self._closed = False
 
     # -- start ------------------------------------------------------------------------------
@@ -213,7 +214,8 @@ class LocalDeployment:
     def _plan_processes(self) -> None:
         work = self.work_dir
         assert work is not None  # set by start()
-        ports = _free_ports(1 + len(self.groups))
+        self._port_holds = _hold_ports(1 + len(self.groups))
+        ports = [int(s.getsockname()[1]) for s in self._port_holds]
         names = ["decode", *(f"prefill-{i}" for i in range(len(self.groups)))]
         for name, port, ranks in zip(names, ports, [(0,), *self.groups]):
             proc = ServiceProcess(
@@ -405,6 +407,8 @@ class LocalDeployment:
         finally:
             for pool in [*self._stage_pools.values(), *filter(None, [self._decode_pool])]:
                 pool.close()
+            for hold in self._port_holds:
+                hold.close()
             if self._made_dir is not None:
                 shutil.rmtree(self._made_dir, ignore_errors=True)
         # Only now: a second Ctrl-C that cut the stop short leaves the atexit call to finish it.
@@ -452,15 +456,26 @@ def _sweep_stale_pools() -> None:
             pass
 
 
-def _free_ports(n: int) -> list[int]:
-    # All bound at once so the n ports differ; another program may still take one before the
-    # service binds it, which the readiness wait then reports.
-    socks = [socket.create_server((HOST, 0)) for _ in range(n)]
+def _hold_ports(n: int) -> list[socket.socket]:
+    """`n` distinct loopback ports, each held until `close()` by a socket bound to it that never
+    listens. A port picked, released and bound by the service later could be taken meanwhile by
+    any program on the machine (an outgoing connection's ephemeral port included): the service
+    then failed to start, or the readiness wait found another service's `/readyz` there. Held,
+    the port is the service's alone: nothing else can bind it or pick it, connections to it are
+    refused while the service is down (before start, after a kill), and the service binds it
+    beside the holder (both set SO_REUSEADDR, as aiohttp does on Linux; only one listens)."""
+    holds = []
     try:
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        for _ in range(n):
+            hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            holds.append(hold)
+            hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            hold.bind((HOST, 0))
+    except BaseException:
+        for hold in holds:
+            hold.close()
+        raise
+    return holds
 
 
 def _ready(url: str) -> bool:

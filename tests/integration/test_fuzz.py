@@ -22,7 +22,9 @@ import pytest
 
 from service.tools.deployment import LocalDeployment
 
-pytestmark = pytest.mark.integration
+# Each pass may take up to its own 600 s bound (`run_schemathesis`); a busy machine stretches
+# them far past the suite's 180 s default, which must not cut a passing run short.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(2 * 600 + 120)]
 
 ROOT = Path(__file__).resolve().parents[2]
 FUZZ = ROOT / "tests" / "fuzz"

@@ -163,7 +163,9 @@ async def test_deadline_expiry_fails_naming_the_waiting_stages(
     http: aiohttp.ClientSession, fresh: LocalDeployment
 ) -> None:
     m = Moved(src_pages=[1], dst_pages=[60], src_slot=1, dst_slot=2)
-    assert (await create(http, fresh, "late", m, deadline_s=0.5))[0] == 201
+    # Stage 0 must be signalled and its bytes land before the deadline (the reason names only
+    # the stages still waiting): 5 s is far more than that takes even on a busy machine.
+    assert (await create(http, fresh, "late", m, deadline_s=5.0))[0] == 201
     assert (await ready(http, fresh, "late", 0, m))[0] == 202
     view = await finished(http, fresh, "late")
     assert view["state"] == "failed"
@@ -282,7 +284,9 @@ async def test_unpairable_prefill_is_refused_before_anything_moves(
 async def test_killed_stage_process_fails_the_handoff_within_the_heartbeat_window(
     http: aiohttp.ClientSession,
 ) -> None:
-    handoff = HandoffConfig(heartbeat_interval_s=1.0, peer_timeout_s=3.0)
+    # A silence timeout far beyond the wait below: only the kill path can fail the handoff in
+    # time, and a healthy stage starved of CPU on a busy machine is never judged silent.
+    handoff = HandoffConfig(heartbeat_interval_s=1.0, peer_timeout_s=60.0)
     with LocalDeployment(
         preset="hybrid-npu-mla", model=NPU_MLA, pp_size=4, num_pages=32, handoff=handoff
     ) as dep:
@@ -302,8 +306,10 @@ async def test_killed_stage_process_fails_the_handoff_within_the_heartbeat_windo
         assert dep.url_of_stage(3) in view["error"]["reason"]
         assert "stage 3" in view["error"]["reason"]
         # Its kernel closed the watch connection and its port refuses: lost at once, not after
-        # the silence timeout (issue 9: under 1 s from SIGKILL to `failed`).
-        assert elapsed < 1.0, elapsed
+        # the silence timeout (issue 9: under 1 s from SIGKILL to `failed` on an idle machine;
+        # the bound here leaves room for a loaded one and is still a sixth of the timeout).
+        assert "refuses connections" in view["error"]["reason"], view["error"]
+        assert elapsed < 10.0, elapsed
         # The decode side stays healthy, and its other stages' bytes are whole or untouched.
         async with http.get(f"{dep.decode_url}/readyz") as resp:
             assert resp.status == 200
@@ -340,7 +346,9 @@ async def until_landed(
 async def test_hung_stage_process_takes_the_silence_timeout_not_the_kill_path(
     http: aiohttp.ClientSession,
 ) -> None:
-    handoff = HandoffConfig(heartbeat_interval_s=0.5, peer_timeout_s=1.5)
+    # Long enough that the running stage, starved of CPU on a busy machine, is not judged
+    # silent too (the failure must name the stopped one).
+    handoff = HandoffConfig(heartbeat_interval_s=0.5, peer_timeout_s=4.0)
     with LocalDeployment(
         preset="hybrid-npu-mla", model=NPU_MLA, pp_size=2, num_pages=32, handoff=handoff
     ) as dep:

@@ -188,10 +188,12 @@ async def test_corrupted_byte_is_caught_by_verification(world: World) -> None:
     e = w.dec.layout.kv[0]  # layer 3 group 0
     src_row = w.stages[0].region(0)[5 * e.item_len : 6 * e.item_len]
     landed = w.dec.region(0)[6 * e.item_len : 7 * e.item_len]
-    for _ in range(200):
-        if np.array_equal(landed, src_row):
-            break
-        await asyncio.sleep(0.01)
+    # Flip only once the row has landed: flipped before, the landing would overwrite the flip
+    # and the handoff complete. A busy machine may take seconds; the handoff's 30 s deadline
+    # is the only other bound.
+    async with asyncio.timeout(20):
+        while not np.array_equal(landed, src_row):
+            await asyncio.sleep(0.01)
     landed[0] ^= 0xFF  # flip a byte after it landed, before the stage completes
     w.prefill.ready("a", 0, [5], 3)
     assert await wait_terminal(w, "a") == HandoffState.FAILED

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+import transport.mooncake
 from tests.fakes import FakeEngine, threads_named
 from tests.unit.transport.conftest import fake_transport, pool_of
 from transport.blocks import Blocks
@@ -22,6 +23,28 @@ from transport.mooncake import MooncakeTransport
 async def in_thread(fn, *args) -> None:
     """Block on a FakeEngine wait without blocking the loop (the transport posts to it)."""
     await asyncio.to_thread(fn, *args)
+
+
+class SteppedClock:
+    """`time` as `transport.mooncake` sees it, with `monotonic()` stepped forward only by the
+    test: a `start_by` passes exactly when the test says so, however late the worker thread
+    gets to its check on a busy machine."""
+
+    def __init__(self) -> None:
+        self.offset_s = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset_s
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+@pytest.fixture
+def clock(monkeypatch) -> SteppedClock:
+    stepped = SteppedClock()
+    monkeypatch.setattr(transport.mooncake, "time", stepped)
+    return stepped
 
 
 def setup_blocks(
@@ -142,9 +165,18 @@ def test_close_unregisters_everything(fake_engine, make_buffer) -> None:
 
 
 def test_config_validation_and_engine_env() -> None:
-    assert MooncakeConfig().engine_env() == {"MC_TRANSFER_TIMEOUT": "10"}
+    assert MooncakeConfig().engine_env() == {
+        "MC_TCP_ADMISSION_TIMEOUT_MS": "10000",  # a request waits for queue room as long as
+        "MC_TRANSFER_TIMEOUT": "10",  # its call may take, not the engine's 1 s
+    }
     cfg = MooncakeConfig(transfer_timeout_s=2.5, tcp_env={"MC_TCP_SLICE_SIZE": "65536"})
-    assert cfg.engine_env() == {"MC_TCP_SLICE_SIZE": "65536", "MC_TRANSFER_TIMEOUT": "5"}
+    assert cfg.engine_env() == {
+        "MC_TCP_ADMISSION_TIMEOUT_MS": "5000",
+        "MC_TCP_SLICE_SIZE": "65536",
+        "MC_TRANSFER_TIMEOUT": "5",
+    }
+    tuned = MooncakeConfig(tcp_env={"MC_TCP_ADMISSION_TIMEOUT_MS": "2000"})
+    assert tuned.engine_env()["MC_TCP_ADMISSION_TIMEOUT_MS"] == "2000"  # an operator's wins
     assert MooncakeConfig(protocol="ascend").align_bytes == 2 << 20
     with pytest.raises(ValueError):
         MooncakeConfig(tcp_env={"LD_PRELOAD": "x"})
@@ -375,17 +407,20 @@ async def test_a_later_failing_batch_never_turns_a_landed_one_into_a_cancellatio
     t.close()
 
 
-async def test_a_late_batch_does_not_cancel_the_one_before_it(fake_engine, make_buffer) -> None:
+async def test_a_late_batch_does_not_cancel_the_one_before_it(
+    fake_engine, make_buffer, clock: SteppedClock
+) -> None:
     """Finding 5: batch 1 starts in time and lands; batch 2 is late; the write raises the
     timeout (never `CancelledError`)."""
     t = fake_transport(fake_engine)
     src, dst, blocks = setup_blocks(make_buffer, t, 128)
     fake_engine.hang = threading.Event()
-    start_by = time.monotonic() + 0.05
+    # Far enough ahead that batch 1 is on time however slowly its worker starts; the instant
+    # passes when the test steps the clock, while batch 1 is inside the engine.
+    start_by = clock.monotonic() + 60.0
     task = asyncio.create_task(t.write("peer:1", blocks, start_by=start_by))
     await in_thread(fake_engine.wait_entered, 1)
-    while time.monotonic() <= start_by:
-        await asyncio.sleep(0.01)
+    clock.offset_s = 120.0
     fake_engine.hang.set()
     # Hold the loop while the worker finishes batch 1 and finds batch 2 late (the window in which
     # a shared stop flag used to turn batch 1 into a cancellation; a longer hold only widens it).

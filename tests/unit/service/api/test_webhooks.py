@@ -357,17 +357,20 @@ async def test_a_restored_fence_lasts_the_longest_declarable_grace_then_is_relea
     # longest engine call any prefill may declare; the decode's own transport bound is shorter),
     # then ends like any release: handoff.released, the record marked, the pages reusable.
     grace_s = 20.0
+    # The fence must still hold when the restarted service first answers: its start-up (and
+    # the create below) take well under a second idle, several on a busy machine.
+    left_s = 6.0
     now = time.time()
     db = Database(tmp_path / FILE_NAME)
     request = HandoffRequest(id="old", prefill=["http://p"], dst_pages=[5, 6], dst_slot=2)
     with db.transaction() as tx:
-        HandoffRecords(db, grace_s=grace_s).accepted(tx, request, now - 60, now - grace_s + 1.5)
+        HandoffRecords(db, grace_s=grace_s).accepted(tx, request, now - 60, now - grace_s + left_s)
     db.close()
     settings = {**LOOPBACK, "server.state_dir": str(tmp_path), "handoff.max_grace_s": grace_s}
     async with open_deployment(decode=decode_config(settings)) as d:
         fill_sources(d)
         ep = await register(d, receiver.url, types=["handoff.released"])
-        fenced = await d.create("new", [6, 7], SLOT)  # 1.5 s left of the fence
+        fenced = await d.create("new", [6, 7], SLOT)  # under `left_s` left of the fence
         assert_problem(fenced, 409, "conflict", field="dst_pages[0]", holder="old")
         assert (await d.get("old")).body["released"] is False
         async with asyncio.timeout(WAIT_S):
