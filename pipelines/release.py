@@ -208,14 +208,16 @@ class Releases:
             )
 
     def restored_view(self, view: HandoffView) -> HandoffView:
-        """An earlier life's handoff `view` as recorded, released once its restored fence has
-        passed (or at once when it was not fenced: its bound had passed before this life)."""
-        if view.released:
+        """An earlier life's handoff `view` as recorded, released once its restored fence was
+        lifted (or at once when it was not fenced: its bound had passed before this life).
+
+        The lease says so, not the wall clock: the fence is a loop timer once restored, so a
+        wall-clock step forward must not show as free pages that are still fenced. (No handoff
+        of this life holds an archived id: `create` answers those from the archive.)"""
+        if view.released or self.leases.holds(view.id):
             return view
         until = self._fenced_until.get(view.id)
-        if until is None or self._clock() >= until:
-            view = msgspec.structs.replace(view, released=True, released_at=until)
-        return view
+        return msgspec.structs.replace(view, released=True, released_at=until)
 
     def _release_restored(self, handoff_id: str, leased: bool) -> None:
         """The bound of an earlier life's handoff passed: free its pages and say so, like any
