@@ -194,7 +194,7 @@ class DecodePipeline:
                 metadata=req.metadata,
             ),
         )
-        self._spawn(self._deliver(h))
+        h.delivery = self._spawn(self._deliver(h))
         self.on_peers(h.peers)
         return h.view(), True
 
@@ -417,39 +417,15 @@ class DecodePipeline:
     # ----------------------------------------------------------------- the lifecycle
 
     async def _deliver(self, h: DecodeHandoff) -> None:
+        """Send each prefill service the destination of its stages; a failure fails `h`."""
         by_peer: dict[str, list[int]] = {}
         for rank, st in h.stages.items():
             by_peer.setdefault(st.peer, []).append(rank)
-
-        async def one(peer: str, ranks: list[int]) -> None:
-            msg = DestinationMsg(
-                handoff_id=h.id,
-                decode_url=self.url,
-                decode_incarnation=self.incarnation,
-                prefill_incarnation=h.stages[ranks[0]].incarnation,
-                decode_target=self.target,
-                decode_fingerprint=self.layout.fingerprint,
-                decode_address_key=self.layout.address_key,
-                pp_ranks=sorted(ranks),
-                dst_pages=h.request.dst_pages,
-                dst_slot=h.request.dst_slot,
-                deadline_in_s=max(0.0, h.deadline_mono - self._monotonic()),
-                verify=h.verify,
-            )
-            try:
-                await self._prefill.deliver(peer, msg)
-            except KVHandoffError as exc:
-                exc.context.setdefault("peer", peer)
-                exc.context.setdefault("pp_ranks", sorted(ranks))
-                raise
-            for rank in ranks:
-                h.stages[rank].delivered = True
-
         failure: KVHandoffError | None = None
         try:
             async with asyncio.TaskGroup() as tg:
                 for peer, ranks in by_peer.items():
-                    tg.create_task(one(peer, ranks))
+                    tg.create_task(self._deliver_to(h, peer, ranks))
         except* KVHandoffError as group:
             failure = group.exceptions[0]  # type: ignore[assignment]
         if failure is not None:
@@ -469,6 +445,38 @@ class DecodePipeline:
             )
         elif h.state == HandoffState.PENDING:
             h.state = advance(h.state, HandoffState.TRANSFERRING, f"handoff {h.id!r}")
+
+    async def _deliver_to(self, h: DecodeHandoff, peer: str, ranks: list[int]) -> None:
+        remaining_s = max(0.0, h.deadline_mono - self._monotonic())
+        msg = DestinationMsg(
+            handoff_id=h.id,
+            decode_url=self.url,
+            decode_incarnation=self.incarnation,
+            prefill_incarnation=h.stages[ranks[0]].incarnation,
+            decode_target=self.target,
+            decode_fingerprint=self.layout.fingerprint,
+            decode_address_key=self.layout.address_key,
+            pp_ranks=sorted(ranks),
+            dst_pages=h.request.dst_pages,
+            dst_slot=h.request.dst_slot,
+            deadline_in_s=remaining_s,
+            verify=h.verify,
+        )
+        try:
+            await self._prefill.deliver(peer, msg)
+        except KVHandoffError as exc:
+            exc.context.setdefault("peer", peer)
+            exc.context.setdefault("pp_ranks", sorted(ranks))
+            raise
+        finally:
+            # The prefill counts `remaining_s` from its receipt, so queueing and transit make
+            # its deadline later than ours: by at most until now (SAFETY.md I5). A call that
+            # failed or was cancelled may still have reached it: the same bound, the best known.
+            until = self._monotonic() + remaining_s
+            for rank in ranks:
+                h.stages[rank].writable_until = until
+        for rank in ranks:
+            h.stages[rank].delivered = True
 
     async def _verify_then_complete(self, h: DecodeHandoff) -> None:
         problem = await asyncio.to_thread(self._verify, h)

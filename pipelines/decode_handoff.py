@@ -37,6 +37,10 @@ class DecodeStage:
     # No write of this stage can land any more: it arrived, reported its own failure, or its
     # prefill acknowledged an abort (or no longer has the handoff).
     stopped: bool = False
+    # The latest its prefill's own deadline can be, on this decode's monotonic clock: the
+    # remaining duration the destination carried, counted from when the delivery call ended (the
+    # prefill counts it from its receipt, which came no later). None: never sent.
+    writable_until: float | None = None
 
 
 @dataclass
@@ -59,6 +63,7 @@ class DecodeHandoff:
     error: ErrorView | None = None
     timeline: list[Event] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
+    delivery: asyncio.Task[None] | None = None  # sends the destinations; sets writable_until
     quiesce: asyncio.Task[None] | None = None  # the one task that stops writers and releases
     done: asyncio.Event = field(default_factory=asyncio.Event)  # the outcome is known
     released: asyncio.Event = field(default_factory=asyncio.Event)  # the pages are free

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Protocol
@@ -125,19 +126,40 @@ class Releases:
         longest = max(declared, default=0.0)
         return self._max_grace_s if longest <= 0 else min(longest, self._max_grace_s)
 
+    def _give_up(self, h: DecodeHandoff, started: float) -> float:
+        """The bound (I5) on the monotonic clock: the latest deadline a prefill of `h` that has
+        not confirmed it stopped may hold (no batch starts after it, by T1), plus the longest
+        engine call it declared (none writes longer, by T2); from `started` (the quiesce's
+        start) if that is past. Not known (infinite) while a delivery call is in flight: its
+        prefill's deadline counts from a receipt that may still be to come."""
+        if h.delivery is not None and not h.delivery.done():
+            return math.inf
+        deadlines = [h.deadline_mono, started]
+        deadlines += [
+            s.writable_until
+            for s in h.stages.values()
+            if not s.stopped and s.writable_until is not None
+        ]
+        return max(deadlines) + self.grace_s(h)
+
     async def _quiesce(self, h: DecodeHandoff, reason: str) -> None:
         """Stop every prefill stage of `h` that may still write, then release its lease (I3).
 
         A peer that cannot be reached is retried (at once when `abort` hurries it) until it
         answers, is declared lost, or the bound passed. Without its answer the lease is kept
-        until the bound: the deadline (after which no prefill batch starts: the prefill measures
-        the deadline as a remaining duration from its receipt, so its own comes no later) plus
-        the longest engine call the prefill declared. A process the heartbeats cannot hear (a
-        stalled loop, a partitioned control network beside a working data one) may still write
-        until then. Cancelled (the event loop ends), the lease is never released (I8).
+        until the bound (`_give_up`): the prefill's deadline, which it measures as a remaining
+        duration from its receipt of the destination, plus the longest engine call it declared.
+        A process the heartbeats cannot hear (a stalled loop, a partitioned control network
+        beside a working data one) may still write until then. Cancelled (the event loop ends),
+        the lease is never released (I8).
         """
-        give_up = max(h.deadline_mono, self._monotonic()) + self.grace_s(h)
-        await asyncio.gather(*(self._stop_peer(h, p, reason, give_up) for p in h.peers))
+        # Aborts go out at once, even before a destination was delivered: the prefill refuses a
+        # destination that arrives after the abort of its handoff.
+        started = self._monotonic()
+        await asyncio.gather(*(self._stop_peer(h, p, reason, started) for p in h.peers))
+        if h.delivery is not None:
+            await asyncio.wait([h.delivery])  # the peer client's timeout bounds a delivery call
+        give_up = self._give_up(h, started)
         while not all(s.stopped for s in h.stages.values()):
             left = give_up - self._monotonic()
             if left <= 0:
@@ -148,21 +170,22 @@ class Releases:
                     await h.progress.wait()
         self.release(h, confirmed=all(s.stopped for s in h.stages.values()))
 
-    async def _stop_peer(self, h: DecodeHandoff, peer: str, reason: str, give_up: float) -> None:
+    async def _stop_peer(self, h: DecodeHandoff, peer: str, reason: str, started: float) -> None:
         """Ask prefill `peer` to stop `h` until its stages there are confirmed stopped, it is
-        lost, another life of it answers, or `give_up` passed (then only the bound frees)."""
+        lost, another life of it answers, or the bound passed (then only the bound frees)."""
         delay = 0.05
         msg = AbortMsg(handoff_id=h.id, reason=reason, decode_incarnation=self._incarnation)
         while not all(s.stopped for s in h.stages.values() if s.peer == peer):
+            left = self._give_up(h, started) - self._monotonic()
             try:
                 # Past the bound the pages are free whatever the peer says: stop waiting.
-                async with asyncio.timeout(max(0.0, give_up - self._monotonic())):
+                async with asyncio.timeout(max(0.0, left) if left != math.inf else None):
                     ack = await self._prefill.abort(peer, msg)
             except TimeoutError:
                 log.warning("handoff %s: %s did not answer the abort by the bound", h.id, peer)
                 return
             except KVHandoffError as exc:
-                if self._lost(peer) or self._monotonic() >= give_up:
+                if self._lost(peer) or self._monotonic() >= self._give_up(h, started):
                     log.warning("handoff %s: not waiting for %s any more: %s", h.id, peer, exc)
                     return
                 h.progress.clear()
