@@ -143,7 +143,7 @@ class DecodePipeline:
             clock=clock,
             monotonic=monotonic,
         )
-        self._outcomes = Outcomes(bus, self._releases, clock=clock)
+        self._outcomes = Outcomes(bus, self._releases, clock=clock, monotonic=monotonic)
         self._watch = PrefillWatch(self.handoffs, self._peers, self._outcomes, self._releases)
         # Told the peers of every new handoff (the heartbeats start watching them at once).
         self.on_peers: Callable[[list[str]], None] = lambda peers: None
@@ -199,7 +199,7 @@ class DecodePipeline:
         return h.view(), True
 
     def _new_handoff(self, req: HandoffRequest, dst_pages: I64, stages: Stages) -> DecodeHandoff:
-        now = self._clock()
+        now, mono = self._clock(), self._monotonic()
         deadline_s = req.deadline_s or self._default_deadline_s
         verify = self._verify_default if req.verify is None else req.verify
         self._seq += 1
@@ -209,7 +209,8 @@ class DecodePipeline:
             dst_pages=dst_pages,
             created_at=now,
             deadline_at=now + deadline_s,
-            deadline_mono=self._monotonic() + deadline_s,
+            deadline_mono=mono + deadline_s,
+            created_mono=mono,
             verify=verify,
             stages={
                 rank: DecodeStage(url, info.incarnation, layout, info.max_call_s)

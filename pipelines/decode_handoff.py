@@ -55,6 +55,10 @@ class DecodeHandoff:
     # The same deadline on the monotonic clock: every bound is measured on it, so a step of the
     # wall clock (NTP) cannot shorten how long pages stay fenced.
     deadline_mono: float = 0.0
+    # When it was created and got its outcome on the same clock: the durations events report
+    # (latency metrics) must not jump with the wall clock either.
+    created_mono: float = 0.0
+    finished_mono: float | None = None
     state: HandoffState = HandoffState.PENDING
     release: ReleaseState = ReleaseState.HELD
     finished_at: float | None = None

@@ -25,11 +25,17 @@ from pipelines.states import TRANSITIONS, HandoffState, StageState, advance
 
 class Outcomes:
     def __init__(
-        self, bus: EventBus, releases: Releases, *, clock: Callable[[], float] = time.time
+        self,
+        bus: EventBus,
+        releases: Releases,
+        *,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._bus = bus
         self._releases = releases
         self._clock = clock  # unix time of views and events
+        self._monotonic = monotonic  # what durations are measured on
         self.live = 0  # handoffs without an outcome yet
 
     def open(self, h: DecodeHandoff) -> None:
@@ -49,7 +55,7 @@ class Outcomes:
                 handoff_id=h.id,
                 role=ROLE,
                 bytes=sum(s.bytes for s in h.stages.values()),
-                seconds=(h.finished_at or 0.0) - h.created_at,
+                seconds=(h.finished_mono or h.created_mono) - h.created_mono,
                 verified=verified,
                 metadata=h.request.metadata,
             ),
@@ -135,7 +141,7 @@ class Outcomes:
     def _finish(self, h: DecodeHandoff, state: HandoffState) -> None:
         """Record the outcome (once: the table refuses a second)."""
         h.state = advance(h.state, state, f"handoff {h.id!r}")
-        h.finished_at = self._clock()
+        h.finished_at, h.finished_mono = self._clock(), self._monotonic()
         h.done.set()
         self.live -= 1
         if h.timer is not None:

@@ -102,6 +102,7 @@ class Releases:
         h.release = advance(h.release, ReleaseState.RELEASED, f"handoff {h.id!r} lease")
         self.leases.release(h.id)
         h.released_at = self._clock()
+        after_s = self._monotonic() - (h.finished_mono or self._monotonic())
         for st in h.stages.values():
             if not st.state.final:
                 st.state = advance(st.state, StageState.STOPPED, f"handoff {h.id!r} stage")
@@ -114,7 +115,7 @@ class Releases:
                 role=ROLE,
                 outcome=h.state.value,
                 confirmed=confirmed,
-                seconds_after_outcome=h.released_at - (h.finished_at or h.released_at),
+                seconds_after_outcome=after_s,
                 metadata=h.request.metadata,
             ),
         )
