@@ -1,5 +1,5 @@
-"""The decode side of a handoff's lifecycle: create, deliver destinations, aggregate arrivals,
-decide the outcome.
+"""The decode side of a handoff's lifecycle: create it, deliver its destinations, take in its
+stages' notices, and turn each into an outcome (`outcomes.py`) when one is due.
 
 Called by the service's router-facing routes (`create`, `get`, `page`, `wait`, `abort`), its peer
 routes (`arrived`, `stage_failed`), its heartbeat task (`peer_lost`, `peer_back`, `reconcile`,
@@ -448,6 +448,7 @@ class DecodePipeline:
             h.state = advance(h.state, HandoffState.TRANSFERRING, f"handoff {h.id!r}")
 
     async def _deliver_to(self, h: DecodeHandoff, peer: str, ranks: list[int]) -> None:
+        """Send prefill `peer` the destination of stages `ranks`, and bound when it received it."""
         remaining_s = max(0.0, h.deadline_mono - self._monotonic())
         msg = DestinationMsg(
             handoff_id=h.id,
