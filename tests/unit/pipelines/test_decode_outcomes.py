@@ -1,0 +1,44 @@
+"""What a decode handoff's outcome events report (`pipelines/outcomes.py`): durations measured on
+the monotonic clock, like every bound, so a step of the wall clock cannot corrupt them."""
+
+from __future__ import annotations
+
+import time
+
+from pipelines.decode import DecodePipeline
+from pipelines.decode_views import HandoffRequest
+from pipelines.events import Event, EventBus, HandoffCompleted, HandoffReleased
+from pipelines.states import HandoffState
+from tests.unit.pipelines.test_handoff_pipelines import World, world  # noqa: F401
+from tests.unit.pipelines.test_safety import link_of
+
+
+async def test_a_wall_clock_step_does_not_corrupt_the_durations_events_report(
+    world: World,  # noqa: F811 - the shared fixture
+) -> None:
+    """`handoff.completed.seconds` feeds the latency histogram and `seconds_after_outcome` the
+    release's: an NTP step back of an hour mid-transfer made the first about -3600 s."""
+    w = world
+    wall = [time.time()]
+    bus = EventBus()
+    seen: list[Event] = []
+    bus.add_listener(seen.append)
+    link = link_of(w)
+    decode = DecodePipeline(
+        w.dec.layout, w.decode.target, "d", link, bus, memory=None, clock=lambda: wall[0]
+    )
+    link.decode = decode  # the prefill's notices now reach this pipeline
+    started = time.monotonic()
+    await decode.create(HandoffRequest(id="m", prefill=["p"], dst_pages=[5], dst_slot=0))
+    wall[0] -= 3600.0
+    for rank in (0, 1):
+        w.prefill.ready("m", rank, [1], 1)
+    view = await decode.wait("m", 10.0, released=True)
+    took_s = time.monotonic() - started
+    link.decode = w.decode
+    assert view.state == HandoffState.COMPLETED and view.released, view.error
+    (completed,) = [e for e in seen if isinstance(e, HandoffCompleted)]
+    (released,) = [e for e in seen if isinstance(e, HandoffReleased)]
+    assert 0.0 <= completed.seconds <= took_s
+    assert 0.0 <= released.seconds_after_outcome <= took_s
+    await decode.close()

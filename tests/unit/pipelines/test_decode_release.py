@@ -1,0 +1,113 @@
+"""The release path's bounds under the two clocks it crosses (`pipelines/release.py`): a
+destination's transit to its prefill, and a restart's fence against a wall-clock step.
+
+Decode and prefill pipelines linked in-process, as in test_safety; each test asserts an inequality
+between instants, never a duration, so it holds however slow the machine is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pipelines.decode import DecodePipeline
+from pipelines.decode_views import ArchivedHandoff, FencedPages, HandoffRequest, HandoffView
+from pipelines.events import Event, EventBus, HandoffReleased
+from pipelines.messages import DestinationMsg
+from pipelines.states import HandoffState
+from tests.unit.pipelines.test_handoff_pipelines import World, world  # noqa: F401
+from tests.unit.pipelines.test_safety import cut_off, link_of
+
+
+async def test_the_fence_covers_the_time_a_destination_took_to_reach_its_prefill(
+    world: World,  # noqa: F811 - the shared fixture
+) -> None:
+    """The prefill measures its deadline from the remaining duration on *receipt*, so a
+    destination that spent time queued or in transit gives the prefill a later deadline than the
+    decode's by that time. A silent prefill may write until its own deadline plus its engine
+    bound; the decode must not release before then. It knows when the delivery returned (the
+    prefill had received it by then), so it bounds the prefill's deadline by that."""
+    w = world
+    cut_off(w)  # neither an abort answer nor a failure report: only the bound frees the pages
+    w.prefill.max_call_s = 0.2
+    link = link_of(w)
+    real = link.deliver
+    received = asyncio.Event()
+
+    async def queued(url: str, msg: DestinationMsg) -> None:
+        await asyncio.sleep(0.3)  # behind other destinations to the same peer
+        await real(url, msg)
+        received.set()
+
+    link.deliver = queued  # type: ignore[method-assign]
+    released_at: list[float] = []
+
+    def on_event(event: Event) -> None:
+        if isinstance(event, HandoffReleased) and event.handoff_id == "q":
+            released_at.append(time.monotonic())
+
+    w.bus.add_listener(on_event)
+    req = HandoffRequest(id="q", prefill=["p"], dst_pages=[9], dst_slot=0, deadline_s=0.3)
+    await w.decode.create(req)
+    await received.wait()
+    prefill_deadline = w.prefill.handoffs["q"].deadline_mono
+    assert prefill_deadline is not None
+    view = await w.decode.wait("q", 10.0, released=True)
+    assert view.state == HandoffState.FAILED and view.released
+    # The prefill could start a batch until its own deadline, landing up to max_call_s later.
+    assert released_at and released_at[0] >= prefill_deadline + w.prefill.max_call_s
+
+
+class _Archive:
+    def __init__(self, *found: ArchivedHandoff) -> None:
+        self._found = {a.request.id: a for a in found}
+
+    def find(self, handoff_id: str) -> ArchivedHandoff | None:
+        return self._found.get(handoff_id)
+
+
+def _recorded(handoff_id: str, finished_at: float) -> ArchivedHandoff:
+    """A handoff an earlier life recorded as failed, before its pages were released."""
+    req = HandoffRequest(id=handoff_id, prefill=["p"], dst_pages=[3], dst_slot=0)
+    view = HandoffView(
+        id=handoff_id,
+        state=HandoffState.FAILED,
+        created_at=finished_at - 1.0,
+        deadline_at=finished_at + 1.0,
+        num_pages=1,
+        dst_slot=0,
+        prefill=["p"],
+        verify=False,
+        bytes=0,
+        stages=[],
+        released=False,
+        finished_at=finished_at,
+    )
+    return ArchivedHandoff(req, view)
+
+
+async def test_a_wall_clock_step_does_not_show_a_restored_fence_released_early(
+    world: World,  # noqa: F811 - the shared fixture
+) -> None:
+    """A restart fences an earlier life's pages until a unix instant (only unix time survives a
+    restart); from then on the fence is a timer on this life's loop. The view an engine reads
+    (`released`) must follow that timer, not the wall clock: stepped forward an hour, the pages
+    are still leased, so the view must not call them free."""
+    w = world
+    wall = [1_000_000.0]
+    bus = EventBus()
+    decode = DecodePipeline(
+        w.dec.layout, "t", "d2", link_of(w), bus, memory=None, clock=lambda: wall[0]
+    )
+    released = asyncio.Event()
+    bus.add_listener(lambda e: released.set() if isinstance(e, HandoffReleased) else None)
+    decode.adopt(
+        _Archive(_recorded("old", wall[0] - 5.0)),
+        [FencedPages("old", [3], 0, release_at=wall[0] + 0.2)],
+    )
+    wall[0] += 3600.0
+    assert decode.leases.holds("old")
+    assert not decode.get("old").released and not (await decode.wait("old", 0)).released
+    await released.wait()  # the fence's own timer, on the loop's monotonic clock
+    assert not decode.leases.holds("old") and decode.get("old").released
+    await decode.close()
