@@ -132,7 +132,7 @@ class Deployment:
 
     def pass_deadline(self, handoff_id: str) -> float:
         """Run the decode's deadline timer of `handoff_id` now, as the loop would once its
-        deadline passed; return the delay it was scheduled for. A test that needs the deadline
+        deadline passed; return how long it still had to run. A test that needs the deadline
         to come after some step sets a deadline that no loaded machine reaches and moves it."""
         pipeline = self.decode.app[RUNTIME].decode
         assert pipeline is not None
