@@ -139,6 +139,19 @@ def wait_until(ready: Callable[[], bool], timeout_s: float = 30.0, what: str = "
         time.sleep(0.005)
 
 
+async def eventually(
+    ready: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition"
+) -> None:
+    """Poll `ready()` on the running loop until true, for a fact that tasks on that loop reach
+    after real sleeps or I/O (however many turns a loaded machine takes). The bound only ends a
+    failing test; it never decides a passing one."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
 # -- peers ----------------------------------------------------------------------------------
 
 

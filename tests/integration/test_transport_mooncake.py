@@ -9,7 +9,6 @@ import asyncio
 import os
 import signal
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -35,6 +34,8 @@ pytest.importorskip("mooncake.engine")
 
 SENTINEL = 0x5A
 TIMEOUT_S = 3.0
+#: Ends only a test that hangs; never what a passing run waits for.
+FAILURE_BOUND_S = 30.0
 
 
 def shm_name() -> str:
@@ -190,8 +191,14 @@ def _big_blocks(src_base: int, dst_base: int, size: int, block: int) -> Blocks:
 async def test_dead_or_hung_receiver_raises_within_the_timeout(
     sender: MooncakeTransport, sig: signal.Signals
 ) -> None:
-    """Killed: the engine fails fast (connection reset). Stopped: the engine would spin until its
-    own timeout, so the transport's timer raises TransportTimeout after `transfer_timeout_s`."""
+    """Killed: the engine fails fast (connection reset), or at worst the transport's timer ends
+    the write. Stopped: the engine would spin until its own timeout (`MC_TRANSFER_TIMEOUT`, floor
+    5 s), so the transport's timer raises TransportTimeout after `transfer_timeout_s` (3 s).
+
+    Which bound fired is read from the error, not from a clock: only the transport's timer
+    raises TransportTimeout (and counts the batch as timed out); the engine giving up on its own
+    returns an rc, a plain TransportError. Measured in seconds, the two are 2 s apart, which a
+    loaded machine can blur."""
     size = 64 << 20
     remote = Remote([size])
     src_pool = open_pool("torch:cpu", [size])
@@ -199,19 +206,18 @@ async def test_dead_or_hung_receiver_raises_within_the_timeout(
         src_pool.register(sender)
         blocks = _big_blocks(src_pool.bases[0], remote.receiver.bases[0], size, 1 << 20)
         await sender.write(remote.target, blocks)  # connected and working
+        timed_out_before = sender.stats().batches_timed_out
         writer = asyncio.create_task(_write_until_failure(sender, remote.target, blocks))
         await asyncio.sleep(0.05)
         os.kill(remote.receiver.proc.pid, sig)
-        killed_at = time.monotonic()
         with pytest.raises(TransportError) as info:
-            await asyncio.wait_for(writer, TIMEOUT_S + 5)
-        elapsed = time.monotonic() - killed_at
+            await asyncio.wait_for(writer, FAILURE_BOUND_S)
         assert info.value.peer == remote.target
         if sig == signal.SIGSTOP:
-            assert isinstance(info.value, TransportTimeout)
-        assert elapsed < TIMEOUT_S + 1.0
+            assert isinstance(info.value, TransportTimeout), info.value
+            assert sender.stats().batches_timed_out > timed_out_before
         with pytest.raises(TransportError):  # and the peer stays failed, without hanging
-            await asyncio.wait_for(sender.write(remote.target, blocks), TIMEOUT_S + 5)
+            await asyncio.wait_for(sender.write(remote.target, blocks), FAILURE_BOUND_S)
     finally:
         if remote.receiver.proc.poll() is None:
             os.kill(remote.receiver.proc.pid, signal.SIGKILL)

@@ -291,7 +291,7 @@ async def test_a_caller_giving_up_on_abort_does_not_cut_the_quiesce_short(world:
     with pytest.raises(ConflictError):
         await w.decode.create(HandoffRequest(id="d", prefill=["p"], dst_pages=[2], dst_slot=1))
     release.set()
-    view = await w.decode.wait("c", 5, released=True)
+    view = await w.decode.wait("c", 30, released=True)
     assert view.state == HandoffState.ABORTED and view.released
     assert not w.decode.leases.holds("c")
     assert w.decode.live_by_prefill() == {}  # nothing left to keep heartbeating for
@@ -321,7 +321,7 @@ async def test_pages_of_a_stage_that_never_confirmed_stay_fenced_until_deadline_
     assert w.decode.get("l").state == HandoffState.FAILED  # reported at once ...
     assert w.decode.leases.holds("l")  # ... but the page stays fenced
     assert not w.decode.get("l").released
-    view = await w.decode.wait("l", 5, released=True)
+    view = await w.decode.wait("l", 30, released=True)
     # Not before the deadline (0.3 s) plus the declared grace (0.2 s): only then can nothing
     # still land.
     assert loop.time() - t0 >= 0.45

@@ -163,7 +163,7 @@ async def test_finding_2_failed_is_announced_at_once_and_released_only_when_writ
     assert w.decode.leases.holds("a")
     assert "handoff.released" not in [event_tag(e) for e in view.timeline]
     gate.set()
-    view = await w.decode.wait("a", 5, released=True)
+    view = await w.decode.wait("a", 30, released=True)
     tags = [event_tag(e) for e in view.timeline]
     assert tags[-2:] == ["handoff.failed", "handoff.released"] and view.released
     assert view.released_at is not None and not w.decode.leases.holds("a")
@@ -188,7 +188,7 @@ async def test_delete_of_a_failed_unreleased_handoff_hurries_its_release(w: Worl
         await asyncio.sleep(0.06)  # the quiesce backs off between refused aborts
     assert not w.decode.get("h").released
     reachable = True
-    view = await asyncio.wait_for(w.decode.abort("h"), 2)  # not the 60 s bound, and not a 409
+    view = await asyncio.wait_for(w.decode.abort("h"), 30)  # not the 60 s bound, and not a 409
     assert view.state == HandoffState.FAILED and view.released
 
 
@@ -252,7 +252,7 @@ async def test_a_bounded_close_leaves_unconfirmed_pages_leased_never_released(w:
     w.prefill.max_call_s = 30.0
     req = HandoffRequest(id="s", prefill=["p"], dst_pages=[9], dst_slot=0, deadline_s=30.0)
     await w.decode.create(req)
-    async with asyncio.timeout(5.0):  # not the 60 s of deadline plus bound
+    async with asyncio.timeout(30.0):  # not the 60 s of deadline plus bound (nor near it)
         await w.decode.close(timeout_s=0.05)
     view = w.decode.get("s")
     assert view.state == HandoffState.ABORTED and not view.released
@@ -387,7 +387,9 @@ async def test_finding_3_the_deadline_travels_as_a_remaining_duration(w: World) 
         HandoffRequest(id="t", prefill=["p"], dst_pages=[4], dst_slot=0, deadline_s=7.0)
     )
     await delivered(w, "t")
-    assert len(seen) == 1 and 6.0 < seen[0].deadline_in_s <= 7.0
+    after = time.monotonic()
+    # Less only by the time between create and sending, however long a loaded machine took.
+    assert len(seen) == 1 and 7.0 - (after - before) <= seen[0].deadline_in_s <= 7.0
     assert not hasattr(seen[0], "deadline_at")  # no wall-clock instant crosses hosts
     h = w.prefill.handoffs["t"]
     assert h.deadline_mono is not None

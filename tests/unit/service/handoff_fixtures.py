@@ -130,6 +130,19 @@ class Deployment:
         """Stop one prefill service now (its cleanup contexts run, its port closes)."""
         await self._stops[index].aclose()
 
+    def pass_deadline(self, handoff_id: str) -> float:
+        """Run the decode's deadline timer of `handoff_id` now, as the loop would once its
+        deadline passed; return how long it still had to run. A test that needs the deadline
+        to come after some step sets a deadline that no loaded machine reaches and moves it."""
+        pipeline = self.decode.app[RUNTIME].decode
+        assert pipeline is not None
+        timer = pipeline.handoffs[handoff_id].timer
+        assert timer is not None and not timer.cancelled(), "no pending deadline timer"
+        expire, args = timer._callback, timer._args  # type: ignore[attr-defined]
+        timer.cancel()
+        expire(*args)
+        return timer.when() - asyncio.get_running_loop().time()
+
     async def request(
         self, method: str, url: str, *, json: Any = None, data: bytes | None = None
     ) -> Reply:

@@ -8,7 +8,6 @@ crosses real HTTP between real apps and checks real pool bytes. The last tests c
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -347,42 +346,48 @@ async def test_validate_accepts_the_deployed_layouts(d: Deployment) -> None:
 
 
 async def test_deadline_fails_the_handoff_naming_the_stage_still_waiting(d: Deployment) -> None:
-    assert (await d.create("req-1", DST, DST_SLOT, deadline_s=0.3)).status == 201
+    # Stage 0 must arrive before the deadline, however slow the machine: the deadline is long,
+    # and passes (its timer runs) only once stage 0 arrived. The timer itself is proven on
+    # real time in tests/unit/pipelines/test_handoff_pipelines.py.
+    assert (await d.create("req-1", DST, DST_SLOT, deadline_s=600)).status == 201
     async with watch(d.decode) as decode_events:
         assert (await d.ready("req-1", 0, SRC, SRC_SLOT)).status == 202
         await decode_events.next("stage.arrived", "req-1", pp_rank=0)
+    assert 0 < d.pass_deadline("req-1") <= 600
 
     view = await d.finish("req-1")
 
     assert view["state"] == "failed"
     assert view["error"]["code"] == "deadline_exceeded"
     assert view["error"]["pp_rank"] == 1
-    assert "[1]" in view["error"]["reason"]
+    assert "deadline of 600 s passed with stages [1] still to arrive" in view["error"]["reason"]
     assert [s["state"] for s in view["stages"]] == ["arrived", "failed"]
     outcome = [t for t in tags(view) if t in ("handoff.failed", "handoff.released")]
     assert outcome in (["handoff.failed"], ["handoff.failed", "handoff.released"])
 
 
-async def test_a_stopped_prefill_service_fails_its_handoffs_within_the_heartbeat_window() -> None:
-    fast = {"handoff.heartbeat_interval_s": 0.1, "handoff.peer_timeout_s": 0.3}
-    prefill = [prefill_config([rank], settings=fast) for rank in (0, 1)]
-    async with open_deployment(decode=decode_config(fast), prefill=prefill) as d:
-        assert (await d.create("req-1", DST, DST_SLOT, deadline_s=20)).status == 201
+async def test_a_stopped_prefill_service_fails_its_handoffs_as_soon_as_its_port_refuses() -> None:
+    # All three services share this test's loop: on a loaded machine it may stall for seconds,
+    # so silence is judged only after 60 s (a healthy stage is never judged silent here). The
+    # stopped service is lost by its watch and refused probes, neither by silence nor by the
+    # deadline (both far later): the reason says which.
+    patient = {"handoff.heartbeat_interval_s": 1.0, "handoff.peer_timeout_s": 60.0}
+    prefill = [prefill_config([rank], settings=patient) for rank in (0, 1)]
+    async with open_deployment(decode=decode_config(patient), prefill=prefill) as d:
+        assert (await d.create("req-1", DST, DST_SLOT, deadline_s=600)).status == 201
         async with watch(d.decode) as decode_events:
             assert (await d.ready("req-1", 0, SRC, SRC_SLOT)).status == 202
             await decode_events.next("stage.arrived", "req-1", pp_rank=0)
         lost_url = d.prefills[1].url
 
         await d.stop_prefill(1)  # stage 1 never signalled; its service is gone
-        stopped_at = time.time()
         view = await d.finish("req-1")
 
     assert view["state"] == "failed"
     error = view["error"]
     assert error["code"] == "peer_unreachable"
     assert (error["pp_rank"], error["context"]) == (1, {"peer": lost_url})
-    assert f"prefill peer {lost_url} (stage 1)" in error["reason"]
-    assert view["finished_at"] - stopped_at < 3.0  # heartbeats, not the 20 s deadline
+    assert f"prefill peer {lost_url} (stage 1) refuses connections" in error["reason"]
 
 
 # ------------------------------------------------------------------------------- auth, schema

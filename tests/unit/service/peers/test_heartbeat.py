@@ -15,7 +15,7 @@ from service.http.client import PeerClient
 from service.http.problems import PeerTimeout
 from service.peers.heartbeat import Heartbeats
 from service.peers.protocol import HttpPeers
-from tests.fakes import PeerServer
+from tests.fakes import PeerServer, eventually
 
 PEER = "http://prefill:1"
 
@@ -106,6 +106,11 @@ class Beats:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def watch_state(b: Beats) -> str:
+    (health,) = b.hb.health()
+    return health.watch
+
+
 async def test_heartbeats_declare_a_silent_peer_lost_once_after_the_timeout() -> None:
     b = Beats()
     b.peers.hung.add(PEER)  # a stopped process: the connection holds, nothing answers
@@ -179,10 +184,7 @@ async def test_a_killed_peer_is_lost_as_soon_as_its_watch_breaks_and_connections
     assert b.peers.watching == {PEER: 1}
     b.peers.down.add(PEER)  # the process is gone: its port refuses connections
     b.peers.drop[PEER].set()  # ... and its kernel closed our connection
-    for _ in range(100):
-        if b.lost:
-            break
-        await asyncio.sleep(0.001)
+    await eventually(lambda: bool(b.lost), what="the loss")  # after real confirm_s sleeps
     # Lost without any heartbeat round and with the fake clock standing still: not by silence.
     assert [url for url, _ in b.lost] == [PEER]
     assert "refuses connections" in b.lost[0][1]
@@ -197,10 +199,9 @@ async def test_a_broken_watch_of_a_peer_that_still_answers_is_not_a_loss() -> No
     await asyncio.sleep(0)
     b.clock.now = 0.1  # open for a heartbeat interval: the stream lived
     b.peers.drop[PEER].set()  # e.g. a proxy closed an idle connection
-    for _ in range(50):
-        await asyncio.sleep(0.001)
+    # Watched again: only after its probe was answered, so the verdict (not lost) is in.
+    await eventually(lambda: b.peers.watching[PEER] > 1, what="the watch again")
     assert b.lost == []
-    assert b.peers.watching[PEER] > 1  # watched again
     await b.close()
 
 
@@ -210,8 +211,9 @@ async def test_a_hung_peer_is_not_lost_by_its_watch_only_by_silence() -> None:
     await asyncio.sleep(0)
     b.peers.hung.add(PEER)  # probes time out: slow is not gone
     b.peers.drop[PEER].set()
-    for _ in range(50):
-        await asyncio.sleep(0.001)
+    # Judged a failing watch (retried after a backoff): only after its probe timed out, so the
+    # verdict (not lost) is in.
+    await eventually(lambda: watch_state(b) == "failing", what="the watch's verdict")
     assert b.lost == []
     await b.tick_at(0.4)
     assert [url for url, _ in b.lost] == [PEER] and "silent" in b.lost[0][1]
@@ -232,10 +234,7 @@ async def test_the_heartbeat_task_survives_a_failing_callback() -> None:
     b.hb.watch(live=broken_live, lost=b._lost)
     b.hb.interval_s = 0.001
     task = asyncio.get_running_loop().create_task(b.hb.run())
-    for _ in range(200):
-        if calls >= 3:
-            break
-        await asyncio.sleep(0.001)
+    await eventually(lambda: calls >= 3 or task.done(), what="three rounds")
     assert calls >= 3 and not task.done()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -261,10 +260,7 @@ async def test_a_new_handoff_s_peer_is_watched_at_once_not_at_the_next_round() -
     assert b.peers.watching == {PEER: 1} and b.peers.sent == []  # no round ran
     b.peers.down.add(PEER)
     b.peers.drop[PEER].set()
-    for _ in range(100):
-        if b.lost:
-            break
-        await asyncio.sleep(0.001)
+    await eventually(lambda: bool(b.lost), what="the loss")
     assert [url for url, _ in b.lost] == [PEER]
     await b.close()
 

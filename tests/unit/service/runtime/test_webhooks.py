@@ -155,8 +155,10 @@ async def test_503_with_retry_after_is_retried_exactly_then(
 async def test_a_slow_receiver_times_out_and_the_retry_carries_the_same_id(
     make_world: object, receiver: WebhookReceiver
 ) -> None:
-    # Every retry is due within 1 s of the clock, so each `advance(1.0)` releases the next one.
-    w: World = make_world(loopback(timeout_s=0.2, backoff_base_s=1.0, backoff_max_s=1.0))  # type: ignore[operator]
+    # Every retry is due within 1 s of the clock, so each `advance(1.0)` releases the next one;
+    # attempts never run out, however many a loaded machine lets time out.
+    settings = loopback(timeout_s=0.2, backoff_base_s=1.0, backoff_max_s=1.0, max_attempts=10_000)
+    w: World = make_world(settings)  # type: ignore[operator]
     hold = asyncio.Event()
 
     def respond(r: Received) -> Answer:
@@ -207,6 +209,11 @@ async def test_one_handoffs_events_wait_for_each_other_while_others_go_on(
         w.publish("a", completed=True)
         w.publish("b", completed=True)
         await w.until("delivered", 2)  # b's two events
+        # a's refused attempt is recorded (its retry due within 1 s of *this* clock) before the
+        # clock moves: b's two round trips may well end first on a loaded machine.
+        async with asyncio.timeout(WAIT_S):
+            while not [d for d in w.deliveries() if d.handoff_id == "a" and d.attempts]:
+                await asyncio.sleep(0.01)
         sent = [(r.handoff_id, r.type) for r in receiver.received]
         assert ("a", "handoff.completed") not in sent  # a's second waits for its first
         assert sent.index(("b", "handoff.created")) < sent.index(("b", "handoff.completed"))
