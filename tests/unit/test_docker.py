@@ -34,6 +34,7 @@ import yaml
 
 from service.cli import build_parser
 from service.config import Config, ConfigError, load_config
+from service.serve import SHUTDOWN_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -330,6 +331,16 @@ def test_compose_services_are_reachable_as_their_configs_say(compose: dict[str, 
         assert svc["healthcheck"]["test"][-1] == "/opt/kvhandoff/bin/kvhandoff-healthcheck"
         assert serve_args(svc["command"]).config == IMAGE_CONFIG
         assert any(v.endswith(f":{server.state_dir}") for v in svc["volumes"]), name
+
+
+def test_compose_gives_each_service_twice_its_shutdown_bounds(compose: dict[str, Any]) -> None:
+    # A SIGTERMed service waits for in-flight requests, then for the releases of what it aborted;
+    # a stop period shorter than that (on a busy host, twice it) turns a clean exit into SIGKILL.
+    for name, svc in kvhandoff_services(compose).items():
+        bound_s = SHUTDOWN_TIMEOUT_S + service_config(svc).handoff.shutdown_grace_s
+        period = re.fullmatch(r"(\d+)s", str(svc["stop_grace_period"]))
+        assert period is not None, (name, svc["stop_grace_period"])
+        assert int(period[1]) >= 2 * bound_s, (name, int(period[1]), bound_s)
 
 
 def test_compose_mounts_only_files_that_exist(compose: dict[str, Any]) -> None:
