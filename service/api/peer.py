@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -52,6 +53,8 @@ prefill_peer_routes = RouteTable()
 
 _NO_CONTENT = 204
 M = TypeVar("M", DestinationMsg, ArrivalMsg, StageFailedMsg)
+
+log = logging.getLogger("kvhandoff.heartbeat")
 
 
 def _same_service(claimed: str, sender: str, what: str, field: str) -> None:
@@ -124,11 +127,16 @@ async def watch(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     response = web.StreamResponse(headers={"Content-Type": "text/plain"})
     await response.prepare(request)
-    while not runtime.closing.is_set():
-        await response.write(b"\n")
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(runtime.heartbeats.interval_s):
-                await runtime.closing.wait()
+    try:
+        while not runtime.closing.is_set():
+            await response.write(b"\n")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(runtime.heartbeats.interval_s):
+                    await runtime.closing.wait()
+    except ConnectionResetError:  # aiohttp's reset error subclasses it
+        # The watcher left: its handoffs with us ended, or it stopped. That is how every watch
+        # ends, not an error.
+        log.debug("watch from %s ended: the peer closed it", request.remote)
     return response
 
 
