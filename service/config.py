@@ -169,7 +169,8 @@ class HandoffConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     heartbeat_interval_s: PositiveSeconds = 1.0
     #: A peer silent for this long fails its handoffs.
     peer_timeout_s: PositiveSeconds = 3.0
-    #: Read back and compare bytes after each transfer (slow; tests and demos).
+    #: Default of a handoff's `verify`: each stage sends a digest of the bytes it wrote, and the
+    #: decode compares it with what landed before it completes the handoff (costs a read of both).
     verify: bool = False
     max_concurrent: Positive = 256
     #: Decode role: the most it waits, past a handoff's deadline, for a prefill writer that did
