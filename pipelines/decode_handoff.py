@@ -37,6 +37,10 @@ class DecodeStage:
     # No write of this stage can land any more: it arrived, reported its own failure, or its
     # prefill acknowledged an abort (or no longer has the handoff).
     stopped: bool = False
+    # Its prefill acknowledged an abort while a destination to it was still on its way: the
+    # destination may have reached it after the ack (then it is live there again), so the
+    # quiesce asks once more after the delivery ended before it trusts `stopped`.
+    acked_before_delivery: bool = False
     # The latest its prefill's own deadline can be, on this decode's monotonic clock: the
     # remaining duration the destination carried, counted from when the delivery call ended (the
     # prefill counts it from its receipt, which came no later). None: never sent.

@@ -160,6 +160,13 @@ class Releases:
         await asyncio.gather(*(self._stop_peer(h, p, reason, started) for p in h.peers))
         if h.delivery is not None:
             await asyncio.wait([h.delivery])  # the peer client's timeout bounds a delivery call
+            # An ack that overtook a destination says nothing of it: the prefill refuses a
+            # destination of an id it remembers as aborted, but it remembers only so many.
+            again = sorted({s.peer for s in h.stages.values() if s.acked_before_delivery})
+            for s in h.stages.values():
+                if s.acked_before_delivery:
+                    s.acked_before_delivery = s.stopped = False
+            await asyncio.gather(*(self._stop_peer(h, p, reason, started) for p in again))
         give_up = self._give_up(h, started)
         while not all(s.stopped for s in h.stages.values()):
             left = give_up - self._monotonic()
@@ -178,6 +185,9 @@ class Releases:
         msg = AbortMsg(handoff_id=h.id, reason=reason, decode_incarnation=self._incarnation)
         while not all(s.stopped for s in h.stages.values() if s.peer == peer):
             left = self._give_up(h, started) - self._monotonic()
+            # Sent while a destination is on its way, the abort may be answered before the
+            # destination reaches the prefill (the answers may also come back in either order).
+            overtaking = h.delivery is not None and not h.delivery.done()
             try:
                 # Past the bound the pages are free whatever the peer says: stop waiting.
                 async with asyncio.timeout(max(0.0, left) if left != math.inf else None):
@@ -198,6 +208,8 @@ class Releases:
             for st in h.stages.values():
                 if st.peer == peer and st.incarnation == ack.incarnation:
                     st.max_call_s = max(st.max_call_s, ack.max_call_s)
+                    if overtaking and not st.stopped:
+                        st.acked_before_delivery = True
                     self.confirm_stopped(h, st)
             if not all(s.stopped for s in h.stages.values() if s.peer == peer):
                 return  # another life answered: the old one is not confirmed stopped

@@ -58,6 +58,40 @@ async def test_the_fence_covers_the_time_a_destination_took_to_reach_its_prefill
     assert released_at and released_at[0] >= prefill_deadline + w.prefill.max_call_s
 
 
+async def test_an_abort_that_overtook_its_destination_is_sent_again_once_it_landed(
+    world: World,  # noqa: F811 - the shared fixture
+) -> None:
+    """An abort goes out at once, so it can reach the prefill before the destination does; the
+    prefill then refuses the late destination because it remembers the aborted id. If it has
+    forgotten it meanwhile (it remembers the last 65,536 finished handoffs), the destination
+    opens a live handoff there, and the earlier ack says nothing about it. The decode must not
+    trust an ack that came while a destination to that peer was still in flight: it asks again
+    once the delivery ended, and releases only then."""
+    w = world
+    link = link_of(w)
+    real = link.deliver
+    go = asyncio.Event()
+
+    async def overtaken(url: str, msg: DestinationMsg) -> None:
+        await go.wait()  # the abort goes past it
+        await real(url, msg)
+
+    link.deliver = overtaken  # type: ignore[method-assign]
+    req = HandoffRequest(id="o", prefill=["p"], dst_pages=[9], dst_slot=0, deadline_s=30.0)
+    await w.decode.create(req)
+    abort = asyncio.ensure_future(w.decode.abort("o"))
+    async with asyncio.timeout(30.0):
+        while "o" not in w.prefill._finished:  # the prefill acknowledged the abort
+            await asyncio.sleep(0.01)
+    w.prefill._finished.clear()  # as after 65,536 other handoffs finished there
+    go.set()
+    view = await asyncio.wait_for(abort, 30.0)
+    assert view.state == HandoffState.ABORTED and view.released
+    # Nothing of "o" is live on the prefill: no write of it can land in the released pages.
+    assert "o" not in w.prefill.handoffs
+    assert w.prefill._finished.get("o") == "aborted"
+
+
 class _Archive:
     def __init__(self, *found: ArchivedHandoff) -> None:
         self._found = {a.request.id: a for a in found}
