@@ -89,9 +89,17 @@ class Releases:
             h.quiesce = self._spawn(self._quiesce(h, reason))
         return h.quiesce
 
-    def confirm_stopped(self, h: DecodeHandoff, stage: DecodeStage) -> None:
+    def confirm_stopped(
+        self, h: DecodeHandoff, stage: DecodeStage, *, overtaking: bool = False
+    ) -> None:
         """No write of `stage` can land any more (I4: said by its own prefill life only, which
-        says so only once its writes drained). Wakes the quiesce."""
+        says so only once its writes drained). Wakes the quiesce. `overtaking`: said by the ack
+        of an abort sent while a destination was on its way, which the quiesce confirms again
+        once the delivery ended; any other word of the stage (its arrival, its failure, a later
+        ack or heartbeat answer) came after the destination and settles it."""
+        stage.acked_before_delivery = overtaking and (
+            stage.acked_before_delivery or not stage.stopped
+        )
         if not stage.stopped:
             stage.stopped = True
             h.progress.set()
@@ -208,9 +216,7 @@ class Releases:
             for st in h.stages.values():
                 if st.peer == peer and st.incarnation == ack.incarnation:
                     st.max_call_s = max(st.max_call_s, ack.max_call_s)
-                    if overtaking and not st.stopped:
-                        st.acked_before_delivery = True
-                    self.confirm_stopped(h, st)
+                    self.confirm_stopped(h, st, overtaking=overtaking)
             if not all(s.stopped for s in h.stages.values() if s.peer == peer):
                 return  # another life answered: the old one is not confirmed stopped
 

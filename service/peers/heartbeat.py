@@ -141,9 +141,19 @@ class Heartbeats:
         if listing is not None:
             self._listing = listing
 
+    def joined(self, peers: list[str]) -> None:
+        """A handoff with `peers` was just created (their layouts fetched or cached: they answered
+        since any loss, which makes the decode forget a layout) or delivered (by that peer).
+        Called by the role's pipeline. A peer lost earlier is back: were it still marked lost,
+        neither its watch nor its silence could declare it lost again, and the new handoff
+        would wait for its deadline if it died once more."""
+        for peer in peers:
+            if peer in self._lost_peers:
+                self.heard(peer)
+        self.follow(peers)
+
     def follow(self, peers: list[str]) -> None:
-        """A handoff with `peers` was just created or delivered: watch them now, not at the next
-        round, so a kill right after is noticed at once. Called by the role's pipeline."""
+        """Watch `peers` now, not at the next round, so a kill right after is noticed at once."""
         now = self._clock()
         for peer in peers:
             self._last.setdefault(peer, now)

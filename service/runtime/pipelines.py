@@ -210,7 +210,7 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
             reconcile=decode.reconcile,
             listing=decode.live_with,
         )
-        decode.on_peers = beats.follow
+        decode.on_peers = beats.joined
     else:
         prefill = runtime.prefill = PrefillPipeline(
             {
@@ -231,7 +231,7 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
             reconcile=prefill.reconcile,
             listing=prefill.live_with,
         )
-        prefill.on_peers = beats.follow
+        prefill.on_peers = beats.joined
     return runtime
 
 

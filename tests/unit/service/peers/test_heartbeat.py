@@ -193,6 +193,29 @@ async def test_a_killed_peer_is_lost_as_soon_as_its_watch_breaks_and_connections
     await b.close()
 
 
+async def test_a_lost_peer_that_joins_a_new_handoff_can_be_lost_again() -> None:
+    # Killed, declared lost; its first handoff stays live (fenced until its bound). It restarts,
+    # a new handoff with it is created (its layout fetched: it answered), and it dies again
+    # before any heartbeat reached it: the new handoff must fail at once, not at its deadline.
+    b = Beats()
+    await b.tick_at(0.0)
+    await asyncio.sleep(0)
+    b.peers.down.add(PEER)
+    b.peers.drop[PEER].set()
+    await eventually(lambda: len(b.lost) == 1, what="the first loss")
+    b.peers.down.discard(PEER)  # restarted
+    b.peers.drop[PEER] = asyncio.Event()
+    b.live[PEER] = ["h1", "h2"]
+    b.hb.joined([PEER])
+    assert b.back == [PEER]
+    await eventually(lambda: b.peers.watching[PEER] > 1, what="the new watch")
+    b.peers.down.add(PEER)  # killed again
+    b.peers.drop[PEER].set()
+    await eventually(lambda: len(b.lost) == 2, what="the second loss")
+    assert "refuses connections" in b.lost[1][1]
+    await b.close()
+
+
 async def test_a_broken_watch_of_a_peer_that_still_answers_is_not_a_loss() -> None:
     b = Beats()
     await b.tick_at(0.0)
@@ -255,7 +278,7 @@ async def test_a_heartbeat_is_answered_with_our_incarnation_and_our_handoffs_wit
 
 async def test_a_new_handoff_s_peer_is_watched_at_once_not_at_the_next_round() -> None:
     b = Beats()
-    b.hb.follow([PEER])  # what the pipeline calls on create / delivery
+    b.hb.joined([PEER])  # what the pipeline calls on create / delivery
     await asyncio.sleep(0)
     assert b.peers.watching == {PEER: 1} and b.peers.sent == []  # no round ran
     b.peers.down.add(PEER)
