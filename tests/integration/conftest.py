@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import aiohttp
 import pytest
 
 from service.tools.deployment import LocalDeployment
@@ -33,3 +34,10 @@ def deployment() -> Iterator[DeploymentFactory]:
     yield factory
     for dep in started:
         dep.close()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """A client session for the test's requests to the services."""
+    async with aiohttp.ClientSession() as session:
+        yield session

@@ -118,6 +118,13 @@ async def ready(
         return resp.status, await resp.json(content_type=None)
 
 
+async def complete(http: aiohttp.ClientSession, dep: LocalDeployment, hid: str, m: Moved) -> None:
+    """Create handoff `hid` and signal every stage ready (each accepted)."""
+    assert (await create(http, dep, hid, m))[0] == 201
+    for r in range(dep.pp_size):
+        assert (await ready(http, dep, hid, r, m))[0] == 202
+
+
 async def finished(
     http: aiohttp.ClientSession, dep: LocalDeployment, hid: str, timeout_s: float = 30.0
 ) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import aiohttp
 import msgspec
@@ -18,7 +18,13 @@ from pipelines.decode_views import HandoffPage, HandoffView
 from service.client import KVHandoffClient
 from service.config import HandoffConfig
 from service.tools.deployment import LocalDeployment
-from tests.integration.handoff_checks import Moved, create, fill_sources, ready, reset_decode
+from tests.integration.handoff_checks import (
+    Moved,
+    complete,
+    create,
+    fill_sources,
+    reset_decode,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -41,12 +47,6 @@ def dep() -> Iterator[LocalDeployment]:
         yield d
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def page(
     http: aiohttp.ClientSession, dep: LocalDeployment, limit: int, cursor: int | None = None
 ) -> HandoffPage:
@@ -56,12 +56,6 @@ async def page(
     async with http.get(f"{dep.decode_url}/v1/handoffs", params=params) as resp:
         assert resp.status == 200, await resp.text()
         return _page.decode(await resp.read())
-
-
-async def complete(http: aiohttp.ClientSession, dep: LocalDeployment, hid: str, m: Moved) -> None:
-    assert (await create(http, dep, hid, m))[0] == 201
-    for r in range(dep.pp_size):
-        assert (await ready(http, dep, hid, r, m))[0] == 202
 
 
 async def test_a_router_pages_through_the_list_across_a_crash(

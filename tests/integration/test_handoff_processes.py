@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -39,12 +39,6 @@ def pp4() -> Iterator[LocalDeployment]:
         preset="hybrid-npu-mla", model=NPU_MLA, pp_size=4, num_pages=128, num_slots=8
     ) as dep:
         yield dep
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -15,7 +15,13 @@ import pytest
 from service.client import ApiError, KVHandoffClient
 from service.config import HandoffConfig, WebhooksConfig
 from service.tools.deployment import LocalDeployment
-from tests.integration.handoff_checks import Moved, create, fill_sources, ready, reset_decode
+from tests.integration.handoff_checks import (
+    Moved,
+    complete,
+    create,
+    fill_sources,
+    reset_decode,
+)
 from tests.receivers import Answer, Received, WebhookReceiver
 
 pytestmark = pytest.mark.integration
@@ -40,18 +46,6 @@ def dep() -> Iterator[LocalDeployment]:
         fill_sources(d, seed=3)
         reset_decode(d)
         yield d
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-async def complete(http: aiohttp.ClientSession, dep: LocalDeployment, hid: str, m: Moved) -> None:
-    assert (await create(http, dep, hid, m))[0] == 201
-    for r in range(dep.pp_size):
-        assert (await ready(http, dep, hid, r, m))[0] == 202
 
 
 async def test_sigkill_with_handoffs_in_flight_and_deliveries_pending(
