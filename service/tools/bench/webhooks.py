@@ -142,6 +142,20 @@ async def _raw_posts(url: str, bodies: list[bytes], concurrency: int) -> float:
         return time.perf_counter() - t0
 
 
+def _journaled_bus(db: Database, outbox: Outbox, dispatcher: Dispatcher) -> EventBus:
+    """A bus whose every event is committed to the outbox, then handed to the dispatcher (as the
+    decode service's records listener does)."""
+    bus = EventBus(replay=16)
+
+    def journal(event: Any) -> None:
+        with db.transaction() as tx:
+            deliveries = outbox.enqueue(tx, event, None)
+        dispatcher.add(deliveries)
+
+    bus.add_listener(journal)
+    return bus
+
+
 async def _outbox_run(
     url: str, events: list[Any], concurrency: int, work: Path
 ) -> tuple[float, float]:
@@ -152,14 +166,7 @@ async def _outbox_run(
         outbox.create_endpoint(url, [], None, "", time.time())
         settings = WebhooksConfig(allow_private=True, concurrency=concurrency)
         dispatcher = Dispatcher(outbox, settings, rng=random.Random(0))
-        bus = EventBus(replay=16)
-
-        def journal(event: Any) -> None:
-            with db.transaction() as tx:
-                deliveries = outbox.enqueue(tx, event, None)
-            dispatcher.add(deliveries)
-
-        bus.add_listener(journal)
+        bus = _journaled_bus(db, outbox, dispatcher)
         await dispatcher.start()
         publish_s = 0.0
         t0 = time.perf_counter()
@@ -243,14 +250,7 @@ async def _backlog_run(
             allow_private=True, backoff_base_s=3600.0, backoff_max_s=3600.0, max_held=max_held
         )
         dispatcher = Dispatcher(outbox, settings, rng=random.Random(0))
-        bus = EventBus(replay=16)
-
-        def journal(event: Any) -> None:
-            with db.transaction() as tx:
-                deliveries = outbox.enqueue(tx, event, None)
-            dispatcher.add(deliveries)
-
-        bus.add_listener(journal)
+        bus = _journaled_bus(db, outbox, dispatcher)
         await dispatcher.start()
         events = [
             HandoffCreated(handoff_id=f"new{i}", role="decode", num_pages=1, pp_size=1)
