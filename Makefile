@@ -16,7 +16,7 @@ BASE ?= python:3.11-slim-bookworm
 IMAGE_TOOLS := podman buildah mmdebstrap
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: setup test-tools test lint fmt typecheck demo bench bench-plan bench-transport \
+.PHONY: setup test-tools test test-unit lint fmt typecheck demo bench bench-plan bench-transport \
 	bench-events bench-webhooks fuzz reliability clean image-setup image image-test
 
 setup: $(STAMP)
@@ -44,6 +44,10 @@ test-tools:
 
 test: setup test-tools
 	$(PY) -m pytest
+
+# The fast loop: unit tests only (no real processes, no browser).
+test-unit: setup
+	$(PY) -m pytest tests/unit
 
 lint: setup
 	$(VENV)/bin/ruff check .

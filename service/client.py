@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from pipelines.decode_views import HandoffPage, HandoffView
+from pipelines.decode.views import HandoffPage, HandoffView
 from service.http.signatures import SignatureError, verify
 
 __all__ = [

@@ -31,7 +31,7 @@ import uvloop
 from aiohttp import web
 
 from pipelines.decode import DecodePipeline
-from pipelines.decode_views import HandoffId, HandoffRequest, HandoffView
+from pipelines.decode.views import HandoffId, HandoffRequest, HandoffView
 from pipelines.errors import InternalError, InvalidInput
 from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo

@@ -19,7 +19,7 @@ from typing import get_args
 
 from aiohttp import web
 
-from pipelines.decode_views import HANDOFF_ID_PATTERN
+from pipelines.decode.views import HANDOFF_ID_PATTERN
 from pipelines.errors import InvalidInput
 from pipelines.events import (
     Event,

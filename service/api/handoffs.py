@@ -14,7 +14,7 @@ from typing import Annotated
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from pipelines.decode_views import HANDOFF_ID_PATTERN, HandoffPage, HandoffRequest, HandoffView
+from pipelines.decode.views import HANDOFF_ID_PATTERN, HandoffPage, HandoffRequest, HandoffView
 from pipelines.errors import InvalidInput
 from pipelines.states import HandoffState
 from service.api import inputs

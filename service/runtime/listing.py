@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 
 from pipelines.decode import DecodePipeline
-from pipelines.decode_views import HandoffPage, HandoffView
+from pipelines.decode.views import HandoffPage, HandoffView
 from pipelines.states import HandoffState
 from service.runtime.records import HandoffRecords
 

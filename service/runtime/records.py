@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pipelines.decode_views import (
+from pipelines.decode.views import (
     ArchivedHandoff,
     ErrorView,
     FencedPages,

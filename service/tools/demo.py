@@ -35,7 +35,7 @@ import numpy as np
 import uvloop
 
 from pipelines.decode import DecodePipeline
-from pipelines.decode_views import HandoffRequest, HandoffView
+from pipelines.decode.views import HandoffRequest, HandoffView
 from pipelines.errors import KVHandoffError
 from pipelines.events import EventBus
 from pipelines.inprocess import InProcessLink

@@ -14,7 +14,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from pipelines.decode_views import HandoffPage, HandoffView
+from pipelines.decode.views import HandoffPage, HandoffView
 from service.client import KVHandoffClient
 from service.config import HandoffConfig
 from service.tools.deployment import LocalDeployment

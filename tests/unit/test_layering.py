@@ -1,6 +1,9 @@
 """The layer rule, checked on the source: imports point one way only.
 
-Across packages: `service → pipelines → transport`. Inside `service/`: `cli → tools → (serve,
+Across packages: `service → pipelines → transport`. Inside `pipelines/`, the two sides
+(`pipelines/decode/`, `pipelines/prefill/`) import the shared modules beside them, never each
+other; only `pipelines/inprocess.py`, which links the two in one process, imports both. Inside
+`service/`: `cli → tools → (serve,
 embedded) → api → runtime → peers → http → config`; a module may import its own layer or any
 layer below it, never above. Walks every module's `import` statements with `ast` (function-local
 imports included), so a lazy import cannot hide a backwards edge; the command line's modules,
@@ -55,6 +58,17 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+#: The two sides of a handoff inside `pipelines/`: neither may import the other.
+PIPELINE_SIDES = ("decode", "prefill")
+
+
+def _pipelines_side(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[0] == "pipelines" and parts[1] in PIPELINE_SIDES:
+        return parts[1]
+    return None
+
+
 def _service_part(module: str) -> str | None:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[0] == "service" else None
@@ -75,6 +89,10 @@ def _violations() -> list[str]:
                         continue
                 elif target_pkg == "aiohttp" and here_pkg != "service":
                     bad.append(f"{where} (HTTP belongs to service/)")
+                    continue
+                side, other = _pipelines_side(here), _pipelines_side(target)
+                if side and other and side != other:
+                    bad.append(f"{where} (pipelines/{side} may not import pipelines/{other})")
                     continue
                 src, dst = _service_part(here), _service_part(target)
                 if here_pkg == "service" and target_pkg == "service" and src and dst:
@@ -111,6 +129,10 @@ def test_every_service_part_has_a_rank() -> None:
     [
         ("from service.api.handoffs import x\n", "service/http may not import service/api"),
         ("import pipelines.decode\n", "transport may not import pipelines"),
+        (
+            "from pipelines.prefill.handoff import x\n",
+            "pipelines/decode may not import pipelines/prefill",
+        ),
     ],
 )
 def test_the_checker_catches_a_backwards_import(
@@ -121,7 +143,13 @@ def test_the_checker_catches_a_backwards_import(
     for package in PACKAGES:
         (fake_root / package).mkdir()
     (fake_root / "service" / "http").mkdir()
-    target = "service/http/app.py" if "service" in source else "transport/base.py"
+    (fake_root / "pipelines" / "decode").mkdir()
+    if "service" in source:
+        target = "service/http/app.py"
+    elif "prefill" in source:
+        target = "pipelines/decode/pipeline.py"
+    else:
+        target = "transport/base.py"
     (fake_root / target).write_text(source)
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", fake_root)
     assert any(expect in v for v in _violations())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from pipelines.decode import DecodePipeline
-from pipelines.decode_views import HandoffRequest
+from pipelines.decode.views import HandoffRequest
 from pipelines.events import Event, EventBus, HandoffCompleted, HandoffReleased
 from pipelines.states import HandoffState
 from tests.unit.pipelines.test_handoff_pipelines import World, world  # noqa: F401

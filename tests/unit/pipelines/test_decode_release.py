@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from pipelines.decode import DecodePipeline
-from pipelines.decode_views import ArchivedHandoff, FencedPages, HandoffRequest, HandoffView
+from pipelines.decode.views import ArchivedHandoff, FencedPages, HandoffRequest, HandoffView
 from pipelines.events import Event, EventBus, HandoffReleased
 from pipelines.messages import DestinationMsg
 from pipelines.states import HandoffState

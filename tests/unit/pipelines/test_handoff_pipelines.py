@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from pipelines.decode import DecodePipeline
-from pipelines.decode_views import HandoffRequest
+from pipelines.decode.leases import Leases
+from pipelines.decode.views import HandoffRequest
 from pipelines.errors import (
     CapacityExceeded,
     ConflictError,
@@ -20,7 +21,6 @@ from pipelines.errors import (
 )
 from pipelines.events import EventBus, event_tag
 from pipelines.inprocess import InProcessLink
-from pipelines.leases import Leases
 from pipelines.memory import PoolMemory
 from pipelines.messages import AbortAck, AbortMsg, DestinationMsg, StageFailedMsg
 from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from pipelines.decode import DecodePipeline
-from pipelines.decode_views import HandoffRequest
+from pipelines.decode.views import HandoffRequest
 from pipelines.errors import ConflictError, InvalidInput, PeerUnreachable
 from pipelines.events import EventBus, event_tag
 from pipelines.inprocess import InProcessLink

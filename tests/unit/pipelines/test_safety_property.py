@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipelines.decode import DecodePipeline
-from pipelines.decode_views import HandoffRequest
+from pipelines.decode.views import HandoffRequest
 from pipelines.errors import PeerUnreachable, TransportError
 from pipelines.events import EventBus, event_tag
 from pipelines.inprocess import InProcessLink

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.decode_views import HandoffRequest
+from pipelines.decode.views import HandoffRequest
 from pipelines.errors import (
     ConflictError,
     InvalidInput,

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pipelines.decode_views import HandoffRequest
+from pipelines.decode.views import HandoffRequest
 from service.config import Config
 from service.runtime.database import FILE_NAME, Database
 from service.runtime.persistence import PERSISTENCE, RESTARTED, purge_once

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pipelines.decode_views import HANDOFF_ID_PATTERN
+from pipelines.decode.views import HANDOFF_ID_PATTERN
 from service.api import inputs
 from service.api.validate import MAX_PREFILL
 from service.http.app import MAX_JSON_DEPTH, PEERS, json_depth

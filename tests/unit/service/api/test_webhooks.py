@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pipelines.decode_views import HandoffRequest
+from pipelines.decode.views import HandoffRequest
 from service.config import ConfigError
 from service.http.app import READINESS
 from service.http.signatures import new_secret

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pipelines.decode_views import HandoffPage
+from pipelines.decode.views import HandoffPage
 from pipelines.states import HandoffState
 from service.runtime.listing import handoff_page
 from service.runtime.persistence import PERSISTENCE

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from pipelines.decode_views import HandoffRequest, HandoffView
+from pipelines.decode.views import HandoffRequest, HandoffView
 from pipelines.events import EventBus, HandoffFailed
 from pipelines.states import HandoffState
 from service.runtime.database import FILE_NAME, LIFE_SHIFT, SCHEMA_VERSION, Database

@@ -27,12 +27,12 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pipelines.decode_handoff import ROLE, DecodeHandoff, DecodeStage, publish
-from pipelines.decode_views import FencedPages, HandoffArchive, HandoffView
+from pipelines.decode.handoff import ROLE, DecodeHandoff, DecodeStage, publish
+from pipelines.decode.leases import Leases
+from pipelines.decode.views import FencedPages, HandoffArchive, HandoffView
 from pipelines.errors import InvalidInput, KVHandoffError
 from pipelines.events import EventBus, HandoffReleased
 from pipelines.layout import StageLayout
-from pipelines.leases import Leases
 from pipelines.messages import AbortAck, AbortMsg
 from pipelines.planning import validate_pages_for_layout
 from pipelines.states import ReleaseState, StageState, advance

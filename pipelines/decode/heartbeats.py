@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipelines.decode_handoff import DecodeHandoff, DecodeStage
+from pipelines.decode.handoff import DecodeHandoff, DecodeStage
+from pipelines.decode.outcomes import Outcomes
+from pipelines.decode.prefill_peers import PrefillDirectory
+from pipelines.decode.release import Releases
 from pipelines.messages import HeartbeatAck
-from pipelines.outcomes import Outcomes
-from pipelines.prefill_peers import PrefillDirectory
-from pipelines.release import Releases
 from pipelines.states import ReleaseState
 
 

@@ -8,7 +8,7 @@ created here with its destination; every check that can fail (pages, fencing, pr
 pairing: `prefill_peers.py`) runs before the destination is sent, so a rejected handoff never
 moves a byte. The outcome is announced as soon as it is known; what happens to the pages after it
 (stopping the writers, the lease's release, `handoff.released`) is `release.py`'s. The handoff as
-held: `decode_handoff.py`; states and their legal changes: `states.py`; the safety argument:
+held: `handoff.py`; states and their legal changes: `states.py`; the safety argument:
 SAFETY.md.
 """
 
@@ -24,9 +24,14 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pipelines.decode_handoff import I64, ROLE, DecodeHandoff, DecodeStage, publish
-from pipelines.decode_heartbeats import PrefillWatch
-from pipelines.decode_views import (
+from pipelines.decode.handoff import I64, ROLE, DecodeHandoff, DecodeStage, publish
+from pipelines.decode.heartbeats import PrefillWatch
+from pipelines.decode.leases import Leases
+from pipelines.decode.notices import check_accounting, check_sender, first_mismatch
+from pipelines.decode.outcomes import Outcomes
+from pipelines.decode.prefill_peers import PrefillDirectory, Stages
+from pipelines.decode.release import Releases
+from pipelines.decode.views import (
     ArchivedHandoff,
     FencedPages,
     HandoffArchive,
@@ -48,7 +53,6 @@ from pipelines.events import (
     StageArrived,
 )
 from pipelines.layout import StageLayout
-from pipelines.leases import Leases
 from pipelines.memory import EntryMemory
 from pipelines.messages import (
     AbortAck,
@@ -59,17 +63,13 @@ from pipelines.messages import (
     LayoutInfo,
     StageFailedMsg,
 )
-from pipelines.notices import check_accounting, check_sender, first_mismatch
-from pipelines.outcomes import Outcomes
 from pipelines.pairing import PairingCache
 from pipelines.peercache import new_incarnation
 from pipelines.planning import validate_pages_for_layout
-from pipelines.prefill_peers import PrefillDirectory, Stages
-from pipelines.release import Releases
 from pipelines.states import HandoffState, ReleaseState, StageState, advance
 
 # What the service, routers' clients and tests import from here (the handoff record moved to
-# `decode_handoff`, the states to `states`).
+# `handoff`, the states to `states`).
 __all__ = ["DecodeHandoff", "DecodePipeline", "HandoffState", "PrefillPeer"]
 
 log = logging.getLogger(__name__)

@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipelines.decode_handoff import ROLE, DecodeHandoff, publish
-from pipelines.decode_views import ErrorView
+from pipelines.decode.handoff import ROLE, DecodeHandoff, publish
+from pipelines.decode.release import Releases
+from pipelines.decode.views import ErrorView
 from pipelines.errors import DeadlineExceeded, PeerUnreachable
 from pipelines.events import EventBus, HandoffAborted, HandoffCompleted, HandoffFailed
-from pipelines.release import Releases
 from pipelines.states import TRANSITIONS, HandoffState, StageState, advance
 
 

@@ -1,7 +1,7 @@
 """One handoff as the decode side holds it: its stages, its states and bounds, and its view.
 
-Built by `pipelines.decode` (the lifecycle: create, arrivals, outcome) and read and changed by
-`pipelines.release` (the quiesce that stops its writers, the release of its lease). Plain data and
+Built by `pipeline.py` (the lifecycle: create, arrivals, outcome) and read and changed by
+`release.py` (the quiesce that stops its writers, the release of its lease). Plain data and
 the view a router reads; every state change goes through `states.advance` in those two modules.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from pipelines.decode_views import ErrorView, HandoffRequest, HandoffView, StageView
+from pipelines.decode.views import ErrorView, HandoffRequest, HandoffView, StageView
 from pipelines.events import Event, EventBus
 from pipelines.layout import StageLayout
 from pipelines.states import HandoffState, ReleaseState, StageState

@@ -1,0 +1,126 @@
+"""The prefill side's records: one handoff as this process holds it, the stages it hosts, and
+what the pipeline needs from a transport and from the decode service.
+
+Shared by the lifecycle (`pipeline.py`) and the stage worker (`stage.py`); holds no behaviour
+beyond the legal changes of a stage's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from pipelines.layout import StageLayout
+from pipelines.memory import EntryMemory
+from pipelines.messages import ArrivalMsg, DestinationMsg, StageFailedMsg
+from pipelines.states import StageState, advance
+from transport.blocks import Blocks
+
+I64 = npt.NDArray[np.int64]
+ROLE = "prefill"
+
+
+class BlockWriter(Protocol):
+    """What the pipeline needs from a transport."""
+
+    async def write(self, peer: str, blocks: Blocks, *, start_by: float | None = None) -> None: ...
+
+    async def quiesce(self, peer: str | None = None) -> None: ...
+
+    @property
+    def max_call_s(self) -> float:
+        """The longest one engine call can still write once started."""
+        ...
+
+
+class DecodePeer(Protocol):
+    """Prefill → decode calls, implemented by the service over HTTP (or in-process)."""
+
+    async def decode_layout(self, dest: DestinationMsg) -> StageLayout:
+        """The decode layout `dest` names (its fingerprint and address key), placed."""
+        ...
+
+    async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None: ...
+
+    async def stage_failed(self, decode_url: str, msg: StageFailedMsg) -> None: ...
+
+
+@dataclass(frozen=True)
+class HostedStage:
+    """One PP stage registered in this process: its placed layout and a view of its memory."""
+
+    layout: StageLayout
+    memory: EntryMemory | None = None
+
+
+@dataclass(frozen=True)
+class ReadySignal:
+    layers: frozenset[int] | None  # None: every layer of the stage not sent yet
+
+
+class _End:
+    """Marks the end of a stage's chunk or plan stream."""
+
+
+END = _End()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Layer-tagged work for one stage: KV pages of `layers`, or state slots of `layers`."""
+
+    pp_rank: int
+    kind: str  # "kv" or "state"
+    layers: tuple[int, ...]
+
+
+@dataclass
+class StageInput:
+    src_pages: I64
+    src_slot: int | None
+    signals: asyncio.Queue[ReadySignal]
+
+
+@dataclass
+class PrefillHandoff:
+    """One handoff as this prefill process sees it."""
+
+    handoff_id: str
+    created_at: float
+    destination: asyncio.Future[DestinationMsg]
+    inputs: dict[int, StageInput] = field(default_factory=dict)
+    # Set when a stage's first ready signal (which carries its source pages) arrives.
+    input_seen: dict[int, asyncio.Event] = field(default_factory=dict)
+    stage_state: dict[int, StageState] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+    bytes_sent: int = 0
+    # The deadline on this host's monotonic clock, measured when the destination arrived.
+    deadline_mono: float | None = None
+
+    def set_stage(self, rank: int, state: StageState) -> None:
+        current = self.stage_state.get(rank, StageState.WAITING)
+        self.stage_state[rank] = advance(
+            current, state, f"handoff {self.handoff_id!r} stage {rank}"
+        )
+
+    def settled(self, ranks: list[int]) -> bool:
+        """Every stage of `ranks` has its bytes landed (its arrival notice may be on its way) or
+        has ended: none can still write."""
+        return all(
+            self.stage_state.get(r, StageState.WAITING)
+            in (StageState.NOTIFYING, StageState.ARRIVED)
+            or self.stage_state.get(r, StageState.WAITING).final
+            for r in ranks
+        )
+
+    @property
+    def decode_url(self) -> str | None:
+        return self.destination.result().decode_url if self.destination.done() else None
+
+
+class StageFailed(Exception):
+    """Raised inside the TaskGroup after a stage reported its failure, to cancel siblings."""

@@ -1,0 +1,373 @@
+"""The prefill side of a handoff: its lifecycle, from the engine's ready signals and the decode's
+destination to an outcome on every stage hosted here.
+
+Called by the service's engine-facing route (`ready`), its peer routes (`deliver`, `abort`) and
+its heartbeat task (`peer_lost`, `reconcile`). For each handoff one `asyncio.TaskGroup` runs one
+stage worker (`stage.py`) per PP stage hosted here; a failing stage cancels its siblings.
+Cancellation (abort, deadline, lost peer) never abandons a batch the engine is still writing, so
+"quiesced" really means no write of this handoff can still land. A destination is bound to the
+decode life that issued it and to this prefill's life; its deadline is measured from its receipt
+on this host's monotonic clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping
+
+import numpy as np
+
+from pipelines.errors import (
+    ConflictError,
+    DeadlineExceeded,
+    InternalError,
+    InvalidInput,
+    KVHandoffError,
+    NotFoundError,
+)
+from pipelines.events import (
+    Event,
+    EventBus,
+    HandoffAborted,
+    StageReady,
+)
+from pipelines.messages import (
+    AbortAck,
+    DestinationMsg,
+    HeartbeatAck,
+)
+from pipelines.pairing import PairingCache
+from pipelines.peercache import new_incarnation
+from pipelines.planning import validate_pages_for_layout
+from pipelines.prefill.handoff import (
+    I64,
+    ROLE,
+    BlockWriter,
+    DecodePeer,
+    HostedStage,
+    PrefillHandoff,
+    ReadySignal,
+    StageFailed,
+    StageInput,
+)
+from pipelines.prefill.stage import StageRunner
+from pipelines.states import StageState
+
+log = logging.getLogger(__name__)
+
+
+class PrefillPipeline:
+    def __init__(
+        self,
+        stages: Mapping[int, HostedStage],
+        writer: BlockWriter,
+        decode: DecodePeer,
+        bus: EventBus,
+        *,
+        url: str = "",
+        incarnation: str | None = None,
+        max_call_s: float | None = None,
+        cache: PairingCache | None = None,
+        default_deadline_s: float = 30.0,
+        max_blocks_per_batch: int = 2048,
+        queue_depth: int = 4,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.stages = dict(stages)
+        self.url = url  # this service's public URL: the sender of its notices
+        self.incarnation = incarnation or new_incarnation()
+        # The longest one engine call of this process can still write once started (the
+        # transport's bound): declared to the decode side, which waits that long past the
+        # deadline for a writer it cannot hear from.
+        self.max_call_s = writer.max_call_s if max_call_s is None else max_call_s
+        self._decode = decode
+        self._bus = bus
+        self.cache = cache or PairingCache()
+        self._default_deadline_s = default_deadline_s
+        self._clock = clock
+        self._runner = StageRunner(
+            self.stages,
+            writer,
+            decode,
+            bus,
+            self.cache,
+            sender=self,
+            max_blocks_per_batch=max_blocks_per_batch,
+            queue_depth=queue_depth,
+        )
+        self.handoffs: dict[str, PrefillHandoff] = {}
+        # Recently finished ids, so a late or repeated signal is refused rather than waiting for
+        # a destination that will never come.
+        self._finished: OrderedDict[str, str] = OrderedDict()
+        # Told the decode service of every delivered destination (the heartbeats watch it).
+        self.on_peers: Callable[[list[str]], None] = lambda peers: None
+
+    # ----------------------------------------------------------------- inputs
+
+    def ready(
+        self,
+        handoff_id: str,
+        pp_rank: int,
+        src_pages: Collection[int] | I64 | None,
+        src_slot: int | None,
+        layers: Collection[int] | None = None,
+    ) -> None:
+        """The engine finished `layers` (None: all) of stage `pp_rank` for this request.
+
+        The first signal of a stage must carry its source pages (and slot, for hybrid models);
+        later ones may repeat them or leave them out. Raises InvalidInput / NotFoundError /
+        ConflictError before anything changes.
+        """
+        stage = self.stages.get(pp_rank)
+        if stage is None:
+            raise NotFoundError(
+                f"stage {pp_rank} is not hosted here (hosted: {sorted(self.stages)})",
+                field="pp_rank",
+                pp_rank=pp_rank,
+            )
+        self._refuse_finished(handoff_id)
+        layer_set = None if layers is None else frozenset(int(x) for x in layers)
+        if layer_set is not None:
+            own = {e.layer_id for e in stage.layout.kv} | {s.layer_id for s in stage.layout.state}
+            foreign = sorted(layer_set - own)
+            if foreign:
+                raise InvalidInput(
+                    f"layer {foreign[0]} is not a layer of stage {pp_rank}",
+                    field="layers",
+                    layer_id=foreign[0],
+                    pp_rank=pp_rank,
+                )
+        h = self.handoffs.get(handoff_id)
+        current = h.inputs.get(pp_rank) if h else None
+        if current is None:
+            if src_pages is None:
+                raise InvalidInput(
+                    "src_pages is required on a stage's first ready signal", field="src_pages"
+                )
+            pages = validate_pages_for_layout(
+                stage.layout, np.asarray(src_pages), src_slot, side="source", unique=False
+            )
+        else:
+            if src_pages is not None and not np.array_equal(
+                np.asarray(src_pages), current.src_pages
+            ):
+                raise ConflictError(
+                    f"stage {pp_rank} of handoff {handoff_id!r} already reported other src_pages",
+                    field="src_pages",
+                    pp_rank=pp_rank,
+                )
+            if src_slot is not None and src_slot != current.src_slot:
+                raise ConflictError(
+                    f"stage {pp_rank} of handoff {handoff_id!r} already reported src_slot "
+                    f"{current.src_slot}",
+                    field="src_slot",
+                    pp_rank=pp_rank,
+                )
+            pages = current.src_pages
+        if h is None:
+            h = self._open(handoff_id)
+        if current is None:
+            current = StageInput(pages, src_slot, asyncio.Queue(len(stage.layout.kv) + 64))
+            h.inputs[pp_rank] = current
+            if h.stage_state.get(pp_rank, StageState.WAITING) == StageState.WAITING:
+                h.set_stage(pp_rank, StageState.READY)
+            h.input_seen.setdefault(pp_rank, asyncio.Event()).set()
+        try:
+            current.signals.put_nowait(ReadySignal(layer_set))
+        except asyncio.QueueFull:
+            raise ConflictError(
+                f"stage {pp_rank} of handoff {handoff_id!r} has too many pending ready signals",
+                field="layers",
+            ) from None
+        self._publish(
+            StageReady(
+                handoff_id=handoff_id,
+                role=ROLE,
+                pp_rank=pp_rank,
+                num_pages=int(pages.shape[0]),
+                layers=None if layer_set is None else sorted(layer_set),
+            )
+        )
+
+    def deliver(self, msg: DestinationMsg) -> None:
+        """The decode service says where this handoff's bytes go. Refused (changing nothing)
+        when it was issued for another life of this service."""
+        if msg.prefill_incarnation != self.incarnation:
+            raise ConflictError(
+                f"the destination of {msg.handoff_id!r} was issued for prefill incarnation "
+                f"{msg.prefill_incarnation}, this is {self.incarnation} (did it restart?)",
+                field="prefill_incarnation",
+            )
+        self._refuse_finished(msg.handoff_id)
+        missing = [r for r in msg.pp_ranks if r not in self.stages]
+        if missing:
+            raise NotFoundError(
+                f"stage {missing[0]} is not hosted here (hosted: {sorted(self.stages)})",
+                field="pp_ranks",
+                pp_rank=missing[0],
+            )
+        h = self.handoffs.get(msg.handoff_id) or self._open(msg.handoff_id)
+        if h.destination.done():
+            if h.destination.result() == msg:
+                return  # a retried delivery
+            raise ConflictError(
+                f"handoff {msg.handoff_id!r} already has another destination", field="handoff_id"
+            )
+        h.deadline_mono = time.monotonic() + msg.deadline_in_s
+        h.destination.set_result(msg)
+        self.on_peers([msg.decode_url])
+
+    async def abort(
+        self, handoff_id: str, reason: str, decode_incarnation: str | None = None
+    ) -> AbortAck:
+        """Stop a handoff; returns once no write of it can still land. With
+        `decode_incarnation`, a handoff bound to another decode life is refused."""
+        h = self.handoffs.get(handoff_id)
+        if h is None:
+            self._remember(handoff_id, "aborted")
+            return self._ack(handoff_id, [])
+        dest = h.destination.result() if h.destination.done() else None
+        if (
+            decode_incarnation is not None
+            and dest is not None
+            and dest.decode_incarnation != decode_incarnation
+        ):
+            raise ConflictError(
+                f"handoff {handoff_id!r} belongs to decode incarnation "
+                f"{dest.decode_incarnation}, not {decode_incarnation}",
+                field="decode_incarnation",
+            )
+        running = [r for r, s in h.stage_state.items() if not s.final]
+        if h.task is not None:
+            h.task.cancel()
+            await asyncio.wait([h.task])
+        for rank in running:
+            if not h.stage_state[rank].final:
+                h.set_stage(rank, StageState.STOPPED)
+        self._close(h, "aborted")
+        self._publish(HandoffAborted(handoff_id=handoff_id, role=ROLE, reason=reason))
+        return self._ack(handoff_id, sorted(running))
+
+    def _ack(self, handoff_id: str, stopped: list[int]) -> AbortAck:
+        return AbortAck(
+            handoff_id=handoff_id,
+            quiesced=True,
+            stages=stopped,
+            incarnation=self.incarnation,
+            max_call_s=self.max_call_s,
+        )
+
+    async def peer_lost(self, decode_url: str, reason: str) -> list[str]:
+        """A decode service went silent: stop sending to it. Returns the stopped handoff ids."""
+        victims = [h.handoff_id for h in self.handoffs.values() if h.decode_url == decode_url]
+        for handoff_id in victims:
+            await self.abort(handoff_id, reason)
+        return victims
+
+    async def reconcile(self, decode_url: str, ack: HeartbeatAck, sent: list[str]) -> list[str]:
+        """A heartbeat answer from `decode_url`: stop every handoff bound to another life of it
+        (it restarted: the pages we would write are no longer that handoff's), and every handoff
+        in `sent` that it no longer runs while a stage here may still write. Returns their ids."""
+        theirs = set(ack.live)
+        victims = []
+        for h in list(self.handoffs.values()):
+            dest = h.destination.result() if h.destination.done() else None
+            if dest is None or dest.decode_url != decode_url:
+                continue
+            if dest.decode_incarnation != ack.incarnation:
+                victims.append((h.handoff_id, f"decode {decode_url} restarted"))
+            elif (
+                h.handoff_id in sent and h.handoff_id not in theirs and not h.settled(dest.pp_ranks)
+            ):
+                victims.append((h.handoff_id, f"decode {decode_url} no longer has it"))
+        for handoff_id, why in victims:
+            await self.abort(handoff_id, why)
+        return [hid for hid, _ in victims]
+
+    def live_with(self, decode_url: str) -> list[str]:
+        """Handoffs bound to `decode_url` (a heartbeat answer)."""
+        return self.live_by_decode().get(decode_url, [])
+
+    def live_by_decode(self) -> dict[str, list[str]]:
+        """Live handoff ids per decode URL: whom the heartbeat task must keep pinging."""
+        out: dict[str, list[str]] = {}
+        for h in self.handoffs.values():
+            url = h.decode_url
+            if url is not None:
+                out.setdefault(url, []).append(h.handoff_id)
+        return out
+
+    async def close(self) -> None:
+        for h in list(self.handoffs.values()):
+            await self.abort(h.handoff_id, "service shutting down")
+
+    # ----------------------------------------------------------------- internals
+
+    def _refuse_finished(self, handoff_id: str) -> None:
+        outcome = self._finished.get(handoff_id)
+        if outcome is not None:
+            raise ConflictError(
+                f"handoff {handoff_id!r} already {outcome} on this prefill service",
+                field="handoff_id",
+            )
+
+    def _open(self, handoff_id: str) -> PrefillHandoff:
+        loop = asyncio.get_running_loop()
+        h = PrefillHandoff(handoff_id, self._clock(), loop.create_future())
+        self.handoffs[handoff_id] = h
+        h.task = loop.create_task(self._run(h), name=f"prefill:{handoff_id}")
+        return h
+
+    def _remember(self, handoff_id: str, outcome: str) -> None:
+        self._finished[handoff_id] = outcome
+        while len(self._finished) > 65536:
+            self._finished.popitem(last=False)
+
+    def _close(self, h: PrefillHandoff, outcome: str) -> None:
+        if self.handoffs.get(h.handoff_id) is h:
+            del self.handoffs[h.handoff_id]
+            self._remember(h.handoff_id, outcome)
+
+    def _publish(self, event: Event) -> None:
+        self._bus.publish(event)
+
+    async def _run(self, h: PrefillHandoff) -> None:
+        loop = asyncio.get_running_loop()
+        # Until the destination names a deadline, the default one bounds the wait for it.
+        fallback = loop.time() + self._default_deadline_s
+        dest: DestinationMsg | None = None
+        outcome = "failed"
+        try:
+            async with asyncio.timeout_at(fallback) as scope:
+                dest = await h.destination
+                assert h.deadline_mono is not None
+                # loop.time() is the monotonic clock the deadline was measured on.
+                scope.reschedule(loop.time() + max(0.0, h.deadline_mono - time.monotonic()))
+                dst_layout = await self._decode.decode_layout(dest)
+                async with asyncio.TaskGroup() as tg:
+                    for rank in dest.pp_ranks:
+                        tg.create_task(self._runner.run(h, rank, dest, dst_layout))
+            outcome = "completed"
+        except* StageFailed:
+            pass  # the failing stage already told the decode side
+        except* TimeoutError:
+            await self._fail_all(h, dest, DeadlineExceeded("handoff deadline passed on prefill"))
+        except* KVHandoffError as group:
+            await self._fail_all(h, dest, group.exceptions[0])  # type: ignore[arg-type]
+        except* Exception as group:
+            # must still fail the handoff on both sides instead of leaving it to the deadline.
+            log.error("handoff %s crashed", h.handoff_id, exc_info=group.exceptions[0])
+            await self._fail_all(h, dest, InternalError(f"prefill pipeline crashed: {group!r}"))
+        finally:
+            if not asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                self._close(h, outcome)
+
+    async def _fail_all(
+        self, h: PrefillHandoff, dest: DestinationMsg | None, error: KVHandoffError
+    ) -> None:
+        for rank in dest.pp_ranks if dest else sorted(h.inputs):
+            if not h.stage_state.get(rank, StageState.WAITING).final:
+                await self._runner.report_failure(h, dest, rank, error)

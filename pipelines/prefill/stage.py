@@ -1,0 +1,323 @@
+"""The prefill stage worker: one PP stage of one handoff, from its ready signals to its landed
+bytes and the arrival notice.
+
+Run by the lifecycle (`pipeline.py`) inside the handoff's TaskGroup, one per stage hosted here:
+
+    emit (ready signals -> layer-tagged KV / state chunks)
+      -> pair (chunks -> validated transfer plans, pairing cached per layout pair)
+      -> send (plans -> bounded concurrent batch writes) -> arrival notice to the decode side
+
+A failing stage reports itself (its rank) and raises `StageFailed` to cancel its siblings.
+Cancellation never abandons a batch the engine is still writing: the sender drains its in-flight
+write and quiesces the lane before re-raising.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Mapping
+from typing import Protocol
+
+import numpy as np
+
+from pipelines.errors import InternalError, KVHandoffError
+from pipelines.events import (
+    ChunksEmitted,
+    Event,
+    EventBus,
+    HandoffFailed,
+    StagePaired,
+    StageTransferred,
+)
+from pipelines.layout import StageLayout
+from pipelines.memory import source_digests
+from pipelines.messages import ArrivalMsg, DestinationMsg, StageFailedMsg
+from pipelines.pairing import Pairing, PairingCache
+from pipelines.planning import TransferPlan, plan, validate_request
+from pipelines.prefill.handoff import (
+    END,
+    ROLE,
+    BlockWriter,
+    Chunk,
+    DecodePeer,
+    HostedStage,
+    PrefillHandoff,
+    StageFailed,
+    StageInput,
+    _End,
+)
+from pipelines.states import StageState
+
+log = logging.getLogger(__name__)
+
+
+class Sender(Protocol):
+    """Who this process is on the wire: read at each notice (a service may learn its public URL
+    after the pipeline is built)."""
+
+    url: str
+    incarnation: str
+    max_call_s: float
+
+
+class StageRunner:
+    """Runs stages of this process's handoffs; one per prefill pipeline."""
+
+    def __init__(
+        self,
+        stages: Mapping[int, HostedStage],
+        writer: BlockWriter,
+        decode: DecodePeer,
+        bus: EventBus,
+        cache: PairingCache,
+        *,
+        sender: Sender,
+        max_blocks_per_batch: int,
+        queue_depth: int,
+    ) -> None:
+        self.stages = stages
+        self._writer = writer
+        self._decode = decode
+        self._bus = bus
+        self.cache = cache
+        self._sender = sender
+        self._max_blocks = max_blocks_per_batch  # only to report batch counts
+        self._queue_depth = queue_depth
+
+    def _publish(self, event: Event) -> None:
+        self._bus.publish(event)
+
+    async def report_failure(
+        self, h: PrefillHandoff, dest: DestinationMsg | None, rank: int, error: KVHandoffError
+    ) -> None:
+        h.set_stage(rank, StageState.FAILED)
+        error.context.setdefault("pp_rank", rank)
+        self._publish(
+            HandoffFailed(
+                handoff_id=h.handoff_id,
+                role=ROLE,
+                code=error.code,
+                reason=error.message,
+                pp_rank=rank,
+                context=error.context,
+            )
+        )
+        if dest is None:
+            return
+        msg = StageFailedMsg(
+            handoff_id=h.handoff_id,
+            sender_url=self._sender.url,
+            sender_incarnation=self._sender.incarnation,
+            decode_incarnation=dest.decode_incarnation,
+            max_call_s=self._sender.max_call_s,
+            pp_rank=rank,
+            code=error.code,
+            reason=error.message,
+            context=error.context,
+        )
+        try:
+            await self._decode.stage_failed(dest.decode_url, msg)
+        except KVHandoffError as exc:  # the decode side will time the handoff out on its own
+            log.warning("could not report failure of %s stage %d: %s", h.handoff_id, rank, exc)
+
+    async def run(
+        self, h: PrefillHandoff, rank: int, dest: DestinationMsg, dst_layout: StageLayout
+    ) -> None:
+        stage = self.stages[rank]
+        try:
+            pairing = self.cache.get(stage.layout, dst_layout)
+            # Wait for the engine's first signal: it carries the source pages.
+            await h.input_seen.setdefault(rank, asyncio.Event()).wait()
+            inp = h.inputs[rank]
+            validate_request(pairing, inp.src_pages, dest.dst_pages, inp.src_slot, dest.dst_slot)
+            h.set_stage(rank, StageState.SENDING)
+            chunks: asyncio.Queue[Chunk | _End] = asyncio.Queue(self._queue_depth)
+            plans: asyncio.Queue[TransferPlan | _End] = asyncio.Queue(self._queue_depth)
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._emit(h, rank, stage, inp, chunks))
+                tg.create_task(self._pair(h, rank, pairing, inp, dest, chunks, plans))
+                sent = tg.create_task(self._send(h, rank, dest, plans))
+            total_bytes, total_blocks = sent.result()
+            h.set_stage(rank, StageState.NOTIFYING)
+            digests = None
+            if dest.verify and stage.memory is not None:
+                # Off the event loop: hashing a large stage takes long enough to stall heartbeats.
+                digests = await asyncio.to_thread(
+                    source_digests,
+                    pairing,
+                    stage.memory,
+                    inp.src_pages,
+                    inp.src_slot,
+                    np.arange(pairing.num_kv_pairs, dtype=np.int64),
+                    np.arange(pairing.num_state_pairs, dtype=np.int64),
+                )
+            await self._decode.arrived(
+                dest.decode_url,
+                ArrivalMsg(
+                    handoff_id=h.handoff_id,
+                    sender_url=self._sender.url,
+                    sender_incarnation=self._sender.incarnation,
+                    decode_incarnation=dest.decode_incarnation,
+                    max_call_s=self._sender.max_call_s,
+                    pp_rank=rank,
+                    bytes=total_bytes,
+                    blocks=total_blocks,
+                    digests=digests,
+                ),
+            )
+            h.set_stage(rank, StageState.ARRIVED)
+        except* KVHandoffError as group:
+            await self.report_failure(h, dest, rank, group.exceptions[0])  # type: ignore[arg-type]
+            raise StageFailed from None
+        except* Exception as group:
+            # A bug in this stage: report it as this stage's failure (not a sibling's), so the
+            # decode side names the stage that raised.
+            log.error(
+                "handoff %s stage %d crashed", h.handoff_id, rank, exc_info=group.exceptions[0]
+            )
+            error = InternalError(f"stage {rank} crashed: {group.exceptions[0]!r}", pp_rank=rank)
+            await self.report_failure(h, dest, rank, error)
+            raise StageFailed from None
+
+    async def _emit(
+        self,
+        h: PrefillHandoff,
+        rank: int,
+        stage: HostedStage,
+        inp: StageInput,
+        out: asyncio.Queue[Chunk | _End],
+    ) -> None:
+        kv_layers = {e.layer_id for e in stage.layout.kv}
+        state_layers = {s.layer_id for s in stage.layout.state}
+        pending = kv_layers | state_layers
+        while pending:
+            signal = await inp.signals.get()
+            now = pending if signal.layers is None else pending & signal.layers
+            pending = pending - now
+            kv, st = sorted(now & kv_layers), sorted(now & state_layers)
+            self._publish(
+                ChunksEmitted(
+                    handoff_id=h.handoff_id, role=ROLE, pp_rank=rank, kv_layers=kv, state_layers=st
+                )
+            )
+            # KV first: it is the bulk, and state slots are final only when the stage is done.
+            if kv:
+                await out.put(Chunk(rank, "kv", tuple(kv)))
+            if st:
+                await out.put(Chunk(rank, "state", tuple(st)))
+        await out.put(END)
+
+    async def _pair(
+        self,
+        h: PrefillHandoff,
+        rank: int,
+        pairing: Pairing,
+        inp: StageInput,
+        dest: DestinationMsg,
+        chunks: asyncio.Queue[Chunk | _End],
+        out: asyncio.Queue[TransferPlan | _End],
+    ) -> None:
+        while not isinstance(chunk := await chunks.get(), _End):
+            if chunk.kind == "kv":
+                p = plan(
+                    pairing,
+                    inp.src_pages,
+                    dest.dst_pages,
+                    inp.src_slot,
+                    dest.dst_slot,
+                    layers=chunk.layers,
+                    include_state=False,
+                )
+            else:
+                p = plan(pairing, [], [], inp.src_slot, dest.dst_slot, layers=chunk.layers)
+            self._publish(
+                StagePaired(
+                    handoff_id=h.handoff_id,
+                    role=ROLE,
+                    pp_rank=rank,
+                    kv_pairs=int(p.kv_rows.shape[0]),
+                    state_pairs=p.state_blocks,
+                    blocks=len(p),
+                    bytes=p.total_bytes,
+                )
+            )
+            await out.put(p)
+        await out.put(END)
+
+    async def _send(
+        self,
+        h: PrefillHandoff,
+        rank: int,
+        dest: DestinationMsg,
+        plans: asyncio.Queue[TransferPlan | _End],
+    ) -> tuple[int, int]:
+        total_bytes = total_blocks = 0
+        while True:
+            p = await plans.get()
+            final = isinstance(p, _End)
+            if isinstance(p, TransferPlan) and len(p):
+                t0 = time.perf_counter()
+                assert h.deadline_mono is not None
+                batches = await self._write_all(dest, p, h.deadline_mono)
+                total_bytes += p.total_bytes
+                total_blocks += len(p)
+                h.bytes_sent += p.total_bytes
+                self._publish(
+                    StageTransferred(
+                        handoff_id=h.handoff_id,
+                        role=ROLE,
+                        pp_rank=rank,
+                        blocks=len(p),
+                        bytes=p.total_bytes,
+                        batches=batches,
+                        seconds=time.perf_counter() - t0,
+                        final=False,
+                    )
+                )
+            if final:
+                return total_bytes, total_blocks
+
+    async def _write_all(self, dest: DestinationMsg, p: TransferPlan, start_by: float) -> int:
+        """Write one plan (the transport splits it under its block cap and bounds in-flight
+        batches per peer). On cancellation or error, leave only once the engine can no longer
+        write anything of it: the write task is drained, then the peer's lane quiesced.
+
+        No batch starts after the handoff's deadline, even if this loop stalls: the decode side
+        relies on that to know when a stage it cannot reach any more has stopped writing."""
+        target = dest.decode_target
+        write = self._writer.write(target, p.blocks, start_by=start_by)
+        task = asyncio.get_running_loop().create_task(write)
+        try:
+            await asyncio.shield(task)
+        except BaseException:
+            # Cancelled (abort, deadline, lost peer) or failed: make sure nothing still lands.
+            task.cancel()
+            await _drain({task})
+            await _settle(self._writer.quiesce(target))
+            raise
+        return -(-len(p) // self._max_blocks)
+
+
+async def _drain(tasks: set[asyncio.Task[None]]) -> None:
+    """Wait until every task is done, even if this task is cancelled meanwhile; then re-raise."""
+    cancelled = False
+    while pending := {t for t in tasks if not t.done()}:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def _settle(awaitable: Awaitable[None]) -> None:
+    """Await to the end even if cancelled meanwhile; then re-raise the cancellation. A failure
+    of the awaited call is raised too: the caller must not report "quiesced" on it."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        await _drain({task})
+    finally:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
