@@ -148,3 +148,15 @@ class HeartbeatAck(Struct, frozen=True, kw_only=True):
     url: str
     incarnation: Incarnation
     live: list[str] = []
+
+
+def check_version(version: int) -> None:
+    """Refuse a peer message of another protocol version instead of guessing at it."""
+    from pipelines.errors import InvalidInput  # here, so this check stays one block at the end
+
+    if version != PEER_PROTOCOL_VERSION:
+        raise InvalidInput(
+            f"peer protocol version {version} is not supported (this service speaks "
+            f"{PEER_PROTOCOL_VERSION}); upgrade the older side",
+            field="version",
+        )

@@ -24,6 +24,7 @@ from msgspec.structs import force_setattr
 
 from pipelines.errors import InvalidInput, LayoutError
 from pipelines.models import PRESETS, ModelSpec, Partition, partition_layers, preset
+from pipelines.settings import DECODE_DEFAULTS, PREFILL_DEFAULTS, DecodeSettings, PrefillSettings
 from transport.config import MooncakeConfig
 
 ENV_PREFIX = "KVHANDOFF_"
@@ -164,19 +165,27 @@ class PartitionConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     boundaries: list[Positive] | None = None
 
 
+#: The pipelines' own defaults: the knobs below that set them take their defaults from here.
+_DECODE = DECODE_DEFAULTS
+_PREFILL = PREFILL_DEFAULTS
+
+
 class HandoffConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    default_deadline_s: PositiveSeconds = 30.0
+    default_deadline_s: PositiveSeconds = _DECODE.default_deadline_s
     heartbeat_interval_s: PositiveSeconds = 1.0
     #: A peer silent for this long fails its handoffs.
     peer_timeout_s: PositiveSeconds = 3.0
     #: Default of a handoff's `verify`: each stage sends a digest of the bytes it wrote, and the
     #: decode compares it with what landed before it completes the handoff (costs a read of both).
-    verify: bool = False
-    max_concurrent: Positive = 256
+    verify: bool = _DECODE.verify_default
+    max_concurrent: Positive = _DECODE.max_live
     #: Decode role: the most it waits, past a handoff's deadline, for a prefill writer that did
     #: not confirm it stopped (each prefill declares its own engine-call bound; one above this
     #: is refused at create). Pages stay leased until then.
-    max_grace_s: PositiveSeconds = 60.0
+    max_grace_s: PositiveSeconds = _DECODE.max_grace_s
+    #: Decode role: the largest `metadata` a create may carry, as JSON bytes (it is echoed in
+    #: every event, record and webhook of the handoff); a larger one is refused with 422.
+    max_metadata_bytes: Positive = 16384
     #: How long a stopping decode service waits for its handoffs' pages to be released (its
     #: prefill stages confirming they stopped) before it closes its transport anyway — after
     #: which no write can land — leaving what is unreleased fenced in its records.
@@ -187,6 +196,18 @@ class HandoffConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     sse_keepalive_s: PositiveSeconds = 15.0
     #: Events one SSE subscriber may fall behind before it is dropped with `stream.overflow`.
     sse_queue: Positive = 1024
+
+    def decode_settings(self) -> DecodeSettings:
+        """The decode pipeline's settings from this section (its other knobs at their default)."""
+        return msgspec.structs.replace(
+            _DECODE,
+            default_deadline_s=self.default_deadline_s,
+            max_live=self.max_concurrent,
+            verify_default=self.verify,
+            # After the deadline no prefill batch starts; one started ends within what its
+            # prefill declared, which may not exceed this.
+            max_grace_s=self.max_grace_s,
+        )
 
 
 class RecordsConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -277,6 +298,14 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
 
     def model_spec(self) -> ModelSpec:
         return self.model.build()
+
+    def prefill_settings(self) -> PrefillSettings:
+        """The prefill pipeline's settings from this configuration."""
+        return msgspec.structs.replace(
+            _PREFILL,
+            default_deadline_s=self.handoff.default_deadline_s,
+            max_blocks_per_batch=self.transport.max_blocks_per_batch,
+        )
 
     @property
     def pp_size(self) -> int:

@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 import uvloop
-from aiohttp import web
 
 from pipelines.decode import DecodePipeline
 from pipelines.decode.views import HandoffId, HandoffRequest, HandoffView
@@ -37,11 +36,10 @@ from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
 from pipelines.prefill import PrefillPipeline
 from service.config import Config, ConfigError
-from service.http.app import Extension
 from service.http.problems import NotReady, invalid_value
-from service.runtime.pipelines import EMBEDDED_BUFFERS, RUNTIME, Runtime
+from service.runtime.roles import RUNTIME, DecodeRuntime, PrefillRuntime, RuntimeBase
 from service.runtime.stages import Buffers, unplaced_layout
-from service.serve import EXTENSIONS, SHUTDOWN_TIMEOUT_S, Server, load_extension, serve
+from service.serve import SHUTDOWN_TIMEOUT_S, Server, serve, service_with
 
 log = logging.getLogger("kvhandoff.embedded")
 T = TypeVar("T")
@@ -211,7 +209,7 @@ class EmbeddedService:
         )
         pages = None if src_pages is None else np.array(src_pages)  # a copy, never a view
 
-        def ready(runtime: Runtime) -> None:
+        def ready(runtime: RuntimeBase) -> None:
             _prefill_of(runtime).ready(handoff_id, rank, pages, slot, layer_ids)
 
         self._call_sync(ready)
@@ -229,10 +227,11 @@ class EmbeddedService:
         checked = _checked_request(request)
         limit_s = self._call_timeout_s
 
-        async def create(runtime: Runtime) -> HandoffView:
+        async def create(runtime: RuntimeBase) -> HandoffView:
             try:
                 async with asyncio.timeout(limit_s):
-                    view, _ = await _decode_of(runtime).create(checked)
+                    # The one admission path, as `POST /v1/handoffs` (service.runtime.admission).
+                    view, _ = await _decode_runtime(runtime).create(checked)
             except TimeoutError:
                 raise TimeoutError(
                     f"handoff {checked.id!r} was not created within {limit_s:g} s"
@@ -287,17 +286,12 @@ class EmbeddedService:
         self._loop = asyncio.get_running_loop()
         self._main_task = asyncio.current_task()
         self._stopping = asyncio.Event()
-        extensions: list[Extension] = [self._install_buffers]
-        extensions += [load_extension(name) for name in EXTENSIONS]
-        async with serve(self._config, extensions) as server:
+        # The same service as `kvhandoff serve`, the same role assembly, over the engine's buffers.
+        async with serve(self._config, [service_with(self._buffers)]) as server:
             self._started.set_result(server)
             # Leaving serve() closes the pipelines: live handoffs are aborted (no write can
             # land in the engine's buffers afterwards), then the buffers are unregistered.
             await self._stopping.wait()
-
-    def _install_buffers(self, app: web.Application) -> None:
-        if self._buffers is not None:
-            app[EMBEDDED_BUFFERS] = dict(self._buffers)
 
     def _cancel_start(self) -> None:
         """Start-up hangs (e.g. an unreachable Mooncake metadata server): cancel and let go."""
@@ -323,7 +317,7 @@ class EmbeddedService:
             raise NotReady(f"the embedded kvhandoff service is not running ({self._phase})")
         return self._server
 
-    def _call(self, make: Callable[[Runtime], Coroutine[Any, Any, T]], timeout_s: float) -> T:
+    def _call(self, make: Callable[[RuntimeBase], Coroutine[Any, Any, T]], timeout_s: float) -> T:
         server = self._running_server()
         loop = self._loop
         assert loop is not None and self._thread is not None
@@ -343,8 +337,8 @@ class EmbeddedService:
             future.cancel()
             raise TimeoutError(f"kvhandoff did not answer within {timeout_s:g} s") from None
 
-    def _call_sync(self, fn: Callable[[Runtime], T]) -> T:
-        async def run(runtime: Runtime) -> T:
+    def _call_sync(self, fn: Callable[[RuntimeBase], T]) -> T:
+        async def run(runtime: RuntimeBase) -> T:
             return fn(runtime)
 
         return self._call(run, self._call_timeout_s)
@@ -354,14 +348,20 @@ class EmbeddedService:
 # Helpers
 
 
-def _prefill_of(runtime: Runtime) -> PrefillPipeline:
-    assert runtime.prefill is not None, "checked by EmbeddedService._require"
-    return runtime.prefill
+def _prefill_of(runtime: RuntimeBase) -> PrefillPipeline:
+    if not isinstance(runtime, PrefillRuntime):  # checked by EmbeddedService._require
+        raise WrongRole(f"this service is {runtime.role}", field="role", role=runtime.role)
+    return runtime.pipeline
 
 
-def _decode_of(runtime: Runtime) -> DecodePipeline:
-    assert runtime.decode is not None, "checked by EmbeddedService._require"
-    return runtime.decode
+def _decode_runtime(runtime: RuntimeBase) -> DecodeRuntime:
+    if not isinstance(runtime, DecodeRuntime):  # checked by EmbeddedService._require
+        raise WrongRole(f"this service is {runtime.role}", field="role", role=runtime.role)
+    return runtime
+
+
+def _decode_of(runtime: RuntimeBase) -> DecodePipeline:
+    return _decode_runtime(runtime).pipeline
 
 
 def _check_buffers(config: Config, buffers: dict[int, list[Any]]) -> None:

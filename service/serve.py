@@ -3,13 +3,15 @@
 `run(args)` is the only place that reads `os.environ` (for `load_config`'s overrides). `serve()`
 is the in-process entry point (tests, embedding, `kvhandoff demo`): an async context manager that
 starts the app on a TCP port and, on exit, stops it and runs every cleanup context.
+`install_service` is the whole service of the configured role as one extension: the role's
+runtime (`service.runtime.roles`, built by one function per role) and every route module, which
+only declare routes and hooks, so the order they are installed in does not matter.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import logging
 import os
 import signal
@@ -23,23 +25,19 @@ import msgspec
 import uvloop
 from aiohttp import web
 
+from service.api.dashboard import install_dashboard
+from service.api.events import install_events
+from service.api.handoffs import install_handoffs
+from service.api.metrics import install_metrics
+from service.api.validate import install_validate
+from service.api.webhooks import install_webhooks
 from service.config import Config, ConfigError, load_config
 from service.http.app import LOCAL_TARGET, AccessLogger, Extension, create_app
 from service.http.server import ProblemAppRunner
+from service.runtime.roles import install_runtime
+from service.runtime.stages import Buffers
 
 log = logging.getLogger("kvhandoff.service")
-
-#: App extensions `kvhandoff serve` installs, as "module:function" (imported lazily, in order;
-#: the transport first, so it outlives every extension that registers memory with it).
-EXTENSIONS: tuple[str, ...] = (
-    "service.runtime.transport:install_transport",
-    "service.api.validate:install_validate",
-    "service.api.handoffs:install_handoffs",
-    "service.api.events:install_events",
-    "service.api.metrics:install_metrics",
-    "service.api.dashboard:install_dashboard",
-    "service.api.webhooks:install_webhooks",  # after handoffs: it needs the decode pipeline
-)
 
 #: How long shutdown waits for in-flight requests (SSE streams included) before closing them.
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -76,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvhandoff serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.server.log_level)
-    extensions = [load_extension(name) for name in EXTENSIONS]
-    return uvloop.run(_serve_until_signalled(config, extensions))
+    return uvloop.run(_serve_until_signalled(config))
 
 
 def setup_logging(level: str) -> None:
@@ -88,18 +85,34 @@ def setup_logging(level: str) -> None:
     )
 
 
-def load_extension(name: str) -> Extension:
-    module, _, attr = name.partition(":")
-    install: Extension = getattr(importlib.import_module(module), attr)
+def install_service(app: web.Application, buffers: Buffers | None = None) -> None:
+    """The whole service of `app[CONFIG].role` (an `Extension`; `buffers`: an embedding
+    engine's own, per pp_rank). The route modules install in any order: each declares its
+    routes, and what needs the running runtime waits for it (`service.runtime.roles`)."""
+    install_runtime(app, buffers)
+    install_validate(app)
+    install_handoffs(app)
+    install_events(app)
+    install_metrics(app)
+    install_dashboard(app)
+    install_webhooks(app)
+
+
+def service_with(buffers: Buffers | None) -> Extension:
+    """`install_service` over an embedding engine's `buffers`."""
+
+    def install(app: web.Application) -> None:
+        install_service(app, buffers)
+
     return install
 
 
-async def _serve_until_signalled(config: Config, extensions: Sequence[Extension]) -> int:
+async def _serve_until_signalled(config: Config) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with serve(config, extensions):
+    async with serve(config, [install_service]):
         await stop.wait()
         log.info("signal received, shutting down")
     return 0

@@ -66,6 +66,7 @@ from pipelines.messages import (
 from pipelines.pairing import PairingCache
 from pipelines.peercache import new_incarnation
 from pipelines.planning import validate_pages_for_layout
+from pipelines.settings import DECODE_DEFAULTS, DecodeSettings
 from pipelines.states import HandoffState, ReleaseState, StageState, advance
 
 # What the service, routers' clients and tests import from here (the handoff record moved to
@@ -97,11 +98,7 @@ class DecodePipeline:
         memory: EntryMemory | None = None,
         cache: PairingCache | None = None,
         default_prefill: list[str] | None = None,
-        max_live: int = 256,
-        default_deadline_s: float = 30.0,
-        verify_default: bool = False,
-        max_grace_s: float = 60.0,
-        history: int = 10000,
+        settings: DecodeSettings = DECODE_DEFAULTS,
         incarnation: str | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
@@ -115,10 +112,11 @@ class DecodePipeline:
         self._memory = memory
         self.cache = cache or PairingCache()
         self._default_prefill = list(default_prefill or [])
-        self._max_live = max_live
-        self._default_deadline_s = default_deadline_s
-        self._verify_default = verify_default
-        self._history = history
+        self._max_live = settings.max_live
+        self._default_deadline_s = settings.default_deadline_s
+        self._verify_default = settings.verify_default
+        self._history = settings.history
+        max_grace_s = settings.max_grace_s
         self._clock = clock  # unix time of views, events and records
         self._monotonic = monotonic  # what bounds are measured on
         num_pages = min((e.num_items for e in layout.kv), default=0)

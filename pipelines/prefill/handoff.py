@@ -62,11 +62,11 @@ class ReadySignal:
     layers: frozenset[int] | None  # None: every layer of the stage not sent yet
 
 
-class _End:
+class End:
     """Marks the end of a stage's chunk or plan stream."""
 
 
-END = _End()
+END = End()
 
 
 @dataclass(frozen=True)

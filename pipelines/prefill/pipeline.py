@@ -54,6 +54,7 @@ from pipelines.prefill.handoff import (
     StageInput,
 )
 from pipelines.prefill.stage import StageRunner
+from pipelines.settings import PREFILL_DEFAULTS, PrefillSettings
 from pipelines.states import StageState
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,7 @@ class PrefillPipeline:
         incarnation: str | None = None,
         max_call_s: float | None = None,
         cache: PairingCache | None = None,
-        default_deadline_s: float = 30.0,
-        max_blocks_per_batch: int = 2048,
-        queue_depth: int = 4,
+        settings: PrefillSettings = PREFILL_DEFAULTS,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.stages = dict(stages)
@@ -86,7 +85,7 @@ class PrefillPipeline:
         self._decode = decode
         self._bus = bus
         self.cache = cache or PairingCache()
-        self._default_deadline_s = default_deadline_s
+        self._default_deadline_s = settings.default_deadline_s
         self._clock = clock
         self._runner = StageRunner(
             self.stages,
@@ -95,8 +94,8 @@ class PrefillPipeline:
             bus,
             self.cache,
             sender=self,
-            max_blocks_per_batch=max_blocks_per_batch,
-            queue_depth=queue_depth,
+            max_blocks_per_batch=settings.max_blocks_per_batch,
+            queue_depth=settings.queue_depth,
         )
         self.handoffs: dict[str, PrefillHandoff] = {}
         # Recently finished ids, so a late or repeated signal is refused rather than waiting for

@@ -42,11 +42,11 @@ from pipelines.prefill.handoff import (
     BlockWriter,
     Chunk,
     DecodePeer,
+    End,
     HostedStage,
     PrefillHandoff,
     StageFailed,
     StageInput,
-    _End,
 )
 from pipelines.states import StageState
 
@@ -133,8 +133,8 @@ class StageRunner:
             inp = h.inputs[rank]
             validate_request(pairing, inp.src_pages, dest.dst_pages, inp.src_slot, dest.dst_slot)
             h.set_stage(rank, StageState.SENDING)
-            chunks: asyncio.Queue[Chunk | _End] = asyncio.Queue(self._queue_depth)
-            plans: asyncio.Queue[TransferPlan | _End] = asyncio.Queue(self._queue_depth)
+            chunks: asyncio.Queue[Chunk | End] = asyncio.Queue(self._queue_depth)
+            plans: asyncio.Queue[TransferPlan | End] = asyncio.Queue(self._queue_depth)
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._emit(h, rank, stage, inp, chunks))
                 tg.create_task(self._pair(h, rank, pairing, inp, dest, chunks, plans))
@@ -187,7 +187,7 @@ class StageRunner:
         rank: int,
         stage: HostedStage,
         inp: StageInput,
-        out: asyncio.Queue[Chunk | _End],
+        out: asyncio.Queue[Chunk | End],
     ) -> None:
         kv_layers = {e.layer_id for e in stage.layout.kv}
         state_layers = {s.layer_id for s in stage.layout.state}
@@ -216,10 +216,10 @@ class StageRunner:
         pairing: Pairing,
         inp: StageInput,
         dest: DestinationMsg,
-        chunks: asyncio.Queue[Chunk | _End],
-        out: asyncio.Queue[TransferPlan | _End],
+        chunks: asyncio.Queue[Chunk | End],
+        out: asyncio.Queue[TransferPlan | End],
     ) -> None:
-        while not isinstance(chunk := await chunks.get(), _End):
+        while not isinstance(chunk := await chunks.get(), End):
             if chunk.kind == "kv":
                 p = plan(
                     pairing,
@@ -251,12 +251,12 @@ class StageRunner:
         h: PrefillHandoff,
         rank: int,
         dest: DestinationMsg,
-        plans: asyncio.Queue[TransferPlan | _End],
+        plans: asyncio.Queue[TransferPlan | End],
     ) -> tuple[int, int]:
         total_bytes = total_blocks = 0
         while True:
             p = await plans.get()
-            final = isinstance(p, _End)
+            final = isinstance(p, End)
             if isinstance(p, TransferPlan) and len(p):
                 t0 = time.perf_counter()
                 assert h.deadline_mono is not None

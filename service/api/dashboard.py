@@ -11,7 +11,6 @@ token when one is set — the page asks for it once and keeps it in memory only.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from importlib import resources
 
 from aiohttp import web
@@ -21,7 +20,7 @@ from service.http.app import CONFIG, ROUTES, VERSION, json_response
 from service.http.routing import RouteTable
 from service.peers.heartbeat import PeerHealth
 from service.runtime.activity import BUCKET_S, RECENT, Activity, Bucket, HandoffActivity, Latency
-from service.runtime.pipelines import RUNTIME
+from service.runtime.roles import DECODE, PREFILL, RUNTIME, Runtime, on_runtime
 
 ACTIVITY = web.AppKey("dashboard_activity", Activity)
 _PAGE = web.AppKey("dashboard_page", bytes)
@@ -30,16 +29,16 @@ routes = RouteTable()
 
 
 def install_dashboard(app: web.Application) -> None:
-    """Serve the page and its snapshot (an `Extension`; after the handoffs one)."""
+    """Serve the page and its snapshot (an `Extension`); it listens once the runtime is up."""
     app[ACTIVITY] = Activity()
     app[_PAGE] = resources.files("service.api").joinpath("dashboard.html").read_bytes()
-    app.cleanup_ctx.append(_listen)
+    activity = app[ACTIVITY]
+
+    def listen(runtime: Runtime) -> None:
+        runtime.bus.add_listener(activity.observe)
+
+    on_runtime(app, listen)
     app[ROUTES].include(routes)
-
-
-async def _listen(app: web.Application) -> AsyncIterator[None]:
-    app[RUNTIME].bus.add_listener(app[ACTIVITY].observe)
-    yield
 
 
 class Summary(Struct, frozen=True):
@@ -68,12 +67,14 @@ async def dashboard_summary(request: web.Request) -> web.StreamResponse:
     health = {p.url: p for p in runtime.heartbeats.health()}
     # Peers configured or named by recent handoffs, but not heard by the heartbeats yet.
     known = list(config.peers.prefill)
-    if runtime.decode is not None:
-        known += [p for h in list(runtime.decode.handoffs.values())[-RECENT:] for p in h.peers]
+    decode = app.get(DECODE)
+    if decode is not None:
+        known += [p for h in list(decode.pipeline.handoffs.values())[-RECENT:] for p in h.peers]
     for url in known:
         health.setdefault(url, PeerHealth(url, None, False, 0, 0))
-    if runtime.prefill is not None:
-        activity.settle(runtime.prefill.handoffs.keys())
+    prefill = app.get(PREFILL)
+    if prefill is not None:
+        activity.settle(prefill.pipeline.handoffs.keys())
     handoffs = list(activity.handoffs.values())
     return json_response(
         Summary(

@@ -30,7 +30,7 @@ from pipelines.events import (
 )
 from service.http.app import CONFIG, ROUTES
 from service.http.routing import RouteTable
-from service.runtime.pipelines import RUNTIME
+from service.runtime.roles import DECODE, RUNTIME
 from service.runtime.streams import (
     STREAMS,
     StreamGap,
@@ -49,7 +49,7 @@ routes = RouteTable()
 
 
 def install_events(app: web.Application) -> None:
-    """Serve the SSE routes over the role's event bus (an `Extension`; after the handoffs one)."""
+    """Serve the SSE routes over the role's event bus (an `Extension`)."""
     app[STREAMS] = StreamStats()
     app[_FRAMES] = Frames(app[CONFIG].handoff.sse_buffer)
     app.on_shutdown.append(_close_streams)
@@ -276,9 +276,10 @@ async def _serve(
         gap: StreamGap | None = None
         ended = False  # the handoff's last event is already in its timeline
         if handoff_id is not None:
-            if runtime.decode is not None:
+            decode = request.app.get(DECODE)
+            if decode is not None:
                 # Raises NotFoundError (404) before any header is sent.
-                view = runtime.decode.get(handoff_id)
+                view = decode.pipeline.get(handoff_id)
                 timeline = view.timeline
                 # An earlier life's handoff, answered from its record, may have no release event
                 # in its timeline: its view says whether it is released.

@@ -17,18 +17,15 @@ from msgspec import Meta, Struct
 from pipelines.decode.views import HANDOFF_ID_PATTERN, HandoffPage, HandoffRequest, HandoffView
 from pipelines.errors import InvalidInput
 from pipelines.states import HandoffState
-from service.api import inputs
 from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
-from service.http.problems import NotReady
 from service.http.routing import RouteTable
+from service.runtime import inputs
 from service.runtime.listing import handoff_page
-from service.runtime.persistence import PERSISTENCE, persistence_of
-from service.runtime.pipelines import RUNTIME, decode_of, install_pipelines, prefill_of
+from service.runtime.persistence import PERSISTENCE
+from service.runtime.roles import DECODE, decode_of, prefill_of
 
 _ID = re.compile(HANDOFF_ID_PATTERN)
-_INT = re.compile(r"-?[0-9]{1,20}", re.ASCII)
-_NUMBER = re.compile(r"-?[0-9]{1,20}(\.[0-9]{0,20})?([eE][-+]?[0-9]{1,3})?", re.ASCII)
 _ID_SCHEMA = {"type": "string", "pattern": HANDOFF_ID_PATTERN, "maxLength": 256}
 
 #: Longest a `GET /v1/handoffs/{id}?wait_s=` long poll may hold a connection.
@@ -44,7 +41,7 @@ prefill_routes = RouteTable()
 
 
 def install_handoffs(app: web.Application) -> None:
-    """Serve the configured role's handoff and peer routes over its pipeline (an `Extension`)."""
+    """Serve the configured role's handoff and peer routes over its runtime (an `Extension`)."""
     app[ROUTES].include(common_routes)
     if app[CONFIG].role == "decode":
         app[ROUTES].include(decode_routes)
@@ -52,7 +49,6 @@ def install_handoffs(app: web.Application) -> None:
     else:
         app[ROUTES].include(prefill_routes)
         app[ROUTES].include(prefill_peer_routes)
-    install_pipelines(app)
 
 
 def _handoff_id(request: web.Request) -> str:
@@ -60,26 +56,6 @@ def _handoff_id(request: web.Request) -> str:
     if not _ID.match(value):
         raise InvalidInput(f"{value!r} is not a valid handoff id", field="id")
     return value
-
-
-def _query_number(
-    request: web.Request, name: str, default: float, lo: float, hi: float, kind: type = int
-) -> float:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        # ASCII only: int() and float() also take fullwidth digits, "1_0" or " 1".
-        if not (_INT if kind is int else _NUMBER).fullmatch(raw):
-            raise ValueError(raw)
-        value = kind(raw)
-    except ValueError:
-        raise InvalidInput(
-            f"{name}={raw!r} is not a{'n integer' if kind is int else ' number'}", field=name
-        ) from None
-    if not lo <= value <= hi:
-        raise InvalidInput(f"{name}={raw} is not within [{lo:g}, {hi:g}]", field=name)
-    return value  # type: ignore[no-any-return]
 
 
 # ------------------------------------------------------------------------ decode (router-facing)
@@ -93,33 +69,16 @@ def _query_number(
     also=(200,),
     errors=(404, 409, 422, 429, 502, 503, 504),
     summary="Create a handoff (idempotent for an identical body; 409 for another body)",
-    description="Checks the destination pages and slot, fences them, fetches and pairs the "
+    description="Admits the request as every door does (`service.runtime.admission`: URLs, "
+    "bounds, the metadata size, records writable, the callback policy), checks the destination "
+    "pages and slot, fences them, fetches and pairs the "
     "prefill layouts, then sends the destination to every prefill service. Answers 201 for a new "
     "handoff and 200 when the same body was already accepted.",
     tags=("handoffs",),
 )
 async def create_handoff(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, HandoffRequest)
-    inputs.peer_urls(body.prefill, "prefill")
-    inputs.pages(body.dst_pages, "dst_pages")
-    inputs.slot(body.dst_slot, "dst_slot")
-    if not body.dst_pages and not request.app[RUNTIME].hosted[0].layout.state:
-        # Empty pages are a state-only handoff (README); without state there is nothing to move.
-        raise InvalidInput(
-            "dst_pages is empty and the model has no state to move", field="dst_pages"
-        )
-    records = request.app.get(PERSISTENCE)
-    if records is not None and records.broken is not None:
-        # A handoff accepted without its record would not be fenced after a crash: refuse new
-        # work once a write failed (readiness says the same) until the service is restarted.
-        raise NotReady(
-            f"handoff records cannot be written ({records.broken}); use another decode service "
-            "until this one is restarted",
-            not_ready=["records"],
-        )
-    if body.callback_url is not None:
-        await persistence_of(request).check_callback(body.callback_url)
-    view, created = await decode_of(request).create(body)
+    view, created = await request.app[DECODE].create(body)
     return json_response(
         view,
         status=201 if created else 200,
@@ -146,7 +105,7 @@ async def create_handoff(request: web.Request) -> web.StreamResponse:
 )
 async def get_handoff(request: web.Request) -> web.StreamResponse:
     handoff_id = _handoff_id(request)
-    wait_s = _query_number(request, "wait_s", 0.0, 0.0, MAX_WAIT_S, float)
+    wait_s = inputs.query_number(request.query, "wait_s", 0.0, 0.0, MAX_WAIT_S, float)
     until = request.query.get("until", "outcome")
     if until not in ("outcome", "released"):
         raise InvalidInput(f"until={until!r} is not one of outcome, released", field="until")
@@ -189,8 +148,8 @@ async def list_handoffs(request: web.Request) -> web.StreamResponse:
             raise InvalidInput(
                 f"state={raw_state!r} is not one of {choices}", field="state"
             ) from None
-    limit = int(_query_number(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT))
-    cursor = int(_query_number(request, "cursor", 0, 0, MAX_CURSOR))
+    limit = int(inputs.query_number(request.query, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT))
+    cursor = int(inputs.query_number(request.query, "cursor", 0, 0, MAX_CURSOR))
     persistence = request.app.get(PERSISTENCE)
     if persistence is None:  # records off: this process's handoffs are all there is
         return json_response(decode_of(request).page(state, limit, cursor))

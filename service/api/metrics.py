@@ -8,8 +8,6 @@ is up, it listens to the event bus and reads the heartbeats' peer health. The ro
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -21,8 +19,10 @@ from service.runtime.metrics import (
     PeerCollector,
     StreamCollector,
     TransportCollector,
+    WebhookCollector,
 )
-from service.runtime.pipelines import RUNTIME
+from service.runtime.persistence import PERSISTENCE
+from service.runtime.roles import Runtime, on_runtime
 from service.runtime.streams import STREAMS
 from service.runtime.transport import TRANSPORT
 
@@ -30,27 +30,24 @@ routes = RouteTable()
 
 
 def install_metrics(app: web.Application) -> None:
-    """Serve `/metrics` (an `Extension`; after the handoffs and events ones)."""
+    """Serve `/metrics` (an `Extension`); it listens once the role's runtime is up."""
     metrics = app[METRICS] = Metrics(app[CONFIG].role, VERSION)
-    if STREAMS in app:
-        metrics.add_collector(StreamCollector(app[STREAMS]))
-    app.cleanup_ctx.append(_listen)
+
+    def listen(runtime: Runtime) -> None:
+        if STREAMS in app:
+            metrics.add_collector(StreamCollector(app[STREAMS]))
+        runtime.bus.add_listener(metrics.observe)
+        metrics.add_collector(PeerCollector(runtime.heartbeats.health))
+        metrics.add_collector(TransportCollector(app[TRANSPORT].stats))
+        metrics.count_in_flight(runtime.in_flight)
+        if PERSISTENCE in app:
+            dispatcher = app[PERSISTENCE].dispatcher
+            metrics.add_collector(
+                WebhookCollector(lambda: dispatcher.stats, lambda: dispatcher.pending_count)
+            )
+
+    on_runtime(app, listen)
     app[ROUTES].include(routes)
-
-
-async def _listen(app: web.Application) -> AsyncIterator[None]:
-    runtime, metrics = app[RUNTIME], app[METRICS]
-    runtime.bus.add_listener(metrics.observe)
-    metrics.add_collector(PeerCollector(runtime.heartbeats.health))
-    metrics.add_collector(TransportCollector(app[TRANSPORT].stats))
-    decode, prefill = runtime.decode, runtime.prefill
-    if decode is not None:
-        metrics.count_in_flight(lambda: sum(not h.state.terminal for h in decode.handoffs.values()))
-    elif prefill is not None:
-        metrics.count_in_flight(
-            lambda: len({i for ids in prefill.live_by_decode().values() for i in ids})
-        )
-    yield
 
 
 @routes.get(

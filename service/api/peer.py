@@ -30,6 +30,7 @@ from pipelines.messages import (
     HeartbeatMsg,
     LayoutInfo,
     StageFailedMsg,
+    check_version,
 )
 from service.http.app import decode_body, json_response
 from service.http.auth import signed_sender
@@ -45,7 +46,7 @@ from service.peers.protocol import (
     WATCH_PATH,
     Outcome,
 )
-from service.runtime.pipelines import RUNTIME, check_version, decode_of, prefill_of
+from service.runtime.roles import RUNTIME, decode_of, prefill_of
 
 common_routes = RouteTable()
 decode_peer_routes = RouteTable()

@@ -19,11 +19,11 @@ from pipelines.errors import InvalidInput, KVHandoffError
 from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
 from pipelines.pairing import PairingReport, pairing_report
-from service.api import inputs
 from service.http.app import PEERS, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
 from service.peers.protocol import LAYOUT_PATH
-from service.runtime.pipelines import RUNTIME
+from service.runtime import inputs
+from service.runtime.roles import DECODE
 
 Url = Annotated[str, Meta(pattern=r"^https?://")]
 
@@ -91,8 +91,8 @@ async def validate(request: web.Request) -> web.StreamResponse:
 
 async def _decode_side(request: web.Request, url: str | None) -> StageLayout:
     if url is None:
-        runtime = request.app.get(RUNTIME)
-        if runtime is None or runtime.role != "decode":
+        runtime = request.app.get(DECODE)
+        if runtime is None:
             raise InvalidInput(
                 "give the decode side as `decode` or `decode_url` (this is not a decode service)",
                 field="decode",

@@ -1,7 +1,7 @@
 """Router-facing webhook routes (decode role): endpoints, their deliveries, manual retries.
 
-`install_webhooks(app)` (an `Extension`, installed after `service.api.handoffs`) serves these
-routes and installs the records and outbox (`service.runtime.persistence`). Handlers decode,
+`install_webhooks(app)` (an `Extension`) serves these routes over the decode runtime's records
+and outbox (`service.runtime.persistence`). Handlers decode,
 call the outbox or dispatcher, and encode; the delivery machinery lives in `service.runtime`.
 """
 
@@ -13,11 +13,11 @@ from aiohttp import web
 from msgspec import Meta, Struct
 
 from pipelines.errors import InvalidInput
-from service.api.handoffs import _query_number
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
 from service.http.signatures import secret_key
-from service.runtime.persistence import install_persistence, persistence_of
+from service.runtime import inputs
+from service.runtime.persistence import persistence_of
 from service.runtime.webhook_views import (
     DeliveryPage,
     DeliveryState,
@@ -31,10 +31,10 @@ routes = RouteTable()
 
 
 def install_webhooks(app: web.Application) -> None:
-    """On the decode role: the webhook routes, and the records + outbox behind them."""
+    """On the decode role: the webhook routes (the records and outbox behind them are the decode
+    runtime's, `service.runtime.roles`)."""
     if app[CONFIG].role == "decode":
         app[ROUTES].include(routes)
-        install_persistence(app)
 
 
 class EndpointRequest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -135,8 +135,8 @@ async def list_deliveries(request: web.Request) -> web.StreamResponse:
     raw_state = request.query.get("state")
     if raw_state is not None and raw_state not in _STATES:
         raise InvalidInput(f"state={raw_state!r} is not one of {', '.join(_STATES)}", field="state")
-    limit = int(_query_number(request, "limit", 100, 1, 1000))
-    cursor = int(_query_number(request, "cursor", 0, 0, 2**62))
+    limit = int(inputs.query_number(request.query, "limit", 100, 1, 1000))
+    cursor = int(inputs.query_number(request.query, "cursor", 0, 0, 2**62))
     page = persistence_of(request).outbox.deliveries(
         request.match_info["id"],
         raw_state,  # type: ignore[arg-type]  # checked against DeliveryState above

@@ -17,39 +17,107 @@ A peer counts as heard when it answers one, or sends one itself. Two ways to los
 
 A lost peer is declared once, and again only after it was heard in between.
 
+What the heartbeats ask of the role's pipeline is one small protocol, `PeerSide`, which each
+role implements (`service.runtime.roles`): whom to ping, what to answer, what a loss or an
+answer means. Their settings are one `HeartbeatSettings`, taken from the configuration.
+
 Peers are independent: a round only *starts* work, in tasks of their own. Each peer has at most
 one ping in flight (bounded by `interval_s`: a slow peer skips rounds, its pings never pile up),
 at most one reconciliation of an answer (the pings go on meanwhile), and what the pipeline does
 with a loss (failing that peer's handoffs) runs on its own. So one dead, hung or slow peer, or a
 slow or failing callback about it, never delays the heartbeats to the others or the verdict on
 them. Per-peer health for metrics and the dashboard is a bounded table
-(`service.peers.health`). Used by `service.runtime.pipelines` (which runs `run()` and stops it)
+(`service.peers.health`). Used by `service.runtime.roles` (which runs `run()` and stops it)
 and `service.api.peer` (`receive`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
+import dataclasses
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
 
 from pipelines.errors import KVHandoffError, PeerUnreachable
 from pipelines.messages import HeartbeatAck, HeartbeatMsg
+from service.config import HandoffConfig, PeersConfig
 from service.http.problems import PeerTimeout
 from service.peers.health import HealthTable, PeerHealth
 from service.peers.protocol import HttpPeers
 from service.peers.watch import Backoff, PeerWatch
+from service.tasks import TaskOwner
 
-__all__ = ["Heartbeats", "PeerHealth"]
+__all__ = ["HeartbeatSettings", "Heartbeats", "PeerHealth", "PeerSide"]
 
 log = logging.getLogger("kvhandoff.heartbeat")
 
-Live = Callable[[], dict[str, list[str]]]
-Reconcile = Callable[[str, HeartbeatAck, list[str]], Awaitable[Any] | Any]
+
+class PeerSide(Protocol):
+    """What the heartbeats need from the role's pipeline; each role implements it once
+    (`service.runtime.roles`). Called on the event loop; none may block it."""
+
+    def live(self) -> dict[str, list[str]]:
+        """Whom to ping: peer URL -> the handoff ids its answer is reconciled against."""
+        ...
+
+    def listing(self, url: str) -> list[str]:
+        """What to answer peer `url`'s heartbeat with: the handoffs run with it."""
+        ...
+
+    async def lost(self, url: str, reason: str) -> None:
+        """Peer `url` is gone: fail what waits on it (may take its time: runs in its own task)."""
+        ...
+
+    def back(self, url: str) -> None:
+        """Peer `url`, declared lost, was heard again."""
+        ...
+
+    async def reconcile(self, url: str, ack: HeartbeatAck, sent: list[str]) -> None:
+        """Check peer `url`'s answer to a heartbeat that named `sent` (one at a time per peer)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HeartbeatSettings:
+    """The heartbeats' knobs. Those a deployment sets live in the configuration and are taken
+    from it (`of`), so their defaults are written once, there."""
+
+    interval_s: float
+    #: A peer silent for longer than this is lost.
+    timeout_s: float
+    forget_after_s: float
+    max_peers: int
+    watch_retry_min_s: float
+    watch_retry_max_s: float
+    #: Peers the health table keeps whatever happens (the configured prefill services).
+    configured: tuple[str, ...] = ()
+    #: A broken watch is confirmed by this many refused probes, this far apart.
+    confirm_s: float = 0.1
+    confirm_probes: int = 2
+
+    @classmethod
+    def of(
+        cls,
+        handoff: HandoffConfig | None = None,
+        peers: PeersConfig | None = None,
+        **overrides: Any,
+    ) -> HeartbeatSettings:
+        """The settings of `handoff` and `peers` (their defaults when None), then `overrides`."""
+        h = handoff if handoff is not None else HandoffConfig()
+        p = peers if peers is not None else PeersConfig()
+        settings = cls(
+            interval_s=h.heartbeat_interval_s,
+            timeout_s=h.peer_timeout_s,
+            forget_after_s=p.forget_after_s,
+            max_peers=p.max_tracked,
+            watch_retry_min_s=p.watch_retry_min_s,
+            watch_retry_max_s=p.watch_retry_max_s,
+            configured=tuple(p.prefill),
+        )
+        return dataclasses.replace(settings, **overrides)
 
 
 class Heartbeats:
@@ -59,16 +127,9 @@ class Heartbeats:
         url: str,
         role: str,
         peers: HttpPeers,
+        side: PeerSide,
+        settings: HeartbeatSettings,
         incarnation: str = "-",
-        interval_s: float = 1.0,
-        timeout_s: float = 3.0,
-        confirm_s: float = 0.1,
-        confirm_probes: int = 2,
-        configured: Iterable[str] = (),
-        forget_after_s: float = 600.0,
-        max_peers: int = 256,
-        watch_retry_min_s: float = 0.5,
-        watch_retry_max_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rand: Callable[[], float] = random.random,
@@ -77,28 +138,28 @@ class Heartbeats:
         self._role = role
         self._peers = peers
         self.incarnation = incarnation
-        self._live: Live = dict
-        self._lost: Callable[[str, str], Awaitable[Any] | Any] = lambda peer, why: None
-        self._back: Callable[[str], None] | None = None
-        self._reconcile: Reconcile | None = None
-        self._listing: Callable[[str], list[str]] = lambda peer: []
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self.confirm_s = confirm_s
-        self.confirm_probes = confirm_probes
+        #: The role's pipeline, as the heartbeats see it.
+        self.side = side
+        self.interval_s = settings.interval_s
+        self.timeout_s = settings.timeout_s
+        self.confirm_s = settings.confirm_s
+        self.confirm_probes = settings.confirm_probes
         self._clock = clock
         self._sleep = sleep
-        self._backoff = Backoff(watch_retry_min_s, watch_retry_max_s, rand)
+        self._backoff = Backoff(settings.watch_retry_min_s, settings.watch_retry_max_s, rand)
         self._last: dict[str, float] = {}  # peers with live handoffs -> last time heard
         self._lost_peers: set[str] = set()
         # For metrics and the dashboard: configured and live peers, and others for a while.
         self._table = HealthTable(
-            clock=clock, configured=configured, forget_after_s=forget_after_s, max_peers=max_peers
+            clock=clock,
+            configured=settings.configured,
+            forget_after_s=settings.forget_after_s,
+            max_peers=settings.max_peers,
         )
         self._watchers: dict[str, tuple[PeerWatch, asyncio.Task[None]]] = {}
         self._beats: dict[str, asyncio.Task[None]] = {}  # each peer's ping in flight
         self._reconciling: dict[str, asyncio.Task[None]] = {}  # each peer's answer being checked
-        self._tasks: set[asyncio.Task[None]] = set()  # every task started here, until it ends
+        self._tasks = TaskOwner("heartbeats")  # every task started here, until it ends
         # What ended watches last logged, for the next watch of the same peer (health table's).
         self._watch_reported: dict[str, tuple[str, int | None]] = {}
 
@@ -122,24 +183,6 @@ class Heartbeats:
                 )
             )
         return out
-
-    def watch(
-        self,
-        *,
-        live: Live,
-        lost: Callable[[str, str], Awaitable[Any] | Any],
-        back: Callable[[str], None] | None = None,
-        reconcile: Reconcile | None = None,
-        listing: Callable[[str], list[str]] | None = None,
-    ) -> None:
-        """The role's pipeline: whom to ping (`live`: peer URL -> the handoff ids to reconcile
-        the answer against), whom to tell a peer is lost (`lost(url, reason)`) or back
-        (`back(url)`), who checks an answer (`reconcile(url, ack, sent_ids)`), and what to
-        answer a peer's heartbeat with (`listing(url)`: the handoffs run with it)."""
-        self._live, self._lost, self._back = live, lost, back
-        self._reconcile = reconcile
-        if listing is not None:
-            self._listing = listing
 
     def joined(self, peers: list[str]) -> None:
         """A handoff with `peers` was just created (their layouts fetched or cached: they answered
@@ -184,8 +227,7 @@ class Heartbeats:
         if url in self._lost_peers:
             self._lost_peers.discard(url)
             log.info("peer %s is back", url)
-            if self._back is not None:
-                self._back(url)
+            self.side.back(url)
 
     def receive(self, msg: HeartbeatMsg) -> HeartbeatAck:
         """A peer's heartbeat: it is alive; answer with our life and our handoffs with it."""
@@ -194,30 +236,38 @@ class Heartbeats:
             role=self._role,
             url=self._url,
             incarnation=self.incarnation,
-            live=self._listing(msg.sender_url),
+            live=self.side.listing(msg.sender_url),
         )
 
     async def run(self) -> None:
+        me = asyncio.current_task()
         try:
             while True:
                 try:
                     await self.tick()
                 # The task outlives any one round: a bug in a callback is logged with its
                 # traceback, and the next round runs (a dead heartbeat task would leave every
-                # peer's loss undetected).
+                # peer's loss undetected). A CancelledError that is not this task's own
+                # cancellation (a pipeline reading a future an abort just cancelled) is such a
+                # bug too, not a reason to stop.
+                except asyncio.CancelledError:
+                    if me is not None and me.cancelling():
+                        raise
+                    log.exception("heartbeat round failed (a callback raised CancelledError)")
                 except Exception:
                     log.exception("heartbeat round failed")
                 await asyncio.sleep(self.interval_s)
         finally:
-            tasks = list(self._tasks)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop every beat, watch, reconciliation and loss handling started here."""
+        await self._tasks.close()
 
     async def tick(self) -> None:
         """One round: start a beat to every peer sharing live handoffs (unless its last one is
         still running), then judge the silent ones. Waits for no peer (see `settled`)."""
-        live = self._live()
+        live = self.side.live()
         now = self._clock()
         for peer in list(self._last):
             if peer not in live:
@@ -246,21 +296,13 @@ class Heartbeats:
         """Wait until the beats and loss handling started so far have ended (watches run on).
         For callers that step rounds by hand (`tick`), e.g. tests and tools."""
         watching = {task for _, task in self._watchers.values()}
-        while pending := self._tasks - watching:
+        while pending := self._tasks.tasks - watching:
             await asyncio.wait(pending)
             watching = {task for _, task in self._watchers.values()}
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(work, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._ended)
-        return task
-
-    def _ended(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # One peer's bug is logged with its traceback; the other peers carry on.
-            log.error("%s failed", task.get_name(), exc_info=task.exception())
+        # One peer's bug is logged with its traceback by the owner; the other peers carry on.
+        return self._tasks.spawn(work, name)
 
     def _declare_lost(self, peer: str, reason: str) -> None:
         """Mark `peer` lost now; the pipeline fails its handoffs in a task of its own."""
@@ -273,9 +315,7 @@ class Heartbeats:
         self._spawn(self._handle_loss(peer, reason), f"kvhandoff-lost:{peer}")
 
     async def _handle_loss(self, peer: str, reason: str) -> None:
-        result = self._lost(peer, reason)
-        if inspect.isawaitable(result):
-            await result
+        await self.side.lost(peer, reason)
 
     async def _beat(self, peer: str, handoff_ids: list[str]) -> None:
         """Ping `peer` (bounded by `interval_s`); hand its answer to the reconciliation."""
@@ -299,17 +339,14 @@ class Heartbeats:
         # longer has); the pings go on meanwhile, so a busy peer is never judged silent. One
         # reconciliation per peer at a time: an answer that comes during one is not checked
         # (the next beat's is).
-        if self._reconcile is not None and peer not in self._reconciling:
+        if peer not in self._reconciling:
             self._reconciling[peer] = self._spawn(
                 self._reconcile_answer(peer, ack, handoff_ids), f"kvhandoff-reconcile:{peer}"
             )
 
     async def _reconcile_answer(self, peer: str, ack: HeartbeatAck, sent: list[str]) -> None:
         try:
-            if self._reconcile is not None:
-                result = self._reconcile(peer, ack, sent)
-                if inspect.isawaitable(result):
-                    await result
+            await self.side.reconcile(peer, ack, sent)
         finally:
             if self._reconciling.get(peer) is asyncio.current_task():
                 del self._reconciling[peer]

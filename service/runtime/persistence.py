@@ -1,7 +1,7 @@
 """Records and webhooks wired into a decode service: the database, the bus listener, restore.
 
-`install_persistence(app)` (called by `service.api.webhooks` on the decode role, after the
-pipelines are installed) adds a cleanup context that, once the decode pipeline exists:
+`open_persistence(config, decode, bus)` (entered by the decode role's assembly,
+`service.runtime.roles`, when `records.persist` is on), once the decode pipeline exists:
 
 1. opens `server.state_dir/decode.sqlite3` (`service.runtime.database`);
 2. adds one synchronous bus listener that, for each event, writes its handoff record
@@ -14,13 +14,15 @@ pipelines are installed) adds a cleanup context that, once the decode pipeline e
    may still be written through stays fenced until its deadline plus the engine's timeout;
 4. purges records and deliveries past retention, at start and every `PURGE_INTERVAL_S`.
 
-On shutdown it closes the decode pipeline first (so the aborts of live handoffs are recorded),
-then the dispatcher (pending deliveries stay in the outbox), then the database.
+On shutdown (after the assembly closed the decode pipeline, so the aborts of live handoffs are
+recorded) it stops the chores and the dispatcher (pending deliveries stay in the outbox), then
+closes the database.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sqlite3
 import time
@@ -35,18 +37,17 @@ from pipelines.errors import ConflictError
 from pipelines.events import (
     TERMINAL_EVENTS,
     Event,
+    EventBus,
     HandoffCreated,
     HandoffFailed,
     event_tag,
 )
 from service.config import Config, ConfigError
-from service.http.app import CONFIG, READINESS
 from service.runtime.database import FILE_NAME, Database
-from service.runtime.metrics import METRICS, WebhookCollector
 from service.runtime.outbox import Outbox
-from service.runtime.pipelines import RUNTIME
 from service.runtime.records import HandoffRecords
 from service.runtime.webhooks import Dispatcher
+from service.tasks import TaskOwner
 
 log = logging.getLogger("kvhandoff.records")
 
@@ -80,15 +81,6 @@ class Persistence:
 PERSISTENCE = web.AppKey("persistence", Persistence)
 
 
-def install_persistence(app: web.Application) -> None:
-    if app[CONFIG].records.persist:
-        app.cleanup_ctx.append(_persistence_ctx)
-        # Not ready until restored, nor after a write failed: routers must go elsewhere.
-        app[READINESS].add(
-            "records", lambda: PERSISTENCE in app and app[PERSISTENCE].broken is None
-        )
-
-
 def persistence_of(request: web.Request) -> Persistence:
     found = request.app.get(PERSISTENCE)
     if found is None:
@@ -99,10 +91,14 @@ def persistence_of(request: web.Request) -> Persistence:
     return found
 
 
-async def _persistence_ctx(app: web.Application) -> AsyncIterator[None]:
-    config = app[CONFIG]
-    decode = app[RUNTIME].decode
-    assert decode is not None, "persistence is installed on the decode role only"
+@contextlib.asynccontextmanager
+async def open_persistence(
+    config: Config, decode: DecodePipeline, bus: EventBus
+) -> AsyncIterator[Persistence]:
+    """The decode's records and webhooks over `decode` and its `bus`, restored, until the
+    `async with` ends (the caller closes the pipeline before that, so its shutdown aborts are
+    recorded); then the chores and the dispatcher stop (pending deliveries stay in the outbox)
+    and the database closes."""
     path = config.server.state_path / FILE_NAME
     try:
         db = Database(path)
@@ -110,30 +106,16 @@ async def _persistence_ctx(app: web.Application) -> AsyncIterator[None]:
         raise ConfigError("server.state_dir", f"cannot open {path}: {exc}") from None
     try:
         persistence = _build(config, db)
-        bus = app[RUNTIME].bus
         bus.add_listener(_Journal(persistence, decode).on_event)
         _restore(persistence, decode, bus.publish, config)
         await persistence.dispatcher.start()
-        app[PERSISTENCE] = persistence
-        if METRICS in app:
-            dispatcher = persistence.dispatcher
-            app[METRICS].add_collector(
-                WebhookCollector(lambda: dispatcher.stats, lambda: dispatcher.pending_count)
-            )
-        loop = asyncio.get_running_loop()
-        chores = [
-            loop.create_task(_purge_every(persistence, config)),
-            loop.create_task(_checkpoint_every(db)),
-        ]
+        chores = TaskOwner("records")
+        chores.spawn(_purge_every(persistence, config), "kvhandoff-records-purge")
+        chores.spawn(_checkpoint_every(db), "kvhandoff-records-checkpoint")
         try:
-            yield
+            yield persistence
         finally:
-            for task in chores:
-                task.cancel()
-            await asyncio.gather(*chores, return_exceptions=True)
-            await decode.close(
-                config.handoff.shutdown_grace_s
-            )  # idempotent; here so its shutdown aborts reach the outbox
+            await chores.close()
             await persistence.dispatcher.close()
             persistence.outbox.flush()
     finally:

@@ -26,7 +26,7 @@ import pytest
 
 from pipelines.events import EventBus, HandoffCompleted, HandoffCreated
 from service.config import HandoffConfig
-from service.runtime.pipelines import RUNTIME
+from service.runtime.roles import RUNTIME
 from service.serve import serve
 from service.tools.deployment import LocalDeployment
 from tests.unit.service.handoff_fixtures import decode_config, extensions

@@ -24,6 +24,8 @@ PACKAGES = ("transport", "pipelines", "service")
 #: are listed by name; sub-packages by folder.
 SERVICE_RANKS = {
     "config": 0,
+    # The owner of background tasks (spawn, close with a bound): plain asyncio, used by all.
+    "tasks": 0,
     "http": 1,
     # The router client: an HTTP library over the API's public schemas and the webhook
     # signature code (service/http), usable by anything above; it knows no running service.
@@ -153,3 +155,36 @@ def test_the_checker_catches_a_backwards_import(
     (fake_root / target).write_text(source)
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", fake_root)
     assert any(expect in v for v in _violations())
+
+
+#: Top-level packages whose modules' private names (`_x`) are theirs alone.
+OWN_PACKAGES = ("service", "pipelines", "transport", "tests")
+
+
+def _private_imports(root: Path) -> list[str]:
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        if ".venv" in path.parts or path.relative_to(root).parts[0] not in OWN_PACKAGES:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.level != 0 or not node.module:
+                continue
+            if node.module.split(".")[0] not in OWN_PACKAGES:
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    bad.append(f"{path.relative_to(root)}:{node.lineno} imports {alias.name}")
+    return bad
+
+
+def test_no_module_imports_another_module_s_private_names() -> None:
+    # `from x import _y` couples two modules through what one of them may change at will: make
+    # the name public where it is shared, or keep the code that needs it in its module.
+    assert _private_imports(ROOT) == []
+
+
+def test_the_private_import_check_can_fail(tmp_path: Path) -> None:
+    (tmp_path / "service").mkdir()
+    (tmp_path / "service" / "a.py").write_text("from service.b import _helper\n")
+    assert _private_imports(tmp_path) == ["service/a.py:1 imports _helper"]

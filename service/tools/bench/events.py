@@ -25,9 +25,9 @@ import uvloop
 
 from pipelines.events import EventBus, StageTransferred
 from service.config import load_config
-from service.runtime.pipelines import RUNTIME
+from service.runtime.roles import RUNTIME
 from service.runtime.streams import STREAMS
-from service.serve import EXTENSIONS, load_extension, serve
+from service.serve import install_service, serve
 
 #: Events published between two yields to the loop (lets the stream handlers write).
 CHUNK = 200
@@ -79,7 +79,7 @@ async def _fanout(subscribers: int, n: int) -> dict[str, Any]:
                 "handoff": {"sse_queue": n + 16, "sse_buffer": 4096},
             },
         )
-        extensions = [load_extension(name) for name in EXTENSIONS]
+        extensions = [install_service]
         async with serve(config, extensions) as server:
             bus = server.app[RUNTIME].bus
             reader = await asyncio.create_subprocess_exec(

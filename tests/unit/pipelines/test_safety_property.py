@@ -28,6 +28,7 @@ from pipelines.inprocess import InProcessLink
 from pipelines.messages import AbortAck, AbortMsg, StageFailedMsg
 from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
+from pipelines.settings import DecodeSettings, PrefillSettings
 from pipelines.states import ReleaseState
 from transport.blocks import Blocks
 
@@ -91,12 +92,14 @@ def rig() -> Rig:
     bus = EventBus()
     link = InProcessLink()
     layout = decode_layout(MODEL, num_pages=NUM_PAGES, num_slots=3)
-    decode = DecodePipeline(layout, "dec", "d", link, bus, max_grace_s=1.0)
+    decode = DecodePipeline(layout, "dec", "d", link, bus, settings=DecodeSettings(max_grace_s=1.0))
     stages = {
         r: HostedStage(stage_layout(MODEL, PART, r, num_pages=NUM_PAGES, num_slots=3))
         for r in range(2)
     }
-    prefill = PrefillPipeline(stages, engine, link, bus, max_blocks_per_batch=4)
+    prefill = PrefillPipeline(
+        stages, engine, link, bus, settings=PrefillSettings(max_blocks_per_batch=4)
+    )
     link.decode = decode
     link.add_prefill("p", prefill, "pre")
     engine.decode = decode

@@ -26,8 +26,8 @@ import numpy.typing as npt
 from pipelines.events import Event, Subscription, event_tag
 from pipelines.memory import PoolMemory
 from service.config import Config, load_config
-from service.runtime.pipelines import RUNTIME
-from service.serve import EXTENSIONS, Server, load_extension, serve
+from service.runtime.roles import DECODE, RUNTIME
+from service.serve import Server, install_service, serve
 
 U8 = npt.NDArray[np.uint8]
 
@@ -43,7 +43,7 @@ SENTINEL = 0xEE
 #: far beyond what any step takes, even on a busy machine (it bounds failures, not successes).
 WAIT_S = 30.0
 
-extensions = [load_extension(name) for name in EXTENSIONS]
+extensions = [install_service]
 
 
 def make_config(
@@ -134,7 +134,7 @@ class Deployment:
         """Run the decode's deadline timer of `handoff_id` now, as the loop would once its
         deadline passed; return how long it still had to run. A test that needs the deadline
         to come after some step sets a deadline that no loaded machine reaches and moves it."""
-        pipeline = self.decode.app[RUNTIME].decode
+        pipeline = self.decode.app[DECODE].pipeline
         assert pipeline is not None
         timer = pipeline.handoffs[handoff_id].timer
         assert timer is not None and not timer.cancelled(), "no pending deadline timer"

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from pipelines.models import hybrid_npu_mla
-from service.runtime.pipelines import RUNTIME
+from service.runtime.roles import DECODE
 from tests.unit.service.handoff_fixtures import (
     DECODE_PAGES,
     MODEL,
@@ -63,7 +63,7 @@ def tags(view: dict[str, Any]) -> list[str]:
 
 
 def live_leases(d: Deployment) -> int:
-    pipeline = d.decode.app[RUNTIME].decode
+    pipeline = d.decode.app[DECODE].pipeline
     assert pipeline is not None
     return len(pipeline.leases)
 

@@ -428,7 +428,11 @@ async def test_a_failed_write_makes_the_service_unready_not_inconsistent() -> No
         p = persistence(d.decode)
         p.db.conn.execute("PRAGMA query_only = ON")  # every write now fails, like a full disk
         reply = await d.create("h1", DST, SLOT)
-        assert reply.status == 201  # the pipeline itself is intact
+        # Its record did not reach the disk: not accepted (a crash would forget it, unfenced),
+        # but undone — aborted, its pages released — and refused like any create from now on.
+        assert_problem(reply, 503, "not_ready", not_ready=["records"])
+        h1 = (await d.request("GET", f"{d.decode.url}/v1/handoffs/h1")).body
+        assert (h1["state"], h1["released"]) == ("aborted", True)
         assert await d.decode.app[READINESS].failing() == ["records"]  # /readyz answers 503
         assert p.broken is not None and "readonly" in p.broken
         # No more handoffs without a record: a crash would leave their pages unfenced.

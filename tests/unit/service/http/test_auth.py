@@ -11,7 +11,7 @@ from service.http.app import ROUTES, create_app, json_response
 from service.http.auth import signed_sender, signer_for
 from service.http.routing import RouteTable
 from service.http.signing import Signer
-from service.serve import EXTENSIONS, load_extension
+from service.serve import install_service
 from tests.unit.service.conftest import ClientFactory, make_config
 
 ROLES = {"router": "r-secret", "engine": "e-secret", "peer": "p-secret"}
@@ -136,7 +136,7 @@ async def test_server_token_alone_serves_every_role(make_client: ClientFactory) 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_every_peer_route_the_service_serves_takes_the_peer_credential(role: str) -> None:
-    app = create_app(make_config(role=role), extensions=[load_extension(e) for e in EXTENSIONS])
+    app = create_app(make_config(role=role), extensions=[install_service])
     peer_paths = [r.path for r in app[ROUTES] if r.path.startswith("/v1/peer/")]
     assert peer_paths, "no peer routes found"
     for r in app[ROUTES]:

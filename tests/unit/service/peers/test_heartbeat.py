@@ -4,6 +4,7 @@ peers and a fake clock."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -13,7 +14,7 @@ from pipelines.errors import InternalError, PeerUnreachable
 from pipelines.messages import HeartbeatAck, HeartbeatMsg
 from service.http.client import PeerClient
 from service.http.problems import PeerTimeout
-from service.peers.heartbeat import Heartbeats
+from service.peers.heartbeat import Heartbeats, HeartbeatSettings
 from service.peers.protocol import HttpPeers
 from tests.fakes import PeerServer, eventually
 
@@ -61,6 +62,43 @@ class FakePeers:
         raise PeerUnreachable(f"{url} closed the connection", peer=url)
 
 
+class Side:
+    """A `PeerSide` made of callbacks (sync or async, as a test needs), as a pipeline would be."""
+
+    def __init__(
+        self,
+        *,
+        live: Callable[[], dict[str, list[str]]],
+        lost: Callable[[str, str], Any],
+        back: Callable[[str], None] | None = None,
+        reconcile: Callable[[str, HeartbeatAck, list[str]], Any] | None = None,
+        listing: Callable[[str], list[str]] | None = None,
+    ) -> None:
+        self._live, self._lost, self._back = live, lost, back
+        self._reconcile, self._listing = reconcile, listing
+
+    def live(self) -> dict[str, list[str]]:
+        return self._live()
+
+    def listing(self, url: str) -> list[str]:
+        return self._listing(url) if self._listing is not None else []
+
+    async def lost(self, url: str, reason: str) -> None:
+        result = self._lost(url, reason)
+        if inspect.isawaitable(result):
+            await result
+
+    def back(self, url: str) -> None:
+        if self._back is not None:
+            self._back(url)
+
+    async def reconcile(self, url: str, ack: HeartbeatAck, sent: list[str]) -> None:
+        if self._reconcile is not None:
+            result = self._reconcile(url, ack, sent)
+            if inspect.isawaitable(result):
+                await result
+
+
 class Beats:
     """A `Heartbeats` (interval 0.1 s, timeout 0.3 s) over fake peers and clock, with one live
     handoff on PEER. Declaring a peer lost ends its handoffs, as the pipelines do."""
@@ -76,19 +114,18 @@ class Beats:
             url="http://decode:1",
             role="decode",
             peers=cast(HttpPeers, self.peers),
+            side=Side(
+                live=lambda: dict(self.live),
+                lost=self._lost,
+                back=self.back.append,
+                reconcile=lambda url, ack, sent: self.reconciled.append((url, ack, sent)),
+                listing=lambda url: ["mine"],
+            ),
+            settings=HeartbeatSettings.of(
+                interval_s=0.1, timeout_s=0.3, confirm_s=0.001, **options
+            ),
             incarnation="d1",
-            interval_s=0.1,
-            timeout_s=0.3,
-            confirm_s=0.001,
             clock=self.clock,
-            **options,
-        )
-        self.hb.watch(
-            live=lambda: dict(self.live),
-            lost=self._lost,
-            back=self.back.append,
-            reconcile=lambda url, ack, sent: self.reconciled.append((url, ack, sent)),
-            listing=lambda url: ["mine"],
         )
 
     def _lost(self, url: str, reason: str) -> None:
@@ -100,10 +137,7 @@ class Beats:
         await self.hb.settled()
 
     async def close(self) -> None:
-        tasks = list(self.hb._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.hb.close()
 
 
 def watch_state(b: Beats) -> str:
@@ -254,7 +288,7 @@ async def test_the_heartbeat_task_survives_a_failing_callback() -> None:
             raise InternalError("a bug in one round")
         return {}
 
-    b.hb.watch(live=broken_live, lost=b._lost)
+    b.hb.side = Side(live=broken_live, lost=b._lost)
     b.hb.interval_s = 0.001
     task = asyncio.get_running_loop().create_task(b.hb.run())
     await eventually(lambda: calls >= 3 or task.done(), what="three rounds")
@@ -315,11 +349,10 @@ async def test_a_hung_peer_and_the_slow_failing_of_its_handoffs_never_hold_up_th
             url="http://decode:1",
             role="decode",
             peers=peers,
-            interval_s=1000.0,
-            timeout_s=2500.0,
+            side=Side(live=lambda: {url_a: ["a1"], url_b: ["b1"]}, lost=fail_handoffs_of),
+            settings=HeartbeatSettings.of(interval_s=1000.0, timeout_s=2500.0),
             clock=clock,
         )
-        hb.watch(live=lambda: {url_a: ["a1"], url_b: ["b1"]}, lost=fail_handoffs_of)
         try:
             for r in range(3):
                 clock.now = 1000.0 * r
@@ -339,9 +372,7 @@ async def test_a_hung_peer_and_the_slow_failing_of_its_handoffs_never_hold_up_th
             assert health[url_b].last_heard_s == 0.0
         finally:
             failing.set()
-            for task in list(hb._tasks):
-                task.cancel()
-            await asyncio.gather(*hb._tasks, return_exceptions=True)
+            await hb.close()
             await a.close()
             await b.close()
             await peers.close()
@@ -359,7 +390,7 @@ async def test_a_failing_loss_callback_for_one_peer_does_not_spare_the_others_th
         if url == PEER:
             raise InternalError("a bug while failing this peer's handoffs")
 
-    b.hb.watch(live=lambda: dict(b.live), lost=lost)
+    b.hb.side = Side(live=lambda: dict(b.live), lost=lost)
     await b.tick_at(0.0)
     await b.tick_at(0.5)  # both silent past the timeout, in the same round
     assert sorted(told) == [PEER, other]
@@ -376,7 +407,7 @@ async def test_a_slow_reconciliation_neither_stops_the_pings_nor_runs_twice_at_o
         checked.append(sent)
         await checking.wait()
 
-    b.hb.watch(live=lambda: dict(b.live), lost=b._lost, reconcile=reconcile)
+    b.hb.side = Side(live=lambda: dict(b.live), lost=b._lost, reconcile=reconcile)
     for step in range(6):  # 0.5 s of rounds: past the 0.3 s silence timeout
         b.clock.now = step * 0.1
         await b.hb.tick()

@@ -14,11 +14,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from service.http.client import PeerClient
-from service.peers.heartbeat import Heartbeats
+from service.peers.heartbeat import Heartbeats, HeartbeatSettings
 from service.peers.protocol import HttpPeers
 from service.peers.watch import Backoff
 from service.runtime.metrics import PeerCollector
 from tests.fakes import PeerServer, SteppedTime
+from tests.unit.service.peers.test_heartbeat import Side
 
 #: With rand() = 0.5, a step waits 3/4 of min(30, 0.5 * 2**(n-1)).
 STEPS = [0.375, 0.75, 1.5, 3.0, 6.0, 12.0, 22.5]
@@ -35,21 +36,23 @@ class World:
         self.time = SteppedTime()
         self.lost: list[tuple[str, str]] = []
         self.peers = HttpPeers(PeerClient(session), watch_idle_s=30.0)
+        self.live = {server.url: ["h1"]}
         self.hb = Heartbeats(
             url="http://decode:1",
             role="decode",
             peers=self.peers,
-            interval_s=30.0,
-            timeout_s=90.0,
-            confirm_s=0.1,
-            watch_retry_min_s=0.5,
-            watch_retry_max_s=30.0,
+            side=Side(live=lambda: dict(self.live), lost=self._lost),
+            settings=HeartbeatSettings.of(
+                interval_s=30.0,
+                timeout_s=90.0,
+                confirm_s=0.1,
+                watch_retry_min_s=0.5,
+                watch_retry_max_s=30.0,
+            ),
             clock=self.time,
             sleep=self.time.sleep,
             rand=lambda: 0.5,
         )
-        self.live = {server.url: ["h1"]}
-        self.hb.watch(live=lambda: dict(self.live), lost=self._lost)
         self.opened = asyncio.Event()  # set once our side saw the peer accept a watch
         hold = self.peers.watch
 
@@ -76,10 +79,7 @@ class World:
         return h.watch, h.watch_status, h.watch_attempts
 
     async def close(self) -> None:
-        tasks = list(self.hb._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.hb.close()
         await self.peers.close()
 
 

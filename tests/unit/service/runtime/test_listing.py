@@ -12,7 +12,7 @@ from pipelines.decode.views import HandoffPage
 from pipelines.states import HandoffState
 from service.runtime.listing import handoff_page
 from service.runtime.persistence import PERSISTENCE
-from service.runtime.pipelines import RUNTIME
+from service.runtime.roles import DECODE
 from service.serve import Server, serve
 from tests.unit.service.handoff_fixtures import (
     Deployment,
@@ -33,7 +33,7 @@ async def run(d: Deployment, hid: str, page: int) -> None:
 
 
 def page_of(server: Server, state: HandoffState | None, limit: int, cursor: int) -> HandoffPage:
-    decode = server.app[RUNTIME].decode
+    decode = server.app[DECODE].pipeline
     assert decode is not None
     return handoff_page(decode, server.app[PERSISTENCE].records, state, limit, cursor)
 
@@ -57,7 +57,7 @@ async def test_pages_merge_records_and_live_handoffs_reading_a_bounded_range(
             d = Deployment(http, again, [prefill])
             for i, hid in enumerate(this):
                 await run(d, hid, i)
-            decode = again.app[RUNTIME].decode
+            decode = again.app[DECODE].pipeline
             assert decode is not None and set(this) <= set(decode.handoffs)
             limits: list[int] = []
             again.app[PERSISTENCE].db.conn.set_trace_callback(

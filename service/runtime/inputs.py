@@ -1,7 +1,8 @@
-"""Checks on router and engine input that the body types cannot express, shared by the routes.
+"""Checks on router and engine input that the body types cannot express, shared by every door.
 
-Called by `service.api.handoffs` and `service.api.validate` after a body decoded: peer URLs the
-service is about to call (a bad one must be the caller's 422 naming the field, not this
+Called by the admission of a create (`service.runtime.admission`, HTTP and embedded alike), by
+`service.api.validate` and by the engine route, after a body decoded: peer URLs the service is
+about to call (a bad one must be the caller's 422 naming the field, not this
 service's 502 from a failed connection), page numbers beyond what any pool can index (named as
 the client sent them, before numpy would wrap them), and path parameters. Each raises
 `InvalidInput` naming the field and changes nothing.
@@ -10,8 +11,10 @@ the client sent them, before numpy would wrap them), and path parameters. Each r
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+import msgspec
 from yarl import URL
 
 from pipelines.errors import InvalidInput
@@ -19,6 +22,9 @@ from pipelines.errors import InvalidInput
 #: The largest page index any pool can hold: page lists become int64 arrays.
 MAX_PAGE = 2**63 - 1
 
+_encoder = msgspec.json.Encoder()
+_INT = re.compile(r"-?[0-9]{1,20}", re.ASCII)
+_NUMBER = re.compile(r"-?[0-9]{1,20}(\.[0-9]{0,20})?([eE][-+]?[0-9]{1,3})?", re.ASCII)
 _ASCII_INT = re.compile(r"[0-9]{1,9}", re.ASCII)
 _HOST = re.compile(r"^[A-Za-z0-9._:-]+$")  # a name, IPv4, or IPv6 (yarl strips the brackets)
 
@@ -70,8 +76,42 @@ def slot(value: int | None, field: str) -> None:
         )
 
 
+def metadata(value: dict[str, Any], limit_bytes: int, field: str) -> None:
+    """Refuse a `metadata` object whose JSON exceeds `limit_bytes`: it is echoed in every event,
+    record and webhook of its handoff, and held in the decode's history."""
+    size = len(_encoder.encode(value))
+    if size > limit_bytes:
+        raise InvalidInput(
+            f"{field} is {size} bytes as JSON; at most {limit_bytes} (handoff.max_metadata_bytes)",
+            field=field,
+            max_bytes=limit_bytes,
+        )
+
+
 def ascii_int(raw: str, field: str) -> int:
     """A path segment of ASCII digits (no superscript, circled or fullwidth digits) as an int."""
     if not _ASCII_INT.fullmatch(raw):
         raise InvalidInput(f"{field} {raw!r} is not a non-negative integer", field=field)
     return int(raw)
+
+
+def query_number(
+    query: Mapping[str, str], name: str, default: float, lo: float, hi: float, kind: type = int
+) -> float:
+    """Query parameter `name` as an int (or a float with `kind=float`) within [lo, hi]; its
+    `default` when absent. ASCII digits only: int() and float() also take fullwidth digits,
+    "1_0" or " 1"."""
+    raw = query.get(name)
+    if raw is None:
+        return default
+    try:
+        if not (_INT if kind is int else _NUMBER).fullmatch(raw):
+            raise ValueError(raw)
+        value = kind(raw)
+    except ValueError:
+        raise InvalidInput(
+            f"{name}={raw!r} is not a{'n integer' if kind is int else ' number'}", field=name
+        ) from None
+    if not lo <= value <= hi:
+        raise InvalidInput(f"{name}={raw} is not within [{lo:g}, {hi:g}]", field=name)
+    return value  # type: ignore[no-any-return]

@@ -1,0 +1,80 @@
+"""The one admission path of a decode create, whichever door it comes through.
+
+`create(runtime, request)` is what `POST /v1/handoffs` (`service.api.handoffs`) and the embedded
+`expect_handoff` (`service.embedded`) both call, after each decoded its request into a
+`HandoffRequest` (the body types' own constraints: ids, non-negative integers). It runs every
+check the body types cannot express, in this order, each refusing before anything changes:
+
+1. peer URL syntax (`prefill[i]`), page and slot bounds (`dst_pages[i]`, `dst_slot`), the size
+   of `metadata` (`handoff.max_metadata_bytes`): InvalidInput, 422;
+2. a state-only handoff (no `dst_pages`) for a model without state: InvalidInput, 422;
+3. records that cannot be written: NotReady, 503 — a handoff accepted without its record would
+   be neither answered for nor fenced after a crash;
+4. a `callback_url` the service may not call (no `webhooks.callback_secret`, records off, or a
+   refused target): ConflictError 409 / InvalidInput 422;
+
+then creates the handoff in the pipeline. A create whose own record failed to write is aborted
+(its pages released once no write can land) and refused with 503: only what is recorded is
+accepted.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipelines.decode.views import HandoffRequest, HandoffView
+from pipelines.errors import ConflictError, InvalidInput
+from service.http.problems import NotReady
+from service.runtime import inputs
+
+if TYPE_CHECKING:
+    from service.runtime.roles import DecodeRuntime
+
+#: The reason an unrecorded create is aborted with.
+UNRECORDED = "its record could not be written"
+
+
+def check(runtime: DecodeRuntime, request: HandoffRequest) -> None:
+    """Steps 1 to 3 (no await): what a create is refused for before anything is looked up."""
+    inputs.peer_urls(request.prefill, "prefill")
+    inputs.pages(request.dst_pages, "dst_pages")
+    inputs.slot(request.dst_slot, "dst_slot")
+    inputs.metadata(request.metadata, runtime.config.handoff.max_metadata_bytes, "metadata")
+    if not request.dst_pages and not runtime.pipeline.layout.state:
+        # Empty pages are a state-only handoff (README); without state there is nothing to move.
+        raise InvalidInput(
+            "dst_pages is empty and the model has no state to move", field="dst_pages"
+        )
+    _records_writable(runtime)
+
+
+async def create(runtime: DecodeRuntime, request: HandoffRequest) -> tuple[HandoffView, bool]:
+    """Admit and create a handoff: (view, created), as `DecodePipeline.create` answers."""
+    check(runtime, request)
+    if request.callback_url is not None:
+        persistence = runtime.persistence
+        if persistence is None:
+            raise ConflictError(
+                "records and webhooks are off on this service (records.persist = false)",
+                field="records.persist",
+            )
+        await persistence.check_callback(request.callback_url)
+    view, created = await runtime.pipeline.create(request)
+    if created and runtime.persistence is not None and runtime.persistence.broken is not None:
+        # Its `handoff.created` was published, and the record of it (or one just before) did
+        # not reach the disk: undo it rather than promise what a crash would forget.
+        await runtime.pipeline.abort(view.id, UNRECORDED)
+        _records_writable(runtime)
+    return view, created
+
+
+def _records_writable(runtime: DecodeRuntime) -> None:
+    persistence = runtime.persistence
+    if persistence is not None and persistence.broken is not None:
+        # Refuse new work once a write failed (readiness says the same) until the service is
+        # restarted.
+        raise NotReady(
+            f"handoff records cannot be written ({persistence.broken}); use another decode "
+            "service until this one is restarted",
+            not_ready=["records"],
+        )

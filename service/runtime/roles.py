@@ -1,0 +1,409 @@
+"""One assembly per role: the typed runtime of a decode or a prefill service, built in one place.
+
+`open_runtime(config, transport, client, buffers)` is the one entry every door uses (the HTTP app
+through `install_runtime`, the embedded service through the same app, and next an engine
+backend). It opens the configured stages' pools (`service.runtime.stages`), builds the role's
+runtime — `build_decode` or `build_prefill`, the only functions that wire a role — and, on the
+decode role with records on, opens the records and webhooks (`service.runtime.persistence`);
+then it runs the heartbeats (`service.peers.heartbeat`) until the `async with` ends. On exit it
+closes each resource once, in order: the pipeline (a decode's shutdown aborts reach its records),
+the records and webhooks, the heartbeats, the peer calls, then the pools — all before the
+transport the caller owns is closed.
+
+The two runtimes share `RuntimeBase` and differ in their typed `pipeline`; a route reads the one
+of its role (`DECODE`, `PREFILL`), so no code asks which role it is and asserts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from aiohttp import web
+
+from pipelines.decode import DecodePipeline
+from pipelines.decode.views import HandoffRequest, HandoffView
+from pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag
+from pipelines.messages import PEER_PROTOCOL_VERSION, HeartbeatAck, LayoutInfo
+from pipelines.peercache import new_incarnation
+from pipelines.prefill import HostedStage, PrefillPipeline
+from service.config import Config, ConfigError
+from service.http.app import CONFIG, PEERS, READINESS
+from service.http.client import PeerClient
+from service.peers.heartbeat import Heartbeats, HeartbeatSettings
+from service.peers.protocol import HttpPeers
+from service.runtime import admission
+from service.runtime.persistence import PERSISTENCE, Persistence, open_persistence
+from service.runtime.stages import Buffers, HostedMemory, open_stages
+from service.runtime.transport import TRANSPORT, transport_opened
+from transport.base import Transport
+
+log = logging.getLogger("kvhandoff.handoffs")
+
+
+@dataclass(kw_only=True)
+class RuntimeBase:
+    """What both roles run: the stages hosted here, the event bus, the peer calls, heartbeats."""
+
+    config: Config
+    url: str
+    target: str
+    bus: EventBus
+    hosted: list[HostedMemory]
+    heartbeats: Heartbeats
+    peers: HttpPeers
+    incarnation: str
+    max_call_s: float
+    # Set when the app begins to shut down: ends the peers' watch streams.
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def role(self) -> str:
+        return self.config.role
+
+    def layout_info(self) -> LayoutInfo:
+        return LayoutInfo(
+            version=PEER_PROTOCOL_VERSION,
+            role=self.role,
+            url=self.url,
+            target=self.target,
+            stages=[h.info() for h in self.hosted],
+            incarnation=self.incarnation,
+            max_call_s=self.max_call_s,
+        )
+
+    def in_flight(self) -> int:
+        raise NotImplementedError
+
+
+@dataclass(kw_only=True)
+class DecodeRuntime(RuntimeBase):
+    pipeline: DecodePipeline
+    #: Records and webhooks; None with `records.persist = false`.
+    persistence: Persistence | None = None
+    kind: Literal["decode"] = "decode"
+
+    async def create(self, request: HandoffRequest) -> tuple[HandoffView, bool]:
+        """Admit and create a handoff: every door's one path (`service.runtime.admission`)."""
+        return await admission.create(self, request)
+
+    def in_flight(self) -> int:
+        return sum(not h.state.terminal for h in self.pipeline.handoffs.values())
+
+
+@dataclass(kw_only=True)
+class PrefillRuntime(RuntimeBase):
+    pipeline: PrefillPipeline
+    kind: Literal["prefill"] = "prefill"
+
+    def in_flight(self) -> int:
+        return len({i for ids in self.pipeline.live_by_decode().values() for i in ids})
+
+
+Runtime = DecodeRuntime | PrefillRuntime
+
+#: The runtime of either role (what both roles' routes read), and each role's own.
+RUNTIME = web.AppKey("runtime", RuntimeBase)
+DECODE = web.AppKey("decode_runtime", DecodeRuntime)
+PREFILL = web.AppKey("prefill_runtime", PrefillRuntime)
+#: Called with the runtime once it is built, before the app serves (bus listeners, collectors).
+_ON_RUNTIME = web.AppKey("on_runtime", list)
+
+
+def decode_of(request: web.Request) -> DecodePipeline:
+    return request.app[DECODE].pipeline
+
+
+def prefill_of(request: web.Request) -> PrefillPipeline:
+    return request.app[PREFILL].pipeline
+
+
+# ---------------------------------------------------------------------------------------------
+# The heartbeats' view of each role (`service.peers.heartbeat.PeerSide`)
+
+
+class _DecodeSide:
+    def __init__(self, pipeline: DecodePipeline) -> None:
+        self._p = pipeline
+
+    def live(self) -> dict[str, list[str]]:
+        return self._p.live_by_prefill()
+
+    def listing(self, url: str) -> list[str]:
+        return self._p.live_with(url)
+
+    async def lost(self, url: str, reason: str) -> None:
+        self._p.peer_lost(url, reason)
+
+    def back(self, url: str) -> None:
+        self._p.peer_back(url)
+
+    async def reconcile(self, url: str, ack: HeartbeatAck, sent: list[str]) -> None:
+        self._p.reconcile(url, ack, sent)
+
+
+class _PrefillSide:
+    def __init__(self, pipeline: PrefillPipeline) -> None:
+        self._p = pipeline
+
+    def live(self) -> dict[str, list[str]]:
+        return self._p.live_by_decode()
+
+    def listing(self, url: str) -> list[str]:
+        return self._p.live_with(url)
+
+    async def lost(self, url: str, reason: str) -> None:
+        await self._p.peer_lost(url, reason)
+
+    def back(self, url: str) -> None:
+        pass  # a prefill re-learns a decode from its next destination
+
+    async def reconcile(self, url: str, ack: HeartbeatAck, sent: list[str]) -> None:
+        await self._p.reconcile(url, ack, sent)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a role
+
+
+@dataclass(frozen=True, slots=True)
+class _Shared:
+    """What both roles build the same way, before the pipeline."""
+
+    url: str
+    target: str
+    bus: EventBus
+    peers: HttpPeers
+    incarnation: str
+    max_call_s: float
+
+
+def _shared(config: Config, transport: Transport, client: PeerClient) -> _Shared:
+    handoff = config.handoff
+    bus = EventBus(replay=handoff.sse_buffer)
+    bus.add_listener(_log_event)
+    peers = HttpPeers(
+        client,
+        # An abort answers once in-flight writes drained: give it a transfer's time and then some.
+        abort_timeout_s=config.transport.transfer_timeout_s + 5.0,
+        watch_idle_s=2 * handoff.heartbeat_interval_s + 1.0,
+    )
+    return _Shared(
+        url=config.server.public_url,
+        target=transport.local_target,
+        bus=bus,
+        peers=peers,
+        incarnation=new_incarnation(),
+        # The longest one engine call of this process can still write once started: declared
+        # to the decode side, whose grace past the deadline it bounds.
+        max_call_s=transport.max_call_s,
+    )
+
+
+def _heartbeats(config: Config, s: _Shared, side: _DecodeSide | _PrefillSide) -> Heartbeats:
+    return Heartbeats(
+        url=s.url,
+        role=config.role,
+        peers=s.peers,
+        side=side,
+        settings=HeartbeatSettings.of(config.handoff, config.peers),
+        incarnation=s.incarnation,
+    )
+
+
+def build_decode(
+    config: Config, transport: Transport, client: PeerClient, hosted: list[HostedMemory]
+) -> DecodeRuntime:
+    """The decode role's runtime over its one hosted stage (records are opened by the caller)."""
+    s = _shared(config, transport, client)
+    handoff = config.handoff
+    memory = hosted[0].memory if hosted[0].pool.on_host else None
+    if handoff.verify and memory is None:
+        raise ConfigError("handoff.verify", "verification needs a host-readable decode pool")
+    pipeline = DecodePipeline(
+        hosted[0].layout,
+        s.target,
+        s.url,
+        s.peers,
+        s.bus,
+        memory=memory,
+        default_prefill=config.peers.prefill,
+        settings=handoff.decode_settings(),
+        incarnation=s.incarnation,
+    )
+    beats = _heartbeats(config, s, _DecodeSide(pipeline))
+    pipeline.on_peers = beats.joined
+    return DecodeRuntime(
+        config=config,
+        url=s.url,
+        target=s.target,
+        bus=s.bus,
+        hosted=hosted,
+        heartbeats=beats,
+        peers=s.peers,
+        incarnation=s.incarnation,
+        max_call_s=s.max_call_s,
+        pipeline=pipeline,
+    )
+
+
+def build_prefill(
+    config: Config, transport: Transport, client: PeerClient, hosted: list[HostedMemory]
+) -> PrefillRuntime:
+    """The prefill role's runtime over every stage hosted here."""
+    s = _shared(config, transport, client)
+    pipeline = PrefillPipeline(
+        {
+            h.layout.pp_rank: HostedStage(h.layout, h.memory if h.pool.on_host else None)
+            for h in hosted
+        },
+        transport,
+        s.peers,
+        s.bus,
+        url=s.url,
+        incarnation=s.incarnation,
+        settings=config.prefill_settings(),
+    )
+    beats = _heartbeats(config, s, _PrefillSide(pipeline))
+    pipeline.on_peers = beats.joined
+    return PrefillRuntime(
+        config=config,
+        url=s.url,
+        target=s.target,
+        bus=s.bus,
+        hosted=hosted,
+        heartbeats=beats,
+        peers=s.peers,
+        incarnation=s.incarnation,
+        max_call_s=s.max_call_s,
+        pipeline=pipeline,
+    )
+
+
+@contextlib.asynccontextmanager
+async def open_runtime(
+    config: Config,
+    transport: Transport,
+    client: PeerClient,
+    buffers: Buffers | None = None,
+    *,
+    ready: Callable[[Runtime], None] = lambda runtime: None,
+) -> AsyncIterator[Runtime]:
+    """The role's runtime, running, until the `async with` ends; then every resource it opened
+    is closed once (see the module docstring). `ready(runtime)` runs once it is built and its
+    records restored, before the app serves."""
+    opening = asyncio.ensure_future(asyncio.to_thread(open_stages, config, transport, buffers))
+    try:
+        hosted = await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        # Start-up abandoned: the thread runs on, so close what it opens once it is done.
+        opening.add_done_callback(_close_opened)
+        raise
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            # Closed in reverse: the pipeline first (a decode's shutdown aborts are recorded
+            # and their webhooks queued), then the records and webhooks, then the heartbeats —
+            # which keep running while live handoffs are aborted, so a peer that stops
+            # answering is declared lost instead of holding up the shutdown — and the peer calls.
+            runtime: Runtime = (
+                build_decode(config, transport, client, hosted)
+                if config.role == "decode"
+                else build_prefill(config, transport, client, hosted)
+            )
+            stack.push_async_callback(runtime.peers.close)
+            stack.push_async_callback(runtime.heartbeats.close)
+            beat = asyncio.get_running_loop().create_task(
+                runtime.heartbeats.run(), name="kvhandoff-heartbeats"
+            )
+            stack.push_async_callback(_cancel, beat)
+            if isinstance(runtime, DecodeRuntime):
+                if config.records.persist:
+                    runtime.persistence = await stack.enter_async_context(
+                        open_persistence(config, runtime.pipeline, runtime.bus)
+                    )
+                stack.push_async_callback(runtime.pipeline.close, config.handoff.shutdown_grace_s)
+            else:
+                stack.push_async_callback(runtime.pipeline.close)
+            ready(runtime)
+            yield runtime
+    finally:
+        await asyncio.to_thread(_close_pools, hosted)
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+# ---------------------------------------------------------------------------------------------
+# In the app
+
+
+def install_runtime(app: web.Application, buffers: Buffers | None = None) -> None:
+    """Run the role's runtime with the app: one cleanup context opens the transport, then the
+    runtime over it (`open_runtime`), and closes both in reverse; /readyz waits for both."""
+    app[_ON_RUNTIME] = []
+
+    async def runtime_ctx(app: web.Application) -> AsyncIterator[None]:
+        def ready(runtime: Runtime) -> None:
+            app[RUNTIME] = runtime
+            if isinstance(runtime, DecodeRuntime):
+                app[DECODE] = runtime
+                if runtime.persistence is not None:
+                    app[PERSISTENCE] = runtime.persistence
+            else:
+                app[PREFILL] = runtime
+            for hook in app[_ON_RUNTIME]:
+                hook(runtime)
+
+        async with (
+            transport_opened(app) as transport,
+            open_runtime(app[CONFIG], transport, app[PEERS], buffers, ready=ready),
+        ):
+            yield
+
+    app.cleanup_ctx.append(runtime_ctx)
+    app.on_shutdown.append(_closing)
+    app[READINESS].add("transport", lambda: TRANSPORT in app)
+    app[READINESS].add("handoffs", lambda: RUNTIME in app)
+    if app[CONFIG].role == "decode" and app[CONFIG].records.persist:
+        # Not ready until restored, nor after a write failed: routers must go elsewhere.
+        app[READINESS].add("records", lambda: _records_ok(app))
+
+
+def on_runtime(app: web.Application, hook: Callable[[Runtime], None]) -> None:
+    """Call `hook(runtime)` once the role's runtime is built, before the app serves (whatever
+    the order extensions were installed in)."""
+    app[_ON_RUNTIME].append(hook)
+
+
+def _records_ok(app: web.Application) -> bool:
+    return PERSISTENCE in app and app[PERSISTENCE].broken is None
+
+
+async def _closing(app: web.Application) -> None:
+    # Runs before the server waits for open handlers: the watch streams must end first.
+    if RUNTIME in app:
+        app[RUNTIME].closing.set()
+
+
+def _close_opened(opening: asyncio.Future[list[HostedMemory]]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        _close_pools(opening.result())
+
+
+def _close_pools(hosted: list[HostedMemory]) -> None:
+    for h in hosted:
+        h.pool.close()
+
+
+def _log_event(event: Event) -> None:
+    if isinstance(event, TERMINAL_EVENTS):
+        log.info("%s %s %s", event_tag(event), event.role, event.handoff_id)
+    elif log.isEnabledFor(logging.DEBUG):
+        log.debug("%s %s %s", event_tag(event), event.role, event.handoff_id)
