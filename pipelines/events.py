@@ -60,7 +60,6 @@ class StageTransferred(_Event, frozen=True, tag="stage.transferred"):
     bytes: int
     batches: int
     seconds: float
-    final: bool  # True once every layer of the stage has been sent
 
 
 class StageArrived(_Event, frozen=True, tag="stage.arrived"):
@@ -145,10 +144,14 @@ class Subscription:
         self._bus.unsubscribe(self)
 
 
+#: Events a bus keeps for resuming readers, by default (`handoff.sse_buffer` takes it).
+REPLAY = 4096
+
+
 class EventBus:
     """Numbers events, keeps the last `replay` of them, and fans them out to subscribers."""
 
-    def __init__(self, replay: int = 4096, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, replay: int = REPLAY, clock: Callable[[], float] = time.time) -> None:
         self._seq = 0
         self._replay: deque[Event] = deque(maxlen=replay)
         self._subscribers: set[Subscription] = set()

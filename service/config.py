@@ -23,6 +23,7 @@ from msgspec import Meta, Struct, field
 from msgspec.structs import force_setattr
 
 from pipelines.errors import InvalidInput, LayoutError
+from pipelines.events import REPLAY
 from pipelines.models import PRESETS, ModelSpec, Partition, partition_layers, preset
 from pipelines.settings import DECODE_DEFAULTS, PREFILL_DEFAULTS, DecodeSettings, PrefillSettings
 from transport.config import MooncakeConfig
@@ -191,7 +192,7 @@ class HandoffConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     #: which no write can land — leaving what is unreleased fenced in its records.
     shutdown_grace_s: PositiveSeconds = 5.0
     #: Events kept for SSE `Last-Event-ID` resume.
-    sse_buffer: Positive = 4096
+    sse_buffer: Positive = REPLAY
     #: Seconds between SSE keep-alive comments (proxies close idle streams).
     sse_keepalive_s: PositiveSeconds = 15.0
     #: Events one SSE subscriber may fall behind before it is dropped with `stream.overflow`.

@@ -39,6 +39,11 @@ class TaskOwner:
         return task
 
     @property
+    def closing(self) -> bool:
+        """Whether `close` has begun (no new task starts)."""
+        return self._closing
+
+    @property
     def tasks(self) -> frozenset[asyncio.Task[Any]]:
         """The tasks still running."""
         return frozenset(self._tasks)

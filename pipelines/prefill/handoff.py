@@ -118,8 +118,17 @@ class PrefillHandoff:
         )
 
     @property
+    def known_destination(self) -> DestinationMsg | None:
+        """The destination, once delivered. An abort that cancels the handoff's task while it
+        waits for one cancels this future too: that is "none", not an error to raise into
+        whoever asks (the heartbeats' round, a reconciliation)."""
+        d = self.destination
+        return d.result() if d.done() and not d.cancelled() else None
+
+    @property
     def decode_url(self) -> str | None:
-        return self.destination.result().decode_url if self.destination.done() else None
+        dest = self.known_destination
+        return dest.decode_url if dest is not None else None
 
 
 class StageFailed(Exception):

@@ -228,7 +228,7 @@ class PrefillPipeline:
         if h is None:
             self._remember(handoff_id, "aborted")
             return self._ack(handoff_id, [])
-        dest = h.destination.result() if h.destination.done() else None
+        dest = h.known_destination
         if (
             decode_incarnation is not None
             and dest is not None
@@ -273,7 +273,7 @@ class PrefillPipeline:
         theirs = set(ack.live)
         victims = []
         for h in list(self.handoffs.values()):
-            dest = h.destination.result() if h.destination.done() else None
+            dest = h.known_destination
             if dest is None or dest.decode_url != decode_url:
                 continue
             if dest.decode_incarnation != ack.incarnation:

@@ -273,7 +273,6 @@ class StageRunner:
                         bytes=p.total_bytes,
                         batches=batches,
                         seconds=time.perf_counter() - t0,
-                        final=False,
                     )
                 )
             if final:

@@ -21,6 +21,7 @@ import msgspec
 from yarl import URL
 
 from pipelines.errors import KVHandoffError, PeerUnreachable
+from service.config import PeersConfig
 from service.http.problems import PeerError, PeerTimeout, error_from_problem
 from service.http.signing import Signer
 
@@ -47,6 +48,10 @@ def _decoder(type_: Any) -> msgspec.json.Decoder[Any]:
     return msgspec.json.Decoder(type_)
 
 
+#: `peers.request_timeout_s`'s default is the client's, written once in the configuration.
+_PEERS = PeersConfig()
+
+
 class PeerClient:
     """Calls to other kvhandoff services; `url` is the peer's base URL (its `public_url`)."""
 
@@ -55,7 +60,7 @@ class PeerClient:
         session: aiohttp.ClientSession,
         *,
         signer: Signer | None = None,
-        timeout_s: float = 5.0,
+        timeout_s: float = _PEERS.request_timeout_s,
     ) -> None:
         self._session = session
         self._signer = signer

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pipelines.errors import InternalError, KVHandoffError
+from service.tasks import TaskOwner
 
 #: Sends one batch of pre-encoded notices to a peer; returns one error (or None) per notice.
 SendBatch = Callable[[str, list[msgspec.Raw]], Awaitable[list[KVHandoffError | None]]]
@@ -40,22 +41,22 @@ class Coalescer:
         self._send = send
         self._max_bytes = max_batch_bytes
         self._lanes: dict[str, _Lane] = {}
+        self._tasks = TaskOwner("coalescer")
 
     async def submit(self, peer: str, notice: msgspec.Struct) -> None:
         """Deliver `notice` to `peer`; raises the error the peer reported for it."""
+        if self._tasks.closing:
+            raise InternalError(f"not sent to {peer}: the service is shutting down", peer=peer)
         loop = asyncio.get_running_loop()
         lane = self._lanes.setdefault(peer, _Lane())
         done: asyncio.Future[None] = loop.create_future()
         lane.pending.append((msgspec.Raw(_encoder.encode(notice)), done))
         if lane.task is None:
-            lane.task = loop.create_task(self._drain(peer, lane), name=f"coalesce:{peer}")
+            lane.task = self._tasks.spawn(self._drain(peer, lane), f"coalesce:{peer}")
         await done
 
     async def close(self) -> None:
-        tasks = [lane.task for lane in self._lanes.values() if lane.task is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.close()
 
     async def _drain(self, peer: str, lane: _Lane) -> None:
         live: list[tuple[msgspec.Raw, asyncio.Future[None]]] = []

@@ -59,9 +59,9 @@ class HealthTable:
         self,
         *,
         clock: Callable[[], float],
+        forget_after_s: float,
+        max_peers: int,
         configured: Iterable[str] = (),
-        forget_after_s: float = 600.0,
-        max_peers: int = 256,
     ) -> None:
         self._clock = clock
         self._configured = frozenset(u.rstrip("/") for u in configured)

@@ -44,6 +44,7 @@ from service.runtime.outbox import Delivery, Endpoint, Outbox
 from service.runtime.sender import Sender, SendError
 from service.runtime.targets import TargetPolicy
 from service.runtime.webhook_views import DeliveryState
+from service.tasks import TaskOwner
 
 log = logging.getLogger("kvhandoff.webhooks")
 USER_AGENT = "kvhandoff-webhooks/1"
@@ -150,6 +151,7 @@ class Dispatcher:
         self._rng = rng or random.Random()
         self.policy = TargetPolicy(settings.allow_hosts, settings.allow_private)
         self._lanes: dict[str, _Lane] = {}
+        self._tasks = TaskOwner("webhooks")  # every lane and attempt
         self._sender: Sender | None = None
         self.stats = WebhookStats()
 
@@ -164,12 +166,7 @@ class Dispatcher:
 
     async def close(self) -> None:
         """Stop every lane and attempt; what was not delivered stays pending in the outbox."""
-        tasks: list[asyncio.Task[None]] = []
-        for lane in self._lanes.values():
-            tasks += [*lane.attempts, *filter(None, [lane.task])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.close()
         self._lanes.clear()
         if self._sender is not None:
             await self._sender.close()
@@ -228,10 +225,10 @@ class Dispatcher:
             endpoint = self._outbox.endpoints.get(endpoint_id)
             if endpoint is None or endpoint.disabled or self._sender is None:
                 return None
+            if self._tasks.closing:
+                return None  # stopping: what is pending stays in the outbox for the next start
             lane = self._lanes[endpoint_id] = _Lane(endpoint)
-            lane.task = asyncio.get_running_loop().create_task(
-                self._run(lane), name=f"kvhandoff-webhooks-{endpoint_id}"
-            )
+            lane.task = self._tasks.spawn(self._run(lane), f"kvhandoff-webhooks-{endpoint_id}")
         return lane
 
     def _load(self, lane: _Lane) -> None:
@@ -276,7 +273,7 @@ class Dispatcher:
     def _start(self, lane: _Lane, d: Delivery) -> None:
         d.sending = True
         lane.busy.add(d.handoff_id)
-        task = asyncio.get_running_loop().create_task(self._attempt(lane, d))
+        task = self._tasks.spawn(self._attempt(lane, d), f"kvhandoff-webhook-{d.id}")
         lane.attempts.add(task)
         task.add_done_callback(lane.attempts.discard)
 

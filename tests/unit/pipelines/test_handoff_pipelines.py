@@ -22,7 +22,7 @@ from pipelines.errors import (
 from pipelines.events import EventBus, event_tag
 from pipelines.inprocess import InProcessLink
 from pipelines.memory import PoolMemory
-from pipelines.messages import AbortAck, AbortMsg, DestinationMsg, StageFailedMsg
+from pipelines.messages import AbortAck, AbortMsg, DestinationMsg, HeartbeatAck, StageFailedMsg
 from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
 from pipelines.states import HandoffState
@@ -328,3 +328,25 @@ async def test_pages_of_a_stage_that_never_confirmed_stay_fenced_until_deadline_
     assert view.released and not w.decode.leases.holds("l")
     released = [e for e in view.timeline if event_tag(e) == "handoff.released"]
     assert len(released) == 1 and released[0].confirmed is False  # type: ignore[union-attr]
+
+
+async def test_a_prefill_aborted_while_it_waits_for_its_destination_reads_as_having_none(
+    world: World,
+) -> None:
+    """An abort cancels the handoff's task while it awaits the destination, which cancels that
+    future too; the heartbeats reading the live handoffs in between must not get the
+    CancelledError (it ended their task, issue 18)."""
+    w = world
+    w.prefill.ready("w", 0, [1, 2], 0)  # opened, waiting for its destination
+    h = w.prefill.handoffs["w"]
+    assert h.task is not None
+    await asyncio.sleep(0)  # the task is now awaiting the destination
+    h.task.cancel()
+    await asyncio.wait([h.task])
+    assert h.destination.cancelled()  # what the abort leaves behind until it closes `h`
+    assert h.known_destination is None and h.decode_url is None
+    assert w.prefill.live_by_decode() == {}
+    ack = HeartbeatAck(role="decode", url="d", incarnation="x", live=[])
+    assert await w.prefill.reconcile("d", ack, ["w"]) == []
+    await w.prefill.abort("w", "test")
+    assert "w" not in w.prefill.handoffs

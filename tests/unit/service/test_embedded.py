@@ -29,7 +29,8 @@ from pipelines.errors import (
 from pipelines.states import HandoffState
 from service.config import Config, ConfigError, load_config
 from service.embedded import EmbeddedService, WrongRole, embedded_layout
-from service.http.problems import NotReady
+from service.http.problems import NotReady, error_problem
+from service.runtime.persistence import PERSISTENCE
 
 MODEL = {"preset": "hybrid-npu-mla", "scale": 64, "num_layers": 8, "page_size": 4}
 Tensors = dict[int, list[torch.Tensor]]
@@ -322,3 +323,75 @@ def test_an_expect_handoff_that_times_out_was_not_created(tmp_path: Path) -> Non
                 decode.get("late")  # and never will be: the create was cut on the loop
     finally:
         silent.close()
+
+
+# ------------------------------------------------------------------------------------ admission
+
+#: One create body every case below changes one thing of; each change is refused before the
+#: create reaches a prefill (none runs here).
+ADMITTED = {"id": "adm", "prefill": ["http://127.0.0.1:9"], "dst_pages": [1], "dst_slot": None}
+
+
+@pytest.fixture(scope="module")
+def dense_decode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedService]:
+    """A decode service of a model without state (so a state-only create has nothing to move),
+    records on, no webhooks.callback_secret."""
+    config = load_config(
+        None,
+        {},
+        {
+            "role": "decode",
+            "model": {"preset": "dense-mha", "num_layers": 4, "scale": 64, "page_size": 4},
+            "stages": [{"num_pages": 8}],
+            "server.port": 0,
+            "server.state_dir": str(tmp_path_factory.mktemp("dense")),
+            "transport.backend": "local",
+            "handoff.max_metadata_bytes": 1024,
+        },
+    )
+    with EmbeddedService(config) as svc:
+        yield svc
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        pytest.param({"prefill": ["ftp://p"]}, "prefill[0]", id="prefill-url-syntax"),
+        pytest.param({"prefill": ["http://u:p@p:1"]}, "prefill[0]", id="prefill-url-credentials"),
+        pytest.param({"dst_pages": [2**63]}, "dst_pages[0]", id="page-beyond-int64"),
+        pytest.param({"dst_slot": 2**63}, "dst_slot", id="slot-beyond-int64"),
+        pytest.param({"dst_pages": []}, "dst_pages", id="state-only-without-state"),
+        pytest.param({"metadata": {"note": "x" * 2000}}, "metadata", id="metadata-too-large"),
+        pytest.param(
+            {"callback_url": "https://router.example/cb"}, "callback_url", id="callback-no-secret"
+        ),
+        pytest.param({}, None, id="records-not-writable"),
+    ],
+)
+def test_the_embedded_api_refuses_what_http_refuses(
+    dense_decode: EmbeddedService, change: dict[str, Any], field: str | None
+) -> None:
+    svc = dense_decode
+    body = {**ADMITTED, **change}
+    persistence = svc._running_server().app[PERSISTENCE]
+    if field is None:
+        persistence.broken = "OperationalError: disk I/O error (test)"
+    try:
+        status, problem = http("POST", f"{svc.url}/v1/handoffs", body)
+        with pytest.raises(KVHandoffError) as caught:
+            svc.expect_handoff(HandoffRequest(**body))
+    finally:
+        persistence.broken = None
+    embedded_status, embedded = error_problem(caught.value, "/v1/handoffs")
+    assert status in (409, 422, 503), problem
+    assert (embedded_status, embedded["code"], embedded.get("field")) == (
+        status,
+        problem["code"],
+        problem.get("field"),
+    )
+    if field is not None:
+        assert problem["field"] == field
+    else:
+        assert (status, problem["not_ready"]) == (503, ["records"])
+    with pytest.raises(NotFoundError):
+        svc.get("adm")  # neither door created it

@@ -421,3 +421,26 @@ async def test_a_slow_reconciliation_neither_stops_the_pings_nor_runs_twice_at_o
     await b.tick_at(0.6)
     assert len(checked) == 2
     await b.close()
+
+
+async def test_a_cancelled_error_from_the_pipeline_does_not_end_the_heartbeat_task() -> None:
+    """An abort racing a round: the prefill read a destination future the abort had just
+    cancelled, and the CancelledError ended the heartbeat task for good (issue 18)."""
+    b = Beats()
+    calls = 0
+
+    def racing_live() -> dict[str, list[str]]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise asyncio.CancelledError  # not this task's own cancellation
+        return {}
+
+    b.hb.side = Side(live=racing_live, lost=b._lost)
+    b.hb.interval_s = 0.001
+    task = asyncio.get_running_loop().create_task(b.hb.run())
+    await eventually(lambda: calls >= 3 or task.done(), what="three rounds")
+    assert calls >= 3 and not task.done()
+    task.cancel()  # its own cancellation still stops it
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled()
