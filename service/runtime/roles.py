@@ -315,7 +315,7 @@ async def open_runtime(
                 else build_prefill(config, transport, client, hosted)
             )
             stack.push_async_callback(runtime.peers.close)
-            stack.push_async_callback(runtime.heartbeats.close)
+            # The heartbeats' own tasks end with `run()` (its `finally` closes them).
             beat = asyncio.get_running_loop().create_task(
                 runtime.heartbeats.run(), name="kvhandoff-heartbeats"
             )
@@ -347,7 +347,7 @@ async def _cancel(task: asyncio.Task[None]) -> None:
 def install_runtime(app: web.Application, buffers: Buffers | None = None) -> None:
     """Run the role's runtime with the app: one cleanup context opens the transport, then the
     runtime over it (`open_runtime`), and closes both in reverse; /readyz waits for both."""
-    app[_ON_RUNTIME] = []
+    hooks = _hooks(app)
 
     async def runtime_ctx(app: web.Application) -> AsyncIterator[None]:
         def ready(runtime: Runtime) -> None:
@@ -358,7 +358,7 @@ def install_runtime(app: web.Application, buffers: Buffers | None = None) -> Non
                     app[PERSISTENCE] = runtime.persistence
             else:
                 app[PREFILL] = runtime
-            for hook in app[_ON_RUNTIME]:
+            for hook in hooks:
                 hook(runtime)
 
         async with (
@@ -379,7 +379,14 @@ def install_runtime(app: web.Application, buffers: Buffers | None = None) -> Non
 def on_runtime(app: web.Application, hook: Callable[[Runtime], None]) -> None:
     """Call `hook(runtime)` once the role's runtime is built, before the app serves (whatever
     the order extensions were installed in)."""
-    app[_ON_RUNTIME].append(hook)
+    _hooks(app).append(hook)
+
+
+def _hooks(app: web.Application) -> list[Callable[[Runtime], None]]:
+    if _ON_RUNTIME not in app:
+        app[_ON_RUNTIME] = []
+    hooks: list[Callable[[Runtime], None]] = app[_ON_RUNTIME]
+    return hooks
 
 
 def _records_ok(app: web.Application) -> bool:

@@ -1,0 +1,88 @@
+"""The role assembly: one build function per role used by every door, each resource closed
+once, and route modules that install in any order."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from pipelines.decode import DecodePipeline
+from pipelines.prefill import PrefillPipeline
+from service.api.dashboard import install_dashboard
+from service.api.events import install_events
+from service.api.handoffs import install_handoffs
+from service.api.metrics import install_metrics
+from service.api.validate import install_validate
+from service.api.webhooks import install_webhooks
+from service.embedded import EmbeddedService
+from service.http.app import Extension
+from service.runtime import roles
+from service.runtime.roles import DECODE, PREFILL, RUNTIME, install_runtime
+from service.serve import install_service, serve
+from tests.unit.service.handoff_fixtures import decode_config, prefill_config
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+async def test_each_role_s_pipeline_is_closed_once_on_shutdown(
+    role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cls: type[DecodePipeline] | type[PrefillPipeline] = (
+        DecodePipeline if role == "decode" else PrefillPipeline
+    )
+    closed: list[object] = []
+    real_close = cls.close
+
+    async def counting_close(self: object, *args: object) -> None:
+        closed.append(self)
+        await real_close(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cls, "close", counting_close)
+    config = decode_config() if role == "decode" else prefill_config([0, 1])
+    async with serve(config, [install_service]) as server:
+        runtime = server.app[RUNTIME]
+        assert runtime.role == role
+        typed = server.app[DECODE] if role == "decode" else server.app[PREFILL]
+        assert typed is runtime and isinstance(typed.pipeline, cls)
+        assert (PREFILL if role == "decode" else DECODE) not in server.app
+    assert closed == [runtime.pipeline]
+
+
+def test_the_embedded_service_is_built_by_the_same_function_as_the_http_app(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built: list[roles.DecodeRuntime] = []
+    real = roles.build_decode
+
+    def spy(*args: object) -> roles.DecodeRuntime:
+        runtime = real(*args)  # type: ignore[arg-type]
+        built.append(runtime)
+        return runtime
+
+    monkeypatch.setattr(roles, "build_decode", spy)
+    with EmbeddedService(decode_config()) as svc:
+        assert len(built) == 1
+        assert svc._running_server().app[DECODE] is built[0]
+
+
+async def test_route_modules_install_in_any_order() -> None:
+    """No order-sensitive list: what a route module needs of the runtime waits for it."""
+    installs: list[Extension] = [
+        install_webhooks,
+        install_dashboard,
+        install_metrics,
+        install_events,
+        install_handoffs,
+        install_validate,
+        install_runtime,
+    ]
+    async with (
+        serve(decode_config(), installs) as server,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.get(f"{server.url}/readyz") as ready:
+            assert ready.status == 200, await ready.text()
+        async with http.get(f"{server.url}/metrics") as metrics:
+            text = await metrics.text()
+        # Collectors the metrics module attaches once the runtime (and its records) exist.
+        assert "kvhandoff_webhook_attempts" in text
+        assert "kvhandoff_peer" in text or "kvhandoff_handoffs_in_flight" in text
