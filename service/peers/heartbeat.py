@@ -197,6 +197,8 @@ class Heartbeats:
 
     def follow(self, peers: list[str]) -> None:
         """Watch `peers` now, not at the next round, so a kill right after is noticed at once."""
+        if self._tasks.closing:
+            return  # stopped: a handoff joining now (on the way out) is not watched
         now = self._clock()
         for peer in peers:
             self._last.setdefault(peer, now)
@@ -306,7 +308,7 @@ class Heartbeats:
 
     def _declare_lost(self, peer: str, reason: str) -> None:
         """Mark `peer` lost now; the pipeline fails its handoffs in a task of its own."""
-        if peer in self._lost_peers:
+        if peer in self._lost_peers or self._tasks.closing:
             return
         self._last.pop(peer, None)
         self._lost_peers.add(peer)

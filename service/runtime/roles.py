@@ -21,7 +21,6 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 from aiohttp import web
 
@@ -76,31 +75,28 @@ class RuntimeBase:
             max_call_s=self.max_call_s,
         )
 
-    def in_flight(self) -> int:
-        raise NotImplementedError
-
 
 @dataclass(kw_only=True)
 class DecodeRuntime(RuntimeBase):
     pipeline: DecodePipeline
     #: Records and webhooks; None with `records.persist = false`.
     persistence: Persistence | None = None
-    kind: Literal["decode"] = "decode"
 
     async def create(self, request: HandoffRequest) -> tuple[HandoffView, bool]:
         """Admit and create a handoff: every door's one path (`service.runtime.admission`)."""
         return await admission.create(self, request)
 
     def in_flight(self) -> int:
+        """Handoffs started and not yet terminal."""
         return sum(not h.state.terminal for h in self.pipeline.handoffs.values())
 
 
 @dataclass(kw_only=True)
 class PrefillRuntime(RuntimeBase):
     pipeline: PrefillPipeline
-    kind: Literal["prefill"] = "prefill"
 
     def in_flight(self) -> int:
+        """Handoffs with a destination from a decode and not yet ended here."""
         return len({i for ids in self.pipeline.live_by_decode().values() for i in ids})
 
 

@@ -122,10 +122,11 @@ def test_the_configuration_s_defaults_are_the_pipelines_defaults() -> None:
     assert config.prefill_settings() == PREFILL_DEFAULTS == PrefillSettings()
 
 
-@pytest.mark.parametrize("cls", [DecodePipeline, PrefillPipeline])
-def test_the_pipelines_default_to_their_settings_struct(cls: type) -> None:
-    default = inspect.signature(cls).parameters["settings"].default
-    assert default in (DECODE_DEFAULTS, PREFILL_DEFAULTS)
+@pytest.mark.parametrize(
+    ("cls", "defaults"), [(DecodePipeline, DECODE_DEFAULTS), (PrefillPipeline, PREFILL_DEFAULTS)]
+)
+def test_the_pipelines_default_to_their_settings_struct(cls: type, defaults: object) -> None:
+    assert inspect.signature(cls).parameters["settings"].default is defaults
 
 
 def test_the_heartbeats_take_their_settings_from_the_configuration() -> None:
