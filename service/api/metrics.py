@@ -1,8 +1,9 @@
 """`GET /metrics`: the service's Prometheus metrics (installed on both roles by `install_metrics`).
 
-Builds the app's `Metrics` (`service.runtime.metrics`) at install, so any feature can add its
-collectors to `app[METRICS]` when it starts (e.g. the webhook outbox); once the role's pipeline
-is up, it listens to the event bus and reads the heartbeats' peer health. The route is outside
+Builds the app's `Metrics` (`service.runtime.metrics`) at install; once the role's runtime is up
+(`service.runtime.roles.on_runtime`), it listens to the event bus and adds the collectors of the
+heartbeats' peer health, the transport, the SSE streams and, on a decode with records, the
+webhook dispatcher. The route is outside
 `/v1/`, so scrapers need no token (it carries no handoff ids and no payload).
 """
 

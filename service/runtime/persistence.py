@@ -105,7 +105,7 @@ async def open_persistence(
     except (OSError, sqlite3.Error) as exc:
         raise ConfigError("server.state_dir", f"cannot open {path}: {exc}") from None
     try:
-        persistence = _build(config, db)
+        persistence = _persistence(config, db)
         bus.add_listener(_Journal(persistence, decode).on_event)
         _restore(persistence, decode, bus.publish, config)
         await persistence.dispatcher.start()
@@ -122,7 +122,9 @@ async def open_persistence(
         db.close()
 
 
-def _build(config: Config, db: Database, clock: Callable[[], float] = time.time) -> Persistence:
+def _persistence(
+    config: Config, db: Database, clock: Callable[[], float] = time.time
+) -> Persistence:
     hooks = config.webhooks
     outbox = Outbox(db, hooks.callback_secret, hooks.callback_types)
     return Persistence(
