@@ -395,3 +395,28 @@ def test_the_embedded_api_refuses_what_http_refuses(
         assert (status, problem["not_ready"]) == (503, ["records"])
     with pytest.raises(NotFoundError):
         svc.get("adm")  # neither door created it
+
+
+def test_an_embedded_create_whose_record_fails_to_write_is_not_accepted(pair: Pair) -> None:
+    """Issue 18: only what is recorded is accepted, at the embedded door too (a handoff without
+    its record would be gone after a crash: no outcome, no webhook, no fence)."""
+    svc = pair.decode
+
+    def read_only(on: bool) -> None:
+        def run(runtime: Any) -> None:
+            runtime.persistence.db.conn.execute(f"PRAGMA query_only = {'ON' if on else 'OFF'}")
+
+        svc._call_sync(run)
+
+    read_only(True)  # every write now fails, like a full disk
+    try:
+        with pytest.raises(NotReady) as refused:
+            svc.expect_handoff(HandoffRequest(id="unrecorded", dst_pages=[5], dst_slot=1))
+        assert refused.value.context["not_ready"] == ["records"]
+        # Undone, not left running: aborted, its pages released (no write of it can land).
+        view = svc.get("unrecorded")
+        assert view.state == HandoffState.ABORTED and view.released
+        with pytest.raises(NotReady):  # and nothing more is accepted until a restart
+            svc.expect_handoff(HandoffRequest(id="next", dst_pages=[6], dst_slot=2))
+    finally:
+        read_only(False)
