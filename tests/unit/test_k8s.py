@@ -661,6 +661,11 @@ def _break_state(objs: list[Obj]) -> None:
     decode["spec"]["template"]["spec"]["volumes"].append({"name": "state", "emptyDir": {}})
 
 
+def _break_scrape(objs: list[Obj]) -> None:
+    template = _template(objs, "prefill")["spec"]["template"]
+    template["metadata"]["annotations"]["prometheus.io/port"] = "8200"
+
+
 PLANTED: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
     "probe on the wrong port": (_break_probe_port, "probes"),
     "POD_IP defined after its users": (_break_url_order, "pod_ip_urls"),
@@ -669,6 +674,7 @@ PLANTED: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
     "Mooncake ports open to the router namespace": (_break_policy, "network_policy"),
     "Mooncake range wider than declared": (_break_mooncake_range, "mooncake_ports"),
     "decode state on an emptyDir": (_break_state, "state_volume"),
+    "metrics scraped at another port": (_break_scrape, "service_and_scrape"),
 }
 
 
@@ -681,6 +687,26 @@ def test_a_planted_bad_object_fails_its_check(planted: str) -> None:
     with pytest.raises(AssertionError):  # ... and fails after
         for workload in workloads(objs):
             CHECKS[PLANTED[planted][1]](objs, workload)
+
+
+def test_a_planted_writable_root_or_root_user_fails_the_security_check() -> None:
+    for field, value in (("readOnlyRootFilesystem", False), ("runAsUser", 0)):
+        objs = render("base")
+        workload = _template(objs, "decode")
+        check_security(objs, workload, "base")
+        container(workload)["securityContext"][field] = value
+        with pytest.raises(AssertionError):
+            check_security(objs, workload, "base")
+
+
+def test_a_planted_small_shared_memory_volume_fails_the_sidecar_check() -> None:
+    objs = render("sidecar")
+    workload = _template(objs, "decode")
+    check_sidecar(objs, workload)
+    volume = next(v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "shm")
+    volume["emptyDir"]["sizeLimit"] = "64Mi"  # the decode pool is 259 MiB
+    with pytest.raises(AssertionError, match="64Mi"):
+        check_sidecar(objs, workload)
 
 
 def test_a_planted_unknown_field_fails_schema_validation() -> None:
