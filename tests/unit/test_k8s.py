@@ -25,6 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -211,12 +212,10 @@ def config_text(objs: list[Obj], workload: Obj) -> str:
 
 @functools.cache
 def _load(text: str, env: tuple[tuple[str, str], ...]) -> Config:
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvhandoff-k8s-{os.getpid()}.toml"
-    path.write_text(text)
-    try:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.toml"
+        path.write_text(text)
         return load_config(path, dict(env))
-    finally:
-        path.unlink()
 
 
 def service_env(objs: list[Obj], workload: Obj) -> dict[str, str]:
@@ -376,8 +375,7 @@ def check_network_policy(objs: list[Obj], workload: Obj) -> None:
     spec = policies[0]["spec"]
     assert spec["policyTypes"] == ["Ingress"]
     low, high = mooncake_range(objs, workload)
-    mooncake_admitted = False
-    router_admitted = False
+    mooncake_admitted = peers_admitted = router_admitted = False
     for rule in spec["ingress"]:
         assert rule.get("from"), "a rule without `from` admits everyone"
         assert rule.get("ports"), "a rule without `ports` admits every port"
@@ -392,6 +390,8 @@ def check_network_policy(objs: list[Obj], workload: Obj) -> None:
                 router_admitted |= names == {"kubernetes.io/metadata.name": ROUTER_NAMESPACE}
             else:
                 assert peer["podSelector"]["matchLabels"], "an empty podSelector is every pod"
+        if rule["from"] == [{"podSelector": {"matchLabels": KVHANDOFF_PODS}}]:
+            peers_admitted |= (config.server.port, config.server.port) in ports
         if (low, high) in ports:
             mooncake_admitted = True
             assert rule["from"] == [{"podSelector": {"matchLabels": KVHANDOFF_PODS}}], rule
@@ -399,6 +399,7 @@ def check_network_policy(objs: list[Obj], workload: Obj) -> None:
             overlap = start <= high and end >= low
             assert not overlap or (start, end) == (low, high), (start, end, low, high)
     assert mooncake_admitted, "Mooncake's ports are not admitted from kvhandoff pods"
+    assert peers_admitted, "kvhandoff pods cannot reach the HTTP port (peer routes)"
     assert router_admitted, "the router namespace cannot reach the HTTP port"
 
 
@@ -651,6 +652,11 @@ def _break_policy(objs: list[Obj]) -> None:
     )
 
 
+def _break_peer_policy(objs: list[Obj]) -> None:
+    policy = named(objs, "NetworkPolicy", "kvhandoff-prefill")
+    policy["spec"]["ingress"][0]["ports"] = [{"protocol": "TCP", "port": 15000, "endPort": 15007}]
+
+
 def _break_mooncake_range(objs: list[Obj]) -> None:
     _env(_template(objs, "decode"), "MC_MAX_RPC_PORT")["value"] = "17000"
 
@@ -672,6 +678,7 @@ PLANTED: dict[str, tuple[Callable[[list[Obj]], None], str]] = {
     "a secret written in the manifest": (_break_secret, "secrets"),
     "grace period below twice the bounds": (_break_grace, "grace_period"),
     "Mooncake ports open to the router namespace": (_break_policy, "network_policy"),
+    "peer routes unreachable from kvhandoff pods": (_break_peer_policy, "network_policy"),
     "Mooncake range wider than declared": (_break_mooncake_range, "mooncake_ports"),
     "decode state on an emptyDir": (_break_state, "state_volume"),
     "metrics scraped at another port": (_break_scrape, "service_and_scrape"),
