@@ -52,6 +52,7 @@ from pipelines.prefill.handoff import (
     ReadySignal,
     StageFailed,
     StageInput,
+    Staging,
 )
 from pipelines.prefill.stage import StageRunner
 from pipelines.settings import PREFILL_DEFAULTS, PrefillSettings
@@ -73,6 +74,7 @@ class PrefillPipeline:
         max_call_s: float | None = None,
         cache: PairingCache | None = None,
         settings: PrefillSettings = PREFILL_DEFAULTS,
+        staging: Staging | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.stages = dict(stages)
@@ -96,6 +98,7 @@ class PrefillPipeline:
             sender=self,
             max_blocks_per_batch=settings.max_blocks_per_batch,
             queue_depth=settings.queue_depth,
+            staging=staging,
         )
         self.handoffs: dict[str, PrefillHandoff] = {}
         # Recently finished ids, so a late or repeated signal is refused rather than waiting for

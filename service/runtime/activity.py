@@ -91,6 +91,7 @@ class Activity:
                 s = self._stage(h, event.pp_rank)
                 s.bytes += event.bytes
                 s.layers += 1
+                s.done = s.done or event.final
                 h.bytes += event.bytes
                 self._moved.append((event.at, event.bytes))
             case StageArrived():

@@ -149,7 +149,9 @@ class Metrics:
                 self.finished.labels("aborted", "").inc()
             case _:
                 pass
-        if isinstance(event, TERMINAL_EVENTS):
+        if isinstance(event, StageTransferred) and event.final:
+            self._emitted_at.pop((event.handoff_id, event.pp_rank), None)
+        elif isinstance(event, TERMINAL_EVENTS):
             for key in [k for k in self._emitted_at if k[0] == event.handoff_id]:
                 del self._emitted_at[key]
 

@@ -2,13 +2,14 @@
 
 `open_runtime(config, transport, client, buffers)` is the one entry every door uses (the HTTP app
 through `install_runtime`, the embedded service through the same app, and next an engine
-backend). It opens the configured stages' pools (`service.runtime.stages`), builds the role's
+backend). It opens the configured stages' pools (`service.runtime.stages`) and the landed
+transfer's memory (`service.runtime.landing`), builds the role's
 runtime — `build_decode` or `build_prefill`, the only functions that wire a role — and, on the
 decode role with records on, opens the records and webhooks (`service.runtime.persistence`);
 then it runs the heartbeats (`service.peers.heartbeat`) until the `async with` ends. On exit it
 closes each resource once, in order: the pipeline (a decode's shutdown aborts reach its records),
-the records and webhooks, the heartbeats, the peer calls, then the pools — all before the
-transport the caller owns is closed.
+the records and webhooks, the heartbeats, the peer calls, then the transfer memory and the pools
+— all before the transport the caller owns is closed.
 
 The two runtimes share `RuntimeBase` and differ in their typed `pipeline`; a route reads the one
 of its role (`DECODE`, `PREFILL`), so no code asks which role it is and asserts.
@@ -36,6 +37,7 @@ from service.http.client import PeerClient
 from service.peers.heartbeat import Heartbeats, HeartbeatSettings
 from service.peers.protocol import HttpPeers
 from service.runtime import admission
+from service.runtime.landing import TransferMemory, open_transfer_memory
 from service.runtime.persistence import PERSISTENCE, Persistence, open_persistence
 from service.runtime.stages import Buffers, HostedMemory, open_stages
 from service.runtime.transport import TRANSPORT, transport_opened
@@ -212,9 +214,14 @@ def _heartbeats(config: Config, s: _Shared, side: _DecodeSide | _PrefillSide) ->
 
 
 def build_decode(
-    config: Config, transport: Transport, client: PeerClient, hosted: list[HostedMemory]
+    config: Config,
+    transport: Transport,
+    client: PeerClient,
+    hosted: list[HostedMemory],
+    transfer: TransferMemory | None,
 ) -> DecodeRuntime:
-    """The decode role's runtime over its one hosted stage (records are opened by the caller)."""
+    """The decode role's runtime over its one hosted stage and its landing arena (`transfer`;
+    None in direct mode). Records are opened by the caller."""
     s = _shared(config, transport, client)
     handoff = config.handoff
     memory = hosted[0].memory if hosted[0].pool.on_host else None
@@ -227,6 +234,7 @@ def build_decode(
         s.peers,
         s.bus,
         memory=memory,
+        landing=transfer.landing(config, hosted[0]) if transfer is not None else None,
         default_prefill=config.peers.prefill,
         settings=handoff.decode_settings(),
         incarnation=s.incarnation,
@@ -248,13 +256,17 @@ def build_decode(
 
 
 def build_prefill(
-    config: Config, transport: Transport, client: PeerClient, hosted: list[HostedMemory]
+    config: Config,
+    transport: Transport,
+    client: PeerClient,
+    hosted: list[HostedMemory],
+    transfer: TransferMemory | None,
 ) -> PrefillRuntime:
-    """The prefill role's runtime over every stage hosted here."""
+    """The prefill role's runtime over every stage hosted here and its staging buffer."""
     s = _shared(config, transport, client)
     pipeline = PrefillPipeline(
         {
-            h.layout.pp_rank: HostedStage(h.layout, h.memory if h.pool.on_host else None)
+            h.layout.pp_rank: HostedStage(h.layout, h.memory if h.pool.on_host else None, h.memory)
             for h in hosted
         },
         transport,
@@ -263,6 +275,7 @@ def build_prefill(
         url=s.url,
         incarnation=s.incarnation,
         settings=config.prefill_settings(),
+        staging=transfer.staging() if transfer is not None else None,
     )
     beats = _heartbeats(config, s, _PrefillSide(pipeline))
     pipeline.on_peers = beats.joined
@@ -300,15 +313,20 @@ async def open_runtime(
         opening.add_done_callback(_close_opened)
         raise
     try:
+        transfer = await asyncio.to_thread(open_transfer_memory, config, transport, hosted)
+    except BaseException:
+        await asyncio.to_thread(_close_pools, hosted)
+        raise
+    try:
         async with contextlib.AsyncExitStack() as stack:
             # Closed in reverse: the pipeline first (a decode's shutdown aborts are recorded
             # and their webhooks queued), then the records and webhooks, then the heartbeats —
             # which keep running while live handoffs are aborted, so a peer that stops
             # answering is declared lost instead of holding up the shutdown — and the peer calls.
             runtime: Runtime = (
-                build_decode(config, transport, client, hosted)
+                build_decode(config, transport, client, hosted, transfer)
                 if config.role == "decode"
-                else build_prefill(config, transport, client, hosted)
+                else build_prefill(config, transport, client, hosted, transfer)
             )
             stack.push_async_callback(runtime.peers.close)
             # The heartbeats' own tasks end with `run()` (its `finally` closes them).
@@ -327,6 +345,8 @@ async def open_runtime(
             ready(runtime)
             yield runtime
     finally:
+        if transfer is not None:
+            await asyncio.to_thread(transfer.close)
         await asyncio.to_thread(_close_pools, hosted)
 
 

@@ -48,6 +48,7 @@ def _event(i: int) -> StageTransferred:
         bytes=1 << 20,
         batches=1,
         seconds=0.001,
+        final=i % 4 == 3,
     )
 
 

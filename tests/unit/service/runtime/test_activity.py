@@ -58,23 +58,19 @@ def test_a_handoff_moves_through_its_states_with_per_stage_progress() -> None:
     assert b.stages[0].failed
 
 
-def test_prefill_progress_counts_layers_sent_and_a_stage_is_done_once_it_arrived() -> None:
+def test_prefill_progress_counts_layers_sent_and_the_final_send() -> None:
     clock = Clock()
     activity = Activity(clock)
     bus = bus_with(activity, clock)
-    for _ in range(2):
+    for final in (False, True):
         bus.publish(
             StageTransferred(
                 handoff_id="p", role="prefill", pp_rank=0, blocks=2, bytes=64, batches=1,
-                seconds=0.01,
+                seconds=0.01, final=final,
             )
         )  # fmt: skip
     s = activity.handoffs["p"].stages[0]
-    assert (s.bytes, s.layers, s.done) == (128, 2, False)  # sent is not yet landed
-    bus.publish(
-        StageArrived(handoff_id="p", role="decode", pp_rank=0, bytes=128, arrived=1, expected=1)
-    )
-    assert activity.handoffs["p"].stages[0].done
+    assert (s.bytes, s.layers, s.done) == (128, 2, True)
 
 
 def test_throughput_buckets_and_latency_cover_the_window_only() -> None:
@@ -120,7 +116,7 @@ def test_settle_marks_sent_what_a_prefill_pipeline_no_longer_runs() -> None:
         bus.publish(
             StageTransferred(
                 handoff_id=hid, role="prefill", pp_rank=1, blocks=1, bytes=8, batches=1,
-                seconds=0.01,
+                seconds=0.01, final=False,
             )
         )  # fmt: skip
     at = clock.now

@@ -80,7 +80,7 @@ def test_prefill_events_move_stage_counters_and_planning_time() -> None:
                             blocks=5, bytes=500))  # fmt: skip
     for _ in range(2):
         bus.publish(StageTransferred(handoff_id="p", role="prefill", pp_rank=2, blocks=5,
-                                     bytes=500, batches=1, seconds=0.003))  # fmt: skip
+                                     bytes=500, batches=1, seconds=0.003, final=False))  # fmt: skip
     s = samples(metrics)
     rank = (("pp_rank", "2"),)
     assert s[("kvhandoff_stage_sent_bytes_total", rank)] == 1000
