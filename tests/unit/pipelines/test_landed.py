@@ -163,9 +163,7 @@ async def test_an_arena_smaller_than_one_request_streams_it_segment_by_segment()
         dst = list(range(31, 1, -1))
         await w.decode.create(HandoffRequest(id="big", prefill=["p"], dst_pages=dst, dst_slot=0))
         commits = []
-        w.bus.add_listener(
-            lambda e: commits.append(e) if isinstance(e, SegmentCommitted) else None
-        )
+        w.bus.add_listener(lambda e: commits.append(e) if isinstance(e, SegmentCommitted) else None)
         w.prefill.ready("big", 0, src, 3)
         w.prefill.ready("big", 1, src, 3)
         assert await wait_released(w, "big") == HandoffState.COMPLETED
@@ -222,9 +220,7 @@ async def test_a_byte_flipped_in_a_window_is_refused_and_the_segment_sent_again(
     w = await flip_world(1)
     try:
         rejected: list[SegmentRejected] = []
-        w.bus.add_listener(
-            lambda e: rejected.append(e) if isinstance(e, SegmentRejected) else None
-        )
+        w.bus.add_listener(lambda e: rejected.append(e) if isinstance(e, SegmentRejected) else None)
         src, dst = [1, 2], [3, 4]
         await w.decode.create(HandoffRequest(id="f", prefill=["p"], dst_pages=dst, dst_slot=0))
         w.prefill.ready("f", 0, src, 0)
@@ -240,9 +236,7 @@ async def test_a_segment_refused_twice_fails_the_handoff_and_touches_no_page() -
     w = await flip_world(100)
     try:
         before = [w.dec.region(i).copy() for i in range(len(w.dec.layout.kv))]
-        await w.decode.create(
-            HandoffRequest(id="x", prefill=["p"], dst_pages=[3, 4], dst_slot=0)
-        )
+        await w.decode.create(HandoffRequest(id="x", prefill=["p"], dst_pages=[3, 4], dst_slot=0))
         w.prefill.ready("x", 0, [1, 2], 0)
         w.prefill.ready("x", 1, [1, 2], 0)
         assert await wait_released(w, "x") == HandoffState.FAILED
