@@ -119,7 +119,8 @@ class LandedSender:
             # Fold in every ready signal already queued; wait for one while nothing is ready.
             while not inp.signals.empty() or packer.ready_bytes == 0:
                 signal = await inp.signals.get()
-                now = set(pending_layers) if signal.layers is None else pending_layers & signal.layers
+                wanted = pending_layers if signal.layers is None else signal.layers
+                now = pending_layers & wanted  # a new set: `pending_layers` shrinks below
                 pending_layers -= now
                 packer.make_ready(now)
                 self._bus.publish(
