@@ -44,6 +44,7 @@ class TorchPool(Pool):
         *,
         align_bytes: int,
         pin_memory: bool = False,
+        zeroed: bool = True,
     ) -> None:
         import torch
 
@@ -52,7 +53,10 @@ class TorchPool(Pool):
         self.device = str(dev)
         try:
             # Over-allocate by one alignment unit: torch only guarantees 64-byte alignment.
-            self._tensor: Any = torch.zeros(
+            # `zeroed=False` (scratch memory such as a landing arena) leaves host pages
+            # untouched until used, so an idle arena costs address space, not resident memory.
+            alloc = torch.zeros if zeroed else torch.empty
+            self._tensor: Any = alloc(
                 total + align_bytes, dtype=torch.uint8, device=dev, pin_memory=pin_memory
             )
         except (RuntimeError, ValueError) as exc:

@@ -23,15 +23,17 @@ def open_pool(
     align_bytes: int = DEFAULT_ALIGN_BYTES,
     create: bool = True,
     pin_memory: bool = False,
+    zeroed: bool = True,
 ) -> Pool:
     """Allocate or attach a pool from a spec string: `torch:<device>` or `shm:<name>`.
 
     `create` applies to shm (create the file vs. attach an existing one); `pin_memory` to
-    `torch:cpu`. Embedded pools are built directly with `EmbeddedPool`.
+    `torch:cpu`; `zeroed=False` to torch pools (scratch memory, left as allocated). Embedded
+    pools are built directly with `EmbeddedPool`.
     """
     kind, _, arg = spec.partition(":")
     if kind == "torch" and arg:
-        return TorchPool(sizes, arg, align_bytes=align_bytes, pin_memory=pin_memory)
+        return TorchPool(sizes, arg, align_bytes=align_bytes, pin_memory=pin_memory, zeroed=zeroed)
     if kind == "shm" and arg:
         return ShmPool(arg, sizes, align_bytes=align_bytes, create=create)
     raise PoolError(

@@ -269,6 +269,12 @@ class Landing:
         else:
             self.arena.quarantine_owner(h.id, until_mono)
 
+    def close(self) -> None:
+        """The pipeline closed: stop the arena's timers and drop the view of its memory (the
+        service unregisters and frees the pool next; no commit runs any more)."""
+        self.arena.close()
+        self._window = None
+
     # ----------------------------------------------------------------- internals
 
     def _copy_check_commit(

@@ -551,6 +551,8 @@ class DecodePipeline:
             task.cancel()  # finished ones are unaffected; a cancelled quiesce releases nothing
         await asyncio.gather(*self._tasks, aborts, return_exceptions=True)
         self._releases.close()
+        if self.landing is not None:
+            self.landing.close()
 
     # ----------------------------------------------------------------- the lifecycle
 

@@ -77,6 +77,12 @@ class LandedSender:
         self._sender = sender
         self._max_blocks = max_blocks_per_batch
 
+    def close(self) -> None:
+        """The pipeline closed: drop the staging buffer (the service frees its pool next)."""
+        if self._staging is not None:
+            self._staging.arena.close()
+        self._staging = None
+
     async def send(
         self,
         h: PrefillHandoff,

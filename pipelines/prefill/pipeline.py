@@ -305,6 +305,7 @@ class PrefillPipeline:
     async def close(self) -> None:
         for h in list(self.handoffs.values()):
             await self.abort(h.handoff_id, "service shutting down")
+        self._runner.close()
 
     # ----------------------------------------------------------------- internals
 

@@ -96,6 +96,9 @@ class StageRunner:
     def _publish(self, event: Event) -> None:
         self._bus.publish(event)
 
+    def close(self) -> None:
+        self._landed.close()
+
     async def report_failure(
         self, h: PrefillHandoff, dest: DestinationMsg | None, rank: int, error: KVHandoffError
     ) -> None:

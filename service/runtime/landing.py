@@ -63,7 +63,11 @@ def open_transfer_memory(
     )
     device = _device_of(hosted[0].pool) if hosted else "cpu"
     try:
-        pool = open_pool(f"torch:{device}", [size], align_bytes=config.transport.align_bytes)
+        # Not zeroed: every window is written before it is read, and untouched pages of an
+        # idle arena stay out of resident memory.
+        pool = open_pool(
+            f"torch:{device}", [size], align_bytes=config.transport.align_bytes, zeroed=False
+        )
     except PoolError as exc:
         raise ConfigError(key, exc.message) from None
     try:
