@@ -36,6 +36,7 @@ from pipelines.inprocess import InProcessLink
 from pipelines.memory import PoolMemory, pool_array
 from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline, Staging
+from pipelines.settings import DecodeSettings
 from transport.blocks import Blocks
 from transport.pool_base import host_array
 from transport.pools import open_pool
@@ -163,7 +164,14 @@ def rig(seed: int) -> Rig:
     staging_pool = open_pool("torch:cpu", [ARENA_BYTES])
     staging = Staging(Arena(staging_pool.bases[0], ARENA_BYTES), pool_array(staging_pool, 0))
     decode = DecodePipeline(
-        dec.layout, "dec", "d", link, bus, memory=dec, landing=landing, max_grace_s=0.05
+        dec.layout,
+        "dec",
+        "d",
+        link,
+        bus,
+        memory=dec,
+        landing=landing,
+        settings=DecodeSettings(max_grace_s=0.05),
     )
     prefill = PrefillPipeline(
         {r: HostedStage(m.layout, m, m) for r, m in stages.items()},
