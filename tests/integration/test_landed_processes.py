@@ -64,13 +64,17 @@ NEW = Moved(src_pages=list(range(N, 2 * N)), dst_pages=OLD.dst_pages, src_slot=N
 #: Writers confirm or are judged silent slowly: the failure is the one the test arranges, and a
 #: decode stopped for seconds does not find its healthy prefills silent once it resumes.
 HANDOFF = HandoffConfig(peer_timeout_s=60.0)
-#: The prefill gives up on a call after 1 s; the engine itself after 5 s (its floor), so a
-#: writer declares max_call_s = 0.5 + 5 + 64 MiB / 1 GB/s (the direct mode's bound after the
-#: deadline).
-TRANSPORT = TransportConfig(transfer_timeout_s=1.0, max_bytes_per_batch=64 * MiB)
+#: The prefill gives up on a call after 4 s (long enough that a paused call is stopped before
+#: on a busy machine; a stalled one still times out), the engine itself after 5 s (its floor),
+#: so a writer declares max_call_s = 0.5 + 5 + 64 MiB / 1 GB/s: direct mode's fence after the
+#: deadline.
+TRANSPORT = TransportConfig(transfer_timeout_s=4.0, max_bytes_per_batch=64 * MiB)
 WAIT_S = 30.0
 #: A stage-failed report (request line, headers and its JSON body) is larger than this.
 REPORT_MIN_BYTES = 256
+#: What a stopped writer must still hold of its call for the test to be mid-transfer: dozens of
+#: pages of each layer (a connection's socket buffers take up to a few MiB of a 9 MiB block).
+LATE_MIN_BYTES = 2 * MiB
 
 
 def _deployment(mode: str) -> LocalDeployment:
@@ -289,10 +293,10 @@ async def paused_writer(http: aiohttp.ClientSession, dep: LocalDeployment, tag: 
     with stopped(decode, writer):
         # The deadline only bounds direct mode's fence (deadline + the writer's max_call_s);
         # it is far beyond the time the call takes to start on a busy machine.
-        before, ports = await begin_paused_call(http, dep, old, deadline_s=6.0)
+        before, ports = await begin_paused_call(http, dep, old, deadline_s=10.0)
         os.kill(writer, signal.SIGSTOP)
         # Mid-transfer: most of the call is still in the paused process, not in any kernel.
-        assert unsent(dep, before, ports) > PAUSED_BYTES // 2
+        assert unsent(dep, before, ports) > LATE_MIN_BYTES
         os.kill(decode, signal.SIGCONT)
         # The abort answers once the paused stage acknowledged it (after it resumes).
         aborting = asyncio.create_task(abort(http, dep, old))
@@ -351,7 +355,7 @@ async def stalled_receiver(http: aiohttp.ClientSession, dep: LocalDeployment, ta
 
         await until(reported, "the stage's failure report queued at the decode")
         os.kill(writer, signal.SIGSTOP)
-        assert unsent(dep, before, ports) > PAUSED_BYTES // 2
+        assert unsent(dep, before, ports) > LATE_MIN_BYTES
         os.kill(decode, signal.SIGCONT)
         view = await released(http, dep, old)
         assert view["state"] == "failed" and view["error"]["code"] == "transport_timeout", view
