@@ -12,6 +12,12 @@ not speak instead of guessing. Change history:
   the decode's grace; arrivals and failures name their sender (`sender_url`); heartbeat acks
   carry the receiver's incarnation and live handoff ids, so each side fails at once a handoff its
   peer no longer has.
+- v3: messages are bound to both ends over HTTP (`service/http/signing.py`): a signed request
+  names its recipient (URL, and incarnation once known), which refuses one meant for another
+  service or life; every answer to a signed request is signed by its responder, bound to the
+  request's nonce, and checked by the caller before any field of it (a layout's incarnation, an
+  abort ack, a heartbeat's live list) is used; peer calls never follow redirects. The bodies
+  are unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from msgspec import Meta, Struct
 
 from pipelines.layout import StageLayout
 
-PEER_PROTOCOL_VERSION = 2
+PEER_PROTOCOL_VERSION = 3
 
 NonNeg = Annotated[int, Meta(ge=0)]
 Seconds = Annotated[float, Meta(ge=0)]

@@ -204,10 +204,15 @@ def _replay(
 ) -> tuple[list[Event], StreamGap | None]:
     """What a reader resuming after `last_id` is owed from the replay buffer, and the gap."""
     bus = request.app[RUNTIME].bus
-    if last_id > bus.last_seq:  # an id from an earlier process
+    # An id from an earlier process: below this life's first (ids grow across lives), or above
+    # any this one gave (the clock stepped back across a restart). What that process sent
+    # after it is lost; this life's events follow, all of them new to the reader.
+    if 0 < last_id < bus.first_seq - 1 or last_id > bus.last_seq:
         events, _ = bus.since(0)
         first = events[0].seq if events else bus.last_seq + 1
-        restart = StreamGap(first_id=1, last_id=first - 1, reason="restarted", resumed_from=last_id)
+        restart = StreamGap(
+            first_id=bus.first_seq, last_id=first - 1, reason="restarted", resumed_from=last_id
+        )
         return [e for e in events if keep(e)], restart
     events, complete = bus.since(last_id)
     gap: StreamGap | None = None

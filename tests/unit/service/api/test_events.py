@@ -106,7 +106,8 @@ async def test_frames_carry_seq_tag_and_the_event_and_filters_select(
             ]
             frames = await read(source, 2)
         assert [f.event for f in frames] == ["stage.arrived", "handoff.completed"]
-        assert [int(f.id) for f in frames] == [e.seq for e in want] == [3, 4]
+        o = bus.first_seq - 1  # this life's ids start after every earlier life's
+        assert [int(f.id) for f in frames] == [e.seq for e in want] == [o + 3, o + 4]
         assert frames[0].json()["bytes"] == 7 and frames[0].json()["type"] == "stage.arrived"
         assert frames[1].json()["handoff_id"] == "b"
 
@@ -126,42 +127,54 @@ async def test_a_dropped_reader_resumes_with_last_event_id_missing_and_repeating
         async with aconnect_sse(http, "GET", url, headers={"Last-Event-ID": str(seen[-1])}) as s:
             publish_many(bus, 5)
             seen += [int(f.id) for f in await read(s, 25 - len(seen))]
-        assert seen == list(range(1, 26))
+        assert seen == list(range(bus.first_seq, bus.first_seq + 25))
 
 
 async def test_a_resume_older_than_the_buffer_is_announced_as_a_gap(
     http: httpx.AsyncClient,
 ) -> None:
     async with decode_service({"handoff.sse_buffer": 8}) as server:
-        publish_many(bus_of(server), 20)  # the buffer keeps 13..20
-        url = f"{server.url}/v1/events?last_event_id=2"
+        publish_many(bus_of(server), 20)  # the buffer keeps 13..20 (of this life)
+        o = bus_of(server).first_seq - 1
+        url = f"{server.url}/v1/events?last_event_id={o + 2}"
         async with aconnect_sse(http, "GET", url) as source:
             frames = await read(source, 9)
         assert frames[0].event == "stream.gap"
         assert frames[0].json() == {
             "type": "stream.gap",
-            "first_id": 3,
-            "last_id": 12,
+            "first_id": o + 3,
+            "last_id": o + 12,
             "reason": "expired",
-            "resumed_from": 2,
+            "resumed_from": o + 2,
         }
-        assert int(frames[0].id) == 12
-        assert [int(f.id) for f in frames[1:]] == list(range(13, 21))
+        assert int(frames[0].id) == o + 12
+        assert [int(f.id) for f in frames[1:]] == list(range(o + 13, o + 21))
         assert stats_of(server).gaps_total == 1
 
 
 async def test_an_id_from_before_a_restart_is_announced_and_the_new_ids_follow(
     http: httpx.AsyncClient,
 ) -> None:
+    """Ids grow across lives: one below this life's first is an earlier life's (and one above
+    any this life gave, a life whose clock ran ahead); either way the gap says so, and this
+    life's events follow, none of them an earlier life's."""
     async with decode_service() as server:
-        publish_many(bus_of(server), 3)
-        headers = {"Last-Event-ID": "1000"}
-        async with aconnect_sse(http, "GET", f"{server.url}/v1/events", headers=headers) as s:
-            frames = await read(s, 4)
-        assert frames[0].event == "stream.gap"
-        assert frames[0].json()["reason"] == "restarted"
-        assert frames[0].json()["resumed_from"] == 1000
-        assert [int(f.id) for f in frames[1:]] == [1, 2, 3]
+        bus = bus_of(server)
+        publish_many(bus, 3)
+        o = bus.first_seq - 1
+        for earlier in (1000, bus.last_seq + 10**6):
+            headers = {"Last-Event-ID": str(earlier)}
+            async with aconnect_sse(http, "GET", f"{server.url}/v1/events", headers=headers) as s:
+                frames = await read(s, 4)
+            assert frames[0].event == "stream.gap"
+            assert frames[0].json() == {
+                "type": "stream.gap",
+                "first_id": o + 1,
+                "last_id": o,  # none of this life's is gone yet
+                "reason": "restarted",
+                "resumed_from": earlier,
+            }
+            assert [int(f.id) for f in frames[1:]] == [o + 1, o + 2, o + 3]
 
 
 class FastReader:
@@ -218,10 +231,10 @@ async def test_a_slow_reader_is_dropped_with_overflow_while_a_fast_one_sees_ever
                 await fast.wait_for(publish_many(bus, queue // 2)[-1])
             slow = [sse async for sse in slow_source.aiter_sse()]  # ends: it was disconnected
             await fast.stop()
-        assert fast.ids == list(range(1, bus.last_seq + 1))
+        assert fast.ids == list(range(bus.first_seq, bus.last_seq + 1))
         assert slow[-1].event == "stream.overflow"
         delivered = [int(f.id) for f in slow[:-1]]
-        assert delivered == list(range(1, len(delivered) + 1))
+        assert delivered == list(range(bus.first_seq, bus.first_seq + len(delivered)))
         assert slow[-1].json() == {
             "type": "stream.overflow",
             "last_id": delivered[-1],
