@@ -141,7 +141,11 @@ def control_frame(event: StreamGap | StreamOverflow, event_id: int) -> bytes:
     )
 
 
-KEEPALIVE = b": keep-alive\n\n"
+#: A comment line alone, no blank line after it: a blank line ends a message, and a client that
+#: keeps the last id across messages (httpx-sse 0.4, as the SSE spec says) would dispatch it as
+#: an empty message, which `sse.json()` cannot parse. The next frame's blank line ends nothing
+#: but that frame.
+KEEPALIVE = b": keep-alive\n"
 
 
 #: A write that the reader does not take within this many keep-alive periods ends the stream.
@@ -195,7 +199,7 @@ async def _open(request: web.Request) -> web.StreamResponse:
         response.headers["Vary"] = "Origin"
     response.enable_chunked_encoding()
     await response.prepare(request)
-    await response.write(b": kvhandoff event stream\n\n")  # headers out now, not on event 1
+    await response.write(b": kvhandoff event stream\n")  # headers out now, not on event 1
     return response
 
 

@@ -21,7 +21,8 @@ FILE_NAME = "decode.sqlite3"
 #: The WAL file is truncated to this after a checkpoint (it is reused from its start anyway).
 WAL_LIMIT_BYTES = 64 << 20
 #: Bump with a migration below when the schema changes. 2: `handoffs.seq` (the list's order).
-SCHEMA_VERSION = 2
+#: 3: `handoffs.progress` (stages and bytes of a handoff in flight, kept if the process dies).
+SCHEMA_VERSION = 3
 #: A handoff's `seq` is `life << LIFE_SHIFT | n`, `n` its creation number in that life (1, 2, …):
 #: 2**40 handoffs per life, 2**22 lives below the cursor's 2**62.
 LIFE_SHIFT = 40
@@ -31,6 +32,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 -- One row per accepted handoff. `state` is 'accepted' until a terminal event, then the terminal
 -- state with its final `view`. `released`: its pages were given back (no write can land).
 -- `seq`: creation order across lives (`LIFE_SHIFT`), what `GET /v1/handoffs` pages by.
+-- `progress`: while in flight, its stages and bytes so far (what a restart-failed record shows).
 CREATE TABLE IF NOT EXISTS handoffs (
     id TEXT PRIMARY KEY,
     request BLOB NOT NULL,
@@ -41,7 +43,8 @@ CREATE TABLE IF NOT EXISTS handoffs (
     view BLOB,
     finished_at REAL,
     released INTEGER NOT NULL DEFAULT 0,
-    seq INTEGER
+    seq INTEGER,
+    progress BLOB
 );
 CREATE INDEX IF NOT EXISTS handoffs_by_finish ON handoffs (finished_at);
 CREATE TABLE IF NOT EXISTS endpoints (
@@ -181,4 +184,6 @@ def _migrate(tx: sqlite3.Connection, version: int) -> None:
         tx.executemany(
             "UPDATE handoffs SET seq = ? WHERE id = ?", [(n, i) for n, (i,) in enumerate(ids, 1)]
         )
+    if version < 3:
+        tx.execute("ALTER TABLE handoffs ADD COLUMN progress BLOB")
     tx.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -361,3 +363,45 @@ def test_a_frame_is_encoded_once_and_the_cache_is_bounded() -> None:
     frames(events[1])
     frames(events[2])  # evicts the oldest
     assert frames(events[0]) is not first and frames(events[0]) == first
+
+
+def readme_block(marker: str) -> str:
+    """The README's ```python block that contains `marker`, as printed."""
+    text = (Path(__file__).resolve().parents[4] / "README.md").read_text()
+    for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+        if marker in block:
+            return str(block)
+    raise AssertionError(f"no python block with {marker!r} in README.md")
+
+
+async def test_the_readme_sse_loop_runs_through_keep_alives_as_printed() -> None:
+    """Issue 18 C: httpx-sse 0.4 keeps the last id across messages, so a keep-alive comment
+    followed by a blank line read as an empty message and the README's `sse.json()` raised
+    JSONDecodeError at the first keep-alive. The snippet runs here exactly as printed (wrapped
+    in a coroutine, with its `decode` and a `print` that records), across several keep-alives
+    between events."""
+    snippet = readme_block("aconnect_sse")
+    printed: list[tuple[Any, ...]] = []
+    async with decode_service({"handoff.sse_keepalive_s": 0.02}) as server:
+        bus, stats = bus_of(server), stats_of(server)
+        scope: dict[str, Any] = {"decode": server.url, "print": lambda *a: printed.append(a)}
+        body = "".join(f"    {line}\n" if line else "\n" for line in snippet.splitlines())
+        exec(f"async def readme_loop():\n{body}", scope)
+        task = asyncio.create_task(scope["readme_loop"]())
+        try:
+            async with asyncio.timeout(WAIT_S):
+                while stats.subscribers == 0:
+                    await asyncio.sleep(0.005)
+            first = bus.publish(created("a")).seq
+            await asyncio.sleep(0.1)  # five keep-alive periods with nothing else to read
+            assert not task.done(), task.exception()
+            second = bus.publish(created("b")).seq
+            async with asyncio.timeout(WAIT_S):
+                while len(printed) < 2 and not task.done():
+                    await asyncio.sleep(0.005)
+            assert not task.done(), task.exception()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    assert printed == [(str(first), "handoff.created", "a"), (str(second), "handoff.created", "b")]

@@ -309,7 +309,10 @@ async def test_a_finished_handoff_is_answered_after_a_restart(tmp_path: Path) ->
             assert after.status == 200
             assert after.body["state"] == "completed"
             assert after.body["bytes"] == before["bytes"]
-            assert [e["type"] for e in after.body["timeline"]][-1] == "handoff.completed"
+            # The stored timeline runs to the release, as the live one does (issue 18 C).
+            tags = [e["type"] for e in after.body["timeline"]]
+            assert tags[-2:] == ["handoff.completed", "handoff.released"]
+            assert after.body["released"] is True
             body = {"id": "h1", "prefill": d.prefill_urls, "dst_pages": DST, "dst_slot": SLOT}
             body["metadata"] = {"router": "r1"}
             same = await d.request("POST", f"{again.url}/v1/handoffs", json=body)
@@ -373,9 +376,13 @@ async def test_a_restored_fence_lasts_the_longest_declarable_grace_then_is_relea
         fenced = await d.create("new", [6, 7], SLOT)  # under `left_s` left of the fence
         assert_problem(fenced, 409, "conflict", field="dst_pages[0]", holder="old")
         assert (await d.get("old")).body["released"] is False
-        async with asyncio.timeout(WAIT_S):
-            while not (await d.get("old")).body["released"]:
-                await asyncio.sleep(0.05)
+        # A router's long poll for the release waits for the fence to lift (issue 18 B: it
+        # answered at once with released=false after a restart).
+        url = f"{d.decode.url}/v1/handoffs/old"
+        async with d.http.get(url, params={"wait_s": "60", "until": "released"}) as resp:
+            polled = await resp.json()
+        assert polled["released"] is True, polled
+        assert (await d.get("old")).body["released"] is True
         released = (await receiver.count(1))[0].verified(ep["secret"])
         assert released["data"]["handoff_id"] == "old"
         assert released["data"]["confirmed"] is False and released["data"]["outcome"] == "failed"
@@ -387,6 +394,7 @@ async def test_a_restored_fence_lasts_the_longest_declarable_grace_then_is_relea
             async with asyncio.timeout(WAIT_S):
                 text = await resp.text()
         assert "event: handoff.failed" in text
+        assert text.rstrip().endswith("}") and "event: handoff.released" in text  # runs to it
         await run(d, "new", dst_pages=[6, 7])
 
 
