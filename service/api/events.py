@@ -99,7 +99,8 @@ def last_event_id(request: web.Request) -> int | None:
         raw, field = request.query.get("last_event_id"), "last_event_id"
     if raw is None or raw == "":
         return None
-    if not raw.isdigit() or len(raw) > 18:
+    # ASCII digits only: `isdigit()` also takes "²" and "①", which int() refuses (a 500).
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
         raise InvalidInput(f"{field}={raw!r} is not an event id (an integer ≥ 0)", field=field)
     return int(raw)
 

@@ -156,8 +156,12 @@ async def list_deliveries(request: web.Request) -> web.StreamResponse:
 )
 async def retry_delivery(request: web.Request) -> web.StreamResponse:
     raw = request.match_info["delivery_id"]
-    if not raw.isdigit():
-        raise InvalidInput(f"delivery_id {raw!r} is not a positive integer", field="delivery_id")
+    # ASCII digits below SQLite's 2**63: `isdigit()` takes "²" (which int() refuses) and a
+    # larger number overflows the query; both were a 500.
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 19 and int(raw) < 2**63):
+        raise InvalidInput(
+            f"delivery_id {raw!r} is not a positive integer below 2**63", field="delivery_id"
+        )
     p = persistence_of(request)
     endpoint_id = request.match_info["id"]
     delivery = p.outbox.retry(endpoint_id, int(raw), p.clock())

@@ -443,3 +443,35 @@ async def test_a_router_credential_cannot_relay_the_decodes_signed_calls(
         assert landed(dep, [pages]) == []
     finally:
         await listener.close()
+
+
+async def test_peer_messages_naming_ids_the_public_routes_refuse_are_refused(
+    fresh: LocalDeployment, sessions: dict[str, aiohttp.ClientSession]
+) -> None:
+    """Issue 18 B: a prefill accepted destinations (and aborts) for handoff ids no router or
+    engine could name (`""`, `a/b`, 300 characters): each is a 422 naming `handoff_id`, even
+    signed by the decode service itself, and changes nothing."""
+    dep = fresh
+    before = decode_bytes(dep)
+    http = sessions["anonymous"]
+    layout = await decode_layout(http, dep)
+    stage = await layout_of(http, dep.url_of_stage(0), dep.decode_url)
+    m = Moved(src_pages=[1], dst_pages=[50], src_slot=0, dst_slot=6)
+    for bad in ("", "a/b", "x" * 300, "..", "h\u00e9"):
+        msg = forged_destination(dep, bad, 0, layout, stage, m)
+        status, outcomes = await signed_post(
+            http,
+            dep.url_of_stage(0),
+            "/v1/peer/destinations",
+            [msg],
+            secret=PEER,
+            sender=dep.decode_url,
+        )
+        assert status == 200 and outcomes[0]["status"] == 422, (bad, outcomes)
+        assert outcomes[0]["problem"]["field"] == "handoff_id"
+        abort = {"handoff_id": bad, "reason": "r", "decode_incarnation": layout.incarnation}
+        status, problem = await signed_post(
+            http, dep.url_of_stage(0), "/v1/peer/aborts", abort, secret=PEER, sender=dep.decode_url
+        )
+        assert (status, problem["field"]) == (422, "handoff_id"), (bad, problem)
+    assert decode_bytes(dep) == before

@@ -291,6 +291,10 @@ async def test_bad_filters_and_ids_are_refused_naming_the_field(
             ("handoff=a/b", {}, "handoff"),
             ("last_event_id=x", {}, "last_event_id"),
             ("", {"Last-Event-ID": "-1"}, "Last-Event-ID"),
+            # Issue 18 B: Unicode digits passed isdigit() and then int() raised (a 500).
+            ("last_event_id=%C2%B2", {}, "last_event_id"),
+            ("last_event_id=%E2%91%A0", {}, "last_event_id"),
+            ("", {"Last-Event-ID": "\u00b2".encode()}, "Last-Event-ID"),
         ]:
             reply = await http.get(f"{server.url}/v1/events?{query}", headers=headers)
             assert reply.status_code == 422, (query, reply.text)

@@ -277,6 +277,12 @@ async def test_a_failed_delivery_can_be_retried_by_hand(receiver: WebhookReceive
         assert_problem(bad, 422, field="state")
         missing = await d.request("POST", f"{url}/999/retry")
         assert_problem(missing, 404, field="delivery_id")
+        # Issue 18 B: Unicode digits and ids SQLite cannot hold were a 500.
+        for raw in ("%C2%B2", "%E2%91%A0", str(2**63), "9" * 30):
+            refused = await d.request("POST", f"{url}/{raw}/retry")
+            assert_problem(refused, 422, field="delivery_id")
+        largest = await d.request("POST", f"{url}/{2**63 - 1}/retry")
+        assert_problem(largest, 404, field="delivery_id")
 
 
 async def test_deleting_an_endpoint_stops_its_deliveries(receiver: WebhookReceiver) -> None:
