@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
+import msgspec
 from aiohttp import web
 from msgspec import Meta, Struct
 
@@ -100,7 +101,8 @@ def _query_number(
 )
 async def create_handoff(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, HandoffRequest)
-    inputs.peer_urls(body.prefill, "prefill")
+    # One canonical form (a trailing "/" once made every arrival of a stage not count).
+    body = msgspec.structs.replace(body, prefill=inputs.peer_urls(body.prefill, "prefill"))
     inputs.pages(body.dst_pages, "dst_pages")
     inputs.slot(body.dst_slot, "dst_slot")
     if not body.dst_pages and not request.app[RUNTIME].hosted[0].layout.state:

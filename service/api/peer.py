@@ -33,6 +33,7 @@ from pipelines.messages import (
     LayoutInfo,
     StageFailedMsg,
 )
+from pipelines.urls import canonical_url
 from service.http.app import decode_body, json_response
 from service.http.auth import signed_sender
 from service.http.problems import Forbidden, error_problem
@@ -74,7 +75,7 @@ def _handoff_id(handoff_id: str) -> None:
 
 
 def _same_service(claimed: str, sender: str, what: str, field: str) -> None:
-    if claimed.rstrip("/") != sender.rstrip("/"):
+    if canonical_url(claimed) != canonical_url(sender):
         raise Forbidden(f"{what} names {claimed} but was signed by {sender}", field=field)
 
 

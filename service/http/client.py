@@ -27,9 +27,9 @@ from yarl import URL
 
 from pipelines.errors import KVHandoffError, PeerUnreachable
 from pipelines.peercache import MAX_PEERS, PeerCache
+from pipelines.urls import canonical_url
 from service.http.problems import PeerError, PeerTimeout, StaleIncarnation, error_from_problem
 from service.http.signing import NONCE_HEADER, AnswerRejected, Signer
-from service.http.urls import canonical_url
 
 T = TypeVar("T")
 

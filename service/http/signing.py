@@ -34,7 +34,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
-from service.http.urls import canonical_url
+from pipelines.urls import canonical_url
 
 SENDER_HEADER = "KVHandoff-Sender"
 RECIPIENT_HEADER = "KVHandoff-Recipient"

@@ -452,3 +452,19 @@ async def test_openapi_documents_the_handoff_routes_with_their_schemas(d: Deploy
         "layers",
     }
     assert "/v1/handoffs" not in prefill_doc["paths"]  # each role documents its own routes
+
+
+async def test_prefill_urls_are_compared_in_one_canonical_form(d: Deployment) -> None:
+    """Issue 18 B: a prefill URL ending in "/" was accepted (201) but none of its stages'
+    arrivals counted (they name the prefill's public_url), so the handoff failed at its
+    deadline. Trailing slashes (and host case, a default port: `test_config`) name the same
+    service."""
+    spelled = [u + "/" for u in d.prefill_urls]
+    reply = await d.create("slashes", DST, DST_SLOT, prefill=spelled, deadline_s=10)
+    assert reply.status == 201, reply.body
+    assert reply.body["prefill"] == d.prefill_urls  # as the services name themselves
+    again = await d.create("slashes", DST, DST_SLOT, prefill=spelled, deadline_s=10)
+    assert again.status == 200, again.body  # the same body, spelled the same way
+    await ready_all(d, "slashes")
+    view = await d.finish("slashes")
+    assert view["state"] == "completed", view
