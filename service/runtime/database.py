@@ -6,12 +6,22 @@ WAL mode with `synchronous=NORMAL`: a committed transaction is in the WAL file b
 returns, so it survives the process being killed (SIGKILL, OOM); only a power loss or kernel
 crash can lose the last transactions. Each write is one short transaction on the loop thread
 (tens of microseconds), which is what lets an event be committed before anyone sees it.
+
+One process at a time: opening takes an exclusive lock (`flock`) on `<file>.lock` beside the
+database, held until `close()` or the process ends (a SIGKILL releases it too), and writes who
+holds it there; a second service on the same `state_dir` is refused at start naming the holder
+(two would each restore the other's live handoffs as `service_restarted`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import secrets
+import socket
+import sys
+import time
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -106,12 +116,48 @@ CREATE INDEX IF NOT EXISTS handoffs_by_outcome ON handoffs (state, seq)
 """
 
 
+class StateLocked(OSError):
+    """Another process holds the database (its lock file names it)."""
+
+
+def _lock(path: Path) -> int:
+    """An fd holding the exclusive lock of `path`'s lock file, which now names this process;
+    StateLocked naming the holder when another process has it."""
+    lock_path = path.with_name(path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "another process"
+        os.close(fd)
+        raise StateLocked(f"{path} is in use by {holder} (lock {lock_path})") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    command = " ".join(sys.argv)[:200]
+    me = f"pid {os.getpid()} on {socket.gethostname()} since {since} ({command})"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, me.encode(), 0)
+    return fd
+
+
 class Database:
     """One SQLite connection in autocommit mode; `transaction()` groups writes."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self._lock_fd: int | None = _lock(path)
+        try:
+            self._open(path)
+        except BaseException:  # a file this build refuses: give the lock back, then say why
+            if "conn" in self.__dict__:
+                self.conn.close()
+            os.close(self._lock_fd)
+            raise
+
+    def _open(self, path: Path) -> None:
         self.conn = sqlite3.connect(path, isolation_level=None)
         # 1 KiB pages (for a new file; fixed once it exists): a commit writes whole pages to the
         # WAL, and a handoff's record is well under 4 KiB, so this writes a third of the bytes.
@@ -172,6 +218,9 @@ class Database:
                 self._checkpointer.close()
                 self._checkpointer = None
         self.conn.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = None
 
 
 def _migrate(tx: sqlite3.Connection, version: int) -> None:

@@ -122,3 +122,23 @@ def test_kvhandoff_serve_rejects_a_bad_config(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2
     assert "server.prot: unknown key" in err
+
+
+async def test_a_second_decode_on_the_same_state_dir_refuses_to_start(tmp_path: Path) -> None:
+    """Issue 18 B: the second of two decodes on one state_dir reported the first's live
+    handoffs `failed / service_restarted`. It now refuses to start, naming the holder, and the
+    first goes on serving."""
+    import pytest
+
+    from service.config import ConfigError
+    from tests.unit.service.handoff_fixtures import decode_config, extensions
+
+    settings = {"server.state_dir": str(tmp_path)}
+    async with serve(decode_config(settings), extensions) as first:
+        with pytest.raises(ConfigError, match=rf"server.state_dir.*in use by pid {os.getpid()}"):
+            async with serve(decode_config(settings), extensions):
+                pass
+        async with aiohttp.ClientSession() as http, http.get(f"{first.url}/readyz") as resp:
+            assert resp.status == 200, await resp.text()
+    async with serve(decode_config(settings), extensions):  # once it stopped, the next starts
+        pass
