@@ -20,10 +20,10 @@ import fcntl
 import os
 import secrets
 import socket
-import sys
-import time
 import sqlite3
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 

@@ -459,3 +459,22 @@ async def test_an_unusable_state_dir_stops_start_up_naming_the_key(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"^server.state_dir: cannot open"):
         async with serve(config, extensions):
             pass
+
+
+async def test_the_number_of_registered_endpoints_is_bounded(
+    monkeypatch: pytest.MonkeyPatch, receiver: WebhookReceiver
+) -> None:
+    """Issue 18 B: endpoints were unbounded (each a delivery lane fed every event it selects).
+    Beyond the cap a create is a 409 naming the limit and changes nothing; a delete frees one."""
+    import service.api.webhooks as webhooks_api
+
+    monkeypatch.setattr(webhooks_api, "MAX_ENDPOINTS", 2)
+    async with deployment() as d:
+        first = await register(d, receiver.url)
+        await register(d, receiver.url)
+        url = f"{d.decode.url}/v1/webhooks"
+        refused = await d.request("POST", url, json={"url": receiver.url})
+        assert_problem(refused, 409, "conflict", field="url", limit=2)
+        assert len((await d.request("GET", url)).body["items"]) == 2
+        assert (await d.request("DELETE", f"{url}/{first['id']}")).status == 204
+        await register(d, receiver.url)
