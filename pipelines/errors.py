@@ -11,6 +11,7 @@ __all__ = [
     "CapacityExceeded",
     "ConflictError",
     "DeadlineExceeded",
+    "DigestMismatch",
     "InternalError",
     "InvalidInput",
     "KVHandoffError",
@@ -62,6 +63,13 @@ class ConflictError(KVHandoffError):
     """The request conflicts with current state (a leased page, an id reused with another body)."""
 
     code = "conflict"
+
+
+class DigestMismatch(ConflictError):
+    """Landed bytes did not hash to the digest their sender computed: a stale, misdirected or
+    corrupted write reached the window. Nothing of them was committed."""
+
+    code = "digest_mismatch"
 
 
 class CapacityExceeded(KVHandoffError):

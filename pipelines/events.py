@@ -102,6 +102,27 @@ class HandoffReleased(_Event, frozen=True, tag="handoff.released"):
     metadata: dict[str, Any] = {}
 
 
+class SegmentCommitted(_Event, frozen=True, tag="stage.segment_committed"):
+    """Decode: one landed segment of a stage matched its digest and is now in the handoff's
+    pages and slot (landed mode)."""
+
+    pp_rank: int
+    bytes: int
+    committed: int  # bytes of the stage committed so far
+    expected: int  # bytes the stage moves in all
+    commit_s: float  # the copy out of the window, the digest and the commit
+
+
+class SegmentRejected(_Event, frozen=True, tag="stage.segment_rejected"):
+    """Decode: a landed segment did not hash to its digest (a stale or corrupted write into its
+    window); nothing of it was committed. It is sent again once, or the handoff fails."""
+
+    pp_rank: int
+    bytes: int
+    layers: str  # the layer range the segment held
+    resend: bool
+
+
 Event = (
     HandoffCreated
     | StageReady
@@ -113,6 +134,8 @@ Event = (
     | HandoffFailed
     | HandoffAborted
     | HandoffReleased
+    | SegmentCommitted
+    | SegmentRejected
 )
 TERMINAL_EVENTS = (HandoffCompleted, HandoffFailed, HandoffAborted)
 

@@ -17,8 +17,12 @@ from pipelines.messages import (
     ArrivalMsg,
     DestinationMsg,
     LayoutInfo,
+    SegmentAck,
+    SegmentMsg,
     StageFailedMsg,
     StageInfo,
+    WindowAnswer,
+    WindowRequest,
 )
 from pipelines.prefill import PrefillPipeline
 
@@ -87,3 +91,9 @@ class InProcessLink:
 
     async def stage_failed(self, decode_url: str, msg: StageFailedMsg) -> None:
         self._decode(decode_url).stage_failed(msg)
+
+    async def window(self, decode_url: str, msg: WindowRequest) -> WindowAnswer:
+        return await self._decode(decode_url).window(msg)
+
+    async def segment(self, decode_url: str, msg: SegmentMsg) -> SegmentAck:
+        return await self._decode(decode_url).segment(msg)

@@ -8,7 +8,7 @@ digests what it sent, the decode side digests what landed, and a mismatch names 
 from __future__ import annotations
 
 import hashlib
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -98,3 +98,14 @@ class PoolMemory:
 
     def region(self, index: int) -> U8:
         return self.pool.view(index)
+
+    def array(self, index: int) -> Any:
+        """Region `index` on its own device: a torch tensor for torch pools (and embedded
+        tensors), else a numpy view of host memory. What packing copies run on."""
+        return pool_array(self.pool, index)
+
+
+def pool_array(pool: Pool, index: int) -> Any:
+    tensor = getattr(pool, "tensor", None)
+    found = tensor(index) if tensor is not None else None
+    return found if found is not None else pool.view(index)

@@ -12,7 +12,13 @@ not speak instead of guessing. Change history:
   the decode's grace; arrivals and failures name their sender (`sender_url`); heartbeat acks
   carry the receiver's incarnation and live handoff ids, so each side fails at once a handoff its
   peer no longer has.
-- v3: messages are bound to both ends over HTTP (`service/http/signing.py`): a signed request
+- v3: landed transfers. A destination names its `mode`: `direct` (the prefill writes into the
+  decode's KV pages, as before) or `landed` (it writes only into windows of the decode's landing
+  arena, granted as credits: `Grant`, first with the destination, then with each `SegmentAck`
+  or on a `WindowRequest`); each segment's notice (`SegmentMsg`) names its window, its pieces,
+  its byte count and the digest (`digest`) of its packed bytes, and the last one is the stage's
+  arrival; the decode commits a segment into its pages only once the digest matches.
+- v4: messages are bound to both ends over HTTP (`service/http/signing.py`): a signed request
   names its recipient (URL, and incarnation once known), which refuses one meant for another
   service or life; every answer to a signed request is signed by its responder, bound to the
   request's nonce, and checked by the caller before any field of it (a layout's incarnation, an
@@ -22,13 +28,13 @@ not speak instead of guessing. Change history:
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
 from pipelines.layout import StageLayout
 
-PEER_PROTOCOL_VERSION = 3
+PEER_PROTOCOL_VERSION = 4
 
 NonNeg = Annotated[int, Meta(ge=0)]
 Seconds = Annotated[float, Meta(ge=0)]
@@ -64,6 +70,20 @@ class LayoutInfo(Struct, frozen=True):
     max_call_s: Seconds = 0.0
 
 
+TransferMode = Literal["direct", "landed"]
+DigestAlgorithm = Literal["xxh3_128", "wsum64"]
+
+
+class Grant(Struct, frozen=True, kw_only=True):
+    """Decode → prefill: stage `pp_rank` may write one segment of up to `length` bytes at `addr`
+    (in the decode's landing arena, on `DestinationMsg.decode_target`), once."""
+
+    grant_id: NonNeg
+    pp_rank: NonNeg
+    addr: NonNeg
+    length: NonNeg
+
+
 class DestinationMsg(Struct, frozen=True, kw_only=True):
     """Decode → prefill: where one handoff's bytes go. One message per prefill process."""
 
@@ -84,6 +104,11 @@ class DestinationMsg(Struct, frozen=True, kw_only=True):
     # to its own monotonic clock on receipt (transit only shortens it: no clocks to agree on).
     deadline_in_s: Seconds
     verify: bool = False
+    # `landed`: write only into granted windows of the decode's landing arena (see v3).
+    mode: TransferMode = "direct"
+    digest: DigestAlgorithm = "xxh3_128"  # what each segment's digest is computed with
+    grants: list[Grant] = []  # first windows, at most one per stage (landed mode)
+    window_bytes: NonNeg = 0  # the largest window the decode grants (landed mode)
 
 
 class ArrivalMsg(Struct, frozen=True, kw_only=True):
@@ -154,3 +179,57 @@ class HeartbeatAck(Struct, frozen=True, kw_only=True):
     url: str
     incarnation: Incarnation
     live: list[str] = []
+
+
+class WindowRequest(Struct, frozen=True, kw_only=True):
+    """Prefill → decode: stage `pp_rank` wants a window of `bytes` for its next segment."""
+
+    version: int = PEER_PROTOCOL_VERSION
+    handoff_id: str
+    sender_url: str
+    sender_incarnation: Incarnation
+    decode_incarnation: Incarnation
+    max_call_s: Seconds = 0.0
+    pp_rank: NonNeg
+    bytes: Annotated[int, Meta(ge=1)]
+
+
+class WindowAnswer(Struct, frozen=True, kw_only=True):
+    """None: the arena stayed full for as long as the decode holds a request; ask again."""
+
+    version: int = PEER_PROTOCOL_VERSION
+    grant: Grant | None = None
+
+
+class SegmentMsg(Struct, frozen=True, kw_only=True):
+    """Prefill → decode: one packed segment of stage `pp_rank` has landed in window `grant_id`.
+
+    Piece i is pairing row `rows[i]` over the request's page positions `starts[i]:ends[i]`
+    (`pipelines.packing`); `digest` is of the `bytes` packed bytes. `last`: the stage has no
+    more segments, and this notice is its arrival."""
+
+    version: int = PEER_PROTOCOL_VERSION
+    handoff_id: str
+    sender_url: str
+    sender_incarnation: Incarnation
+    decode_incarnation: Incarnation
+    max_call_s: Seconds = 0.0
+    pp_rank: NonNeg
+    grant_id: NonNeg
+    rows: list[NonNeg]
+    starts: list[NonNeg]
+    ends: list[NonNeg]
+    bytes: NonNeg
+    blocks: NonNeg  # transfer blocks the segment travelled in
+    digest: str
+    last: bool = False
+
+
+class SegmentAck(Struct, frozen=True, kw_only=True):
+    """Decode → prefill: the segment was committed, or (`committed` false) its window did not
+    hash to its digest and it may be sent once more, into `next_grant`."""
+
+    version: int = PEER_PROTOCOL_VERSION
+    committed: bool
+    reason: str = ""
+    next_grant: Grant | None = None

@@ -118,6 +118,24 @@ class TransportConfig(MooncakeConfig, frozen=True, forbid_unknown_fields=True, k
     backend: Literal["mooncake", "local"] = "mooncake"
 
 
+class TransferConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How bytes reach decode memory (`pipelines/SAFETY.md`).
+
+    `landed` (default): prefills write only into windows of the decode's landing arena; the
+    decode copies each segment into its KV pages itself, once its digest matches, so no stale
+    or forged write can reach a page. `direct`: prefills write straight into the KV pages (no
+    landing memory, one copy fewer), safe only as long as the timing bound holds, like SGLang
+    and vLLM."""
+
+    mode: Literal["landed", "direct"] = "landed"
+    #: Decode: the landing arena, registered beside the KV pool on its device.
+    landing_bytes: Positive = 128 * MiB
+    #: Decode: the largest window one segment is granted (a page of one layer must fit).
+    window_bytes: Positive = 16 * MiB
+    #: Prefill: the staging buffer segments are packed into before they travel.
+    staging_bytes: Positive = 64 * MiB
+
+
 class ModelConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """A preset (see `pipelines.models.PRESETS`) with overrides, or an explicit `spec` table."""
 
@@ -266,6 +284,7 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     role: Role
     server: ServerConfig = field(default_factory=ServerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
     model: ModelConfig
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)

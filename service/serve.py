@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="overrides server.log_level",
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="load and validate the config (file, KVHANDOFF_* variables, flags), then exit: "
+        "0 when it is valid, 2 (one line naming the key) when not",
+    )
 
 
 def cli_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -73,8 +79,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, os.environ, cli_overrides(args))
     except ConfigError as exc:
-        print(f"kvhandoff serve: {exc}", file=sys.stderr)
+        # One line, so a deploy check or a container log shows the whole reason (a TOML parse
+        # error quotes the file's lines).
+        print(f"kvhandoff serve: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    if args.check:
+        stages = ", ".join(str(s.pp_rank) for s in config.stages)
+        print(
+            f"kvhandoff serve: {args.config}: valid ({config.role}, stages {stages} of "
+            f"{config.pp_size}, port {config.server.port}, public_url {config.server.public_url})"
+        )
+        return 0
     setup_logging(config.server.log_level)
     extensions = [load_extension(name) for name in EXTENSIONS]
     return uvloop.run(_serve_until_signalled(config, extensions))

@@ -168,5 +168,14 @@ class EmbeddedPool(Pool):
             raise PoolError("view() needs host memory; this embedded pool holds device tensors")
         return super().view(index)
 
+    def tensor(self, index: int) -> Any:
+        """Region `index` as the tensor it was handed over as, flat uint8 (no copy); None when
+        the buffers were (addr, length) pairs."""
+        if not self._tensors or len(self._tensors) != len(self.regions):
+            return None
+        import torch
+
+        return self._tensors[index].reshape(-1).view(torch.uint8)
+
     def _release(self) -> None:
         self._tensors.clear()

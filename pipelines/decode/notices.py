@@ -15,7 +15,7 @@ import numpy.typing as npt
 from pipelines.errors import ConflictError, InvalidInput
 from pipelines.layout import StageLayout
 from pipelines.memory import EntryMemory, destination_digests
-from pipelines.messages import ArrivalMsg, StageFailedMsg
+from pipelines.messages import ArrivalMsg, SegmentMsg, StageFailedMsg, WindowRequest
 from pipelines.pairing import Pairing
 
 I64 = npt.NDArray[np.int64]
@@ -27,7 +27,7 @@ def check_sender(
     peer: str,
     peer_incarnation: str,
     decode_incarnation: str,
-    msg: ArrivalMsg | StageFailedMsg,
+    msg: ArrivalMsg | StageFailedMsg | SegmentMsg | WindowRequest,
 ) -> None:
     """Only the stage's own prefill life (`peer`, `peer_incarnation`) may speak for stage
     `rank`, and only to this decode life. Raises ConflictError naming the field."""

@@ -26,6 +26,7 @@ import msgspec
 
 from pipelines.decode.handoff import I64, ROLE, DecodeHandoff, DecodeStage, publish
 from pipelines.decode.heartbeats import PrefillWatch
+from pipelines.decode.landing import Landing
 from pipelines.decode.leases import Leases
 from pipelines.decode.notices import check_accounting, check_sender, first_mismatch
 from pipelines.decode.outcomes import Outcomes
@@ -50,6 +51,8 @@ from pipelines.events import (
     Event,
     EventBus,
     HandoffCreated,
+    SegmentCommitted,
+    SegmentRejected,
     StageArrived,
 )
 from pipelines.layout import StageLayout
@@ -61,8 +64,13 @@ from pipelines.messages import (
     DestinationMsg,
     HeartbeatAck,
     LayoutInfo,
+    SegmentAck,
+    SegmentMsg,
     StageFailedMsg,
+    WindowAnswer,
+    WindowRequest,
 )
+from pipelines.packing import layer_range
 from pipelines.pairing import PairingCache
 from pipelines.peercache import new_incarnation
 from pipelines.planning import validate_pages_for_layout
@@ -95,6 +103,7 @@ class DecodePipeline:
         bus: EventBus,
         *,
         memory: EntryMemory | None = None,
+        landing: Landing | None = None,
         cache: PairingCache | None = None,
         default_prefill: list[str] | None = None,
         max_live: int = 256,
@@ -113,6 +122,9 @@ class DecodePipeline:
         self._prefill = prefill
         self._bus = bus
         self._memory = memory
+        # Landed mode when present: prefills write only into its windows; pages change only
+        # by its commits (SAFETY.md S1). Direct mode (None): prefills write into the pages.
+        self.landing = landing
         self.cache = cache or PairingCache()
         self._default_prefill = list(default_prefill or [])
         self._max_live = max_live
@@ -140,6 +152,7 @@ class DecodePipeline:
             max_grace_s=max_grace_s,
             spawn=self._spawn,
             lost=self._peers.is_lost,
+            landing=landing,
             clock=clock,
             monotonic=monotonic,
         )
@@ -178,8 +191,16 @@ class DecodePipeline:
                 f"{live} handoffs are in flight (handoff.max_concurrent = {self._max_live})",
                 live=live,
             )
+        if self.landing is not None:  # raises (changing nothing) if a page cannot fit a window
+            pairings = {r: self.cache.get(lay, self.layout) for r, (_, _, lay) in stages.items()}
+            self.landing.open(req.id, dst_pages, req.dst_slot, pairings)
         # I1: leased before anything is sent; nothing awaited from here on.
-        self.leases.acquire(req.id, dst_pages, req.dst_slot if self.layout.state else None)
+        try:
+            self.leases.acquire(req.id, dst_pages, req.dst_slot if self.layout.state else None)
+        except BaseException:
+            if self.landing is not None:
+                self.landing.forget(req.id)
+            raise
         h = self._new_handoff(req, dst_pages, stages)
         self.handoffs[req.id] = h
         self._outcomes.open(h)  # counted live, its deadline armed
@@ -218,7 +239,7 @@ class DecodePipeline:
             },
             verification=(
                 "skipped: the decode pool is not host-readable"
-                if verify and self._memory is None
+                if verify and self._memory is None and self.landing is None
                 else None
             ),
         )
@@ -304,9 +325,10 @@ class DecodePipeline:
         h = self._get(msg.handoff_id)
         stage = self._stage(h, msg.pp_rank)
         self._check_sender(h, msg.pp_rank, stage, msg)
-        if stage.state == StageState.ARRIVED:
+        self._refuse_replay(h, msg.pp_rank, stage)
+        if self.landing is not None:
             raise ConflictError(
-                f"stage {msg.pp_rank} of handoff {h.id!r} has already arrived (replay refused)",
+                f"handoff {h.id!r} is landed: a stage arrives with its last segment",
                 field="pp_rank",
                 pp_rank=msg.pp_rank,
             )
@@ -314,8 +336,27 @@ class DecodePipeline:
         self._releases.confirm_stopped(h, stage)  # its sender has finished writing either way
         if h.state.terminal or stage.state.final:
             return  # a late notice: an outcome never changes
+        self._arrive(h, msg.pp_rank, stage, msg.bytes, msg.digests)
+
+    def _refuse_replay(self, h: DecodeHandoff, rank: int, stage: DecodeStage) -> None:
+        if stage.state == StageState.ARRIVED:
+            raise ConflictError(
+                f"stage {rank} of handoff {h.id!r} has already arrived (replay refused)",
+                field="pp_rank",
+                pp_rank=rank,
+            )
+
+    def _arrive(
+        self,
+        h: DecodeHandoff,
+        rank: int,
+        stage: DecodeStage,
+        nbytes: int,
+        digests: dict[str, str] | None,
+    ) -> None:
+        """Stage `rank` has every byte in place: count it, and complete `h` with the last."""
         stage.state = advance(stage.state, StageState.ARRIVED, f"handoff {h.id!r} stage")
-        stage.bytes, stage.digests = msg.bytes, msg.digests
+        stage.bytes, stage.digests = nbytes, digests
         if h.state == HandoffState.PENDING:
             h.state = advance(h.state, HandoffState.TRANSFERRING, f"handoff {h.id!r}")
         arrived = sum(1 for s in h.stages.values() if s.state == StageState.ARRIVED)
@@ -324,17 +365,115 @@ class DecodePipeline:
             StageArrived(
                 handoff_id=h.id,
                 role=ROLE,
-                pp_rank=msg.pp_rank,
-                bytes=msg.bytes,
+                pp_rank=rank,
+                bytes=nbytes,
                 arrived=arrived,
                 expected=len(h.stages),
             ),
         )
         if arrived == len(h.stages):
-            if h.verify and self._memory is not None:
+            if self.landing is not None:
+                # Every byte was committed by `Landing.commit` only after its digest matched.
+                h.verification = "passed"
+                self._outcomes.complete(h, verified=True)
+            elif h.verify and self._memory is not None:
                 self._spawn(self._verify_then_complete(h))  # digests off the event loop
             else:
                 self._outcomes.complete(h)
+
+    async def window(self, msg: WindowRequest) -> WindowAnswer:
+        """Stage `msg.pp_rank` asks for a window for its next segment (landed mode): granted
+        when the arena has room within a short wait, else none (it asks again)."""
+        h, _ = self._landed_stage(msg)
+        grant = await self._need_landing().grant(h, msg.pp_rank, msg.bytes)
+        return WindowAnswer(grant=grant)
+
+    async def segment(self, msg: SegmentMsg) -> SegmentAck:
+        """A segment of stage `msg.pp_rank` landed in its window: commit it into the pages once
+        its digest matches (`Landing.commit`). A mismatch is sent again once while the stage is
+        live, else the handoff fails naming the stage and its layers; the last segment is the
+        stage's arrival."""
+        h, stage = self._landed_stage(msg)
+        landing = self._need_landing()
+        t0 = time.perf_counter()
+        # A stage with nothing to send (no pages, no slot) arrives with an empty last notice.
+        empty = not msg.rows and msg.bytes == 0 and msg.last
+        ok = True if empty else await landing.commit(h, msg.pp_rank, msg)
+        rank = msg.pp_rank
+        pairing = self.cache.get(stage.layout, self.layout)
+        if not ok:
+            layers = layer_range(pairing, msg.rows)
+            resend = landing.rejections(h.id, rank) <= 1 and not h.state.terminal
+            self._publish(
+                h,
+                SegmentRejected(
+                    handoff_id=h.id,
+                    role=ROLE,
+                    pp_rank=rank,
+                    bytes=msg.bytes,
+                    layers=layers,
+                    resend=resend,
+                ),
+            )
+            reason = f"the window of stage {rank} ({layers}) did not match its digest"
+            if not resend:
+                if not h.state.terminal:
+                    self._outcomes.mark_failed(h, [rank])
+                    self._fail(
+                        h, "digest_mismatch", reason, rank, {"layers": layers, "pp_rank": rank}
+                    )
+                return SegmentAck(committed=False, reason=reason)
+            return SegmentAck(
+                committed=False, reason=reason, next_grant=landing.next_grant(h, rank)
+            )
+        expected = landing.expected(h.id, rank)
+        if not empty:
+            self._publish(
+                h,
+                SegmentCommitted(
+                    handoff_id=h.id,
+                    role=ROLE,
+                    pp_rank=rank,
+                    bytes=msg.bytes,
+                    committed=landing.committed(h.id, rank),
+                    expected=expected,
+                    commit_s=time.perf_counter() - t0,
+                ),
+            )
+        if not msg.last:
+            return SegmentAck(committed=True, next_grant=landing.next_grant(h, rank))
+        if not landing.complete(h, rank):
+            raise InvalidInput(
+                f"stage {rank} says its last segment landed, but {landing.committed(h.id, rank)} "
+                f"of {expected} bytes are committed",
+                field="last",
+                pp_rank=rank,
+            )
+        self._releases.confirm_stopped(h, stage)  # its sender has finished writing
+        if not h.state.terminal and not stage.state.final:
+            self._arrive(h, rank, stage, expected, None)
+        return SegmentAck(committed=True)
+
+    def _need_landing(self) -> Landing:
+        if self.landing is None:
+            raise ConflictError(
+                "this decode service runs direct mode (transfer.mode): it grants no windows",
+                field="mode",
+            )
+        return self.landing
+
+    def _landed_stage(self, msg: SegmentMsg | WindowRequest) -> tuple[DecodeHandoff, DecodeStage]:
+        h = self._get(msg.handoff_id)
+        stage = self._stage(h, msg.pp_rank)
+        self._check_sender(h, msg.pp_rank, stage, msg)
+        self._refuse_replay(h, msg.pp_rank, stage)
+        if h.state.terminal or stage.state.final:
+            raise ConflictError(
+                f"handoff {h.id!r} is already {h.state.value}: nothing more lands",
+                field="handoff_id",
+                pp_rank=msg.pp_rank,
+            )
+        return h, stage
 
     def stage_failed(self, msg: StageFailedMsg) -> None:
         """Stage `msg.pp_rank` failed and says no write of it can still land (from its own
@@ -467,6 +606,7 @@ class DecodePipeline:
             dst_slot=h.request.dst_slot,
             deadline_in_s=remaining_s,
             verify=h.verify,
+            **self._landed_fields(h, ranks),
         )
         try:
             await self._prefill.deliver(peer, msg)
@@ -483,6 +623,16 @@ class DecodePipeline:
                 h.stages[rank].writable_until = until
         for rank in ranks:
             h.stages[rank].delivered = True
+
+    def _landed_fields(self, h: DecodeHandoff, ranks: list[int]) -> dict[str, Any]:
+        if self.landing is None:
+            return {}
+        return {
+            "mode": "landed",
+            "digest": self.landing.algorithm,
+            "window_bytes": self.landing.window_bytes,
+            "grants": self.landing.first_grants(h, sorted(ranks)),
+        }
 
     async def _verify_then_complete(self, h: DecodeHandoff) -> None:
         problem = await asyncio.to_thread(self._verify, h)
@@ -514,7 +664,11 @@ class DecodePipeline:
     # ----------------------------------------------------------------- lookups and checks
 
     def _check_sender(
-        self, h: DecodeHandoff, rank: int, stage: DecodeStage, msg: ArrivalMsg | StageFailedMsg
+        self,
+        h: DecodeHandoff,
+        rank: int,
+        stage: DecodeStage,
+        msg: ArrivalMsg | StageFailedMsg | SegmentMsg | WindowRequest,
     ) -> None:
         check_sender(h.id, rank, stage.peer, stage.incarnation, self.incarnation, msg)
         stage.max_call_s = max(stage.max_call_s, msg.max_call_s)

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import msgspec
 
 from pipelines.decode.handoff import ROLE, DecodeHandoff, DecodeStage, publish
+from pipelines.decode.landing import Landing
 from pipelines.decode.leases import Leases
 from pipelines.decode.views import FencedPages, HandoffArchive, HandoffView
 from pipelines.errors import InvalidInput, KVHandoffError
@@ -35,7 +36,7 @@ from pipelines.events import EventBus, HandoffReleased
 from pipelines.layout import StageLayout
 from pipelines.messages import AbortAck, AbortMsg
 from pipelines.planning import validate_pages_for_layout
-from pipelines.states import ReleaseState, StageState, advance
+from pipelines.states import HandoffState, ReleaseState, StageState, advance
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class Releases:
         max_grace_s: float,
         spawn: Spawn,
         lost: Callable[[str], bool],
+        landing: Landing | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -72,6 +74,9 @@ class Releases:
         self._max_grace_s = max_grace_s
         self._spawn = spawn  # the pipeline's: its close() cancels what is still running
         self._lost = lost  # whether the heartbeats declared a prefill peer lost
+        # Landed mode: pages change only by the landing's commits, so a lease is released once
+        # none runs; the writers' bound keeps only their windows out of use (`_quiesce_landed`).
+        self._landing = landing
         self._clock = clock  # unix time of views, events and records
         self._monotonic = monotonic  # what bounds are measured on
         self._archive: HandoffArchive | None = None
@@ -88,7 +93,8 @@ class Releases:
         released)."""
         if h.quiesce is None and h.release == ReleaseState.HELD:
             h.release = advance(h.release, ReleaseState.RELEASING, f"handoff {h.id!r} lease")
-            h.quiesce = self._spawn(self._quiesce(h, reason))
+            quiesce = self._quiesce if self._landing is None else self._quiesce_landed
+            h.quiesce = self._spawn(quiesce(h, reason))
         return h.quiesce
 
     def confirm_stopped(
@@ -117,6 +123,14 @@ class Releases:
             if not st.state.final:
                 st.state = advance(st.state, StageState.STOPPED, f"handoff {h.id!r} stage")
         h.released.set()
+        if self._landing is not None:
+            # Completed: every writer reported its last segment, its windows go back now.
+            # Otherwise a writer may still write its windows: out of use until its bound.
+            self._landing.settle(
+                h,
+                writers_done=h.state == HandoffState.COMPLETED,
+                until_mono=self._window_bound(h),
+            )
         publish(
             self._bus,
             h,
@@ -129,6 +143,15 @@ class Releases:
                 metadata=h.request.metadata,
             ),
         )
+
+    def _window_bound(self, h: DecodeHandoff) -> float:
+        """Until when a landed handoff's windows stay quarantined: its writers' bound (I5) when
+        known, else the deadline plus the ceiling. Liveness only: a write after it lands in a
+        free or re-granted window, whose digest refuses it."""
+        bound = self._give_up(h, self._monotonic())
+        if bound == math.inf:
+            bound = max(h.deadline_mono, self._monotonic()) + self._max_grace_s
+        return bound
 
     def grace_s(self, h: DecodeHandoff) -> float:
         """How long after the deadline an unconfirmed writer may still write (I5): the longest
@@ -187,6 +210,17 @@ class Releases:
                 async with asyncio.timeout(left):
                     await h.progress.wait()
         self.release(h, confirmed=all(s.stopped for s in h.stages.values()))
+
+    async def _quiesce_landed(self, h: DecodeHandoff, reason: str) -> None:
+        """Landed mode: release the lease as soon as no commit of `h` runs (S1: nothing else
+        writes its pages, and `h` is terminal, so no commit starts), then stop its prefills as
+        in direct mode, so an abort still returns once they stopped. Their windows stay
+        quarantined until the bound either way (`release` → `Landing.settle`)."""
+        assert self._landing is not None
+        await self._landing.idle(h)
+        self.release(h, confirmed=True)
+        started = self._monotonic()
+        await asyncio.gather(*(self._stop_peer(h, p, reason, started) for p in h.peers))
 
     async def _stop_peer(self, h: DecodeHandoff, peer: str, reason: str, started: float) -> None:
         """Ask prefill `peer` to stop `h` until its stages there are confirmed stopped, it is

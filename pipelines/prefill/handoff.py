@@ -9,14 +9,24 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from pipelines.arena import Arena
 from pipelines.layout import StageLayout
 from pipelines.memory import EntryMemory
-from pipelines.messages import ArrivalMsg, DestinationMsg, StageFailedMsg
+from pipelines.messages import (
+    ArrivalMsg,
+    DestinationMsg,
+    SegmentAck,
+    SegmentMsg,
+    StageFailedMsg,
+    WindowAnswer,
+    WindowRequest,
+)
+from pipelines.packing import ByteRegions
 from pipelines.states import StageState, advance
 from transport.blocks import Blocks
 
@@ -48,13 +58,31 @@ class DecodePeer(Protocol):
 
     async def stage_failed(self, decode_url: str, msg: StageFailedMsg) -> None: ...
 
+    async def window(self, decode_url: str, msg: WindowRequest) -> WindowAnswer:
+        """Landed mode: ask for a window of the decode's landing arena."""
+        ...
+
+    async def segment(self, decode_url: str, msg: SegmentMsg) -> SegmentAck:
+        """Landed mode: one segment landed in its window; the decode commits it (or not)."""
+        ...
+
 
 @dataclass(frozen=True)
 class HostedStage:
     """One PP stage registered in this process: its placed layout and a view of its memory."""
 
     layout: StageLayout
-    memory: EntryMemory | None = None
+    memory: EntryMemory | None = None  # host-readable views, for direct mode's digests
+    # Every entry on its own device, for landed mode's gathers (`pipelines.packing`).
+    regions: ByteRegions | None = None
+
+
+@dataclass(frozen=True)
+class Staging:
+    """A prefill's registered staging buffer: packed segments wait here while they travel."""
+
+    arena: Arena
+    buffer: Any  # the whole buffer as one 1-D uint8 array on its device
 
 
 @dataclass(frozen=True)

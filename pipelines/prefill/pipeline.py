@@ -52,6 +52,7 @@ from pipelines.prefill.handoff import (
     ReadySignal,
     StageFailed,
     StageInput,
+    Staging,
 )
 from pipelines.prefill.stage import StageRunner
 from pipelines.states import StageState
@@ -74,6 +75,7 @@ class PrefillPipeline:
         default_deadline_s: float = 30.0,
         max_blocks_per_batch: int = 2048,
         queue_depth: int = 4,
+        staging: Staging | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.stages = dict(stages)
@@ -97,6 +99,7 @@ class PrefillPipeline:
             sender=self,
             max_blocks_per_batch=max_blocks_per_batch,
             queue_depth=queue_depth,
+            staging=staging,
         )
         self.handoffs: dict[str, PrefillHandoff] = {}
         # Recently finished ids, so a late or repeated signal is refused rather than waiting for

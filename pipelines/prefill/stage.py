@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
@@ -46,8 +46,11 @@ from pipelines.prefill.handoff import (
     PrefillHandoff,
     StageFailed,
     StageInput,
+    Staging,
     _End,
 )
+from pipelines.prefill.landed import LandedSender
+from pipelines.prefill.writes import write_all
 from pipelines.states import StageState
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,7 @@ class StageRunner:
         sender: Sender,
         max_blocks_per_batch: int,
         queue_depth: int,
+        staging: Staging | None = None,
     ) -> None:
         self.stages = stages
         self._writer = writer
@@ -85,6 +89,9 @@ class StageRunner:
         self._sender = sender
         self._max_blocks = max_blocks_per_batch  # only to report batch counts
         self._queue_depth = queue_depth
+        self._landed = LandedSender(
+            staging, writer, decode, bus, sender, max_blocks_per_batch=max_blocks_per_batch
+        )
 
     def _publish(self, event: Event) -> None:
         self._bus.publish(event)
@@ -133,6 +140,12 @@ class StageRunner:
             inp = h.inputs[rank]
             validate_request(pairing, inp.src_pages, dest.dst_pages, inp.src_slot, dest.dst_slot)
             h.set_stage(rank, StageState.SENDING)
+            if dest.mode == "landed":
+                await self._landed.send(h, rank, stage, inp, dest, pairing)
+                # Its last segment's notice was its arrival, and the decode committed it.
+                h.set_stage(rank, StageState.NOTIFYING)
+                h.set_stage(rank, StageState.ARRIVED)
+                return
             chunks: asyncio.Queue[Chunk | _End] = asyncio.Queue(self._queue_depth)
             plans: asyncio.Queue[TransferPlan | _End] = asyncio.Queue(self._queue_depth)
             async with asyncio.TaskGroup() as tg:
@@ -260,7 +273,8 @@ class StageRunner:
             if isinstance(p, TransferPlan) and len(p):
                 t0 = time.perf_counter()
                 assert h.deadline_mono is not None
-                batches = await self._write_all(dest, p, h.deadline_mono)
+                await write_all(self._writer, dest.decode_target, p.blocks, h.deadline_mono)
+                batches = -(-len(p) // self._max_blocks)
                 total_bytes += p.total_bytes
                 total_blocks += len(p)
                 h.bytes_sent += p.total_bytes
@@ -278,46 +292,3 @@ class StageRunner:
                 )
             if final:
                 return total_bytes, total_blocks
-
-    async def _write_all(self, dest: DestinationMsg, p: TransferPlan, start_by: float) -> int:
-        """Write one plan (the transport splits it under its block cap and bounds in-flight
-        batches per peer). On cancellation or error, leave only once the engine can no longer
-        write anything of it: the write task is drained, then the peer's lane quiesced.
-
-        No batch starts after the handoff's deadline, even if this loop stalls: the decode side
-        relies on that to know when a stage it cannot reach any more has stopped writing."""
-        target = dest.decode_target
-        write = self._writer.write(target, p.blocks, start_by=start_by)
-        task = asyncio.get_running_loop().create_task(write)
-        try:
-            await asyncio.shield(task)
-        except BaseException:
-            # Cancelled (abort, deadline, lost peer) or failed: make sure nothing still lands.
-            task.cancel()
-            await _drain({task})
-            await _settle(self._writer.quiesce(target))
-            raise
-        return -(-len(p) // self._max_blocks)
-
-
-async def _drain(tasks: set[asyncio.Task[None]]) -> None:
-    """Wait until every task is done, even if this task is cancelled meanwhile; then re-raise."""
-    cancelled = False
-    while pending := {t for t in tasks if not t.done()}:
-        try:
-            await asyncio.wait(pending)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-
-
-async def _settle(awaitable: Awaitable[None]) -> None:
-    """Await to the end even if cancelled meanwhile; then re-raise the cancellation. A failure
-    of the awaited call is raised too: the caller must not report "quiesced" on it."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        await _drain({task})
-    finally:
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]

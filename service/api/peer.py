@@ -31,7 +31,11 @@ from pipelines.messages import (
     HeartbeatAck,
     HeartbeatMsg,
     LayoutInfo,
+    SegmentAck,
+    SegmentMsg,
     StageFailedMsg,
+    WindowAnswer,
+    WindowRequest,
 )
 from pipelines.urls import canonical_url
 from service.http.app import decode_body, json_response
@@ -44,8 +48,10 @@ from service.peers.protocol import (
     DESTINATIONS_PATH,
     HEARTBEATS_PATH,
     LAYOUT_PATH,
+    SEGMENTS_PATH,
     STAGE_FAILURES_PATH,
     WATCH_PATH,
+    WINDOWS_PATH,
     Outcome,
 )
 from service.runtime.pipelines import RUNTIME, check_version, decode_of, prefill_of
@@ -236,13 +242,49 @@ async def stage_failures(request: web.Request) -> web.StreamResponse:
     )
 
 
+@decode_peer_routes.post(
+    WINDOWS_PATH,
+    request=WindowRequest,
+    response=WindowAnswer,
+    errors=(404, 409, 422),
+    summary="Prefill → decode: a landing window for a stage's next segment (landed mode)",
+    tags=("peer",),
+    role="peer",
+)
+async def windows(request: web.Request) -> web.StreamResponse:
+    msg = await decode_body(request, WindowRequest)
+    check_version(msg.version)
+    sender = signed_sender(request)
+    if sender is not None:
+        _from_stage_peer(request, "window request")(msg, sender)
+    return json_response(await decode_of(request).window(msg))
+
+
+@decode_peer_routes.post(
+    SEGMENTS_PATH,
+    request=SegmentMsg,
+    response=SegmentAck,
+    errors=(404, 409, 422),
+    summary="Prefill → decode: a segment landed in its window; committed once its digest matches",
+    tags=("peer",),
+    role="peer",
+)
+async def segments(request: web.Request) -> web.StreamResponse:
+    msg = await decode_body(request, SegmentMsg)
+    check_version(msg.version)
+    sender = signed_sender(request)
+    if sender is not None:
+        _from_stage_peer(request, "segment")(msg, sender)
+    return json_response(await decode_of(request).segment(msg))
+
+
 def _from_stage_peer(
     request: web.Request, what: str
-) -> Callable[[ArrivalMsg | StageFailedMsg, str], None]:
+) -> Callable[[ArrivalMsg | StageFailedMsg | WindowRequest | SegmentMsg, str], None]:
     """Only the prefill service a handoff's stage was assigned to may report on that stage."""
     pipeline = decode_of(request)
 
-    def check(msg: ArrivalMsg | StageFailedMsg, sender: str) -> None:
+    def check(msg: ArrivalMsg | StageFailedMsg | WindowRequest | SegmentMsg, sender: str) -> None:
         view = pipeline.get(msg.handoff_id)  # an unknown handoff: 404, as the pipeline says
         for stage in view.stages:
             if stage.pp_rank == msg.pp_rank:

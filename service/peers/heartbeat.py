@@ -222,7 +222,10 @@ class Heartbeats:
         for peer in list(self._last):
             if peer not in live:
                 del self._last[peer]  # nothing shared any more: a later handoff starts afresh
-        self._lost_peers &= set(live)  # per-peer state lives only while handoffs are shared
+        # A lost peer stays shown lost while the health table tracks it (a landed handoff is
+        # released at its outcome, so its peer is soon shared by nothing); a new handoff with
+        # it clears the mark (`joined`), so it can be declared lost again at once.
+        self._lost_peers = {p for p in self._lost_peers if p in live or p in self._table}
         for peer in live:
             self._last.setdefault(peer, now)  # a new peer gets a full window
         self._table.pin(live)

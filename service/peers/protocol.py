@@ -23,7 +23,11 @@ from pipelines.messages import (
     HeartbeatAck,
     HeartbeatMsg,
     LayoutInfo,
+    SegmentAck,
+    SegmentMsg,
     StageFailedMsg,
+    WindowAnswer,
+    WindowRequest,
 )
 from pipelines.peercache import MAX_PEERS, PeerCache
 from service.http.client import PeerClient
@@ -37,6 +41,8 @@ ARRIVALS_PATH = "/v1/peer/arrivals"
 STAGE_FAILURES_PATH = "/v1/peer/stage-failures"
 HEARTBEATS_PATH = "/v1/peer/heartbeats"
 WATCH_PATH = "/v1/peer/watch"
+WINDOWS_PATH = "/v1/peer/windows"
+SEGMENTS_PATH = "/v1/peer/segments"
 
 
 class Outcome(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -135,6 +141,15 @@ class HttpPeers:
 
     async def stage_failed(self, decode_url: str, msg: StageFailedMsg) -> None:
         await self._failures.submit(decode_url, msg)
+
+    async def window(self, decode_url: str, msg: WindowRequest) -> WindowAnswer:
+        return await self._client.post(decode_url, WINDOWS_PATH, msg, WindowAnswer)
+
+    async def segment(self, decode_url: str, msg: SegmentMsg) -> SegmentAck:
+        # A commit copies the segment out of its window and digests it: allow a transfer's time.
+        return await self._client.post(
+            decode_url, SEGMENTS_PATH, msg, SegmentAck, timeout_s=self._abort_timeout_s
+        )
 
     # either direction
     async def watch(self, url: str, opened: Callable[[], None] | None = None) -> None:

@@ -32,6 +32,7 @@ from service.config import Config, ConfigError
 from service.http.app import CONFIG, INCARNATION, PEERS, READINESS
 from service.peers.heartbeat import Heartbeats
 from service.peers.protocol import HttpPeers
+from service.runtime.landing import TransferMemory, open_transfer_memory
 from service.runtime.stages import Buffers, HostedMemory, open_stages
 from service.runtime.transport import TRANSPORT
 
@@ -120,7 +121,12 @@ async def _handoffs_ctx(app: web.Application) -> AsyncIterator[None]:
         opening.add_done_callback(_close_opened)
         raise
     try:
-        runtime = _build(config, app, hosted)
+        transfer = await asyncio.to_thread(open_transfer_memory, config, app[TRANSPORT], hosted)
+    except BaseException:
+        await asyncio.to_thread(_close_pools, hosted)
+        raise
+    try:
+        runtime = _build(config, app, hosted, transfer)
         app[RUNTIME] = runtime
         beat = asyncio.get_running_loop().create_task(
             runtime.heartbeats.run(), name="kvhandoff-heartbeats"
@@ -139,10 +145,17 @@ async def _handoffs_ctx(app: web.Application) -> AsyncIterator[None]:
                 await beat
             await runtime.peers.close()
     finally:
+        if transfer is not None:
+            await asyncio.to_thread(transfer.close)
         await asyncio.to_thread(_close_pools, hosted)
 
 
-def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> Runtime:
+def _build(
+    config: Config,
+    app: web.Application,
+    hosted: list[HostedMemory],
+    transfer: TransferMemory | None,
+) -> Runtime:
     transport = app[TRANSPORT]
     url = config.server.public_url
     handoff = config.handoff
@@ -194,6 +207,7 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
             peers,
             bus,
             memory=memory,
+            landing=transfer.landing(config, hosted[0]) if transfer is not None else None,
             default_prefill=config.peers.prefill,
             max_live=handoff.max_concurrent,
             default_deadline_s=handoff.default_deadline_s,
@@ -214,7 +228,9 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
     else:
         prefill = runtime.prefill = PrefillPipeline(
             {
-                h.layout.pp_rank: HostedStage(h.layout, h.memory if h.pool.on_host else None)
+                h.layout.pp_rank: HostedStage(
+                    h.layout, h.memory if h.pool.on_host else None, h.memory
+                )
                 for h in hosted
             },
             transport,
@@ -224,6 +240,7 @@ def _build(config: Config, app: web.Application, hosted: list[HostedMemory]) -> 
             incarnation=incarnation,
             default_deadline_s=handoff.default_deadline_s,
             max_blocks_per_batch=config.transport.max_blocks_per_batch,
+            staging=transfer.staging() if transfer is not None else None,
         )
         beats.watch(
             live=prefill.live_by_decode,

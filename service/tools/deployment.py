@@ -47,6 +47,7 @@ from service.config import (
     HandoffConfig,
     ModelConfig,
     RecordsConfig,
+    TransferConfig,
     TransportConfig,
     WebhooksConfig,
     load_config,
@@ -132,6 +133,7 @@ class LocalDeployment:
         decode_slots: int | None = None,
         transport: TransportConfig | None = None,
         handoff: HandoffConfig | None = None,
+        transfer: TransferConfig | None = None,
         webhooks: WebhooksConfig | None = None,
         records: RecordsConfig | None = None,
         token: str | None = None,
@@ -158,6 +160,10 @@ class LocalDeployment:
         )
         self.transport = transport or TransportConfig()
         self.handoff = handoff or HandoffConfig()
+        # Small landing and staging memory: a deployment on one machine runs several services.
+        self.transfer = transfer or TransferConfig(
+            landing_bytes=32 << 20, window_bytes=4 << 20, staging_bytes=16 << 20
+        )
         self.webhooks = webhooks or WebhooksConfig()
         self.records = records or RecordsConfig()
         self.token = token
@@ -262,6 +268,7 @@ class LocalDeployment:
             "transport": msgspec.to_builtins(self.transport),
             "model": self._model_table,
             "handoff": msgspec.to_builtins(self.handoff),
+            "transfer": msgspec.to_builtins(self.transfer),
             "peers": {"prefill": prefill} if proc.role == "decode" else {},
             "webhooks": msgspec.to_builtins(self.webhooks),
             "records": msgspec.to_builtins(self.records),

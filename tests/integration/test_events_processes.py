@@ -61,4 +61,5 @@ async def test_a_dropped_reader_resumes_and_reads_every_event_once(
                     if seen[-1] == expected[-1]:
                         break
     assert seen == expected
-    assert len(expected) == 10 * 5  # created, two stages arrived, completed, released
+    # created, per stage a segment committed and its arrival, completed, released
+    assert len(expected) == 10 * 7

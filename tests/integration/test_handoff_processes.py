@@ -13,7 +13,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from service.config import HandoffConfig
+from service.config import HandoffConfig, TransferConfig
 from service.tools.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     SENTINEL,
@@ -167,10 +167,27 @@ async def test_deadline_expiry_fails_naming_the_waiting_stages(
     assert "[1, 2, 3]" in view["error"]["reason"], view["error"]
 
 
+@pytest.fixture(scope="module")
+def pp4_direct() -> Iterator[LocalDeployment]:
+    with LocalDeployment(
+        preset="hybrid-npu-mla",
+        model=NPU_MLA,
+        pp_size=4,
+        num_pages=128,
+        num_slots=8,
+        transfer=TransferConfig(mode="direct"),
+    ) as dep:
+        yield dep
+
+
 async def test_corrupted_byte_is_caught_by_verification(
-    http: aiohttp.ClientSession, fresh: LocalDeployment
+    http: aiohttp.ClientSession, pp4_direct: LocalDeployment
 ) -> None:
-    dep = fresh
+    # Direct mode: prefills write the pages themselves, so `verify` digests the pages end to
+    # end. (Landed mode checks every segment before committing it: tests/unit/pipelines.)
+    dep = pp4_direct
+    fill_sources(dep, seed=5)
+    reset_decode(dep)
     m = Moved(src_pages=[7, 8], dst_pages=[70, 71], src_slot=4, dst_slot=4)
     assert (await create(http, dep, "corrupt", m, verify=True))[0] == 201
     layer = sorted({e.layer_id for e in dep.stage_layouts[2].kv})[0]

@@ -224,8 +224,8 @@ async def test_forged_arrivals_and_failures_change_nothing(
                 sessions["anonymous"], dep.decode_url, path, [msg], secret=PEER, sender=other
             )
             assert status == 200 and outcomes[0]["status"] == 403, outcomes
-        # Signed by the stage's own service (a peer-secret holder) but moving 0 of the bytes the
-        # stage owes: the decode's accounting refuses it, naming the field.
+        # Signed by the stage's own service (a peer-secret holder): a landed handoff (the
+        # default) takes no bare arrival at all, its stages arrive with their last segment...
         status, outcomes = await signed_post(
             sessions["anonymous"],
             dep.decode_url,
@@ -234,8 +234,30 @@ async def test_forged_arrivals_and_failures_change_nothing(
             secret=PEER,
             sender=dep.url_of_stage(r),
         )
-        assert status == 200 and outcomes[0]["status"] == 422, outcomes
-        assert outcomes[0]["problem"]["field"] == "bytes", outcomes
+        assert status == 200 and outcomes[0]["status"] == 409, outcomes
+        # ... and a last segment that commits none of the bytes the stage owes is refused too.
+        last = {
+            **sender,
+            "handoff_id": "victim",
+            "pp_rank": r,
+            "grant_id": 0,
+            "rows": [],
+            "starts": [],
+            "ends": [],
+            "bytes": 0,
+            "blocks": 0,
+            "digest": "",
+            "last": True,
+        }
+        status, problem = await signed_post(
+            sessions["anonymous"],
+            dep.decode_url,
+            "/v1/peer/segments",
+            last,
+            secret=PEER,
+            sender=dep.url_of_stage(r),
+        )
+        assert status == 422 and problem["field"] == "last", problem
     async with sessions["router"].get(f"{dep.decode_url}/v1/handoffs/victim") as resp:
         view = await resp.json()
     assert view["state"] in ("pending", "transferring"), view  # destinations delivered

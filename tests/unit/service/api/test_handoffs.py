@@ -105,14 +105,19 @@ async def test_handoff_lands_every_byte_in_its_layer_group_and_page(
             for rank, n in enumerate(per_stage)
         ]
         assert view["metadata"] == {"user": "u"}
+        # Landed (the default): each stage's segment is committed by the decode before it
+        # arrives (one segment per stage here).
         assert tags(view) == [
             "handoff.created",
+            "stage.segment_committed",
             "stage.arrived",
+            "stage.segment_committed",
             "stage.arrived",
             "handoff.completed",
             "handoff.released",
         ]
-        assert view["timeline"][-2]["verified"] is verify
+        # Landed: every segment's digest was checked before its commit, `verify` or not.
+        assert view["timeline"][-2]["verified"] is True and view["verification"] == "passed"
         assert view["released"] is True and view["timeline"][-1]["confirmed"] is True
         assert live_leases(d) == 0
 

@@ -1,0 +1,331 @@
+"""Land, verify, commit: the decode's landing arena and the one code path that writes KV pages.
+
+In landed mode a prefill never writes into KV pages. It writes each packed segment into a window
+of this decode's landing arena, granted to one stage of one handoff (`grant`, `first_grants`,
+`next_grant`), and says so (`SegmentMsg`). `commit` then, for the handoff that leases the pages:
+
+1. checks the notice names its own grant, pieces of its own destination not committed yet, and
+   the bytes those pieces hold (nothing changes on a refusal);
+2. copies the window's bytes out (a private snapshot: a write landing in the window meanwhile
+   cannot reach the pages), digests the copy, and only on a match scatters it into the pages
+   and slot (`pipelines.packing.scatter`);
+3. gives the window back, or, on a mismatch, keeps it out of use until the handoff ends.
+
+SAFETY.md S1: KV pages and state slots change only here, for a handoff that is not terminal
+and holds their lease; `Releases` releases a lease only once `idle(h)` (no commit of it runs).
+A late or stale write can only hit a window: free (harmless), or granted again (its new owner's
+digest refuses it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pipelines.arena import Arena, Extent
+from pipelines.decode.handoff import DecodeHandoff
+from pipelines.digest import Algorithm, digest
+from pipelines.errors import ConflictError, InvalidInput
+from pipelines.layout import StageLayout
+from pipelines.messages import Grant, SegmentMsg
+from pipelines.packing import (
+    ByteRegions,
+    Pieces,
+    check_pieces,
+    copy_out,
+    destination_side,
+    scatter,
+)
+from pipelines.pairing import Pairing
+
+I64 = npt.NDArray[np.int64]
+
+#: Below this many bytes a commit runs on the event loop: a thread hop costs more than the copy.
+INLINE_COMMIT_BYTES = 256 * 1024
+#: How long one window request waits for room before it answers "none yet, ask again": well
+#: inside a peer call's timeout, so a full arena is backpressure, not a failed call.
+WINDOW_WAIT_S = 1.0
+
+
+@dataclass
+class StageLanding:
+    """What one stage of a handoff has landed and committed."""
+
+    pairing: Pairing
+    expected: int  # bytes the stage moves in all
+    covered: npt.NDArray[np.bool_]  # [row, page position]: committed, or being committed
+    committed: int = 0
+    grants: dict[int, Extent] = field(default_factory=dict)  # grant id -> its window
+    rejected: int = 0  # segments whose window did not match its digest
+
+
+@dataclass
+class HandoffLanding:
+    stages: dict[int, StageLanding]
+    running: int = 0  # commits in progress
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Landing:
+    """The landing arena of one decode pipeline and the commits out of it."""
+
+    def __init__(
+        self,
+        arena: Arena,
+        window: Any,
+        memory: ByteRegions,
+        layout: StageLayout,
+        *,
+        window_bytes: int,
+        algorithm: Algorithm = "xxh3_128",
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.arena = arena
+        self._window = window  # the whole arena as one 1-D uint8 array on its device
+        self._memory = memory
+        self._layout = layout
+        self.window_bytes = min(window_bytes, arena.capacity_bytes)
+        self.algorithm: Algorithm = algorithm
+        self._monotonic = monotonic
+        self._handoffs: dict[str, HandoffLanding] = {}
+        self._grants: dict[int, tuple[str, int]] = {}  # grant id -> (handoff id, pp_rank)
+        self._next_grant_id = 0
+
+    # ----------------------------------------------------------------- handoffs
+
+    def open(
+        self, handoff_id: str, dst_pages: I64, dst_slot: int | None, pairings: dict[int, Pairing]
+    ) -> None:
+        """Start landing a new handoff's stages; raises InvalidInput (changing nothing) when a
+        page or slot of a stage cannot fit one window."""
+        n = int(dst_pages.shape[0])
+        stages = {}
+        for rank, pairing in pairings.items():
+            has_slot = dst_slot is not None and pairing.num_state_pairs > 0
+            expected = pairing.kv_bytes_per_page * n + (
+                pairing.state_bytes_per_slot if has_slot else 0
+            )
+            k, rows = pairing.num_kv_pairs, pairing.num_kv_pairs + pairing.num_state_pairs
+            # True where nothing is to be sent; each cell to send turns True once committed.
+            covered = np.ones((rows, max(n, 1)), dtype=np.bool_)
+            covered[:k, :n] = False
+            if has_slot:
+                covered[k:, 0] = False  # a state row has one position: the slot
+            largest = max(
+                int(pairing.kv_item_len.max(initial=0)), int(pairing.state_item_len.max(initial=0))
+            )
+            if largest > self.window_bytes:
+                raise InvalidInput(
+                    f"stage {rank} has a {largest}-byte page or slot, larger than the landing "
+                    f"window ({self.window_bytes} bytes): raise transfer.window_bytes",
+                    field="window_bytes",
+                    pp_rank=rank,
+                )
+            stages[rank] = StageLanding(pairing, expected, covered)
+        hl = HandoffLanding(stages)
+        hl.idle.set()
+        self._handoffs[handoff_id] = hl
+
+    def forget(self, handoff_id: str) -> None:
+        """A handoff opened here was not created after all (nothing was granted yet)."""
+        self._handoffs.pop(handoff_id, None)
+
+    def expected(self, handoff_id: str, rank: int) -> int:
+        return self._handoffs[handoff_id].stages[rank].expected
+
+    def first_grants(self, h: DecodeHandoff, ranks: list[int]) -> list[Grant]:
+        """A first window for each of `ranks` if the arena has room now (else they ask)."""
+        out = []
+        for rank in ranks:
+            g = self._try_grant(h.id, rank, self._remaining(h.id, rank))
+            if g is not None:
+                out.append(g)
+        return out
+
+    async def grant(self, h: DecodeHandoff, rank: int, nbytes: int) -> Grant | None:
+        """A window of up to `nbytes` for stage `rank`, waiting up to `WINDOW_WAIT_S` for room
+        (bounded by the handoff's deadline); None when there was none."""
+        stage = self._stage(h.id, rank)
+        want = min(nbytes, self.window_bytes, max(stage.expected - stage.committed, 1))
+        until = min(h.deadline_mono, self._monotonic() + WINDOW_WAIT_S)
+        try:
+            extent = await self.arena.take(want, h.id, until_mono=until)
+        except TimeoutError:
+            return None
+        if h.state.terminal:  # it ended while we waited: the window goes straight back
+            self.arena.give_back(extent)
+            return None
+        return self._issue(h.id, rank, extent, want)
+
+    async def commit(self, h: DecodeHandoff, rank: int, msg: SegmentMsg) -> bool:
+        """Commit the segment `msg` names into `h`'s pages (see the module docstring). Returns
+        False when the window did not hash to the digest (nothing committed). Raises
+        InvalidInput / ConflictError, changing nothing, for a notice this grant cannot hold."""
+        stage = self._stage(h.id, rank)
+        extent = stage.grants.get(msg.grant_id)
+        if extent is None or self._grants.get(msg.grant_id) != (h.id, rank):
+            raise ConflictError(
+                f"grant {msg.grant_id} is not an open window of handoff {h.id!r} stage {rank}",
+                field="grant_id",
+                pp_rank=rank,
+            )
+        pieces = Pieces.of(msg.rows, msg.starts, msg.ends)
+        n = int(h.dst_pages.shape[0])
+        has_slot = h.request.dst_slot is not None and stage.pairing.num_state_pairs > 0
+        nbytes = check_pieces(stage.pairing, pieces, n, has_slot, pp_rank=rank)
+        if nbytes != msg.bytes or nbytes > extent.length:
+            raise InvalidInput(
+                f"the segment's pieces hold {nbytes} bytes; the notice says {msg.bytes} and "
+                f"its window holds {extent.length}",
+                field="bytes",
+                pp_rank=rank,
+            )
+        cells = _cells(stage.pairing, pieces)
+        if stage.covered[cells].any():
+            raise ConflictError(
+                f"the segment repeats pages of stage {rank} already committed",
+                field="rows",
+                pp_rank=rank,
+            )
+        if h.state.terminal:
+            raise ConflictError(
+                f"handoff {h.id!r} is already {h.state.value}: nothing more is committed",
+                field="handoff_id",
+                pp_rank=rank,
+            )
+        # From here to the end of the copy the pages are written: the lease waits for `idle`.
+        # Nothing was awaited since the terminal check above.
+        stage.covered[cells] = True
+        hl = self._handoffs[h.id]
+        hl.running += 1
+        hl.idle.clear()
+        ok = False
+        try:
+            args = (stage.pairing, pieces, h, extent.offset, nbytes, msg.digest)
+            if nbytes <= INLINE_COMMIT_BYTES:
+                ok = self._copy_check_commit(*args)
+            else:
+                ok = await asyncio.shield(asyncio.to_thread(self._copy_check_commit, *args))
+        finally:
+            hl.running -= 1
+            if hl.running == 0:
+                hl.idle.set()
+            if not ok:
+                stage.covered[cells] = False
+        self._close_grant(msg.grant_id, stage)
+        if ok:
+            stage.committed += nbytes
+            self.arena.give_back(extent)
+        else:
+            stage.rejected += 1
+            # A writer may still be writing this window: out of use until the handoff ends.
+            self.arena.quarantine(extent, float("inf"))
+        return ok
+
+    def next_grant(self, h: DecodeHandoff, rank: int) -> Grant | None:
+        """Another window for the stage now, if it has bytes left without one and there is room."""
+        if h.state.terminal:
+            return None
+        return self._try_grant(h.id, rank, self._remaining(h.id, rank))
+
+    def complete(self, h: DecodeHandoff, rank: int) -> bool:
+        stage = self._stage(h.id, rank)
+        return stage.committed == stage.expected and bool(stage.covered.all())
+
+    def rejections(self, handoff_id: str, rank: int) -> int:
+        hl = self._handoffs.get(handoff_id)
+        return hl.stages[rank].rejected if hl is not None and rank in hl.stages else 0
+
+    def committed(self, handoff_id: str, rank: int) -> int:
+        hl = self._handoffs.get(handoff_id)
+        return hl.stages[rank].committed if hl is not None and rank in hl.stages else 0
+
+    async def idle(self, h: DecodeHandoff) -> None:
+        """Returns once no commit of `h` runs. Called once `h` is terminal, so none starts."""
+        hl = self._handoffs.get(h.id)
+        if hl is not None:
+            await hl.idle.wait()
+
+    def settle(self, h: DecodeHandoff, *, writers_done: bool, until_mono: float) -> None:
+        """`h` ended: its windows go back now when every writer is done (it completed), or are
+        quarantined until `until_mono` (its bound) when a writer may still write them."""
+        hl = self._handoffs.pop(h.id, None)
+        if hl is None:
+            return
+        for stage in hl.stages.values():
+            for gid in list(stage.grants):
+                self._grants.pop(gid, None)
+            stage.grants.clear()
+        if writers_done:
+            # Quarantined windows of rejected segments too: their writer reported again since.
+            self.arena.give_back_owner(h.id)
+        else:
+            self.arena.quarantine_owner(h.id, until_mono)
+
+    # ----------------------------------------------------------------- internals
+
+    def _copy_check_commit(
+        self,
+        pairing: Pairing,
+        pieces: Pieces,
+        h: DecodeHandoff,
+        offset: int,
+        nbytes: int,
+        expected_digest: str,
+    ) -> bool:
+        snapshot = copy_out(self._window, offset, nbytes)
+        if digest(snapshot, self.algorithm) != expected_digest:
+            return False
+        side = destination_side(pairing, self._memory, h.dst_pages, h.request.dst_slot)
+        scatter(pairing, side, pieces, snapshot)
+        return True
+
+    def _stage(self, handoff_id: str, rank: int) -> StageLanding:
+        hl = self._handoffs.get(handoff_id)
+        if hl is None or rank not in hl.stages:
+            raise ConflictError(
+                f"handoff {handoff_id!r} stage {rank} has no landing (ended, or direct mode)",
+                field="handoff_id",
+                pp_rank=rank,
+            )
+        return hl.stages[rank]
+
+    def _remaining(self, handoff_id: str, rank: int) -> int:
+        stage = self._stage(handoff_id, rank)
+        outstanding = sum(e.length for e in stage.grants.values())
+        return max(0, stage.expected - stage.committed - outstanding)
+
+    def _try_grant(self, handoff_id: str, rank: int, remaining: int) -> Grant | None:
+        if remaining <= 0:
+            return None
+        want = min(remaining, self.window_bytes)
+        extent = self.arena.try_take(want, handoff_id)
+        return None if extent is None else self._issue(handoff_id, rank, extent, want)
+
+    def _issue(self, handoff_id: str, rank: int, extent: Extent, want: int) -> Grant:
+        self._next_grant_id += 1
+        gid = self._next_grant_id
+        self._stage(handoff_id, rank).grants[gid] = extent
+        self._grants[gid] = (handoff_id, rank)
+        return Grant(grant_id=gid, pp_rank=rank, addr=self.arena.addr(extent), length=want)
+
+    def _close_grant(self, gid: int, stage: StageLanding) -> None:
+        stage.grants.pop(gid, None)
+        self._grants.pop(gid, None)
+
+
+def _cells(pairing: Pairing, pieces: Pieces) -> tuple[I64, I64]:
+    """The (row, page position) cells of `pieces`, as index arrays into `covered`."""
+    counts = pieces.ends - pieces.starts
+    rows = np.repeat(pieces.rows, counts)
+    offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(counts) - counts, counts
+    )
+    cols = np.repeat(pieces.starts, counts) + offsets
+    return rows, cols

@@ -1,0 +1,290 @@
+"""Packing: a stage's KV pages and state slots as segments of contiguous bytes, and back.
+
+A **segment** is a list of *pieces*: piece i is pairing row `rows[i]` over the request's page
+positions `starts[i]:ends[i]` (rows below `num_kv_pairs` are KV pairs; row `num_kv_pairs + j` is
+state pair j, always positions 0:1, its one slot). Packed, piece after piece, each piece's pages
+in request order, a segment is `sum(item_len[row] * (end - start))` bytes.
+
+- The prefill **gathers** a segment from its stage memory into a staging buffer (`gather`), one
+  local copy per piece, and decides what the next segment holds (`StagePacker`): whatever of
+  the ready layers fits the window it was granted.
+- The decode **scatters** a landed, digest-checked segment into the handoff's own pages and
+  slot (`scatter`); it checks the pieces first (`check_pieces`), so a notice naming rows, pages
+  or bytes its destination does not have changes nothing.
+
+Copies run on the memory's own device: numpy on host memory, torch on a torch pool (CPU, CUDA
+or NPU alike: the same code path), one call per piece, never one per page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from pipelines.errors import InvalidInput
+from pipelines.pairing import Pairing
+
+I64 = npt.NDArray[np.int64]
+
+
+class ByteRegions(Protocol):
+    def array(self, index: int) -> Any:
+        """Region `index` as a 1-D uint8 array on its own device (numpy, or a torch tensor)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """One segment's pieces (see the module docstring), as parallel int64 arrays."""
+
+    rows: I64
+    starts: I64
+    ends: I64
+
+    @staticmethod
+    def of(rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> Pieces:
+        return Pieces(
+            np.asarray(rows, dtype=np.int64),
+            np.asarray(starts, dtype=np.int64),
+            np.asarray(ends, dtype=np.int64),
+        )
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+
+def row_item_len(pairing: Pairing) -> I64:
+    """Bytes per page of every pairing row: KV rows, then state rows (one slot each)."""
+    return np.concatenate((pairing.kv_item_len, pairing.state_item_len)).astype(np.int64)
+
+
+def piece_bytes(pairing: Pairing, pieces: Pieces) -> I64:
+    return row_item_len(pairing)[pieces.rows] * (pieces.ends - pieces.starts)
+
+
+def check_pieces(
+    pairing: Pairing, pieces: Pieces, num_pages: int, has_slot: bool, *, pp_rank: int
+) -> int:
+    """The pieces name only rows of this pairing, page positions of this request and the slot
+    when it has one. Returns the segment's byte count; raises InvalidInput naming the piece."""
+    n = len(pieces)
+    if not (pieces.starts.shape[0] == n and pieces.ends.shape[0] == n):
+        raise InvalidInput("rows, starts and ends differ in length", field="rows", pp_rank=pp_rank)
+    k = pairing.num_kv_pairs
+    total_rows = k + pairing.num_state_pairs
+    for name, bad in (
+        ("rows", (pieces.rows < 0) | (pieces.rows >= total_rows)),
+        ("starts", pieces.starts < 0),
+        ("ends", pieces.ends <= pieces.starts),
+        ("ends", (pieces.rows < k) & (pieces.ends > num_pages)),
+        ("starts", (pieces.rows >= k) & ((pieces.starts != 0) | (pieces.ends != 1))),
+        ("rows", (pieces.rows >= k) & (not has_slot)),
+    ):
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidInput(
+                f"piece {i} (row {int(pieces.rows[i])}, pages {int(pieces.starts[i])}:"
+                f"{int(pieces.ends[i])}) is not part of this stage's destination "
+                f"({k} KV rows x {num_pages} pages, {pairing.num_state_pairs} state rows)",
+                field=f"{name}[{i}]",
+                pp_rank=pp_rank,
+            )
+    return int(piece_bytes(pairing, pieces).sum())
+
+
+def layer_range(pairing: Pairing, rows: Iterable[int]) -> str:
+    """The layers `rows` cover, for errors: `"layers 3-9"` or `"layer 4"`."""
+    k = pairing.num_kv_pairs
+    layers = sorted(
+        {int(pairing.kv_layer[r]) if r < k else int(pairing.state_layer[r - k]) for r in rows}
+    )
+    if not layers:
+        return "no layers"
+    return f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+
+
+# ------------------------------------------------------------------------- copies
+
+
+def _is_torch(a: Any) -> bool:
+    return not isinstance(a, np.ndarray)
+
+
+def _common(*arrays: Any) -> list[Any]:
+    """All numpy, or all torch (a numpy array beside a torch tensor is wrapped, no copy)."""
+    if not any(_is_torch(a) for a in arrays):
+        return list(arrays)
+    import torch
+
+    return [torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in arrays]
+
+
+def _rows_of(region: Any, item: int) -> Any:
+    usable = region.shape[0] // item * item
+    return (
+        region[:usable].reshape(-1, item)
+        if not _is_torch(region)
+        else region[:usable].view(-1, item)
+    )
+
+
+def _index(idx: I64, like: Any) -> Any:
+    if not _is_torch(like):
+        return idx
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(idx)).to(like.device)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side's memory for a pairing: the regions of its entries, its pages and its slot."""
+
+    memory: ByteRegions
+    pages: I64
+    slot: int | None
+    kv_index: I64  # pairing row -> region index of the KV entry on this side
+    state_index: I64  # state pair row -> region index of the state entry on this side
+
+
+def source_side(pairing: Pairing, memory: ByteRegions, pages: I64, slot: int | None) -> Side:
+    n = len(pairing.src.kv)
+    return Side(memory, pages, slot, pairing.kv_src_index, pairing.state_src_index + n)
+
+
+def destination_side(pairing: Pairing, memory: ByteRegions, pages: I64, slot: int | None) -> Side:
+    n = len(pairing.dst.kv)
+    return Side(memory, pages, slot, pairing.kv_dst_index, pairing.state_dst_index + n)
+
+
+def _piece_views(
+    pairing: Pairing, side: Side, pieces: Pieces, packed: Any
+) -> Iterable[tuple[Any, Any, Any]]:
+    """Per piece: (this side's rows of the entry, the row indices, the packed bytes as rows)."""
+    item = row_item_len(pairing)
+    k = pairing.num_kv_pairs
+    off = 0
+    for row, start, end in zip(pieces.rows.tolist(), pieces.starts.tolist(), pieces.ends.tolist()):
+        length = int(item[row])
+        count = end - start
+        if row < k:
+            region = side.memory.array(int(side.kv_index[row]))
+            idx = side.pages[start:end]
+        else:
+            region = side.memory.array(int(side.state_index[row - k]))
+            idx = np.array([side.slot or 0], dtype=np.int64)
+        region, chunk = _common(region, packed[off : off + count * length])
+        rows = _rows_of(region, length)
+        yield rows, _index(idx, rows), _rows_of(chunk, length)
+        off += count * length
+
+
+def gather(pairing: Pairing, src: Side, pieces: Pieces, packed: Any) -> None:
+    """Copy the pieces from the source entries into `packed` (1-D uint8, at least the
+    segment's bytes long), piece after piece."""
+    for rows, idx, out in _piece_views(pairing, src, pieces, packed):
+        if _is_torch(rows):
+            import torch
+
+            torch.index_select(rows, 0, idx, out=out)
+        else:
+            np.take(rows, idx, axis=0, out=out)
+
+
+def scatter(pairing: Pairing, dst: Side, pieces: Pieces, packed: Any) -> None:
+    """Copy `packed` into the destination entries' pages and slot the pieces name."""
+    for rows, idx, data in _piece_views(pairing, dst, pieces, packed):
+        if _is_torch(rows):
+            rows.index_copy_(0, idx, data)
+        else:
+            rows[idx] = data
+
+
+def copy_out(region: Any, offset: int, length: int) -> Any:
+    """A private copy of `length` bytes of `region` at `offset`, on its device: what the decode
+    digests and commits, so a write landing in the window meanwhile cannot reach the pages."""
+    part = region[offset : offset + length]
+    return part.copy() if not _is_torch(part) else part.clone()
+
+
+# ------------------------------------------------------------------------- the prefill's plan
+
+
+@dataclass
+class StagePacker:
+    """What of one stage is still to be packed: rows made ready by the engine, each with the
+    next page position to send. `next_segment(budget)` takes as much as fits, in order."""
+
+    pairing: Pairing
+    num_pages: int
+    has_slot: bool
+    _item: I64 = field(init=False)
+    _ready: list[list[int]] = field(default_factory=list)  # [row, next start] in ready order
+    _pending_rows: set[int] = field(default_factory=set)  # rows not ready yet
+
+    def __post_init__(self) -> None:
+        self._item = row_item_len(self.pairing)
+        k = self.pairing.num_kv_pairs
+        kv = set(range(k)) if self.num_pages else set()
+        state = set(range(k, k + self.pairing.num_state_pairs)) if self.has_slot else set()
+        self._pending_rows = kv | state
+
+    @property
+    def total_bytes(self) -> int:
+        kv = int(self.pairing.kv_item_len.sum()) * self.num_pages
+        return kv + (int(self.pairing.state_item_len.sum()) if self.has_slot else 0)
+
+    @property
+    def largest_item(self) -> int:
+        return int(self._item.max()) if self._item.size else 0
+
+    @property
+    def done(self) -> bool:
+        return not self._ready and not self._pending_rows
+
+    @property
+    def ready_bytes(self) -> int:
+        return sum(
+            int(self._item[r]) * ((self.num_pages if r < self.pairing.num_kv_pairs else 1) - s)
+            for r, s in self._ready
+        )
+
+    def make_ready(self, layers: Iterable[int] | None) -> None:
+        """Rows of `layers` (None: all) become packable; KV rows before state rows."""
+        k = self.pairing.num_kv_pairs
+        wanted = None if layers is None else set(layers)
+
+        def layer(r: int) -> int:
+            return int(self.pairing.kv_layer[r]) if r < k else int(self.pairing.state_layer[r - k])
+
+        now = sorted(r for r in self._pending_rows if wanted is None or layer(r) in wanted)
+        self._pending_rows -= set(now)
+        self._ready.extend([r, 0] for r in now)
+
+    def next_segment(self, budget_bytes: int) -> Pieces | None:
+        """The next pieces that fit `budget_bytes`, or None when nothing ready fits."""
+        rows: list[int] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        left = budget_bytes
+        k = self.pairing.num_kv_pairs
+        while self._ready:
+            row, start = self._ready[0]
+            end_all = self.num_pages if row < k else 1
+            item = int(self._item[row])
+            take = min(end_all - start, left // item)
+            if take <= 0:
+                break
+            rows.append(row)
+            starts.append(start)
+            ends.append(start + take)
+            left -= take * item
+            if start + take == end_all:
+                self._ready.pop(0)
+            else:
+                self._ready[0][1] = start + take
+        return Pieces.of(rows, starts, ends) if rows else None

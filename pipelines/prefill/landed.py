@@ -1,0 +1,304 @@
+"""The landed sender: one stage's bytes as packed segments into granted landing windows.
+
+Called by the stage worker (`stage.py`) for a destination in landed mode. Per segment:
+
+    ready layers -> a window (granted with the destination, with the last segment's answer, or
+    asked for) -> gather the pieces that fit it into this process's staging buffer (one local
+    copy) and digest them -> a few large transfers into the window -> the segment's notice;
+    the decode commits it once the digest matches (the last notice is the stage's arrival)
+
+Per-request work (validation, pairing) was done once per stage by the caller; a segment costs
+in proportion to its own pieces. A rejected segment (its window did not match its digest) is
+sent once more into a fresh window; a second rejection fails the stage. The staging extent of a
+segment is given back only once its transfer ended (drained on cancellation), so a copy or an
+engine call never reads memory another segment already took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Any, Protocol
+
+import numpy as np
+
+from pipelines.digest import digest
+from pipelines.errors import DeadlineExceeded, DigestMismatch, InternalError, InvalidInput
+from pipelines.events import ChunksEmitted, EventBus, StagePaired, StageTransferred
+from pipelines.messages import DestinationMsg, Grant, SegmentAck, SegmentMsg, WindowRequest
+from pipelines.packing import Pieces, Side, StagePacker, gather, piece_bytes, source_side
+from pipelines.pairing import Pairing
+from pipelines.prefill.handoff import (
+    ROLE,
+    BlockWriter,
+    DecodePeer,
+    HostedStage,
+    PrefillHandoff,
+    StageInput,
+    Staging,
+)
+from pipelines.prefill.writes import finish, write_all
+from transport.blocks import Blocks
+
+#: Segments travel in blocks of this size: Mooncake TCP's throughput peaks near 256 KiB-1 MiB
+#: blocks here, and a segment of a few large blocks costs a few per-block overheads, not one
+#: per page.
+BLOCK_BYTES = 1 << 20
+#: Below this many bytes a gather and its digest run on the event loop: a thread hop costs
+#: more than the copy.
+INLINE_BYTES = 256 * 1024
+
+
+class Sender(Protocol):
+    url: str
+    incarnation: str
+    max_call_s: float
+
+
+class LandedSender:
+    """Sends stages of this process's handoffs in landed mode; one per prefill pipeline."""
+
+    def __init__(
+        self,
+        staging: Staging | None,
+        writer: BlockWriter,
+        decode: DecodePeer,
+        bus: EventBus,
+        sender: Sender,
+        *,
+        max_blocks_per_batch: int,
+    ) -> None:
+        self._staging = staging
+        self._writer = writer
+        self._decode = decode
+        self._bus = bus
+        self._sender = sender
+        self._max_blocks = max_blocks_per_batch
+
+    async def send(
+        self,
+        h: PrefillHandoff,
+        rank: int,
+        stage: HostedStage,
+        inp: StageInput,
+        dest: DestinationMsg,
+        pairing: Pairing,
+    ) -> int:
+        """Send every byte of stage `rank` as segments; returns the stage's byte count once its
+        last segment was committed (that notice was its arrival)."""
+        staging = self._staging
+        if staging is None:
+            raise InvalidInput(
+                "the decode asks for landed transfers, but this prefill has no staging buffer "
+                "(transfer.staging_bytes = 0)",
+                field="mode",
+                pp_rank=rank,
+            )
+        if stage.regions is None:
+            raise InternalError(f"stage {rank} has no memory to gather from", pp_rank=rank)
+        has_slot = dest.dst_slot is not None and pairing.num_state_pairs > 0
+        n = int(inp.src_pages.shape[0])
+        packer = StagePacker(pairing, n, has_slot)
+        if packer.largest_item > min(dest.window_bytes, staging.arena.capacity_bytes):
+            raise InvalidInput(
+                f"stage {rank} has a {packer.largest_item}-byte page or slot; the decode's "
+                f"windows hold {dest.window_bytes} and this staging buffer "
+                f"{staging.arena.capacity_bytes} bytes",
+                field="window_bytes",
+                pp_rank=rank,
+            )
+        src = source_side(pairing, stage.regions, inp.src_pages, inp.src_slot)
+        grants: deque[Grant] = deque(g for g in dest.grants if g.pp_rank == rank)
+        pending_layers = {e.layer_id for e in stage.layout.kv} | {
+            s.layer_id for s in stage.layout.state
+        }
+        kv_layers = {e.layer_id for e in stage.layout.kv}
+        sent = 0
+        while not packer.done:
+            # Fold in every ready signal already queued; wait for one while nothing is ready.
+            while not inp.signals.empty() or packer.ready_bytes == 0:
+                signal = await inp.signals.get()
+                wanted = pending_layers if signal.layers is None else signal.layers
+                now = pending_layers & wanted  # a new set: `pending_layers` shrinks below
+                pending_layers -= now
+                packer.make_ready(now)
+                self._bus.publish(
+                    ChunksEmitted(
+                        handoff_id=h.handoff_id,
+                        role=ROLE,
+                        pp_rank=rank,
+                        kv_layers=sorted(now & kv_layers),
+                        state_layers=sorted(now - kv_layers),
+                    )
+                )
+            grant = grants.popleft() if grants else await self._window(h, rank, dest, packer)
+            pieces = packer.next_segment(grant.length)
+            if pieces is None:
+                raise InternalError(
+                    f"a {grant.length}-byte window holds no piece of stage {rank}", pp_rank=rank
+                )
+            last = packer.done
+            self._paired(h, rank, pairing, pieces)
+            ack = await self._land(h, rank, dest, pairing, staging, src, pieces, grant, last)
+            if not ack.committed:
+                retry = ack.next_grant or await self._window(h, rank, dest, packer, pieces)
+                ack = await self._land(h, rank, dest, pairing, staging, src, pieces, retry, last)
+                if not ack.committed:
+                    raise DigestMismatch(
+                        f"stage {rank}: a segment was refused twice by its digest ({ack.reason})",
+                        pp_rank=rank,
+                    )
+            sent += int(piece_bytes(pairing, pieces).sum())
+            if ack.next_grant is not None:
+                grants.append(ack.next_grant)
+        if sent == 0:
+            # Nothing to move (no pages and no slot here): the stage still arrives.
+            await self._decode.segment(dest.decode_url, self._notice(h, rank, dest, last=True))
+        return sent
+
+    def _paired(self, h: PrefillHandoff, rank: int, pairing: Pairing, pieces: Pieces) -> None:
+        kv = int(np.count_nonzero(pieces.rows < pairing.num_kv_pairs))
+        nbytes = int(piece_bytes(pairing, pieces).sum())
+        self._bus.publish(
+            StagePaired(
+                handoff_id=h.handoff_id,
+                role=ROLE,
+                pp_rank=rank,
+                kv_pairs=kv,
+                state_pairs=len(pieces) - kv,
+                blocks=-(-nbytes // BLOCK_BYTES),
+                bytes=nbytes,
+            )
+        )
+
+    async def _window(
+        self,
+        h: PrefillHandoff,
+        rank: int,
+        dest: DestinationMsg,
+        packer: StagePacker,
+        pieces: Pieces | None = None,
+    ) -> Grant:
+        """Ask the decode for a window until it grants one (a full arena answers none: this is
+        the backpressure), bounded by the handoff's deadline."""
+        assert h.deadline_mono is not None
+        want = (int(piece_bytes(packer.pairing, pieces).sum()) if pieces is not None else 0) or min(
+            max(packer.ready_bytes, packer.largest_item), dest.window_bytes
+        )
+        msg = WindowRequest(
+            handoff_id=h.handoff_id,
+            sender_url=self._sender.url,
+            sender_incarnation=self._sender.incarnation,
+            decode_incarnation=dest.decode_incarnation,
+            max_call_s=self._sender.max_call_s,
+            pp_rank=rank,
+            bytes=max(1, want),
+        )
+        while True:
+            if time.monotonic() >= h.deadline_mono:
+                raise DeadlineExceeded(
+                    f"stage {rank} waited for a landing window until its deadline"
+                )
+            answer = await self._decode.window(dest.decode_url, msg)
+            if answer.grant is not None:
+                return answer.grant
+
+    async def _land(
+        self,
+        h: PrefillHandoff,
+        rank: int,
+        dest: DestinationMsg,
+        pairing: Pairing,
+        staging: Staging,
+        src: Side,
+        pieces: Pieces,
+        grant: Grant,
+        last: bool,
+    ) -> SegmentAck:
+        """Gather, digest and write one segment into `grant`; then notify the decode."""
+        assert h.deadline_mono is not None
+        nbytes = int(piece_bytes(pairing, pieces).sum())
+        t0 = time.perf_counter()
+        extent = await staging.arena.take(nbytes, h.handoff_id, until_mono=h.deadline_mono)
+        try:
+            packed = staging.buffer[extent.offset : extent.offset + nbytes]
+            if nbytes <= INLINE_BYTES:
+                seg_digest = _gather_digest(pairing, src, pieces, packed, dest.digest)
+            else:
+                seg_digest = await finish(
+                    asyncio.to_thread(_gather_digest, pairing, src, pieces, packed, dest.digest)
+                )
+            blocks = _blocks(staging.arena.addr(extent), grant.addr, nbytes)
+            await write_all(self._writer, dest.decode_target, blocks, h.deadline_mono)
+        finally:
+            staging.arena.give_back(extent)  # the copy and the transfer have ended
+        notice = self._notice(
+            h,
+            rank,
+            dest,
+            last=last,
+            grant_id=grant.grant_id,
+            pieces=pieces,
+            nbytes=nbytes,
+            blocks=len(blocks),
+            seg_digest=seg_digest,
+        )
+        ack = await self._decode.segment(dest.decode_url, notice)
+        if ack.committed:
+            # Published once the decode committed it: "transferred" means in its pages.
+            h.bytes_sent += nbytes
+            self._bus.publish(
+                StageTransferred(
+                    handoff_id=h.handoff_id,
+                    role=ROLE,
+                    pp_rank=rank,
+                    blocks=len(blocks),
+                    bytes=nbytes,
+                    batches=-(-len(blocks) // self._max_blocks),
+                    seconds=time.perf_counter() - t0,
+                    final=last,
+                )
+            )
+        return ack
+
+    def _notice(
+        self,
+        h: PrefillHandoff,
+        rank: int,
+        dest: DestinationMsg,
+        *,
+        last: bool,
+        grant_id: int = 0,
+        pieces: Pieces | None = None,
+        nbytes: int = 0,
+        blocks: int = 0,
+        seg_digest: str = "",
+    ) -> SegmentMsg:
+        return SegmentMsg(
+            handoff_id=h.handoff_id,
+            sender_url=self._sender.url,
+            sender_incarnation=self._sender.incarnation,
+            decode_incarnation=dest.decode_incarnation,
+            max_call_s=self._sender.max_call_s,
+            pp_rank=rank,
+            grant_id=grant_id,
+            rows=[] if pieces is None else pieces.rows.tolist(),
+            starts=[] if pieces is None else pieces.starts.tolist(),
+            ends=[] if pieces is None else pieces.ends.tolist(),
+            bytes=nbytes,
+            blocks=blocks,
+            digest=seg_digest,
+            last=last,
+        )
+
+
+def _gather_digest(pairing: Pairing, src: Side, pieces: Pieces, packed: Any, algo: Any) -> str:
+    gather(pairing, src, pieces, packed)
+    return digest(packed, algo)
+
+
+def _blocks(src_addr: int, dst_addr: int, nbytes: int) -> Blocks:
+    starts = np.arange(0, nbytes, BLOCK_BYTES, dtype=np.uint64)
+    lengths = np.minimum(np.uint64(nbytes) - starts, np.uint64(BLOCK_BYTES))
+    return Blocks(starts + np.uint64(src_addr), starts + np.uint64(dst_addr), lengths)

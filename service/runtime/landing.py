@@ -1,0 +1,84 @@
+"""The landed transfer's memory: the decode's landing arena, a prefill's staging buffer.
+
+Opened with the stages (`service.runtime.stages`) and closed after the pipeline, before the
+transport: each is one `torch:<device>` pool of one region, on the device of the stage memory it
+serves (a device pool keeps its copies and digests on the device), registered with the
+transport. In `direct` mode the decode opens no arena; a prefill always has its staging buffer,
+since the decode chooses the mode of each handoff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipelines.arena import Arena
+from pipelines.decode.landing import Landing
+from pipelines.digest import Algorithm
+from pipelines.memory import pool_array
+from pipelines.prefill import Staging
+from service.config import Config, ConfigError
+from service.runtime.stages import HostedMemory
+from transport.base import Transport
+from transport.errors import PoolError
+from transport.pool_base import Pool
+from transport.pools import open_pool
+
+
+@dataclass
+class TransferMemory:
+    """The one pool of this service's landed transfers (None in direct mode on decode)."""
+
+    pool: Pool
+    device: str
+
+    def landing(self, config: Config, stage: HostedMemory) -> Landing:
+        algorithm: Algorithm = "xxh3_128" if self.pool.on_host else "wsum64"
+        return Landing(
+            Arena(self.pool.bases[0], self.pool.regions[0].length),
+            pool_array(self.pool, 0),
+            stage.memory,
+            stage.layout,
+            window_bytes=config.transfer.window_bytes,
+            algorithm=algorithm,
+        )
+
+    def staging(self) -> Staging:
+        return Staging(
+            Arena(self.pool.bases[0], self.pool.regions[0].length), pool_array(self.pool, 0)
+        )
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def open_transfer_memory(
+    config: Config, transport: Transport, hosted: list[HostedMemory]
+) -> TransferMemory | None:
+    """Allocate and register the arena (decode, landed mode) or staging buffer (prefill)."""
+    if config.role == "decode" and config.transfer.mode == "direct":
+        return None
+    key = "transfer.landing_bytes" if config.role == "decode" else "transfer.staging_bytes"
+    size = (
+        config.transfer.landing_bytes if config.role == "decode" else config.transfer.staging_bytes
+    )
+    device = _device_of(hosted[0].pool) if hosted else "cpu"
+    try:
+        pool = open_pool(f"torch:{device}", [size], align_bytes=config.transport.align_bytes)
+    except PoolError as exc:
+        raise ConfigError(key, exc.message) from None
+    try:
+        pool.register(transport)
+    except BaseException:
+        pool.close()
+        raise
+    return TransferMemory(pool, device)
+
+
+def _device_of(pool: Pool) -> str:
+    """The device a stage's memory lives on: its copies and digests run there too."""
+    device = getattr(pool, "device", None)
+    if isinstance(device, str):
+        return device
+    tensor = getattr(pool, "tensor", None)
+    first = tensor(0) if tensor is not None else None
+    return str(first.device) if first is not None else "cpu"

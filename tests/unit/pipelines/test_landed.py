@@ -1,0 +1,280 @@
+"""Landed mode in-process: prefills write only into landing windows; the decode commits.
+
+Real memory (torch:cpu pools, so the torch copy path runs, and a shm-like host path through
+numpy), the local transport, both pipelines linked in one loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from pipelines.arena import Arena
+from pipelines.decode import DecodePipeline
+from pipelines.decode.landing import Landing
+from pipelines.decode.views import HandoffRequest
+from pipelines.events import EventBus, SegmentCommitted, SegmentRejected, event_tag
+from pipelines.inprocess import InProcessLink
+from pipelines.memory import PoolMemory, pool_array
+from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from pipelines.prefill import HostedStage, PrefillPipeline, Staging
+from pipelines.states import HandoffState
+from transport.local import LocalTransport
+from transport.pool_base import host_array
+from transport.pools import open_pool
+
+MODEL = hybrid_npu_mla(num_layers=8, scale=64, page_size=4)
+PART = partition_layers(8, 2)
+NUM_PAGES = 32
+
+
+@dataclass
+class World:
+    decode: DecodePipeline
+    prefill: PrefillPipeline
+    dec: PoolMemory
+    stages: dict[int, PoolMemory]
+    bus: EventBus
+    landing: Landing
+    transport: LocalTransport
+
+
+async def make_world(
+    *, arena_bytes: int = 1 << 20, window_bytes: int = 1 << 20, algorithm: str = "xxh3_128"
+) -> World:
+    t = LocalTransport()
+    dlay = decode_layout(MODEL, num_pages=NUM_PAGES, num_slots=4)
+    dec_pool = open_pool("torch:cpu", dlay.region_sizes)
+    dec_pool.register(t)
+    dec = PoolMemory(dlay, dec_pool)
+    arena_pool = open_pool("torch:cpu", [arena_bytes])
+    arena_pool.register(t)
+    landing = Landing(
+        Arena(arena_pool.bases[0], arena_bytes),
+        pool_array(arena_pool, 0),
+        dec,
+        dec.layout,
+        window_bytes=window_bytes,
+        algorithm=algorithm,  # type: ignore[arg-type]
+    )
+    stages = {}
+    for r in range(2):
+        lay = stage_layout(MODEL, PART, r, num_pages=NUM_PAGES, num_slots=4)
+        pool = open_pool("torch:cpu", lay.region_sizes)
+        pool.register(t)
+        stages[r] = PoolMemory(lay, pool)
+    for m in stages.values():
+        for i in range(len(m.layout.kv) + len(m.layout.state)):
+            m.region(i)[:] = np.random.default_rng(i).integers(1, 255, m.region(i).shape[0])
+    staging_pool = open_pool("torch:cpu", [1 << 20])
+    staging_pool.register(t)
+    staging = Staging(Arena(staging_pool.bases[0], 1 << 20), pool_array(staging_pool, 0))
+    bus = EventBus()
+    link = InProcessLink()
+    decode = DecodePipeline(dec.layout, t.local_target, "d", link, bus, memory=dec, landing=landing)
+    prefill = PrefillPipeline(
+        {r: HostedStage(m.layout, m, m) for r, m in stages.items()},
+        t,
+        link,
+        bus,
+        staging=staging,
+    )
+    link.decode = decode
+    link.add_prefill("p", prefill, t.local_target)
+    w = World(decode, prefill, dec, stages, bus, landing, t)
+    w._pools = [dec_pool, arena_pool, staging_pool, *(m.pool for m in stages.values())]  # type: ignore[attr-defined]
+    return w
+
+
+async def close_world(w: World) -> None:
+    await w.prefill.close()
+    await w.decode.close()
+    for pool in w._pools:  # type: ignore[attr-defined]
+        pool.close()
+    w.transport.close()
+
+
+@pytest.fixture
+async def world() -> AsyncIterator[World]:
+    w = await make_world()
+    yield w
+    await close_world(w)
+
+
+async def wait_released(w: World, hid: str, timeout_s: float = 30.0) -> HandoffState:
+    view = await w.decode.wait(hid, timeout_s, released=True)
+    return view.state
+
+
+def assert_landed(w: World, src: list[int], dst: list[int], src_slot: int, dst_slot: int) -> None:
+    """Every KV page and the state slot of every stage equal their source bytes."""
+    for m in w.stages.values():
+        for i, e in enumerate(m.layout.kv):
+            j = next(
+                k
+                for k, d in enumerate(w.dec.layout.kv)
+                if (d.layer_id, d.group) == (e.layer_id, e.group)
+            )
+            s_rows = m.region(i)[: e.nbytes].reshape(-1, e.item_len)
+            d_rows = w.dec.region(j)[: e.nbytes].reshape(-1, e.item_len)
+            assert np.array_equal(s_rows[src], d_rows[dst]), (e.layer_id, e.group)
+        for i, s in enumerate(m.layout.state):
+            j = next(
+                k
+                for k, d in enumerate(w.dec.layout.state)
+                if (d.layer_id, d.kind) == (s.layer_id, s.kind)
+            )
+            a = m.region(len(m.layout.kv) + i)[src_slot * s.item_len : (src_slot + 1) * s.item_len]
+            b = w.dec.region(len(w.dec.layout.kv) + j)[
+                dst_slot * s.item_len : (dst_slot + 1) * s.item_len
+            ]
+            assert np.array_equal(a, b), (s.layer_id, s.kind)
+
+
+async def test_a_landed_pp2_handoff_commits_every_byte_and_digests_it(world: World) -> None:
+    w = world
+    src, dst = [3, 4, 9, 10, 11], [10, 11, 2, 20, 21]
+    await w.decode.create(HandoffRequest(id="a", prefill=["p"], dst_pages=dst, dst_slot=1))
+    w.prefill.ready("a", 1, src, 2, layers=[7])  # layer by layer: a segment of layer 7 first
+    w.prefill.ready("a", 1, src, 2)
+    w.prefill.ready("a", 0, src, 2)
+    assert await wait_released(w, "a") == HandoffState.COMPLETED
+    assert_landed(w, src, dst, 2, 1)
+    view = w.decode.get("a")
+    assert view.verification == "passed" and view.released
+    tags = [event_tag(e) for e in view.timeline]
+    assert "stage.segment_committed" in tags and tags[-2:] == [
+        "handoff.completed",
+        "handoff.released",
+    ]
+    # Every window went back to the arena.
+    assert w.landing.arena.stats.used_bytes == 0
+
+
+async def test_an_arena_smaller_than_one_request_streams_it_segment_by_segment() -> None:
+    # 64 KiB of windows for a request of several hundred KiB: the stage waits for credits.
+    w = await make_world(arena_bytes=64 * 1024, window_bytes=16 * 1024)
+    try:
+        src = list(range(0, 30))
+        dst = list(range(31, 1, -1))
+        await w.decode.create(HandoffRequest(id="big", prefill=["p"], dst_pages=dst, dst_slot=0))
+        commits = []
+        w.bus.add_listener(lambda e: commits.append(e) if isinstance(e, SegmentCommitted) else None)
+        w.prefill.ready("big", 0, src, 3)
+        w.prefill.ready("big", 1, src, 3)
+        assert await wait_released(w, "big") == HandoffState.COMPLETED
+        assert_landed(w, src, dst, 3, 0)
+        total = sum(e.bytes for e in commits)
+        assert total == w.decode.get("big").bytes > 64 * 1024
+        assert all(e.bytes <= 16 * 1024 for e in commits)
+        assert w.landing.arena.stats.used_bytes == 0
+    finally:
+        await close_world(w)
+
+
+async def test_the_device_digest_path_commits_the_same_bytes() -> None:
+    # wsum64 is what a GPU/NPU arena asks for; here it runs through torch on CPU tensors.
+    w = await make_world(algorithm="wsum64")
+    try:
+        src, dst = [5, 6, 7], [1, 2, 3]
+        await w.decode.create(HandoffRequest(id="g", prefill=["p"], dst_pages=dst, dst_slot=2))
+        w.prefill.ready("g", 0, src, 1)
+        w.prefill.ready("g", 1, src, 1)
+        assert await wait_released(w, "g") == HandoffState.COMPLETED
+        assert_landed(w, src, dst, 1, 2)
+    finally:
+        await close_world(w)
+
+
+class FlipAfterLanding:
+    """A writer that corrupts one byte of its first `flips` writes after they land (as a stale
+    write into the window would), before the decode commits them."""
+
+    def __init__(self, inner: LocalTransport, flips: int) -> None:
+        self.inner = inner
+        self.flips = flips
+        self.max_call_s = inner.max_call_s
+
+    async def write(self, peer, blocks, *, start_by=None):  # type: ignore[no-untyped-def]
+        await self.inner.write(peer, blocks, start_by=start_by)
+        if self.flips > 0:
+            self.flips -= 1
+            host_array(int(blocks.dst_addr[0]), 1)[0] ^= 0xFF
+
+    async def quiesce(self, peer=None):  # type: ignore[no-untyped-def]
+        await self.inner.quiesce(peer)
+
+
+async def flip_world(flips: int) -> World:
+    w = await make_world()
+    # The writer the landed sender uses: every landed byte passes through it.
+    w.prefill._runner._landed._writer = FlipAfterLanding(w.transport, flips)
+    return w
+
+
+async def test_a_byte_flipped_in_a_window_is_refused_and_the_segment_sent_again() -> None:
+    w = await flip_world(1)
+    try:
+        rejected: list[SegmentRejected] = []
+        w.bus.add_listener(lambda e: rejected.append(e) if isinstance(e, SegmentRejected) else None)
+        src, dst = [1, 2], [3, 4]
+        await w.decode.create(HandoffRequest(id="f", prefill=["p"], dst_pages=dst, dst_slot=0))
+        w.prefill.ready("f", 0, src, 0)
+        w.prefill.ready("f", 1, src, 0)
+        assert await wait_released(w, "f") == HandoffState.COMPLETED
+        assert len(rejected) == 1 and rejected[0].resend
+        assert_landed(w, src, dst, 0, 0)
+    finally:
+        await close_world(w)
+
+
+async def test_a_segment_refused_twice_fails_the_handoff_and_touches_no_page() -> None:
+    w = await flip_world(100)
+    try:
+        before = [w.dec.region(i).copy() for i in range(len(w.dec.layout.kv))]
+        await w.decode.create(HandoffRequest(id="x", prefill=["p"], dst_pages=[3, 4], dst_slot=0))
+        w.prefill.ready("x", 0, [1, 2], 0)
+        w.prefill.ready("x", 1, [1, 2], 0)
+        assert await wait_released(w, "x") == HandoffState.FAILED
+        view = w.decode.get("x")
+        assert view.error is not None and view.error.code == "digest_mismatch"
+        assert "layer" in view.error.reason
+        # Nothing of a refused segment reached the pages (what other stages committed before
+        # the failure is this handoff's own pages; here both stages' windows were flipped).
+        after = [w.dec.region(i) for i in range(len(w.dec.layout.kv))]
+        assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    finally:
+        await close_world(w)
+
+
+async def test_a_forged_segment_changes_nothing(world: World) -> None:
+    w = world
+    from pipelines.errors import ConflictError, InvalidInput
+    from pipelines.messages import SegmentMsg
+
+    await w.decode.create(HandoffRequest(id="s", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
+    await asyncio.sleep(0.05)  # the destination went out (its first grants with it)
+    before = [w.dec.region(i).copy() for i in range(len(w.dec.layout.kv))]
+    base = dict(
+        handoff_id="s",
+        sender_url="p",
+        sender_incarnation=w.prefill.incarnation,
+        decode_incarnation=w.decode.incarnation,
+        pp_rank=0,
+        blocks=1,
+        digest="",
+    )
+    cases = [
+        (ConflictError, dict(grant_id=999, rows=[0], starts=[0], ends=[1], bytes=1)),
+        (InvalidInput, dict(grant_id=1, rows=[0], starts=[0], ends=[9], bytes=1)),
+        (InvalidInput, dict(grant_id=1, rows=[10_000], starts=[0], ends=[1], bytes=1)),
+    ]
+    for exc, fields in cases:
+        with pytest.raises(exc):
+            await w.decode.segment(SegmentMsg(**base, **fields))  # type: ignore[arg-type]
+    after = [w.dec.region(i) for i in range(len(w.dec.layout.kv))]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
