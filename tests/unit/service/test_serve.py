@@ -4,6 +4,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,36 @@ async def test_a_second_decode_on_the_same_state_dir_refuses_to_start(tmp_path: 
             assert resp.status == 200, await resp.text()
     async with serve(decode_config(settings), extensions):  # once it stopped, the next starts
         pass
+
+
+def test_start_up_mistakes_print_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Issue 18 D: a port in use or a state_dir another decode holds is one line naming the
+    key, status 2 — not a traceback."""
+    from service.runtime.database import FILE_NAME, Database
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path = tmp_path / "decode.toml"
+        path.write_text(CONFIG_TOML.replace("port = 0", f'port = {port}\nhost = "127.0.0.1"'))
+        proc = _kvhandoff("serve", "--config", str(path), env={"XDG_STATE_HOME": str(tmp_path)})
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"kvhandoff serve: server.port: 127.0.0.1:{port} is in use by another process "
+        "(set server.port or --port)"
+    )
+    state = tmp_path / "state"
+    held = Database(state / FILE_NAME)
+    try:
+        path.write_text(CONFIG_TOML.replace("[server]", f'[server]\nstate_dir = "{state}"'))
+        proc = _kvhandoff("serve", "--config", str(path), env={})
+        _, err = proc.communicate(timeout=60)
+    finally:
+        held.close()
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kvhandoff serve: server.state_dir: ") and f"pid {os.getpid()}" in last
