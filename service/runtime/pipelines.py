@@ -25,12 +25,11 @@ from aiohttp import web
 
 from pipelines.decode import DecodePipeline
 from pipelines.errors import InvalidInput
-from pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag
+from pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag, life_first_seq
 from pipelines.messages import PEER_PROTOCOL_VERSION, LayoutInfo
-from pipelines.peercache import new_incarnation
 from pipelines.prefill import HostedStage, PrefillPipeline
 from service.config import Config, ConfigError
-from service.http.app import CONFIG, PEERS, READINESS
+from service.http.app import CONFIG, INCARNATION, PEERS, READINESS
 from service.peers.heartbeat import Heartbeats
 from service.peers.protocol import HttpPeers
 from service.runtime.landing import TransferMemory, open_transfer_memory
@@ -160,7 +159,8 @@ def _build(
     transport = app[TRANSPORT]
     url = config.server.public_url
     handoff = config.handoff
-    bus = EventBus(replay=handoff.sse_buffer)
+    # Numbered from this life's start: ids never repeat an earlier life's (SSE resume).
+    bus = EventBus(replay=handoff.sse_buffer, first_seq=life_first_seq())
     bus.add_listener(_log_event)
     # An abort answers once in-flight writes drained: give it a transfer's time and then some.
     peers = HttpPeers(
@@ -168,7 +168,7 @@ def _build(
         abort_timeout_s=config.transport.transfer_timeout_s + 5.0,
         watch_idle_s=2 * handoff.heartbeat_interval_s + 1.0,
     )
-    incarnation = new_incarnation()
+    incarnation = app[INCARNATION]  # what signed peer requests and answers are bound to
     # The longest one engine call of this process can still write once started: declared to
     # the decode side, whose grace past the deadline it bounds.
     max_call_s = transport.max_call_s
