@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
+from transport.config import DEFAULT_MAX_BYTES_PER_BATCH
 from transport.pool_base import Pool
 
 
@@ -80,9 +81,10 @@ class RawEngine:
 
 
 def raw_write(engine: Any, target: str, blocks: Blocks) -> None:
-    """`batch_transfer_sync_write` over batches of at most 2,048 blocks, in order, from the
+    """`batch_transfer_sync_write` over batches of at most 2,048 blocks and 1 GiB (as the
+    service's transport cuts them: the engine refuses a call of 2 GiB), in order, from the
     calling thread: the plain way to use the engine."""
-    for batch in blocks.batches(DEFAULT_MAX_BLOCKS_PER_BATCH):
+    for batch in blocks.batches(DEFAULT_MAX_BLOCKS_PER_BATCH, DEFAULT_MAX_BYTES_PER_BATCH):
         rc = engine.batch_transfer_sync_write(
             target, batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.length.tolist()
         )
