@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pipelines.arena import Arena, Extent
+from pipelines.awaiting import finish
 from pipelines.decode.handoff import DecodeHandoff
 from pipelines.digest import Algorithm, digest
 from pipelines.errors import ConflictError, InvalidInput
@@ -137,7 +138,7 @@ class Landing:
         self._handoffs.pop(handoff_id, None)
 
     def expected(self, handoff_id: str, rank: int) -> int:
-        return self._handoffs[handoff_id].stages[rank].expected
+        return self._stage(handoff_id, rank).expected
 
     def first_grants(self, h: DecodeHandoff, ranks: list[int]) -> list[Grant]:
         """A first window for each of `ranks` if the arena has room now (else they ask)."""
@@ -151,8 +152,7 @@ class Landing:
     async def grant(self, h: DecodeHandoff, rank: int, nbytes: int) -> Grant | None:
         """A window of up to `nbytes` for stage `rank`, waiting up to `WINDOW_WAIT_S` for room
         (bounded by the handoff's deadline); None when there was none."""
-        stage = self._stage(h.id, rank)
-        want = min(nbytes, self.window_bytes, max(stage.expected - stage.committed, 1))
+        want = min(nbytes, self.window_bytes, max(self._remaining(h.id, rank), 1))
         until = min(h.deadline_mono, self._monotonic() + WINDOW_WAIT_S)
         try:
             extent = await self.arena.take(want, h.id, until_mono=until)
@@ -211,7 +211,8 @@ class Landing:
             if nbytes <= INLINE_COMMIT_BYTES:
                 ok = self._copy_check_commit(*args)
             else:
-                ok = await asyncio.shield(asyncio.to_thread(self._copy_check_commit, *args))
+                # Even if this caller is cancelled, the lease waits for the copy to end.
+                ok = await finish(asyncio.to_thread(self._copy_check_commit, *args))
         finally:
             hl.running -= 1
             if hl.running == 0:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pipelines.awaiting import finish
 from pipelines.digest import digest
 from pipelines.errors import DeadlineExceeded, DigestMismatch, InternalError, InvalidInput
 from pipelines.events import ChunksEmitted, EventBus, StagePaired, StageTransferred
@@ -38,7 +39,7 @@ from pipelines.prefill.handoff import (
     StageInput,
     Staging,
 )
-from pipelines.prefill.writes import finish, write_all
+from pipelines.prefill.writes import write_all
 from transport.blocks import Blocks
 
 #: Segments travel in blocks of this size: Mooncake TCP's throughput peaks near 256 KiB-1 MiB

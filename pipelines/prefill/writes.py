@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import Any, TypeVar
 
+from pipelines.awaiting import drain
 from pipelines.prefill.handoff import BlockWriter
 from transport.blocks import Blocks
-
-T = TypeVar("T")
 
 
 async def write_all(writer: BlockWriter, target: str, blocks: Blocks, start_by: float) -> None:
@@ -30,29 +28,9 @@ async def write_all(writer: BlockWriter, target: str, blocks: Blocks, start_by: 
     except BaseException:
         # Cancelled (abort, deadline, lost peer) or failed: make sure nothing still lands.
         task.cancel()
-        await _drain({task})
+        await drain({task})
         await _settle(writer.quiesce(target))
         raise
-
-
-async def finish(awaitable: Awaitable[T]) -> T:
-    """Await to the end even if cancelled meanwhile (a copy in a thread keeps writing its
-    buffer until it returns), then re-raise the cancellation; else return its result."""
-    task = asyncio.ensure_future(awaitable)
-    await _drain({task})
-    return task.result()
-
-
-async def _drain(tasks: set[asyncio.Task[Any]]) -> None:
-    """Wait until every task is done, even if this task is cancelled meanwhile; then re-raise."""
-    cancelled = False
-    while pending := {t for t in tasks if not t.done()}:
-        try:
-            await asyncio.wait(pending)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 async def _settle(awaitable: Awaitable[None]) -> None:
@@ -60,7 +38,7 @@ async def _settle(awaitable: Awaitable[None]) -> None:
     of the awaited call is raised too: the caller must not report "quiesced" on it."""
     task = asyncio.ensure_future(awaitable)
     try:
-        await _drain({task})
+        await drain({task})
     finally:
         if task.done() and not task.cancelled() and task.exception() is not None:
             raise task.exception()  # type: ignore[misc]

@@ -1,0 +1,71 @@
+"""The arena: first-fit extents, FIFO waiting bounded by a deadline, quarantine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pipelines.arena import Arena
+from pipelines.errors import CapacityExceeded
+
+
+async def test_extents_are_taken_first_fit_and_coalesce_when_given_back() -> None:
+    a = Arena(base_addr=1 << 20, capacity_bytes=4 * 4096)
+    x, y, z = (a.try_take(4096, o) for o in "xyz")
+    assert x and y and z and [e.offset for e in (x, y, z)] == [0, 4096, 8192]
+    assert a.addr(y) == (1 << 20) + 4096
+    a.give_back(x)
+    a.give_back(y)  # coalesces with x: one free run of 8 KiB before z
+    big = a.try_take(8192, "big")
+    assert big is not None and big.offset == 0
+    assert a.stats.used_bytes == 8192 + 4096
+    assert a.try_take(4097, "w") is None  # 4 KiB left: a rounded 8 KiB does not fit
+
+
+async def test_a_waiter_is_served_in_order_when_room_frees() -> None:
+    a = Arena(0, 2 * 4096)
+    first = a.try_take(8192, "first")
+    assert first is not None
+    later = asyncio.ensure_future(a.take(4096, "w1", until_mono=time.monotonic() + 5))
+    latest = asyncio.ensure_future(a.take(4096, "w2", until_mono=time.monotonic() + 5))
+    await asyncio.sleep(0)
+    assert a.stats.waiting == 2 and a.try_take(1, "x") is None  # FIFO: no cutting in
+    a.give_back(first)
+    e1, e2 = await asyncio.gather(later, latest)
+    assert (e1.owner, e2.owner) == ("w1", "w2") and a.stats.waits == 2
+
+
+async def test_a_wait_ends_at_its_deadline_and_a_request_too_big_at_once() -> None:
+    a = Arena(0, 4096)
+    assert a.try_take(4096, "x") is not None
+    with pytest.raises(TimeoutError):
+        await a.take(4096, "w", until_mono=time.monotonic() + 0.05)
+    assert a.stats.waiting == 0
+    with pytest.raises(CapacityExceeded):
+        await a.take(8192, "huge", until_mono=time.monotonic() + 5)
+
+
+async def test_quarantined_extents_come_back_only_when_their_time_passed() -> None:
+    a = Arena(0, 2 * 4096)
+    e = a.try_take(4096, "h")
+    assert e is not None
+    assert a.quarantine_owner("h", time.monotonic() + 0.05) == 1
+    assert a.stats.quarantined_bytes == 4096
+    waiter = asyncio.ensure_future(a.take(8192, "next", until_mono=time.monotonic() + 5))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # the window is still out of use
+    got = await waiter
+    assert got.length == 8192 and a.stats.quarantined_bytes == 0
+
+
+async def test_an_indefinite_quarantine_waits_for_its_owner() -> None:
+    a = Arena(0, 4096)
+    e = a.try_take(4096, "h")
+    assert e is not None
+    a.quarantine(e, float("inf"))
+    await asyncio.sleep(0.01)
+    assert a.try_take(4096, "x") is None
+    a.give_back_owner("h")  # its handoff ended with every writer done
+    assert a.try_take(4096, "x") is not None

@@ -1,0 +1,126 @@
+"""Packing: pieces checked against the destination, segments cut to fit a budget, gather and
+scatter on numpy and torch memory alike."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines.digest import digest
+from pipelines.errors import InvalidInput
+from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from pipelines.packing import (
+    Pieces,
+    StagePacker,
+    check_pieces,
+    destination_side,
+    gather,
+    piece_bytes,
+    scatter,
+    source_side,
+)
+from pipelines.pairing import pair
+
+MODEL = hybrid_npu_mla(num_layers=8, scale=64, page_size=4)
+PART = partition_layers(8, 2)
+
+
+def pairing_of_stage(rank: int = 1):  # type: ignore[no-untyped-def]
+    src = stage_layout(MODEL, PART, rank, num_pages=16, num_slots=4)
+    dst = decode_layout(MODEL, num_pages=16, num_slots=4)
+    return pair(src, dst)
+
+
+def test_pieces_outside_the_destination_are_refused_naming_the_piece() -> None:
+    p = pairing_of_stage()
+    k = p.num_kv_pairs
+    assert check_pieces(p, Pieces.of([0], [0], [3]), 3, True, pp_rank=1) == 3 * int(
+        p.kv_item_len[0]
+    )
+    for pieces, field in (
+        (Pieces.of([0], [0], [4]), "ends[0]"),  # past the request's 3 pages
+        (Pieces.of([0, 0], [1, 1], [1, 2]), "ends[0]"),  # an empty piece
+        (Pieces.of([k + p.num_state_pairs], [0], [1]), "rows[0]"),  # no such row
+        (Pieces.of([k], [0], [2]), "starts[0]"),  # a state row has one position
+    ):
+        with pytest.raises(InvalidInput) as err:
+            check_pieces(p, pieces, 3, True, pp_rank=1)
+        assert err.value.context["field"] == field
+    with pytest.raises(InvalidInput):  # state without a slot in the destination
+        check_pieces(p, Pieces.of([k], [0], [1]), 3, False, pp_rank=1)
+
+
+def test_the_packer_cuts_ready_rows_to_the_budget_and_covers_everything_once() -> None:
+    p = pairing_of_stage()
+    packer = StagePacker(p, num_pages=5, has_slot=True)
+    packer.make_ready([7])  # one layer first
+    item = int(p.kv_item_len[int(np.flatnonzero(p.kv_layer == 7)[0])])
+    seg = packer.next_segment(2 * item)  # two pages of the first row of layer 7 fit
+    assert seg is not None and seg.ends.tolist() == [2] and seg.starts.tolist() == [0]
+    packer.make_ready(None)
+    covered: set[tuple[int, int]] = set()
+    total = int(piece_bytes(p, seg).sum())
+    for r, s, e in zip(seg.rows.tolist(), seg.starts.tolist(), seg.ends.tolist()):
+        covered |= {(r, x) for x in range(s, e)}
+    while not packer.done:
+        seg = packer.next_segment(64 * 1024)
+        assert seg is not None and int(piece_bytes(p, seg).sum()) <= 64 * 1024
+        total += int(piece_bytes(p, seg).sum())
+        for r, s, e in zip(seg.rows.tolist(), seg.starts.tolist(), seg.ends.tolist()):
+            cells = {(r, x) for x in range(s, e)}
+            assert not cells & covered
+            covered |= cells
+    assert total == packer.total_bytes
+    assert len(covered) == p.num_kv_pairs * 5 + p.num_state_pairs
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_gather_then_scatter_moves_exactly_the_pieces(kind: str) -> None:
+    p = pairing_of_stage()
+    rng = np.random.default_rng(1)
+
+    class Regions:
+        def __init__(self, sizes: list[int]) -> None:
+            self.arrays = [rng.integers(0, 255, n, dtype=np.uint8) for n in sizes]
+
+        def array(self, i: int):  # type: ignore[no-untyped-def]
+            a = self.arrays[i]
+            return a if kind == "numpy" else torch.from_numpy(a)
+
+    src, dst = Regions(p.src.region_sizes), Regions(p.dst.region_sizes)
+    before = [a.copy() for a in dst.arrays]
+    src_pages, dst_pages = np.array([3, 9, 4]), np.array([10, 2, 11])
+    pieces = Pieces.of(list(range(p.num_kv_pairs + p.num_state_pairs)), [0] * 99, [3] * 99)
+    pieces = Pieces(
+        pieces.rows,
+        np.zeros_like(pieces.rows),
+        np.where(pieces.rows < p.num_kv_pairs, 3, 1),
+    )
+    n = int(piece_bytes(p, pieces).sum())
+    packed = np.zeros(n, dtype=np.uint8)
+    buf = packed if kind == "numpy" else torch.from_numpy(packed)
+    gather(p, source_side(p, src, src_pages, 1), pieces, buf)
+    scatter(p, destination_side(p, dst, dst_pages, 2), pieces, buf)
+    for row in range(p.num_kv_pairs):
+        item = int(p.kv_item_len[row])
+        s = src.arrays[int(p.kv_src_index[row])].reshape(-1, item)
+        d = dst.arrays[int(p.kv_dst_index[row])].reshape(-1, item)
+        assert np.array_equal(s[src_pages], d[dst_pages])
+        untouched = np.setdiff1d(np.arange(d.shape[0]), dst_pages)
+        assert np.array_equal(
+            d[untouched], before[int(p.kv_dst_index[row])].reshape(-1, item)[untouched]
+        )
+    assert digest(packed, "xxh3_128") == digest(torch.from_numpy(packed), "xxh3_128")
+
+
+def test_both_digests_see_a_flipped_or_moved_byte() -> None:
+    data = np.random.default_rng(0).integers(0, 255, 100_003, dtype=np.uint8)
+    for algo in ("xxh3_128", "wsum64"):
+        base = digest(data, algo)  # type: ignore[arg-type]
+        flipped = data.copy()
+        flipped[77_777] ^= 1
+        swapped = data.copy()
+        swapped[:8], swapped[8:16] = data[8:16].copy(), data[:8].copy()
+        assert digest(flipped, algo) != base and digest(swapped, algo) != base  # type: ignore[arg-type]
+        assert digest(torch.from_numpy(data.copy()), algo) == base  # type: ignore[arg-type]
