@@ -169,8 +169,22 @@ def _bulk_deployment(args: argparse.Namespace, mode: str) -> LocalDeployment:
     )
 
 
-def _regions(layout: StageLayout) -> list[tuple[int, int]]:
-    return [(e.base, e.nbytes) for e in layout.kv] + [(s.base, s.nbytes) for s in layout.state]
+def _stage_shares(layout: StageLayout, parts: int) -> list[list[tuple[int, int]]]:
+    """The KV entries of `layout` as `parts` disjoint shares of equal bytes ((addr, length)
+    regions each): where each stage's raw engine writes its large blocks."""
+    regions = [(e.base, e.nbytes) for e in layout.kv]
+    each = sum(n for _, n in regions) // parts
+    shares: list[list[tuple[int, int]]] = [[] for _ in range(parts)]
+    k, left = 0, each
+    for addr, length in regions:
+        off = 0
+        while off < length and k < parts:
+            n = min(length - off, left)
+            shares[k].append((addr + off, n))
+            off, left = off + n, left - n
+            if left == 0:
+                k, left = k + 1, each
+    return shares
 
 
 async def _metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
@@ -206,13 +220,12 @@ async def bulk(args: argparse.Namespace) -> dict[str, Any]:
             per_request = sum(b.total_bytes for b in per_stage) // len(moves)
             rounds = args.bulk_requests / len(moves)
             # Raw: each stage's bytes of `bulk_requests` requests, into its own decode entries.
-            dst = _regions(decode)
-            share = len(dst) // dep.pp_size
+            shares = _stage_shares(decode, dep.pp_size)
             large = [
                 large_blocks(
                     int(b.total_bytes * rounds),
                     [(g.addr, g.length) for g in dep.stage_pool(r).regions],
-                    dst[r * share : (r + 1) * share],
+                    shares[r],
                     BLOCK_BYTES,
                 )
                 for r, b in enumerate(per_stage)
