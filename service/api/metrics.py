@@ -15,8 +15,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service.http.app import CONFIG, ROUTES, VERSION
 from service.http.routing import RouteTable
+from service.runtime.activity import arena_uses
 from service.runtime.metrics import (
     METRICS,
+    ArenaCollector,
     Metrics,
     PeerCollector,
     StreamCollector,
@@ -44,6 +46,7 @@ async def _listen(app: web.Application) -> AsyncIterator[None]:
     metrics.add_collector(PeerCollector(runtime.heartbeats.health))
     metrics.add_collector(TransportCollector(app[TRANSPORT].stats))
     decode, prefill = runtime.decode, runtime.prefill
+    metrics.add_collector(ArenaCollector(lambda: arena_uses(decode, prefill)))
     if decode is not None:
         metrics.count_in_flight(lambda: sum(not h.state.terminal for h in decode.handoffs.values()))
     elif prefill is not None:

@@ -378,18 +378,26 @@ class LocalDeployment:
         per request — planned with the same pairing from this process's mapping of the source
         pools into `decode` (the placed layout the decode service publishes). Baselines write
         exactly these with the raw engine."""
+        return Blocks.concat(self.stage_blocks(decode, moves))
+
+    def stage_blocks(
+        self,
+        decode: StageLayout,
+        moves: Iterable[tuple[Pages, Pages, int | None, int | None]],
+    ) -> list[Blocks]:
+        """`planned_blocks` split by the stage that moves them (index = PP rank)."""
         cache = PairingCache()
-        pairings = []
+        moves = list(moves)
+        out = []
         for r, layout in self.stage_layouts.items():
             pool, n = self.stage_pool(r), len(layout.kv)
-            pairings.append(cache.get(layout.with_bases(pool.bases[:n], pool.bases[n:]), decode))
-        return Blocks.concat(
-            [
-                plan(pairing, src, dst, src_slot, dst_slot).blocks
-                for src, dst, src_slot, dst_slot in moves
-                for pairing in pairings
-            ]
-        )
+            pairing = cache.get(layout.with_bases(pool.bases[:n], pool.bases[n:]), decode)
+            out.append(
+                Blocks.concat(
+                    [plan(pairing, src, dst, ss, ds).blocks for src, dst, ss, ds in moves]
+                )
+            )
+        return out
 
     def kill(
         self, target: int | str, sig: int = signal.SIGKILL, *, wait_s: float | None = 5.0
