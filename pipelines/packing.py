@@ -206,11 +206,20 @@ def scatter(pairing: Pairing, dst: Side, pieces: Pieces, packed: Any) -> None:
             rows[idx] = data
 
 
-def copy_out(region: Any, offset: int, length: int) -> Any:
+def copy_out(region: Any, offset: int, length: int, scratch: Any = None) -> Any:
     """A private copy of `length` bytes of `region` at `offset`, on its device: what the decode
-    digests and commits, so a write landing in the window meanwhile cannot reach the pages."""
+    digests and commits, so a write landing in the window meanwhile cannot reach the pages.
+    Into `scratch` (a buffer of at least `length` bytes on the same device) when given: a fresh
+    buffer per commit costs a page fault per page, more than the copy itself."""
     part = region[offset : offset + length]
-    return part.copy() if not _is_torch(part) else part.clone()
+    if scratch is None:
+        return part.copy() if not _is_torch(part) else part.clone()
+    out = scratch[:length]
+    if _is_torch(part):
+        out.copy_(part)
+    else:
+        np.copyto(out, part)
+    return out
 
 
 # ------------------------------------------------------------------------- the prefill's plan
