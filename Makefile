@@ -7,8 +7,9 @@ TORCH_CPU ?= torch==2.13.0
 # Shared libraries the non-CUDA Mooncake wheel links against (libcurl too: a minimal Debian lacks it).
 APT_PACKAGES := libibverbs1 librdmacm1 libnuma1 libcurl4
 # Test tools: the browser the dashboard test drives (Playwright with the system executable) and
-# promtool (from Debian's prometheus package) that checks the /metrics exposition.
-APT_TEST_TOOLS := chromium prometheus
+# promtool (from Debian's prometheus package) that checks the /metrics exposition; `ss`
+# (iproute2), with which the landed-transfer tests count the bytes a paused writer still sends.
+APT_TEST_TOOLS := chromium prometheus iproute2
 # The container image: its tag, its base (made locally with mmdebstrap when it cannot be pulled)
 # and the Debian tools that build and start it without a Docker daemon.
 IMAGE ?= localhost/kvhandoff:cpu
@@ -36,7 +37,8 @@ $(STAMP): pyproject.toml Makefile
 
 # Only the tests need these (not the demo), so they are installed here rather than in setup.
 test-tools:
-	@if ! command -v chromium >/dev/null || ! command -v promtool >/dev/null; then \
+	@if ! command -v chromium >/dev/null || ! command -v promtool >/dev/null \
+	    || ! command -v ss >/dev/null; then \
 	  echo "installing $(APT_TEST_TOOLS)"; \
 	  $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_TEST_TOOLS); \

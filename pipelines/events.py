@@ -172,11 +172,25 @@ class Subscription:
 REPLAY = 4096
 
 
+def life_first_seq(clock: Callable[[], float] = time.time) -> int:
+    """Where one service life's event numbers start: its start time in microseconds since the
+    epoch (below 2**53, so JavaScript readers keep them exact). A life that publishes fewer
+    events than the microseconds it lives leaves the next life's numbers above its own, so an
+    SSE id or a stored event's `seq` names one event across restarts (as long as the wall clock
+    does not step back across the restart)."""
+    return int(clock() * 1_000_000)
+
+
 class EventBus:
     """Numbers events, keeps the last `replay` of them, and fans them out to subscribers."""
 
-    def __init__(self, replay: int = REPLAY, clock: Callable[[], float] = time.time) -> None:
-        self._seq = 0
+    def __init__(
+        self, replay: int = REPLAY, clock: Callable[[], float] = time.time, *, first_seq: int = 1
+    ) -> None:
+        # Numbers start at `first_seq` (see `life_first_seq`), so they never repeat an earlier
+        # life's: stored timelines and resuming readers carry those.
+        self._seq = first_seq - 1
+        self._first = first_seq
         self._replay: deque[Event] = deque(maxlen=replay)
         self._subscribers: set[Subscription] = set()
         self._listeners: list[Callable[[Event], None]] = []
@@ -185,6 +199,11 @@ class EventBus:
     @property
     def last_seq(self) -> int:
         return self._seq
+
+    @property
+    def first_seq(self) -> int:
+        """The first number this bus gives: anything below is an earlier life's."""
+        return self._first
 
     def publish(self, event: Event) -> Event:
         """Stamp `seq` and `at`, remember, fan out. Never blocks; returns the stamped event."""

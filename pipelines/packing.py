@@ -161,7 +161,7 @@ def destination_side(pairing: Pairing, memory: ByteRegions, pages: I64, slot: in
     return Side(memory, pages, slot, pairing.kv_dst_index, pairing.state_dst_index + n)
 
 
-def _piece_views(
+def piece_views(
     pairing: Pairing, side: Side, pieces: Pieces, packed: Any
 ) -> Iterable[tuple[Any, Any, Any]]:
     """Per piece: (this side's rows of the entry, the row indices, the packed bytes as rows)."""
@@ -186,29 +186,40 @@ def _piece_views(
 def gather(pairing: Pairing, src: Side, pieces: Pieces, packed: Any) -> None:
     """Copy the pieces from the source entries into `packed` (1-D uint8, at least the
     segment's bytes long), piece after piece."""
-    for rows, idx, out in _piece_views(pairing, src, pieces, packed):
+    for rows, idx, out in piece_views(pairing, src, pieces, packed):
         if _is_torch(rows):
             import torch
 
             torch.index_select(rows, 0, idx, out=out)
         else:
-            np.take(rows, idx, axis=0, out=out)
+            # mode="clip": the pages were validated against every pool before any segment
+            # was cut, and the default ("raise") buffers the output, copying every byte twice.
+            np.take(rows, idx, axis=0, out=out, mode="clip")
 
 
 def scatter(pairing: Pairing, dst: Side, pieces: Pieces, packed: Any) -> None:
     """Copy `packed` into the destination entries' pages and slot the pieces name."""
-    for rows, idx, data in _piece_views(pairing, dst, pieces, packed):
+    for rows, idx, data in piece_views(pairing, dst, pieces, packed):
         if _is_torch(rows):
             rows.index_copy_(0, idx, data)
         else:
             rows[idx] = data
 
 
-def copy_out(region: Any, offset: int, length: int) -> Any:
+def copy_out(region: Any, offset: int, length: int, scratch: Any = None) -> Any:
     """A private copy of `length` bytes of `region` at `offset`, on its device: what the decode
-    digests and commits, so a write landing in the window meanwhile cannot reach the pages."""
+    digests and commits, so a write landing in the window meanwhile cannot reach the pages.
+    Into `scratch` (a buffer of at least `length` bytes on the same device) when given: a fresh
+    buffer per commit costs a page fault per page, more than the copy itself."""
     part = region[offset : offset + length]
-    return part.copy() if not _is_torch(part) else part.clone()
+    if scratch is None:
+        return part.copy() if not _is_torch(part) else part.clone()
+    out = scratch[:length]
+    if _is_torch(part):
+        out.copy_(part)
+    else:
+        np.copyto(out, part)
+    return out
 
 
 # ------------------------------------------------------------------------- the prefill's plan

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -38,18 +39,46 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Defaults(argparse.HelpFormatter):
+    """`--help` shows each option's default, where it has one (not for flags that are off, nor
+    for overrides whose absence means "as the config says")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.help is not None
+            and "%(default)" not in text
+            and default not in (None, False, argparse.SUPPRESS)
+            and action.option_strings
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def version() -> str:
+    """This installation's version (the package metadata; "unknown" when not installed)."""
+    try:
+        return importlib.metadata.version("kvhandoff")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     """Build the parser; only the sub-command named in `argv` gets its arguments (and import)."""
     parser = argparse.ArgumentParser(prog="kvhandoff", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvhandoff {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = list(argv[:2])
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Defaults)
         _bind(p, module, load=bool(chosen) and chosen[0] == name)
     bench = sub.add_parser("bench", help="run a benchmark", description="run a benchmark")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, (module, help_text) in BENCHMARKS.items():
-        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        p = bench_sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=_Defaults
+        )
         _bind(p, module, load=chosen == ["bench", name])
     return parser
 

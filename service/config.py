@@ -26,6 +26,7 @@ from pipelines.errors import InvalidInput, LayoutError
 from pipelines.events import REPLAY
 from pipelines.models import PRESETS, ModelSpec, Partition, partition_layers, preset
 from pipelines.settings import DECODE_DEFAULTS, PREFILL_DEFAULTS, DecodeSettings, PrefillSettings
+from pipelines.urls import canonical_url
 from transport.config import MooncakeConfig
 
 ENV_PREFIX = "KVHANDOFF_"
@@ -72,7 +73,7 @@ class ServerConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
         if not self.public_url:
             # Frozen: the derived default is filled in once, here, so readers never derive it.
             force_setattr(self, "public_url", f"http://{self.host}:{self.port}")
-        self_url = self.public_url.rstrip("/")
+        self_url = canonical_url(self.public_url)  # the one form every URL is compared in
         if self_url != self.public_url:
             force_setattr(self, "public_url", self_url)
 
@@ -269,6 +270,12 @@ class WebhooksConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 class PeersConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     #: Decode role: prefill services to send destinations to when a request names none.
     prefill: list[str] = []
+
+    def __post_init__(self) -> None:
+        canonical = [canonical_url(u) for u in self.prefill]
+        if canonical != self.prefill:  # compared with senders' public_url in this form
+            force_setattr(self, "prefill", canonical)
+
     #: Default timeout of one service-to-service HTTP call.
     request_timeout_s: PositiveSeconds = 5.0
     #: Peer health (`/metrics` labels, the dashboard) forgets a peer that is neither configured

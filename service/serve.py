@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -89,7 +90,21 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     setup_logging(config.server.log_level)
-    return uvloop.run(_serve_until_signalled(config))
+    try:
+        return uvloop.run(_serve_until_signalled(config))
+    except ConfigError as exc:  # found only at start-up: a state_dir in use, a missing pool
+        print(f"kvhandoff serve: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        server = config.server
+        print(
+            f"kvhandoff serve: server.port: {server.host}:{server.port} is in use by another "
+            "process (set server.port or --port)",
+            file=sys.stderr,
+        )
+        return 2
 
 
 def setup_logging(level: str) -> None:

@@ -150,7 +150,10 @@ async def signed(
     clock: Callable[[], float] = time.time,
 ) -> tuple[int, str, Any]:
     raw = json.dumps(body).encode()
-    headers = {**JSON, **Signer(secret, sender, clock=clock).headers("POST", path, raw)}
+    headers = {
+        **JSON,
+        **Signer(secret, sender, clock=clock).headers("POST", path, raw, recipient=base),
+    }
     return await send(http, "POST", base + path, raw, headers)
 
 
@@ -167,7 +170,9 @@ def item_status(result: tuple[int, str, Any]) -> int:
 
 
 async def forgeries(dep: LocalDeployment, p: Parties, c: Campaign, round_: int) -> None:
-    headers = Signer(PEER, dep.prefill_urls[0]).headers("GET", "/v1/layout", b"")
+    headers = Signer(PEER, dep.prefill_urls[0]).headers(
+        "GET", "/v1/layout", b"", recipient=dep.decode_url
+    )
     async with p.anonymous.get(dep.decode_url + "/v1/layout", headers=headers) as resp:
         layout = msgspec.json.decode(await resp.read(), type=LayoutInfo)
     hid = f"forged-{round_}"
@@ -232,7 +237,7 @@ async def forgeries(dep: LocalDeployment, p: Parties, c: Campaign, round_: int) 
     raw = json.dumps(beat).encode()
     path = "/v1/peer/heartbeats"
     url = dep.url_of_stage(0)
-    once = {**JSON, **Signer(PEER, dep.decode_url).headers("POST", path, raw)}
+    once = {**JSON, **Signer(PEER, dep.decode_url).headers("POST", path, raw, recipient=url)}
     await send(p.anonymous, "POST", url + path, raw, once)
     replay = send(p.anonymous, "POST", url + path, raw, once)
     await attempt("replayed peer message", "the same signed request again", {409}, replay)
@@ -380,7 +385,7 @@ async def bad_inputs(dep: LocalDeployment, p: Parties, c: Campaign, round_: int)
                 {
                     **JSON,
                     **Signer(PEER, dep.url_of_stage(0)).headers(
-                        "POST", "/v1/peer/stage-failures", raw.encode()
+                        "POST", "/v1/peer/stage-failures", raw.encode(), recipient=d
                     ),
                 },
             ),

@@ -20,6 +20,7 @@ digest refuses it).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,6 +98,7 @@ class Landing:
         self._handoffs: dict[str, HandoffLanding] = {}
         self._grants: dict[int, tuple[str, int]] = {}  # grant id -> (handoff id, pp_rank)
         self._next_grant_id = 0
+        self._local = threading.local()  # per-thread snapshot buffers (`_scratch`)
 
     # ----------------------------------------------------------------- handoffs
 
@@ -186,7 +188,7 @@ class Landing:
                 field="bytes",
                 pp_rank=rank,
             )
-        cells = _cells(stage.pairing, pieces)
+        cells = piece_cells(stage.pairing, pieces)
         if stage.covered[cells].any():
             raise ConflictError(
                 f"the segment repeats pages of stage {rank} already committed",
@@ -286,12 +288,25 @@ class Landing:
         nbytes: int,
         expected_digest: str,
     ) -> bool:
-        snapshot = copy_out(self._window, offset, nbytes)
+        snapshot = copy_out(self._window, offset, nbytes, self._scratch())
         if digest(snapshot, self.algorithm) != expected_digest:
             return False
         side = destination_side(pairing, self._memory, h.dst_pages, h.request.dst_slot)
         scatter(pairing, side, pieces, snapshot)
         return True
+
+    def _scratch(self) -> Any:
+        """This thread's snapshot buffer (one window, on the arena's device), reused by every
+        commit the thread runs: each commit's copy runs start to end in one thread."""
+        buf = getattr(self._local, "scratch", None)
+        if buf is None:
+            window = self._window
+            if isinstance(window, np.ndarray):
+                buf = np.empty(self.arena.rounded(self.window_bytes), dtype=np.uint8)
+            else:
+                buf = window.new_empty(self.arena.rounded(self.window_bytes))
+            self._local.scratch = buf
+        return buf
 
     def _stage(self, handoff_id: str, rank: int) -> StageLanding:
         hl = self._handoffs.get(handoff_id)
@@ -327,7 +342,7 @@ class Landing:
         self._grants.pop(gid, None)
 
 
-def _cells(pairing: Pairing, pieces: Pieces) -> tuple[I64, I64]:
+def piece_cells(pairing: Pairing, pieces: Pieces) -> tuple[I64, I64]:
     """The (row, page position) cells of `pieces`, as index arrays into `covered`."""
     counts = pieces.ends - pieces.starts
     rows = np.repeat(pieces.rows, counts)

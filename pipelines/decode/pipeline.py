@@ -253,7 +253,11 @@ class DecodePipeline:
         or as it is after `timeout_s` (a router's long poll). A handoff of an earlier life of
         this service is answered from the archive as it was recorded."""
         if handoff_id not in self.handoffs:
-            return self._archived(handoff_id)
+            view = self._archived(handoff_id)
+            if released and not view.released:  # its restored fence: wait for it to lift
+                await self._releases.wait_restored(handoff_id, timeout_s)
+                view = self._archived(handoff_id)
+            return view
         h = self._get(handoff_id)
         event = h.released if released else h.done
         if not event.is_set() and timeout_s > 0:

@@ -83,6 +83,8 @@ class Releases:
         # Restored handoffs whose pages an earlier life's prefill may still write, until when.
         self._fenced_until: dict[str, float] = {}
         self._fence_timers: list[asyncio.TimerHandle] = []
+        # Set when a restored fence lifts: what `wait(..., released=True)` of one waits on.
+        self._restored_waiters: dict[str, asyncio.Event] = {}
 
     # ----------------------------------------------------------------- live handoffs
 
@@ -295,12 +297,26 @@ class Releases:
         until = self._fenced_until.get(view.id)
         return msgspec.structs.replace(view, released=True, released_at=until)
 
+    async def wait_restored(self, handoff_id: str, timeout_s: float) -> None:
+        """Until an earlier life's handoff is released here (its restored fence lifted), or
+        `timeout_s` passed: a router's `until=released` or an engine's `released()` after a
+        restart waits like one of a handoff of this life."""
+        if timeout_s <= 0 or not self.leases.holds(handoff_id):
+            return
+        lifted = self._restored_waiters.setdefault(handoff_id, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await lifted.wait()
+
     def _release_restored(self, handoff_id: str, leased: bool) -> None:
         """The bound of an earlier life's handoff passed: free its pages and say so, like any
         release (`handoff.released`, unconfirmed), so the record, webhooks and SSE readers see it
         and a later restart does not fence these pages again."""
         if leased:
             self.leases.release(handoff_id)
+        lifted = self._restored_waiters.pop(handoff_id, None)
+        if lifted is not None:
+            lifted.set()
         old = self._archive.find(handoff_id) if self._archive is not None else None
         if old is None:
             return

@@ -236,7 +236,7 @@ class LandedSender:
                 seg_digest = await finish(
                     asyncio.to_thread(_gather_digest, pairing, src, pieces, packed, dest.digest)
                 )
-            blocks = _blocks(staging.arena.addr(extent), grant.addr, nbytes)
+            blocks = staged_blocks(staging.arena.addr(extent), grant.addr, nbytes)
             await write_all(self._writer, dest.decode_target, blocks, h.deadline_mono)
         finally:
             staging.arena.give_back(extent)  # the copy and the transfer have ended
@@ -305,7 +305,7 @@ def _gather_digest(pairing: Pairing, src: Side, pieces: Pieces, packed: Any, alg
     return digest(packed, algo)
 
 
-def _blocks(src_addr: int, dst_addr: int, nbytes: int) -> Blocks:
+def staged_blocks(src_addr: int, dst_addr: int, nbytes: int) -> Blocks:
     starts = np.arange(0, nbytes, BLOCK_BYTES, dtype=np.uint64)
     lengths = np.minimum(np.uint64(nbytes) - starts, np.uint64(BLOCK_BYTES))
     return Blocks(starts + np.uint64(src_addr), starts + np.uint64(dst_addr), lengths)

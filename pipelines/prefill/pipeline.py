@@ -87,6 +87,9 @@ class PrefillPipeline:
         self._decode = decode
         self._bus = bus
         self.cache = cache or PairingCache()
+        #: The staging buffer landed segments are packed into (read-only here: metrics and the
+        #: dashboard read its `arena.stats`; the stage runner owns its use).
+        self.staging = staging
         self._default_deadline_s = settings.default_deadline_s
         self._clock = clock
         self._runner = StageRunner(

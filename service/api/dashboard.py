@@ -2,7 +2,8 @@
 snapshot), installed on both roles by `install_dashboard`.
 
 The page loads the snapshot once (recent handoffs with per-stage progress, throughput buckets,
-latency percentiles, peers and their heartbeat health) and then applies the live events of
+latency percentiles, peers and their heartbeat health, the landing arena or staging buffer in
+use and its waits) and then applies the live events of
 `GET /v1/events`; it refreshes the snapshot every few seconds for the charts and peers. The page
 itself is open (it holds no data); the snapshot and the stream are API routes and need the
 token when one is set — the page asks for it once and keeps it in memory only.
@@ -19,7 +20,15 @@ from msgspec import Struct
 from service.http.app import CONFIG, ROUTES, VERSION, json_response
 from service.http.routing import RouteTable
 from service.peers.heartbeat import PeerHealth
-from service.runtime.activity import BUCKET_S, RECENT, Activity, Bucket, HandoffActivity, Latency
+from service.runtime.activity import (
+    BUCKET_S,
+    RECENT,
+    Activity,
+    ArenaUse,
+    Bucket,
+    HandoffActivity,
+    Latency,
+)
 from service.runtime.roles import DECODE, PREFILL, RUNTIME, Runtime, on_runtime
 
 ACTIVITY = web.AppKey("dashboard_activity", Activity)
@@ -53,6 +62,8 @@ class Summary(Struct, frozen=True):
     bucket_s: float
     latency: Latency
     peers: list[PeerHealth]
+    #: The landed transfer's memory: the landing arena (decode), the staging buffer (prefill).
+    arenas: list[ArenaUse] = []
 
 
 @routes.get(
@@ -89,6 +100,7 @@ async def dashboard_summary(request: web.Request) -> web.StreamResponse:
             bucket_s=BUCKET_S,
             latency=activity.latency(),
             peers=sorted(health.values(), key=lambda p: p.url),
+            arenas=runtime.arenas(),
         )
     )
 

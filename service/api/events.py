@@ -99,7 +99,8 @@ def last_event_id(request: web.Request) -> int | None:
         raw, field = request.query.get("last_event_id"), "last_event_id"
     if raw is None or raw == "":
         return None
-    if not raw.isdigit() or len(raw) > 18:
+    # ASCII digits only: `isdigit()` also takes "²" and "①", which int() refuses (a 500).
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
         raise InvalidInput(f"{field}={raw!r} is not an event id (an integer ≥ 0)", field=field)
     return int(raw)
 
@@ -141,7 +142,11 @@ def control_frame(event: StreamGap | StreamOverflow, event_id: int) -> bytes:
     )
 
 
-KEEPALIVE = b": keep-alive\n\n"
+#: A comment line alone, no blank line after it: a blank line ends a message, and a client that
+#: keeps the last id across messages (httpx-sse 0.4, as the SSE spec says) would dispatch it as
+#: an empty message, which `sse.json()` cannot parse. The next frame's blank line ends nothing
+#: but that frame.
+KEEPALIVE = b": keep-alive\n"
 
 
 #: A write that the reader does not take within this many keep-alive periods ends the stream.
@@ -195,7 +200,7 @@ async def _open(request: web.Request) -> web.StreamResponse:
         response.headers["Vary"] = "Origin"
     response.enable_chunked_encoding()
     await response.prepare(request)
-    await response.write(b": kvhandoff event stream\n\n")  # headers out now, not on event 1
+    await response.write(b": kvhandoff event stream\n")  # headers out now, not on event 1
     return response
 
 
@@ -204,10 +209,15 @@ def _replay(
 ) -> tuple[list[Event], StreamGap | None]:
     """What a reader resuming after `last_id` is owed from the replay buffer, and the gap."""
     bus = request.app[RUNTIME].bus
-    if last_id > bus.last_seq:  # an id from an earlier process
+    # An id from an earlier process: below this life's first (ids grow across lives), or above
+    # any this one gave (the clock stepped back across a restart). What that process sent
+    # after it is lost; this life's events follow, all of them new to the reader.
+    if 0 < last_id < bus.first_seq - 1 or last_id > bus.last_seq:
         events, _ = bus.since(0)
         first = events[0].seq if events else bus.last_seq + 1
-        restart = StreamGap(first_id=1, last_id=first - 1, reason="restarted", resumed_from=last_id)
+        restart = StreamGap(
+            first_id=bus.first_seq, last_id=first - 1, reason="restarted", resumed_from=last_id
+        )
         return [e for e in events if keep(e)], restart
     events, complete = bus.since(last_id)
     gap: StreamGap | None = None

@@ -15,7 +15,7 @@ from aiohttp import web
 from msgspec import Meta, Struct
 
 from pipelines.decode.views import HANDOFF_ID_PATTERN, HandoffPage, HandoffRequest, HandoffView
-from pipelines.errors import InvalidInput
+from pipelines.errors import CapacityExceeded, InvalidInput
 from pipelines.states import HandoffState
 from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
@@ -35,6 +35,8 @@ DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 #: Cursors are `seq`s (`service.runtime.database.LIFE_SHIFT`), below this.
 MAX_CURSOR = 2**62
+#: Handoffs a prefill holds that were signalled ready and have no destination yet (README).
+MAX_AWAITING_DESTINATION = 4096
 
 decode_routes = RouteTable()
 prefill_routes = RouteTable()
@@ -201,7 +203,7 @@ class StageReadyAck(Struct, frozen=True):
     request=StageReady,
     response=StageReadyAck,
     status=202,
-    errors=(404, 409, 422),
+    errors=(404, 409, 422, 429),
     summary="Stage pp_rank has finished this request (all layers, or those listed)",
     description="The first signal of a stage carries its source pages (and slot). Chunks of the "
     "listed layers are sent as soon as the decode destination is known.",
@@ -218,5 +220,17 @@ async def stage_ready(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, StageReady)
     inputs.pages(body.src_pages or (), "src_pages")
     inputs.slot(body.src_slot, "src_slot")
-    prefill_of(request).ready(handoff_id, rank, body.src_pages, body.src_slot, body.layers)
+    pipeline = prefill_of(request)
+    if handoff_id not in pipeline.handoffs and len(pipeline.handoffs) >= MAX_AWAITING_DESTINATION:
+        awaiting = sum(1 for h in pipeline.handoffs.values() if h.decode_url is None)
+        if awaiting >= MAX_AWAITING_DESTINATION:
+            # A ready signal opens a handoff that waits for its destination until its deadline:
+            # bounded, so an engine (or its credential) cannot grow the prefill without end.
+            raise CapacityExceeded(
+                f"{awaiting} handoffs signalled ready here wait for their destination, the most "
+                "this service holds; retry once the decode service has sent theirs",
+                field="id",
+                limit=MAX_AWAITING_DESTINATION,
+            )
+    pipeline.ready(handoff_id, rank, body.src_pages, body.src_slot, body.layers)
     return json_response(StageReadyAck(handoff_id, rank, body.layers), status=202)

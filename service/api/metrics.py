@@ -16,6 +16,7 @@ from service.http.app import CONFIG, ROUTES, VERSION
 from service.http.routing import RouteTable
 from service.runtime.metrics import (
     METRICS,
+    ArenaCollector,
     Metrics,
     PeerCollector,
     StreamCollector,
@@ -40,6 +41,7 @@ def install_metrics(app: web.Application) -> None:
         runtime.bus.add_listener(metrics.observe)
         metrics.add_collector(PeerCollector(runtime.heartbeats.health))
         metrics.add_collector(TransportCollector(app[TRANSPORT].stats))
+        metrics.add_collector(ArenaCollector(runtime.arenas))
         metrics.count_in_flight(runtime.in_flight)
         if PERSISTENCE in app:
             dispatcher = app[PERSISTENCE].dispatcher

@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
 
-from pipelines.errors import KVHandoffError
+from pipelines.decode.views import HANDOFF_ID_PATTERN
+from pipelines.errors import InvalidInput, KVHandoffError
 from pipelines.messages import (
     AbortAck,
     AbortMsg,
@@ -36,6 +38,7 @@ from pipelines.messages import (
     WindowRequest,
     check_version,
 )
+from pipelines.urls import canonical_url
 from service.http.app import decode_body, json_response
 from service.http.auth import signed_sender
 from service.http.problems import Forbidden, error_problem
@@ -63,9 +66,23 @@ M = TypeVar("M", DestinationMsg, ArrivalMsg, StageFailedMsg)
 
 log = logging.getLogger("kvhandoff.heartbeat")
 
+_ID = re.compile(HANDOFF_ID_PATTERN)
+_MAX_ID_CHARS = 256  # as the public routes (HandoffId)
+
+
+def _handoff_id(handoff_id: str) -> None:
+    """A peer message may name only a handoff id the public routes accept: a prefill must not
+    open (and keep) a handoff no router or engine could name."""
+    if not (0 < len(handoff_id) <= _MAX_ID_CHARS and _ID.fullmatch(handoff_id)):
+        raise InvalidInput(
+            f"handoff_id {handoff_id[:64]!r} is not a valid handoff id (letters, digits, "
+            f"._:@-, 1..{_MAX_ID_CHARS} characters, not . or ..)",
+            field="handoff_id",
+        )
+
 
 def _same_service(claimed: str, sender: str, what: str, field: str) -> None:
-    if claimed.rstrip("/") != sender.rstrip("/"):
+    if canonical_url(claimed) != canonical_url(sender):
         raise Forbidden(f"{what} names {claimed} but was signed by {sender}", field=field)
 
 
@@ -161,7 +178,13 @@ async def destinations(request: web.Request) -> web.StreamResponse:
         # Only the decode service that owns the pages may say where bytes go.
         _same_service(msg.decode_url, sender, "the destination", "decode_url")
 
-    return await _each(request, DestinationMsg, prefill_of(request).deliver, from_decode)
+    pipeline = prefill_of(request)
+
+    def deliver(msg: DestinationMsg) -> Any:
+        _handoff_id(msg.handoff_id)
+        return pipeline.deliver(msg)
+
+    return await _each(request, DestinationMsg, deliver, from_decode)
 
 
 @prefill_peer_routes.post(
@@ -176,6 +199,7 @@ async def destinations(request: web.Request) -> web.StreamResponse:
 async def abort(request: web.Request) -> web.StreamResponse:
     msg = await decode_body(request, AbortMsg)
     check_version(msg.version)
+    _handoff_id(msg.handoff_id)
     pipeline = prefill_of(request)
     sender = signed_sender(request)
     handoff = pipeline.handoffs.get(msg.handoff_id)

@@ -72,7 +72,7 @@ async def validate(request: web.Request) -> web.StreamResponse:
         )
     urls: dict[str, int] = {}  # each distinct URL once, first index kept for error messages
     for i, url in enumerate(body.prefill_urls):
-        urls.setdefault(inputs.peer_url(url, f"prefill_urls[{i}]").rstrip("/"), i)
+        urls.setdefault(inputs.peer_url(url, f"prefill_urls[{i}]"), i)
     if len(urls) > MAX_PREFILL:
         raise InvalidInput(
             f"{len(urls)} distinct prefill_urls; at most {MAX_PREFILL}", field="prefill_urls"

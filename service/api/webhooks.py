@@ -12,7 +12,7 @@ from typing import Annotated, get_args
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from pipelines.errors import InvalidInput
+from pipelines.errors import ConflictError, InvalidInput
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
 from service.http.signatures import secret_key
@@ -28,6 +28,9 @@ from service.runtime.webhook_views import (
 )
 
 routes = RouteTable()
+
+#: Registered endpoints one decode service keeps (README, "Webhooks"); a create beyond is a 409.
+MAX_ENDPOINTS = 1000
 
 
 def install_webhooks(app: web.Application) -> None:
@@ -71,6 +74,14 @@ _STATES: tuple[str, ...] = get_args(DeliveryState)
 async def create_endpoint(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, EndpointRequest)
     p = persistence_of(request)
+    if p.outbox.registered_count >= MAX_ENDPOINTS:
+        # Each endpoint is a delivery lane fed every event it selects: bounded, like all else.
+        raise ConflictError(
+            f"{MAX_ENDPOINTS} webhook endpoints are registered, the most this service keeps; "
+            "delete one first",
+            field="url",
+            limit=MAX_ENDPOINTS,
+        )
     if body.secret is not None:
         try:
             secret_key(body.secret)
@@ -156,8 +167,12 @@ async def list_deliveries(request: web.Request) -> web.StreamResponse:
 )
 async def retry_delivery(request: web.Request) -> web.StreamResponse:
     raw = request.match_info["delivery_id"]
-    if not raw.isdigit():
-        raise InvalidInput(f"delivery_id {raw!r} is not a positive integer", field="delivery_id")
+    # ASCII digits below SQLite's 2**63: `isdigit()` takes "²" (which int() refuses) and a
+    # larger number overflows the query; both were a 500.
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 19 and int(raw) < 2**63):
+        raise InvalidInput(
+            f"delivery_id {raw!r} is not a positive integer below 2**63", field="delivery_id"
+        )
     p = persistence_of(request)
     endpoint_id = request.match_info["id"]
     delivery = p.outbox.retry(endpoint_id, int(raw), p.clock())

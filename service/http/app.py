@@ -32,8 +32,9 @@ from aiohttp.abc import AbstractAccessLogger
 from msgspec import Struct
 
 from pipelines.errors import KVHandoffError
+from pipelines.peercache import new_incarnation
 from service.config import Config
-from service.http.auth import Credentials, auth_middleware, signer_for
+from service.http.auth import Credentials, answer_middleware, auth_middleware, signer_for
 from service.http.client import PeerClient
 from service.http.openapi import build_openapi
 from service.http.problems import (
@@ -93,6 +94,9 @@ CONFIG = web.AppKey("config", Config)
 ROUTES = web.AppKey("routes", RouteTable)
 READINESS = web.AppKey("readiness", Readiness)
 PEERS = web.AppKey("peers", PeerClient)
+#: This service life's incarnation, drawn when the app is made: the runtime publishes it, and
+#: the peer requests it accepts and the answers it signs are bound to it.
+INCARNATION = web.AppKey("incarnation", str)
 #: Set by whoever starts the transport (its `local_target`), for the start-up log line.
 LOCAL_TARGET = web.AppKey("local_target", str)
 _OPENAPI = web.AppKey("openapi_cache", dict)
@@ -345,11 +349,17 @@ async def _clock_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(config: Config, *, extensions: Sequence[Extension] = ()) -> web.Application:
     """The service app for `config`, with every extension installed (see the module docstring)."""
-    credentials = Credentials.from_config(config)
+    incarnation = new_incarnation()
+    credentials = Credentials.from_config(config, incarnation)
     declared: dict[web.AbstractRoute, Route] = {}  # filled below, once every route is known
-    middlewares = [error_middleware, auth_middleware(credentials, declared)]
+    middlewares = [
+        answer_middleware(credentials),  # outermost: it signs the error middleware's answers
+        error_middleware,
+        auth_middleware(credentials, declared),
+    ]
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[CONFIG] = config
+    app[INCARNATION] = incarnation
     app[_CREDENTIALS] = credentials
     app[ROUTES] = RouteTable()
     app[READINESS] = Readiness()

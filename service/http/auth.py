@@ -8,9 +8,13 @@ route takes (service.http.routing). The rules:
   9110) with one of that role's secrets; no or an unknown token is 401, a token of another role
   is 403 (a router cannot act as an engine or a peer, nor the reverse);
 - peer routes take a request signed with a peer secret (service.http.signing), never a bearer
-  token: unsigned or badly signed is 401, a replay 409, another role's bearer token 403; the
-  verified sender URL is then `signed_sender(request)`, which handlers compare with the URL a
-  message claims (service.api.peer);
+  token, addressed to this service: unsigned, badly signed or signed for another service is
+  401, a replay 409, one signed for another life of this service 409 `stale_incarnation`,
+  another role's bearer token 403; the verified sender URL is then `signed_sender(request)`,
+  which handlers compare with the URL a message claims (service.api.peer);
+- the answer to a signed peer request (whatever its status, a refusal of a stale one too) is
+  signed in turn by `answer_middleware`, bound to the request's nonce, so the caller can tell
+  it came from the service it addressed (`service.http.client`);
 - a role without any secret configured is open, as are routes outside `/v1`.
 """
 
@@ -24,11 +28,14 @@ from typing import Any
 from aiohttp import web
 
 from service.config import AUTH_ROLES, Config
-from service.http.problems import Forbidden, Replayed, Unauthorized
+from service.http.problems import Forbidden, Replayed, StaleIncarnation, Unauthorized
 from service.http.routing import API_PREFIX, AuthRole, Route
 from service.http.signing import (
+    NONCE_HEADER,
+    RECIPIENT_INCARNATION_HEADER,
     SIGNATURE_HEADER,
     SIGNED_HEADERS,
+    AnswerSigner,
     SignatureRejected,
     Signer,
     Verifier,
@@ -36,26 +43,34 @@ from service.http.signing import (
 
 #: The peer URL a request was signed by, once verified (absent when peer auth is off).
 SENDER = web.RequestKey("signed_sender", str)
+#: The nonce of a peer request whose signature verified: its answer is signed for it.
+_ANSWER_NONCE = web.RequestKey("answer_nonce", str)
 
 
 @dataclass(frozen=True)
 class Credentials:
-    """The secrets of each role (current first) and the peer verifier built from them."""
+    """The secrets of each role (current first), the peer verifier built from them and the
+    signer of this service's answers to peer requests (life `incarnation`)."""
 
     secrets: Mapping[str, tuple[str, ...]]
     verifier: Verifier | None
+    answers: AnswerSigner | None = None
 
     @classmethod
-    def from_config(cls, config: Config) -> Credentials:
+    def from_config(cls, config: Config, incarnation: str) -> Credentials:
         secrets = {role: config.secrets(role) for role in AUTH_ROLES}
-        verifier = None
+        verifier = answers = None
         if secrets["peer"]:
+            url = config.server.public_url
             verifier = Verifier(
                 secrets["peer"],
+                url=url,
+                incarnation=incarnation,
                 max_skew_s=config.auth.max_skew_s,
                 capacity=config.auth.replay_cache,
             )
-        return cls(secrets, verifier)
+            answers = AnswerSigner(secrets["peer"][0], url, incarnation)
+        return cls(secrets, verifier, answers)
 
     def secured(self, role: AuthRole) -> bool:
         return role != "open" and bool(self.secrets.get(role))
@@ -70,9 +85,10 @@ class Credentials:
 
 
 def signer_for(config: Config) -> Signer | None:
-    """What the peer client signs with: the current peer secret, as this service's URL."""
+    """What the peer client signs with (the current peer secret, as this service's URL) and
+    checks answers against (every accepted peer secret)."""
     secrets = config.secrets("peer")
-    return Signer(secrets[0], config.server.public_url) if secrets else None
+    return Signer(secrets, config.server.public_url) if secrets else None
 
 
 def signed_sender(request: web.Request) -> str | None:
@@ -112,6 +128,27 @@ def auth_middleware(credentials: Credentials, declared: Mapping[web.AbstractRout
     return check
 
 
+def answer_middleware(credentials: Credentials) -> Any:
+    """Signs the answer to every verified peer request, errors included (outermost, so it sees
+    the problem+json the error middleware made). A streamed answer (the watch) is not signed:
+    what it says — the peer's process ended — only ever fails handoffs, never releases pages."""
+
+    @web.middleware
+    async def sign(request: web.Request, handler: Any) -> web.StreamResponse:
+        response: web.StreamResponse = await handler(request)
+        nonce = request.get(_ANSWER_NONCE)
+        answers = credentials.answers
+        signable = isinstance(response, web.Response) and not response.prepared
+        if nonce is not None and answers is not None and signable:
+            assert isinstance(response, web.Response)
+            body = response.body
+            raw = body if isinstance(body, bytes) else b""
+            response.headers.update(answers.headers(nonce, response.status, raw))
+        return response
+
+    return sign
+
+
 def _check_bearer(request: web.Request, credentials: Credentials, role: str) -> None:
     token = bearer_token(request)
     if token is None:
@@ -139,15 +176,20 @@ async def _check_signature(request: web.Request, credentials: Credentials) -> No
             )
     body = await request.read()
     headers = {h: request.headers.get(h) for h in SIGNED_HEADERS}
+    headers[RECIPIENT_INCARNATION_HEADER] = request.headers.get(RECIPIENT_INCARNATION_HEADER)
     try:
         sender = credentials.verifier.verify(request.method, request.raw_path, headers, body)
     except SignatureRejected as exc:
+        if exc.stale:  # the signature verified: answer it signed, so the caller learns our life
+            request[_ANSWER_NONCE] = request.headers[NONCE_HEADER]
+            raise StaleIncarnation(str(exc), role="peer") from None
         if exc.replayed:
             raise Replayed(str(exc), role="peer") from None
         raise Unauthorized(str(exc), role="peer") from None
     except UnicodeEncodeError:  # header values with undecodable bytes
         raise Unauthorized("peer signature headers are not ASCII", role="peer") from None
     request[SENDER] = sender
+    request[_ANSWER_NONCE] = request.headers[NONCE_HEADER]
 
 
 def _unmatched(request: web.Request) -> AuthRole:

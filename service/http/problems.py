@@ -76,6 +76,13 @@ class Replayed(ConflictError):
     code = "replayed"
 
 
+class StaleIncarnation(ConflictError):
+    """A signed peer request addressed to another life of this service (it restarted since
+    the sender last heard it): the signed answer names the current one."""
+
+    code = "stale_incarnation"
+
+
 class UnsupportedMediaType(InvalidInput):
     """A `/v1` body that is not `application/json` (a form post would skip CORS preflight)."""
 

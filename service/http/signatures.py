@@ -59,19 +59,24 @@ def verify(headers: Mapping[str, str], body: bytes, secret: str, *, now: float) 
     ]
     if missing:
         raise SignatureError(f"missing header {missing[0]}")
-    try:
-        timestamp = int(lowered["webhook-timestamp"])
-    except ValueError:
-        raise SignatureError("webhook-timestamp is not an integer") from None
+    raw_stamp = lowered["webhook-timestamp"]
+    # ASCII digits only: int() also takes "١٢" and "²" raises; either must be a refusal.
+    if not (raw_stamp.isascii() and raw_stamp.isdigit()):
+        raise SignatureError("webhook-timestamp is not an integer")
+    timestamp = int(raw_stamp)
     if abs(now - timestamp) > TOLERANCE_S:
         raise SignatureError(f"webhook-timestamp {timestamp} is more than {TOLERANCE_S} s off")
     try:
         key = secret_key(secret)
     except ValueError as exc:
         raise SignatureError(str(exc)) from None
-    expected = sign(key, lowered["webhook-id"], timestamp, body).split(",", 1)[1]
+    msg_id = lowered["webhook-id"]
+    if not msg_id.isascii():  # also undecodable bytes, which aiohttp keeps as surrogates
+        raise SignatureError("webhook-id is not ASCII")
+    expected = sign(key, msg_id, timestamp, body).split(",", 1)[1]
     for candidate in lowered["webhook-signature"].split():
         version, _, value = candidate.partition(",")
-        if version == "v1" and hmac.compare_digest(value, expected):
+        # compare_digest raises TypeError on a non-ASCII str: such a candidate matches nothing.
+        if version == "v1" and value.isascii() and hmac.compare_digest(value, expected):
             return
     raise SignatureError("no v1 signature matches")

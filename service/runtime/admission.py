@@ -5,8 +5,9 @@
 `HandoffRequest` (the body types' own constraints: ids, non-negative integers). It runs every
 check the body types cannot express, in this order, each refusing before anything changes:
 
-1. peer URL syntax (`prefill[i]`), page and slot bounds (`dst_pages[i]`, `dst_slot`), the size
-   of `metadata` (`handoff.max_metadata_bytes`): InvalidInput, 422;
+1. peer URL syntax (`prefill[i]`, then kept in canonical form), page and slot bounds
+   (`dst_pages[i]`, `dst_slot`), the size of `metadata` (`handoff.max_metadata_bytes`):
+   InvalidInput, 422;
 2. a state-only handoff (no `dst_pages`) for a model without state: InvalidInput, 422;
 3. records that cannot be written: NotReady, 503 — a handoff accepted without its record would
    be neither answered for nor fenced after a crash;
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from pipelines.decode.views import HandoffRequest, HandoffView
 from pipelines.errors import ConflictError, InvalidInput
 from service.http.problems import NotReady
@@ -34,9 +37,11 @@ if TYPE_CHECKING:
 UNRECORDED = "its record could not be written"
 
 
-def check(runtime: DecodeRuntime, request: HandoffRequest) -> None:
-    """Steps 1 to 3 (no await): what a create is refused for before anything is looked up."""
-    inputs.peer_urls(request.prefill, "prefill")
+def check(runtime: DecodeRuntime, request: HandoffRequest) -> HandoffRequest:
+    """Steps 1 to 3 (no await): what a create is refused for before anything is looked up.
+    Returns the request with its prefill URLs in canonical form (a trailing "/" once made every
+    arrival of a stage not count: URLs are compared in that form)."""
+    request = msgspec.structs.replace(request, prefill=inputs.peer_urls(request.prefill, "prefill"))
     inputs.pages(request.dst_pages, "dst_pages")
     inputs.slot(request.dst_slot, "dst_slot")
     inputs.metadata(request.metadata, runtime.config.handoff.max_metadata_bytes, "metadata")
@@ -46,11 +51,12 @@ def check(runtime: DecodeRuntime, request: HandoffRequest) -> None:
             "dst_pages is empty and the model has no state to move", field="dst_pages"
         )
     _records_writable(runtime)
+    return request
 
 
 async def create(runtime: DecodeRuntime, request: HandoffRequest) -> tuple[HandoffView, bool]:
     """Admit and create a handoff: (view, created), as `DecodePipeline.create` answers."""
-    check(runtime, request)
+    request = check(runtime, request)
     if request.callback_url is not None:
         persistence = runtime.persistence
         if persistence is None:

@@ -6,14 +6,24 @@ WAL mode with `synchronous=NORMAL`: a committed transaction is in the WAL file b
 returns, so it survives the process being killed (SIGKILL, OOM); only a power loss or kernel
 crash can lose the last transactions. Each write is one short transaction on the loop thread
 (tens of microseconds), which is what lets an event be committed before anyone sees it.
+
+One process at a time: opening takes an exclusive lock (`flock`) on `<file>.lock` beside the
+database, held until `close()` or the process ends (a SIGKILL releases it too), and writes who
+holds it there; a second service on the same `state_dir` is refused at start naming the holder
+(two would each restore the other's live handoffs as `service_restarted`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import secrets
+import socket
 import sqlite3
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +31,8 @@ FILE_NAME = "decode.sqlite3"
 #: The WAL file is truncated to this after a checkpoint (it is reused from its start anyway).
 WAL_LIMIT_BYTES = 64 << 20
 #: Bump with a migration below when the schema changes. 2: `handoffs.seq` (the list's order).
-SCHEMA_VERSION = 2
+#: 3: `handoffs.progress` (stages and bytes of a handoff in flight, kept if the process dies).
+SCHEMA_VERSION = 3
 #: A handoff's `seq` is `life << LIFE_SHIFT | n`, `n` its creation number in that life (1, 2, …):
 #: 2**40 handoffs per life, 2**22 lives below the cursor's 2**62.
 LIFE_SHIFT = 40
@@ -31,6 +42,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 -- One row per accepted handoff. `state` is 'accepted' until a terminal event, then the terminal
 -- state with its final `view`. `released`: its pages were given back (no write can land).
 -- `seq`: creation order across lives (`LIFE_SHIFT`), what `GET /v1/handoffs` pages by.
+-- `progress`: while in flight, its stages and bytes so far (what a restart-failed record shows).
 CREATE TABLE IF NOT EXISTS handoffs (
     id TEXT PRIMARY KEY,
     request BLOB NOT NULL,
@@ -41,7 +53,8 @@ CREATE TABLE IF NOT EXISTS handoffs (
     view BLOB,
     finished_at REAL,
     released INTEGER NOT NULL DEFAULT 0,
-    seq INTEGER
+    seq INTEGER,
+    progress BLOB
 );
 CREATE INDEX IF NOT EXISTS handoffs_by_finish ON handoffs (finished_at);
 CREATE TABLE IF NOT EXISTS endpoints (
@@ -103,12 +116,48 @@ CREATE INDEX IF NOT EXISTS handoffs_by_outcome ON handoffs (state, seq)
 """
 
 
+class StateLocked(OSError):
+    """Another process holds the database (its lock file names it)."""
+
+
+def _lock(path: Path) -> int:
+    """An fd holding the exclusive lock of `path`'s lock file, which now names this process;
+    StateLocked naming the holder when another process has it."""
+    lock_path = path.with_name(path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "another process"
+        os.close(fd)
+        raise StateLocked(f"{path} is in use by {holder} (lock {lock_path})") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    command = " ".join(sys.argv)[:200]
+    me = f"pid {os.getpid()} on {socket.gethostname()} since {since} ({command})"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, me.encode(), 0)
+    return fd
+
+
 class Database:
     """One SQLite connection in autocommit mode; `transaction()` groups writes."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self._lock_fd: int | None = _lock(path)
+        try:
+            self._open(path)
+        except BaseException:  # a file this build refuses: give the lock back, then say why
+            if "conn" in self.__dict__:
+                self.conn.close()
+            os.close(self._lock_fd)
+            raise
+
+    def _open(self, path: Path) -> None:
         self.conn = sqlite3.connect(path, isolation_level=None)
         # 1 KiB pages (for a new file; fixed once it exists): a commit writes whole pages to the
         # WAL, and a handoff's record is well under 4 KiB, so this writes a third of the bytes.
@@ -169,6 +218,9 @@ class Database:
                 self._checkpointer.close()
                 self._checkpointer = None
         self.conn.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = None
 
 
 def _migrate(tx: sqlite3.Connection, version: int) -> None:
@@ -181,4 +233,6 @@ def _migrate(tx: sqlite3.Connection, version: int) -> None:
         tx.executemany(
             "UPDATE handoffs SET seq = ? WHERE id = ?", [(n, i) for n, (i,) in enumerate(ids, 1)]
         )
+    if version < 3:
+        tx.execute("ALTER TABLE handoffs ADD COLUMN progress BLOB")
     tx.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))

@@ -18,6 +18,7 @@ import msgspec
 from yarl import URL
 
 from pipelines.errors import InvalidInput
+from pipelines.urls import canonical_url
 
 #: The largest page index any pool can hold: page lists become int64 arrays.
 MAX_PAGE = 2**63 - 1
@@ -30,8 +31,9 @@ _HOST = re.compile(r"^[A-Za-z0-9._:-]+$")  # a name, IPv4, or IPv6 (yarl strips 
 
 
 def peer_url(url: str, field: str) -> str:
-    """`url` if it can name a kvhandoff service: http(s), a host, a port in 1..65535, no
-    credentials, query or fragment; InvalidInput naming `field` otherwise."""
+    """`url` in canonical form (`pipelines.urls`: as services' `public_url` are compared) if
+    it can name a kvhandoff service: http(s), a host, a port in 1..65535, no credentials,
+    query or fragment; InvalidInput naming `field` otherwise."""
     try:
         parsed = URL(url)
         port = parsed.explicit_port
@@ -52,7 +54,7 @@ def peer_url(url: str, field: str) -> str:
         problem = "contains whitespace or control characters"
     if problem:
         raise InvalidInput(f"{field}: {url!r} {problem}", field=field)
-    return url
+    return canonical_url(url)
 
 
 def peer_urls(urls: Sequence[str], field: str) -> list[str]:

@@ -27,11 +27,14 @@ from pipelines.events import (
     HandoffCompleted,
     HandoffCreated,
     HandoffFailed,
+    SegmentCommitted,
+    SegmentRejected,
     StageArrived,
     StagePaired,
     StageTransferred,
 )
 from service.peers.health import PeerHealth
+from service.runtime.activity import ArenaUse
 from service.runtime.streams import StreamStats
 from service.runtime.webhooks import WebhookStats
 from transport.base import TransportStats
@@ -108,6 +111,31 @@ class Metrics:
             ["code"],
             registry=r,
         )
+        self.segments_committed = Counter(
+            "kvhandoff_segments_committed",
+            "Landed segments the decode committed into KV pages (digest matched), by pp_rank",
+            ["pp_rank"],
+            registry=r,
+        )
+        self.segment_committed_bytes = Counter(
+            "kvhandoff_segment_committed_bytes",
+            "Bytes of landed segments committed into KV pages, by pp_rank",
+            ["pp_rank"],
+            registry=r,
+        )
+        self.segments_rejected = Counter(
+            "kvhandoff_segments_rejected",
+            "Landed segments refused by their digest (nothing committed), by pp_rank and "
+            "whether the stage was asked to send it again",
+            ["pp_rank", "resend"],
+            registry=r,
+        )
+        self.commit = Histogram(
+            "kvhandoff_segment_commit_seconds",
+            "Time one landed segment's commit took (copy out of the window, digest, scatter)",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
         # (handoff, pp_rank) -> when its chunks were emitted; cleared at the terminal event.
         self._emitted_at: dict[tuple[str, int], float] = {}
 
@@ -138,6 +166,14 @@ class Metrics:
                 self.transfer.labels(rank).observe(event.seconds)
             case StageArrived():
                 self.arrived_bytes.labels(str(event.pp_rank)).inc(event.bytes)
+            case SegmentCommitted():
+                rank = str(event.pp_rank)
+                self.segments_committed.labels(rank).inc()
+                self.segment_committed_bytes.labels(rank).inc(event.bytes)
+                self.commit.observe(event.commit_s)
+            case SegmentRejected():
+                resend = "true" if event.resend else "false"
+                self.segments_rejected.labels(str(event.pp_rank), resend).inc()
             case HandoffCompleted():
                 self.finished.labels("completed", "").inc()
                 self.latency.observe(event.seconds)
@@ -219,6 +255,43 @@ class PeerCollector(Collector):
             if p.watch == "refused" and p.watch_status is not None:
                 refused.add_metric([p.url], p.watch_status)
         return [up, heard, misses, lost, watch, refused, attempts]
+
+    def describe(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        return []
+
+
+class ArenaCollector(Collector):
+    """The landed transfer's memory (`service.runtime.activity.arena_uses`), read at scrape time:
+    the decode's landing arena and a prefill's staging buffer, by `arena`."""
+
+    def __init__(self, arenas: Callable[[], list[ArenaUse]]) -> None:
+        self._arenas = arenas
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["arena"])
+
+        capacity = gauge("kvhandoff_arena_capacity_bytes", "Bytes of the arena in all")
+        used = gauge(
+            "kvhandoff_arena_used_bytes", "Bytes of the arena taken (granted or quarantined)"
+        )
+        quarantined = gauge(
+            "kvhandoff_arena_quarantined_bytes",
+            "Bytes of the arena held back until a writer's bound passed (a late write may land)",
+        )
+        waiting = gauge("kvhandoff_arena_waiting", "Takers waiting for room in the arena now")
+        waits = CounterMetricFamily(
+            "kvhandoff_arena_waits",
+            "Takers that had to wait for room in the arena (backpressure)",
+            labels=["arena"],
+        )
+        for a in self._arenas():
+            capacity.add_metric([a.arena], a.capacity_bytes)
+            used.add_metric([a.arena], a.used_bytes)
+            quarantined.add_metric([a.arena], a.quarantined_bytes)
+            waiting.add_metric([a.arena], a.waiting)
+            waits.add_metric([a.arena], a.waits)
+        return [capacity, used, quarantined, waiting, waits]
 
     def describe(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
         return []

@@ -104,6 +104,11 @@ class Outbox:
             )
 
     @property
+    def registered_count(self) -> int:
+        """Endpoints registered through `POST /v1/webhooks` (not per-handoff callbacks)."""
+        return len(self._registered)
+
+    @property
     def callbacks_enabled(self) -> bool:
         return self._callback_key is not None
 

@@ -40,6 +40,8 @@ from pipelines.events import (
     EventBus,
     HandoffCreated,
     HandoffFailed,
+    HandoffReleased,
+    StageArrived,
     event_tag,
 )
 from service.config import Config, ConfigError
@@ -175,7 +177,13 @@ class _Journal:
     ) -> None:
         records = self._p.records
         if isinstance(event, HandoffCreated) and h is not None:
-            records.accepted(tx, h.request, h.created_at, h.deadline_at, h.seq)
+            records.accepted(
+                tx, h.request, h.created_at, h.deadline_at, h.seq, h.view(timeline=False)
+            )
+        elif isinstance(event, StageArrived) and h is not None:
+            records.progress(
+                tx, h.view(timeline=False)
+            )  # a restart-failed record keeps its stages, bytes
         elif isinstance(event, TERMINAL_EVENTS):
             view = (
                 msgspec.structs.replace(h.view(), timeline=[*h.timeline, event])
@@ -184,8 +192,8 @@ class _Journal:
             )
             if view is not None:
                 records.finished(tx, view)
-        elif tag == RELEASED_TAG:
-            records.released(tx, event.handoff_id)
+        elif isinstance(event, HandoffReleased):
+            records.released(tx, event)
 
 
 def _restore(

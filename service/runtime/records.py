@@ -26,9 +26,10 @@ from pipelines.decode.views import (
     FencedPages,
     HandoffRequest,
     HandoffView,
+    StageView,
 )
-from pipelines.events import Event, HandoffCompleted, HandoffFailed
-from pipelines.states import HandoffState
+from pipelines.events import Event, HandoffCompleted, HandoffFailed, HandoffReleased
+from pipelines.states import HandoffState, StageState
 from service.runtime.database import LIFE_SHIFT, Database
 
 ACCEPTED = "accepted"
@@ -38,6 +39,20 @@ _encoder = msgspec.json.Encoder()
 _request_decoder = msgspec.json.Decoder(HandoffRequest)
 _view_decoder = msgspec.json.Decoder(HandoffView)
 _pages_decoder = msgspec.json.Decoder(list[int])
+
+
+class Progress(msgspec.Struct, frozen=True):
+    """How far a handoff in flight got: its stages and the bytes that arrived."""
+
+    stages: list[StageView]
+    bytes: int
+
+
+_progress_decoder = msgspec.json.Decoder(Progress)
+
+
+def _progress(view: HandoffView) -> bytes:
+    return _encoder.encode(Progress(view.stages, view.bytes))
 
 
 @dataclass(frozen=True)
@@ -63,10 +78,12 @@ class HandoffRecords:
         created_at: float,
         deadline_at: float,
         number: int | None = None,
+        progress: HandoffView | None = None,
     ) -> None:
         """Record an accepted handoff. `number`: its creation number in this life (the decode
         pipeline's `seq`, so the list orders live handoffs and records alike); None: the next
-        after this life's records (a writer without a pipeline)."""
+        after this life's records (a writer without a pipeline). `progress`: its view now (its
+        stages), kept in case the process dies before the outcome."""
         seq = (
             self.seq_of(number)
             if number is not None
@@ -77,7 +94,7 @@ class HandoffRecords:
         )
         tx.execute(
             "INSERT OR REPLACE INTO handoffs (id, request, dst_pages, created_at, deadline_at,"
-            " state, seq) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            " state, seq, progress) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 request.id,
                 _encoder.encode(request),
@@ -86,7 +103,16 @@ class HandoffRecords:
                 deadline_at,
                 ACCEPTED,
                 seq,
+                None if progress is None else _progress(progress),
             ),
+        )
+
+    def progress(self, tx: sqlite3.Connection, view: HandoffView) -> None:
+        """A stage of the handoff in flight arrived: keep its stages and bytes so far, so that
+        if the process dies its record still shows how far it got."""
+        tx.execute(
+            "UPDATE handoffs SET progress = ? WHERE id = ? AND state = ?",
+            (_progress(view), view.id, ACCEPTED),
         )
 
     def seq_of(self, number: int) -> int:
@@ -104,14 +130,30 @@ class HandoffRecords:
             (view.state.value, _encoder.encode(view), view.finished_at, int(released), view.id),
         )
 
-    def released(self, tx: sqlite3.Connection, handoff_id: str) -> None:
-        tx.execute("UPDATE handoffs SET released = 1 WHERE id = ?", (handoff_id,))
+    def released(self, tx: sqlite3.Connection, event: HandoffReleased) -> None:
+        """The pages are free: the record says so, and its stored view too, with the event at
+        the end of its timeline (what `GET` and `/events` serve after a restart: the stream runs
+        to `handoff.released`)."""
+        row = tx.execute("SELECT view FROM handoffs WHERE id = ?", (event.handoff_id,)).fetchone()
+        if row is None or row[0] is None:
+            tx.execute("UPDATE handoffs SET released = 1 WHERE id = ?", (event.handoff_id,))
+            return
+        view = _view_decoder.decode(row[0])
+        if not any(isinstance(e, HandoffReleased) for e in view.timeline):
+            view = msgspec.structs.replace(
+                view, released=True, released_at=event.at, timeline=[*view.timeline, event]
+            )
+        tx.execute(
+            "UPDATE handoffs SET released = 1, view = ? WHERE id = ?",
+            (_encoder.encode(view), event.handoff_id),
+        )
 
     def restored_view(self, tx: sqlite3.Connection, event: Event) -> HandoffView | None:
         """The terminal view of a handoff this process does not hold (one an earlier process
         left in flight), built from its record and the terminal `event`."""
         row = tx.execute(
-            "SELECT request, created_at, deadline_at FROM handoffs WHERE id = ? AND state = ?",
+            "SELECT request, created_at, deadline_at, progress FROM handoffs"
+            " WHERE id = ? AND state = ?",
             (event.handoff_id, ACCEPTED),
         ).fetchone()
         if row is None:
@@ -124,6 +166,15 @@ class HandoffRecords:
             error = ErrorView(event.code, event.reason, event.pp_rank, event.context)
         elif isinstance(event, HandoffCompleted):
             state = HandoffState.COMPLETED
+        progress = Progress([], 0) if row[3] is None else _progress_decoder.decode(row[3])
+        # A stage that had not arrived ended with the handoff: failed with it, or stopped.
+        ended = StageState.FAILED if state == HandoffState.FAILED else StageState.STOPPED
+        stages = [
+            s
+            if s.state in (StageState.ARRIVED, StageState.FAILED, StageState.STOPPED)
+            else msgspec.structs.replace(s, state=ended)
+            for s in progress.stages
+        ]
         return HandoffView(
             id=request.id,
             state=state,
@@ -133,8 +184,8 @@ class HandoffRecords:
             dst_slot=request.dst_slot,
             prefill=list(request.prefill),
             verify=bool(request.verify),
-            bytes=0,
-            stages=[],
+            bytes=progress.bytes,
+            stages=stages,
             finished_at=event.at,
             released=False,  # its writers may outlive the crash: fenced until the bound passed
             error=error,

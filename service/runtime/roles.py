@@ -1,8 +1,8 @@
 """One assembly per role: the typed runtime of a decode or a prefill service, built in one place.
 
-`open_runtime(config, transport, client, buffers)` is the one entry every door uses (the HTTP app
-through `install_runtime`, the embedded service through the same app, and next an engine
-backend). It opens the configured stages' pools (`service.runtime.stages`) and the landed
+`open_runtime(config, transport, client, incarnation, buffers)` is the one entry every door uses
+(the HTTP app through `install_runtime`, the embedded service through the same app, and next an
+engine backend). It opens the configured stages' pools (`service.runtime.stages`) and the landed
 transfer's memory (`service.runtime.landing`), builds the role's
 runtime — `build_decode` or `build_prefill`, the only functions that wire a role — and, on the
 decode role with records on, opens the records and webhooks (`service.runtime.persistence`);
@@ -27,16 +27,16 @@ from aiohttp import web
 
 from pipelines.decode import DecodePipeline
 from pipelines.decode.views import HandoffRequest, HandoffView
-from pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag
+from pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag, life_first_seq
 from pipelines.messages import PEER_PROTOCOL_VERSION, HeartbeatAck, LayoutInfo
-from pipelines.peercache import new_incarnation
 from pipelines.prefill import HostedStage, PrefillPipeline
 from service.config import Config, ConfigError
-from service.http.app import CONFIG, PEERS, READINESS
+from service.http.app import CONFIG, INCARNATION, PEERS, READINESS
 from service.http.client import PeerClient
 from service.peers.heartbeat import Heartbeats, HeartbeatSettings
 from service.peers.protocol import HttpPeers
 from service.runtime import admission
+from service.runtime.activity import ArenaUse, arena_uses
 from service.runtime.landing import TransferMemory, open_transfer_memory
 from service.runtime.persistence import PERSISTENCE, Persistence, open_persistence
 from service.runtime.stages import Buffers, HostedMemory, open_stages
@@ -88,6 +88,10 @@ class DecodeRuntime(RuntimeBase):
         """Admit and create a handoff: every door's one path (`service.runtime.admission`)."""
         return await admission.create(self, request)
 
+    def arenas(self) -> list[ArenaUse]:
+        """The landing arena in use (none in direct mode)."""
+        return arena_uses(self.pipeline, None)
+
     def in_flight(self) -> int:
         """Handoffs started and not yet terminal."""
         return sum(not h.state.terminal for h in self.pipeline.handoffs.values())
@@ -97,6 +101,10 @@ class DecodeRuntime(RuntimeBase):
 class PrefillRuntime(RuntimeBase):
     pipeline: PrefillPipeline
 
+    def arenas(self) -> list[ArenaUse]:
+        """The staging buffer in use."""
+        return arena_uses(None, self.pipeline)
+
     def in_flight(self) -> int:
         """Handoffs with a destination from a decode and not yet ended here."""
         return len({i for ids in self.pipeline.live_by_decode().values() for i in ids})
@@ -105,7 +113,7 @@ class PrefillRuntime(RuntimeBase):
 Runtime = DecodeRuntime | PrefillRuntime
 
 #: The runtime of either role (what both roles' routes read), and each role's own.
-RUNTIME = web.AppKey("runtime", RuntimeBase)
+RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime")
 DECODE = web.AppKey("decode_runtime", DecodeRuntime)
 PREFILL = web.AppKey("prefill_runtime", PrefillRuntime)
 #: Called with the runtime once it is built, before the app serves (bus listeners, collectors).
@@ -180,9 +188,10 @@ class _Shared:
     max_call_s: float
 
 
-def _shared(config: Config, transport: Transport, client: PeerClient) -> _Shared:
+def _shared(config: Config, transport: Transport, client: PeerClient, incarnation: str) -> _Shared:
     handoff = config.handoff
-    bus = EventBus(replay=handoff.sse_buffer)
+    # Numbered from this life's start: ids never repeat an earlier life's (SSE resume).
+    bus = EventBus(replay=handoff.sse_buffer, first_seq=life_first_seq())
     bus.add_listener(_log_event)
     peers = HttpPeers(
         client,
@@ -195,7 +204,7 @@ def _shared(config: Config, transport: Transport, client: PeerClient) -> _Shared
         target=transport.local_target,
         bus=bus,
         peers=peers,
-        incarnation=new_incarnation(),
+        incarnation=incarnation,  # what signed peer requests and answers are bound to
         # The longest one engine call of this process can still write once started: declared
         # to the decode side, whose grace past the deadline it bounds.
         max_call_s=transport.max_call_s,
@@ -219,10 +228,11 @@ def build_decode(
     client: PeerClient,
     hosted: list[HostedMemory],
     transfer: TransferMemory | None,
+    incarnation: str,
 ) -> DecodeRuntime:
     """The decode role's runtime over its one hosted stage and its landing arena (`transfer`;
     None in direct mode). Records are opened by the caller."""
-    s = _shared(config, transport, client)
+    s = _shared(config, transport, client, incarnation)
     handoff = config.handoff
     memory = hosted[0].memory if hosted[0].pool.on_host else None
     if handoff.verify and memory is None:
@@ -261,9 +271,10 @@ def build_prefill(
     client: PeerClient,
     hosted: list[HostedMemory],
     transfer: TransferMemory | None,
+    incarnation: str,
 ) -> PrefillRuntime:
     """The prefill role's runtime over every stage hosted here and its staging buffer."""
-    s = _shared(config, transport, client)
+    s = _shared(config, transport, client, incarnation)
     pipeline = PrefillPipeline(
         {
             h.layout.pp_rank: HostedStage(h.layout, h.memory if h.pool.on_host else None, h.memory)
@@ -298,6 +309,7 @@ async def open_runtime(
     config: Config,
     transport: Transport,
     client: PeerClient,
+    incarnation: str,
     buffers: Buffers | None = None,
     *,
     ready: Callable[[Runtime], None] = lambda runtime: None,
@@ -324,9 +336,9 @@ async def open_runtime(
             # which keep running while live handoffs are aborted, so a peer that stops
             # answering is declared lost instead of holding up the shutdown — and the peer calls.
             runtime: Runtime = (
-                build_decode(config, transport, client, hosted, transfer)
+                build_decode(config, transport, client, hosted, transfer, incarnation)
                 if config.role == "decode"
-                else build_prefill(config, transport, client, hosted, transfer)
+                else build_prefill(config, transport, client, hosted, transfer, incarnation)
             )
             stack.push_async_callback(runtime.peers.close)
             # The heartbeats' own tasks end with `run()` (its `finally` closes them).
@@ -379,7 +391,9 @@ def install_runtime(app: web.Application, buffers: Buffers | None = None) -> Non
 
         async with (
             transport_opened(app) as transport,
-            open_runtime(app[CONFIG], transport, app[PEERS], buffers, ready=ready),
+            open_runtime(
+                app[CONFIG], transport, app[PEERS], app[INCARNATION], buffers, ready=ready
+            ),
         ):
             yield
 

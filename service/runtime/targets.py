@@ -40,6 +40,10 @@ class TargetPolicy:
         ip = ipaddress.ip_address(address.split("%", 1)[0])
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
+        if ip.is_multicast:
+            # `is_global` holds for much of 224.0.0.0/4 and ff0e::/16, but no HTTP server listens
+            # on a group address: never a target, whatever allow_private says.
+            return False
         return self.allow_private or ip.is_global
 
     def literal_refusal(self, url: str) -> str | None:

@@ -10,6 +10,11 @@ each stage its pages are ready, long-polls until the handoff is terminal, and ch
 landed in the right decode layer, group, page and slot. `--serve` keeps the deployment up
 afterwards (its URLs, the dashboard's included, as one JSON line) until SIGINT/SIGTERM.
 
+`--baseline` moves the same bytes block by block in the same topology, first: the same
+requests (same seed) through a second deployment whose decode runs `transfer.mode = direct`
+(the old path: one block per page, layer and group), and, after the landed run, one raw
+Mooncake engine per stage writing the completed handoffs' per-page blocks in parallel.
+
 `--inprocess` runs the same workload against the pipelines linked in this one process (the
 embedded mode, with `--transport local|mooncake`): a baseline without HTTP or processes.
 """
@@ -44,8 +49,8 @@ from pipelines.memory import PoolMemory
 from pipelines.messages import LayoutInfo
 from pipelines.models import decode_layout, partition_layers, preset, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
-from service.config import HandoffConfig
-from service.tools.bench.common import RawEngine
+from service.config import HandoffConfig, TransferConfig
+from service.tools.bench.common import StageEngines
 from service.tools.deployment import DeploymentError, LocalDeployment
 from service.tools.router_client import TERMINAL, WAIT_S, Outcome, RouterClient
 from transport.config import MooncakeConfig
@@ -87,8 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baseline",
         action="store_true",
-        help="afterwards also time the raw engine writing the same blocks (the completed "
-        "handoffs' blocks, one call after another) and report the ratio",
+        help="afterwards also move the same bytes block by block, in the same topology: the "
+        "same requests through a deployment in direct mode (transfer.mode = direct: one block "
+        "per page and layer), and a raw engine per stage writing the completed handoffs' "
+        "per-page blocks in parallel; report both and the ratios",
     )
     parser.add_argument(
         "--inprocess", action="store_true", help="link the pipelines in this process instead"
@@ -304,22 +311,38 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def _multiprocess(args: argparse.Namespace) -> int:
+def _deployment(
+    args: argparse.Namespace, transfer: TransferConfig | None = None
+) -> LocalDeployment:
     pages, slots = _pool_sizes(args)
-    deployment = LocalDeployment(
+    return LocalDeployment(
         preset=PRESET,
         model=_model(args),
         pp_size=args.pp,
         num_pages=pages,
         num_slots=slots,
         handoff=HandoffConfig(max_concurrent=max(256, args.concurrency)),
+        transfer=transfer,
     )
+
+
+def _multiprocess(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so the processes and /dev/shm files are cleaned up either way.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        with deployment:
+        direct = None
+        if args.baseline:
+            # The block-by-block path first, in its own deployment of the same shape (the mode is
+            # the decode's choice, so it takes a decode configured for it).
+            small = {"landing_bytes": 32 << 20, "window_bytes": 4 << 20, "staging_bytes": 16 << 20}
+            with _deployment(args, TransferConfig(mode="direct", **small)) as dep:
+                try:
+                    direct = uvloop.run(_direct_baseline(dep, args))
+                finally:
+                    signal.signal(signal.SIGTERM, _interrupt)
+        with _deployment(args) as deployment:
             try:
-                return uvloop.run(_over_http(deployment, args))
+                return uvloop.run(_over_http(deployment, args, direct))
             finally:
                 signal.signal(signal.SIGTERM, _interrupt)  # the loop reset it to the default
     except DeploymentError as exc:
@@ -332,7 +355,30 @@ def _multiprocess(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-async def _over_http(dep: LocalDeployment, args: argparse.Namespace) -> int:
+async def _direct_baseline(dep: LocalDeployment, args: argparse.Namespace) -> dict[str, float]:
+    """The same requests (same seed: same pages, same bytes) in direct mode: GB/s, verified."""
+    stages = {r: _Side(dep.stage_layouts[r], dep.stage_pool(r)) for r in range(dep.pp_size)}
+    work = _Workload(stages, _Side(dep.decode_layout, dep.decode_pool), args)
+    headers = {"Authorization": f"Bearer {dep.token}"} if dep.token else None
+    async with aiohttp.ClientSession(headers=headers) as http:
+        client = RouterClient(http, dep, verify=args.verify_digests)
+
+        async def router(job: _Job) -> Outcome:
+            src, dst = job.src_pages.tolist(), job.dst_pages.tolist()
+            return await client.handoff(job.id, src, dst, job.src_slot, job.dst_slot)
+
+        quiet = argparse.Namespace(**{**vars(args), "json": True})  # no second progress bar
+        results, wall = await _drive(work, router, quiet)
+    moved = sum(r["bytes"] for r in results)
+    verified = sum(r["verified"] for r in results)
+    if verified != len(results):
+        raise DeploymentError(f"direct mode: {len(results) - verified} handoffs not verified")
+    return {"direct_gb_per_s": moved / wall / 1e9 if wall else 0.0, "direct_bytes": float(moved)}
+
+
+async def _over_http(
+    dep: LocalDeployment, args: argparse.Namespace, direct: dict[str, float] | None = None
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -362,7 +408,13 @@ async def _over_http(dep: LocalDeployment, args: argparse.Namespace) -> int:
         results, wall = running.result()
         baseline = await _baseline(http, dep, work) if args.baseline else None
     status = _summary(
-        results, wall, args, mode="multiprocess", transport=dep.transport.backend, raw=baseline
+        results,
+        wall,
+        args,
+        mode="multiprocess",
+        transport=dep.transport.backend,
+        raw=baseline,
+        direct=direct,
     )
     if args.serve:
         info = _serve_info(dep)
@@ -375,20 +427,23 @@ async def _over_http(dep: LocalDeployment, args: argparse.Namespace) -> int:
 async def _baseline(
     http: aiohttp.ClientSession, dep: LocalDeployment, work: _Workload
 ) -> dict[str, float] | None:
-    """The raw engine writing the completed handoffs' blocks into the decode service's memory:
-    the same bytes, from this process, one engine call after another (best of two)."""
+    """Raw Mooncake writing the completed handoffs' blocks (one per page, layer and group, as
+    direct mode plans them) into the decode service's memory: one engine per stage, each with
+    its stage's blocks, all at once (best of two) — the same process topology, no kvhandoff."""
     async with http.get(f"{dep.decode_url}/v1/layout") as resp:
         info = msgspec.json.decode(await resp.read(), type=LayoutInfo)
     moves = [(j.src_pages, j.dst_pages, j.src_slot, j.dst_slot) for j in work.completed]
-    blocks = dep.planned_blocks(info.stages[0].layout, moves)
-    if not len(blocks):
+    per_stage = dep.stage_blocks(info.stages[0].layout, moves)
+    blocks = sum(len(b) for b in per_stage)
+    if not blocks:
         return None  # nothing completed: nothing to compare with
-    engine = RawEngine([dep.stage_pool(r) for r in range(dep.pp_size)])
+    total = sum(b.total_bytes for b in per_stage)
+    engines = StageEngines([dep.stage_pool(r) for r in range(dep.pp_size)])
     try:
-        seconds = min([await asyncio.to_thread(engine.seconds, info.target, blocks) for _ in "ab"])
+        runs = [await asyncio.to_thread(engines.seconds, info.target, per_stage) for _ in "ab"]
     finally:
-        engine.close()
-    return {"raw_blocks": float(len(blocks)), "raw_gb_per_s": blocks.total_bytes / seconds / 1e9}
+        engines.close()
+    return {"raw_blocks": float(blocks), "raw_gb_per_s": total / min(runs) / 1e9}
 
 
 def _serve_info(dep: LocalDeployment) -> dict[str, Any]:
@@ -499,6 +554,7 @@ def _summary(
     mode: str,
     transport: str,
     raw: dict[str, float] | None = None,
+    direct: dict[str, float] | None = None,
 ) -> int:
     """Print the summary (a table, or one JSON object with --json); the exit status."""
     completed = sum(r["state"] == "completed" for r in results)
@@ -525,10 +581,16 @@ def _summary(
         summary["raw_mooncake_gb_per_s"] = raw["raw_gb_per_s"]
         summary["raw_blocks"] = int(raw["raw_blocks"])
         summary["vs_raw"] = summary["gb_per_s"] / raw["raw_gb_per_s"]
+    if direct is not None:
+        summary["direct_gb_per_s"] = direct["direct_gb_per_s"]
+        summary["vs_direct"] = summary["gb_per_s"] / direct["direct_gb_per_s"]
     if args.json:
         print(json.dumps(summary), flush=True)
     else:
-        print(f"kvhandoff demo: PP={args.pp} hybrid NPU-MLA -> decode over {transport} ({mode})")
+        print(
+            f"kvhandoff demo: PP={args.pp} hybrid NPU-MLA -> decode over {transport} ({mode}"
+            + (", landed)" if mode == "multiprocess" else ")")
+        )
         for key in ("requests", "completed", "failed", "verified"):
             print(f"  {key:<14}{summary[key]:>12}")
         print(f"  {'bytes':<14}{total_bytes:>12,}")
@@ -536,7 +598,13 @@ def _summary(
         if raw is not None:
             print(
                 f"  {'raw Mooncake':<14}{summary['raw_mooncake_gb_per_s']:>9.3f} GB/s  "
-                f"(same {summary['raw_blocks']:,} blocks; demo at {summary['vs_raw']:.2f}x)"
+                f"(one engine per stage, the same {summary['raw_blocks']:,} per-page blocks; "
+                f"landed at {summary['vs_raw']:.1f}x)"
+            )
+        if direct is not None:
+            print(
+                f"  {'direct mode':<14}{summary['direct_gb_per_s']:>9.3f} GB/s  "
+                f"(same requests, block by block; landed at {summary['vs_direct']:.1f}x)"
             )
         print(f"  {'handoffs/s':<14}{summary['handoffs_per_s']:>12.1f}")
         print(f"  {'p50 latency':<14}{summary['p50_ms']:>9.2f} ms")

@@ -117,7 +117,10 @@ class LocalDeployment:
     unless `decode_pages`/`decode_slots` are given, the decode pool. `model` holds preset
     overrides (`scale`, `num_layers`, `page_size`, `indexer`). `env` is added to the inherited
     environment of every process (`KVHANDOFF_*` variables of this process are not inherited:
-    the written configs are the whole configuration).
+    the written configs are the whole configuration). `spares` adds prefill processes
+    (`spare-0`, ...) hosting those ranks again from the same stage pools (so they send the same
+    source bytes), listed neither in `prefill_urls` nor in the decode's default peers: a second,
+    healthy set of stages for a test that stops the first (name them in the create body).
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class LocalDeployment:
         model: Mapping[str, int | bool] | None = None,
         pp_size: int = 4,
         groups: Sequence[Sequence[int]] | None = None,
+        spares: Sequence[Sequence[int]] = (),
         num_pages: int = 1024,
         num_slots: int = 64,
         decode_pages: int | None = None,
@@ -146,6 +150,11 @@ class LocalDeployment:
         hosted = sorted(r for g in self.groups for r in g)
         if hosted != list(range(pp_size)) or any(not g for g in self.groups):
             raise ValueError(f"groups {self.groups} must host each of ranks 0..{pp_size - 1} once")
+        self.spares = [tuple(g) for g in spares]
+        if any(not g or not set(g) <= set(hosted) or len(set(g)) != len(g) for g in self.spares):
+            raise ValueError(
+                f"spares {self.spares} must each host distinct ranks of 0..{pp_size - 1}"
+            )
         self._model_table: dict[str, Any] = {"preset": preset, **(model or {})}
         self.model: ModelSpec = msgspec.convert(self._model_table, ModelConfig).build()
         self.partition = partition_layers(self.model.num_layers, pp_size)
@@ -220,10 +229,11 @@ class LocalDeployment:
     def _plan_processes(self) -> None:
         work = self.work_dir
         assert work is not None  # set by start()
-        self._port_holds = _hold_ports(1 + len(self.groups))
+        self._port_holds = _hold_ports(1 + len(self.groups) + len(self.spares))
         ports = [int(s.getsockname()[1]) for s in self._port_holds]
         names = ["decode", *(f"prefill-{i}" for i in range(len(self.groups)))]
-        for name, port, ranks in zip(names, ports, [(0,), *self.groups]):
+        names += [f"spare-{i}" for i in range(len(self.spares))]
+        for name, port, ranks in zip(names, ports, [(0,), *self.groups, *self.spares]):
             proc = ServiceProcess(
                 name=name,
                 role="decode" if name == "decode" else "prefill",
@@ -233,7 +243,7 @@ class LocalDeployment:
                 log_path=work / f"{name}.log",
             )
             self.processes.append(proc)
-        prefill_urls = [p.url for p in self.processes[1:]]
+        prefill_urls = self.prefill_urls
         for proc, port in zip(self.processes, ports):
             proc.config_path.write_text(_to_toml(self._config_table(proc, port, prefill_urls)))
             load_config(proc.config_path, {})  # a mistake here is ours: fail with its key path
@@ -327,7 +337,11 @@ class LocalDeployment:
 
     @property
     def prefill_urls(self) -> list[str]:
-        return [p.url for p in self.processes if p.role == "prefill"]
+        return [p.url for p in self.processes if p.name.startswith("prefill-")]
+
+    @property
+    def spare_urls(self) -> list[str]:
+        return [p.url for p in self.processes if p.name.startswith("spare-")]
 
     def url_of_stage(self, pp_rank: int) -> str:
         """The URL of the prefill process hosting `pp_rank`."""
@@ -351,7 +365,7 @@ class LocalDeployment:
 
     def _stage_process(self, pp_rank: int) -> ServiceProcess:
         for proc in self.processes:
-            if proc.role == "prefill" and pp_rank in proc.ranks:
+            if proc.name.startswith("prefill-") and pp_rank in proc.ranks:
                 return proc
         raise KeyError(f"no prefill process hosts pp_rank {pp_rank}")
 
@@ -364,18 +378,26 @@ class LocalDeployment:
         per request — planned with the same pairing from this process's mapping of the source
         pools into `decode` (the placed layout the decode service publishes). Baselines write
         exactly these with the raw engine."""
+        return Blocks.concat(self.stage_blocks(decode, moves))
+
+    def stage_blocks(
+        self,
+        decode: StageLayout,
+        moves: Iterable[tuple[Pages, Pages, int | None, int | None]],
+    ) -> list[Blocks]:
+        """`planned_blocks` split by the stage that moves them (index = PP rank)."""
         cache = PairingCache()
-        pairings = []
+        moves = list(moves)
+        out = []
         for r, layout in self.stage_layouts.items():
             pool, n = self.stage_pool(r), len(layout.kv)
-            pairings.append(cache.get(layout.with_bases(pool.bases[:n], pool.bases[n:]), decode))
-        return Blocks.concat(
-            [
-                plan(pairing, src, dst, src_slot, dst_slot).blocks
-                for src, dst, src_slot, dst_slot in moves
-                for pairing in pairings
-            ]
-        )
+            pairing = cache.get(layout.with_bases(pool.bases[:n], pool.bases[n:]), decode)
+            out.append(
+                Blocks.concat(
+                    [plan(pairing, src, dst, ss, ds).blocks for src, dst, ss, ds in moves]
+                )
+            )
+        return out
 
     def kill(
         self, target: int | str, sig: int = signal.SIGKILL, *, wait_s: float | None = 5.0

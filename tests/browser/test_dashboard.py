@@ -3,7 +3,8 @@
 Debian's Chromium, driven by Playwright with the system executable, opens the decode service's
 page of a `LocalDeployment` (decode + 2 PP prefill processes, real Mooncake over TCP) that
 requires a token: the page asks for it. The test then starts handoffs over the API and waits
-for the page to show them in flight and then completed, without a reload; kills a stage's
+for the page to show them in flight and then completed, without a reload, and the landing
+arena (staging buffer on the prefill's page) given back; kills a stage's
 process and waits for the failure (with its reason and stage) and the lost peer. A screenshot
 is saved under `tests/artifacts/`. Every wait is for something to appear on the page, bounded
 by `WAIT_MS` only so that a broken page fails instead of hanging.
@@ -137,6 +138,11 @@ def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, 
     ready(dep, "dash-1", 1, [1, 2], 1)
     expect(page.locator('#recent tr[data-id="dash-1"][data-state="completed"]')).to_be_visible()
     expect(row).to_have_count(0)
+    # The landing arena: in use while windows are granted, all given back once it completed.
+    arena = page.locator('#arenas tr[data-arena="landing"]')
+    expect(arena).to_be_visible()
+    expect(arena).to_have_attribute("data-used", "0")
+    expect(arena).to_have_attribute("data-waits", "0")
 
     # A stage dies with a handoff waiting on it: the failure and the lost peer show.
     create(dep, "dash-2", [5, 6], 2)
@@ -162,6 +168,7 @@ def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, 
     expect(prefill.locator("#role")).to_contain_text("prefill")
     sent = prefill.locator('#recent tr[data-id="dash-1"][data-state="sent"]')
     expect(sent).to_be_visible()
+    expect(prefill.locator('#arenas tr[data-arena="staging"]')).to_have_attribute("data-used", "0")
     prefill.screenshot(path=str(ARTIFACTS / "dashboard-prefill.png"), full_page=True)
     prefill.close()
     page.set_viewport_size({"width": 390, "height": 844})  # a phone

@@ -61,13 +61,16 @@ def test_multiprocess_demo_completes_and_verifies_every_byte() -> None:
 def test_handoff_benchmark_runs_both_cases() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "service.cli", "bench", "handoff", "--repeat", "1", "--json",
+         "--cases", "bulk,small",
          "--bulk-requests", "2", "--bulk-pages", "8", "--bulk-concurrency", "2",
          "--small-requests", "100", "--small-concurrency", "8"],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     bulk, small = json.loads(out.stdout.strip().splitlines()[-1])["handoff"]
-    assert bulk["handoff_gb_s"] > 0 and bulk["raw_mooncake_gb_s"] > 0
+    assert min(bulk["landed_gb_s"], bulk["direct_gb_s"], bulk["raw_large_gb_s"]) > 0
+    assert bulk["landed_vs_direct"] == pytest.approx(bulk["landed_gb_s"] / bulk["direct_gb_s"])
+    assert bulk["commit_share"] > 0  # the decode's commits were timed
     assert bulk["bytes_per_request"] > 0 and small["handoffs_per_s"] > 0
 
 

@@ -78,7 +78,7 @@ async def signed_post(
     http: aiohttp.ClientSession, url: str, path: str, body: Any, *, secret: str, sender: str
 ) -> tuple[int, Any]:
     raw = json.dumps(body).encode()
-    headers = {**JSON, **Signer(secret, sender).headers("POST", path, raw)}
+    headers = {**JSON, **Signer(secret, sender).headers("POST", path, raw, recipient=url)}
     async with http.post(url + path, data=raw, headers=headers) as resp:
         return resp.status, await resp.json(content_type=None)
 
@@ -92,7 +92,7 @@ async def layout_of(
 ) -> LayoutInfo:
     """A service's layout (and incarnation), read as a peer would: what a forger who holds the
     peer secret knows, so the forged messages below are well-formed down to the incarnations."""
-    headers = Signer(secret, signer_url).headers("GET", "/v1/layout", b"")
+    headers = Signer(secret, signer_url).headers("GET", "/v1/layout", b"", recipient=url)
     async with http.get(url + "/v1/layout", headers=headers) as resp:
         assert resp.status == 200
         return msgspec.json.decode(await resp.read(), type=LayoutInfo)
@@ -299,18 +299,19 @@ async def test_replayed_and_stale_peer_messages_are_refused(
     raw = json.dumps(
         {"sender_url": dep.decode_url, "sender_incarnation": layout.incarnation, "role": "decode"}
     ).encode()
-    headers = {**JSON, **Signer(PEER, dep.decode_url).headers("POST", path, raw)}
+    headers = {**JSON, **Signer(PEER, dep.decode_url).headers("POST", path, raw, recipient=url)}
     async with http.post(url + path, data=raw, headers=headers) as resp:
         assert resp.status == 200
     async with http.post(url + path, data=raw, headers=headers) as resp:
         problem = await resp.json()
         assert (resp.status, problem["code"]) == (409, "replayed"), problem
     stale = Signer(PEER, dep.decode_url, clock=lambda: time.time() - 120)
-    headers = {**JSON, **stale.headers("POST", path, raw)}
+    headers = {**JSON, **stale.headers("POST", path, raw, recipient=url)}
     async with http.post(url + path, data=raw, headers=headers) as resp:
         assert resp.status == 401
     # A heartbeat claiming to be another service than the signer's: 403.
-    headers = {**JSON, **Signer(PEER, dep.prefill_urls[-1]).headers("POST", path, raw)}
+    signer = Signer(PEER, dep.prefill_urls[-1])
+    headers = {**JSON, **signer.headers("POST", path, raw, recipient=url)}
     async with http.post(url + path, data=raw, headers=headers) as resp:
         assert (resp.status, (await resp.json())["field"]) == (403, "sender_url")
     assert decode_bytes(dep) == before
@@ -339,4 +340,160 @@ async def test_router_credential_is_refused_on_every_peer_route(
         assert resp.status == 200
     async with sessions["engine"].get(f"{dep.decode_url}/v1/handoffs") as resp:
         assert resp.status == 403
+    assert decode_bytes(dep) == before
+
+
+class Listener:
+    """The attacker's service of issue 18 A: a URL a router credential can name as a prefill.
+    It keeps every signed request it receives (to replay later) and, by `mode`, relays it to the
+    real stage service and hands back that service's answer (`relay`), answers it itself with
+    the real stage's layout and a signature copied from a genuine answer of that stage
+    (`forge`), or redirects it there (`redirect`)."""
+
+    def __init__(self, upstream: str, genuine: tuple[bytes, dict[str, str]], life: str) -> None:
+        self.upstream = upstream
+        self.genuine = genuine  # a real layout answer of the stage, signed for someone else
+        self.life = life  # the stage's incarnation (what a forged ack would need)
+        self.mode = "relay"
+        self.kept: list[tuple[str, str, dict[str, str], bytes]] = []
+        self.upstream_answers: list[tuple[int, bytes]] = []
+        self.url = ""
+        self._runner: aiohttp.web.AppRunner | None = None
+
+    async def start(self, http: aiohttp.ClientSession) -> None:
+        from aiohttp import web
+
+        self._http = http
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _handle(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body = await request.read()
+        signed = {k: v for k, v in request.headers.items() if k.lower().startswith("kvhandoff-")}
+        signed["Content-Type"] = request.headers.get("Content-Type", "application/json")
+        self.kept.append((request.method, request.path_qs, signed, body))
+        if self.mode == "redirect":
+            return web.Response(status=307, headers={"Location": self.upstream + request.path_qs})
+        if self.mode == "relay":
+            async with self._http.request(
+                request.method, self.upstream + request.path_qs, data=body, headers=signed
+            ) as resp:
+                raw = await resp.read()
+                self.upstream_answers.append((resp.status, raw))
+                headers = {k: v for k, v in resp.headers.items() if k.lower().startswith("kvh")}
+                return web.Response(
+                    status=resp.status, body=raw, headers=headers, content_type=resp.content_type
+                )
+        raw, headers = self.genuine  # forge
+        if request.path.startswith("/v1/layout"):
+            forged = json.loads(raw)
+            forged["url"] = self.url
+            return web.json_response(forged, headers=headers)
+        if request.path == "/v1/peer/aborts":
+            ack = {"handoff_id": json.loads(body)["handoff_id"], "quiesced": True, "stages": []}
+            return web.json_response({**ack, "incarnation": self.life}, headers=headers)
+        return web.json_response([{"status": 204}], headers=headers)
+
+
+async def test_a_router_credential_cannot_relay_the_decodes_signed_calls(
+    fresh: LocalDeployment, sessions: dict[str, aiohttp.ClientSession]
+) -> None:
+    """Issue 18 A, the whole chain: with only the router token, an attacker names its own
+    listener as the prefill hosting stage 0 and (1) relays the decode's signed layout request
+    to the real stage, (2) answers it with the real stage's layout under a genuine signature
+    copied from another answer, (3) redirects the call to the real stage; then (4) an honest
+    handoff takes the same pages and completes, and (5) the attacker replays every signed
+    request it kept to every service while the real engine signals its handoff ready. Each step
+    is refused and the honest pages end untouched."""
+    dep = fresh
+    http = sessions["anonymous"]
+    stage0 = dep.url_of_stage(0)
+    # What the attacker could know at best: a genuine answer of stage 0 and its incarnation.
+    headers = Signer(PEER, dep.decode_url).headers("GET", "/v1/layout", b"", recipient=stage0)
+    async with http.get(stage0 + "/v1/layout", headers=headers) as resp:
+        raw = await resp.read()
+        genuine = {k: v for k, v in resp.headers.items() if k.lower().startswith("kvhandoff-")}
+    assert set(genuine) >= {"KVHandoff-Responder", "KVHandoff-Answer-Signature"}
+    life = msgspec.json.decode(raw, type=LayoutInfo).incarnation
+    listener = Listener(stage0, (raw, genuine), life)
+    await listener.start(http)
+    pages = Moved(src_pages=[8, 9, 10], dst_pages=[20, 21, 22], src_slot=1, dst_slot=5)
+    prefill = [listener.url, dep.url_of_stage(1)]
+    try:
+        for mode in ("relay", "forge", "redirect"):
+            listener.mode = mode
+            status, problem = await create(
+                sessions["router"], dep, f"attack-{mode}", pages, prefill=prefill
+            )
+            assert status == 502 and problem["field"] == "prefill[0]", (mode, problem)
+            assert problem["code"] in ("unauthenticated_answer", "peer_error"), problem
+        # (1) the real stage refused the relayed request: it was signed for the listener
+        assert listener.upstream_answers, "the relay never reached the stage"
+        for status, answer in listener.upstream_answers:
+            assert status == 401 and b"was signed for" in answer, answer
+        # (4) nothing was leased: an honest handoff takes the same pages and completes
+        assert (await create(sessions["router"], dep, "honest", pages))[0] == 201
+        for r in range(dep.pp_size):
+            assert (await ready(sessions["engine"], dep, "honest", r, pages))[0] == 202
+        assert (await finished(sessions["router"], dep, "honest"))["state"] == "completed"
+        assert landed(dep, [pages]) == []
+        after = decode_bytes(dep)
+        # (5) every request the decode signed for the listener, replayed to every service
+        assert listener.kept
+        for method, path_qs, signed, body in listener.kept:
+            for url in [*dep.prefill_urls, dep.decode_url]:
+                async with http.request(method, url + path_qs, data=body, headers=signed) as resp:
+                    assert resp.status == 401, (url, path_qs, await resp.text())
+        for r in range(dep.pp_size):  # the real engine's half of the attacker's handoff
+            assert (await ready(sessions["engine"], dep, "attack-relay", r, pages))[0] == 202
+        await asyncio.sleep(1.0)
+        async with sessions["router"].get(f"{dep.decode_url}/v1/handoffs/attack-relay") as resp:
+            assert resp.status == 404  # never accepted, so never anything to release
+        assert decode_bytes(dep) == after
+        assert landed(dep, [pages]) == []
+    finally:
+        await listener.close()
+
+
+async def test_peer_messages_naming_ids_the_public_routes_refuse_are_refused(
+    fresh: LocalDeployment, sessions: dict[str, aiohttp.ClientSession]
+) -> None:
+    """Issue 18 B: a prefill accepted destinations (and aborts) for handoff ids no router or
+    engine could name (`""`, `a/b`, 300 characters): each is a 422 naming `handoff_id`, even
+    signed by the decode service itself, and changes nothing."""
+    dep = fresh
+    before = decode_bytes(dep)
+    http = sessions["anonymous"]
+    layout = await decode_layout(http, dep)
+    stage = await layout_of(http, dep.url_of_stage(0), dep.decode_url)
+    m = Moved(src_pages=[1], dst_pages=[50], src_slot=0, dst_slot=6)
+    for bad in ("", "a/b", "x" * 300, "..", "h\u00e9"):
+        msg = forged_destination(dep, bad, 0, layout, stage, m)
+        status, outcomes = await signed_post(
+            http,
+            dep.url_of_stage(0),
+            "/v1/peer/destinations",
+            [msg],
+            secret=PEER,
+            sender=dep.decode_url,
+        )
+        assert status == 200 and outcomes[0]["status"] == 422, (bad, outcomes)
+        assert outcomes[0]["problem"]["field"] == "handoff_id"
+        abort = {"handoff_id": bad, "reason": "r", "decode_incarnation": layout.incarnation}
+        status, problem = await signed_post(
+            http, dep.url_of_stage(0), "/v1/peer/aborts", abort, secret=PEER, sender=dep.decode_url
+        )
+        assert (status, problem["field"]) == (422, "handoff_id"), (bad, problem)
     assert decode_bytes(dep) == before

@@ -1,8 +1,10 @@
-"""Small helpers shared by the benchmarks: timing and fragmented page lists."""
+"""Small helpers shared by the benchmarks: timing, fragmented page lists and the raw-engine
+baselines (one engine from this process, or one per stage in parallel)."""
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
+from transport.config import DEFAULT_MAX_BYTES_PER_BATCH
 from transport.pool_base import Pool
 
 
@@ -78,11 +81,90 @@ class RawEngine:
 
 
 def raw_write(engine: Any, target: str, blocks: Blocks) -> None:
-    """`batch_transfer_sync_write` over batches of at most 2,048 blocks, in order, from the
+    """`batch_transfer_sync_write` over batches of at most 2,048 blocks and 1 GiB (as the
+    service's transport cuts them: the engine refuses a call of 2 GiB), in order, from the
     calling thread: the plain way to use the engine."""
-    for batch in blocks.batches(DEFAULT_MAX_BLOCKS_PER_BATCH):
+    for batch in blocks.batches(DEFAULT_MAX_BLOCKS_PER_BATCH, DEFAULT_MAX_BYTES_PER_BATCH):
         rc = engine.batch_transfer_sync_write(
             target, batch.src_addr.tolist(), batch.dst_addr.tolist(), batch.length.tolist()
         )
         if rc < 0:
             raise RuntimeError(f"raw engine write failed (rc {rc})")
+
+
+class StageEngines:
+    """One raw Transfer Engine per prefill stage, each with only its stage's pool registered,
+    writing its own blocks at the same time as the others: the same process topology as the
+    service (one engine per stage, in parallel), with no kvhandoff code on the path."""
+
+    def __init__(self, pools: Sequence[Pool]) -> None:
+        self.engines: list[RawEngine] = []
+        try:
+            for pool in pools:
+                self.engines.append(RawEngine([pool]))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+
+    def seconds(self, target: str, per_stage: Sequence[Blocks]) -> float:
+        """Wall time of every stage's engine writing its `per_stage[r]` at once (threads: the
+        engine call releases the GIL), from the first start to the last end."""
+        if len(per_stage) != len(self.engines):
+            raise ValueError(f"{len(per_stage)} block lists for {len(self.engines)} engines")
+        errors: list[BaseException] = []
+        start = threading.Barrier(len(self.engines) + 1)
+
+        def one(engine: RawEngine, blocks: Blocks) -> None:
+            start.wait()
+            try:
+                raw_write(engine.engine, target, blocks)
+            except Exception as exc:  # noqa: BLE001 - re-raised in the calling thread below
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=one, args=(e, b), daemon=True)
+            for e, b in zip(self.engines, per_stage)
+        ]
+        for t in threads:
+            t.start()
+        start.wait()
+        t0 = time.perf_counter()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        return elapsed
+
+
+def large_blocks(
+    total_bytes: int,
+    src_regions: Sequence[tuple[int, int]],
+    dst_regions: Sequence[tuple[int, int]],
+    block_bytes: int,
+) -> Blocks:
+    """`total_bytes` as blocks of at most `block_bytes`, read contiguously from `src_regions`
+    and written contiguously into `dst_regions` ((addr, length) each, filled in order, from the
+    first again when they are used up): what moving the same count of bytes costs when nothing
+    is fragmented."""
+    if not src_regions or not dst_regions:
+        raise ValueError("large_blocks needs source and destination regions")
+    srcs, dsts, lens = [], [], []
+    si = di = s_off = d_off = 0
+    left = total_bytes
+    while left > 0:
+        (s_addr, s_len), (d_addr, d_len) = src_regions[si], dst_regions[di]
+        n = min(block_bytes, s_len - s_off, d_len - d_off, left)
+        srcs.append(s_addr + s_off)
+        dsts.append(d_addr + d_off)
+        lens.append(n)
+        s_off, d_off, left = s_off + n, d_off + n, left - n
+        if s_off == s_len:
+            si, s_off = (si + 1) % len(src_regions), 0
+        if d_off == d_len:
+            di, d_off = (di + 1) % len(dst_regions), 0
+    return Blocks.of(srcs, dsts, lens)

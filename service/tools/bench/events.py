@@ -152,9 +152,9 @@ async def _read(url: str, subscribers: int, n: int) -> None:
         print("open", flush=True)
 
         async def drain(resp: aiohttp.ClientResponse) -> int:
-            # Every frame follows a blank line (the stream opens with a comment); a tail one
-            # byte shorter than the marker carries a split marker over, never a whole one.
-            marker, frames, tail = b"\n\nid: ", 0, b""
+            # Every frame starts a line with its id (the stream opens with a comment line); a
+            # tail one byte shorter than the marker carries a split marker over, never a whole.
+            marker, frames, tail = b"\nid: ", 0, b""
             async for chunk in resp.content.iter_any():
                 data = tail + chunk
                 frames += data.count(marker)

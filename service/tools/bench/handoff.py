@@ -1,41 +1,62 @@
-"""`kvhandoff bench handoff`: whole handoffs through the HTTP services, each case against a
-baseline measured in the same run on the same deployment.
+"""`kvhandoff bench handoff`: whole handoffs through the HTTP services and the landed path's own
+costs, each case against a baseline measured in the same run.
 
 - `bulk`: a PP=4 hybrid NPU-MLA prefill at full size (scale 1, 128-token pages, one process per
-  stage) into a PP=1 decode, `--bulk-requests` requests of `--bulk-pages` fragmented pages,
-  `--bulk-concurrency` at a time: router → decode → every stage → Mooncake → arrival → done.
-  Baseline: the raw engine (`batch_transfer_sync_write` from this process, 2,048-block batches)
-  writing exactly the same blocks — planned with the same pairing, from the same source files,
-  into the decode service's own registered memory. Reported: GB/s of both and their ratio.
+  stage) into a PP=1 decode, `--bulk-requests` requests of `--bulk-pages` fragmented pages
+  (153 MB each at 64), `--bulk-concurrency` at a time: router → decode → every stage → Mooncake
+  → commit → done. Run twice, in a landed and a direct deployment of the same shape. Baseline
+  in each, interleaved with its runs: raw Mooncake in the same topology — one engine per stage,
+  each with its own stage's pool registered, all writing at once — moving the same bytes as
+  1 MiB blocks, and once the same per-page blocks direct mode plans. Reported: GB/s of each,
+  landed/direct, landed/raw and direct/raw, and the decode's commit time (copy out, digest,
+  scatter; from `kvhandoff_segment_commit_seconds`) per second of the landed runs.
 - `small`: one-page handoffs of a small dense model (PP=1), `--small-concurrency` at a time.
   Baseline: plain `GET /healthz` round trips to the decode service from the same client at the
   same concurrency — how many plain requests one handoff costs. Reported: handoffs/s, requests/s
   and their ratio.
+- `segments`, `planning`, `gather`, `commit`: in this process, no engine
+  (`service.tools.bench.landed`).
 
-Every handoff must complete; the benchmark fails otherwise.
+Every handoff must complete; the benchmark fails otherwise. With `--json`/`--out` the results
+carry the machine and the commit they were measured on.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import platform
+import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import msgspec
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
+from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
-from service.tools.bench.common import RawEngine, fragmented_pages
+from pipelines.prefill.landed import BLOCK_BYTES
+from service.config import TransferConfig
+from service.tools.bench import landed as landed_cases
+from service.tools.bench.common import StageEngines, fragmented_pages, large_blocks
 from service.tools.deployment import LocalDeployment
 from service.tools.router_client import RouterClient
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cases", default="bulk,small", help="comma-separated: bulk, small")
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"comma-separated, of: {', '.join(CASES)}",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per method (best)")
     parser.add_argument("--bulk-requests", type=int, default=8)
     parser.add_argument("--bulk-pages", type=int, default=64)
@@ -46,10 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="each",
         help="one prefill process per stage (each) or all four in one",
     )
+    parser.add_argument("--landing-mb", type=int, default=256, help="bulk: transfer.landing_bytes")
+    parser.add_argument("--window-mb", type=int, default=16, help="bulk: transfer.window_bytes")
+    parser.add_argument("--staging-mb", type=int, default=64, help="bulk: transfer.staging_bytes")
     parser.add_argument("--small-requests", type=int, default=3000)
     parser.add_argument("--small-concurrency", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--out", help="also write the JSON results (with machine and commit) here")
+    landed_cases.add_arguments(parser)
 
 
 @dataclass(frozen=True)
@@ -123,57 +149,145 @@ def bulk_lanes(dep: LocalDeployment, args: argparse.Namespace) -> list[Request]:
     ]
 
 
-async def bulk(args: argparse.Namespace) -> dict[str, Any]:
-    pool_pages = (3 * args.bulk_concurrency + 2) * args.bulk_pages  # room to fragment
-    with LocalDeployment(
+def _bulk_deployment(args: argparse.Namespace, mode: str) -> LocalDeployment:
+    # Room to fragment each lane's pages (`fragmented_pages` needs >= 32 pages per run).
+    pool_pages = max(2 * args.bulk_concurrency * args.bulk_pages, 512)
+    return LocalDeployment(
         preset="hybrid-npu-mla",
         model={"scale": 1, "page_size": 128},
         pp_size=4,
         groups=None if args.bulk_stage_processes == "each" else [[0, 1, 2, 3]],
-        num_pages=max(pool_pages, 2 * args.bulk_pages),
+        num_pages=pool_pages,
         num_slots=max(2, args.bulk_concurrency),
+        transfer=TransferConfig(
+            mode=mode,  # type: ignore[arg-type]
+            landing_bytes=args.landing_mb << 20,
+            window_bytes=args.window_mb << 20,
+            staging_bytes=args.staging_mb << 20,
+        ),
         log_level="warning",
-    ) as dep:
-        lanes = bulk_lanes(dep, args)
+    )
+
+
+def _stage_shares(layout: StageLayout, parts: int) -> list[list[tuple[int, int]]]:
+    """The KV entries of `layout` as `parts` disjoint shares of equal bytes ((addr, length)
+    regions each): where each stage's raw engine writes its large blocks."""
+    regions = [(e.base, e.nbytes) for e in layout.kv]
+    each = sum(n for _, n in regions) // parts
+    shares: list[list[tuple[int, int]]] = [[] for _ in range(parts)]
+    k, left = 0, each
+    for addr, length in regions:
+        off = 0
+        while off < length and k < parts:
+            n = min(length - off, left)
+            shares[k].append((addr + off, n))
+            off, left = off + n, left - n
+            if left == 0:
+                k, left = k + 1, each
+    return shares
+
+
+async def _metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and not sample.labels:
+                return float(sample.value)
+    return 0.0
+
+
+COMMIT_SUM = "kvhandoff_segment_commit_seconds_sum"
+
+
+async def bulk(args: argparse.Namespace) -> dict[str, Any]:
+    """A landed and a direct deployment of the same shape, up at once, and raw Mooncake from
+    this process (one engine per stage, in parallel, into the direct decode's KV memory: a
+    landed decode registers only its landing arena), interleaved run by run."""
+    with contextlib.ExitStack() as stack:
+        deps = {m: stack.enter_context(_bulk_deployment(args, m)) for m in ("landed", "direct")}
         async with aiohttp.ClientSession() as http:
-            async with http.get(f"{dep.decode_url}/v1/layout") as resp:
-                info = msgspec.json.decode(await resp.read(), type=LayoutInfo)
+            infos, lanes, routers = {}, {}, {}
+            for mode, dep in deps.items():
+                async with http.get(f"{dep.decode_url}/v1/layout") as resp:
+                    infos[mode] = msgspec.json.decode(await resp.read(), type=LayoutInfo)
+                lanes[mode] = bulk_lanes(dep, args)
+                routers[mode] = Driver(http, dep)
+            dep, info = deps["direct"], infos["direct"]
             decode = info.stages[0].layout
-            router = Driver(http, dep)
-            moves = [(x.src_pages, x.dst_pages, x.src_slot, x.dst_slot) for x in lanes]
-            blocks = dep.planned_blocks(decode, moves)
-            per_request = blocks.total_bytes // len(lanes)
-            engine = RawEngine([dep.stage_pool(r) for r in range(dep.pp_size)])
-
-            def raw() -> float:
-                return engine.seconds(info.target, blocks)
-
-            raw()  # warm-up: connections, page faults
-            await run_lanes(len(lanes), lanes, router.handoff, "warm")
-            raw_times, ours_times = [], []
-            for rep in range(args.repeat):
-                raw_times.append(raw())
-                wall, _, moved = await run_lanes(
-                    args.bulk_requests, lanes, router.handoff, f"bulk{rep}"
+            moves = [(x.src_pages, x.dst_pages, x.src_slot, x.dst_slot) for x in lanes["direct"]]
+            per_stage = dep.stage_blocks(decode, moves)
+            per_request = sum(b.total_bytes for b in per_stage) // len(moves)
+            rounds = args.bulk_requests / len(moves)
+            # Raw: each stage's bytes of `bulk_requests` requests, into its own decode entries.
+            shares = _stage_shares(decode, dep.pp_size)
+            large = [
+                large_blocks(
+                    int(b.total_bytes * rounds),
+                    [(g.addr, g.length) for g in dep.stage_pool(r).regions],
+                    shares[r],
+                    BLOCK_BYTES,
                 )
-                if moved != per_request * args.bulk_requests:
-                    raise RuntimeError(f"moved {moved} bytes, expected {per_request} a request")
-                ours_times.append(wall)
-            raw_gbs = blocks.total_bytes / min(raw_times) / 1e9
-            ours_gbs = per_request * args.bulk_requests / min(ours_times) / 1e9
-            return {
-                "case": "bulk",
-                "model": "hybrid-npu-mla scale 1, 128-token pages, PP=4 -> PP=1",
-                "stage_processes": 4 if args.bulk_stage_processes == "each" else 1,
-                "requests": args.bulk_requests,
-                "pages_per_request": args.bulk_pages,
-                "concurrency": args.bulk_concurrency,
-                "bytes_per_request": per_request,
-                "blocks_per_request": len(blocks) // len(lanes),
-                "raw_mooncake_gb_s": raw_gbs,
-                "handoff_gb_s": ours_gbs,
-                "ratio": ours_gbs / raw_gbs,
-            }
+                for r, b in enumerate(per_stage)
+            ]
+            engines = stack.enter_context(_closing(StageEngines(
+                [dep.stage_pool(r) for r in range(dep.pp_size)]
+            )))  # fmt: skip
+            await asyncio.to_thread(engines.seconds, info.target, large)  # warm-up
+            for mode in deps:
+                await run_lanes(len(moves), lanes[mode], routers[mode].handoff, f"warm-{mode}")
+            times: dict[str, list[float]] = {"raw": [], "landed": [], "direct": []}
+            commit_before = await _metric(http, deps["landed"].decode_url, COMMIT_SUM)
+            for rep in range(args.repeat):
+                times["raw"].append(await asyncio.to_thread(engines.seconds, info.target, large))
+                for mode in deps:
+                    wall, _, moved = await run_lanes(
+                        args.bulk_requests, lanes[mode], routers[mode].handoff, f"{mode}{rep}"
+                    )
+                    if moved != per_request * args.bulk_requests:
+                        raise RuntimeError(f"{mode}: moved {moved} bytes, not {per_request} each")
+                    times[mode].append(wall)
+            commit_s = await _metric(http, deps["landed"].decode_url, COMMIT_SUM) - commit_before
+            pages_s = await asyncio.to_thread(engines.seconds, info.target, per_stage)
+    total = per_request * args.bulk_requests
+    gbs = {k: total / min(v) / 1e9 for k, v in times.items()}
+    gbs["raw"] = sum(b.total_bytes for b in large) / min(times["raw"]) / 1e9
+    return {
+        "case": "bulk",
+        "model": "hybrid-npu-mla scale 1, 128-token pages, PP=4 -> PP=1",
+        "stage_processes": 4 if args.bulk_stage_processes == "each" else 1,
+        "requests": args.bulk_requests,
+        "pages_per_request": args.bulk_pages,
+        "concurrency": args.bulk_concurrency,
+        "bytes_per_request": per_request,
+        "blocks_per_request": sum(len(b) for b in per_stage) // len(moves),
+        "landing_mb": args.landing_mb,
+        "window_mb": args.window_mb,
+        "staging_mb": args.staging_mb,
+        "landed_gb_s": gbs["landed"],
+        "direct_gb_s": gbs["direct"],
+        "raw_large_gb_s": gbs["raw"],
+        "raw_pages_gb_s": sum(b.total_bytes for b in per_stage) / pages_s / 1e9,
+        "landed_vs_direct": gbs["landed"] / gbs["direct"],
+        "landed_vs_raw": gbs["landed"] / gbs["raw"],
+        "direct_vs_raw": gbs["direct"] / gbs["raw"],
+        # The decode's commits (copy out, digest, scatter), summed, per second of the landed
+        # runs' wall time; commits of parallel stages overlap, so this can pass 1.
+        "commit_share": commit_s / sum(times["landed"]),
+        "targets": "landed_vs_direct >= 1, landed_vs_raw >= 0.9, commit_share <= 0.15",
+        # As before: the landed handoffs and their ratio to raw.
+        "handoff_gb_s": gbs["landed"],
+        "raw_mooncake_gb_s": gbs["raw"],
+        "ratio": gbs["landed"] / gbs["raw"],
+    }
+
+
+@contextlib.contextmanager
+def _closing(engines: StageEngines) -> Iterator[StageEngines]:
+    try:
+        yield engines
+    finally:
+        engines.close()
 
 
 # -- small --------------------------------------------------------------------------------------
@@ -224,33 +338,132 @@ async def small(args: argparse.Namespace) -> dict[str, Any]:
             }
 
 
+CASES = ("bulk", "small", "segments", "planning", "gather", "commit")
+
+
+def machine() -> dict[str, Any]:
+    """Where and at what commit the numbers were taken."""
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=Path(__file__).resolve().parent,
+            ).stdout.strip()
+        )
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "unknown", False
+    return {
+        "host": platform.node(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "commit": commit + ("-dirty" if dirty else ""),
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = set(cases) - {"bulk", "small"}
+    unknown = set(cases) - set(CASES)
     if unknown:
-        raise SystemExit(f"unknown case(s) {sorted(unknown)}; choose from bulk, small")
-    results = [uvloop.run({"bulk": bulk, "small": small}[c](args)) for c in cases]
+        raise SystemExit(f"unknown case(s) {sorted(unknown)}; choose from {', '.join(CASES)}")
+    local = {
+        "segments": landed_cases.segments,
+        "planning": landed_cases.planning,
+        "gather": landed_cases.gather_case,
+        "commit": landed_cases.commit_case,
+    }
+    results = []
+    for c in cases:
+        if c in local:
+            results.append(local[c](args))
+        else:
+            results.append(uvloop.run({"bulk": bulk, "small": small}[c](args)))
+    doc = {"machine": machine(), "handoff": results}
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     if args.json:
-        print(json.dumps({"handoff": results}))
+        print(json.dumps(doc))
         return 0
     for r in results:
-        print(f"{r['case']}: {r['model']}")
-        if r["case"] == "bulk":
-            print(
-                f"  {r['requests']} x {r['bytes_per_request'] / 1e6:.1f} MB "
-                f"({r['blocks_per_request']} blocks) at concurrency {r['concurrency']}"
-            )
-            print(f"  raw Mooncake, same blocks  {r['raw_mooncake_gb_s']:8.2f} GB/s")
-            print(
-                f"  handoffs over HTTP         {r['handoff_gb_s']:8.2f} GB/s  ({r['ratio']:.2f}x)"
-            )
-        else:
-            print(f"  {r['requests']} one-page handoffs at concurrency {r['concurrency']}")
-            print(f"  GET /healthz round trips   {r['healthz_per_s']:8.0f} /s")
-            print(
-                f"  handoffs over HTTP         {r['handoffs_per_s']:8.0f} /s  ({r['ratio']:.2f}x)"
-                f"  p50 {r['p50_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms"
-            )
+        _print(r)
     return 0
+
+
+def _print(r: dict[str, Any]) -> None:
+    case = r["case"]
+    if case == "bulk":
+        print(f"bulk: {r['model']}")
+        print(
+            f"  {r['requests']} x {r['bytes_per_request'] / 1e6:.1f} MB "
+            f"({r['blocks_per_request']} per-page blocks) at concurrency {r['concurrency']}"
+        )
+        print(
+            f"  landed {r['landed_gb_s']:6.2f} GB/s   direct {r['direct_gb_s']:6.2f} GB/s   "
+            f"raw Mooncake, one engine per stage: 1 MiB blocks {r['raw_large_gb_s']:6.2f} GB/s, "
+            f"per-page blocks {r['raw_pages_gb_s']:6.2f} GB/s"
+        )
+        print(
+            f"  landed/direct {r['landed_vs_direct']:.2f}x   landed/raw {r['landed_vs_raw']:.2f}x"
+            f"   direct/raw {r['direct_vs_raw']:.2f}x   decode commit time per wall second "
+            f"{r['commit_share']:.1%}"
+        )
+    elif case == "small":
+        print(f"small: {r['model']}")
+        print(f"  {r['requests']} one-page handoffs at concurrency {r['concurrency']}")
+        print(f"  GET /healthz round trips   {r['healthz_per_s']:8.0f} /s")
+        print(
+            f"  handoffs over HTTP         {r['handoffs_per_s']:8.0f} /s  ({r['ratio']:.2f}x)"
+            f"  p50 {r['p50_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms"
+        )
+    elif case == "segments":
+        print(f"segments: {r['layers']} layers x {r['pages']} pages, planning and bookkeeping")
+        print(
+            f"  one segment {r['one_segment_ms']:.2f} ms   {r['one_layer_segments']} one-layer "
+            f"segments {r['one_layer_segments_ms']:.2f} ms   ({r['ratio']:.2f}x)"
+        )
+    elif case == "planning":
+        print(f"planning: {r['layers']} layers, per request before the engine call")
+        for p in r["by_pages"]:
+            print(
+                f"  {p['pages']:>5} pages  landed {p['landed_ms']:.3f} ms "
+                f"({p['landed_blocks']} blocks)   direct {p['direct_ms']:.3f} ms "
+                f"({p['direct_blocks']} blocks)   direct/landed {p['direct_over_landed']:.1f}x"
+            )
+    elif case == "gather":
+        print(
+            f"gather: {r['bytes'] / 1e6:.0f} MB in {r['segments']} segments, {r['pieces']} pieces"
+        )
+        print(
+            f"  gather {r['gather_gb_s']:.2f} GB/s   memcpy {r['memcpy_gb_s']:.2f} GB/s   "
+            f"({r['ratio']:.2f}x)"
+        )
+        print(
+            f"  with np.take(mode='clip') {r['gather_unbuffered_gb_s']:.2f} GB/s "
+            f"({r['unbuffered_ratio']:.2f}x)"
+        )
+    elif case == "commit":
+        print(f"commit: {r['bytes'] / 1e6:.0f} MB in {r['segments']} segments (decode, host)")
+        print(
+            f"  copy out + xxh3-128 + scatter {r['commit_gb_s']:.2f} GB/s  (copy out "
+            f"{r['copy_out_gb_s']:.2f}, digest {r['digest_gb_s']:.2f}, scatter "
+            f"{r['scatter_gb_s']:.2f} GB/s)"
+        )

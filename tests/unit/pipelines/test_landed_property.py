@@ -338,11 +338,14 @@ def test_the_property_can_fail_in_direct_mode() -> None:
         for i in range(6):
             hid = f"d{i}"
             await r.decode.create(
-                HandoffRequest(id=hid, prefill=["p"], dst_pages=[i % 3, 3 + i % 3], dst_slot=0)
+                HandoffRequest(
+                    id=hid, prefill=["p"], dst_pages=[i % 3, 3 + i % 3], dst_slot=0, deadline_s=0.5
+                )
             )
             for k in (0, 1):
                 await _ready(r, hid, k)
-            await asyncio.sleep(0.02)
+            # The next handoff leases the same slot: wait for this one's release.
+            await r.decode.wait(hid, 10.0, released=True)
             r.engine.deliver_some()
         await r.decode.close(1.0)
         await r.prefill.close()

@@ -277,3 +277,18 @@ def test_webhook_and_record_keys_are_checked_naming_the_key() -> None:
         make_config(**{"webhooks.concurrency": 0})
     env = load_config(None, {"KVHANDOFF_RECORDS__PERSIST": "false"}, MINIMAL)
     assert env.records.persist is False
+
+
+def test_urls_are_kept_in_their_canonical_form() -> None:
+    """Issue 18 B: every URL a service compares is in one form (pipelines.urls)."""
+    config = load_config(
+        None,
+        {},
+        {
+            **MINIMAL,
+            "server.public_url": "HTTP://Decode.Example:80/",
+            "peers.prefill": ["http://P0:8100/", "https://p1:443"],
+        },
+    )
+    assert config.server.public_url == "http://decode.example"
+    assert config.peers.prefill == ["http://p0:8100", "https://p1"]

@@ -420,3 +420,29 @@ def test_an_embedded_create_whose_record_fails_to_write_is_not_accepted(pair: Pa
             svc.expect_handoff(HandoffRequest(id="next", dst_pages=[6], dst_slot=2))
     finally:
         read_only(False)
+
+
+def test_released_waits_for_an_earlier_lifes_fence_after_a_restart(tmp_path: Path) -> None:
+    """Issue 18 B: after a restart the embedded `released()` answered False at once for a
+    handoff whose pages the previous life's writers may still touch. It waits for the fence to
+    lift (False if its timeout comes first), then True."""
+    import time
+
+    from service.runtime.database import FILE_NAME, Database
+    from service.runtime.records import HandoffRecords
+
+    # The fence must still hold once the service answers: start-up takes well under a second
+    # idle, several on a busy machine.
+    grace_s, left_s = 20.0, 6.0
+    now = time.time()
+    db = Database(tmp_path / FILE_NAME)  # what a killed process left: a handoff in flight
+    request = HandoffRequest(id="old", prefill=["http://p"], dst_pages=[5, 6], dst_slot=2)
+    with db.transaction() as tx:
+        HandoffRecords(db, grace_s=grace_s).accepted(tx, request, now - 10, now - grace_s + left_s)
+    db.close()
+    config = make_config(tmp_path, "decode", **{"handoff.max_grace_s": grace_s})
+    with EmbeddedService(config, buffers=allocate(config)) as decode:
+        assert decode.get("old").state == HandoffState.FAILED
+        assert decode.released("old", 0.0) is False  # fenced: its old writers may still write
+        assert decode.released("old", 30.0) is True  # it waited for the fence to lift
+        assert decode.get("old").released

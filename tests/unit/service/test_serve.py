@@ -4,6 +4,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,56 @@ def test_kvhandoff_serve_rejects_a_bad_config(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2
     assert "server.prot: unknown key" in err
+
+
+async def test_a_second_decode_on_the_same_state_dir_refuses_to_start(tmp_path: Path) -> None:
+    """Issue 18 B: the second of two decodes on one state_dir reported the first's live
+    handoffs `failed / service_restarted`. It now refuses to start, naming the holder, and the
+    first goes on serving."""
+    import pytest
+
+    from service.config import ConfigError
+    from tests.unit.service.handoff_fixtures import decode_config, extensions
+
+    settings = {"server.state_dir": str(tmp_path)}
+    async with serve(decode_config(settings), extensions) as first:
+        with pytest.raises(ConfigError, match=rf"server.state_dir.*in use by pid {os.getpid()}"):
+            async with serve(decode_config(settings), extensions):
+                pass
+        async with aiohttp.ClientSession() as http, http.get(f"{first.url}/readyz") as resp:
+            assert resp.status == 200, await resp.text()
+    async with serve(decode_config(settings), extensions):  # once it stopped, the next starts
+        pass
+
+
+def test_start_up_mistakes_print_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Issue 18 D: a port in use or a state_dir another decode holds is one line naming the
+    key, status 2 — not a traceback."""
+    from service.runtime.database import FILE_NAME, Database
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path = tmp_path / "decode.toml"
+        path.write_text(CONFIG_TOML.replace("port = 0", f'port = {port}\nhost = "127.0.0.1"'))
+        proc = _kvhandoff("serve", "--config", str(path), env={"XDG_STATE_HOME": str(tmp_path)})
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"kvhandoff serve: server.port: 127.0.0.1:{port} is in use by another process "
+        "(set server.port or --port)"
+    )
+    state = tmp_path / "state"
+    held = Database(state / FILE_NAME)
+    try:
+        path.write_text(CONFIG_TOML.replace("[server]", f'[server]\nstate_dir = "{state}"'))
+        proc = _kvhandoff("serve", "--config", str(path), env={})
+        _, err = proc.communicate(timeout=60)
+    finally:
+        held.close()
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kvhandoff serve: server.state_dir: ") and f"pid {os.getpid()}" in last

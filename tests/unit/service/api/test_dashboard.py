@@ -52,9 +52,14 @@ async def test_the_snapshot_needs_the_token_and_shows_what_happened(d: Deploymen
     assert sum(b["handoffs"] for b in body["throughput"]) == 1
     assert body["latency"]["count"] == 1
     assert [p["url"] for p in body["peers"]] == d.prefill_urls
+    # The landing arena: every window of the completed handoff given back.
+    [arena] = body["arenas"]
+    assert arena["arena"] == "landing" and arena["capacity_bytes"] > 0
+    assert (arena["used_bytes"], arena["quarantined_bytes"], arena["waiting"]) == (0, 0, 0)
 
     reply = await d.request("GET", f"{d.prefills[0].url}/v1/dashboard")
     assert reply.body["role"] == "prefill"
+    assert [(a["arena"], a["used_bytes"]) for a in reply.body["arenas"]] == [("staging", 0)]
     [h] = reply.body["handoffs"]
     assert h["state"] == "sent" and h["finished_at"] is not None  # its stages are done
     assert [(s["pp_rank"], s["done"]) for s in h["stages"]] == [(0, True), (1, True)]

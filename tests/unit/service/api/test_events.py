@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -106,7 +108,8 @@ async def test_frames_carry_seq_tag_and_the_event_and_filters_select(
             ]
             frames = await read(source, 2)
         assert [f.event for f in frames] == ["stage.arrived", "handoff.completed"]
-        assert [int(f.id) for f in frames] == [e.seq for e in want] == [3, 4]
+        o = bus.first_seq - 1  # this life's ids start after every earlier life's
+        assert [int(f.id) for f in frames] == [e.seq for e in want] == [o + 3, o + 4]
         assert frames[0].json()["bytes"] == 7 and frames[0].json()["type"] == "stage.arrived"
         assert frames[1].json()["handoff_id"] == "b"
 
@@ -126,42 +129,54 @@ async def test_a_dropped_reader_resumes_with_last_event_id_missing_and_repeating
         async with aconnect_sse(http, "GET", url, headers={"Last-Event-ID": str(seen[-1])}) as s:
             publish_many(bus, 5)
             seen += [int(f.id) for f in await read(s, 25 - len(seen))]
-        assert seen == list(range(1, 26))
+        assert seen == list(range(bus.first_seq, bus.first_seq + 25))
 
 
 async def test_a_resume_older_than_the_buffer_is_announced_as_a_gap(
     http: httpx.AsyncClient,
 ) -> None:
     async with decode_service({"handoff.sse_buffer": 8}) as server:
-        publish_many(bus_of(server), 20)  # the buffer keeps 13..20
-        url = f"{server.url}/v1/events?last_event_id=2"
+        publish_many(bus_of(server), 20)  # the buffer keeps 13..20 (of this life)
+        o = bus_of(server).first_seq - 1
+        url = f"{server.url}/v1/events?last_event_id={o + 2}"
         async with aconnect_sse(http, "GET", url) as source:
             frames = await read(source, 9)
         assert frames[0].event == "stream.gap"
         assert frames[0].json() == {
             "type": "stream.gap",
-            "first_id": 3,
-            "last_id": 12,
+            "first_id": o + 3,
+            "last_id": o + 12,
             "reason": "expired",
-            "resumed_from": 2,
+            "resumed_from": o + 2,
         }
-        assert int(frames[0].id) == 12
-        assert [int(f.id) for f in frames[1:]] == list(range(13, 21))
+        assert int(frames[0].id) == o + 12
+        assert [int(f.id) for f in frames[1:]] == list(range(o + 13, o + 21))
         assert stats_of(server).gaps_total == 1
 
 
 async def test_an_id_from_before_a_restart_is_announced_and_the_new_ids_follow(
     http: httpx.AsyncClient,
 ) -> None:
+    """Ids grow across lives: one below this life's first is an earlier life's (and one above
+    any this life gave, a life whose clock ran ahead); either way the gap says so, and this
+    life's events follow, none of them an earlier life's."""
     async with decode_service() as server:
-        publish_many(bus_of(server), 3)
-        headers = {"Last-Event-ID": "1000"}
-        async with aconnect_sse(http, "GET", f"{server.url}/v1/events", headers=headers) as s:
-            frames = await read(s, 4)
-        assert frames[0].event == "stream.gap"
-        assert frames[0].json()["reason"] == "restarted"
-        assert frames[0].json()["resumed_from"] == 1000
-        assert [int(f.id) for f in frames[1:]] == [1, 2, 3]
+        bus = bus_of(server)
+        publish_many(bus, 3)
+        o = bus.first_seq - 1
+        for earlier in (1000, bus.last_seq + 10**6):
+            headers = {"Last-Event-ID": str(earlier)}
+            async with aconnect_sse(http, "GET", f"{server.url}/v1/events", headers=headers) as s:
+                frames = await read(s, 4)
+            assert frames[0].event == "stream.gap"
+            assert frames[0].json() == {
+                "type": "stream.gap",
+                "first_id": o + 1,
+                "last_id": o,  # none of this life's is gone yet
+                "reason": "restarted",
+                "resumed_from": earlier,
+            }
+            assert [int(f.id) for f in frames[1:]] == [o + 1, o + 2, o + 3]
 
 
 class FastReader:
@@ -218,10 +233,10 @@ async def test_a_slow_reader_is_dropped_with_overflow_while_a_fast_one_sees_ever
                 await fast.wait_for(publish_many(bus, queue // 2)[-1])
             slow = [sse async for sse in slow_source.aiter_sse()]  # ends: it was disconnected
             await fast.stop()
-        assert fast.ids == list(range(1, bus.last_seq + 1))
+        assert fast.ids == list(range(bus.first_seq, bus.last_seq + 1))
         assert slow[-1].event == "stream.overflow"
         delivered = [int(f.id) for f in slow[:-1]]
-        assert delivered == list(range(1, len(delivered) + 1))
+        assert delivered == list(range(bus.first_seq, bus.first_seq + len(delivered)))
         assert slow[-1].json() == {
             "type": "stream.overflow",
             "last_id": delivered[-1],
@@ -276,6 +291,10 @@ async def test_bad_filters_and_ids_are_refused_naming_the_field(
             ("handoff=a/b", {}, "handoff"),
             ("last_event_id=x", {}, "last_event_id"),
             ("", {"Last-Event-ID": "-1"}, "Last-Event-ID"),
+            # Issue 18 B: Unicode digits passed isdigit() and then int() raised (a 500).
+            ("last_event_id=%C2%B2", {}, "last_event_id"),
+            ("last_event_id=%E2%91%A0", {}, "last_event_id"),
+            ("", {"Last-Event-ID": "\u00b2".encode()}, "Last-Event-ID"),
         ]:
             reply = await http.get(f"{server.url}/v1/events?{query}", headers=headers)
             assert reply.status_code == 422, (query, reply.text)
@@ -348,3 +367,45 @@ def test_a_frame_is_encoded_once_and_the_cache_is_bounded() -> None:
     frames(events[1])
     frames(events[2])  # evicts the oldest
     assert frames(events[0]) is not first and frames(events[0]) == first
+
+
+def readme_block(marker: str) -> str:
+    """The README's ```python block that contains `marker`, as printed."""
+    text = (Path(__file__).resolve().parents[4] / "README.md").read_text()
+    for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+        if marker in block:
+            return str(block)
+    raise AssertionError(f"no python block with {marker!r} in README.md")
+
+
+async def test_the_readme_sse_loop_runs_through_keep_alives_as_printed() -> None:
+    """Issue 18 C: httpx-sse 0.4 keeps the last id across messages, so a keep-alive comment
+    followed by a blank line read as an empty message and the README's `sse.json()` raised
+    JSONDecodeError at the first keep-alive. The snippet runs here exactly as printed (wrapped
+    in a coroutine, with its `decode` and a `print` that records), across several keep-alives
+    between events."""
+    snippet = readme_block("aconnect_sse")
+    printed: list[tuple[Any, ...]] = []
+    async with decode_service({"handoff.sse_keepalive_s": 0.02}) as server:
+        bus, stats = bus_of(server), stats_of(server)
+        scope: dict[str, Any] = {"decode": server.url, "print": lambda *a: printed.append(a)}
+        body = "".join(f"    {line}\n" if line else "\n" for line in snippet.splitlines())
+        exec(f"async def readme_loop():\n{body}", scope)
+        task = asyncio.create_task(scope["readme_loop"]())
+        try:
+            async with asyncio.timeout(WAIT_S):
+                while stats.subscribers == 0:
+                    await asyncio.sleep(0.005)
+            first = bus.publish(created("a")).seq
+            await asyncio.sleep(0.1)  # five keep-alive periods with nothing else to read
+            assert not task.done(), task.exception()
+            second = bus.publish(created("b")).seq
+            async with asyncio.timeout(WAIT_S):
+                while len(printed) < 2 and not task.done():
+                    await asyncio.sleep(0.005)
+            assert not task.done(), task.exception()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    assert printed == [(str(first), "handoff.created", "a"), (str(second), "handoff.created", "b")]

@@ -21,6 +21,7 @@ from tests.unit.service.handoff_fixtures import (
     DECODE_PAGES,
     MODEL,
     PREFILL_PAGES,
+    WAIT_S,
     Deployment,
     Move,
     Reply,
@@ -457,3 +458,41 @@ async def test_openapi_documents_the_handoff_routes_with_their_schemas(d: Deploy
         "layers",
     }
     assert "/v1/handoffs" not in prefill_doc["paths"]  # each role documents its own routes
+
+
+async def test_prefill_urls_are_compared_in_one_canonical_form(d: Deployment) -> None:
+    """Issue 18 B: a prefill URL ending in "/" was accepted (201) but none of its stages'
+    arrivals counted (they name the prefill's public_url), so the handoff failed at its
+    deadline. Trailing slashes (and host case, a default port: `test_config`) name the same
+    service."""
+    spelled = [u + "/" for u in d.prefill_urls]
+    reply = await d.create("slashes", DST, DST_SLOT, prefill=spelled, deadline_s=10)
+    assert reply.status == 201, reply.body
+    assert reply.body["prefill"] == d.prefill_urls  # as the services name themselves
+    again = await d.create("slashes", DST, DST_SLOT, prefill=spelled, deadline_s=10)
+    assert again.status == 200, again.body  # the same body, spelled the same way
+    await ready_all(d, "slashes")
+    view = await d.finish("slashes")
+    assert view["state"] == "completed", view
+
+
+async def test_a_prefill_holds_a_bounded_number_of_handoffs_awaiting_a_destination(
+    d: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 18 B: every ready signal for an id no destination named opened a handoff on the
+    prefill, without bound. Beyond the cap a new one is a 429 naming `id`; a handoff whose
+    destination arrived first, or one already open, is never refused."""
+    import service.api.handoffs as handoffs_api
+
+    monkeypatch.setattr(handoffs_api, "MAX_AWAITING_DESTINATION", 3)
+    for i in range(3):
+        assert (await d.ready(f"orphan-{i}", 0, SRC, SRC_SLOT)).status == 202
+    refused = await d.ready("orphan-3", 0, SRC, SRC_SLOT)
+    assert_problem(refused, 429, "capacity_exceeded", field="id", limit=3)
+    assert (await d.ready("orphan-0", 1, SRC, SRC_SLOT)).status == 202  # open already
+    assert (await d.create("real", DST, DST_SLOT)).status == 201  # its destination first
+    async with asyncio.timeout(WAIT_S):  # until the prefill holds its destination
+        while (await d.get("real")).body["state"] == "pending":
+            await asyncio.sleep(0.01)
+    await ready_all(d, "real")
+    assert (await d.finish("real"))["state"] == "completed"

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.peers.heartbeat import PeerHealth
 from service.runtime.metrics import Metrics, PeerCollector, TransportCollector
+from service.runtime.roles import DECODE, PREFILL
 from tests.unit.service.api.test_handoffs import MOVE, Move, ready_all
 from tests.unit.service.handoff_fixtures import (
     Deployment,
@@ -93,6 +94,66 @@ async def test_metrics_pass_promtool_and_counters_move_by_exactly_the_run(d: Dep
         assert value(pre, "kvhandoff_stage_sent_blocks_total", pp_rank=str(rank)) > 0
         assert value(pre, "kvhandoff_stage_transfer_seconds_count", pp_rank=str(rank)) >= 3
         assert value(pre, "kvhandoff_stage_planning_seconds_count", pp_rank=str(rank)) == 3
+
+
+async def test_landed_transfer_metrics_move_by_exactly_the_run(d: Deployment) -> None:
+    """The landing arena (decode), the staging buffer (prefill) and the segment counters: what
+    the handoffs' own timelines say, and every window and staging extent given back."""
+    config = d.decode.config.transfer
+    _, before = await scrape(d, d.decode.url)
+    assert value(before, "kvhandoff_arena_capacity_bytes", arena="landing") > 0
+    assert value(before, "kvhandoff_arena_used_bytes", arena="landing") == 0
+    assert value(before, "kvhandoff_segments_committed_total", pp_rank="0") == 0
+    moves = [Move([1 + 3 * i, 2 + 3 * i], [10 + 2 * i, 11 + 2 * i], i, i) for i in range(3)]
+    views = []
+    for i, move in enumerate(moves):
+        assert (await d.create(f"s{i}", move.dst_pages, move.dst_slot)).status == 201
+        await ready_all(d, f"s{i}", move)
+        views.append(await d.finish(f"s{i}"))
+    assert [v["state"] for v in views] == ["completed"] * 3
+    commits = [e for v in views for e in v["timeline"] if e["type"] == "stage.segment_committed"]
+    assert commits  # landed mode: every stage committed at least one segment
+
+    text, dec = await scrape(d, d.decode.url)
+    promtool_check(text)
+    for rank in ("0", "1"):
+        mine = [e for e in commits if str(e["pp_rank"]) == rank]
+        assert value(dec, "kvhandoff_segments_committed_total", pp_rank=rank) == len(mine)
+        assert value(dec, "kvhandoff_segment_committed_bytes_total", pp_rank=rank) == sum(
+            e["bytes"] for e in mine
+        )
+        arrived = value(dec, "kvhandoff_stage_arrived_bytes_total", pp_rank=rank)
+        assert value(dec, "kvhandoff_segment_committed_bytes_total", pp_rank=rank) == arrived
+    assert value(dec, "kvhandoff_segment_commit_seconds_count") == len(commits)
+    assert value(dec, "kvhandoff_segment_commit_seconds_sum") == pytest.approx(
+        sum(e["commit_s"] for e in commits)
+    )
+    assert not [k for k in dec if k[0] == "kvhandoff_segments_rejected_total"]
+    decode = d.decode.app[DECODE].pipeline
+    assert decode is not None and decode.landing is not None
+    landing = decode.landing.arena
+    assert value(dec, "kvhandoff_arena_capacity_bytes", arena="landing") == (
+        landing.stats.capacity_bytes
+    )
+    assert landing.stats.capacity_bytes <= config.landing_bytes
+    assert value(dec, "kvhandoff_arena_used_bytes", arena="landing") == 0  # all given back
+    assert value(dec, "kvhandoff_arena_quarantined_bytes", arena="landing") == 0
+    assert value(dec, "kvhandoff_arena_waiting", arena="landing") == 0
+    assert value(dec, "kvhandoff_arena_waits_total", arena="landing") == landing.stats.waits
+    assert ("kvhandoff_arena_used_bytes", (("arena", "staging"),)) not in dec
+
+    text, pre = await scrape(d, d.prefill_urls[0])
+    promtool_check(text)
+    prefill = d.prefills[0].app[PREFILL].pipeline
+    assert prefill is not None and prefill.staging is not None
+    staging = prefill.staging.arena
+    assert value(pre, "kvhandoff_arena_capacity_bytes", arena="staging") == (
+        staging.stats.capacity_bytes
+    )
+    assert 0 < staging.stats.capacity_bytes <= d.prefills[0].config.transfer.staging_bytes
+    assert value(pre, "kvhandoff_arena_used_bytes", arena="staging") == 0
+    assert ("kvhandoff_arena_used_bytes", (("arena", "landing"),)) not in pre
+    assert value(pre, "kvhandoff_segments_committed_total", pp_rank="0") == 0  # decode counts
 
 
 async def test_sse_readers_are_counted(d: Deployment) -> None:

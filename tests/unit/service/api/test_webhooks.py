@@ -282,6 +282,12 @@ async def test_a_failed_delivery_can_be_retried_by_hand(receiver: WebhookReceive
         assert_problem(bad, 422, field="state")
         missing = await d.request("POST", f"{url}/999/retry")
         assert_problem(missing, 404, field="delivery_id")
+        # Issue 18 B: Unicode digits and ids SQLite cannot hold were a 500.
+        for raw in ("%C2%B2", "%E2%91%A0", str(2**63), "9" * 30):
+            refused = await d.request("POST", f"{url}/{raw}/retry")
+            assert_problem(refused, 422, field="delivery_id")
+        largest = await d.request("POST", f"{url}/{2**63 - 1}/retry")
+        assert_problem(largest, 404, field="delivery_id")
 
 
 async def test_deleting_an_endpoint_stops_its_deliveries(receiver: WebhookReceiver) -> None:
@@ -314,7 +320,10 @@ async def test_a_finished_handoff_is_answered_after_a_restart(tmp_path: Path) ->
             assert after.status == 200
             assert after.body["state"] == "completed"
             assert after.body["bytes"] == before["bytes"]
-            assert [e["type"] for e in after.body["timeline"]][-1] == "handoff.completed"
+            # The stored timeline runs to the release, as the live one does (issue 18 C).
+            tags = [e["type"] for e in after.body["timeline"]]
+            assert tags[-2:] == ["handoff.completed", "handoff.released"]
+            assert after.body["released"] is True
             body = {"id": "h1", "prefill": d.prefill_urls, "dst_pages": DST, "dst_slot": SLOT}
             body["metadata"] = {"router": "r1"}
             same = await d.request("POST", f"{again.url}/v1/handoffs", json=body)
@@ -378,9 +387,13 @@ async def test_a_restored_fence_lasts_the_longest_declarable_grace_then_is_relea
         fenced = await d.create("new", [6, 7], SLOT)  # under `left_s` left of the fence
         assert_problem(fenced, 409, "conflict", field="dst_pages[0]", holder="old")
         assert (await d.get("old")).body["released"] is False
-        async with asyncio.timeout(WAIT_S):
-            while not (await d.get("old")).body["released"]:
-                await asyncio.sleep(0.05)
+        # A router's long poll for the release waits for the fence to lift (issue 18 B: it
+        # answered at once with released=false after a restart).
+        url = f"{d.decode.url}/v1/handoffs/old"
+        async with d.http.get(url, params={"wait_s": "60", "until": "released"}) as resp:
+            polled = await resp.json()
+        assert polled["released"] is True, polled
+        assert (await d.get("old")).body["released"] is True
         released = (await receiver.count(1))[0].verified(ep["secret"])
         assert released["data"]["handoff_id"] == "old"
         assert released["data"]["confirmed"] is False and released["data"]["outcome"] == "failed"
@@ -392,6 +405,7 @@ async def test_a_restored_fence_lasts_the_longest_declarable_grace_then_is_relea
             async with asyncio.timeout(WAIT_S):
                 text = await resp.text()
         assert "event: handoff.failed" in text
+        assert text.rstrip().endswith("}") and "event: handoff.released" in text  # runs to it
         await run(d, "new", dst_pages=[6, 7])
 
 
@@ -454,3 +468,22 @@ async def test_an_unusable_state_dir_stops_start_up_naming_the_key(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"^server.state_dir: cannot open"):
         async with serve(config, extensions):
             pass
+
+
+async def test_the_number_of_registered_endpoints_is_bounded(
+    monkeypatch: pytest.MonkeyPatch, receiver: WebhookReceiver
+) -> None:
+    """Issue 18 B: endpoints were unbounded (each a delivery lane fed every event it selects).
+    Beyond the cap a create is a 409 naming the limit and changes nothing; a delete frees one."""
+    import service.api.webhooks as webhooks_api
+
+    monkeypatch.setattr(webhooks_api, "MAX_ENDPOINTS", 2)
+    async with deployment() as d:
+        first = await register(d, receiver.url)
+        await register(d, receiver.url)
+        url = f"{d.decode.url}/v1/webhooks"
+        refused = await d.request("POST", url, json={"url": receiver.url})
+        assert_problem(refused, 409, "conflict", field="url", limit=2)
+        assert len((await d.request("GET", url)).body["items"]) == 2
+        assert (await d.request("DELETE", f"{url}/{first['id']}")).status == 204
+        await register(d, receiver.url)

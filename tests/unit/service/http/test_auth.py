@@ -37,8 +37,14 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def signed(path: str, secret: str = "p-secret", body: bytes = b"") -> dict[str, str]:
-    return Signer(secret, "http://me:1").headers("POST", path, body)
+#: Whom the signed requests below are addressed to: the service under test.
+HERE = make_config().server.public_url
+
+
+def signed(
+    path: str, secret: str = "p-secret", body: bytes = b"", recipient: str = HERE
+) -> dict[str, str]:
+    return Signer(secret, "http://me:1").headers("POST", path, body, recipient=recipient)
 
 
 @pytest.mark.parametrize("credential", ["router", "engine"])

@@ -21,7 +21,7 @@ from pipelines.errors import (
 )
 from pipelines.pairing import Problem
 from service.http.app import ROUTES, create_app, decode_body, json_response
-from service.http.client import PeerClient
+from service.http.client import PeerClient, UnauthenticatedAnswer
 from service.http.problems import PeerError, PeerTimeout
 from service.http.routing import Route, RouteTable
 from service.http.signing import Signer
@@ -93,6 +93,14 @@ def install(app: web.Application) -> None:
     async def wrong_shape(request: web.Request) -> web.Response:
         return json_response({"n": "not an int"})
 
+    @routes.get("/v1/redirect")
+    async def redirect(request: web.Request) -> web.Response:
+        return web.Response(status=307, headers={"Location": request.query["to"]})
+
+    @routes.get("/v1/claims")
+    async def claims(request: web.Request) -> web.Response:
+        return json_response({"incarnation": request.query["incarnation"], "url": "x"})
+
     for r in routes:  # as peer routes: the client's calls are signed
         app[ROUTES].add(r.method, r.path, r.handler, role="peer", **_contract(r))
 
@@ -101,10 +109,27 @@ def _contract(r: Route) -> dict[str, object]:
     return {"request": r.request, "response": r.response, "status": r.status}
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def serve_peer(**overrides: object) -> TestServer:
+    """A peer service on 127.0.0.1 whose `public_url` is where it listens (signed calls are
+    addressed to it)."""
+    port = free_port()
+    config = make_config(
+        **{"server.token": "t", "server.public_url": f"http://127.0.0.1:{port}", **overrides}
+    )
+    server = TestServer(create_app(config, extensions=[install]), host="127.0.0.1", port=port)
+    await server.start_server()
+    return server
+
+
 @pytest.fixture
 async def peer() -> AsyncIterator[str]:
-    server = TestServer(create_app(make_config(**{"server.token": "t"}), extensions=[install]))
-    await server.start_server()
+    server = await serve_peer()
     yield str(server.make_url("")).rstrip("/")
     await server.close()
 
@@ -119,8 +144,6 @@ async def client() -> AsyncIterator[PeerClient]:
 async def test_post_and_get_decode_typed_bodies(peer: str, client: PeerClient) -> None:
     assert await client.post(peer, "/v1/ping", Ping(1), Pong) == Pong(2, "decode")
     await client.post(peer, "/v1/fire", Ping(1))  # 204, no body expected
-    health = await client.get(peer, "/healthz", dict)
-    assert health["status"] == "ok"
 
 
 async def test_remote_conflict_is_a_conflict_here(peer: str, client: PeerClient) -> None:
@@ -169,6 +192,7 @@ async def test_wrong_secret_is_a_peer_error_not_our_401(peer: str) -> None:
             )
     assert info.value.context["remote_code"] == "unauthorized"
     assert info.value.context["status"] == 401
+    assert isinstance(info.value, UnauthenticatedAnswer)  # the peer never signs it: unknown
 
 
 async def test_unknown_code_falls_back_on_status(peer: str, client: PeerClient) -> None:
@@ -201,7 +225,66 @@ async def test_connection_refused_is_unreachable(client: PeerClient) -> None:
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
         with pytest.raises(PeerUnreachable) as info:
-            await client.get(url, "/healthz", dict)
+            await client.get(url, "/v1/ping", dict)
     assert info.value.context["peer"] == url
     assert url in info.value.message
     assert not isinstance(info.value, PeerTimeout)
+
+
+class Claims(msgspec.Struct, frozen=True):
+    incarnation: str
+
+
+async def test_a_redirect_is_never_followed(peer: str, client: PeerClient) -> None:
+    """Issue 18 A: a 307 would carry the signed headers and body to whatever host it names."""
+    hits: list[str] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return json_response({"n": 1, "role": "decode"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", elsewhere)
+    other = TestServer(app)
+    await other.start_server()
+    try:
+        target = str(other.make_url("/v1/ping"))
+        with pytest.raises(PeerError, match="follow no redirect") as info:
+            await client.get(peer, f"/v1/redirect?to={target}", Pong)
+        assert info.value.context["status"] == 307
+        assert hits == []
+    finally:
+        await other.close()
+
+
+async def test_a_body_claiming_another_life_than_its_signature_is_refused(
+    peer: str, client: PeerClient
+) -> None:
+    await client.post(peer, "/v1/fire", Ping(1))
+    life = client.incarnation_of(peer)
+    assert life is not None
+    assert await client.get(peer, f"/v1/claims?incarnation={life}", Claims) == Claims(life)
+    with pytest.raises(UnauthenticatedAnswer, match="names incarnation other"):
+        await client.get(peer, "/v1/claims?incarnation=other", Claims)
+
+
+async def test_a_call_to_a_restarted_peer_is_signed_again_for_its_new_life(
+    client: PeerClient,
+) -> None:
+    """Calls name the recipient's life once known; a restarted peer refuses the old life's
+    (so a kept request of that life cannot be replayed to it), and its signed refusal names the
+    new life, which the client signs for at once."""
+    first = await serve_peer()
+    url = str(first.make_url("")).rstrip("/")
+    port = first.port
+    await client.post(url, "/v1/fire", Ping(1))
+    old = client.incarnation_of(url)
+    await first.close()
+    config = make_config(**{"server.token": "t", "server.public_url": url})
+    again = TestServer(create_app(config, extensions=[install]), host="127.0.0.1", port=port)
+    await again.start_server()
+    try:
+        assert await client.post(url, "/v1/ping", Ping(1), Pong) == Pong(2, "decode")
+        assert client.incarnation_of(url) not in (None, old)
+    finally:
+        await again.close()

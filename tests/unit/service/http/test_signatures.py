@@ -11,6 +11,8 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from service.client import SignatureError, verify_webhook
 from service.http.signatures import new_secret, secret_key, sign
 
+#: ASCII digits to Arabic-Indic ones: `int()` reads them as the same number.
+ARABIC = str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669")
 BODY = b'{"type":"handoff.completed","timestamp":"2026-01-01T00:00:00Z","data":{"x":1}}'
 
 
@@ -75,3 +77,33 @@ def test_generated_secrets_are_whsec_base64_and_distinct() -> None:
     for bad in ("whsec_%%%", "whsec_YWJj", "sk_abc"):
         with pytest.raises(ValueError):
             secret_key(bad)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (lambda h, b: ({**h, "webhook-signature": "v1,\u00e9t\u00e9"}, b), "no v1 signature"),
+        (lambda h, b: ({**h, "webhook-signature": "v1,\udcff"}, b), "no v1 signature"),
+        (lambda h, b: ({**h, "webhook-id": "msg_\udcff"}, b), "webhook-id is not ASCII"),
+        (lambda h, b: ({**h, "webhook-timestamp": "\u00b2"}, b), "not an integer"),
+        (
+            lambda h, b: ({**h, "webhook-timestamp": h["webhook-timestamp"].translate(ARABIC)}, b),
+            "not an integer",
+        ),
+    ],
+)
+def test_non_ascii_headers_are_a_signature_error_not_a_crash(change: object, why: str) -> None:
+    """Issue 18 B: `verify_webhook` raised TypeError on a non-ASCII signature (the README's
+    receiver, which catches SignatureError, answered 500). The headers start as the reference
+    library signs them; each change must be a SignatureError naming what is wrong."""
+    secret = new_secret()
+    now = datetime.datetime.now(datetime.UTC)
+    good = {
+        "webhook-id": "msg_1",
+        "webhook-timestamp": str(int(now.timestamp())),
+        "webhook-signature": Webhook(secret).sign("msg_1", now, BODY.decode()),
+    }
+    assert verify_webhook(good, BODY, secret)["data"] == {"x": 1}
+    h, body = change(good, BODY)  # type: ignore[operator]
+    with pytest.raises(SignatureError, match=why):
+        verify_webhook(h, body, secret)

@@ -1,20 +1,33 @@
-"""Peer request signatures: what verifies, what is refused, and replays (service.http.signing)."""
+"""Peer request signatures and their answers: what verifies, what is refused, relays and replays
+(service.http.signing)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 from service.http.signing import (
+    ANSWER_SIGNATURE_HEADER,
     NONCE_HEADER,
+    RECIPIENT_HEADER,
+    RECIPIENT_INCARNATION_HEADER,
+    RESPONDER_HEADER,
+    RESPONDER_INCARNATION_HEADER,
     SENDER_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
+    AnswerRejected,
+    AnswerSigner,
     SignatureRejected,
     Signer,
     Verifier,
 )
 
 SENDER = "http://127.0.0.1:8201"
+HERE = "http://127.0.0.1:8100"  # the verifying service
+ELSEWHERE = "http://127.0.0.1:8101"  # another service holding the same peer secret
+LIFE = "life-1"
 
 
 class Clock:
@@ -30,12 +43,33 @@ def clock() -> Clock:
     return Clock()
 
 
-def verifier(clock: Clock, secrets: tuple[str, ...] = ("k1",), capacity: int = 100) -> Verifier:
-    return Verifier(secrets, max_skew_s=30, capacity=capacity, clock=clock)
+def verifier(
+    clock: Clock, secrets: tuple[str, ...] = ("k1",), capacity: int = 100, url: str = HERE
+) -> Verifier:
+    return Verifier(
+        secrets, url=url, incarnation=LIFE, max_skew_s=30, capacity=capacity, clock=clock
+    )
 
 
-def signed(clock: Clock, secret: str = "k1", body: bytes = b"[]") -> dict[str, str | None]:
-    return dict(Signer(secret, SENDER, clock=clock).headers("POST", "/v1/peer/arrivals", body))
+def signed(
+    clock: Clock,
+    secret: str = "k1",
+    body: bytes = b"[]",
+    *,
+    sender: str = SENDER,
+    recipient: str = HERE,
+    incarnation: str = "",
+) -> dict[str, str | None]:
+    signer = Signer(secret, sender, clock=clock)
+    return dict(
+        signer.headers(
+            "POST",
+            "/v1/peer/arrivals",
+            body,
+            recipient=recipient,
+            recipient_incarnation=incarnation,
+        )
+    )
 
 
 def test_a_signed_request_verifies_and_names_its_sender(clock: Clock) -> None:
@@ -46,6 +80,8 @@ def test_a_signed_request_verifies_and_names_its_sender(clock: Clock) -> None:
     ("change", "reason"),
     [
         (lambda h: {**h, SENDER_HEADER: "http://127.0.0.1:9999"}, "does not verify"),
+        (lambda h: {**h, RECIPIENT_HEADER: ELSEWHERE}, "does not verify"),
+        (lambda h: {**h, RECIPIENT_INCARNATION_HEADER: LIFE}, "does not verify"),
         (lambda h: {**h, TIMESTAMP_HEADER: str(float(h[TIMESTAMP_HEADER]) + 1)}, "does not"),
         (lambda h: {**h, NONCE_HEADER: "other"}, "does not verify"),
         (lambda h: {**h, SIGNATURE_HEADER: "v1=" + "0" * 64}, "does not verify"),
@@ -126,3 +162,82 @@ def test_expired_nonces_are_forgotten(clock: Clock) -> None:
     clock.now += 31  # all of them are now outside the window: refused by timestamp anyway
     v.verify("POST", "/v1/peer/arrivals", signed(clock), b"[]")
     assert len(v) == 1
+
+
+def test_a_request_signed_for_another_service_is_refused_there(clock: Clock) -> None:
+    """The relay of issue 18: a request the sender signed for one service (an attacker's
+    listener) is refused by every other service holding the same secret."""
+    headers = signed(clock, recipient=ELSEWHERE)
+    with pytest.raises(
+        SignatureRejected, match=re.escape("signed for http://127.0.0.1:8101")
+    ) as info:
+        verifier(clock).verify("POST", "/v1/peer/arrivals", headers, b"[]")
+    assert not info.value.replayed and not info.value.stale
+    # ... and the same request verifies where it was meant to go
+    assert verifier(clock, url=ELSEWHERE).verify("POST", "/v1/peer/arrivals", headers, b"[]")
+
+
+def test_the_recipient_is_compared_in_its_canonical_form(clock: Clock) -> None:
+    headers = signed(clock, recipient="HTTP://127.0.0.1:8100/")
+    assert verifier(clock).verify("POST", "/v1/peer/arrivals", headers, b"[]") == SENDER
+
+
+def test_a_request_for_another_life_is_stale_and_this_life_verifies(clock: Clock) -> None:
+    v = verifier(clock)
+    with pytest.raises(SignatureRejected, match="incarnation old-life") as info:
+        v.verify("POST", "/v1/peer/arrivals", signed(clock, incarnation="old-life"), b"[]")
+    assert info.value.stale
+    assert v.verify("POST", "/v1/peer/arrivals", signed(clock, incarnation=LIFE), b"[]")
+
+
+def test_a_full_cache_does_not_refuse_a_peer_whose_clock_is_behind(clock: Clock) -> None:
+    """Issue 18 B: once the cache is full, its floor must not refuse every message of a peer
+    whose clock runs a few seconds behind the others' (only that sender's own evicted ones)."""
+    v = verifier(clock, capacity=4)
+    behind = Clock(clock.now - 5)
+    for _ in range(20):  # a busy peer with a true clock fills the cache and evicts
+        clock.now += 0.01
+        behind.now += 0.01
+        v.verify("POST", "/v1/peer/arrivals", signed(clock), b"[]")
+        slow = signed(behind, sender="http://127.0.0.1:8202")
+        assert v.verify("POST", "/v1/peer/arrivals", slow, b"[]") == "http://127.0.0.1:8202"
+    with pytest.raises(SignatureRejected) as info:  # its own replays are still refused
+        v.verify("POST", "/v1/peer/arrivals", slow, b"[]")
+    assert info.value.replayed
+
+
+def answer(nonce: str, status: int = 200, body: bytes = b"{}", url: str = HERE) -> dict[str, str]:
+    return AnswerSigner("k1", url, LIFE).headers(nonce, status, body)
+
+
+def test_an_answer_verifies_only_from_the_addressed_service_for_that_request() -> None:
+    signer = Signer(("k2", "k1"), SENDER)
+    assert signer.check_answer("n1", HERE + "/", 200, answer("n1"), b"{}") == LIFE
+    refused = {
+        "another request": ("n2", HERE, 200, answer("n1"), b"{}"),
+        "another status": ("n1", HERE, 204, answer("n1"), b"{}"),
+        "another body": ("n1", HERE, 200, answer("n1"), b'{"live":[]}'),
+        "another service": ("n1", HERE, 200, answer("n1", url=ELSEWHERE), b"{}"),
+        "another life": (
+            "n1",
+            HERE,
+            200,
+            {**answer("n1"), RESPONDER_INCARNATION_HEADER: "life-2"},
+            b"{}",
+        ),
+        "renamed": (
+            "n1",
+            HERE,
+            200,
+            {**answer("n1", url=ELSEWHERE), RESPONDER_HEADER: HERE},
+            b"{}",
+        ),
+        "unsigned": ("n1", HERE, 200, {}, b"{}"),
+        "not hex": ("n1", HERE, 200, {**answer("n1"), ANSWER_SIGNATURE_HEADER: "v1=\u00e9"}, b"{}"),
+    }
+    for what, args in refused.items():
+        with pytest.raises(AnswerRejected):
+            signer.check_answer(*args)
+            pytest.fail(what)
+    with pytest.raises(AnswerRejected, match="does not verify"):
+        Signer("router", SENDER).check_answer("n1", HERE, 200, answer("n1"), b"{}")

@@ -12,11 +12,14 @@ from pipelines.events import (
     HandoffCompleted,
     HandoffCreated,
     HandoffFailed,
+    SegmentCommitted,
+    SegmentRejected,
     StageArrived,
     StagePaired,
     StageTransferred,
 )
-from service.runtime.metrics import Metrics, TransportCollector
+from service.runtime.activity import ArenaUse
+from service.runtime.metrics import ArenaCollector, Metrics, TransportCollector
 from tests.unit.service.metrics_checks import parse, promtool_check
 from transport.base import TransportStats
 
@@ -118,3 +121,63 @@ def test_transport_counters_are_read_at_scrape_time() -> None:
     assert s[("kvhandoff_transport_engine_exceptions_total", ())] == 1
     assert s[("kvhandoff_transport_lanes", ())] == 3
     assert s[("kvhandoff_transport_worker_threads", ())] == 2
+
+
+def test_segment_events_move_commit_and_rejection_counters() -> None:
+    metrics = Metrics("decode", "9")
+    bus = EventBus()
+    bus.add_listener(metrics.observe)
+    for rank, nbytes, secs in ((0, 100, 0.002), (0, 50, 0.001), (1, 70, 0.004)):
+        bus.publish(
+            SegmentCommitted(
+                handoff_id="h",
+                role="decode",
+                pp_rank=rank,
+                bytes=nbytes,
+                committed=nbytes,
+                expected=150,
+                commit_s=secs,
+            )
+        )
+    for resend in (True, False):
+        bus.publish(
+            SegmentRejected(
+                handoff_id="h", role="decode", pp_rank=1, bytes=9, layers="layer 3", resend=resend
+            )
+        )
+    text = generate_latest(metrics.registry).decode()
+    promtool_check(text)
+    s = parse(text)
+    assert s[("kvhandoff_segments_committed_total", (("pp_rank", "0"),))] == 2
+    assert s[("kvhandoff_segments_committed_total", (("pp_rank", "1"),))] == 1
+    assert s[("kvhandoff_segment_committed_bytes_total", (("pp_rank", "0"),))] == 150
+    assert s[("kvhandoff_segment_committed_bytes_total", (("pp_rank", "1"),))] == 70
+    assert s[("kvhandoff_segment_commit_seconds_count", ())] == 3
+    assert abs(s[("kvhandoff_segment_commit_seconds_sum", ())] - 0.007) < 1e-12
+    rejected = {k[1]: v for k, v in s.items() if k[0] == "kvhandoff_segments_rejected_total"}
+    assert rejected == {
+        (("pp_rank", "1"), ("resend", "true")): 1,
+        (("pp_rank", "1"), ("resend", "false")): 1,
+    }
+
+
+def test_arena_collector_reads_each_arena_at_scrape_time() -> None:
+    metrics = Metrics("decode", "9")
+    now = [ArenaUse("landing", 1024, 512, 256, 2, 7)]
+    metrics.add_collector(ArenaCollector(lambda: now))
+    text = generate_latest(metrics.registry).decode()
+    promtool_check(text)
+    s = parse(text)
+    landing = (("arena", "landing"),)
+    assert s[("kvhandoff_arena_capacity_bytes", landing)] == 1024
+    assert s[("kvhandoff_arena_used_bytes", landing)] == 512
+    assert s[("kvhandoff_arena_quarantined_bytes", landing)] == 256
+    assert s[("kvhandoff_arena_waiting", landing)] == 2
+    assert s[("kvhandoff_arena_waits_total", landing)] == 7
+    now[:] = [ArenaUse("landing", 1024, 0, 0, 0, 8)]  # read again at the next scrape
+    s = parse(generate_latest(metrics.registry).decode())
+    assert s[("kvhandoff_arena_used_bytes", landing)] == 0
+    assert s[("kvhandoff_arena_waits_total", landing)] == 8
+    now[:] = []  # direct mode: no arena, no series
+    s = parse(generate_latest(metrics.registry).decode())
+    assert not [k for k in s if k[0].startswith("kvhandoff_arena_")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from pipelines.errors import ConflictError, NotFoundError
 from pipelines.events import EventBus, HandoffCompleted, HandoffCreated, StageArrived
 from service.http.signatures import new_secret, secret_key
-from service.runtime.database import FILE_NAME, Database
+from service.runtime.database import FILE_NAME, Database, StateLocked
 from service.runtime.outbox import Outbox, webhook_body
 
 CALLBACK_SECRET = new_secret()
@@ -78,6 +79,7 @@ def test_a_callback_url_gets_only_its_handoffs_events(db: Database) -> None:
 
 def test_endpoints_and_secrets_survive_reopening(db: Database, tmp_path: Path) -> None:
     created = Outbox(db, None, []).create_endpoint("http://a/x", ["stage."], None, "d", 1.0)
+    db.close()  # one process at a time holds the file
     again = Database(tmp_path / FILE_NAME)
     try:
         reopened = Outbox(again, None, [])
@@ -126,3 +128,15 @@ async def test_a_lane_loads_one_endpoints_pending_deliveries_after_its_cursor(db
     assert [d.id for d in outbox.pending(a.id, ids[a.id][2])] == ids[a.id][3:]
     assert [d.handoff_id for d in outbox.pending(b.id, ids[b.id][0], 10)] == ["h1", "h2", "h3"]
     assert outbox.pending_by_endpoint() == {a.id: (ids[a.id][1], 3), b.id: (ids[b.id][0], 4)}
+
+
+def test_a_second_process_on_the_same_state_dir_is_refused_naming_the_holder(
+    db: Database, tmp_path: Path
+) -> None:
+    """Issue 18 B: two decode services on one state_dir corrupted each other silently (the
+    second reported the first's live handoffs `failed / service_restarted`)."""
+    with pytest.raises(StateLocked, match=f"in use by pid {os.getpid()} on "):
+        Database(tmp_path / FILE_NAME)
+    assert db.conn.execute("SELECT COUNT(*) FROM handoffs").fetchone() == (0,)  # untouched
+    db.close()
+    Database(tmp_path / FILE_NAME).close()  # once the holder is gone, the next one opens it

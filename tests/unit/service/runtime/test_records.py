@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from pipelines.decode.views import HandoffRequest, HandoffView
-from pipelines.events import EventBus, HandoffFailed
+from pipelines.events import EventBus, HandoffFailed, HandoffReleased
 from pipelines.states import HandoffState
 from service.runtime.database import FILE_NAME, LIFE_SHIFT, SCHEMA_VERSION, Database
 from service.runtime.records import HandoffRecords
@@ -83,10 +83,28 @@ def test_fenced_pages_are_those_not_released_whose_writers_may_still_write(db: D
     assert set(fenced) == {"live", "failed"}
     assert fenced["failed"].dst_pages == [2, 3] and fenced["failed"].dst_slot == 4
     assert fenced["failed"].release_at == 30.0 + GRACE_S
+    released = EventBus().publish(
+        HandoffReleased(
+            handoff_id="failed",
+            role="decode",
+            outcome="failed",
+            confirmed=True,
+            seconds_after_outcome=0.5,
+        )
+    )
     with db.transaction() as tx:
-        r.released(tx, "failed")  # a `handoff.released` event
+        r.released(tx, released)
     assert {f.handoff_id for f in r.fenced(now=10.0)} == {"live"}
     assert r.fenced(now=30.0 + GRACE_S) == []
+    # The stored view says so too, its timeline running to the release (issue 18 C).
+    found = r.find("failed")
+    assert found is not None and found.view.released
+    assert found.view.released_at == released.at
+    assert found.view.timeline[-1] == released
+    with db.transaction() as tx:  # a repeat (an at-least-once listener) adds nothing
+        r.released(tx, released)
+    again = r.find("failed")
+    assert again is not None and again.view.timeline == found.view.timeline
 
 
 def test_a_restored_view_is_built_from_the_record_and_the_event(db: Database) -> None:

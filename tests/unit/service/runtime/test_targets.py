@@ -37,6 +37,19 @@ def test_non_public_addresses_are_refused_unless_allowed(address: str) -> None:
     assert TargetPolicy([], allow_private=True).address_allowed(address)
 
 
+@pytest.mark.parametrize(
+    "address", ["224.0.0.1", "239.1.1.1", "224.0.1.1", "ff02::1", "ff0e::1", "::ffff:224.0.0.1"]
+)
+def test_multicast_addresses_are_never_targets(address: str) -> None:
+    """Issue 18 B: 224.0.0.1 counts as `is_global`, so it was accepted as a public target."""
+    for allow_private in (False, True):
+        policy = TargetPolicy([], allow_private=allow_private)
+        assert not policy.address_allowed(address)
+        assert policy.literal_refusal(
+            f"http://{address}/hook" if ":" not in address else f"http://[{address}]/hook"
+        )
+
+
 def test_public_addresses_are_allowed() -> None:
     policy = TargetPolicy([], allow_private=False)
     assert policy.address_allowed("8.8.8.8") and policy.address_allowed("2606:4700::1111")

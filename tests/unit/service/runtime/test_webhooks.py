@@ -257,6 +257,7 @@ async def test_pending_deliveries_resume_from_the_outbox_after_a_restart(
     w.register(receiver.url)
     w.publish("a")  # committed; this dispatcher never ran (the process "died")
     w.publish("a", completed=True)
+    w.db.close()  # the process died: its lock on the state directory went with it
     again: World = make_world(loopback())  # type: ignore[operator]
     again.endpoint_id, again.secret = w.endpoint_id, w.secret
     await again.dispatcher.start()
@@ -432,6 +433,7 @@ async def test_a_restart_holds_max_held_and_loads_the_rest_as_the_lane_drains(
     for completed in (False, True):
         for i in range(10):
             w.publish(f"h{i}", completed=completed)  # committed; this dispatcher never ran
+    w.db.close()  # the process died: its lock on the state directory went with it
     again: World = make_world(loopback(max_held=5))  # type: ignore[operator]
     again.endpoint_id, again.secret = w.endpoint_id, w.secret
     await again.dispatcher.start()
