@@ -161,3 +161,12 @@ class PrefillHandoff:
 
 class StageFailed(Exception):
     """Raised inside the TaskGroup after a stage reported its failure, to cancel siblings."""
+
+
+class Sender(Protocol):
+    """Who this process is on the wire: read at each notice (a service may learn its public URL
+    after the pipeline is built)."""
+
+    url: str
+    incarnation: str
+    max_call_s: float

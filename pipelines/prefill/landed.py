@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from pipelines.prefill.handoff import (
     DecodePeer,
     HostedStage,
     PrefillHandoff,
+    Sender,
     StageInput,
     Staging,
 )
@@ -49,12 +50,6 @@ BLOCK_BYTES = 1 << 20
 #: Below this many bytes a gather and its digest run on the event loop: a thread hop costs
 #: more than the copy.
 INLINE_BYTES = 256 * 1024
-
-
-class Sender(Protocol):
-    url: str
-    incarnation: str
-    max_call_s: float
 
 
 class LandedSender:

@@ -18,7 +18,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from typing import Protocol
 
 import numpy as np
 
@@ -45,6 +44,7 @@ from pipelines.prefill.handoff import (
     End,
     HostedStage,
     PrefillHandoff,
+    Sender,
     StageFailed,
     StageInput,
     Staging,
@@ -54,15 +54,6 @@ from pipelines.prefill.writes import write_all
 from pipelines.states import StageState
 
 log = logging.getLogger(__name__)
-
-
-class Sender(Protocol):
-    """Who this process is on the wire: read at each notice (a service may learn its public URL
-    after the pipeline is built)."""
-
-    url: str
-    incarnation: str
-    max_call_s: float
 
 
 class StageRunner:

@@ -75,7 +75,8 @@ Obj = dict[str, Any]
 def kubectl() -> str:
     path = shutil.which("kubectl")
     if path is None:
-        pytest.skip("kubectl is not installed: `kubectl kustomize` renders docker/k8s")
+        # CI machines ship kubectl: a missing one is a broken machine, not a reason to skip.
+        pytest.fail("kubectl is not installed: `kubectl kustomize` renders docker/k8s")
     return path
 
 
