@@ -101,7 +101,8 @@ class PoolMemory:
 
     def array(self, index: int) -> Any:
         """Region `index` on its own device: a torch tensor for torch pools (and embedded
-        tensors), else a numpy view of host memory. What packing copies run on."""
+        tensors), else a numpy view of host memory. What packing copies run on (host tensors
+        through numpy: `pipelines.packing.HOST_TENSORS_VIA_NUMPY`)."""
         return pool_array(self.pool, index)
 
 

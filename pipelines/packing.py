@@ -114,10 +114,19 @@ def _is_torch(a: Any) -> bool:
     return not isinstance(a, np.ndarray)
 
 
+#: Host memory goes through numpy even when it comes as a CPU tensor (an embedded engine's):
+#: numpy's row copies run ~10x faster than torch's CPU index kernels (`index_copy_` 0.34 GB/s,
+#: numpy 4.5 GB/s at 36 KiB rows here). Tests turn it off to run the device path's torch
+#: kernels on CPU tensors, since no GPU runs in CI.
+HOST_TENSORS_VIA_NUMPY = True
+
+
 def _common(*arrays: Any) -> list[Any]:
-    """All numpy, or all torch (a numpy array beside a torch tensor is wrapped, no copy)."""
+    """All numpy, or all torch (a numpy array beside a device tensor is wrapped, no copy)."""
     if not any(_is_torch(a) for a in arrays):
         return list(arrays)
+    if HOST_TENSORS_VIA_NUMPY and all(not _is_torch(a) or a.device.type == "cpu" for a in arrays):
+        return [a.numpy() if _is_torch(a) else a for a in arrays]
     import torch
 
     return [torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in arrays]

@@ -1,7 +1,7 @@
 """Landed mode in-process: prefills write only into landing windows; the decode commits.
 
-Real memory (torch:cpu pools, so the torch copy path runs, and a shm-like host path through
-numpy), the local transport, both pipelines linked in one loop.
+Real memory (torch:cpu pools, copied through numpy views as host memory is, and once through
+torch's kernels as a device pool is), the local transport, both pipelines linked in one loop.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from pipelines import packing
 from pipelines.arena import Arena
 from pipelines.decode import DecodePipeline
 from pipelines.decode.landing import Landing
@@ -176,8 +177,9 @@ async def test_an_arena_smaller_than_one_request_streams_it_segment_by_segment()
         await close_world(w)
 
 
-async def test_the_device_digest_path_commits_the_same_bytes() -> None:
-    # wsum64 is what a GPU/NPU arena asks for; here it runs through torch on CPU tensors.
+async def test_the_device_path_commits_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a GPU/NPU pool runs: wsum64 and torch's own copy kernels, here on CPU tensors.
+    monkeypatch.setattr(packing, "HOST_TENSORS_VIA_NUMPY", False)
     w = await make_world(algorithm="wsum64")
     try:
         src, dst = [5, 6, 7], [1, 2, 3]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipelines import packing
 from pipelines.digest import digest
 from pipelines.errors import InvalidInput
 from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
@@ -75,8 +76,13 @@ def test_the_packer_cuts_ready_rows_to_the_budget_and_covers_everything_once() -
     assert len(covered) == p.num_kv_pairs * 5 + p.num_state_pairs
 
 
-@pytest.mark.parametrize("kind", ["numpy", "torch"])
-def test_gather_then_scatter_moves_exactly_the_pieces(kind: str) -> None:
+@pytest.mark.parametrize("kind", ["numpy", "torch", "torch-kernels"])
+def test_gather_then_scatter_moves_exactly_the_pieces(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "torch": CPU tensors, copied through numpy views; "torch-kernels": the same tensors
+    # through torch's own index kernels, the path a GPU/NPU pool takes.
+    monkeypatch.setattr(packing, "HOST_TENSORS_VIA_NUMPY", kind != "torch-kernels")
     p = pairing_of_stage()
     rng = np.random.default_rng(1)
 
