@@ -12,8 +12,8 @@ in request order, a segment is `sum(item_len[row] * (end - start))` bytes.
   slot (`scatter`); it checks the pieces first (`check_pieces`), so a notice naming rows, pages
   or bytes its destination does not have changes nothing.
 
-Copies run on the memory's own device: numpy on host memory, torch on a torch pool (CPU, CUDA
-or NPU alike: the same code path), one call per piece, never one per page.
+Copies run on the memory's own device, one call per piece, never one per page: numpy on host
+memory (CPU tensors included, see `HOST_TENSORS_VIA_NUMPY`), torch on a CUDA or NPU pool.
 """
 
 from __future__ import annotations
@@ -114,19 +114,25 @@ def _is_torch(a: Any) -> bool:
     return not isinstance(a, np.ndarray)
 
 
-#: Host memory goes through numpy even when it comes as a CPU tensor (an embedded engine's):
-#: numpy's row copies run ~10x faster than torch's CPU index kernels (`index_copy_` 0.34 GB/s,
-#: numpy 4.5 GB/s at 36 KiB rows here). Tests turn it off to run the device path's torch
-#: kernels on CPU tensors, since no GPU runs in CI.
+#: Host memory goes through numpy even when it comes as a CPU tensor (a torch pool on `cpu`,
+#: an embedded engine's tensors): numpy's row copies run ~10x faster than torch's CPU index
+#: kernels (`index_copy_` 0.34 GB/s, numpy 4.5 GB/s at 36 KiB rows here) and a small torch copy
+#: pays for its thread pool. Tests turn it off to run the device path's torch kernels on CPU
+#: tensors, since no GPU runs in CI.
 HOST_TENSORS_VIA_NUMPY = True
 
 
+def _host(a: Any) -> Any:
+    """`a` as a numpy view when it is host memory that copies through numpy, else None."""
+    if isinstance(a, np.ndarray):
+        return a
+    if HOST_TENSORS_VIA_NUMPY and a.device.type == "cpu":
+        return a.numpy()
+    return None
+
+
 def _common(*arrays: Any) -> list[Any]:
-    """All numpy, or all torch (a numpy array beside a device tensor is wrapped, no copy)."""
-    if not any(_is_torch(a) for a in arrays):
-        return list(arrays)
-    if HOST_TENSORS_VIA_NUMPY and all(not _is_torch(a) or a.device.type == "cpu" for a in arrays):
-        return [a.numpy() if _is_torch(a) else a for a in arrays]
+    """All torch, for the device path (a numpy array beside a tensor is wrapped, no copy)."""
     import torch
 
     return [torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in arrays]
@@ -173,23 +179,38 @@ def destination_side(pairing: Pairing, memory: ByteRegions, pages: I64, slot: in
 def piece_views(
     pairing: Pairing, side: Side, pieces: Pieces, packed: Any
 ) -> Iterable[tuple[Any, Any, Any]]:
-    """Per piece: (this side's rows of the entry, the row indices, the packed bytes as rows)."""
-    item = row_item_len(pairing)
+    """Per piece: (this side's rows of the entry, the row indices, the packed bytes as rows),
+    numpy views for host memory, torch tensors on a device. Per-piece work is kept to a few
+    views: a demo-sized segment is dozens of pieces of a few KiB each."""
+    item = row_item_len(pairing).tolist()
     k = pairing.num_kv_pairs
+    kv_index, state_index = side.kv_index.tolist(), side.state_index.tolist()
+    packed_host = _host(packed)
+    slot = np.array([side.slot or 0], dtype=np.int64)
     off = 0
     for row, start, end in zip(pieces.rows.tolist(), pieces.starts.tolist(), pieces.ends.tolist()):
-        length = int(item[row])
+        length = item[row]
         count = end - start
         if row < k:
-            region = side.memory.array(int(side.kv_index[row]))
+            region = side.memory.array(kv_index[row])
             idx = side.pages[start:end]
         else:
-            region = side.memory.array(int(side.state_index[row - k]))
-            idx = np.array([side.slot or 0], dtype=np.int64)
-        region, chunk = _common(region, packed[off : off + count * length])
-        rows = _rows_of(region, length)
-        yield rows, _index(idx, rows), _rows_of(chunk, length)
-        off += count * length
+            region = side.memory.array(state_index[row - k])
+            idx = slot
+        nbytes = count * length
+        region_host = _host(region) if packed_host is not None else None
+        if region_host is not None:
+            usable = region_host.shape[0] // length * length
+            yield (
+                region_host[:usable].reshape(-1, length),
+                idx,
+                packed_host[off : off + nbytes].reshape(-1, length),
+            )
+        else:
+            region, chunk = _common(region, packed[off : off + nbytes])
+            rows = _rows_of(region, length)
+            yield rows, _index(idx, rows), _rows_of(chunk, length)
+        off += nbytes
 
 
 def gather(pairing: Pairing, src: Side, pieces: Pieces, packed: Any) -> None:
@@ -224,10 +245,15 @@ def copy_out(region: Any, offset: int, length: int, scratch: Any = None) -> Any:
     if scratch is None:
         return part.copy() if not _is_torch(part) else part.clone()
     out = scratch[:length]
-    if _is_torch(part):
-        out.copy_(part)
+    part_host, out_host = _host(part), _host(out)
+    if part_host is not None and out_host is not None:
+        # Not torch's `copy_` on host tensors: below ~1 MiB its thread pool's wake-up costs
+        # more than the copy (8 ms for 189 KiB on a busy 2-core machine, numpy ~20 us).
+        np.copyto(out_host, part_host)
+    elif _is_torch(out):
+        out.copy_(part if _is_torch(part) else _common(part)[0])
     else:
-        np.copyto(out, part)
+        np.copyto(out, part.cpu().numpy())
     return out
 
 
