@@ -50,6 +50,9 @@ I64 = npt.NDArray[np.int64]
 
 #: Below this many bytes a commit runs on the event loop: a thread hop costs more than the copy.
 INLINE_COMMIT_BYTES = 256 * 1024
+#: Windows one stage may hold at once: its sender's segments in flight (two) and one to send a
+#: refused segment again into. More are not granted, so a sender cannot hoard the arena.
+MAX_WINDOWS_PER_STAGE = 3
 #: How long one window request waits for room before it answers "none yet, ask again": well
 #: inside a peer call's timeout, so a full arena is backpressure, not a failed call.
 WINDOW_WAIT_S = 1.0
@@ -154,13 +157,17 @@ class Landing:
     async def grant(self, h: DecodeHandoff, rank: int, nbytes: int) -> Grant | None:
         """A window of up to `nbytes` for stage `rank`, waiting up to `WINDOW_WAIT_S` for room
         (bounded by the handoff's deadline); None when there was none."""
-        want = min(nbytes, self.window_bytes, max(self._remaining(h.id, rank), 1))
+        stage = self._stage(h.id, rank)
+        if len(stage.grants) >= MAX_WINDOWS_PER_STAGE:
+            return None  # a sender keeps IN_FLIGHT (2) windows, plus one to resend into
+        want = min(nbytes, self.window_bytes, max(stage.expected - stage.committed, 1))
         until = min(h.deadline_mono, self._monotonic() + WINDOW_WAIT_S)
         try:
             extent = await self.arena.take(want, h.id, until_mono=until)
         except TimeoutError:
             return None
-        if h.state.terminal:  # it ended while we waited: the window goes straight back
+        if h.state.terminal or len(stage.grants) >= MAX_WINDOWS_PER_STAGE:
+            # It ended, or another request of the stage was granted, while we waited.
             self.arena.give_back(extent)
             return None
         return self._issue(h.id, rank, extent, want)
@@ -319,6 +326,8 @@ class Landing:
         return hl.stages[rank]
 
     def _remaining(self, handoff_id: str, rank: int) -> int:
+        """Bytes of the stage no open window may hold: a lower bound of what is left to send,
+        since a sender may leave part of a window empty (its next page did not fit)."""
         stage = self._stage(handoff_id, rank)
         outstanding = sum(e.length for e in stage.grants.values())
         return max(0, stage.expected - stage.committed - outstanding)
@@ -326,7 +335,12 @@ class Landing:
     def _try_grant(self, handoff_id: str, rank: int, remaining: int) -> Grant | None:
         if remaining <= 0:
             return None
-        want = min(remaining, self.window_bytes)
+        stage = self._stage(handoff_id, rank)
+        if len(stage.grants) >= MAX_WINDOWS_PER_STAGE:
+            return None
+        # Sized by the uncommitted bytes, not by `remaining`: an open window's slack would
+        # otherwise make this one too small for the sender's next page.
+        want = min(stage.expected - stage.committed, self.window_bytes)
         extent = self.arena.try_take(want, handoff_id)
         return None if extent is None else self._issue(handoff_id, rank, extent, want)
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pipelines.awaiting import finish
+from pipelines.awaiting import drain, finish
 from pipelines.digest import digest
 from pipelines.errors import DeadlineExceeded, DigestMismatch, InternalError, InvalidInput
 from pipelines.events import ChunksEmitted, EventBus, StagePaired, StageTransferred
@@ -50,6 +51,18 @@ BLOCK_BYTES = 1 << 20
 #: Below this many bytes a gather and its digest run on the event loop: a thread hop costs
 #: more than the copy.
 INLINE_BYTES = 256 * 1024
+#: Segments of one stage in flight at once: the next is gathered and written while the last
+#: one's notice and commit run, so the engine is not idle for a round trip per segment.
+IN_FLIGHT = 2
+
+
+@dataclass(frozen=True)
+class _Segment:
+    rank: int
+    pieces: Pieces
+    grant: Grant
+    last: bool
+    after: set[asyncio.Task[int]]  # the last segment's notice waits for these (earlier ones)
 
 
 class LandedSender:
@@ -116,48 +129,85 @@ class LandedSender:
             s.layer_id for s in stage.layout.state
         }
         kv_layers = {e.layer_id for e in stage.layout.kv}
+        flight: deque[asyncio.Task[int]] = deque()  # segments in flight, in the order cut
         sent = 0
-        while not packer.done:
-            # Fold in every ready signal already queued; wait for one while nothing is ready.
-            while not inp.signals.empty() or packer.ready_bytes == 0:
-                signal = await inp.signals.get()
-                wanted = pending_layers if signal.layers is None else signal.layers
-                now = pending_layers & wanted  # a new set: `pending_layers` shrinks below
-                pending_layers -= now
-                packer.make_ready(now)
-                self._bus.publish(
-                    ChunksEmitted(
-                        handoff_id=h.handoff_id,
-                        role=ROLE,
-                        pp_rank=rank,
-                        kv_layers=sorted(now & kv_layers),
-                        state_layers=sorted(now - kv_layers),
+        try:
+            while not packer.done:
+                # Fold in every ready signal already queued; wait for one while nothing is ready.
+                while not inp.signals.empty() or packer.ready_bytes == 0:
+                    signal = await inp.signals.get()
+                    wanted = pending_layers if signal.layers is None else signal.layers
+                    now = pending_layers & wanted  # a new set: `pending_layers` shrinks below
+                    pending_layers -= now
+                    packer.make_ready(now)
+                    self._bus.publish(
+                        ChunksEmitted(
+                            handoff_id=h.handoff_id,
+                            role=ROLE,
+                            pp_rank=rank,
+                            kv_layers=sorted(now & kv_layers),
+                            state_layers=sorted(now - kv_layers),
+                        )
                     )
-                )
-            grant = grants.popleft() if grants else await self._window(h, rank, dest, packer)
-            pieces = packer.next_segment(grant.length)
-            if pieces is None:
-                raise InternalError(
-                    f"a {grant.length}-byte window holds no piece of stage {rank}", pp_rank=rank
-                )
-            last = packer.done
-            self._paired(h, rank, pairing, pieces)
-            ack = await self._land(h, rank, dest, pairing, staging, src, pieces, grant, last)
-            if not ack.committed:
-                retry = ack.next_grant or await self._window(h, rank, dest, packer, pieces)
-                ack = await self._land(h, rank, dest, pairing, staging, src, pieces, retry, last)
-                if not ack.committed:
-                    raise DigestMismatch(
-                        f"stage {rank}: a segment was refused twice by its digest ({ack.reason})",
+                grant = grants.popleft() if grants else await self._window(h, rank, dest, packer)
+                pieces = packer.next_segment(grant.length)
+                if pieces is None:
+                    raise InternalError(
+                        f"a {grant.length}-byte window holds no piece of stage {rank}",
                         pp_rank=rank,
                     )
-            sent += int(piece_bytes(pairing, pieces).sum())
-            if ack.next_grant is not None:
-                grants.append(ack.next_grant)
+                last = packer.done
+                self._paired(h, rank, pairing, pieces)
+                segment = _Segment(rank, pieces, grant, last, set(flight) if last else set())
+                flight.append(
+                    asyncio.ensure_future(
+                        self._segment(h, dest, pairing, staging, src, segment, grants, packer)
+                    )
+                )
+                # The next segment is gathered and written while this one's notice and commit
+                # run; beyond IN_FLIGHT, wait for the oldest (its answer brings a window).
+                while len(flight) >= IN_FLIGHT or (last and flight):
+                    sent += await flight.popleft()
+        finally:
+            # Leave only once no segment of this stage can still copy or write.
+            for task in flight:
+                task.cancel()
+            await drain(set(flight))
+            for task in flight:  # the error that left first is the stage's; these are noise
+                if not task.cancelled():
+                    task.exception()
         if sent == 0:
             # Nothing to move (no pages and no slot here): the stage still arrives.
             await self._decode.segment(dest.decode_url, self._notice(h, rank, dest, last=True))
         return sent
+
+    async def _segment(
+        self,
+        h: PrefillHandoff,
+        dest: DestinationMsg,
+        pairing: Pairing,
+        staging: Staging,
+        src: Side,
+        seg: _Segment,
+        grants: deque[Grant],
+        packer: StagePacker,
+    ) -> int:
+        """Land one segment, sending it once more into a fresh window if its digest was
+        refused; its byte count once committed. The last segment's notice waits for every
+        earlier one to be committed: the decode takes it as the stage's arrival."""
+        rank = seg.rank
+        ack = await self._land(h, rank, dest, pairing, staging, src, seg, seg.grant)
+        if not ack.committed:
+            retry = ack.next_grant or await self._window(h, rank, dest, packer, seg.pieces)
+            ack = await self._land(h, rank, dest, pairing, staging, src, seg, retry)
+            if not ack.committed:
+                raise DigestMismatch(
+                    f"stage {rank}: a segment was refused twice by its digest ({ack.reason})",
+                    pp_rank=rank,
+                )
+        if ack.next_grant is not None:
+            grants.append(ack.next_grant)
+        return int(piece_bytes(pairing, seg.pieces).sum())
 
     def _paired(self, h: PrefillHandoff, rank: int, pairing: Pairing, pieces: Pieces) -> None:
         kv = int(np.count_nonzero(pieces.rows < pairing.num_kv_pairs))
@@ -214,12 +264,13 @@ class LandedSender:
         pairing: Pairing,
         staging: Staging,
         src: Side,
-        pieces: Pieces,
+        seg: _Segment,
         grant: Grant,
-        last: bool,
     ) -> SegmentAck:
-        """Gather, digest and write one segment into `grant`; then notify the decode."""
+        """Gather, digest and write one segment into `grant`; then notify the decode (the last
+        segment once the segments before it were committed)."""
         assert h.deadline_mono is not None
+        pieces, last = seg.pieces, seg.last
         nbytes = int(piece_bytes(pairing, pieces).sum())
         t0 = time.perf_counter()
         extent = await staging.arena.take(nbytes, h.handoff_id, until_mono=h.deadline_mono)
@@ -235,6 +286,8 @@ class LandedSender:
             await write_all(self._writer, dest.decode_target, blocks, h.deadline_mono)
         finally:
             staging.arena.give_back(extent)  # the copy and the transfer have ended
+        if seg.after:
+            await asyncio.gather(*seg.after)  # an earlier segment's failure fails this stage
         notice = self._notice(
             h,
             rank,

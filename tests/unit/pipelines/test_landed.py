@@ -16,7 +16,7 @@ import pytest
 from pipelines import packing
 from pipelines.arena import Arena
 from pipelines.decode import DecodePipeline
-from pipelines.decode.landing import Landing
+from pipelines.decode.landing import MAX_WINDOWS_PER_STAGE, Landing
 from pipelines.decode.views import HandoffRequest
 from pipelines.events import EventBus, SegmentCommitted, SegmentRejected, event_tag
 from pipelines.inprocess import InProcessLink
@@ -175,6 +175,46 @@ async def test_an_arena_smaller_than_one_request_streams_it_segment_by_segment()
         assert w.landing.arena.stats.used_bytes == 0
     finally:
         await close_world(w)
+
+
+async def test_two_segments_of_a_stage_fly_at_once_in_windows_their_pages_do_not_fill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Windows of 16 KiB + 1000 bytes: every segment leaves slack, so an open window holds fewer
+    # bytes than its length, and the next window must still fit the sender's next page.
+    w = await make_world(arena_bytes=1 << 20, window_bytes=16 * 1024 + 1000)
+    held: list[int] = []
+    issue = Landing._issue
+
+    def counting(self: Landing, handoff_id: str, rank: int, extent: object, want: int) -> object:
+        grant = issue(self, handoff_id, rank, extent, want)  # type: ignore[arg-type]
+        held.append(len(self._stage(handoff_id, rank).grants))
+        return grant
+
+    monkeypatch.setattr(Landing, "_issue", counting)
+    try:
+        src, dst = list(range(0, 30)), list(range(31, 1, -1))
+        await w.decode.create(HandoffRequest(id="fly", prefill=["p"], dst_pages=dst, dst_slot=0))
+        w.prefill.ready("fly", 0, src, 3)
+        w.prefill.ready("fly", 1, src, 3)
+        assert await wait_released(w, "fly") == HandoffState.COMPLETED
+        assert_landed(w, src, dst, 3, 0)
+        # The next segment was in flight while the one before it committed; never more than
+        # a stage may hold.
+        assert max(held) == 2 and len(held) > 4
+        assert w.landing.arena.stats.used_bytes == 0
+    finally:
+        await close_world(w)
+
+
+async def test_a_stage_holding_its_windows_is_granted_no_more(world: World) -> None:
+    w = world
+    await w.decode.create(HandoffRequest(id="hog", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
+    h = w.decode.handoffs["hog"]
+    grants = [await w.landing.grant(h, 0, 1024) for _ in range(MAX_WINDOWS_PER_STAGE + 1)]
+    # The destination's first window (if it was sent yet) counts too: no more in all.
+    assert len(w.landing._stage("hog", 0).grants) == MAX_WINDOWS_PER_STAGE
+    assert grants[-1] is None and grants[0] is not None
 
 
 async def test_the_device_path_commits_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
