@@ -62,30 +62,83 @@ class StageState(StrEnum):
         return self in (StageState.ARRIVED, StageState.FAILED, StageState.STOPPED)
 
 
+class DeliveryState(StrEnum):
+    """Whether one stage's destination reached its prefill (decode side)."""
+
+    UNSENT = "unsent"
+    SENDING = "sending"  # the call is in flight
+    DELIVERED = "delivered"  # its prefill service accepted it
+    UNCERTAIN = "uncertain"  # the call failed or was cancelled: it may still have reached it
+
+
+class WriterState(StrEnum):
+    """Whether one stage's writers may still write, as the decode knows it (SAFETY.md I4): the
+    facts that decide when a lease may be released. Changed only by `DecodeStage` methods."""
+
+    MAY_WRITE = "may_write"
+    # Its prefill acknowledged an abort while the destination was still on its way: the
+    # destination may have reached it after the ack (then it is live there again), so the
+    # quiesce asks once more after the delivery ended before it trusts this.
+    STOPPED_OVERTAKEN = "stopped_overtaken"
+    STOPPED = "stopped"  # its own prefill life said no write of it can land any more
+
+    @property
+    def stopped(self) -> bool:
+        return self != WriterState.MAY_WRITE
+
+
 _TERMINAL = frozenset({HandoffState.COMPLETED, HandoffState.FAILED, HandoffState.ABORTED})
 _H, _R, _S = HandoffState, ReleaseState, StageState
+_D, _W = DeliveryState, WriterState
 
-#: The one table of legal changes. Terminal handoff states and RELEASED never change.
-TRANSITIONS: dict[StrEnum, frozenset[StrEnum]] = {
-    _H.PENDING: frozenset({_H.TRANSFERRING, _H.COMPLETED, _H.FAILED, _H.ABORTED}),
-    _H.TRANSFERRING: frozenset({_H.COMPLETED, _H.FAILED, _H.ABORTED}),
-    _H.COMPLETED: frozenset(),
-    _H.FAILED: frozenset(),
-    _H.ABORTED: frozenset(),
-    _R.HELD: frozenset({_R.RELEASING, _R.RELEASED}),
-    _R.RELEASING: frozenset({_R.RELEASED}),
-    _R.RELEASED: frozenset(),
-    _S.WAITING: frozenset({_S.READY, _S.SENDING, _S.ARRIVED, _S.FAILED, _S.STOPPED}),
-    _S.READY: frozenset({_S.SENDING, _S.FAILED, _S.STOPPED}),
-    _S.SENDING: frozenset({_S.NOTIFYING, _S.FAILED, _S.STOPPED}),
-    _S.NOTIFYING: frozenset({_S.ARRIVED, _S.FAILED, _S.STOPPED}),
-    # An arrived stage can still fail its handoff's verification (the bytes that landed differ).
-    _S.ARRIVED: frozenset({_S.FAILED}),
-    _S.FAILED: frozenset(),
-    _S.STOPPED: frozenset(),
+#: The one table of legal changes, one row set per kind of state. Per kind: the enums are
+#: StrEnums, so members of two kinds with one value ("failed", "stopped", "sending") are equal
+#: and would share a row in one flat mapping. Terminal handoff states and RELEASED never change.
+TRANSITIONS: dict[type[StrEnum], dict[StrEnum, frozenset[StrEnum]]] = {
+    HandoffState: {
+        _H.PENDING: frozenset({_H.TRANSFERRING, _H.COMPLETED, _H.FAILED, _H.ABORTED}),
+        _H.TRANSFERRING: frozenset({_H.COMPLETED, _H.FAILED, _H.ABORTED}),
+        _H.COMPLETED: frozenset(),
+        _H.FAILED: frozenset(),
+        _H.ABORTED: frozenset(),
+    },
+    ReleaseState: {
+        _R.HELD: frozenset({_R.RELEASING, _R.RELEASED}),
+        _R.RELEASING: frozenset({_R.RELEASED}),
+        _R.RELEASED: frozenset(),
+    },
+    StageState: {
+        _S.WAITING: frozenset({_S.READY, _S.SENDING, _S.ARRIVED, _S.FAILED, _S.STOPPED}),
+        _S.READY: frozenset({_S.SENDING, _S.FAILED, _S.STOPPED}),
+        _S.SENDING: frozenset({_S.NOTIFYING, _S.FAILED, _S.STOPPED}),
+        _S.NOTIFYING: frozenset({_S.ARRIVED, _S.FAILED, _S.STOPPED}),
+        # An arrived stage can still fail its handoff's verification (the bytes differ).
+        _S.ARRIVED: frozenset({_S.FAILED}),
+        _S.FAILED: frozenset(),
+        _S.STOPPED: frozenset(),
+    },
+    # One destination per stage: it is sent once, and its fate is known once the call ended.
+    DeliveryState: {
+        _D.UNSENT: frozenset({_D.SENDING}),
+        _D.SENDING: frozenset({_D.DELIVERED, _D.UNCERTAIN}),
+        _D.DELIVERED: frozenset(),
+        _D.UNCERTAIN: frozenset(),
+    },
+    # Stopped is for good, except by an ack that overtook the destination: asked again.
+    WriterState: {
+        _W.MAY_WRITE: frozenset({_W.STOPPED, _W.STOPPED_OVERTAKEN}),
+        _W.STOPPED_OVERTAKEN: frozenset({_W.STOPPED, _W.MAY_WRITE}),
+        _W.STOPPED: frozenset(),
+    },
 }
 
-S = TypeVar("S", HandoffState, ReleaseState, StageState)
+
+def allowed(current: StrEnum) -> frozenset[StrEnum]:
+    """The states `current` may change to."""
+    return TRANSITIONS[type(current)][current]
+
+
+S = TypeVar("S", HandoffState, ReleaseState, StageState, DeliveryState, WriterState)
 
 
 class IllegalTransition(InternalError):
@@ -97,7 +150,7 @@ class IllegalTransition(InternalError):
 def advance(current: S, new: S, what: str) -> S:
     """`new` if the table allows `current -> new` (or they are equal), else IllegalTransition
     naming `what` (e.g. "handoff 'r1'", "handoff 'r1' stage 2")."""
-    if new != current and new not in TRANSITIONS[current]:
+    if new != current and (type(new) is not type(current) or new not in allowed(current)):
         raise IllegalTransition(
             f"{what}: {current.value} -> {new.value} is not a legal transition",
             state=current.value,

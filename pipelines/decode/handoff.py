@@ -2,7 +2,8 @@
 
 Built by `pipeline.py` (the lifecycle: create, arrivals, outcome) and read and changed by
 `release.py` (the quiesce that stops its writers, the release of its lease). Plain data and
-the view a router reads; every state change goes through `states.advance` in those two modules.
+the view a router reads; every state change goes through `states.advance` — a stage's delivery
+and writer states only through the `DecodeStage` methods below.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import numpy.typing as npt
 from pipelines.decode.views import ErrorView, HandoffRequest, HandoffView, StageView
 from pipelines.events import Event, EventBus
 from pipelines.layout import StageLayout
-from pipelines.states import HandoffState, ReleaseState, StageState
+from pipelines.states import (
+    DeliveryState,
+    HandoffState,
+    ReleaseState,
+    StageState,
+    WriterState,
+    advance,
+)
 
 I64 = npt.NDArray[np.int64]
 ROLE = "decode"
@@ -33,18 +41,55 @@ class DecodeStage:
     state: StageState = StageState.WAITING
     bytes: int = 0
     digests: dict[str, str] | None = None
-    delivered: bool = False  # its prefill service accepted the destination
-    # No write of this stage can land any more: it arrived, reported its own failure, or its
-    # prefill acknowledged an abort (or no longer has the handoff).
-    stopped: bool = False
-    # Its prefill acknowledged an abort while a destination to it was still on its way: the
-    # destination may have reached it after the ack (then it is live there again), so the
-    # quiesce asks once more after the delivery ended before it trusts `stopped`.
-    acked_before_delivery: bool = False
+    delivery: DeliveryState = DeliveryState.UNSENT
+    writers: WriterState = WriterState.MAY_WRITE
     # The latest its prefill's own deadline can be, on this decode's monotonic clock: the
     # remaining duration the destination carried, counted from when the delivery call ended (the
     # prefill counts it from its receipt, which came no later). None: never sent.
     writable_until: float | None = None
+
+    # The only code that changes `delivery`, `writers` and `writable_until` (SAFETY.md I4, I5),
+    # each change through the transition table (`states.TRANSITIONS`).
+
+    def sending(self, what: str) -> None:
+        self.delivery = advance(self.delivery, DeliveryState.SENDING, what)
+
+    def delivery_ended(self, *, accepted: bool, writable_until: float, what: str) -> None:
+        """The delivery call ended: accepted, or failed / cancelled (it may have arrived)."""
+        new = DeliveryState.DELIVERED if accepted else DeliveryState.UNCERTAIN
+        self.delivery = advance(self.delivery, new, what)
+        self.writable_until = writable_until
+
+    def confirm_stopped(self, *, overtaking: bool, what: str) -> bool:
+        """Its own prefill life said no write can land any more (`overtaking`: in an abort ack
+        while the destination was on its way). True when that stops it now."""
+        if self.writers == WriterState.STOPPED:
+            return False
+        was = self.writers
+        new = WriterState.STOPPED_OVERTAKEN if overtaking else WriterState.STOPPED
+        if was == WriterState.STOPPED_OVERTAKEN and overtaking:
+            return False  # a second overtaking ack says no more than the first
+        self.writers = advance(was, new, what)
+        return was == WriterState.MAY_WRITE
+
+    def doubt_overtaken(self, what: str) -> bool:
+        """The delivery ended: an ack that overtook it says nothing of it. True when this
+        stage must be asked again."""
+        if self.writers != WriterState.STOPPED_OVERTAKEN:
+            return False
+        self.writers = advance(self.writers, WriterState.MAY_WRITE, what)
+        return True
+
+    @property
+    def stopped(self) -> bool:
+        """No write of this stage can land any more (or, overtaken, so said until the delivery
+        ended): it arrived, reported its own failure, or its prefill acknowledged an abort (or
+        no longer has the handoff)."""
+        return self.writers.stopped
+
+    @property
+    def delivered(self) -> bool:
+        return self.delivery == DeliveryState.DELIVERED
 
 
 @dataclass

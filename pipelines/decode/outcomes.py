@@ -20,7 +20,7 @@ from pipelines.decode.release import Releases
 from pipelines.decode.views import ErrorView
 from pipelines.errors import DeadlineExceeded, PeerUnreachable
 from pipelines.events import EventBus, HandoffAborted, HandoffCompleted, HandoffFailed
-from pipelines.states import TRANSITIONS, HandoffState, StageState, advance
+from pipelines.states import HandoffState, StageState, advance, allowed
 
 
 class Outcomes:
@@ -135,7 +135,7 @@ class Outcomes:
         """Show stages `ranks` failed (those whose state still allows it)."""
         for r in ranks:
             st = h.stages[r]
-            if st.state != StageState.FAILED and StageState.FAILED in TRANSITIONS[st.state]:
+            if st.state != StageState.FAILED and StageState.FAILED in allowed(st.state):
                 st.state = advance(st.state, StageState.FAILED, f"handoff {h.id!r} stage {r}")
 
     def _finish(self, h: DecodeHandoff, state: HandoffState) -> None:

@@ -608,8 +608,13 @@ class DecodePipeline:
             verify=h.verify,
             **self._landed_fields(h, ranks),
         )
+        what = f"handoff {h.id!r} destination to {peer}"
+        for rank in ranks:
+            h.stages[rank].sending(what)
+        accepted = False
         try:
             await self._prefill.deliver(peer, msg)
+            accepted = True
         except KVHandoffError as exc:
             exc.context.setdefault("peer", peer)
             exc.context.setdefault("pp_ranks", sorted(ranks))
@@ -620,9 +625,7 @@ class DecodePipeline:
             # failed or was cancelled may still have reached it: the same bound, the best known.
             until = self._monotonic() + remaining_s
             for rank in ranks:
-                h.stages[rank].writable_until = until
-        for rank in ranks:
-            h.stages[rank].delivered = True
+                h.stages[rank].delivery_ended(accepted=accepted, writable_until=until, what=what)
 
     def _landed_fields(self, h: DecodeHandoff, ranks: list[int]) -> dict[str, Any]:
         if self.landing is None:

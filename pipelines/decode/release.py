@@ -105,11 +105,7 @@ class Releases:
         of an abort sent while a destination was on its way, which the quiesce confirms again
         once the delivery ended; any other word of the stage (its arrival, its failure, a later
         ack or heartbeat answer) came after the destination and settles it."""
-        stage.acked_before_delivery = overtaking and (
-            stage.acked_before_delivery or not stage.stopped
-        )
-        if not stage.stopped:
-            stage.stopped = True
+        if stage.confirm_stopped(overtaking=overtaking, what=f"handoff {h.id!r} stage writers"):
             h.progress.set()
 
     def release(self, h: DecodeHandoff, *, confirmed: bool) -> None:
@@ -195,10 +191,8 @@ class Releases:
             await asyncio.wait([h.delivery])  # the peer client's timeout bounds a delivery call
             # An ack that overtook a destination says nothing of it: the prefill refuses a
             # destination of an id it remembers as aborted, but it remembers only so many.
-            again = sorted({s.peer for s in h.stages.values() if s.acked_before_delivery})
-            for s in h.stages.values():
-                if s.acked_before_delivery:
-                    s.acked_before_delivery = s.stopped = False
+            doubted = [s.peer for s in h.stages.values() if s.doubt_overtaken(f"handoff {h.id!r}")]
+            again = sorted(set(doubted))
             await asyncio.gather(*(self._stop_peer(h, p, reason, started) for p in again))
         give_up = self._give_up(h, started)
         while not all(s.stopped for s in h.stages.values()):

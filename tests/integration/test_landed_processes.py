@@ -448,7 +448,8 @@ async def test_segments_in_any_order_through_an_arena_smaller_than_a_request(
         status, answer = await post(http, url, body)
         assert status == 202, answer
     views = [await finished(http, dep, hid) for hid in by_hid]
-    assert [v["state"] for v in views] == ["completed"] * len(moves), [v.get("error") for v in views]
+    errors = [v.get("error") for v in views]
+    assert [v["state"] for v in views] == ["completed"] * len(moves), errors
     assert landed(dep, moves) == []
     for view in views:
         committed = [e for e in view["timeline"] if e["type"] == "stage.segment_committed"]

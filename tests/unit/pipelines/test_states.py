@@ -5,10 +5,12 @@ import pytest
 from pipelines.peercache import PeerCache, new_incarnation
 from pipelines.states import (
     TRANSITIONS,
+    DeliveryState,
     HandoffState,
     IllegalTransition,
     ReleaseState,
     StageState,
+    WriterState,
     advance,
 )
 
@@ -37,9 +39,26 @@ def test_a_stage_that_ended_stays_ended_except_an_arrival_failing_verification()
         advance(StageState.ARRIVED, StageState.SENDING, "s")
 
 
-def test_every_state_has_a_row() -> None:
-    for enum in (HandoffState, ReleaseState, StageState):
-        assert set(enum) <= set(TRANSITIONS)
+def test_every_state_has_a_row_of_its_own_kind() -> None:
+    for enum in (HandoffState, ReleaseState, StageState, DeliveryState, WriterState):
+        rows = TRANSITIONS[enum]
+        assert set(rows) == set(enum)
+        assert all(type(m) is enum for m in rows) and all(
+            type(m) is enum for targets in rows.values() for m in targets
+        )
+    # Equal strings of two kinds are not one state: a failed handoff is not a failed stage.
+    assert HandoffState.FAILED == StageState.FAILED
+    with pytest.raises(IllegalTransition):
+        advance(DeliveryState.SENDING, StageState.STOPPED, "mixed")  # type: ignore[type-var]
+
+
+def test_writers_stop_for_good_unless_an_ack_overtook_the_destination() -> None:
+    assert advance(WriterState.MAY_WRITE, WriterState.STOPPED_OVERTAKEN, "w").stopped
+    assert not advance(WriterState.STOPPED_OVERTAKEN, WriterState.MAY_WRITE, "w").stopped
+    with pytest.raises(IllegalTransition):
+        advance(WriterState.STOPPED, WriterState.MAY_WRITE, "w")
+    with pytest.raises(IllegalTransition):
+        advance(DeliveryState.DELIVERED, DeliveryState.SENDING, "d")  # sent once
 
 
 def test_peer_caches_are_bounded_and_incarnations_random() -> None:
