@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Mapping
 
+import msgspec
 import numpy as np
 
 from pipelines.errors import InternalError, KVHandoffError
@@ -261,9 +262,14 @@ class StageRunner:
         plans: asyncio.Queue[TransferPlan | End],
     ) -> tuple[int, int]:
         total_bytes = total_blocks = 0
+        # Each transfer's event waits for the next plan, so the stage's last one says `final`.
+        done: StageTransferred | None = None
         while True:
             p = await plans.get()
             final = isinstance(p, End)
+            if done is not None:
+                self._publish(msgspec.structs.replace(done, final=final))
+                done = None
             if isinstance(p, TransferPlan) and len(p):
                 t0 = time.perf_counter()
                 assert h.deadline_mono is not None
@@ -272,17 +278,15 @@ class StageRunner:
                 total_bytes += p.total_bytes
                 total_blocks += len(p)
                 h.bytes_sent += p.total_bytes
-                self._publish(
-                    StageTransferred(
-                        handoff_id=h.handoff_id,
-                        role=ROLE,
-                        pp_rank=rank,
-                        blocks=len(p),
-                        bytes=p.total_bytes,
-                        batches=batches,
-                        seconds=time.perf_counter() - t0,
-                        final=False,
-                    )
+                done = StageTransferred(
+                    handoff_id=h.handoff_id,
+                    role=ROLE,
+                    pp_rank=rank,
+                    blocks=len(p),
+                    bytes=p.total_bytes,
+                    batches=batches,
+                    seconds=time.perf_counter() - t0,
+                    final=False,
                 )
             if final:
                 return total_bytes, total_blocks

@@ -19,7 +19,7 @@ from pipelines.errors import (
     PeerUnreachable,
     PlanError,
 )
-from pipelines.events import EventBus, event_tag
+from pipelines.events import EventBus, StageTransferred, event_tag
 from pipelines.inprocess import InProcessLink
 from pipelines.memory import PoolMemory
 from pipelines.messages import AbortAck, AbortMsg, DestinationMsg, HeartbeatAck, StageFailedMsg
@@ -127,6 +127,21 @@ async def test_pp2_handoff_lands_every_byte_in_the_right_entry(world: World) -> 
     tags = [event_tag(e) for e in w.decode.get("a").timeline]
     assert tags[0] == "handoff.created" and tags[-2:] == ["handoff.completed", "handoff.released"]
     assert not w.decode.leases.holds("a")
+
+
+async def test_each_stage_says_final_on_its_last_transfer_only(world: World) -> None:
+    w = world
+    sent: list[StageTransferred] = []
+    w.bus.add_listener(lambda e: sent.append(e) if isinstance(e, StageTransferred) else None)
+    await w.decode.create(HandoffRequest(id="f", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
+    w.prefill.ready("f", 1, [5, 6], 1, layers=[7])  # two chunks at least: layer 7 first
+    w.prefill.ready("f", 1, [5, 6], 1)
+    w.prefill.ready("f", 0, [5, 6], 1)
+    assert await wait_terminal(w, "f") == HandoffState.COMPLETED
+    for rank in (0, 1):
+        finals = [e.final for e in sent if e.pp_rank == rank]
+        assert finals and finals[-1] and not any(finals[:-1]), (rank, finals)
+    assert len([e for e in sent if e.pp_rank == 1]) >= 2
 
 
 async def test_bad_input_is_rejected_and_nothing_is_written(world: World) -> None:
