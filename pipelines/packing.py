@@ -57,13 +57,8 @@ class Pieces:
         return int(self.rows.shape[0])
 
 
-def row_item_len(pairing: Pairing) -> I64:
-    """Bytes per page of every pairing row: KV rows, then state rows (one slot each)."""
-    return np.concatenate((pairing.kv_item_len, pairing.state_item_len)).astype(np.int64)
-
-
 def piece_bytes(pairing: Pairing, pieces: Pieces) -> I64:
-    return row_item_len(pairing)[pieces.rows] * (pieces.ends - pieces.starts)
+    return pairing.row_item_len[pieces.rows] * (pieces.ends - pieces.starts)
 
 
 def check_pieces(
@@ -76,23 +71,29 @@ def check_pieces(
         raise InvalidInput("rows, starts and ends differ in length", field="rows", pp_rank=pp_rank)
     k = pairing.num_kv_pairs
     total_rows = k + pairing.num_state_pairs
-    for name, bad in (
-        ("rows", (pieces.rows < 0) | (pieces.rows >= total_rows)),
-        ("starts", pieces.starts < 0),
-        ("ends", pieces.ends <= pieces.starts),
-        ("ends", (pieces.rows < k) & (pieces.ends > num_pages)),
-        ("starts", (pieces.rows >= k) & ((pieces.starts != 0) | (pieces.ends != 1))),
-        ("rows", (pieces.rows >= k) & (not has_slot)),
-    ):
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise InvalidInput(
-                f"piece {i} (row {int(pieces.rows[i])}, pages {int(pieces.starts[i])}:"
-                f"{int(pieces.ends[i])}) is not part of this stage's destination "
-                f"({k} KV rows x {num_pages} pages, {pairing.num_state_pairs} state rows)",
-                field=f"{name}[{i}]",
-                pp_rank=pp_rank,
-            )
+    rows, starts, ends = pieces.rows, pieces.starts, pieces.ends
+    kv = rows < k
+    # One pass for the common case (a sound notice), per segment; the named check on failure.
+    sound = (rows >= 0) & (rows < total_rows) & (starts >= 0) & (ends > starts)
+    sound &= np.where(kv, ends <= num_pages, has_slot & (starts == 0) & (ends == 1))
+    if not sound.all():
+        for name, bad in (
+            ("rows", (rows < 0) | (rows >= total_rows)),
+            ("starts", starts < 0),
+            ("ends", ends <= starts),
+            ("ends", kv & (ends > num_pages)),
+            ("starts", ~kv & ((starts != 0) | (ends != 1))),
+            ("rows", ~kv & (not has_slot)),
+        ):
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise InvalidInput(
+                    f"piece {i} (row {int(rows[i])}, pages {int(starts[i])}:"
+                    f"{int(ends[i])}) is not part of this stage's destination "
+                    f"({k} KV rows x {num_pages} pages, {pairing.num_state_pairs} state rows)",
+                    field=f"{name}[{i}]",
+                    pp_rank=pp_rank,
+                )
     return int(piece_bytes(pairing, pieces).sum())
 
 
@@ -182,7 +183,7 @@ def piece_views(
     """Per piece: (this side's rows of the entry, the row indices, the packed bytes as rows),
     numpy views for host memory, torch tensors on a device. Per-piece work is kept to a few
     views: a demo-sized segment is dozens of pieces of a few KiB each."""
-    item = row_item_len(pairing).tolist()
+    item = pairing.row_item_len.tolist()
     k = pairing.num_kv_pairs
     kv_index, state_index = side.kv_index.tolist(), side.state_index.tolist()
     packed_host = _host(packed)
@@ -273,7 +274,7 @@ class StagePacker:
     _pending_rows: set[int] = field(default_factory=set)  # rows not ready yet
 
     def __post_init__(self) -> None:
-        self._item = row_item_len(self.pairing)
+        self._item = self.pairing.row_item_len
         k = self.pairing.num_kv_pairs
         kv = set(range(k)) if self.num_pages else set()
         state = set(range(k, k + self.pairing.num_state_pairs)) if self.has_slot else set()

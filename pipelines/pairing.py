@@ -63,6 +63,9 @@ class Pairing:
     state_item_len: U64
     state_src_slots: I64
     state_dst_slots: I64
+    # Bytes per page of every row: KV pairs, then state pairs (one slot each). What packing
+    # sizes pieces with, per segment: kept here so no segment rebuilds it.
+    row_item_len: I64
 
     @property
     def num_kv_pairs(self) -> int:
@@ -297,6 +300,8 @@ def _bind(
     kd = np.array([j for _, j in kv_pairs], dtype=np.int64)
     ss = np.array([i for i, _ in st_pairs], dtype=np.int64)
     sd = np.array([j for _, j in st_pairs], dtype=np.int64)
+    kv_item_len = np.array([src.kv[i].item_len for i in ks], dtype=np.uint64)
+    state_item_len = np.array([src.state[i].item_len for i in ss], dtype=np.uint64)
     return Pairing(
         src=src,
         dst=dst,
@@ -306,7 +311,7 @@ def _bind(
         kv_group=np.array([src.kv[i].group for i in ks], dtype=np.int64),
         kv_src_base=np.array([src.kv[i].base for i in ks], dtype=np.uint64),
         kv_dst_base=np.array([dst.kv[j].base for j in kd], dtype=np.uint64),
-        kv_item_len=np.array([src.kv[i].item_len for i in ks], dtype=np.uint64),
+        kv_item_len=kv_item_len,
         kv_src_items=np.array([src.kv[i].num_items for i in ks], dtype=np.int64),
         kv_dst_items=np.array([dst.kv[j].num_items for j in kd], dtype=np.int64),
         state_src_index=ss,
@@ -315,9 +320,10 @@ def _bind(
         state_kind=tuple(src.state[i].kind for i in ss),
         state_src_base=np.array([src.state[i].base for i in ss], dtype=np.uint64),
         state_dst_base=np.array([dst.state[j].base for j in sd], dtype=np.uint64),
-        state_item_len=np.array([src.state[i].item_len for i in ss], dtype=np.uint64),
+        state_item_len=state_item_len,
         state_src_slots=np.array([src.state[i].num_slots for i in ss], dtype=np.int64),
         state_dst_slots=np.array([dst.state[j].num_slots for j in sd], dtype=np.int64),
+        row_item_len=np.concatenate((kv_item_len, state_item_len)).astype(np.int64),
     )
 
 

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -57,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan-pages", type=int, default=4096, help="pages of the planning cases")
     parser.add_argument(
         "--copy-pages", type=int, default=192, help="pages of the gather and commit cases"
+    )
+    parser.add_argument(
+        "--sglang-python",
+        help="planning: the SGLang environment's interpreter, for SGLang's path "
+        "(default: .venv-sglang/bin/python if present, or $KVHANDOFF_SGLANG_PYTHON)",
     )
     parser.add_argument(
         "--copy-scale", type=int, default=8, help="divide the copy cases' page bytes by this"
@@ -141,19 +150,26 @@ def segments(args: argparse.Namespace) -> dict[str, Any]:
 # -- planning -----------------------------------------------------------------------------------
 
 
-def _landed_plan(pairing: Pairing, src: Any, dst: Any) -> int:
-    """What a landed stage does per request before its engine calls, minus the copies."""
+def _landed_plan(pairing: Pairing, src: Any, dst: Any, segments: int | None = None) -> int:
+    """What a landed prefill stage does per request before its engine calls, minus the
+    copies: validation, then per segment its pieces, size, 1 MiB blocks (as the engine takes
+    them) and notice lists. `segments`: stop after that many (the first engine call waits
+    for one only; the rest are planned while earlier segments move). The decode's check of
+    each notice is the `segments` case's."""
     src_pages, _ = validate_request(pairing, src, dst, None, None)
     n = int(src_pages.shape[0])
     packer = StagePacker(pairing, n, has_slot=False)
     packer.make_ready(None)
-    blocks = 0
-    while (pieces := packer.next_segment(WINDOW_BYTES)) is not None:
-        nbytes = check_pieces(pairing, pieces, n, False, pp_rank=0)
+    blocks = made = 0
+    while (segments is None or made < segments) and (
+        pieces := packer.next_segment(WINDOW_BYTES)
+    ) is not None:
+        nbytes = int(piece_bytes(pairing, pieces).sum())
         b = staged_blocks(1 << 30, 1 << 31, nbytes)
         b.src_addr.tolist(), b.dst_addr.tolist(), b.length.tolist()
         pieces.rows.tolist(), pieces.starts.tolist(), pieces.ends.tolist()
         blocks += len(b)
+        made += 1
     return blocks
 
 
@@ -181,17 +197,82 @@ def planning(args: argparse.Namespace) -> dict[str, Any]:
         direct_s = median(
             time_call(functools.partial(_direct_plan, pairing, src, dst), repeat=reps)
         )
-        out["by_pages"].append(
-            {
-                "pages": pages,
-                "landed_ms": landed_s * 1e3,
-                "landed_blocks": _landed_plan(pairing, src, dst),
-                "direct_ms": direct_s * 1e3,
-                "direct_blocks": _direct_plan(pairing, src, dst),
-                "direct_over_landed": direct_s / landed_s,
-            }
+        first_s = median(
+            time_call(functools.partial(_landed_plan, pairing, src, dst, 1), repeat=reps)
         )
+        row: dict[str, Any] = {
+            "pages": pages,
+            "bytes": StagePacker(pairing, pages, False).total_bytes,
+            "landed_ms": landed_s * 1e3,
+            "landed_first_segment_ms": first_s * 1e3,
+            "landed_blocks": _landed_plan(pairing, src, dst),
+            "direct_ms": direct_s * 1e3,
+            "direct_blocks": _direct_plan(pairing, src, dst),
+            "direct_over_landed": direct_s / landed_s,
+        }
+        sglang = _sglang_path(args, pairing, src, dst, reps)
+        if "ms" in sglang:
+            row |= {
+                "sglang_ms": sglang["ms"],
+                "sglang_blocks": sglang["blocks"],
+                "sglang_over_landed": sglang["ms"] / (landed_s * 1e3),
+                # SGLang builds every block before its one engine call; a landed stage makes
+                # its first call after one segment's plan.
+                "sglang_over_landed_first_call": sglang["ms"] / (first_s * 1e3),
+                "sglang_over_direct": sglang["ms"] / (direct_s * 1e3),
+            }
+            out["sglang"] = sglang["sglang"]
+        else:
+            out["sglang"] = sglang["error"]
+        out["by_pages"].append(row)
+    out["targets"] = "sglang_over_landed >= 20 at 4096 pages, >= 3 at 64 pages"
     return out
+
+
+def _sglang_python(args: argparse.Namespace) -> str | None:
+    given = args.sglang_python or os.environ.get("KVHANDOFF_SGLANG_PYTHON")
+    if given:
+        return str(given)
+    default = Path(".venv-sglang/bin/python")
+    return str(default) if default.exists() else None
+
+
+def _sglang_path(
+    args: argparse.Namespace, pairing: Pairing, src: Any, dst: Any, reps: int
+) -> dict[str, Any]:
+    """SGLang's planning of the same request, in its own environment (`sglang_path.py`)."""
+    python = _sglang_python(args)
+    if python is None:
+        return {"error": "not measured: no SGLang environment (make sglang-env)"}
+    request = {
+        "src_pages": np.asarray(src).tolist(),
+        "dst_pages": np.asarray(dst).tolist(),
+        "src_ptrs": [e.base for e in pairing.src.kv],
+        "dst_ptrs": [e.base for e in pairing.dst.kv],
+        "item_lens": [e.item_len for e in pairing.src.kv],
+        "dst_item_lens": [e.item_len for e in pairing.dst.kv],
+        "src_layer_ids": [e.layer_id for e in pairing.src.kv],
+        "dst_layer_ids": [e.layer_id for e in pairing.dst.kv],
+        "repeat": reps,
+    }
+    script = Path(__file__).with_name("sglang_path.py")
+    # SGLang's config modules import torchvision, whose wheel fails against a CPU torch: the
+    # SGLang tests' stand-in (tests/sglang/stubs) goes first on the path, as in those tests.
+    stubs = Path(__file__).resolve().parents[3] / "tests" / "sglang" / "stubs"
+    path = os.pathsep.join(p for p in (str(stubs), os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(
+        [python, str(script)],
+        env={**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"},
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"SGLang's planning path failed in {python}: {done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 # -- gather and commit ------------------------------------------------------------------------
