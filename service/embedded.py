@@ -38,7 +38,7 @@ from pipelines.prefill import PrefillPipeline
 from service.config import Config, ConfigError
 from service.http.problems import NotReady, invalid_value
 from service.runtime.roles import RUNTIME, DecodeRuntime, PrefillRuntime, RuntimeBase
-from service.runtime.stages import Buffers, unplaced_layout
+from service.runtime.stages import Buffers, EngineStage, unplaced_layout
 from service.serve import SHUTDOWN_TIMEOUT_S, Server, serve, service_with
 
 log = logging.getLogger("kvhandoff.embedded")
@@ -80,7 +80,12 @@ class EmbeddedService:
     ) -> None:
         self._config = config
         self._buffers = (
-            None if buffers is None else {int(rank): list(b) for rank, b in buffers.items()}
+            None
+            if buffers is None
+            else {
+                int(rank): b if isinstance(b, EngineStage) else list(b)
+                for rank, b in buffers.items()
+            }
         )
         self._start_timeout_s = start_timeout_s
         self._call_timeout_s = (
@@ -364,7 +369,7 @@ def _decode_of(runtime: RuntimeBase) -> DecodePipeline:
     return _decode_runtime(runtime).pipeline
 
 
-def _check_buffers(config: Config, buffers: dict[int, list[Any]]) -> None:
+def _check_buffers(config: Config, buffers: dict[int, list[Any] | EngineStage]) -> None:
     """The engine's buffers against every stage's layout, before anything starts: exactly the
     configured stages, one buffer per entry, each large enough. Raises ConfigError naming the
     stage and the entry."""
@@ -375,9 +380,12 @@ def _check_buffers(config: Config, buffers: dict[int, list[Any]]) -> None:
             f"buffers are given for stages {sorted(buffers)}; this service hosts stages {hosted}",
         )
     for rank in hosted:
-        layout = embedded_layout(config, rank)
+        entry = buffers[rank]
+        if isinstance(entry, EngineStage):
+            layout, given = entry.layout, list(entry.buffers)
+        else:
+            layout, given = embedded_layout(config, rank), entry
         sizes = layout.region_sizes
-        given = buffers[rank]
         if len(given) != len(sizes):
             raise ConfigError(
                 f"buffers[{rank}]",

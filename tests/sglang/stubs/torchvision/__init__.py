@@ -15,16 +15,20 @@ import types
 
 __version__ = "0.0.0+stub"
 
+
 class _Meta(type):
     def __getattr__(cls, name):
         if name.startswith("__"):
             raise AttributeError(name)
         return _placeholder(f"{cls.__qualname__}.{name}")
+
     def __call__(cls, *a, **k):
         raise RuntimeError(f"torchvision stub: {cls.__qualname__} is not available on CPU tests")
 
+
 def _placeholder(name):
     return _Meta(name, (), {"__qualname__": name})
+
 
 class _Module(types.ModuleType):
     def __getattr__(self, name):
@@ -32,14 +36,20 @@ class _Module(types.ModuleType):
             raise AttributeError(name)
         return _placeholder(f"{self.__name__}.{name}")
 
+
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
         if fullname.startswith("torchvision."):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
+
     def create_module(self, spec):
-        m = _Module(spec.name); m.__path__ = []; return m
+        module = _Module(spec.name)
+        module.__path__ = []
+        return module
+
     def exec_module(self, module):
         pass
+
 
 sys.meta_path.insert(0, _Finder())
