@@ -32,6 +32,7 @@ import uvloop
 from pipelines.decode import DecodePipeline
 from pipelines.decode.views import HandoffId, HandoffRequest, HandoffView
 from pipelines.errors import InternalError, InvalidInput
+from pipelines.events import Event
 from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
 from pipelines.prefill import PrefillPipeline
@@ -188,6 +189,12 @@ class EmbeddedService:
         """The stages hosted here, placed in the engine's buffers: what `GET /v1/layout` answers."""
         return self._call_sync(lambda runtime: runtime.layout_info())
 
+    def add_listener(self, listener: Callable[[Event], None]) -> None:
+        """Call `listener` with every event of this service from now on (both roles), on the
+        service's own thread: it must return at once and never call back into this service (an
+        engine adapter keeps a snapshot of its handoffs' states with it)."""
+        self._call_sync(lambda runtime: runtime.bus.add_listener(listener))
+
     # ----------------------------------------------------------------- prefill role
 
     def stage_ready(
@@ -218,6 +225,18 @@ class EmbeddedService:
             _prefill_of(runtime).ready(handoff_id, rank, pages, slot, layer_ids)
 
         self._call_sync(ready)
+
+    def abort_prefill(self, handoff_id: str, reason: str) -> None:
+        """The engine gave up on this request: stop sending it (prefill role). Returns once no
+        write of it can still land and its source pages are no longer read; the decode side
+        learns of it from its own deadline or abort."""
+        self._require("prefill", "abort_prefill")
+        _check_id(handoff_id)
+
+        async def stop(runtime: RuntimeBase) -> None:
+            await _prefill_of(runtime).abort(handoff_id, reason)
+
+        self._call(stop, self._call_timeout_s)
 
     # ----------------------------------------------------------------- decode role
 
