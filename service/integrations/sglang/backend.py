@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,7 @@ from service.integrations.sglang.settings import rank_config
 from service.runtime.stages import EngineStage
 
 log = logging.getLogger("kvhandoff.sglang")
+RELEASED_KEPT = 65536
 
 
 def handoff_id(room: int, tp_rank: int) -> str:
@@ -129,7 +131,10 @@ class KVHandoffManager(CommonKVManager):
         self._secret = self.kv_config.secrets("peer")[0].encode()
         self._rooms: dict[str, int] = {}  # handoff id -> room, of live senders / receivers
         self._pages: dict[int, list[np.ndarray[Any, Any]]] = {}  # prefill: chunks so far
-        self._released: set[int] = set()
+        self._signalled: set[int] = set()  # prefill: rooms whose stage was signalled ready
+        # Handoff ids whose pages are free again (HandoffReleased), kept past clear(): SGLang
+        # asks `is_abort_release_safe` after it cleared the receiver. Bounded, oldest first out.
+        self._released: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         # One thread for the calls that wait on the service, so the scheduler never does.
         self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvhandoff")
@@ -142,17 +147,18 @@ class KVHandoffManager(CommonKVManager):
         hid = handoff_id(room, self.tp_rank_for_handoffs)
         with self._lock:
             self._rooms[hid] = int(room)
-            self._released.discard(int(room))
+            self._released.pop(hid, None)
         return hid
 
     def close_room(self, room: int) -> None:
         with self._lock:
             self._rooms.pop(handoff_id(room, self.tp_rank_for_handoffs), None)
             self._pages.pop(int(room), None)
+            self._signalled.discard(int(room))
 
     def released(self, room: int) -> bool:
         with self._lock:
-            return int(room) in self._released
+            return handoff_id(room, self.tp_rank_for_handoffs) in self._released
 
     def fail(self, room: int, reason: str) -> None:
         self.record_failure(room, reason)
@@ -176,6 +182,10 @@ class KVHandoffManager(CommonKVManager):
         """On the service's thread: SGLang's status table follows the handoff (monotone)."""
         with self._lock:
             room = self._rooms.get(event.handoff_id)
+            if isinstance(event, HandoffReleased):
+                self._released[event.handoff_id] = None
+                while len(self._released) > RELEASED_KEPT:
+                    self._released.popitem(last=False)
         if room is None:
             return
         match event:
@@ -189,9 +199,6 @@ class KVHandoffManager(CommonKVManager):
                 self.update_status(room, KVPoll.Transferring)
             case HandoffCompleted() if event.role == "decode":
                 self.update_status(room, KVPoll.Success)
-            case HandoffReleased():
-                with self._lock:
-                    self._released.add(room)
             case _:
                 pass
 
@@ -246,12 +253,17 @@ class KVHandoffManager(CommonKVManager):
             self.fail(room, "kvhandoff: per-component state indices are not supported yet")
             return
         with self._lock:
+            if room in self._signalled:
+                if len(kv_indices):
+                    self.fail(room, f"kvhandoff: {len(kv_indices)} pages sent after the last chunk")
+                return  # SGLang's empty closing send after a chunk that already ended the pages
             chunks = self._pages.setdefault(room, [])
             chunks.append(np.array(kv_indices, dtype=np.int64))  # a copy: SGLang reuses it
             if not is_last_chunk:
                 return
             pages = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
             self._pages.pop(room, None)
+            self._signalled.add(room)
         slot = aux_index if self.rank.has_aux else None
         hid = handoff_id(room, self.tp_rank_for_handoffs)
         rank = self.stage_rank
