@@ -11,6 +11,8 @@ from pathlib import Path
 STUBS = Path(__file__).resolve().parent / "stubs"
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(STUBS))
+# The tests' model is a config.json in a temporary folder: never look it up online.
+os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")) if p
 )

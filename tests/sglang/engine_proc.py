@@ -45,10 +45,14 @@ def tensors(role: str, pp_rank: int) -> tuple[list[torch.Tensor], list[torch.Ten
         aux = [torch.zeros(AUX_ROWS * item, dtype=torch.uint8) for item in AUX_ITEMS]
         return kv, aux
     gen = torch.Generator().manual_seed(1000 + pp_rank)
-    kv = [torch.randint(1, 255, (pages * KV_ITEM,), dtype=torch.uint8, generator=gen) for _ in
-          range(n)]
-    aux = [torch.randint(1, 255, (AUX_ROWS * item,), dtype=torch.uint8, generator=gen) for item in
-           AUX_ITEMS]
+    kv = [
+        torch.randint(1, 255, (pages * KV_ITEM,), dtype=torch.uint8, generator=gen)
+        for _ in range(n)
+    ]
+    aux = [
+        torch.randint(1, 255, (AUX_ROWS * item,), dtype=torch.uint8, generator=gen)
+        for item in AUX_ITEMS
+    ]
     return kv, aux
 
 
@@ -133,7 +137,9 @@ def main() -> None:
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=pp_rank_i))
     if role == "prefill" and pp_size_i > 1:
         torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=pp_rank_i,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{dist_port}",
+            rank=pp_rank_i,
             world_size=pp_size_i,
         )
         get_parallel().override_permanently(pp_group=GlooGroup())
@@ -177,9 +183,11 @@ def main() -> None:
             manager.close()
             answer({"bye": True})
             return
-        if cmd["op"] == "clear":  # prefill.py releases a request on every rank after rank 0
-            held.pop(int(cmd["room"])).clear()
-            answer({"cleared": cmd["room"]})
+        if cmd["op"] == "clear":  # every rank acts on PP rank 0's consensus, then releases
+            sender = held.pop(int(cmd["room"]))
+            error = failure(sender) if cmd.get("failed") else None
+            sender.clear()
+            answer({"cleared": cmd["room"], "error": error})
             continue
         room, pages, aux_index = int(cmd["room"]), cmd["pages"], cmd["aux"]
         seen: list[int] = []
@@ -200,13 +208,21 @@ def main() -> None:
             if cmd.get("abort"):
                 sender.abort()
             final = until(sender, terminal, cmd.get("timeout_s", 20.0), seen)
-            error = failure(sender) if final == KVPoll.Failed else None
+            error = None
             if pp_rank_i == 0:
+                error = failure(sender) if final == KVPoll.Failed else None
                 sender.clear()
             else:
                 held[room] = sender
-            answer({"room": room, "polls": seen, "final": final, "error": error,
-                    "seconds": time.monotonic() - start})
+            answer(
+                {
+                    "room": room,
+                    "polls": seen,
+                    "final": final,
+                    "error": error,
+                    "seconds": time.monotonic() - start,
+                }
+            )
             continue
         while not manager.try_ensure_parallel_info(bootstrap_addr):
             time.sleep(0.05)
@@ -229,8 +245,17 @@ def main() -> None:
             np.savez(dump, *[t.numpy() for t in kv], *[t.numpy() for t in aux])
         for t in (*kv, *aux):  # the next request's check sees only its own bytes
             t.zero_()
-        answer({"room": room, "polls": seen, "final": final, "error": error, "released": released,
-                "seconds": time.monotonic() - start, "after_metadata_s": time.monotonic() - sent})
+        answer(
+            {
+                "room": room,
+                "polls": seen,
+                "final": final,
+                "error": error,
+                "released": released,
+                "seconds": time.monotonic() - start,
+                "after_metadata_s": time.monotonic() - sent,
+            }
+        )
 
 
 if __name__ == "__main__":

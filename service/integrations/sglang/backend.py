@@ -164,7 +164,9 @@ class KVHandoffManager(CommonKVManager):
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
 
-    def submit(self, room: int, what: str, call: Callable[[], Any]) -> concurrent.futures.Future:
+    def submit(
+        self, room: int, what: str, call: Callable[[], Any]
+    ) -> concurrent.futures.Future[Any]:
         """Run `call` on the rank's worker thread; an error fails the room naming `what`."""
 
         def run() -> Any:
@@ -334,6 +336,7 @@ class KVHandoffReceiver(CommonKVReceiver):
     """Decode side of one request on one rank (see the module doc for the call order)."""
 
     kv_mgr: KVHandoffManager
+    conclude_state: int | None  # SGLang's, set by CommonKVReceiver
 
     def __init__(
         self, mgr: KVHandoffManager, bootstrap_addr: str, bootstrap_room: int | None = None
@@ -362,7 +365,7 @@ class KVHandoffReceiver(CommonKVReceiver):
         device_kv_indices: Any = None,
     ) -> None:
         mgr, room = self.kv_mgr, self.bootstrap_room
-        if self.conclude_state == KVPoll.Failed:
+        if getattr(self, "conclude_state", None) == KVPoll.Failed:
             return
         if getattr(self, "bootstrap_infos", None) is None:
             mgr.fail(room, f"Could not fetch prefill parallel info from {self.bootstrap_addr}")

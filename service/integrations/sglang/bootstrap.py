@@ -149,8 +149,8 @@ class KVHandoffBootstrapServer(BaseKVBootstrapServer):
             return response
         if response.status != 200 or key == (-1, -1, -1, -1):
             return response
-        assert isinstance(response, web.Response) and response.body is not None
-        row = json.loads(bytes(response.body))
+        assert isinstance(response, web.Response) and isinstance(response.body, bytes)
+        row = json.loads(response.body)
         async with self.lock:
             row[URL_FIELD] = self.service_urls.get(key)  # type: ignore[arg-type]
         return web.json_response(row, status=200)
