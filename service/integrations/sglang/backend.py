@@ -106,6 +106,10 @@ class KVHandoffManager(CommonKVManager):
         refuse_unsupported(args, device=str(getattr(server_args, "device", "cpu")))
         if parallel.attn_cp_size > 1:
             raise Unsupported("attention context parallelism (attn_cp_size > 1) with kvhandoff")
+        if parallel.attn_dcp_size > 1:
+            raise Unsupported("decode context parallelism (--dcp-size > 1) with kvhandoff")
+        if parallel.enable_kv_cache_sharding:
+            raise Unsupported("--enable-kv-cache-sharding with kvhandoff")
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
         pp_size = int(parallel.pp_size) if prefill else 1
         pp_rank = int(args.pp_rank) if prefill else 0
