@@ -227,14 +227,14 @@ class EmbeddedService:
         self._call_sync(ready)
 
     def abort_prefill(self, handoff_id: str, reason: str) -> None:
-        """The engine gave up on this request: stop sending it (prefill role). Returns once no
-        write of it can still land and its source pages are no longer read; the decode side
-        learns of it from its own deadline or abort."""
+        """The engine gave up on this request: stop sending it (prefill role) and fail it on
+        the decode side (`engine_aborted`, naming each stage). Returns once no write of it can
+        still land and its source pages are no longer read."""
         self._require("prefill", "abort_prefill")
         _check_id(handoff_id)
 
         async def stop(runtime: RuntimeBase) -> None:
-            await _prefill_of(runtime).abort(handoff_id, reason)
+            await _prefill_of(runtime).give_up(handoff_id, reason)
 
         self._call(stop, self._call_timeout_s)
 

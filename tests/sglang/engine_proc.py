@@ -201,12 +201,13 @@ def main() -> None:
             until(sender, terminal | {int(KVPoll.WaitingForInput)}, 10.0, seen)
             time.sleep(cmd.get("delay_s", 0.0))
             at = 0
-            for n in cmd["chunks"]:  # one send per prefill chunk, the next pages each time
+            for k, n in enumerate(cmd["chunks"]):  # one send per chunk, the next pages each
+                if k == cmd.get("abort_before_chunk"):  # the client went away mid-prefill
+                    sender.abort()
+                    break
                 sender.send(np.array(pages[at : at + n], dtype=np.int32))
                 at += n
                 poll(sender)
-            if cmd.get("abort"):
-                sender.abort()
             final = until(sender, terminal, cmd.get("timeout_s", 20.0), seen)
             error = None
             if pp_rank_i == 0:

@@ -249,6 +249,43 @@ def test_decode_abort_fails_both_sides_with_the_reason(deployment: Deployment) -
         assert monotone(p["polls"]), p
 
 
+def test_a_prefill_abort_mid_chunks_fails_the_decode_naming_the_stage(
+    deployment: Deployment,
+) -> None:
+    d = deployment
+    d.decode.ask({"op": "request", "room": 7151, "pages": [9, 10, 11], "aux": 2})
+    d.prefill[0].ask(
+        {
+            "op": "request",
+            "room": 7151,
+            "pages": [1, 2, 3],
+            "aux": 2,
+            "chunks": [2, 1],
+            "abort_before_chunk": 1,
+            "delay_s": 0.5,
+        }
+    )
+    d.prefill[1].ask(
+        {
+            "op": "request",
+            "room": 7151,
+            "pages": [1, 2, 3],
+            "aux": 2,
+            "chunks": [2, 1],
+            "timeout_s": 15.0,
+        }
+    )
+    prefill = [p.answer() for p in d.prefill]
+    d.prefill[1].ask({"op": "clear", "room": 7151, "failed": True})
+    assert d.prefill[1].answer()["cleared"] == 7151
+    decode = d.decode.answer()
+    assert prefill[0]["final"] == KVPoll.Failed and "engine_aborted" in prefill[0]["error"], prefill
+    assert decode["final"] == KVPoll.Failed, decode
+    assert "stage 0" in decode["error"] and "sglang-7151-tp0" in decode["error"], decode
+    assert decode["after_metadata_s"] < 8.0, decode  # told, not timed out (deadline 10 s)
+    assert decode["released"], decode
+
+
 def test_a_registration_without_the_peer_secret_is_refused(deployment: Deployment) -> None:
     url = f"http://127.0.0.1:{deployment.port}/route"
     row = {

@@ -3,6 +3,7 @@ built from flat pointer lists as SGLang publishes them, raw (addr, length) buffe
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from pipelines.decode.views import HandoffRequest
+from pipelines.errors import ConflictError
 from pipelines.layout import layout_from_flat_lists
 from pipelines.states import HandoffState
 from service.config import Config, ConfigError, load_config
@@ -96,3 +98,28 @@ def test_an_engine_layout_for_another_stage_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         EmbeddedService(config(tmp_path, "prefill"), buffers={0: s1, 1: s1}).start()
     assert "stage 1 of 2" in err.value.message
+
+
+def test_a_prefill_that_gives_up_fails_the_handoff_on_the_decode(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(5)
+    s0, _ = engine_stage([1, 3], 0, 2, 8, gen)
+    s1, _ = engine_stage([5], 1, 2, 8, gen)
+    with EmbeddedService(config(tmp_path, "prefill"), buffers={0: s0, 1: s1}) as prefill:
+        d, _alive = engine_stage([1, 3, 5], 0, 1, 16, None)  # raw addresses: keep the tensors
+        dcfg = config(tmp_path, "decode", **{"peers.prefill": [prefill.url]})
+        with EmbeddedService(dcfg, buffers={0: d}) as decode:
+            prefill.stage_ready("h2", 0, [2, 5])  # stage 1 never comes: its client went away
+            decode.expect_handoff(HandoffRequest(id="h2", dst_pages=[9, 0]))
+            prefill.abort_prefill("h2", "client disconnected")
+            start = time.monotonic()
+            view = decode.wait("h2", 15.0)
+            # Told, not timed out (stage 1 never comes; the deadline is 30 s): the stages fail
+            # with the engine's reason, or, when the give-up beat the destination's delivery,
+            # the delivery is refused (the handoff is finished there).
+            assert view.state == HandoffState.FAILED and time.monotonic() - start < 5.0, view
+            assert view.error is not None and view.error.code in ("engine_aborted", "conflict")
+            assert decode.released("h2", 5.0)
+            # Given up before any signal: a later one is refused, nothing waits for it.
+            prefill.abort_prefill("h3", "client disconnected")
+            with pytest.raises(ConflictError):
+                prefill.stage_ready("h3", 0, [1])
