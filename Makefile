@@ -47,7 +47,8 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG ?= sglang==0.5.23
 SGLANG_DEPS := orjson psutil pybase64 triton pillow starlette pydantic "pyzmq>=25.1.2" tqdm \
 	IPython "transformers==5.19.0" dill "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1" \
-	"compressed-tensors==0.18.0" gguf "openai==2.8.0" partial_json_parser einops requests
+	"compressed-tensors==0.18.0" gguf "openai==2.8.0" partial_json_parser einops requests \
+	"tokenizers==0.23.2"
 
 sglang-env: $(SGLANG_STAMP)
 
