@@ -225,9 +225,10 @@ def main() -> None:
                 }
             )
             continue
-        while not manager.try_ensure_parallel_info(bootstrap_addr):
+        addr = cmd.get("bootstrap", bootstrap_addr)  # another prefill instance's server
+        while not manager.try_ensure_parallel_info(addr):
             time.sleep(0.05)
-        receiver = get_kv_class(backend, KVClassType.RECEIVER)(manager, bootstrap_addr, room)
+        receiver = get_kv_class(backend, KVClassType.RECEIVER)(manager, addr, room)
         receiver.init(0)
         receiver.send_metadata(np.array(pages, dtype=np.int32), aux_index, None)
         if cmd.get("abort_after_s") is not None:

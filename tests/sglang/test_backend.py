@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def serving(port: int) -> None:
+    """Wait for a bootstrap server started on its own thread (as SGLang starts it)."""
+    for _ in range(200):
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except requests.ConnectionError:
+            time.sleep(0.05)
+    raise AssertionError(f"no bootstrap server on port {port}")
 
 
 @dataclass
@@ -94,6 +106,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     os.environ["SGLANG_KVHANDOFF_CONFIG"] = str(config)
     port, dist_port = free_port(), free_port()
     server = KVHandoffBootstrapServer("127.0.0.1", port)
+    serving(port)
 
     def start(role: str, pp_rank: int) -> Proc:
         argv = [
@@ -318,6 +331,57 @@ def test_a_registration_without_the_peer_secret_is_refused(deployment: Deploymen
     assert good["rank_ip"] != "198.51.100.7" and good["kvhandoff_url"].startswith("http://127.")
 
 
+def test_a_prefill_of_another_tp_size_is_refused_naming_both(deployment: Deployment) -> None:
+    # A second prefill instance, TP 2, registered (signed) with its own bootstrap server.
+    port = free_port()
+    other = KVHandoffBootstrapServer("127.0.0.1", port)
+    try:
+        serving(port)
+        for tp_rank in (0, 1):
+            row = {
+                "attn_tp_size": 2,
+                "attn_tp_rank": tp_rank,
+                "attn_cp_size": 1,
+                "attn_cp_rank": 0,
+                "attn_dp_size": 1,
+                "attn_dp_rank": 0,
+                "pp_size": 1,
+                "pp_rank": 0,
+                "system_dp_size": 1,
+                "system_dp_rank": 0,
+                "rank_ip": "127.0.0.1",
+                "rank_port": 9,
+                "page_size": ep.PAGE_SIZE,
+                "kv_cache_dtype": "bfloat16",
+                "kvhandoff_url": "http://127.0.0.1:9",
+            }
+            body = json.dumps(row).encode()
+            headers = {SIGNATURE_HEADER: sign(SECRET.encode(), "PUT", "/route", body)}
+            reply = requests.put(
+                f"http://127.0.0.1:{port}/route", data=body, headers=headers, timeout=5
+            )
+            assert reply.status_code == 200, reply.text
+        d = deployment
+        d.decode.ask(
+            {
+                "op": "request",
+                "room": 7171,
+                "pages": [1],
+                "aux": 1,
+                "bootstrap": f"127.0.0.1:{port}",
+                "timeout_s": 5.0,
+            }
+        )
+        decode = d.decode.answer()
+    finally:
+        other.close()
+    assert decode["final"] == KVPoll.Failed, decode
+    assert (
+        "equal TP only" in decode["error"]
+        and "prefill attention TP 2, decode 1" in (decode["error"])
+    ), decode
+
+
 def test_a_killed_prefill_stage_fails_the_decode_within_the_heartbeat_window(
     deployment: Deployment,
 ) -> None:
@@ -326,8 +390,6 @@ def test_a_killed_prefill_stage_fails_the_decode_within_the_heartbeat_window(
     d.prefill[0].ask(
         {"op": "request", "room": 7201, "pages": [5, 6], "aux": 3, "chunks": [2], "timeout_s": 6.0}
     )
-    import time
-
     time.sleep(0.5)  # the decode has created the handoff and reached both stages
     d.prefill[1].popen.kill()
     d.prefill[1].popen.wait(10)
