@@ -140,10 +140,22 @@ class KVHandoffManager(CommonKVManager):
         # asks `is_abort_release_safe` after it cleared the receiver. Bounded, oldest first out.
         self._released: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
+        # SGLang's update_status reads, then writes: two threads (the scheduler's and the
+        # service's) interleaving there could move a room backwards. One writer at a time.
+        self._status_lock = threading.Lock()
         # One thread for the calls that wait on the service, so the scheduler never does.
         self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvhandoff")
-        self.service.add_listener(self._on_event)
-        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        try:
+            self.service.add_listener(self._on_event)
+            super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        except BaseException:
+            self._calls.shutdown(wait=False)
+            self.service.stop()  # a rank that did not come up leaves nothing registered
+            raise
+
+    def update_status(self, bootstrap_room: int, status: int) -> None:
+        with self._status_lock:
+            super().update_status(bootstrap_room, status)
 
     # ------------------------------------------------------------------ rooms
 
