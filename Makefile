@@ -18,7 +18,8 @@ IMAGE_TOOLS := podman buildah mmdebstrap
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: setup test-tools test test-unit lint fmt typecheck demo bench bench-plan bench-transport \
-	bench-events bench-webhooks fuzz reliability clean image-setup image image-test
+	bench-events bench-webhooks fuzz reliability clean image-setup image image-test sglang-env \
+	test-sglang
 
 setup: $(STAMP)
 
@@ -34,6 +35,35 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_CPU)"
 	$(PY) -m pip install -q -e ".[cpu,test]"
 	touch $(STAMP)
+
+# SGLang in its own environment (the SGLang backend's tests run there): SGLang pins a CUDA torch, so
+# it is installed --no-deps with the CPU torch above and the explicit list of what its
+# disaggregation, server_args and plugin modules import (found by importing them, not its
+# requirements, which pull several GB of CUDA kernels). torch is named on the same command line so
+# no dependency can move it.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG ?= sglang==0.5.23
+SGLANG_DEPS := orjson psutil pybase64 triton pillow starlette pydantic "pyzmq>=25.1.2" tqdm \
+	IPython "transformers==5.19.0" dill "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1" \
+	"compressed-tensors==0.18.0" gguf "openai==2.8.0" partial_json_parser einops requests \
+	"tokenizers==0.23.2"
+
+sglang-env: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): pyproject.toml Makefile | $(STAMP)
+	test -x $(SGLANG_PY) || python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --upgrade pip
+	$(SGLANG_PY) -m pip install -q "$(TORCH_CPU)"
+	$(SGLANG_PY) -m pip install -q --no-deps "$(SGLANG)"
+	$(SGLANG_PY) -m pip install -q "$(TORCH_CPU)" $(SGLANG_DEPS)
+	$(SGLANG_PY) -m pip install -q "$(TORCH_CPU)" -e ".[cpu,sglang,sglang-test]"
+	touch $(SGLANG_STAMP)
+
+# The SGLang backend against SGLang's own classes (a separate pytest run: its own environment).
+test-sglang: sglang-env
+	$(SGLANG_PY) -m pytest -c tests/sglang/pytest.ini tests/sglang
 
 # Only the tests need these (not the demo), so they are installed here rather than in setup.
 test-tools:
@@ -106,4 +136,4 @@ bench-webhooks: setup
 	$(VENV)/bin/kvhandoff bench webhooks
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info build
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info build

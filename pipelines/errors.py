@@ -12,6 +12,7 @@ __all__ = [
     "ConflictError",
     "DeadlineExceeded",
     "DigestMismatch",
+    "EngineAborted",
     "InternalError",
     "InvalidInput",
     "KVHandoffError",
@@ -70,6 +71,12 @@ class DigestMismatch(ConflictError):
     corrupted write reached the window. Nothing of them was committed."""
 
     code = "digest_mismatch"
+
+
+class EngineAborted(ConflictError):
+    """The prefill engine gave up on the request (a client abort): its stages will not send."""
+
+    code = "engine_aborted"
 
 
 class CapacityExceeded(KVHandoffError):

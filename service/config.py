@@ -307,7 +307,9 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     server: ServerConfig = field(default_factory=ServerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    model: ModelConfig
+    #: Required unless an embedding engine hands over every stage's layout with its buffers
+    #: (`service.runtime.stages.EngineStage`, as the SGLang backend does).
+    model: ModelConfig | None = None
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
@@ -324,6 +326,10 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
         return (self.server.token,) if self.server.token else ()
 
     def model_spec(self) -> ModelSpec:
+        if self.model is None:
+            raise ConfigError(
+                "model", "required (a [model] table), unless the engine hands over its layouts"
+            )
         return self.model.build()
 
     def prefill_settings(self) -> PrefillSettings:
@@ -429,12 +435,23 @@ def check(config: Config) -> None:
                 f"{key}.pool",
                 f"{stage.pool!r} is not torch:cpu, torch:cuda[:N], torch:npu[:N] or shm:<name>",
             )
+    if config.model is not None:  # else the layouts come with the engine's buffers, at start-up
+        _check_model(config)
+    _check_links(config)
+    _check_roles_apart(config)
+
+
+def _check_model(config: Config) -> None:
+    stages = config.stages
     spec = config.model_spec()
     if spec.state_kinds and any(s.num_slots == 0 for s in stages):
         bad = next(i for i, s in enumerate(stages) if s.num_slots == 0)
         raise ConfigError(f"stages[{bad}].num_slots", f"model {spec.name} has state; must be > 0")
     if config.role == "prefill":
         config.layer_partition()
+
+
+def _check_links(config: Config) -> None:
     secret = config.webhooks.callback_secret
     if secret is not None and not _WHSEC.match(secret):
         raise ConfigError("webhooks.callback_secret", "must be whsec_ followed by base64")
@@ -447,7 +464,6 @@ def check(config: Config) -> None:
             f"{config.peers.watch_retry_max_s:g} is below peers.watch_retry_min_s "
             f"{config.peers.watch_retry_min_s:g}",
         )
-    _check_roles_apart(config)
 
 
 def _check_roles_apart(config: Config) -> None:

@@ -32,13 +32,14 @@ import uvloop
 from pipelines.decode import DecodePipeline
 from pipelines.decode.views import HandoffId, HandoffRequest, HandoffView
 from pipelines.errors import InternalError, InvalidInput
+from pipelines.events import Event
 from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
 from pipelines.prefill import PrefillPipeline
 from service.config import Config, ConfigError
 from service.http.problems import NotReady, invalid_value
 from service.runtime.roles import RUNTIME, DecodeRuntime, PrefillRuntime, RuntimeBase
-from service.runtime.stages import Buffers, unplaced_layout
+from service.runtime.stages import Buffers, EngineStage, unplaced_layout
 from service.serve import SHUTDOWN_TIMEOUT_S, Server, serve, service_with
 
 log = logging.getLogger("kvhandoff.embedded")
@@ -80,7 +81,12 @@ class EmbeddedService:
     ) -> None:
         self._config = config
         self._buffers = (
-            None if buffers is None else {int(rank): list(b) for rank, b in buffers.items()}
+            None
+            if buffers is None
+            else {
+                int(rank): b if isinstance(b, EngineStage) else list(b)
+                for rank, b in buffers.items()
+            }
         )
         self._start_timeout_s = start_timeout_s
         self._call_timeout_s = (
@@ -183,6 +189,12 @@ class EmbeddedService:
         """The stages hosted here, placed in the engine's buffers: what `GET /v1/layout` answers."""
         return self._call_sync(lambda runtime: runtime.layout_info())
 
+    def add_listener(self, listener: Callable[[Event], None]) -> None:
+        """Call `listener` with every event of this service from now on (both roles), on the
+        service's own thread: it must return at once and never call back into this service (an
+        engine adapter keeps a snapshot of its handoffs' states with it)."""
+        self._call_sync(lambda runtime: runtime.bus.add_listener(listener))
+
     # ----------------------------------------------------------------- prefill role
 
     def stage_ready(
@@ -213,6 +225,18 @@ class EmbeddedService:
             _prefill_of(runtime).ready(handoff_id, rank, pages, slot, layer_ids)
 
         self._call_sync(ready)
+
+    def abort_prefill(self, handoff_id: str, reason: str) -> None:
+        """The engine gave up on this request: stop sending it (prefill role) and fail it on
+        the decode side (`engine_aborted`, naming each stage). Returns once no write of it can
+        still land and its source pages are no longer read."""
+        self._require("prefill", "abort_prefill")
+        _check_id(handoff_id)
+
+        async def stop(runtime: RuntimeBase) -> None:
+            await _prefill_of(runtime).give_up(handoff_id, reason)
+
+        self._call(stop, self._call_timeout_s)
 
     # ----------------------------------------------------------------- decode role
 
@@ -364,7 +388,7 @@ def _decode_of(runtime: RuntimeBase) -> DecodePipeline:
     return _decode_runtime(runtime).pipeline
 
 
-def _check_buffers(config: Config, buffers: dict[int, list[Any]]) -> None:
+def _check_buffers(config: Config, buffers: dict[int, list[Any] | EngineStage]) -> None:
     """The engine's buffers against every stage's layout, before anything starts: exactly the
     configured stages, one buffer per entry, each large enough. Raises ConfigError naming the
     stage and the entry."""
@@ -375,9 +399,12 @@ def _check_buffers(config: Config, buffers: dict[int, list[Any]]) -> None:
             f"buffers are given for stages {sorted(buffers)}; this service hosts stages {hosted}",
         )
     for rank in hosted:
-        layout = embedded_layout(config, rank)
+        entry = buffers[rank]
+        if isinstance(entry, EngineStage):
+            layout, given = entry.layout, list(entry.buffers)
+        else:
+            layout, given = embedded_layout(config, rank), entry
         sizes = layout.region_sizes
-        given = buffers[rank]
         if len(given) != len(sizes):
             raise ConfigError(
                 f"buffers[{rank}]",

@@ -23,6 +23,7 @@ import numpy as np
 from pipelines.errors import (
     ConflictError,
     DeadlineExceeded,
+    EngineAborted,
     InternalError,
     InvalidInput,
     KVHandoffError,
@@ -255,6 +256,21 @@ class PrefillPipeline:
         self._close(h, "aborted")
         self._publish(HandoffAborted(handoff_id=handoff_id, role=ROLE, reason=reason))
         return self._ack(handoff_id, sorted(running))
+
+    async def give_up(self, handoff_id: str, reason: str) -> None:
+        """The engine dropped this request (e.g. its client went away): stop its stages and
+        fail the handoff on the decode side too, naming each stage that will not arrive. Returns
+        once no write of it can still land and its source pages are no longer read; a
+        destination delivered later is refused (the handoff is finished here)."""
+        h = self.handoffs.get(handoff_id)
+        if h is None:
+            self._remember(handoff_id, "failed")
+            return
+        if h.task is not None:
+            h.task.cancel()
+            await asyncio.wait([h.task])
+        await self._fail_all(h, h.known_destination, EngineAborted(reason))
+        self._close(h, "failed")
 
     def _ack(self, handoff_id: str, stopped: list[int]) -> AbortAck:
         return AbortAck(

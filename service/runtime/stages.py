@@ -8,7 +8,8 @@ One `HostedMemory` per `[[stages]]` table. Its layout comes from the model and t
   writes KV pages there, the service moves them); the byte offset of every entry is published in
   `GET /v1/layout`;
 - embedded — buffers an engine running the service in-process handed over (`service.embedded`),
-  one per entry, KV entries first.
+  one per entry, KV entries first; with an `EngineStage`, the engine's own layout too (built
+  from the flat lists it publishes), so no `[model]` describes it.
 
 Region i of a pool is entry i of the layout (KV entries first, then state entries).
 """
@@ -31,8 +32,20 @@ from transport.pool_base import EmbeddedPool, Pool
 from transport.pool_shm import ShmPool, shm_path
 from transport.pools import open_pool
 
-#: Embedded buffers per pp_rank: one (addr, length) pair or contiguous tensor per entry.
-Buffers = Mapping[int, Sequence[Any]]
+
+@dataclass(frozen=True)
+class EngineStage:
+    """An embedding engine's stage as it registers it: its layout (e.g. from
+    `pipelines.layout.layout_from_flat_lists`, addresses included or not) and its buffers, one
+    `(addr, length)` pair or contiguous tensor per entry, KV entries first."""
+
+    layout: StageLayout
+    buffers: Sequence[Any]
+
+
+#: Embedded buffers per pp_rank: one (addr, length) pair or contiguous tensor per entry (laid out
+#: as the configured model says), or an `EngineStage` that brings its own layout.
+Buffers = Mapping[int, Sequence[Any] | EngineStage]
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,18 @@ def unplaced_layout(config: Config, spec: ModelSpec, stage: StageConfig) -> Stag
     )
 
 
+def engine_layout(given: EngineStage, stage: StageConfig, key: str) -> StageLayout:
+    """An engine's own layout, unplaced (the pool places it), checked against its stage table."""
+    layout = given.layout
+    if (layout.pp_rank, layout.pp_size) != (stage.pp_rank, stage.pp_size):
+        raise ConfigError(
+            key,
+            f"the engine's layout is stage {layout.pp_rank} of {layout.pp_size}, the stage table "
+            f"says {stage.pp_rank} of {stage.pp_size}",
+        )
+    return layout.with_bases([0] * len(layout.kv), [0] * len(layout.state))
+
+
 def open_stages(
     config: Config, transport: Transport, buffers: Buffers | None = None
 ) -> list[HostedMemory]:
@@ -76,11 +101,14 @@ def open_stages(
 
     On any failure the pools opened so far are closed (unregistered) before the error leaves.
     """
-    spec = config.model_spec()
     opened: list[HostedMemory] = []
     try:
         for i, stage in enumerate(config.stages):
-            layout = unplaced_layout(config, spec, stage)
+            given = buffers.get(stage.pp_rank) if buffers is not None else None
+            if isinstance(given, EngineStage):
+                layout = engine_layout(given, stage, f"stages[{i}]")
+            else:
+                layout = unplaced_layout(config, config.model_spec(), stage)
             pool = _open_pool(config, i, stage, layout, buffers)
             try:
                 pool.register(transport)
@@ -101,7 +129,8 @@ def _open_pool(
     key = f"stages[{index}].pool"
     sizes = layout.region_sizes
     if buffers is not None and stage.pp_rank in buffers:
-        given = list(buffers[stage.pp_rank])
+        entry = buffers[stage.pp_rank]
+        given = list(entry.buffers if isinstance(entry, EngineStage) else entry)
         if len(given) != len(sizes):
             raise ConfigError(
                 key,

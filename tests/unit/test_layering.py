@@ -36,6 +36,8 @@ SERVICE_RANKS = {
     "serve": 5,
     "embedded": 5,
     "tools": 6,
+    # Engine adapters (the SGLang transfer backend): they run the embedded service.
+    "integrations": 6,
     # The entry point: it imports each command's module by name, only when that command runs.
     "cli": 7,
 }

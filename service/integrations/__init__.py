@@ -1,0 +1,1 @@
+"""Engine adapters: kvhandoff behind an inference engine's own extension points."""

@@ -1,0 +1,429 @@
+"""The kvhandoff transfer backend's manager, sender and receiver for SGLang.
+
+SGLang's schedulers construct these through `get_kv_class` (see `plugin.py`) and reach into the
+`Common*` classes beyond the `Base*` ABCs, so these subclass them: SGLang's own code keeps the
+request table (`request_status`, monotone: `update_status` takes the max and keeps Failed), the
+failure records, the PP consensus store (prefill PP rank 0 polls the minimum over the stages),
+the bootstrap look-ups and the timeouts. What moves bytes and decides outcomes is kvhandoff:
+
+- every scheduler rank runs one embedded kvhandoff service (`service.embedded`) over the
+  engine's own buffers (layouts from `KVArgs`, `layouts.py`), with its own Mooncake engine, free
+  port and locked state directory; prefill ranks register its URL with the bootstrap server,
+  signed (`bootstrap.py`);
+- one handoff per request and attention-TP rank: id `sglang-<bootstrap_room>-tp<rank>`;
+- decode `send_metadata` creates the handoff (destination pages, aux row as its slot) on the
+  decode service, naming the prefill stages' services; prefill `send` accumulates the chunk's
+  pages and, with the last chunk, signals the stage ready (its pages and aux row);
+- the service's events drive `update_status` / `record_failure` on its own thread, so `poll()`
+  only reads SGLang's table (a snapshot) and never waits; engine-facing calls that wait
+  (create, stage ready, abort) run on one worker thread per rank, in order.
+
+Called by: SGLang's prefill scheduler (`prefill.py`: sender `__init__`, `init`, `send` per
+chunk, `poll` / `poll_pp_consensus`, `failure_exception`, `abort`, `clear`) and decode scheduler
+(`decode.py`: `try_ensure_parallel_info`, receiver `__init__`, `init`, `send_metadata`, `poll`,
+`failure_exception`, `abort`, `clear`, `is_abort_release_safe`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import requests
+from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.runtime_context import get_parallel
+
+from pipelines.decode.views import HandoffRequest
+from pipelines.errors import KVHandoffError
+from pipelines.events import (
+    Event,
+    HandoffAborted,
+    HandoffCompleted,
+    HandoffCreated,
+    HandoffFailed,
+    HandoffReleased,
+    StageReady,
+    StageTransferred,
+)
+from service.embedded import EmbeddedService
+from service.integrations.sglang.bootstrap import SIGNATURE_HEADER, URL_FIELD, sign
+from service.integrations.sglang.layouts import (
+    RankLayout,
+    Unsupported,
+    rank_layout,
+    refuse_unsupported,
+)
+from service.integrations.sglang.settings import rank_config
+from service.runtime.stages import EngineStage
+
+log = logging.getLogger("kvhandoff.sglang")
+RELEASED_KEPT = 65536
+
+
+def handoff_id(room: int, tp_rank: int) -> str:
+    return f"sglang-{int(room)}-tp{int(tp_rank)}"
+
+
+def failure_reason(event: HandoffFailed | HandoffAborted) -> str:
+    """What `failure_exception()` raises: the code, the stage and the layer when known."""
+    if isinstance(event, HandoffAborted):
+        return f"kvhandoff handoff {event.handoff_id} aborted: {event.reason}"
+    where = []
+    if event.pp_rank is not None:
+        where.append(f"stage {event.pp_rank}")
+    for key in ("layer_id", "group", "kind", "field"):
+        if key in event.context:
+            where.append(f"{key.replace('_id', '')} {event.context[key]}")
+    at = f" at {', '.join(where)}" if where else ""
+    return f"kvhandoff handoff {event.handoff_id} failed ({event.code}){at}: {event.reason}"
+
+
+class KVHandoffManager(CommonKVManager):
+    """One scheduler rank's side of the backend: its embedded service and the room table."""
+
+    def __init__(
+        self,
+        args: Any,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ) -> None:
+        parallel = get_parallel()
+        refuse_unsupported(args, device=str(getattr(server_args, "device", "cpu")))
+        if parallel.attn_cp_size > 1:
+            raise Unsupported("attention context parallelism (attn_cp_size > 1) with kvhandoff")
+        if parallel.attn_dcp_size > 1:
+            raise Unsupported("decode context parallelism (--dcp-size > 1) with kvhandoff")
+        if parallel.enable_kv_cache_sharding:
+            raise Unsupported("--enable-kv-cache-sharding with kvhandoff")
+        prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        pp_size = int(parallel.pp_size) if prefill else 1
+        pp_rank = int(args.pp_rank) if prefill else 0
+        self.stage_rank = pp_rank
+        self.tp_rank_for_handoffs = int(parallel.attn_tp_rank)
+        self.rank: RankLayout = rank_layout(
+            args,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            is_mla=bool(is_mla_backend),
+            with_aux=not prefill or pp_rank == pp_size - 1,
+        )
+        role = "prefill" if prefill else "decode"
+        rank_name = f"sglang-{role}-dp{parallel.attn_dp_rank}-pp{pp_rank}-tp{parallel.attn_tp_rank}"
+        num_pages = min((e.num_items for e in self.rank.layout.kv), default=1)
+        stage = {"pp_rank": pp_rank, "pp_size": pp_size, "num_pages": num_pages}
+        self.kv_config = rank_config(os.environ, role=role, stage=stage, rank_name=rank_name)
+        self.service = EmbeddedService(
+            self.kv_config,
+            buffers={pp_rank: EngineStage(self.rank.layout, self.rank.buffers)},
+        ).start()
+        self.service_url = self.service.url
+        self._secret = self.kv_config.secrets("peer")[0].encode()
+        self._rooms: dict[str, int] = {}  # handoff id -> room, of live senders / receivers
+        self._pages: dict[int, list[np.ndarray[Any, Any]]] = {}  # prefill: chunks so far
+        self._signalled: set[int] = set()  # prefill: rooms whose stage was signalled ready
+        # Handoff ids whose pages are free again (HandoffReleased), kept past clear(): SGLang
+        # asks `is_abort_release_safe` after it cleared the receiver. Bounded, oldest first out.
+        self._released: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+        # SGLang's update_status reads, then writes: two threads (the scheduler's and the
+        # service's) interleaving there could move a room backwards. One writer at a time.
+        self._status_lock = threading.Lock()
+        # One thread for the calls that wait on the service, so the scheduler never does.
+        self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvhandoff")
+        try:
+            self.service.add_listener(self._on_event)
+            super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        except BaseException:
+            self._calls.shutdown(wait=False)
+            self.service.stop()  # a rank that did not come up leaves nothing registered
+            raise
+
+    def update_status(self, bootstrap_room: int, status: int) -> None:
+        with self._status_lock:
+            super().update_status(bootstrap_room, status)
+
+    # ------------------------------------------------------------------ rooms
+
+    def open_room(self, room: int) -> str:
+        hid = handoff_id(room, self.tp_rank_for_handoffs)
+        with self._lock:
+            self._rooms[hid] = int(room)
+            self._released.pop(hid, None)
+        return hid
+
+    def close_room(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(handoff_id(room, self.tp_rank_for_handoffs), None)
+            self._pages.pop(int(room), None)
+            self._signalled.discard(int(room))
+
+    def released(self, room: int) -> bool:
+        with self._lock:
+            return handoff_id(room, self.tp_rank_for_handoffs) in self._released
+
+    def fail(self, room: int, reason: str) -> None:
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.Failed)
+
+    def submit(
+        self, room: int, what: str, call: Callable[[], Any]
+    ) -> concurrent.futures.Future[Any]:
+        """Run `call` on the rank's worker thread; an error fails the room naming `what`."""
+
+        def run() -> Any:
+            try:
+                return call()
+            except (KVHandoffError, TimeoutError, ValueError) as exc:
+                self.fail(room, f"kvhandoff {what} refused: {exc}")
+                return None
+
+        return self._calls.submit(run)
+
+    # ------------------------------------------------------------------ events -> status
+
+    def _on_event(self, event: Event) -> None:
+        """On the service's thread: SGLang's status table follows the handoff (monotone)."""
+        with self._lock:
+            room = self._rooms.get(event.handoff_id)
+            if isinstance(event, HandoffReleased):
+                self._released[event.handoff_id] = None
+                while len(self._released) > RELEASED_KEPT:
+                    self._released.popitem(last=False)
+        if room is None:
+            return
+        match event:
+            case HandoffFailed() | HandoffAborted():
+                self.fail(room, failure_reason(event))
+            case StageReady() if event.role == "prefill":
+                self.update_status(room, KVPoll.Transferring)
+            case StageTransferred() if event.final and event.pp_rank == self.stage_rank:
+                self.update_status(room, KVPoll.Success)
+            case HandoffCreated() if event.role == "decode":
+                self.update_status(room, KVPoll.Transferring)
+            case HandoffCompleted() if event.role == "decode":
+                self.update_status(room, KVPoll.Success)
+            case _:
+                pass
+
+    # ------------------------------------------------------------------ prefill
+
+    def _register_topology_row(self, url: str, payload: dict[str, Any]) -> None:
+        """SGLang's registration, with this rank's service URL and signed (`bootstrap.py`)."""
+        body = {**payload, URL_FIELD: self.service_url}
+        self._signed("PUT", url, body)
+
+    def _signed(self, method: str, url: str, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        path = "/" + url.split("://", 1)[1].split("/", 1)[1]
+        for attempt in range(5):
+            headers = {
+                "Content-Type": "application/json",
+                SIGNATURE_HEADER: sign(self._secret, method, path, data),
+            }
+            try:
+                response = requests.request(method, url, data=data, headers=headers, timeout=5)
+            except requests.RequestException as exc:
+                log.warning("bootstrap %s %s attempt %d: %s", method, url, attempt + 1, exc)
+            else:
+                if response.status_code == 200:
+                    return
+                log.warning(
+                    "bootstrap %s %s attempt %d: %d %s",
+                    method,
+                    url,
+                    attempt + 1,
+                    response.status_code,
+                    response.text,
+                )
+            time.sleep(min(2.0**attempt, 8.0))
+        raise RuntimeError(f"kvhandoff could not register with the bootstrap server at {url}")
+
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices: Any,
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: int | None = None,
+        state_indices: list[Any] | None = None,
+        num_kv_tokens: int | None = None,
+        **_: Any,
+    ) -> None:
+        """One prefill chunk's pages (from `CommonKVSender.send`). The stage is signalled once,
+        with the last chunk: all its pages, and its aux row on the last PP stage."""
+        room = int(bootstrap_room)
+        if state_indices and any(s is not None and len(s) for s in state_indices):
+            self.fail(room, "kvhandoff: per-component state indices are not supported yet")
+            return
+        with self._lock:
+            if room in self._signalled:
+                if len(kv_indices):
+                    self.fail(room, f"kvhandoff: {len(kv_indices)} pages sent after the last chunk")
+                return  # SGLang's empty closing send after a chunk that already ended the pages
+            chunks = self._pages.setdefault(room, [])
+            chunks.append(np.array(kv_indices, dtype=np.int64))  # a copy: SGLang reuses it
+            if not is_last_chunk:
+                return
+            pages = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+            self._pages.pop(room, None)
+            self._signalled.add(room)
+        slot = aux_index if self.rank.has_aux else None
+        hid = handoff_id(room, self.tp_rank_for_handoffs)
+        rank = self.stage_rank
+        self.submit(room, "stage ready", lambda: self.service.stage_ready(hid, rank, pages, slot))
+
+    def _register_prefill_dp_rank_signed(self, bootstrap_addr: str, room: int) -> None:
+        self._signed(
+            "POST",
+            f"http://{bootstrap_addr}/register_dp_rank",
+            {"bootstrap_room": room, "dp_rank": self.attn_dp_rank},
+        )
+
+    # ------------------------------------------------------------------ decode
+
+    def check_equal_tp(self, room: int, prefill_attn_tp_size: int) -> bool:
+        if prefill_attn_tp_size == self.attn_tp_size:
+            return True
+        self.fail(
+            room,
+            f"kvhandoff pairs equal TP only: prefill attention TP {prefill_attn_tp_size}, "
+            f"decode {self.attn_tp_size} (unequal TP is not supported yet)",
+        )
+        return False
+
+    def close(self) -> None:
+        """Stop this rank's service (tests, role switch); no write lands afterwards."""
+        self._calls.shutdown(wait=True)
+        self.service.stop()
+
+
+class KVHandoffSender(CommonKVSender):
+    """Prefill side of one request on one rank (see the module doc for the call order)."""
+
+    kv_mgr: KVHandoffManager
+
+    def __init__(
+        self,
+        mgr: KVHandoffManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
+        mgr.open_room(bootstrap_room)
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+        if self.conclude_state is None and self.bootstrap_room in mgr.request_status:
+            # kvhandoff takes a stage's signal before its destination: prefill may run now.
+            mgr.update_status(self.bootstrap_room, KVPoll.WaitingForInput)
+
+    def _register_prefill_dp_rank(self) -> None:
+        self.kv_mgr._register_prefill_dp_rank_signed(self.bootstrap_server_url, self.bootstrap_room)
+
+    def abort(self) -> None:
+        super().abort()
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        hid = handoff_id(room, mgr.tp_rank_for_handoffs)
+        # Waited for (after any queued stage signal): SGLang frees the source pages next.
+        stop = mgr.submit(
+            room, "abort", lambda: mgr.service.abort_prefill(hid, "aborted by SGLang")
+        )
+        stop.result()
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.close_room(self.bootstrap_room)
+
+
+class KVHandoffReceiver(CommonKVReceiver):
+    """Decode side of one request on one rank (see the module doc for the call order)."""
+
+    kv_mgr: KVHandoffManager
+    conclude_state: int | None  # SGLang's, set by CommonKVReceiver
+
+    def __init__(
+        self, mgr: KVHandoffManager, bootstrap_addr: str, bootstrap_room: int | None = None
+    ) -> None:
+        if bootstrap_room is not None:
+            mgr.open_room(bootstrap_room)
+        super().__init__(mgr, bootstrap_addr, bootstrap_room)
+
+    def init(self, prefill_dp_rank: int) -> None:
+        super().init(prefill_dp_rank)
+        if self.conclude_state == KVPoll.Failed or not hasattr(self, "prefill_info"):
+            return
+        if not self.kv_mgr.check_equal_tp(self.bootstrap_room, self.prefill_info.attn_tp_size):
+            self.conclude_state = KVPoll.Failed
+
+    def _register_kv_args(self) -> bool:
+        return self.bootstrap_infos is not None  # kvhandoff services exchange layouts themselves
+
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: list[Any] | None = None,
+        decode_prefix_len: int | None = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+        device_kv_indices: Any = None,
+    ) -> None:
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        if getattr(self, "conclude_state", None) == KVPoll.Failed:
+            return
+        if getattr(self, "bootstrap_infos", None) is None:
+            mgr.fail(room, f"Could not fetch prefill parallel info from {self.bootstrap_addr}")
+            return
+        if destination != KVTransferDestination.DEVICE:
+            raise NotImplementedError("Host KV destinations are not supported")
+        if decode_prefix_len:
+            mgr.fail(
+                room, "kvhandoff: decode prefix reuse (decode_prefix_len > 0) is not supported yet"
+            )
+            return
+        if state_indices and any(s is not None and len(s) for s in state_indices):
+            mgr.fail(room, "kvhandoff: per-component state indices are not supported yet")
+            return
+        urls = sorted(
+            {i[URL_FIELD] for i in self.bootstrap_infos if i.get(URL_FIELD) and not i["is_dummy"]}
+        )
+        if not urls:
+            mgr.fail(
+                room,
+                f"the bootstrap server at {self.bootstrap_addr} named no kvhandoff "
+                "service (a prefill of another backend?)",
+            )
+            return
+        request = HandoffRequest(
+            id=handoff_id(room, mgr.tp_rank_for_handoffs),
+            prefill=urls,
+            dst_pages=[int(p) for p in np.asarray(kv_indices).tolist()],
+            dst_slot=int(aux_index) if (mgr.rank.has_aux and aux_index is not None) else None,
+        )
+        mgr.submit(room, "create", lambda: mgr.service.expect_handoff(request))
+        self.init_time = time.time()
+
+    def _send_abort_notification(self, *, force_arm: bool = False) -> None:
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        hid = handoff_id(room, mgr.tp_rank_for_handoffs)
+        mgr.submit(room, "abort", lambda: mgr.service.abort(hid))  # released: see below
+
+    def is_abort_release_safe(self) -> bool:
+        """True once the handoff's pages are released: no write of it can land any more."""
+        return self.kv_mgr.released(self.bootstrap_room)
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.close_room(self.bootstrap_room)

@@ -1,0 +1,264 @@
+"""One SGLang scheduler rank's disaggregation calls, replayed in its own process.
+
+Started by `test_backend.py` as `python -m tests.sglang.engine_proc <role> <pp_rank> <pp_size>
+<bootstrap_port> <dist_port> <model_dir>`. It publishes SGLang's runtime context as a scheduler
+does, builds `KVArgs` over CPU tensors (their `data_ptr()`s), gets the manager, sender and
+receiver classes through SGLang's `get_kv_class`, and makes the calls SGLang's `prefill.py` /
+`decode.py` make, in their order, for each command read from stdin (one JSON object a line);
+it answers one JSON line each. PP ranks of the prefill share a gloo group, as SGLang's pp_group.
+
+The memory: a hybrid model of 8 layers, full attention on 1, 3 (stage 0) and 5, 7 (stage 1),
+K and V buffers, pages of 4 tokens; three aux buffers (output ids, logprobs, bootstrap room)
+with one row per request. `tensors()` makes the same bytes in the test, from the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+MODEL_LAYERS = 8
+FULL_ATTENTION = {0: [1, 3], 1: [5, 7]}  # per prefill PP stage (layers 0-3, 4-7)
+PAGE_SIZE = 4
+KV_ITEM = PAGE_SIZE * 16  # bytes of one page of one buffer
+AUX_ITEMS = [16, 32, 8]  # output ids, logprobs, bootstrap_room (int64)
+PREFILL_PAGES, DECODE_PAGES, AUX_ROWS = 32, 48, 8
+
+
+def layer_ids(role: str, pp_rank: int) -> list[int]:
+    return FULL_ATTENTION[pp_rank] if role == "prefill" else FULL_ATTENTION[0] + FULL_ATTENTION[1]
+
+
+def tensors(role: str, pp_rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(KV buffers group-major: K of each layer then V, aux buffers): random on the prefill
+    (seeded by stage), zeros on the decode."""
+    pages = PREFILL_PAGES if role == "prefill" else DECODE_PAGES
+    n = 2 * len(layer_ids(role, pp_rank))
+    if role == "decode":
+        kv = [torch.zeros(pages * KV_ITEM, dtype=torch.uint8) for _ in range(n)]
+        aux = [torch.zeros(AUX_ROWS * item, dtype=torch.uint8) for item in AUX_ITEMS]
+        return kv, aux
+    gen = torch.Generator().manual_seed(1000 + pp_rank)
+    kv = [
+        torch.randint(1, 255, (pages * KV_ITEM,), dtype=torch.uint8, generator=gen)
+        for _ in range(n)
+    ]
+    aux = [
+        torch.randint(1, 255, (AUX_ROWS * item,), dtype=torch.uint8, generator=gen)
+        for item in AUX_ITEMS
+    ]
+    return kv, aux
+
+
+def kv_args(role: str, pp_rank: int, kv: list[torch.Tensor], aux: list[torch.Tensor]) -> Any:
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    args = KVArgs()
+    ids = layer_ids(role, pp_rank)
+    args.engine_rank = 0
+    args.kv_data_ptrs = [t.data_ptr() for t in kv]
+    args.kv_data_lens = [t.numel() for t in kv]
+    args.kv_item_lens = [KV_ITEM] * len(kv)
+    args.kv_layer_ids = ids * 2  # one global id per buffer, group-major
+    args.kv_cache_dtype_str = "bfloat16"
+    args.aux_data_ptrs = [t.data_ptr() for t in aux]
+    args.aux_data_lens = [t.numel() for t in aux]
+    args.aux_item_lens = list(AUX_ITEMS)
+    args.state_types, args.state_data_ptrs, args.state_data_lens = [], [], []
+    args.state_item_lens, args.state_layer_ids = [], []
+    args.state_dim_per_tensor, args.state_slice_outer_counts = [], []
+    args.state_conv_shard_groups = []
+    args.is_hybrid_mla_backend = False
+    args.swa_kv_cache_layout = None
+    args.ib_device, args.gpu_id = "", 0
+    args.kv_head_num = args.total_kv_head_num = 1
+    args.page_size = PAGE_SIZE
+    args.system_dp_rank = 0
+    args.rust_http_port = None
+    args.pp_rank = pp_rank
+    args.prefill_start_layer = 4 * pp_rank if role == "prefill" else 0
+    args.prefill_end_layer = 4 * pp_rank + 4 if role == "prefill" else MODEL_LAYERS
+    args.mla_compression_ratios = None
+    args.kv_buf_groups, args.hidden_kv_layers, args.draft_kv_layers = 2, 0, 0
+    args.num_draft_entries = 0
+    return args
+
+
+class GlooGroup:
+    """SGLang's pp_group as the PP consensus store uses it (broadcast_object), over gloo."""
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=src)
+        return box[0]
+
+
+def answer(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    role, pp_rank, pp_size, port, dist_port, model = sys.argv[1:7]
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.getLogger("kvhandoff").setLevel(logging.INFO)
+    pp_rank_i, pp_size_i, port_i = int(pp_rank), int(pp_size), int(port)
+
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # as every SGLang process does first: the entry point registers kvhandoff
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        KVClassType,
+        TransferBackend,
+        get_kv_class,
+    )
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(
+        model_path=model,
+        skip_tokenizer_init=True,
+        device="cpu",
+        page_size=PAGE_SIZE,
+        host="127.0.0.1",
+        pp_size=pp_size_i if role == "prefill" else 1,
+        disaggregation_mode=role,
+        disaggregation_transfer_backend="kvhandoff",
+        disaggregation_bootstrap_port=port_i,
+    )
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=pp_rank_i))
+    if role == "prefill" and pp_size_i > 1:
+        torch.distributed.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{dist_port}",
+            rank=pp_rank_i,
+            world_size=pp_size_i,
+        )
+        get_parallel().override_permanently(pp_group=GlooGroup())
+
+    backend = TransferBackend(server_args.disaggregation_transfer_backend)
+    kv, aux = tensors(role, pp_rank_i)
+    args = kv_args(role, pp_rank_i, kv, aux)
+    mode = DisaggregationMode(role)
+    manager = get_kv_class(backend, KVClassType.MANAGER)(args, mode, server_args, False)
+    bootstrap_addr = f"127.0.0.1:{port_i}"
+    answer({"ready": True, "url": manager.service_url, "manager": type(manager).__name__})
+
+    def poll(poller: Any) -> int:
+        # PP rank 0 polls the consensus of all stages (prefill.py with pp_size > 1).
+        if role == "prefill" and pp_size_i > 1 and pp_rank_i == 0:
+            return int(poller.poll_pp_consensus())
+        return int(poller.poll())
+
+    def until(poller: Any, done: set[int], timeout_s: float, seen: list[int]) -> int:
+        end = time.monotonic() + timeout_s
+        while True:
+            state = poll(poller)
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            if state in done or time.monotonic() > end:
+                return state
+            time.sleep(0.01)
+
+    def failure(poller: Any) -> str | None:
+        try:
+            poller.failure_exception()
+        except Exception as exc:  # noqa: BLE001  -- SGLang's KVTransferError, reported as text
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    terminal = {int(KVPoll.Success), int(KVPoll.Failed)}
+    held: dict[int, Any] = {}  # PP ranks > 0: senders kept until PP rank 0's consensus decided
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            manager.close()
+            answer({"bye": True})
+            return
+        if cmd["op"] == "clear":  # every rank acts on PP rank 0's consensus, then releases
+            sender = held.pop(int(cmd["room"]))
+            error = failure(sender) if cmd.get("failed") else None
+            sender.clear()
+            answer({"cleared": cmd["room"], "error": error})
+            continue
+        room, pages, aux_index = int(cmd["room"]), cmd["pages"], cmd["aux"]
+        seen: list[int] = []
+        start = time.monotonic()
+        if role == "prefill":
+            if pp_rank_i == pp_size_i - 1:  # the last stage writes the request's metadata row
+                aux[2].view(torch.int64)[aux_index] = room
+            sender = get_kv_class(backend, KVClassType.SENDER)(manager, bootstrap_addr, room)
+            sender.pop_decode_prefix_len()
+            sender.init(len(pages), aux_index)
+            until(sender, terminal | {int(KVPoll.WaitingForInput)}, 10.0, seen)
+            time.sleep(cmd.get("delay_s", 0.0))
+            at = 0
+            for k, n in enumerate(cmd["chunks"]):  # one send per chunk, the next pages each
+                if k == cmd.get("abort_before_chunk"):  # the client went away mid-prefill
+                    sender.abort()
+                    break
+                sender.send(np.array(pages[at : at + n], dtype=np.int32))
+                at += n
+                poll(sender)
+            final = until(sender, terminal, cmd.get("timeout_s", 20.0), seen)
+            error = None
+            if pp_rank_i == 0:
+                error = failure(sender) if final == KVPoll.Failed else None
+                sender.clear()
+            else:
+                held[room] = sender
+            answer(
+                {
+                    "room": room,
+                    "polls": seen,
+                    "final": final,
+                    "error": error,
+                    "seconds": time.monotonic() - start,
+                }
+            )
+            continue
+        addr = cmd.get("bootstrap", bootstrap_addr)  # another prefill instance's server
+        while not manager.try_ensure_parallel_info(addr):
+            time.sleep(0.05)
+        receiver = get_kv_class(backend, KVClassType.RECEIVER)(manager, addr, room)
+        receiver.init(0)
+        receiver.send_metadata(np.array(pages, dtype=np.int32), aux_index, None)
+        if cmd.get("abort_after_s") is not None:
+            until(receiver, terminal, cmd["abort_after_s"], seen)
+            receiver.abort()
+        sent = time.monotonic()
+        final = until(receiver, terminal, cmd.get("timeout_s", 20.0), seen)
+        error = failure(receiver) if final == KVPoll.Failed else None
+        released_end = time.monotonic() + 10.0
+        while not receiver.is_abort_release_safe() and time.monotonic() < released_end:
+            time.sleep(0.01)
+        released = receiver.is_abort_release_safe()
+        receiver.clear()
+        dump = cmd.get("dump")
+        if dump:
+            np.savez(dump, *[t.numpy() for t in kv], *[t.numpy() for t in aux])
+        for t in (*kv, *aux):  # the next request's check sees only its own bytes
+            t.zero_()
+        answer(
+            {
+                "room": room,
+                "polls": seen,
+                "final": final,
+                "error": error,
+                "released": released,
+                "seconds": time.monotonic() - start,
+                "after_metadata_s": time.monotonic() - sent,
+            }
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""The backend against SGLang's own classes, in separate processes: a prefill of two PP stages
+(one process per stage, as SGLang runs them) and a decode, replaying the call order of SGLang's
+prefill.py / decode.py (engine_proc.py), with our bootstrap server in this process and real
+Mooncake over TCP on 127.0.0.1 between the ranks' embedded services."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import requests
+from sglang.srt.disaggregation.base.conn import KVPoll
+
+from service.integrations.sglang.bootstrap import (
+    SIGNATURE_HEADER,
+    KVHandoffBootstrapServer,
+    sign,
+)
+from tests.sglang import engine_proc as ep
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = "sglang-test-peer-secret"
+pytestmark = pytest.mark.integration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serving(port: int) -> None:
+    """Wait for a bootstrap server started on its own thread (as SGLang starts it)."""
+    for _ in range(200):
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except requests.ConnectionError:
+            time.sleep(0.05)
+    raise AssertionError(f"no bootstrap server on port {port}")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[str]
+
+    def ask(self, cmd: dict[str, Any]) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(json.dumps(cmd) + "\n")
+        self.popen.stdin.flush()
+
+    def answer(self) -> dict[str, Any]:
+        assert self.popen.stdout is not None
+        line = self.popen.stdout.readline()
+        assert line, f"{self.name} exited ({self.popen.poll()}) without answering"
+        return json.loads(line)
+
+
+@dataclass
+class Deployment:
+    port: int
+    server: KVHandoffBootstrapServer
+    prefill: list[Proc]
+    decode: Proc
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    tmp = tmp_path_factory.mktemp("sglang")
+    (tmp / "model").mkdir()
+    (tmp / "model" / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "num_hidden_layers": 8,
+                "intermediate_size": 128,
+                "vocab_size": 256,
+                "max_position_embeddings": 512,
+            }
+        )
+    )
+    config = tmp / "kvhandoff.toml"
+    config.write_text(
+        f'[server]\nstate_dir = "{tmp / "state"}"\n[auth]\npeer = "{SECRET}"\n'
+        "[transfer]\nlanding_bytes = 4194304\nwindow_bytes = 1048576\nstaging_bytes = 4194304\n"
+        "[handoff]\ndefault_deadline_s = 10.0\nheartbeat_interval_s = 0.5\npeer_timeout_s = 2.0\n"
+    )
+    env = {**os.environ, "SGLANG_KVHANDOFF_CONFIG": str(config), "HF_HUB_OFFLINE": "1"}
+    os.environ["SGLANG_KVHANDOFF_CONFIG"] = str(config)
+    port, dist_port = free_port(), free_port()
+    server = KVHandoffBootstrapServer("127.0.0.1", port)
+    serving(port)
+
+    def start(role: str, pp_rank: int) -> Proc:
+        argv = [
+            sys.executable,
+            "-m",
+            "tests.sglang.engine_proc",
+            role,
+            str(pp_rank),
+            "2",
+            str(port),
+            str(dist_port),
+            str(tmp / "model"),
+        ]
+        log = open(tmp / f"{role}{pp_rank}.log", "w")  # noqa: SIM115  -- closed with the process
+        popen = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        return Proc(f"{role}{pp_rank}", popen)
+
+    procs = [start("prefill", 0), start("prefill", 1), start("decode", 0)]
+    try:
+        for p in procs:
+            hello = p.answer()
+            assert hello["ready"] and hello["manager"] == "KVHandoffManager", hello
+        yield Deployment(port, server, procs[:2], procs[2], tmp)
+    finally:
+        for p in procs:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+        server.close()
+
+
+def run(
+    d: Deployment,
+    room: int,
+    src: list[int],
+    dst: list[int],
+    src_aux: int,
+    dst_aux: int,
+    chunks: list[int],
+    **extra: Any,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    dump = d.tmp / f"decode-{room}.npz"
+    d.decode.ask(
+        {
+            "op": "request",
+            "room": room,
+            "pages": dst,
+            "aux": dst_aux,
+            "dump": str(dump),
+            **extra.get("decode", {}),
+        }
+    )
+    for p in d.prefill:
+        p.ask(
+            {
+                "op": "request",
+                "room": room,
+                "pages": src,
+                "aux": src_aux,
+                "chunks": chunks,
+                **extra.get("prefill", {}),
+            }
+        )
+    prefill = [p.answer() for p in d.prefill]
+    consensus = prefill[0]["final"]  # PP rank 0 decides for every stage (prefill.py)
+    for p, answer in zip(d.prefill[1:], prefill[1:]):
+        p.ask({"op": "clear", "room": room, "failed": consensus == KVPoll.Failed})
+        cleared = p.answer()
+        assert cleared["cleared"] == room
+        answer["error"] = cleared["error"]
+    return d.decode.answer(), prefill
+
+
+def monotone(polls: list[int]) -> bool:
+    return polls == sorted(polls) or (
+        polls[-1] == KVPoll.Failed and polls[:-1] == sorted(polls[:-1])
+    )
+
+
+def verify(
+    d: Deployment, room: int, src: list[int], dst: list[int], src_aux: int, dst_aux: int
+) -> None:
+    """Every decode byte: the pages and aux row of this request from their source, zeros
+    everywhere else."""
+    landed = list(np.load(d.tmp / f"decode-{room}.npz").values())
+    dec_ids = ep.layer_ids("decode", 0)
+    n = len(dec_ids)
+    for rank in (0, 1):
+        kv, aux = ep.tensors("prefill", rank)
+        ids = ep.layer_ids("prefill", rank)
+        for i, layer in enumerate(ids * 2):
+            group = i // len(ids)
+            j = group * n + dec_ids.index(layer)
+            sent = kv[i].numpy().reshape(ep.PREFILL_PAGES, ep.KV_ITEM)[src]
+            got = landed[j].reshape(ep.DECODE_PAGES, ep.KV_ITEM)
+            assert np.array_equal(got[dst], sent), f"layer {layer} group {group}"
+            assert not np.delete(got, dst, axis=0).any(), f"layer {layer} group {group}"
+    _, aux = ep.tensors("prefill", 1)  # the last stage's aux rows; the room row it wrote
+    for k, item in enumerate(ep.AUX_ITEMS):
+        got = landed[2 * n + k].reshape(ep.AUX_ROWS, item)
+        want = aux[k].numpy().reshape(ep.AUX_ROWS, item)[src_aux].copy()
+        if k == 2:
+            want = np.frombuffer(np.int64(room).tobytes(), dtype=np.uint8)
+        assert np.array_equal(got[dst_aux], want), f"aux buffer {k}"
+        assert not np.delete(got, [dst_aux], axis=0).any(), f"aux buffer {k}"
+
+
+def test_chunked_pp2_handoff_lands_every_byte(deployment: Deployment) -> None:
+    d = deployment
+    for room, src, dst, chunks, (sa, da) in (
+        (7001, [3, 4, 9, 10, 11, 20], [7, 8, 1, 2, 40, 41], [2, 3, 1], (2, 5)),
+        (7002, [30, 1, 2, 5, 6, 7], [0, 46, 47, 10, 11, 12], [4, 2, 0], (6, 0)),  # empty last
+    ):
+        decode, prefill = run(d, room, src, dst, sa, da, chunks)
+        assert decode["final"] == KVPoll.Success, decode
+        assert all(p["final"] == KVPoll.Success for p in prefill), prefill
+        for answer in [decode, *prefill]:
+            assert monotone(answer["polls"]), answer
+        assert decode["released"]
+        verify(d, room, src, dst, sa, da)
+
+
+def test_decode_abort_fails_both_sides_with_the_reason(deployment: Deployment) -> None:
+    d = deployment
+    decode, prefill = run(
+        d,
+        7101,
+        [1, 2, 3],
+        [4, 5, 6],
+        1,
+        1,
+        [3],
+        decode={"abort_after_s": 0.3},
+        prefill={"delay_s": 1.0, "timeout_s": 15.0},
+    )
+    assert decode["final"] == KVPoll.Failed and "Aborted" in decode["error"], decode
+    assert decode["released"], decode  # pages free: no write of it can land any more
+    assert prefill[0]["final"] == KVPoll.Failed, prefill  # the consensus of both stages
+    for p in prefill:
+        assert p["error"] and "sglang-7101-tp0" in p["error"], p
+        assert monotone(p["polls"]), p
+
+
+def test_a_prefill_abort_mid_chunks_fails_the_decode_naming_the_stage(
+    deployment: Deployment,
+) -> None:
+    d = deployment
+    d.decode.ask({"op": "request", "room": 7151, "pages": [9, 10, 11], "aux": 2})
+    d.prefill[0].ask(
+        {
+            "op": "request",
+            "room": 7151,
+            "pages": [1, 2, 3],
+            "aux": 2,
+            "chunks": [2, 1],
+            "abort_before_chunk": 1,
+            "delay_s": 0.5,
+        }
+    )
+    d.prefill[1].ask(
+        {
+            "op": "request",
+            "room": 7151,
+            "pages": [1, 2, 3],
+            "aux": 2,
+            "chunks": [2, 1],
+            "timeout_s": 15.0,
+        }
+    )
+    prefill = [p.answer() for p in d.prefill]
+    d.prefill[1].ask({"op": "clear", "room": 7151, "failed": True})
+    assert d.prefill[1].answer()["cleared"] == 7151
+    decode = d.decode.answer()
+    assert prefill[0]["final"] == KVPoll.Failed and "engine_aborted" in prefill[0]["error"], prefill
+    assert decode["final"] == KVPoll.Failed, decode
+    assert "stage 0" in decode["error"] and "sglang-7151-tp0" in decode["error"], decode
+    assert decode["after_metadata_s"] < 8.0, decode  # told, not timed out (deadline 10 s)
+    assert decode["released"], decode
+
+
+def test_a_registration_without_the_peer_secret_is_refused(deployment: Deployment) -> None:
+    url = f"http://127.0.0.1:{deployment.port}/route"
+    row = {
+        "attn_tp_size": 1,
+        "attn_tp_rank": 0,
+        "attn_cp_size": 1,
+        "attn_cp_rank": 0,
+        "attn_dp_size": 1,
+        "attn_dp_rank": 0,
+        "pp_size": 2,
+        "pp_rank": 1,
+        "system_dp_size": 1,
+        "system_dp_rank": 0,
+        "rank_ip": "198.51.100.7",
+        "rank_port": 1,
+        "page_size": 4,
+        "kv_cache_dtype": "bfloat16",
+        "kvhandoff_url": "http://198.51.100.7:1",
+    }
+    body = json.dumps(row).encode()
+    assert requests.put(url, data=body, timeout=5).status_code == 401
+    forged = sign(b"another secret", "PUT", "/route", body)
+    assert (
+        requests.put(url, data=body, headers={SIGNATURE_HEADER: forged}, timeout=5).status_code
+        == 401
+    )
+    good = requests.get(
+        f"{url}?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=1", timeout=5
+    ).json()
+    assert good["rank_ip"] != "198.51.100.7" and good["kvhandoff_url"].startswith("http://127.")
+
+
+def test_a_prefill_of_another_tp_size_is_refused_naming_both(deployment: Deployment) -> None:
+    # A second prefill instance, TP 2, registered (signed) with its own bootstrap server.
+    port = free_port()
+    other = KVHandoffBootstrapServer("127.0.0.1", port)
+    try:
+        serving(port)
+        for tp_rank in (0, 1):
+            row = {
+                "attn_tp_size": 2,
+                "attn_tp_rank": tp_rank,
+                "attn_cp_size": 1,
+                "attn_cp_rank": 0,
+                "attn_dp_size": 1,
+                "attn_dp_rank": 0,
+                "pp_size": 1,
+                "pp_rank": 0,
+                "system_dp_size": 1,
+                "system_dp_rank": 0,
+                "rank_ip": "127.0.0.1",
+                "rank_port": 9,
+                "page_size": ep.PAGE_SIZE,
+                "kv_cache_dtype": "bfloat16",
+                "kvhandoff_url": "http://127.0.0.1:9",
+            }
+            body = json.dumps(row).encode()
+            headers = {SIGNATURE_HEADER: sign(SECRET.encode(), "PUT", "/route", body)}
+            reply = requests.put(
+                f"http://127.0.0.1:{port}/route", data=body, headers=headers, timeout=5
+            )
+            assert reply.status_code == 200, reply.text
+        d = deployment
+        d.decode.ask(
+            {
+                "op": "request",
+                "room": 7171,
+                "pages": [1],
+                "aux": 1,
+                "bootstrap": f"127.0.0.1:{port}",
+                "timeout_s": 5.0,
+            }
+        )
+        decode = d.decode.answer()
+    finally:
+        other.close()
+    assert decode["final"] == KVPoll.Failed, decode
+    assert (
+        "equal TP only" in decode["error"]
+        and "prefill attention TP 2, decode 1" in (decode["error"])
+    ), decode
+
+
+def test_a_killed_prefill_stage_fails_the_decode_within_the_heartbeat_window(
+    deployment: Deployment,
+) -> None:
+    d = deployment
+    d.decode.ask({"op": "request", "room": 7201, "pages": [1, 2], "aux": 3, "timeout_s": 20.0})
+    d.prefill[0].ask(
+        {"op": "request", "room": 7201, "pages": [5, 6], "aux": 3, "chunks": [2], "timeout_s": 6.0}
+    )
+    time.sleep(0.5)  # the decode has created the handoff and reached both stages
+    d.prefill[1].popen.kill()
+    d.prefill[1].popen.wait(10)
+    decode = d.decode.answer()
+    assert decode["final"] == KVPoll.Failed, decode
+    print("decode failure:", decode["error"])
+    assert "sglang-7201-tp0" in decode["error"] and "stage 1" in decode["error"], decode
+    # Heartbeats every 0.5 s, a peer silent for 2 s is lost: well inside 8 s of the metadata.
+    assert decode["after_metadata_s"] < 8.0, decode
+    # PP rank 0 never reports Success without its dead peer stage (SGLang's consensus waits on
+    # every stage; a dead PP rank takes the prefill instance down in SGLang itself).
+    assert d.prefill[0].answer()["final"] != KVPoll.Success

@@ -1,0 +1,73 @@
+"""KVArgs -> layouts, and the features the backend refuses by name (no processes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from service.integrations.sglang.layouts import (
+    AUX_LAYER_ID,
+    Unsupported,
+    rank_layout,
+    refuse_unsupported,
+)
+
+
+def kv_args(**changes: Any) -> Any:
+    base: dict[str, Any] = {
+        "kv_data_ptrs": [4096, 8192, 12288, 16384],
+        "kv_data_lens": [640] * 4,
+        "kv_item_lens": [64] * 4,
+        "kv_layer_ids": [5, 7, 5, 7],
+        "kv_cache_dtype_str": "bfloat16",
+        "aux_data_ptrs": [65536, 131072],
+        "aux_data_lens": [128, 64],
+        "aux_item_lens": [16, 8],
+        "state_types": [],
+        "state_data_ptrs": [],
+        "page_size": 4,
+        "prefill_start_layer": 4,
+        "num_draft_entries": 0,
+        "host_kv_data_ptrs": None,
+    }
+    return SimpleNamespace(**{**base, **changes})
+
+
+def test_a_hybrid_stage_pairs_by_global_layer_id_and_carries_the_aux_rows() -> None:
+    rank = rank_layout(kv_args(), pp_rank=1, pp_size=2, is_mla=False, with_aux=True)
+    kv = [(e.layer_id, e.group, e.base, e.num_items) for e in rank.layout.kv]
+    assert kv == [(5, 0, 4096, 10), (7, 0, 8192, 10), (5, 1, 12288, 10), (7, 1, 16384, 10)]
+    aux = [(s.layer_id, s.kind, s.item_len, s.num_slots) for s in rank.layout.state]
+    assert aux == [(AUX_LAYER_ID, "sglang_aux_0", 16, 8), (AUX_LAYER_ID, "sglang_aux_1", 8, 8)]
+    assert rank.buffers[-1] == (131072, 64) and rank.has_aux
+    first = rank_layout(kv_args(), pp_rank=0, pp_size=2, is_mla=False, with_aux=False)
+    assert first.layout.state == () and not first.has_aux
+
+
+def test_a_positional_list_under_pp_takes_its_ids_from_the_stage_s_first_layer() -> None:
+    rank = rank_layout(kv_args(kv_layer_ids=[]), pp_rank=1, pp_size=2, is_mla=False, with_aux=False)
+    assert [(e.layer_id, e.group) for e in rank.layout.kv] == [(4, 0), (5, 0), (4, 1), (5, 1)]
+    legacy = rank_layout(
+        kv_args(kv_layer_ids=[]), pp_rank=0, pp_size=1, is_mla=False, with_aux=False
+    )
+    assert not legacy.layout.layer_ids_published
+
+
+@pytest.mark.parametrize(
+    ("changes", "device", "named"),
+    [
+        ({}, "cuda", "--device cuda"),
+        ({"num_draft_entries": 2}, "cpu", "num_draft_entries=2"),
+        ({"state_types": ["mamba"], "state_data_ptrs": [[1]]}, "cpu", "['mamba']"),
+        ({"host_kv_data_ptrs": [1]}, "cpu", "host KV destinations"),
+    ],
+)
+def test_unsupported_features_are_refused_by_name(
+    changes: dict[str, Any], device: str, named: str
+) -> None:
+    with pytest.raises(Unsupported) as err:
+        refuse_unsupported(kv_args(**changes), device=device)
+    assert named in str(err.value)
+    refuse_unsupported(kv_args(), device="cpu")  # and the supported case passes
