@@ -74,8 +74,11 @@ test-tools:
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_TEST_TOOLS); \
 	fi
 
-test: setup test-tools
+# Everything: the main suite, then the SGLang backend against SGLang's own classes (its own
+# environment, `sglang-env`).
+test: setup test-tools sglang-env
 	$(PY) -m pytest
+	$(SGLANG_PY) -m pytest -c tests/sglang/pytest.ini tests/sglang
 
 # The fast loop: unit tests only (no real processes, no browser).
 test-unit: setup
