@@ -85,6 +85,17 @@ class HandoffPage(Struct, frozen=True):
     next_cursor: int | None
 
 
+class HeldHandoff(Struct, frozen=True):
+    """A handoff this process holds, as admitted (`DecodePipeline.find`, `.held`): what its
+    record is keyed and ordered by. `seq` numbers this life's handoffs in creation order."""
+
+    request: HandoffRequest
+    seq: int
+    state: HandoffState
+    created_at: float
+    deadline_at: float
+
+
 class ArchivedHandoff(Struct, frozen=True):
     """A handoff this process does not hold (an earlier process's, or evicted), as recorded."""
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
+from pipelines.arena import ArenaUse
 from pipelines.errors import (
     ConflictError,
     DeadlineExceeded,
@@ -89,7 +90,7 @@ class PrefillPipeline:
         self.cache = cache or PairingCache()
         #: The staging buffer landed segments are packed into (read-only here: metrics and the
         #: dashboard read its `arena.stats`; the stage runner owns its use).
-        self.staging = staging
+        self._staging = staging
         self._default_deadline_s = settings.default_deadline_s
         self._clock = clock
         self._runner = StageRunner(
@@ -103,7 +104,7 @@ class PrefillPipeline:
             queue_depth=settings.queue_depth,
             staging=staging,
         )
-        self.handoffs: dict[str, PrefillHandoff] = {}
+        self._handoffs: dict[str, PrefillHandoff] = {}
         # Recently finished ids, so a late or repeated signal is refused rather than waiting for
         # a destination that will never come.
         self._finished: OrderedDict[str, str] = OrderedDict()
@@ -145,7 +146,7 @@ class PrefillPipeline:
                     layer_id=foreign[0],
                     pp_rank=pp_rank,
                 )
-        h = self.handoffs.get(handoff_id)
+        h = self._handoffs.get(handoff_id)
         current = h.inputs.get(pp_rank) if h else None
         if current is None:
             if src_pages is None:
@@ -214,7 +215,7 @@ class PrefillPipeline:
                 field="pp_ranks",
                 pp_rank=missing[0],
             )
-        h = self.handoffs.get(msg.handoff_id) or self._open(msg.handoff_id)
+        h = self._handoffs.get(msg.handoff_id) or self._open(msg.handoff_id)
         if h.destination.done():
             if h.destination.result() == msg:
                 return  # a retried delivery
@@ -230,7 +231,7 @@ class PrefillPipeline:
     ) -> AbortAck:
         """Stop a handoff; returns once no write of it can still land. With
         `decode_incarnation`, a handoff bound to another decode life is refused."""
-        h = self.handoffs.get(handoff_id)
+        h = self._handoffs.get(handoff_id)
         if h is None:
             self._remember(handoff_id, "aborted")
             return self._ack(handoff_id, [])
@@ -267,7 +268,7 @@ class PrefillPipeline:
 
     async def peer_lost(self, decode_url: str, reason: str) -> list[str]:
         """A decode service went silent: stop sending to it. Returns the stopped handoff ids."""
-        victims = [h.handoff_id for h in self.handoffs.values() if h.decode_url == decode_url]
+        victims = [h.handoff_id for h in self._handoffs.values() if h.decode_url == decode_url]
         for handoff_id in victims:
             await self.abort(handoff_id, reason)
         return victims
@@ -278,7 +279,7 @@ class PrefillPipeline:
         in `sent` that it no longer runs while a stage here may still write. Returns their ids."""
         theirs = set(ack.live)
         victims = []
-        for h in list(self.handoffs.values()):
+        for h in list(self._handoffs.values()):
             dest = h.known_destination
             if dest is None or dest.decode_url != decode_url:
                 continue
@@ -299,14 +300,42 @@ class PrefillPipeline:
     def live_by_decode(self) -> dict[str, list[str]]:
         """Live handoff ids per decode URL: whom the heartbeat task must keep pinging."""
         out: dict[str, list[str]] = {}
-        for h in self.handoffs.values():
+        for h in self._handoffs.values():
             url = h.decode_url
             if url is not None:
                 out.setdefault(url, []).append(h.handoff_id)
         return out
 
+    # ----------------------------------------------------------------- queries (read-only)
+    # What the service reads of the handoffs open here (the engine route's bound, the abort
+    # route's sender check, the dashboard, metrics): values, never the records themselves.
+
+    def holds(self, handoff_id: str) -> bool:
+        return handoff_id in self._handoffs
+
+    def open_count(self) -> int:
+        """Handoffs open here (signalled ready or given a destination, not yet ended)."""
+        return len(self._handoffs)
+
+    def awaiting_destination(self) -> int:
+        """Handoffs signalled ready whose destination no decode service has sent yet."""
+        return sum(1 for h in self._handoffs.values() if h.decode_url is None)
+
+    def open_ids(self) -> frozenset[str]:
+        return frozenset(self._handoffs)
+
+    def decode_of(self, handoff_id: str) -> str | None:
+        """The decode service that sent this handoff's destination (None: none yet, or the
+        handoff is not open here)."""
+        h = self._handoffs.get(handoff_id)
+        return None if h is None else h.decode_url
+
+    def arena(self) -> ArenaUse | None:
+        """The staging buffer's use now (None in direct mode)."""
+        return None if self._staging is None else self._staging.arena.use("staging")
+
     async def close(self) -> None:
-        for h in list(self.handoffs.values()):
+        for h in list(self._handoffs.values()):
             await self.abort(h.handoff_id, "service shutting down")
         self._runner.close()
 
@@ -323,7 +352,7 @@ class PrefillPipeline:
     def _open(self, handoff_id: str) -> PrefillHandoff:
         loop = asyncio.get_running_loop()
         h = PrefillHandoff(handoff_id, self._clock(), loop.create_future())
-        self.handoffs[handoff_id] = h
+        self._handoffs[handoff_id] = h
         h.task = loop.create_task(self._run(h), name=f"prefill:{handoff_id}")
         return h
 
@@ -333,8 +362,8 @@ class PrefillPipeline:
             self._finished.popitem(last=False)
 
     def _close(self, h: PrefillHandoff, outcome: str) -> None:
-        if self.handoffs.get(h.handoff_id) is h:
-            del self.handoffs[h.handoff_id]
+        if self._handoffs.get(h.handoff_id) is h:
+            del self._handoffs[h.handoff_id]
             self._remember(h.handoff_id, outcome)
 
     def _publish(self, event: Event) -> None:

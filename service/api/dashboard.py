@@ -17,6 +17,7 @@ from importlib import resources
 from aiohttp import web
 from msgspec import Struct
 
+from pipelines.arena import ArenaUse
 from service.http.app import CONFIG, ROUTES, VERSION, json_response
 from service.http.routing import RouteTable
 from service.peers.heartbeat import PeerHealth
@@ -24,7 +25,6 @@ from service.runtime.activity import (
     BUCKET_S,
     RECENT,
     Activity,
-    ArenaUse,
     Bucket,
     HandoffActivity,
     Latency,
@@ -80,12 +80,12 @@ async def dashboard_summary(request: web.Request) -> web.StreamResponse:
     known = list(config.peers.prefill)
     decode = app.get(DECODE)
     if decode is not None:
-        known += [p for h in list(decode.pipeline.handoffs.values())[-RECENT:] for p in h.peers]
+        known += decode.pipeline.recent_peers(RECENT)
     for url in known:
         health.setdefault(url, PeerHealth(url, None, False, 0, 0))
     prefill = app.get(PREFILL)
     if prefill is not None:
-        activity.settle(prefill.pipeline.handoffs.keys())
+        activity.settle(prefill.pipeline.open_ids())
     handoffs = list(activity.handoffs.values())
     return json_response(
         Summary(

@@ -202,11 +202,11 @@ async def abort(request: web.Request) -> web.StreamResponse:
     _handoff_id(msg.handoff_id)
     pipeline = prefill_of(request)
     sender = signed_sender(request)
-    handoff = pipeline.handoffs.get(msg.handoff_id)
-    if sender is not None and handoff is not None and handoff.decode_url is not None:
+    decode_url = pipeline.decode_of(msg.handoff_id)
+    if sender is not None and decode_url is not None:
         # Only the decode service that sent the destination may stop it (before one arrives,
         # nothing can be written, and any peer may stop the waiting).
-        _same_service(handoff.decode_url, sender, "the abort", "handoff_id")
+        _same_service(decode_url, sender, "the abort", "handoff_id")
     return json_response(await pipeline.abort(msg.handoff_id, msg.reason, msg.decode_incarnation))
 
 
@@ -286,10 +286,9 @@ def _from_stage_peer(
     pipeline = decode_of(request)
 
     def check(msg: ArrivalMsg | StageFailedMsg | WindowRequest | SegmentMsg, sender: str) -> None:
-        view = pipeline.get(msg.handoff_id)  # an unknown handoff: 404, as the pipeline says
-        for stage in view.stages:
-            if stage.pp_rank == msg.pp_rank:
-                _same_service(stage.peer, sender, f"the {what} of stage {msg.pp_rank}", "pp_rank")
-                return
+        # An unknown handoff: 404, as the pipeline says; an unknown stage: the pipeline's 422.
+        peer = pipeline.stage_peer(msg.handoff_id, msg.pp_rank)
+        if peer is not None:
+            _same_service(peer, sender, f"the {what} of stage {msg.pp_rank}", "pp_rank")
 
     return check

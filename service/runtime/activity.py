@@ -5,8 +5,6 @@ the landed transfer's memory in use.
 age, what the dashboard page (`service.api.dashboard`) shows on load: the most recent handoffs
 with per-stage progress, completions per time bucket, and latency percentiles. The page then
 applies the live SSE events to the same model, so this snapshot and the stream agree.
-`arena_uses` reads the landing arena (decode) and staging buffer (prefill) of a pipeline: the
-dashboard and `/metrics` (`service.runtime.metrics.ArenaCollector`) show the same numbers.
 """
 
 from __future__ import annotations
@@ -17,8 +15,6 @@ from collections.abc import Callable, Collection
 
 from msgspec import Struct
 
-from pipelines.arena import Arena
-from pipelines.decode import DecodePipeline
 from pipelines.events import (
     ChunksEmitted,
     Event,
@@ -30,7 +26,6 @@ from pipelines.events import (
     StageReady,
     StageTransferred,
 )
-from pipelines.prefill import PrefillPipeline
 
 #: Handoffs kept for the page; older ones are in `GET /v1/handoffs`.
 RECENT = 200
@@ -75,37 +70,6 @@ class Latency(Struct, frozen=True):
     p50_s: float | None
     p90_s: float | None
     p99_s: float | None
-
-
-class ArenaUse(Struct, frozen=True):
-    """One arena of the landed transfer, now: `landing` (decode) or `staging` (prefill)."""
-
-    arena: str
-    capacity_bytes: int
-    used_bytes: int
-    quarantined_bytes: int
-    waiting: int  # takers waiting for room now
-    waits: int  # takers that had to wait, ever
-
-
-def arena_uses(decode: DecodePipeline | None, prefill: PrefillPipeline | None) -> list[ArenaUse]:
-    """The arenas of this service's pipeline (none in direct mode on a decode)."""
-    arenas: list[tuple[str, Arena]] = []
-    if decode is not None and decode.landing is not None:
-        arenas.append(("landing", decode.landing.arena))
-    if prefill is not None and prefill.staging is not None:
-        arenas.append(("staging", prefill.staging.arena))
-    return [
-        ArenaUse(
-            arena=name,
-            capacity_bytes=a.stats.capacity_bytes,
-            used_bytes=a.stats.used_bytes,
-            quarantined_bytes=a.stats.quarantined_bytes,
-            waiting=a.stats.waiting,
-            waits=a.stats.waits,
-        )
-        for name, a in arenas
-    ]
 
 
 class Activity:

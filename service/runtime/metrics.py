@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pipelines.arena import ArenaUse
 from pipelines.events import (
     TERMINAL_EVENTS,
     ChunksEmitted,
@@ -34,7 +35,6 @@ from pipelines.events import (
     StageTransferred,
 )
 from service.peers.health import PeerHealth
-from service.runtime.activity import ArenaUse
 from service.runtime.streams import StreamStats
 from service.runtime.webhooks import WebhookStats
 from transport.base import TransportStats
@@ -261,7 +261,7 @@ class PeerCollector(Collector):
 
 
 class ArenaCollector(Collector):
-    """The landed transfer's memory (`service.runtime.activity.arena_uses`), read at scrape time:
+    """The landed transfer's memory (each pipeline's `arena()`), read at scrape time:
     the decode's landing arena and a prefill's staging buffer, by `arena`."""
 
     def __init__(self, arenas: Callable[[], list[ArenaUse]]) -> None:

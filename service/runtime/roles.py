@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from pipelines.arena import ArenaUse
 from pipelines.decode import DecodePipeline
 from pipelines.decode.views import HandoffRequest, HandoffView
 from pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag, life_first_seq
@@ -36,7 +37,6 @@ from service.http.client import PeerClient
 from service.peers.heartbeat import Heartbeats, HeartbeatSettings
 from service.peers.protocol import HttpPeers
 from service.runtime import admission
-from service.runtime.activity import ArenaUse, arena_uses
 from service.runtime.landing import TransferMemory, open_transfer_memory
 from service.runtime.persistence import PERSISTENCE, Persistence, open_persistence
 from service.runtime.stages import Buffers, HostedMemory, open_stages
@@ -90,11 +90,12 @@ class DecodeRuntime(RuntimeBase):
 
     def arenas(self) -> list[ArenaUse]:
         """The landing arena in use (none in direct mode)."""
-        return arena_uses(self.pipeline, None)
+        use = self.pipeline.arena()
+        return [] if use is None else [use]
 
     def in_flight(self) -> int:
         """Handoffs started and not yet terminal."""
-        return sum(not h.state.terminal for h in self.pipeline.handoffs.values())
+        return self.pipeline.in_flight()
 
 
 @dataclass(kw_only=True)
@@ -102,8 +103,9 @@ class PrefillRuntime(RuntimeBase):
     pipeline: PrefillPipeline
 
     def arenas(self) -> list[ArenaUse]:
-        """The staging buffer in use."""
-        return arena_uses(None, self.pipeline)
+        """The staging buffer in use (none in direct mode)."""
+        use = self.pipeline.arena()
+        return [] if use is None else [use]
 
     def in_flight(self) -> int:
         """Handoffs with a destination from a decode and not yet ended here."""

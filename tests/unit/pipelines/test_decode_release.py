@@ -50,7 +50,7 @@ async def test_the_fence_covers_the_time_a_destination_took_to_reach_its_prefill
     req = HandoffRequest(id="q", prefill=["p"], dst_pages=[9], dst_slot=0, deadline_s=0.3)
     await w.decode.create(req)
     await received.wait()
-    prefill_deadline = w.prefill.handoffs["q"].deadline_mono
+    prefill_deadline = w.prefill._handoffs["q"].deadline_mono
     assert prefill_deadline is not None
     view = await w.decode.wait("q", 10.0, released=True)
     assert view.state == HandoffState.FAILED and view.released
@@ -88,7 +88,7 @@ async def test_an_abort_that_overtook_its_destination_is_sent_again_once_it_land
     view = await asyncio.wait_for(abort, 30.0)
     assert view.state == HandoffState.ABORTED and view.released
     # Nothing of "o" is live on the prefill: no write of it can land in the released pages.
-    assert "o" not in w.prefill.handoffs
+    assert "o" not in w.prefill._handoffs
     assert w.prefill._finished.get("o") == "aborted"
 
 

@@ -220,7 +220,7 @@ async def test_history_keeps_the_newest_finished_and_every_live_handoff(world: W
         hid = f"done-{i}"
         await w.decode.create(HandoffRequest(id=hid, prefill=["p"], dst_pages=[1], dst_slot=1))
         await w.decode.abort(hid)
-    assert list(w.decode.handoffs) == ["live", "done-4", "done-5"]
+    assert list(w.decode._handoffs) == ["live", "done-4", "done-5"]
 
 
 async def test_capacity_and_long_poll(world: World) -> None:
@@ -338,7 +338,7 @@ async def test_a_prefill_aborted_while_it_waits_for_its_destination_reads_as_hav
     CancelledError (it ended their task, issue 18)."""
     w = world
     w.prefill.ready("w", 0, [1, 2], 0)  # opened, waiting for its destination
-    h = w.prefill.handoffs["w"]
+    h = w.prefill._handoffs["w"]
     assert h.task is not None
     await asyncio.sleep(0)  # the task is now awaiting the destination
     h.task.cancel()
@@ -349,4 +349,38 @@ async def test_a_prefill_aborted_while_it_waits_for_its_destination_reads_as_hav
     ack = HeartbeatAck(role="decode", url="d", incarnation="x", live=[])
     assert await w.prefill.reconcile("d", ack, ["w"]) == []
     await w.prefill.abort("w", "test")
-    assert "w" not in w.prefill.handoffs
+    assert "w" not in w.prefill._handoffs
+
+
+async def test_the_query_surface_answers_with_snapshots_that_do_not_follow_the_handoff(
+    world: World,
+) -> None:
+    """What the service reads (`find`, `held`, `in_flight`, `stage_peer`, `decode_of`, ...) is
+    a copy at the call: it cannot change the handoff, and the handoff's later changes do not
+    show through it."""
+    w = world
+    req = HandoffRequest(id="q", prefill=["p"], dst_pages=[1, 2], dst_slot=0)
+    await w.decode.create(req)
+    held = w.decode.find("q")
+    assert held is not None and held.request == req and held.state == HandoffState.PENDING
+    with pytest.raises(AttributeError):
+        held.state = HandoffState.FAILED  # type: ignore[misc]
+    assert [h.request.id for h in w.decode.held()] == ["q"]
+    assert list(w.decode.held(HandoffState.COMPLETED)) == []
+    assert w.decode.holds("q") and not w.decode.holds("nope") and w.decode.find("nope") is None
+    assert w.decode.in_flight() == 1 and w.decode.recent_peers(10) == ["p"]
+    assert w.decode.stage_peer("q", 0) == "p" and w.decode.stage_peer("q", 9) is None
+    with pytest.raises(NotFoundError):
+        w.decode.stage_peer("nope", 0)
+    assert w.decode.get("q", timeline=False).timeline == [] and w.decode.get("q").timeline
+    async with asyncio.timeout(5):
+        while w.prefill.decode_of("q") is None:  # until the destination is delivered
+            await asyncio.sleep(0.01)
+    assert w.prefill.decode_of("q") == "d" and w.prefill.open_ids() == {"q"}
+    assert w.prefill.awaiting_destination() == 0 and w.prefill.open_count() == 1
+    w.prefill.ready("q", 0, [3, 4], 1)
+    w.prefill.ready("q", 1, [3, 4], 1)
+    assert await wait_terminal(w, "q") == HandoffState.COMPLETED
+    assert held.state == HandoffState.PENDING  # the snapshot kept what it saw
+    assert w.decode.find("q").state == HandoffState.COMPLETED  # type: ignore[union-attr]
+    assert w.decode.in_flight() == 0 and w.decode.arena() is None and w.prefill.arena() is None

@@ -130,8 +130,8 @@ async def test_landed_transfer_metrics_move_by_exactly_the_run(d: Deployment) ->
     )
     assert not [k for k in dec if k[0] == "kvhandoff_segments_rejected_total"]
     decode = d.decode.app[DECODE].pipeline
-    assert decode is not None and decode.landing is not None
-    landing = decode.landing.arena
+    assert decode is not None and decode._landing is not None
+    landing = decode._landing.arena
     assert value(dec, "kvhandoff_arena_capacity_bytes", arena="landing") == (
         landing.stats.capacity_bytes
     )
@@ -145,8 +145,8 @@ async def test_landed_transfer_metrics_move_by_exactly_the_run(d: Deployment) ->
     text, pre = await scrape(d, d.prefill_urls[0])
     promtool_check(text)
     prefill = d.prefills[0].app[PREFILL].pipeline
-    assert prefill is not None and prefill.staging is not None
-    staging = prefill.staging.arena
+    assert prefill is not None and prefill._staging is not None
+    staging = prefill._staging.arena
     assert value(pre, "kvhandoff_arena_capacity_bytes", arena="staging") == (
         staging.stats.capacity_bytes
     )
