@@ -210,7 +210,9 @@ class PeerCollector(Collector):
     def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
         peers = self._health()
         up = GaugeMetricFamily(
-            "kvhandoff_peer_up", "1 while a peer answers heartbeats, 0 once lost", labels=["peer"]
+            "kvhandoff_peer_up",
+            "1 while a peer is reachable (heard within the silence timeout, not lost), else 0",
+            labels=["peer"],
         )
         heard = GaugeMetricFamily(
             "kvhandoff_peer_last_heard_seconds",
@@ -243,7 +245,7 @@ class PeerCollector(Collector):
             labels=["peer"],
         )
         for p in peers:
-            up.add_metric([p.url], 0.0 if p.lost else 1.0)
+            up.add_metric([p.url], 1.0 if p.up else 0.0)
             if p.last_heard_s is not None:
                 heard.add_metric([p.url], p.last_heard_s)
             misses.add_metric([p.url], p.misses)

@@ -32,7 +32,7 @@ from pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag, life_f
 from pipelines.messages import PEER_PROTOCOL_VERSION, HeartbeatAck, LayoutInfo
 from pipelines.prefill import HostedStage, PrefillPipeline
 from service.config import Config, ConfigError
-from service.http.app import CONFIG, INCARNATION, PEERS, READINESS
+from service.http.app import CONFIG, INCARNATION, PEERS, READINESS, PeerReady
 from service.http.client import PeerClient
 from service.peers.heartbeat import Heartbeats, HeartbeatSettings
 from service.peers.protocol import HttpPeers
@@ -401,11 +401,19 @@ def install_runtime(app: web.Application, buffers: Buffers | None = None) -> Non
 
     app.cleanup_ctx.append(runtime_ctx)
     app.on_shutdown.append(_closing)
-    app[READINESS].add("transport", lambda: TRANSPORT in app)
-    app[READINESS].add("handoffs", lambda: RUNTIME in app)
-    if app[CONFIG].role == "decode" and app[CONFIG].records.persist:
+    readiness = app[READINESS]
+    readiness.add("transport", lambda: TRANSPORT in app)
+    readiness.add("handoffs", lambda: RUNTIME in app)
+    config = app[CONFIG]
+    if config.role == "decode" and config.records.persist:
         # Not ready until restored, nor after a write failed: routers must go elsewhere.
-        app[READINESS].add("records", lambda: _records_ok(app))
+        readiness.add("records", lambda: _records_ok(app))
+    readiness.peers = lambda: _peers_ready(app)
+    if config.role == "decode" and config.peers.prefill:
+        # A handoff without its own `prefill` list goes to the configured ones: with none of
+        # them reachable now (the heartbeats ping them whether or not anything is in flight),
+        # this decode cannot do its job and routers must go elsewhere.
+        readiness.add("peers", lambda: any(p.up for p in _peers_ready(app) if p.configured))
 
 
 def on_runtime(app: web.Application, hook: Callable[[Runtime], None]) -> None:
@@ -419,6 +427,17 @@ def _hooks(app: web.Application) -> list[Callable[[Runtime], None]]:
         app[_ON_RUNTIME] = []
     hooks: list[Callable[[Runtime], None]] = app[_ON_RUNTIME]
     return hooks
+
+
+def _peers_ready(app: web.Application) -> list[PeerReady]:
+    """The peers the heartbeats track (configured ones first), for `/readyz`."""
+    if RUNTIME not in app:
+        return []
+    rows = [
+        PeerReady(p.url, p.up, p.configured, p.last_heard_s)
+        for p in app[RUNTIME].heartbeats.health()
+    ]
+    return sorted(rows, key=lambda p: (not p.configured, p.url))
 
 
 def _records_ok(app: web.Application) -> bool:

@@ -168,7 +168,9 @@ async def test_sse_readers_are_counted(d: Deployment) -> None:
 def test_peer_health_is_exported_per_peer() -> None:
     metrics = Metrics("decode", "0.1.0")
     peers = [
-        PeerHealth(url="http://a:1", last_heard_s=0.5, lost=False, misses=2, losses=0),
+        PeerHealth(url="http://a:1", last_heard_s=0.5, lost=False, misses=2, losses=0, up=True),
+        # Never heard and not declared lost (a configured peer that does not resolve): down.
+        PeerHealth(url="http://c:3", last_heard_s=None, lost=False, misses=3, losses=0),
         PeerHealth(url="http://b:2", last_heard_s=None, lost=True, misses=7, losses=1),
     ]
     metrics.add_collector(PeerCollector(lambda: peers))
@@ -181,6 +183,7 @@ def test_peer_health_is_exported_per_peer() -> None:
     }
     assert value(samples, "kvhandoff_peer_up", peer="http://a:1") == 1
     assert value(samples, "kvhandoff_peer_up", peer="http://b:2") == 0
+    assert value(samples, "kvhandoff_peer_up", peer="http://c:3") == 0
     assert value(samples, "kvhandoff_peer_last_heard_seconds", peer="http://a:1") == 0.5
     assert ("kvhandoff_peer_last_heard_seconds", (("peer", "http://b:2"),)) not in samples
     assert value(samples, "kvhandoff_peer_heartbeat_misses_total", peer="http://b:2") == 7
