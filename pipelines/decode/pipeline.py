@@ -24,7 +24,6 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pipelines.arena import ArenaUse
 from pipelines.decode.handoff import I64, ROLE, DecodeHandoff, DecodeStage, publish
 from pipelines.decode.heartbeats import PrefillWatch
 from pipelines.decode.landing import Landing
@@ -32,6 +31,7 @@ from pipelines.decode.leases import Leases
 from pipelines.decode.notices import check_accounting, check_sender, first_mismatch
 from pipelines.decode.outcomes import Outcomes
 from pipelines.decode.prefill_peers import PrefillDirectory, Stages
+from pipelines.decode.queries import DecodeQueries
 from pipelines.decode.release import Releases
 from pipelines.decode.views import (
     ArchivedHandoff,
@@ -40,7 +40,6 @@ from pipelines.decode.views import (
     HandoffPage,
     HandoffRequest,
     HandoffView,
-    HeldHandoff,
 )
 from pipelines.errors import (
     CapacityExceeded,
@@ -158,6 +157,10 @@ class DecodePipeline:
         )
         self._outcomes = Outcomes(bus, self._releases, clock=clock, monotonic=monotonic)
         self._watch = PrefillWatch(self._handoffs, self._peers, self._outcomes, self._releases)
+        #: What the service reads of the handoffs held here (`queries.py`): snapshots only.
+        self.query = DecodeQueries(
+            self._handoffs, self.leases, self._peers, landing, archived=self._archived
+        )
         # Told the peers of every new handoff (the heartbeats start watching them at once).
         self.on_peers: Callable[[list[str]], None] = lambda peers: None
 
@@ -318,54 +321,6 @@ class DecodePipeline:
             # the quiesce short and free the pages while a stage may still write.
             await asyncio.shield(task)
         return h.view()
-
-    # ----------------------------------------------------------------- queries (read-only)
-    # What the service reads of the handoffs held here (its records' journal, the list, metrics,
-    # the dashboard, the peer routes): immutable snapshots, never the records themselves, so no
-    # reader can change a handoff or depend on how this module keeps it.
-
-    def holds(self, handoff_id: str) -> bool:
-        return handoff_id in self._handoffs
-
-    def find(self, handoff_id: str) -> HeldHandoff | None:
-        """The handoff as admitted, if this process holds it (None: an earlier life's or
-        evicted; `get` answers for those from the archive)."""
-        h = self._handoffs.get(handoff_id)
-        return None if h is None else self._held(h)
-
-    def held(self, state: HandoffState | None = None) -> Iterator[HeldHandoff]:
-        """The handoffs held here (of `state`), in creation order. Consume it before awaiting:
-        a handoff created meanwhile ends the iteration with a RuntimeError."""
-        for h in self._handoffs.values():
-            if state is None or h.state == state:
-                yield self._held(h)
-
-    @staticmethod
-    def _held(h: DecodeHandoff) -> HeldHandoff:
-        return HeldHandoff(h.request, h.seq, h.state, h.created_at, h.deadline_at)
-
-    def in_flight(self) -> int:
-        """Handoffs held here and not yet terminal."""
-        return sum(not h.state.terminal for h in self._handoffs.values())
-
-    def recent_peers(self, limit: int) -> list[str]:
-        """The prefill services named by the `limit` most recent handoffs, newest first, once."""
-        recent = itertools.islice(reversed(self._handoffs.values()), limit)
-        return list(dict.fromkeys(url for h in recent for url in h.peers))
-
-    def stage_peer(self, handoff_id: str, pp_rank: int) -> str | None:
-        """The prefill service stage `pp_rank` of a handoff was assigned to (None: the handoff
-        has no such stage). An unknown handoff is a NotFoundError, as `get` says."""
-        h = self._handoffs.get(handoff_id)
-        if h is not None:
-            stage = h.stages.get(pp_rank)
-            return None if stage is None else stage.peer
-        view = self._archived(handoff_id)
-        return next((s.peer for s in view.stages if s.pp_rank == pp_rank), None)
-
-    def arena(self) -> ArenaUse | None:
-        """The landing arena's use now (None in direct mode)."""
-        return None if self._landing is None else self._landing.arena.use("landing")
 
     # ----------------------------------------------------------------- peer-facing
 

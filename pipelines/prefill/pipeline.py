@@ -20,7 +20,6 @@ from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
-from pipelines.arena import ArenaUse
 from pipelines.errors import (
     ConflictError,
     DeadlineExceeded,
@@ -55,6 +54,7 @@ from pipelines.prefill.handoff import (
     StageInput,
     Staging,
 )
+from pipelines.prefill.queries import PrefillQueries
 from pipelines.prefill.stage import StageRunner
 from pipelines.settings import PREFILL_DEFAULTS, PrefillSettings
 from pipelines.states import StageState
@@ -88,9 +88,6 @@ class PrefillPipeline:
         self._decode = decode
         self._bus = bus
         self.cache = cache or PairingCache()
-        #: The staging buffer landed segments are packed into (read-only here: metrics and the
-        #: dashboard read its `arena.stats`; the stage runner owns its use).
-        self._staging = staging
         self._default_deadline_s = settings.default_deadline_s
         self._clock = clock
         self._runner = StageRunner(
@@ -105,6 +102,8 @@ class PrefillPipeline:
             staging=staging,
         )
         self._handoffs: dict[str, PrefillHandoff] = {}
+        #: What the service reads of the handoffs open here (`queries.py`): values only.
+        self.query = PrefillQueries(self._handoffs, staging)
         # Recently finished ids, so a late or repeated signal is refused rather than waiting for
         # a destination that will never come.
         self._finished: OrderedDict[str, str] = OrderedDict()
@@ -305,34 +304,6 @@ class PrefillPipeline:
             if url is not None:
                 out.setdefault(url, []).append(h.handoff_id)
         return out
-
-    # ----------------------------------------------------------------- queries (read-only)
-    # What the service reads of the handoffs open here (the engine route's bound, the abort
-    # route's sender check, the dashboard, metrics): values, never the records themselves.
-
-    def holds(self, handoff_id: str) -> bool:
-        return handoff_id in self._handoffs
-
-    def open_count(self) -> int:
-        """Handoffs open here (signalled ready or given a destination, not yet ended)."""
-        return len(self._handoffs)
-
-    def awaiting_destination(self) -> int:
-        """Handoffs signalled ready whose destination no decode service has sent yet."""
-        return sum(1 for h in self._handoffs.values() if h.decode_url is None)
-
-    def open_ids(self) -> frozenset[str]:
-        return frozenset(self._handoffs)
-
-    def decode_of(self, handoff_id: str) -> str | None:
-        """The decode service that sent this handoff's destination (None: none yet, or the
-        handoff is not open here)."""
-        h = self._handoffs.get(handoff_id)
-        return None if h is None else h.decode_url
-
-    def arena(self) -> ArenaUse | None:
-        """The staging buffer's use now (None in direct mode)."""
-        return None if self._staging is None else self._staging.arena.use("staging")
 
     async def close(self) -> None:
         for h in list(self._handoffs.values()):

@@ -80,12 +80,12 @@ async def dashboard_summary(request: web.Request) -> web.StreamResponse:
     known = list(config.peers.prefill)
     decode = app.get(DECODE)
     if decode is not None:
-        known += decode.pipeline.recent_peers(RECENT)
+        known += decode.pipeline.query.recent_peers(RECENT)
     for url in known:
         health.setdefault(url, PeerHealth(url, None, False, 0, 0))
     prefill = app.get(PREFILL)
     if prefill is not None:
-        activity.settle(prefill.pipeline.open_ids())
+        activity.settle(prefill.pipeline.query.open_ids())
     handoffs = list(activity.handoffs.values())
     return json_response(
         Summary(

@@ -221,8 +221,11 @@ async def stage_ready(request: web.Request) -> web.StreamResponse:
     inputs.pages(body.src_pages or (), "src_pages")
     inputs.slot(body.src_slot, "src_slot")
     pipeline = prefill_of(request)
-    if not pipeline.holds(handoff_id) and pipeline.open_count() >= MAX_AWAITING_DESTINATION:
-        awaiting = pipeline.awaiting_destination()
+    if (
+        not pipeline.query.holds(handoff_id)
+        and pipeline.query.open_count() >= MAX_AWAITING_DESTINATION
+    ):
+        awaiting = pipeline.query.awaiting_destination()
         if awaiting >= MAX_AWAITING_DESTINATION:
             # A ready signal opens a handoff that waits for its destination until its deadline:
             # bounded, so an engine (or its credential) cannot grow the prefill without end.

@@ -202,7 +202,7 @@ async def abort(request: web.Request) -> web.StreamResponse:
     _handoff_id(msg.handoff_id)
     pipeline = prefill_of(request)
     sender = signed_sender(request)
-    decode_url = pipeline.decode_of(msg.handoff_id)
+    decode_url = pipeline.query.decode_of(msg.handoff_id)
     if sender is not None and decode_url is not None:
         # Only the decode service that sent the destination may stop it (before one arrives,
         # nothing can be written, and any peer may stop the waiting).
@@ -287,7 +287,7 @@ def _from_stage_peer(
 
     def check(msg: ArrivalMsg | StageFailedMsg | WindowRequest | SegmentMsg, sender: str) -> None:
         # An unknown handoff: 404, as the pipeline says; an unknown stage: the pipeline's 422.
-        peer = pipeline.stage_peer(msg.handoff_id, msg.pp_rank)
+        peer = pipeline.query.stage_peer(msg.handoff_id, msg.pp_rank)
         if peer is not None:
             _same_service(peer, sender, f"the {what} of stage {msg.pp_rank}", "pp_rank")
 

@@ -56,7 +56,7 @@ def _live(
     decode: DecodePipeline, records: HandoffRecords, state: HandoffState | None, cursor: int
 ) -> Iterator[tuple[int, Callable[[], HandoffView]]]:
     # The pipeline holds them in creation order, and so are the seqs this life gives its records.
-    for h in decode.held(state):
+    for h in decode.query.held(state):
         seq = records.seq_of(h.seq)
         if seq > cursor:
             yield seq, functools.partial(decode.get, h.request.id, timeline=False)
@@ -75,7 +75,7 @@ def _recorded(
     while True:
         rows = records.listed(after, state, batch, before=before)
         for seq, hid in rows:
-            if not decode.holds(hid):  # held here: `_live` answers for it
+            if not decode.query.holds(hid):  # held here: `_live` answers for it
                 yield seq, functools.partial(decode.get, hid, timeline=False)
         if len(rows) < batch:
             return

@@ -159,7 +159,7 @@ class _Journal:
 
     def _write(self, event: Event) -> None:
         outbox = self._p.outbox
-        h = self._decode.find(event.handoff_id)
+        h = self._decode.query.find(event.handoff_id)
         tag = event_tag(event)
         callback = h.request.callback_url if h is not None else None
         wanted = outbox.wanted(event, callback)

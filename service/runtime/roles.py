@@ -90,12 +90,12 @@ class DecodeRuntime(RuntimeBase):
 
     def arenas(self) -> list[ArenaUse]:
         """The landing arena in use (none in direct mode)."""
-        use = self.pipeline.arena()
+        use = self.pipeline.query.arena()
         return [] if use is None else [use]
 
     def in_flight(self) -> int:
         """Handoffs started and not yet terminal."""
-        return self.pipeline.in_flight()
+        return self.pipeline.query.in_flight()
 
 
 @dataclass(kw_only=True)
@@ -104,7 +104,7 @@ class PrefillRuntime(RuntimeBase):
 
     def arenas(self) -> list[ArenaUse]:
         """The staging buffer in use (none in direct mode)."""
-        use = self.pipeline.arena()
+        use = self.pipeline.query.arena()
         return [] if use is None else [use]
 
     def in_flight(self) -> int:

@@ -221,7 +221,9 @@ def _foreign_private_reads(root: Path) -> list[str]:
 
 #: Public attributes of a pipeline that are facts fixed at construction (or the one hook the
 #: assembly sets), not state: the service may read them. Everything else it reads is a method.
-PIPELINE_FACTS = frozenset({"layout", "url", "target", "incarnation", "max_call_s", "on_peers"})
+PIPELINE_FACTS = frozenset(
+    {"layout", "url", "target", "incarnation", "max_call_s", "on_peers", "query"}
+)
 PIPELINE_CLASSES = ("DecodePipeline", "PrefillPipeline")
 #: How service code reaches a pipeline: the runtime's `.pipeline`, or a route's lookup.
 PIPELINE_LOOKUPS = ("decode_of", "prefill_of")
@@ -289,8 +291,8 @@ def test_no_service_module_reads_another_object_s_private_state() -> None:
 
 def test_the_service_reads_a_pipeline_only_through_its_query_surface() -> None:
     # The handoffs a pipeline holds are its own mutable records; the service reads immutable
-    # views and counts through methods (`DecodePipeline.find`, `.held`, `PrefillPipeline.
-    # decode_of`, ...), so a listener or a route cannot change them or depend on their shape.
+    # views and counts through its `query` (`pipelines/decode/queries.py`, `pipelines/prefill/
+    # queries.py`), so a listener or a route cannot change them or depend on their shape.
     assert _pipeline_state_reads(ROOT, _pipeline_surface()) == []
 
 
@@ -323,6 +325,6 @@ def test_the_pipeline_state_checks_can_fail(source: str, expect: str, tmp_path: 
     assert expect in found
     # ... and the surface itself passes: a query method is not a violation.
     (tmp_path / "service" / "runtime" / "x.py").write_text(
-        "def f(request):\n    return prefill_of(request).decode_of('a')\n"
+        "def f(request):\n    return prefill_of(request).query.decode_of('a')\n"
     )
     assert _pipeline_state_reads(tmp_path, _pipeline_surface()) == []

@@ -361,26 +361,34 @@ async def test_the_query_surface_answers_with_snapshots_that_do_not_follow_the_h
     w = world
     req = HandoffRequest(id="q", prefill=["p"], dst_pages=[1, 2], dst_slot=0)
     await w.decode.create(req)
-    held = w.decode.find("q")
+    held = w.decode.query.find("q")
     assert held is not None and held.request == req and held.state == HandoffState.PENDING
     with pytest.raises(AttributeError):
         held.state = HandoffState.FAILED  # type: ignore[misc]
-    assert [h.request.id for h in w.decode.held()] == ["q"]
-    assert list(w.decode.held(HandoffState.COMPLETED)) == []
-    assert w.decode.holds("q") and not w.decode.holds("nope") and w.decode.find("nope") is None
-    assert w.decode.in_flight() == 1 and w.decode.recent_peers(10) == ["p"]
-    assert w.decode.stage_peer("q", 0) == "p" and w.decode.stage_peer("q", 9) is None
+    assert [h.request.id for h in w.decode.query.held()] == ["q"]
+    assert list(w.decode.query.held(HandoffState.COMPLETED)) == []
+    assert (
+        w.decode.query.holds("q")
+        and not w.decode.query.holds("nope")
+        and w.decode.query.find("nope") is None
+    )
+    assert w.decode.query.in_flight() == 1 and w.decode.query.recent_peers(10) == ["p"]
+    assert w.decode.query.stage_peer("q", 0) == "p" and w.decode.query.stage_peer("q", 9) is None
     with pytest.raises(NotFoundError):
-        w.decode.stage_peer("nope", 0)
+        w.decode.query.stage_peer("nope", 0)
     assert w.decode.get("q", timeline=False).timeline == [] and w.decode.get("q").timeline
     async with asyncio.timeout(5):
-        while w.prefill.decode_of("q") is None:  # until the destination is delivered
+        while w.prefill.query.decode_of("q") is None:  # until the destination is delivered
             await asyncio.sleep(0.01)
-    assert w.prefill.decode_of("q") == "d" and w.prefill.open_ids() == {"q"}
-    assert w.prefill.awaiting_destination() == 0 and w.prefill.open_count() == 1
+    assert w.prefill.query.decode_of("q") == "d" and w.prefill.query.open_ids() == {"q"}
+    assert w.prefill.query.awaiting_destination() == 0 and w.prefill.query.open_count() == 1
     w.prefill.ready("q", 0, [3, 4], 1)
     w.prefill.ready("q", 1, [3, 4], 1)
     assert await wait_terminal(w, "q") == HandoffState.COMPLETED
     assert held.state == HandoffState.PENDING  # the snapshot kept what it saw
-    assert w.decode.find("q").state == HandoffState.COMPLETED  # type: ignore[union-attr]
-    assert w.decode.in_flight() == 0 and w.decode.arena() is None and w.prefill.arena() is None
+    assert w.decode.query.find("q").state == HandoffState.COMPLETED  # type: ignore[union-attr]
+    assert (
+        w.decode.query.in_flight() == 0
+        and w.decode.query.arena() is None
+        and w.prefill.query.arena() is None
+    )
