@@ -18,6 +18,7 @@ from aiohttp import web
 from msgspec import Struct
 
 from pipelines.arena import ArenaUse
+from pipelines.decode.views import PageUse
 from service.http.app import CONFIG, ROUTES, VERSION, json_response
 from service.http.routing import RouteTable
 from service.peers.heartbeat import PeerHealth
@@ -29,7 +30,7 @@ from service.runtime.activity import (
     HandoffActivity,
     Latency,
 )
-from service.runtime.roles import DECODE, PREFILL, RUNTIME, Runtime, on_runtime
+from service.runtime.roles import DECODE, PREFILL, RUNTIME, DecodeRuntime, Runtime, on_runtime
 
 ACTIVITY = web.AppKey("dashboard_activity", Activity)
 _PAGE = web.AppKey("dashboard_page", bytes)
@@ -45,6 +46,10 @@ def install_dashboard(app: web.Application) -> None:
 
     def listen(runtime: Runtime) -> None:
         runtime.bus.add_listener(activity.observe)
+        if isinstance(runtime, DecodeRuntime) and runtime.persistence is not None:
+            # Restored before the app serves: a restarted decode's page shows the handoffs
+            # of its earlier life (the failure being investigated among them), not nothing.
+            activity.seed(runtime.persistence.records.recent(RECENT))
 
     on_runtime(app, listen)
     app[ROUTES].include(routes)
@@ -61,9 +66,15 @@ class Summary(Struct, frozen=True):
     throughput: list[Bucket]
     bucket_s: float
     latency: Latency
+    #: In stage order: a prefill by the first PP rank it hosts (`peer_stages`), then the rest.
     peers: list[PeerHealth]
     #: The landed transfer's memory: the landing arena (decode), the staging buffer (prefill).
     arenas: list[ArenaUse] = []
+    #: Decode: the PP ranks each prefill service hosts, as far as known.
+    peer_stages: dict[str, list[int]] = {}
+    #: Decode: its pool's pages leased to live handoffs and fenced (outcome known, writers not
+    #: confirmed stopped, or an earlier life's until its bound).
+    pages: PageUse | None = None
 
 
 @routes.get(
@@ -79,10 +90,16 @@ async def dashboard_summary(request: web.Request) -> web.StreamResponse:
     # Peers configured or named by recent handoffs, but not heard by the heartbeats yet.
     known = list(config.peers.prefill)
     decode = app.get(DECODE)
+    stages: dict[str, list[int]] = {}
+    pages = None
     if decode is not None:
-        known += decode.pipeline.query.recent_peers(RECENT)
+        query = decode.pipeline.query
+        known += query.recent_peers(RECENT)
+        stages, pages = query.peer_stages(), query.pages()
     for url in known:
-        health.setdefault(url, PeerHealth(url, None, False, 0, 0))
+        health.setdefault(
+            url, PeerHealth(url, None, False, 0, 0, configured=url in config.peers.prefill)
+        )
     prefill = app.get(PREFILL)
     if prefill is not None:
         activity.settle(prefill.pipeline.query.open_ids())
@@ -99,8 +116,10 @@ async def dashboard_summary(request: web.Request) -> web.StreamResponse:
             throughput=activity.buckets(),
             bucket_s=BUCKET_S,
             latency=activity.latency(),
-            peers=sorted(health.values(), key=lambda p: p.url),
+            peers=sorted(health.values(), key=lambda p: _stage_order(p.url, stages)),
             arenas=runtime.arenas(),
+            peer_stages=stages,
+            pages=pages,
         )
     )
 
@@ -118,6 +137,34 @@ async def dashboard_page(request: web.Request) -> web.StreamResponse:
         content_type="text/html",
         charset="utf-8",
         headers={"Cache-Control": "no-cache", "Content-Security-Policy": _CSP},
+    )
+
+
+def _stage_order(url: str, stages: dict[str, list[int]]) -> tuple[int, str]:
+    ranks = stages.get(url)
+    return (ranks[0] if ranks else 1 << 30, url)
+
+
+# The page's icon (a 404 on every load otherwise): two bars, a prefill stage handing to decode.
+_FAVICON = (
+    b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16">'
+    b'<rect x="1" y="3" width="6" height="10" rx="1" fill="#2f81f7"/>'
+    b'<rect x="9" y="3" width="6" height="10" rx="1" fill="#3fb950"/></svg>'
+)
+
+
+@routes.get(
+    "/favicon.ico",
+    response=str,
+    content_type="image/svg+xml",
+    summary="The dashboard page's icon",
+    tags=("observability",),
+)
+async def favicon(request: web.Request) -> web.StreamResponse:
+    return web.Response(
+        body=_FAVICON,
+        content_type="image/svg+xml",
+        headers={"Cache-Control": "max-age=86400"},
     )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection
 
 from msgspec import Struct
 
+from pipelines.decode.views import HandoffView
 from pipelines.events import (
     ChunksEmitted,
     Event,
@@ -22,10 +23,12 @@ from pipelines.events import (
     HandoffCompleted,
     HandoffCreated,
     HandoffFailed,
+    SegmentCommitted,
     StageArrived,
     StageReady,
     StageTransferred,
 )
+from pipelines.states import StageState
 
 #: Handoffs kept for the page; older ones are in `GET /v1/handoffs`.
 RECENT = 200
@@ -36,10 +39,12 @@ WINDOW_S = 300.0
 
 class StageProgress(Struct):
     pp_rank: int
-    bytes: int = 0
+    bytes: int = 0  # moved so far: sent (prefill), committed or arrived (decode)
     layers: int = 0  # layers sent so far (prefill side)
     done: bool = False  # arrived (decode) or sent its last layer (prefill)
     failed: bool = False
+    segments: int = 0  # landed segments committed so far (decode, landed mode)
+    expected: int = 0  # bytes the stage moves in all, once a segment said so; 0: not known
 
 
 class HandoffActivity(Struct):
@@ -57,6 +62,8 @@ class HandoffActivity(Struct):
     reason: str | None = None
     pp_rank: int | None = None  # the failing stage
     stages: list[StageProgress] = []
+    #: Read from the records at start-up (an earlier life's, or one this life did not see).
+    recorded: bool = False
 
 
 class Bucket(Struct, frozen=True):
@@ -95,11 +102,17 @@ class Activity:
                 s.done = s.done or event.final
                 h.bytes += event.bytes
                 self._moved.append((event.at, event.bytes))
+            case SegmentCommitted():
+                h.state = "transferring"
+                s = self._stage(h, event.pp_rank)
+                s.segments += 1
+                s.bytes, s.expected = event.committed, event.expected
+                h.bytes = sum(x.bytes for x in h.stages)
             case StageArrived():
                 h.state = "transferring"
                 s = self._stage(h, event.pp_rank)
                 s.bytes, s.done = event.bytes, True
-                h.bytes += event.bytes
+                h.bytes = sum(x.bytes for x in h.stages)
                 h.pp_size = max(h.pp_size, event.expected)
                 self._moved.append((event.at, event.bytes))
             case HandoffCompleted():
@@ -128,6 +141,17 @@ class Activity:
                 self.handoffs.popitem(last=False)
         h.updated_at = event.at
         return h
+
+    def seed(self, views: list[HandoffView]) -> None:
+        """Show `views` (finished handoffs from the records, oldest first) before anything this
+        life observed, so a restarted decode's page keeps the failure being investigated."""
+        seeded: OrderedDict[str, HandoffActivity] = OrderedDict(
+            (v.id, _recorded(v)) for v in views[-RECENT:] if v.id not in self.handoffs
+        )
+        seeded.update(self.handoffs)
+        while len(seeded) > RECENT:
+            seeded.popitem(last=False)
+        self.handoffs = seeded
 
     def settle(self, live: Collection[str]) -> None:
         """Mark "sent" what a prefill pipeline no longer runs (`live`: the ids it does): it
@@ -179,3 +203,31 @@ class Activity:
             return seconds[min(int(q * len(seconds)), len(seconds) - 1)]
 
         return Latency(len(seconds), pick(0.5), pick(0.9), pick(0.99))
+
+
+def _recorded(v: HandoffView) -> HandoffActivity:
+    """A finished handoff's record as the page shows one it watched."""
+    finished, error = v.finished_at, v.error
+    return HandoffActivity(
+        id=v.id,
+        state=v.state.value,
+        started_at=v.created_at,
+        updated_at=finished or v.created_at,
+        pp_size=len(v.stages),
+        bytes=v.bytes,
+        finished_at=finished,
+        seconds=None if finished is None else finished - v.created_at,
+        code=None if error is None else error.code,
+        reason=None if error is None else error.reason,
+        pp_rank=None if error is None else error.pp_rank,
+        stages=[
+            StageProgress(
+                s.pp_rank,
+                s.bytes,
+                done=s.state == StageState.ARRIVED,
+                failed=s.state == StageState.FAILED,
+            )
+            for s in v.stages
+        ],
+        recorded=True,
+    )

@@ -11,7 +11,13 @@ import asyncio
 import time
 
 from pipelines.decode import DecodePipeline
-from pipelines.decode.views import ArchivedHandoff, FencedPages, HandoffRequest, HandoffView
+from pipelines.decode.views import (
+    ArchivedHandoff,
+    FencedPages,
+    FencedUse,
+    HandoffRequest,
+    HandoffView,
+)
 from pipelines.events import Event, EventBus, HandoffReleased
 from pipelines.messages import DestinationMsg
 from pipelines.states import HandoffState
@@ -141,6 +147,7 @@ async def test_a_wall_clock_step_does_not_show_a_restored_fence_released_early(
     )
     wall[0] += 3600.0
     assert decode.leases.holds("old")
+    assert decode.query.pages().fenced_handoffs == [FencedUse("old", 1, restored=True)]
     assert not decode.get("old").released and not (await decode.wait("old", 0)).released
     await released.wait()  # the fence's own timer, on the loop's monotonic clock
     assert not decode.leases.holds("old") and decode.get("old").released

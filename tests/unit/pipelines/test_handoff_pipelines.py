@@ -10,7 +10,7 @@ import pytest
 
 from pipelines.decode import DecodePipeline
 from pipelines.decode.leases import Leases
-from pipelines.decode.views import HandoffRequest
+from pipelines.decode.views import FencedUse, HandoffRequest
 from pipelines.errors import (
     CapacityExceeded,
     ConflictError,
@@ -321,11 +321,15 @@ async def test_pages_of_a_stage_that_never_confirmed_stay_fenced_until_deadline_
     assert w.decode.get("l").state == HandoffState.FAILED  # reported at once ...
     assert w.decode.leases.holds("l")  # ... but the page stays fenced
     assert not w.decode.get("l").released
+    pages = w.decode.query.pages()  # and says so to the dashboard
+    assert (pages.leased, pages.live, pages.fenced) == (1, 0, 1)
+    assert pages.fenced_handoffs == [FencedUse("l", 1, restored=False)]
     view = await w.decode.wait("l", 30, released=True)
     # Not before the deadline (0.3 s) plus the declared grace (0.2 s): only then can nothing
     # still land.
     assert loop.time() - t0 >= 0.45
     assert view.released and not w.decode.leases.holds("l")
+    assert w.decode.query.pages().leased == 0
     released = [e for e in view.timeline if event_tag(e) == "handoff.released"]
     assert len(released) == 1 and released[0].confirmed is False  # type: ignore[union-attr]
 
