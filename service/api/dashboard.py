@@ -11,7 +11,9 @@ token when one is set — the page asks for it once and keeps it in memory only.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from importlib import resources
 
 from aiohttp import web
@@ -19,9 +21,11 @@ from msgspec import Struct
 
 from pipelines.arena import ArenaUse
 from pipelines.decode.views import PageUse
+from pipelines.errors import KVHandoffError
 from service.http.app import CONFIG, ROUTES, VERSION, json_response
 from service.http.routing import RouteTable
 from service.peers.heartbeat import PeerHealth
+from service.peers.protocol import HttpPeers
 from service.runtime.activity import (
     BUCKET_S,
     RECENT,
@@ -32,7 +36,55 @@ from service.runtime.activity import (
 )
 from service.runtime.roles import DECODE, PREFILL, RUNTIME, DecodeRuntime, Runtime, on_runtime
 
+#: A configured prefill whose layout could not be read is asked again after this long.
+LAYOUT_RETRY_S = 10.0
+LAYOUT_TIMEOUT_S = 1.0
+
+
+class ConfiguredStages:
+    """The PP ranks the configured prefill services host, for a decode that has not fetched
+    their layouts yet (nothing created since it started): asked once per peer life, bounded
+    by a short timeout, so an idle decode's page still labels its peers by stage. Bounded by
+    `peers.prefill`; a peer's entry goes when it is lost (a restart may host other stages)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ranks: dict[str, list[int]] = {}
+        self._tried: dict[str, float] = {}
+        self._clock = clock
+
+    async def of(
+        self, peers: HttpPeers, health: dict[str, PeerHealth], known: dict[str, list[int]]
+    ) -> dict[str, list[int]]:
+        now = self._clock()
+        ask = []
+        for url, p in health.items():
+            if not p.configured or url in known:
+                continue
+            if p.lost:
+                self._ranks.pop(url, None)
+                continue
+            due = now - self._tried.get(url, -LAYOUT_RETRY_S) >= LAYOUT_RETRY_S
+            if url not in self._ranks and p.up and due:
+                self._tried[url] = now
+                ask.append(url)
+        answers = await asyncio.gather(*(self._ask(peers, url) for url in ask))
+        for url, ranks in zip(ask, answers):
+            if ranks is not None:
+                self._ranks[url] = ranks
+        return {url: r for url, r in self._ranks.items() if url in health}
+
+    @staticmethod
+    async def _ask(peers: HttpPeers, url: str) -> list[int] | None:
+        try:
+            async with asyncio.timeout(LAYOUT_TIMEOUT_S):
+                info = await peers.layout(url)
+        except (KVHandoffError, TimeoutError):
+            return None  # asked again after LAYOUT_RETRY_S
+        return sorted(s.layout.pp_rank for s in info.stages)
+
+
 ACTIVITY = web.AppKey("dashboard_activity", Activity)
+_STAGES = web.AppKey("dashboard_configured_stages", ConfiguredStages)
 _PAGE = web.AppKey("dashboard_page", bytes)
 
 routes = RouteTable()
@@ -41,6 +93,7 @@ routes = RouteTable()
 def install_dashboard(app: web.Application) -> None:
     """Serve the page and its snapshot (an `Extension`); it listens once the runtime is up."""
     app[ACTIVITY] = Activity()
+    app[_STAGES] = ConfiguredStages()
     app[_PAGE] = resources.files("service.api").joinpath("dashboard.html").read_bytes()
     activity = app[ACTIVITY]
 
@@ -100,6 +153,8 @@ async def dashboard_summary(request: web.Request) -> web.StreamResponse:
         health.setdefault(
             url, PeerHealth(url, None, False, 0, 0, configured=url in config.peers.prefill)
         )
+    if decode is not None:  # what the pipeline knows wins: it is what handoffs were paired on
+        stages = {**await app[_STAGES].of(runtime.peers, health, stages), **stages}
     prefill = app.get(PREFILL)
     if prefill is not None:
         activity.settle(prefill.pipeline.query.open_ids())

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -123,3 +125,26 @@ async def test_after_a_restart_the_snapshot_shows_the_earlier_life_s_records(
             done = next(h for h in body["handoffs"] if h["id"] == "done")
             assert done["finished_at"] is not None and done["bytes"] > 0
             assert [s["done"] for s in done["stages"]] == [True, True]
+
+
+async def test_an_idle_decode_labels_its_configured_prefill_by_stage() -> None:
+    """No handoff since start: the page still names which stage each configured prefill hosts
+    (asked of the peers once they answer), in stage order."""
+    async with (
+        serve(prefill_config([1]), extensions) as second,
+        serve(prefill_config([0]), extensions) as first,
+        aiohttp.ClientSession() as http,
+    ):
+        urls = [second.url, first.url]  # configured in neither stage nor URL order
+        async with serve(decode_config({"peers.prefill": urls}), extensions) as dec:
+            d = Deployment(http, dec, [first, second])
+            body: dict[str, Any] = {}
+            for _ in range(3000):
+                body = (await d.request("GET", f"{dec.url}/v1/dashboard")).body
+                if len(body["peer_stages"]) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert body["peer_stages"] == {first.url: [0], second.url: [1]}, body
+            peers = body["peers"]
+            assert [p["url"] for p in peers] == [first.url, second.url]
+            assert all(p["configured"] and p["up"] for p in peers)
