@@ -1,11 +1,16 @@
 """What operators see, against real processes (issue 18 D): peers watched while idle, readiness
-that means the service can do its job."""
+that means the service can do its job, an engine start that explains its own noise."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -69,3 +74,59 @@ async def test_a_stage_killed_while_idle_is_down_on_metrics_and_readyz_within_se
         assert time.monotonic() - t0 < 20
         await asyncio.sleep(0.1)
     assert (await peer_up(http, dep.decode_url))[stage0] == 1.0
+
+
+def test_mooncake_s_start_up_noise_is_explained_next_to_it(tmp_path: Path) -> None:
+    """Issue 18 D: a healthy start printed an `E` line ("Local segment descriptor not found")
+    and a `W` line ("No RDMA devices found") that operators read as failures. Every error or
+    warning the engine prints before the service serves is one the service explains at once."""
+    config = tmp_path / "decode.toml"
+    config.write_text(MOONCAKE_DECODE.format(port=free_port(), state=tmp_path / "state").lstrip())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--config", str(config)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 60
+        while not any("serving at" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stderr.readline())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    engine_noise = [
+        line.split("] ", 1)[1].strip()
+        for line in lines
+        if re.match(r"^[EW]\d{4} ", line) and "] " in line
+    ]
+    explanation = next((line for line in lines if "start-up lines" in line), "")
+    assert explanation, "".join(lines)
+    for noise in engine_noise:
+        assert noise.split(",")[0][:25] in explanation, (noise, lines)  # named by its start
+    assert any("Local segment descriptor not found" in n for n in engine_noise), lines
+
+
+MOONCAKE_DECODE = """
+role = "decode"
+[server]
+host = "127.0.0.1"
+port = {port}
+state_dir = "{state}"
+[transport]
+backend = "mooncake"
+[model]
+preset = "dense-mha"
+scale = 64
+num_layers = 4
+[[stages]]
+num_pages = 8
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
