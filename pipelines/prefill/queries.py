@@ -8,19 +8,19 @@ Read by the engine route's bound on handoffs awaiting a destination (`holds`, `o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from pipelines.arena import ArenaUse
-from pipelines.prefill.handoff import PrefillHandoff, Staging
+from pipelines.prefill.handoff import Staging
+from pipelines.prefill.scopes import OpenHandoffs
 
 
 class PrefillQueries:
-    def __init__(self, handoffs: Mapping[str, PrefillHandoff], staging: Staging | None) -> None:
+    def __init__(self, handoffs: OpenHandoffs, staging: Staging | None) -> None:
         self._handoffs = handoffs
         self._staging = staging
 
     def holds(self, handoff_id: str) -> bool:
-        return handoff_id in self._handoffs
+        """Whether a handoff of this id is open here, for any decode."""
+        return self._handoffs.holds(handoff_id)
 
     def open_count(self) -> int:
         """Handoffs open here (signalled ready or given a destination, not yet ended)."""
@@ -28,16 +28,15 @@ class PrefillQueries:
 
     def awaiting_destination(self) -> int:
         """Handoffs signalled ready whose destination no decode service has sent yet."""
-        return sum(1 for h in self._handoffs.values() if h.decode_url is None)
+        return sum(1 for h in self._handoffs if h.decode_url is None)
 
     def open_ids(self) -> frozenset[str]:
-        return frozenset(self._handoffs)
+        return frozenset(h.handoff_id for h in self._handoffs)
 
-    def decode_of(self, handoff_id: str) -> str | None:
-        """The decode service that sent this handoff's destination (None: none yet, or the
-        handoff is not open here)."""
-        h = self._handoffs.get(handoff_id)
-        return None if h is None else h.decode_url
+    def decodes_of(self, handoff_id: str) -> list[str]:
+        """The decode services that sent a destination for this id (ids are unique per decode
+        only; empty: none yet, or no handoff of this id is open here)."""
+        return sorted({url for h in self._handoffs.with_id(handoff_id) if (url := h.decode_url)})
 
     def arena(self) -> ArenaUse | None:
         """The staging buffer's use now (None in direct mode)."""

@@ -17,6 +17,7 @@ from msgspec import Meta, Struct
 from pipelines.decode.views import HANDOFF_ID_PATTERN, HandoffPage, HandoffRequest, HandoffView
 from pipelines.errors import CapacityExceeded, InvalidInput
 from pipelines.states import HandoffState
+from pipelines.urls import ServiceUrl
 from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
@@ -190,6 +191,11 @@ class StageReady(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     src_slot: NonNeg | None = None
     #: Global layer ids now ready; absent: every layer of the stage not signalled yet.
     layers: list[NonNeg] | None = None
+    #: The decode service this request's handoff belongs to (its public URL, as its
+    #: destination names it). Handoff ids are unique per decode only: with it, two decodes
+    #: may use the same id; without it, the id must be unique across the decodes using this
+    #: prefill (a ready whose id two of them use is refused with 409).
+    decode_url: ServiceUrl | None = None
 
 
 class StageReadyAck(Struct, frozen=True):
@@ -235,5 +241,7 @@ async def stage_ready(request: web.Request) -> web.StreamResponse:
                 field="id",
                 limit=MAX_AWAITING_DESTINATION,
             )
-    pipeline.ready(handoff_id, rank, body.src_pages, body.src_slot, body.layers)
+    pipeline.ready(
+        handoff_id, rank, body.src_pages, body.src_slot, body.layers, decode_url=body.decode_url
+    )
     return json_response(StageReadyAck(handoff_id, rank, body.layers), status=202)

@@ -201,13 +201,13 @@ async def abort(request: web.Request) -> web.StreamResponse:
     check_version(msg.version)
     _handoff_id(msg.handoff_id)
     pipeline = prefill_of(request)
+    # Ids are the decode's own: a signed abort stops its sender's handoff of that id (or one no
+    # decode has sent a destination for yet: nothing can be written, and any peer may stop the
+    # waiting), never another decode's.
     sender = signed_sender(request)
-    decode_url = pipeline.query.decode_of(msg.handoff_id)
-    if sender is not None and decode_url is not None:
-        # Only the decode service that sent the destination may stop it (before one arrives,
-        # nothing can be written, and any peer may stop the waiting).
-        _same_service(decode_url, sender, "the abort", "handoff_id")
-    return json_response(await pipeline.abort(msg.handoff_id, msg.reason, msg.decode_incarnation))
+    return json_response(
+        await pipeline.abort(msg.handoff_id, msg.reason, msg.decode_incarnation, decode_url=sender)
+    )
 
 
 @decode_peer_routes.post(

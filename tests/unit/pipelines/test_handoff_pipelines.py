@@ -342,7 +342,7 @@ async def test_a_prefill_aborted_while_it_waits_for_its_destination_reads_as_hav
     CancelledError (it ended their task, issue 18)."""
     w = world
     w.prefill.ready("w", 0, [1, 2], 0)  # opened, waiting for its destination
-    h = w.prefill._handoffs["w"]
+    h = w.prefill._handoffs.with_id("w")[0]
     assert h.task is not None
     await asyncio.sleep(0)  # the task is now awaiting the destination
     h.task.cancel()
@@ -353,13 +353,13 @@ async def test_a_prefill_aborted_while_it_waits_for_its_destination_reads_as_hav
     ack = HeartbeatAck(role="decode", url="d", incarnation="x", live=[])
     assert await w.prefill.reconcile("d", ack, ["w"]) == []
     await w.prefill.abort("w", "test")
-    assert "w" not in w.prefill._handoffs
+    assert not w.prefill._handoffs.holds("w")
 
 
 async def test_the_query_surface_answers_with_snapshots_that_do_not_follow_the_handoff(
     world: World,
 ) -> None:
-    """What the service reads (`find`, `held`, `in_flight`, `stage_peer`, `decode_of`, ...) is
+    """What the service reads (`find`, `held`, `in_flight`, `stage_peer`, `decodes_of`, ...) is
     a copy at the call: it cannot change the handoff, and the handoff's later changes do not
     show through it."""
     w = world
@@ -382,9 +382,9 @@ async def test_the_query_surface_answers_with_snapshots_that_do_not_follow_the_h
         w.decode.query.stage_peer("nope", 0)
     assert w.decode.get("q", timeline=False).timeline == [] and w.decode.get("q").timeline
     async with asyncio.timeout(5):
-        while w.prefill.query.decode_of("q") is None:  # until the destination is delivered
+        while not w.prefill.query.decodes_of("q"):  # until the destination is delivered
             await asyncio.sleep(0.01)
-    assert w.prefill.query.decode_of("q") == "d" and w.prefill.query.open_ids() == {"q"}
+    assert w.prefill.query.decodes_of("q") == ["d"] and w.prefill.query.open_ids() == {"q"}
     assert w.prefill.query.awaiting_destination() == 0 and w.prefill.query.open_count() == 1
     w.prefill.ready("q", 0, [3, 4], 1)
     w.prefill.ready("q", 1, [3, 4], 1)

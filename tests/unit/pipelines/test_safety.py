@@ -137,7 +137,7 @@ async def test_a_destination_for_another_prefill_life_is_refused(w: World) -> No
     with pytest.raises(ConflictError) as caught:
         w.prefill.deliver(dest)
     assert caught.value.context["field"] == "prefill_incarnation"
-    assert "x" not in w.prefill._handoffs
+    assert not w.prefill._handoffs.holds("x")
 
 
 # ----------------------------------------------------------------------- issue 9: findings
@@ -354,7 +354,7 @@ async def test_finding_4_the_prefill_stops_a_handoff_its_decode_no_longer_has(w:
     assert w.prefill.live_by_decode() == {"d": ["k"]}
     gone = HeartbeatAck(role="decode", url="d", incarnation=w.decode.incarnation, live=[])
     assert await w.prefill.reconcile("d", gone, ["k"]) == ["k"]
-    assert "k" not in w.prefill._handoffs
+    assert not w.prefill._handoffs.holds("k")
     # A decode that restarted (another incarnation) loses every handoff bound to its old life.
     await w.decode.create(HandoffRequest(id="m", prefill=["p"], dst_pages=[5], dst_slot=1))
     await delivered(w, "m")
@@ -391,7 +391,7 @@ async def test_finding_3_the_deadline_travels_as_a_remaining_duration(w: World) 
     # Less only by the time between create and sending, however long a loaded machine took.
     assert len(seen) == 1 and 7.0 - (after - before) <= seen[0].deadline_in_s <= 7.0
     assert not hasattr(seen[0], "deadline_at")  # no wall-clock instant crosses hosts
-    h = w.prefill._handoffs["t"]
+    h = w.prefill._handoffs.with_id("t")[0]
     assert h.deadline_mono is not None
     # Measured on receipt on the prefill's own monotonic clock: never later than the decode's.
     assert before + 6.0 < h.deadline_mono <= time.monotonic() + 7.0
