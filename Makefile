@@ -7,19 +7,37 @@ TORCH_CPU ?= torch==2.13.0
 # Shared libraries the non-CUDA Mooncake wheel links against (libcurl too: a minimal Debian lacks it).
 APT_PACKAGES := libibverbs1 librdmacm1 libnuma1 libcurl4
 # Test tools: the browser the dashboard test drives (Playwright with the system executable) and
-# promtool (from Debian's prometheus package) that checks the /metrics exposition; `ss`
-# (iproute2), with which the landed-transfer tests count the bytes a paused writer still sends.
-APT_TEST_TOOLS := chromium prometheus iproute2
+# `ss` (iproute2), with which the landed-transfer tests count the bytes a paused writer still
+# sends. promtool, which checks the /metrics exposition, is taken alone out of Debian's
+# prometheus package (see test-tools): installing the package would enable and start a
+# Prometheus server on the machine.
+APT_TEST_TOOLS := chromium iproute2
+PROMTOOL_PACKAGE := prometheus
 # The container image: its tag, its base (made locally with mmdebstrap when it cannot be pulled)
 # and the Debian tools that build and start it without a Docker daemon.
 IMAGE ?= localhost/kvhandoff:cpu
 BASE ?= python:3.11-slim-bookworm
 IMAGE_TOOLS := podman buildah mmdebstrap
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+# apt waits this long for a lock another apt or dpkg holds (unattended upgrades, another make on
+# the machine) instead of failing at once.
+APT_LOCK_TIMEOUT_S ?= 900
+APT_GET := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=$(APT_LOCK_TIMEOUT_S)
+# `apt-get update` takes the lists lock, which DPkg::Lock::Timeout does not cover (apt 2.6 fails
+# at once: "Could not get lock /var/lib/apt/lists/lock"): retried every APT_RETRY_S while that
+# is the reason, up to the same bound; any other failure stops at once.
+APT_RETRY_S ?= 5
+APT_UPDATE = waited=0; \
+	until out=$$($(APT_GET) update -qq 2>&1); do \
+	  case "$$out" in *"Could not get lock"*) ;; *) printf '%s\n' "$$out" >&2; exit 1;; esac; \
+	  [ "$$waited" -lt $(APT_LOCK_TIMEOUT_S) ] || { printf '%s\n' "$$out" >&2; exit 1; }; \
+	  echo "apt lists are locked by another process; waiting" >&2; \
+	  sleep $(APT_RETRY_S); waited=$$((waited + $(APT_RETRY_S))); \
+	done; [ -z "$$out" ] || printf '%s\n' "$$out"
 
-.PHONY: setup test-tools test test-unit lint fmt typecheck demo bench bench-plan bench-transport \
-	bench-events bench-webhooks fuzz reliability clean image-setup image image-test sglang-env \
-	test-sglang
+.PHONY: setup apt-lists test-tools test test-unit lint fmt typecheck demo bench bench-plan \
+	bench-transport bench-events bench-webhooks fuzz reliability clean image-setup image \
+	image-test sglang-env test-sglang
 
 setup: $(STAMP)
 
@@ -27,8 +45,7 @@ $(STAMP): pyproject.toml Makefile
 	@if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'librdmacm.so.1' \
 	    || ! ldconfig -p | grep -q 'libnuma.so.1' || ! ldconfig -p | grep -q 'libcurl.so.4'; then \
 	  echo "installing $(APT_PACKAGES)"; \
-	  $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq && \
-	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
+	  $(APT_UPDATE); $(APT_GET) install -y -qq $(APT_PACKAGES); \
 	fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -65,13 +82,24 @@ $(SGLANG_STAMP): pyproject.toml Makefile | $(STAMP)
 test-sglang: sglang-env
 	$(SGLANG_PY) -m pytest -c tests/sglang/pytest.ini tests/sglang
 
+# The package lists, refreshed (waiting while another apt holds them): what each install runs.
+apt-lists:
+	@$(APT_UPDATE)
+
 # Only the tests need these (not the demo), so they are installed here rather than in setup.
 test-tools:
-	@if ! command -v chromium >/dev/null || ! command -v promtool >/dev/null \
-	    || ! command -v ss >/dev/null; then \
+	@if ! command -v chromium >/dev/null || ! command -v ss >/dev/null; then \
 	  echo "installing $(APT_TEST_TOOLS)"; \
-	  $(SUDO) apt-get update -qq && \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_TEST_TOOLS); \
+	  $(APT_UPDATE); \
+	  $(APT_GET) install -y -qq --no-install-recommends $(APT_TEST_TOOLS); \
+	fi
+	@if ! command -v promtool >/dev/null; then \
+	  echo "installing promtool alone (from $(PROMTOOL_PACKAGE), unpacked: no server installed)"; \
+	  $(APT_UPDATE); \
+	  tmp=$$(mktemp -d) && chmod a+rwx "$$tmp" && trap 'rm -rf "$$tmp"' EXIT && cd "$$tmp" && \
+	  $(APT_GET) download -qq $(PROMTOOL_PACKAGE) && \
+	  dpkg-deb -x $(PROMTOOL_PACKAGE)_*.deb root && \
+	  $(SUDO) install -m 0755 root/usr/bin/promtool /usr/local/bin/promtool; \
 	fi
 
 # Everything: the main suite, then the SGLang backend against SGLang's own classes (its own
@@ -120,8 +148,7 @@ image-setup:
 	@if ! command -v podman >/dev/null || ! command -v buildah >/dev/null \
 	    || ! command -v mmdebstrap >/dev/null; then \
 	  echo "installing $(IMAGE_TOOLS)"; \
-	  $(SUDO) apt-get update -qq && \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(IMAGE_TOOLS); \
+	  $(APT_UPDATE); $(APT_GET) install -y -qq $(IMAGE_TOOLS); \
 	fi
 
 # The CPU image, from a wheelhouse built here (see docker/build-image.sh for what is cached).

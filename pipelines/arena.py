@@ -48,6 +48,19 @@ class ArenaStats:
     taken: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class ArenaUse:
+    """One arena's use at one instant (`Arena.use`): what metrics and the dashboard read, a
+    copy, so a reader never holds the counters the arena keeps changing."""
+
+    arena: str  # its role: `landing` (decode) or `staging` (prefill)
+    capacity_bytes: int
+    used_bytes: int
+    quarantined_bytes: int
+    waiting: int  # takers waiting for room now
+    waits: int  # takers that had to wait, ever
+
+
 @dataclass
 class Arena:
     """`capacity_bytes` of registered memory at `base_addr`, in units of `unit_bytes`."""
@@ -70,6 +83,12 @@ class Arena:
         self.capacity_bytes = usable
         self._free = [(0, usable)]
         self.stats = ArenaStats(capacity_bytes=usable)
+
+    def use(self, name: str) -> ArenaUse:
+        st = self.stats
+        return ArenaUse(
+            name, st.capacity_bytes, st.used_bytes, st.quarantined_bytes, st.waiting, st.waits
+        )
 
     def rounded(self, length: int) -> int:
         return -(-length // self.unit_bytes) * self.unit_bytes

@@ -44,6 +44,10 @@ class PeerCache(Generic[V]):
     def pop(self, peer: str) -> V | None:
         return self._items.pop(peer, None)
 
+    def snapshot(self) -> dict[str, V]:
+        """A copy of every entry, least recently used first (reading it touches none)."""
+        return dict(self._items)
+
     def __contains__(self, peer: object) -> bool:
         return peer in self._items
 

@@ -8,9 +8,16 @@ trailing slash (`http://P:80/` and `http://p` are one service).
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from msgspec import Meta
 from yarl import URL
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+#: A service's base URL as an input names it (a ready signal's `decode_url`).
+ServiceUrl = Annotated[str, Meta(pattern=r"^https?://", max_length=2048)]
 
 
 def canonical_url(url: str) -> str:

@@ -84,7 +84,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 
 def _bind(parser: argparse.ArgumentParser, module: str, *, load: bool) -> None:
-    parser.set_defaults(_module=module)
+    parser.set_defaults(command_module=module)
     if load:
         mod: Any = importlib.import_module(module)
         mod.add_arguments(parser)
@@ -93,7 +93,7 @@ def _bind(parser: argparse.ArgumentParser, module: str, *, load: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
-    mod: Any = importlib.import_module(args._module)
+    mod: Any = importlib.import_module(args.command_module)
     return int(mod.run(args))
 
 

@@ -36,6 +36,7 @@ from pipelines.events import Event
 from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
 from pipelines.prefill import PrefillPipeline
+from pipelines.urls import ServiceUrl
 from service.config import Config, ConfigError
 from service.http.problems import NotReady, invalid_value
 from service.runtime.roles import RUNTIME, DecodeRuntime, PrefillRuntime, RuntimeBase
@@ -204,14 +205,24 @@ class EmbeddedService:
         src_pages: Sequence[int] | np.ndarray[Any, Any] | None,
         src_slot: int | None = None,
         layers: Sequence[int] | None = None,
+        *,
+        decode_url: str | None = None,
     ) -> None:
         """Stage `pp_rank` finished `layers` (None: all its layers) of this request: as
         `POST /v1/handoffs/{id}/stages/{pp_rank}/ready`, with the same errors (InvalidInput and
         PlanError naming the field, NotFoundError, ConflictError). The first signal of a stage
         carries its source pages, copied here: the engine may reuse its array once this returns.
+        `decode_url` names the decode service the id belongs to (ids are unique per decode).
         """
         self._require("prefill", "stage_ready")
         _check_id(handoff_id)
+        if decode_url is not None:
+            try:
+                msgspec.convert(decode_url, ServiceUrl)
+            except msgspec.ValidationError as exc:
+                raise InvalidInput(
+                    f"decode_url {decode_url!r}: {exc}", field="decode_url"
+                ) from None
         rank = _non_negative(pp_rank, "pp_rank")
         slot = None if src_slot is None else _non_negative(src_slot, "src_slot")
         layer_ids = (
@@ -222,19 +233,22 @@ class EmbeddedService:
         pages = None if src_pages is None else np.array(src_pages)  # a copy, never a view
 
         def ready(runtime: RuntimeBase) -> None:
-            _prefill_of(runtime).ready(handoff_id, rank, pages, slot, layer_ids)
+            _prefill_of(runtime).ready(
+                handoff_id, rank, pages, slot, layer_ids, decode_url=decode_url
+            )
 
         self._call_sync(ready)
 
-    def abort_prefill(self, handoff_id: str, reason: str) -> None:
+    def abort_prefill(self, handoff_id: str, reason: str, *, decode_url: str | None = None) -> None:
         """The engine gave up on this request: stop sending it (prefill role) and fail it on
         the decode side (`engine_aborted`, naming each stage). Returns once no write of it can
-        still land and its source pages are no longer read."""
+        still land and its source pages are no longer read. `decode_url` as for
+        `stage_ready`."""
         self._require("prefill", "abort_prefill")
         _check_id(handoff_id)
 
         async def stop(runtime: RuntimeBase) -> None:
-            await _prefill_of(runtime).give_up(handoff_id, reason)
+            await _prefill_of(runtime).give_up(handoff_id, reason, decode_url=decode_url)
 
         self._call(stop, self._call_timeout_s)
 

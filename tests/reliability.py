@@ -271,8 +271,11 @@ async def forgeries(dep: LocalDeployment, p: Parties, c: Campaign, round_: int) 
         await attempt(
             "forged abort", "unsigned", {401}, send(p.anonymous, "POST", base + path, raw, JSON)
         )
+        # Ids are scoped by decode on the prefill: another service's signed abort names its own
+        # handoff of that id, of which there is none, so it stops nothing (the victim completes
+        # below, its bytes checked).
         call = signed(p.anonymous, base, path, json.loads(raw), sender=other)
-        await attempt("forged abort", "signed by a peer claiming another service", {403}, call)
+        await attempt("forged abort", "signed by another service (stops nothing)", {200}, call)
     # The victim is intact: its real stages complete it, and its bytes land where they should.
     for r in range(dep.pp_size):
         await ready(p.engine, dep, victim, r, real)

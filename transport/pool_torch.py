@@ -27,9 +27,31 @@ def _torch_device(device: str) -> Any:
         except ImportError as exc:
             raise PoolError(f"pool device {device!r} needs torch_npu", field="pool") from exc
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except RuntimeError as exc:
         raise PoolError(f"invalid torch device {device!r}: {exc}", field="pool") from exc
+    if dev.type == "cuda":
+        _check_cuda(torch, dev)
+    return dev
+
+
+def _check_cuda(torch: Any, dev: Any) -> None:
+    """Name the mistake before torch does: a CPU build raises a bare AssertionError on the
+    first allocation, which a start-up would print as a traceback."""
+    if torch.version.cuda is None:
+        raise PoolError(
+            f"pool device {str(dev)!r} needs a CUDA build of torch; this is torch "
+            f"{torch.__version__}, a CPU build (use a torch:cpu or shm pool, or install a CUDA "
+            "build of torch)",
+            field="pool",
+        )
+    count = int(torch.cuda.device_count())
+    if count == 0 or (dev.index or 0) >= count:
+        raise PoolError(
+            f"pool device {str(dev)!r} is not visible: this process sees {count} CUDA "
+            "device(s) (check CUDA_VISIBLE_DEVICES and the driver)",
+            field="pool",
+        )
 
 
 class TorchPool(Pool):

@@ -18,6 +18,7 @@ _FREE = -1
 
 class Leases:
     def __init__(self, num_pages: int, num_slots: int) -> None:
+        self.num_pages = num_pages
         self._page_owner = np.full(num_pages, _FREE, dtype=np.int64)
         self._slot_owner: dict[int, str] = {}
         self._handles: dict[str, tuple[int, I64, int | None]] = {}
@@ -63,6 +64,10 @@ class Leases:
         if slot is not None:
             self._slot_owner.pop(slot, None)
         del self._names[handle]
+
+    def holders(self) -> dict[str, int]:
+        """Each lease holder and how many pages it holds."""
+        return {hid: int(pages.shape[0]) for hid, (_, pages, _) in self._handles.items()}
 
     def holds(self, handoff_id: str) -> bool:
         return handoff_id in self._handles

@@ -31,6 +31,7 @@ from pipelines.decode.leases import Leases
 from pipelines.decode.notices import check_accounting, check_sender, first_mismatch
 from pipelines.decode.outcomes import Outcomes
 from pipelines.decode.prefill_peers import PrefillDirectory, Stages
+from pipelines.decode.queries import DecodeQueries
 from pipelines.decode.release import Releases
 from pipelines.decode.views import (
     ArchivedHandoff,
@@ -121,7 +122,7 @@ class DecodePipeline:
         self._memory = memory
         # Landed mode when present: prefills write only into its windows; pages change only
         # by its commits (SAFETY.md S1). Direct mode (None): prefills write into the pages.
-        self.landing = landing
+        self._landing = landing
         self.cache = cache or PairingCache()
         self._default_prefill = list(default_prefill or [])
         self._max_live = settings.max_live
@@ -134,7 +135,7 @@ class DecodePipeline:
         num_pages = min((e.num_items for e in layout.kv), default=0)
         num_slots = min((s.num_slots for s in layout.state), default=0)
         self.leases = Leases(num_pages, num_slots)
-        self.handoffs: dict[str, DecodeHandoff] = {}
+        self._handoffs: dict[str, DecodeHandoff] = {}
         self._seq = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._archive: HandoffArchive | None = None
@@ -155,7 +156,11 @@ class DecodePipeline:
             monotonic=monotonic,
         )
         self._outcomes = Outcomes(bus, self._releases, clock=clock, monotonic=monotonic)
-        self._watch = PrefillWatch(self.handoffs, self._peers, self._outcomes, self._releases)
+        self._watch = PrefillWatch(self._handoffs, self._peers, self._outcomes, self._releases)
+        #: What the service reads of the handoffs held here (`queries.py`): snapshots only.
+        self.query = DecodeQueries(
+            self._handoffs, self.leases, self._peers, landing, archived=self._archived
+        )
         # Told the peers of every new handoff (the heartbeats start watching them at once).
         self.on_peers: Callable[[list[str]], None] = lambda peers: None
 
@@ -189,18 +194,18 @@ class DecodePipeline:
                 f"{live} handoffs are in flight (handoff.max_concurrent = {self._max_live})",
                 live=live,
             )
-        if self.landing is not None:  # raises (changing nothing) if a page cannot fit a window
+        if self._landing is not None:  # raises (changing nothing) if a page cannot fit a window
             pairings = {r: self.cache.get(lay, self.layout) for r, (_, _, lay) in stages.items()}
-            self.landing.open(req.id, dst_pages, req.dst_slot, pairings)
+            self._landing.open(req.id, dst_pages, req.dst_slot, pairings)
         # I1: leased before anything is sent; nothing awaited from here on.
         try:
             self.leases.acquire(req.id, dst_pages, req.dst_slot if self.layout.state else None)
         except BaseException:
-            if self.landing is not None:
-                self.landing.forget(req.id)
+            if self._landing is not None:
+                self._landing.forget(req.id)
             raise
         h = self._new_handoff(req, dst_pages, stages)
-        self.handoffs[req.id] = h
+        self._handoffs[req.id] = h
         self._outcomes.open(h)  # counted live, its deadline armed
         self._evict()
         self._publish(
@@ -237,14 +242,17 @@ class DecodePipeline:
             },
             verification=(
                 "skipped: the decode pool is not host-readable"
-                if verify and self._memory is None and self.landing is None
+                if verify and self._memory is None and self._landing is None
                 else None
             ),
         )
 
-    def get(self, handoff_id: str) -> HandoffView:
-        h = self.handoffs.get(handoff_id)
-        return h.view() if h is not None else self._archived(handoff_id)
+    def get(self, handoff_id: str, *, timeline: bool = True) -> HandoffView:
+        h = self._handoffs.get(handoff_id)
+        if h is not None:
+            return h.view(timeline=timeline)
+        view = self._archived(handoff_id)
+        return view if timeline else msgspec.structs.replace(view, timeline=[])
 
     async def wait(
         self, handoff_id: str, timeout_s: float, *, released: bool = False
@@ -252,7 +260,7 @@ class DecodePipeline:
         """The handoff once it has an outcome (or, with `released`, once its pages are free),
         or as it is after `timeout_s` (a router's long poll). A handoff of an earlier life of
         this service is answered from the archive as it was recorded."""
-        if handoff_id not in self.handoffs:
+        if handoff_id not in self._handoffs:
             view = self._archived(handoff_id)
             if released and not view.released:  # its restored fence: wait for it to lift
                 await self._releases.wait_restored(handoff_id, timeout_s)
@@ -272,11 +280,11 @@ class DecodePipeline:
         """Handoffs in creation order after `cursor`, optionally of one state."""
         items: list[HandoffView] = []
         next_cursor = None
-        for h in self.handoffs.values():
+        for h in self._handoffs.values():
             if h.seq <= cursor or (state is not None and h.state != state):
                 continue
             if len(items) == limit:
-                next_cursor = self.handoffs[items[-1].id].seq
+                next_cursor = self._handoffs[items[-1].id].seq
                 break
             items.append(h.view(timeline=False))
         return HandoffPage(items=items, next_cursor=next_cursor)
@@ -289,7 +297,7 @@ class DecodePipeline:
         of refusing. A completed (or failed and released) handoff is a ConflictError, as is one
         of an earlier life of this service that did not end aborted.
         """
-        h = self.handoffs.get(handoff_id)
+        h = self._handoffs.get(handoff_id)
         if h is None:
             view = self._archived(handoff_id)
             if view.state == HandoffState.ABORTED:
@@ -324,7 +332,7 @@ class DecodePipeline:
         stage = self._stage(h, msg.pp_rank)
         self._check_sender(h, msg.pp_rank, stage, msg)
         self._refuse_replay(h, msg.pp_rank, stage)
-        if self.landing is not None:
+        if self._landing is not None:
             raise ConflictError(
                 f"handoff {h.id!r} is landed: a stage arrives with its last segment",
                 field="pp_rank",
@@ -370,7 +378,7 @@ class DecodePipeline:
             ),
         )
         if arrived == len(h.stages):
-            if self.landing is not None:
+            if self._landing is not None:
                 # Every byte was committed by `Landing.commit` only after its digest matched.
                 h.verification = "passed"
                 self._outcomes.complete(h, verified=True)
@@ -453,12 +461,12 @@ class DecodePipeline:
         return SegmentAck(committed=True)
 
     def _need_landing(self) -> Landing:
-        if self.landing is None:
+        if self._landing is None:
             raise ConflictError(
                 "this decode service runs direct mode (transfer.mode): it grants no windows",
                 field="mode",
             )
-        return self.landing
+        return self._landing
 
     def _landed_stage(self, msg: SegmentMsg | WindowRequest) -> tuple[DecodeHandoff, DecodeStage]:
         h = self._get(msg.handoff_id)
@@ -527,7 +535,7 @@ class DecodePipeline:
         memory is reused; the service does (pools are unregistered and the engine closed right
         after this returns), so no write can land afterwards, and the handoff's record, still
         unreleased, keeps the pages fenced if the service starts again on them."""
-        live = [h.id for h in self.handoffs.values() if not h.state.terminal]
+        live = [h.id for h in self._handoffs.values() if not h.state.terminal]
         aborts = asyncio.gather(
             *(self.abort(hid, "decode service shutting down") for hid in live),
             return_exceptions=True,
@@ -538,11 +546,11 @@ class DecodePipeline:
                 for hid, result in zip(live, results):
                     if isinstance(result, BaseException):
                         log.warning("abort of %s on shutdown failed: %r", hid, result)
-                quiescing = [h.quiesce for h in self.handoffs.values() if h.quiesce is not None]
+                quiescing = [h.quiesce for h in self._handoffs.values() if h.quiesce is not None]
                 await asyncio.shield(asyncio.gather(*quiescing, return_exceptions=True))
         except TimeoutError:
             unreleased = [
-                h.id for h in self.handoffs.values() if h.release != ReleaseState.RELEASED
+                h.id for h in self._handoffs.values() if h.release != ReleaseState.RELEASED
             ]
             log.warning(
                 "stopping with %d handoff(s) unreleased after %g s (%s): their pages stay "
@@ -555,8 +563,8 @@ class DecodePipeline:
             task.cancel()  # finished ones are unaffected; a cancelled quiesce releases nothing
         await asyncio.gather(*self._tasks, aborts, return_exceptions=True)
         self._releases.close()
-        if self.landing is not None:
-            self.landing.close()
+        if self._landing is not None:
+            self._landing.close()
 
     # ----------------------------------------------------------------- the lifecycle
 
@@ -628,13 +636,13 @@ class DecodePipeline:
                 h.stages[rank].delivery_ended(accepted=accepted, writable_until=until, what=what)
 
     def _landed_fields(self, h: DecodeHandoff, ranks: list[int]) -> dict[str, Any]:
-        if self.landing is None:
+        if self._landing is None:
             return {}
         return {
             "mode": "landed",
-            "digest": self.landing.algorithm,
-            "window_bytes": self.landing.window_bytes,
-            "grants": self.landing.first_grants(h, sorted(ranks)),
+            "digest": self._landing.algorithm,
+            "window_bytes": self._landing.window_bytes,
+            "grants": self._landing.first_grants(h, sorted(ranks)),
         }
 
     async def _verify_then_complete(self, h: DecodeHandoff) -> None:
@@ -681,7 +689,7 @@ class DecodePipeline:
         check_accounting(pairing, h.dst_pages, h.request.dst_slot, msg)
 
     def _existing(self, req: HandoffRequest) -> HandoffView | None:
-        h = self.handoffs.get(req.id)
+        h = self._handoffs.get(req.id)
         if h is not None:
             found: ArchivedHandoff | None = ArchivedHandoff(h.request, h.view())
         else:
@@ -701,7 +709,7 @@ class DecodePipeline:
         return self._releases.restored_view(old.view)
 
     def _get(self, handoff_id: str) -> DecodeHandoff:
-        h = self.handoffs.get(handoff_id)
+        h = self._handoffs.get(handoff_id)
         if h is None:
             raise NotFoundError(f"no handoff {handoff_id!r}", field="id")
         return h
@@ -727,13 +735,13 @@ class DecodePipeline:
 
     def _evict(self) -> None:
         """Forget the oldest released handoffs beyond the history limit."""
-        excess = len(self.handoffs) - self._history
+        excess = len(self._handoffs) - self._history
         if excess > 0:
             # islice: stop at the few needed (dicts keep creation order, oldest first).
             for handoff_id in list(itertools.islice(self._oldest_released(), excess)):
-                del self.handoffs[handoff_id]
+                del self._handoffs[handoff_id]
 
     def _oldest_released(self) -> Iterator[str]:
-        for h in self.handoffs.values():
+        for h in self._handoffs.values():
             if h.release == ReleaseState.RELEASED:
                 yield h.id

@@ -51,6 +51,13 @@ class PrefillDirectory:
         self._lost.put(url, self._clock())
         self.forget(url)
 
+    def hosted(self) -> dict[str, list[int]]:
+        """The PP ranks each prefill service with a cached layout hosts."""
+        return {
+            url: sorted(s.layout.pp_rank for s in info.stages)
+            for url, info in self._layouts.snapshot().items()
+        }
+
     def mark_back(self, url: str) -> None:
         self._lost.pop(url)
 

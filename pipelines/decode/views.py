@@ -85,6 +85,40 @@ class HandoffPage(Struct, frozen=True):
     next_cursor: int | None
 
 
+class HeldHandoff(Struct, frozen=True):
+    """A handoff this process holds, as admitted (`DecodePipeline.find`, `.held`): what its
+    record is keyed and ordered by. `seq` numbers this life's handoffs in creation order."""
+
+    request: HandoffRequest
+    seq: int
+    state: HandoffState
+    created_at: float
+    deadline_at: float
+
+
+class FencedUse(Struct, frozen=True):
+    """A handoff whose outcome is known but whose pages are still leased: its writers are not
+    confirmed stopped yet, or (`restored`) an earlier life's, fenced until its bound passes."""
+
+    handoff_id: str
+    pages: int
+    restored: bool
+
+
+class PageUse(Struct, frozen=True):
+    """The decode pool's pages now (`DecodePipeline.pages`): how many are leased, to live
+    handoffs and as fences; the fenced ones by handoff (at most `MAX_FENCED_SHOWN`)."""
+
+    total: int
+    leased: int
+    live: int
+    fenced: int
+    fenced_handoffs: list[FencedUse]
+
+
+MAX_FENCED_SHOWN = 50
+
+
 class ArchivedHandoff(Struct, frozen=True):
     """A handoff this process does not hold (an earlier process's, or evicted), as recorded."""
 

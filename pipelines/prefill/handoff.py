@@ -120,6 +120,9 @@ class PrefillHandoff:
     handoff_id: str
     created_at: float
     destination: asyncio.Future[DestinationMsg]
+    #: The decode service this id belongs to (ids are unique per decode only): named by the
+    #: destination, or by the engine's ready signal before it; None until one does.
+    scope: str | None = None
     inputs: dict[int, StageInput] = field(default_factory=dict)
     # Set when a stage's first ready signal (which carries its source pages) arrives.
     input_seen: dict[int, asyncio.Event] = field(default_factory=dict)

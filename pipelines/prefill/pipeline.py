@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
@@ -55,9 +54,12 @@ from pipelines.prefill.handoff import (
     StageInput,
     Staging,
 )
+from pipelines.prefill.queries import PrefillQueries
+from pipelines.prefill.scopes import Finished, OpenHandoffs
 from pipelines.prefill.stage import StageRunner
 from pipelines.settings import PREFILL_DEFAULTS, PrefillSettings
 from pipelines.states import StageState
+from pipelines.urls import canonical_url
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +90,6 @@ class PrefillPipeline:
         self._decode = decode
         self._bus = bus
         self.cache = cache or PairingCache()
-        #: The staging buffer landed segments are packed into (read-only here: metrics and the
-        #: dashboard read its `arena.stats`; the stage runner owns its use).
-        self.staging = staging
         self._default_deadline_s = settings.default_deadline_s
         self._clock = clock
         self._runner = StageRunner(
@@ -104,10 +103,12 @@ class PrefillPipeline:
             queue_depth=settings.queue_depth,
             staging=staging,
         )
-        self.handoffs: dict[str, PrefillHandoff] = {}
-        # Recently finished ids, so a late or repeated signal is refused rather than waiting for
-        # a destination that will never come.
-        self._finished: OrderedDict[str, str] = OrderedDict()
+        self._handoffs = OpenHandoffs()  # by the decode each id belongs to (`scopes.py`)
+        #: What the service reads of the handoffs open here (`queries.py`): values only.
+        self.query = PrefillQueries(self._handoffs, staging)
+        # Recently finished handoffs, so a late or repeated signal is refused rather than
+        # waiting for a destination that will never come.
+        self._finished = Finished()
         # Told the decode service of every delivered destination (the heartbeats watch it).
         self.on_peers: Callable[[list[str]], None] = lambda peers: None
 
@@ -120,12 +121,17 @@ class PrefillPipeline:
         src_pages: Collection[int] | I64 | None,
         src_slot: int | None,
         layers: Collection[int] | None = None,
+        *,
+        decode_url: str | None = None,
     ) -> None:
         """The engine finished `layers` (None: all) of stage `pp_rank` for this request.
 
         The first signal of a stage must carry its source pages (and slot, for hybrid models);
-        later ones may repeat them or leave them out. Raises InvalidInput / NotFoundError /
-        ConflictError before anything changes.
+        later ones may repeat them or leave them out. `decode_url` names the decode service the
+        request's id belongs to (ids are unique per decode only); without it the id must be
+        unique across the decodes using this prefill, and a ready whose id two of them use
+        now is refused. Raises InvalidInput / NotFoundError / ConflictError before anything
+        changes.
         """
         stage = self.stages.get(pp_rank)
         if stage is None:
@@ -134,7 +140,7 @@ class PrefillPipeline:
                 field="pp_rank",
                 pp_rank=pp_rank,
             )
-        self._refuse_finished(handoff_id)
+        scope = None if decode_url is None else canonical_url(decode_url)
         layer_set = None if layers is None else frozenset(int(x) for x in layers)
         if layer_set is not None:
             own = {e.layer_id for e in stage.layout.kv} | {s.layer_id for s in stage.layout.state}
@@ -146,7 +152,9 @@ class PrefillPipeline:
                     layer_id=foreign[0],
                     pp_rank=pp_rank,
                 )
-        h = self.handoffs.get(handoff_id)
+        h = self._for_ready(scope, handoff_id)
+        if h is None:  # an open handoff of this id is not the ended one
+            self._refuse_finished(scope, handoff_id)
         current = h.inputs.get(pp_rank) if h else None
         if current is None:
             if src_pages is None:
@@ -174,7 +182,9 @@ class PrefillPipeline:
                 )
             pages = current.src_pages
         if h is None:
-            h = self._open(handoff_id)
+            h = self._open(scope, handoff_id)
+        elif h.scope is None and scope is not None:
+            self._handoffs.rescope(h, scope)
         if current is None:
             current = StageInput(pages, src_slot, asyncio.Queue(len(stage.layout.kv) + 64))
             h.inputs[pp_rank] = current
@@ -207,7 +217,8 @@ class PrefillPipeline:
                 f"{msg.prefill_incarnation}, this is {self.incarnation} (did it restart?)",
                 field="prefill_incarnation",
             )
-        self._refuse_finished(msg.handoff_id)
+        scope = canonical_url(msg.decode_url)
+        self._refuse_finished(scope, msg.handoff_id)
         missing = [r for r in msg.pp_ranks if r not in self.stages]
         if missing:
             raise NotFoundError(
@@ -215,7 +226,21 @@ class PrefillPipeline:
                 field="pp_ranks",
                 pp_rank=missing[0],
             )
-        h = self.handoffs.get(msg.handoff_id) or self._open(msg.handoff_id)
+        h = self._handoffs.get(scope, msg.handoff_id)
+        if h is None:
+            h = self._handoffs.get(None, msg.handoff_id)  # signalled ready before, unscoped
+            if h is not None:
+                self._handoffs.rescope(h, scope)
+            else:
+                h = self._open(scope, msg.handoff_id)
+        if h.destination.cancelled():
+            # Its task was cancelled (an abort or the engine giving up is stopping it, not
+            # closed yet): `result()` would raise CancelledError out of the HTTP handler, and
+            # aiohttp drops the connection without an answer.
+            raise ConflictError(
+                f"handoff {msg.handoff_id!r} is being stopped on this prefill service",
+                field="handoff_id",
+            )
         if h.destination.done():
             if h.destination.result() == msg:
                 return  # a retried delivery
@@ -227,14 +252,28 @@ class PrefillPipeline:
         self.on_peers([msg.decode_url])
 
     async def abort(
-        self, handoff_id: str, reason: str, decode_incarnation: str | None = None
+        self,
+        handoff_id: str,
+        reason: str,
+        decode_incarnation: str | None = None,
+        *,
+        decode_url: str | None = None,
     ) -> AbortAck:
-        """Stop a handoff; returns once no write of it can still land. With
-        `decode_incarnation`, a handoff bound to another decode life is refused."""
-        h = self.handoffs.get(handoff_id)
+        """Stop a handoff of decode `decode_url` (its signed sender; None: unsigned, found by
+        id and `decode_incarnation`); returns once no write of it can still land. With
+        `decode_incarnation`, a handoff bound to another decode life is refused. A handoff not
+        open here is remembered as aborted, so a later ready signal for it is refused."""
+        scope = None if decode_url is None else canonical_url(decode_url)
+        h = self._for_abort(scope, handoff_id, decode_incarnation)
         if h is None:
-            self._remember(handoff_id, "aborted")
+            self._finished.remember(scope, handoff_id, "aborted")
             return self._ack(handoff_id, [])
+        return await self._abort(h, reason, decode_incarnation)
+
+    async def _abort(
+        self, h: PrefillHandoff, reason: str, decode_incarnation: str | None = None
+    ) -> AbortAck:
+        handoff_id = h.handoff_id
         dest = h.known_destination
         if (
             decode_incarnation is not None
@@ -257,14 +296,16 @@ class PrefillPipeline:
         self._publish(HandoffAborted(handoff_id=handoff_id, role=ROLE, reason=reason))
         return self._ack(handoff_id, sorted(running))
 
-    async def give_up(self, handoff_id: str, reason: str) -> None:
+    async def give_up(self, handoff_id: str, reason: str, *, decode_url: str | None = None) -> None:
         """The engine dropped this request (e.g. its client went away): stop its stages and
         fail the handoff on the decode side too, naming each stage that will not arrive. Returns
         once no write of it can still land and its source pages are no longer read; a
-        destination delivered later is refused (the handoff is finished here)."""
-        h = self.handoffs.get(handoff_id)
+        destination delivered later is refused (the handoff is finished here). `decode_url`
+        names the request's decode, as for `ready`."""
+        scope = None if decode_url is None else canonical_url(decode_url)
+        h = self._for_ready(scope, handoff_id)
         if h is None:
-            self._remember(handoff_id, "failed")
+            self._finished.remember(scope, handoff_id, "failed")
             return
         if h.task is not None:
             h.task.cancel()
@@ -283,10 +324,10 @@ class PrefillPipeline:
 
     async def peer_lost(self, decode_url: str, reason: str) -> list[str]:
         """A decode service went silent: stop sending to it. Returns the stopped handoff ids."""
-        victims = [h.handoff_id for h in self.handoffs.values() if h.decode_url == decode_url]
-        for handoff_id in victims:
-            await self.abort(handoff_id, reason)
-        return victims
+        victims = [h for h in self._handoffs if h.decode_url == decode_url]
+        for h in victims:
+            await self._abort(h, reason)
+        return [h.handoff_id for h in victims]
 
     async def reconcile(self, decode_url: str, ack: HeartbeatAck, sent: list[str]) -> list[str]:
         """A heartbeat answer from `decode_url`: stop every handoff bound to another life of it
@@ -294,19 +335,19 @@ class PrefillPipeline:
         in `sent` that it no longer runs while a stage here may still write. Returns their ids."""
         theirs = set(ack.live)
         victims = []
-        for h in list(self.handoffs.values()):
+        for h in self._handoffs:
             dest = h.known_destination
             if dest is None or dest.decode_url != decode_url:
                 continue
             if dest.decode_incarnation != ack.incarnation:
-                victims.append((h.handoff_id, f"decode {decode_url} restarted"))
+                victims.append((h, f"decode {decode_url} restarted"))
             elif (
                 h.handoff_id in sent and h.handoff_id not in theirs and not h.settled(dest.pp_ranks)
             ):
-                victims.append((h.handoff_id, f"decode {decode_url} no longer has it"))
-        for handoff_id, why in victims:
-            await self.abort(handoff_id, why)
-        return [hid for hid, _ in victims]
+                victims.append((h, f"decode {decode_url} no longer has it"))
+        for h, why in victims:
+            await self._abort(h, why)
+        return [h.handoff_id for h, _ in victims]
 
     def live_with(self, decode_url: str) -> list[str]:
         """Handoffs bound to `decode_url` (a heartbeat answer)."""
@@ -315,43 +356,72 @@ class PrefillPipeline:
     def live_by_decode(self) -> dict[str, list[str]]:
         """Live handoff ids per decode URL: whom the heartbeat task must keep pinging."""
         out: dict[str, list[str]] = {}
-        for h in self.handoffs.values():
+        for h in self._handoffs:
             url = h.decode_url
             if url is not None:
                 out.setdefault(url, []).append(h.handoff_id)
         return out
 
     async def close(self) -> None:
-        for h in list(self.handoffs.values()):
-            await self.abort(h.handoff_id, "service shutting down")
+        for h in self._handoffs:
+            await self._abort(h, "service shutting down")
         self._runner.close()
 
     # ----------------------------------------------------------------- internals
 
-    def _refuse_finished(self, handoff_id: str) -> None:
-        outcome = self._finished.get(handoff_id)
+    def _for_ready(self, scope: str | None, handoff_id: str) -> PrefillHandoff | None:
+        """The open handoff a ready signal is for. Naming its decode, the handoff of that decode
+        (or one not bound to a decode yet); naming none, the only open handoff of that id — two
+        decodes' requests under one id are told apart only by the engine naming the decode."""
+        if scope is not None:
+            return self._handoffs.get(scope, handoff_id) or self._handoffs.get(None, handoff_id)
+        same = self._handoffs.with_id(handoff_id)
+        if len(same) > 1:
+            raise ConflictError(
+                f"handoff id {handoff_id!r} is in use by {len(same)} decode services here; "
+                "name the request's decode service (decode_url) in the ready signal",
+                field="decode_url",
+            )
+        return same[0] if same else None
+
+    def _for_abort(
+        self, scope: str | None, handoff_id: str, decode_incarnation: str | None
+    ) -> PrefillHandoff | None:
+        if scope is not None:
+            return self._handoffs.get(scope, handoff_id) or self._handoffs.get(None, handoff_id)
+        same = self._handoffs.with_id(handoff_id)
+        if len(same) > 1 and decode_incarnation is not None:
+            # Unsigned (no peer secret): the destination's decode life tells them apart.
+            same = [
+                h
+                for h in same
+                if (d := h.known_destination) is None or d.decode_incarnation == decode_incarnation
+            ]
+        if len(same) > 1:
+            raise ConflictError(
+                f"handoff id {handoff_id!r} is in use by {len(same)} decode services here",
+                field="handoff_id",
+            )
+        return same[0] if same else None
+
+    def _refuse_finished(self, scope: str | None, handoff_id: str) -> None:
+        outcome = self._finished.outcome(scope, handoff_id)
         if outcome is not None:
             raise ConflictError(
                 f"handoff {handoff_id!r} already {outcome} on this prefill service",
                 field="handoff_id",
             )
 
-    def _open(self, handoff_id: str) -> PrefillHandoff:
+    def _open(self, scope: str | None, handoff_id: str) -> PrefillHandoff:
         loop = asyncio.get_running_loop()
-        h = PrefillHandoff(handoff_id, self._clock(), loop.create_future())
-        self.handoffs[handoff_id] = h
+        h = PrefillHandoff(handoff_id, self._clock(), loop.create_future(), scope=scope)
+        self._handoffs.add(h)
         h.task = loop.create_task(self._run(h), name=f"prefill:{handoff_id}")
         return h
 
-    def _remember(self, handoff_id: str, outcome: str) -> None:
-        self._finished[handoff_id] = outcome
-        while len(self._finished) > 65536:
-            self._finished.popitem(last=False)
-
     def _close(self, h: PrefillHandoff, outcome: str) -> None:
-        if self.handoffs.get(h.handoff_id) is h:
-            del self.handoffs[h.handoff_id]
-            self._remember(h.handoff_id, outcome)
+        if self._handoffs.remove(h):
+            self._finished.remember(h.scope, h.handoff_id, outcome)
 
     def _publish(self, event: Event) -> None:
         self._bus.publish(event)

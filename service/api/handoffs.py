@@ -17,6 +17,7 @@ from msgspec import Meta, Struct
 from pipelines.decode.views import HANDOFF_ID_PATTERN, HandoffPage, HandoffRequest, HandoffView
 from pipelines.errors import CapacityExceeded, InvalidInput
 from pipelines.states import HandoffState
+from pipelines.urls import ServiceUrl
 from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
@@ -190,6 +191,11 @@ class StageReady(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     src_slot: NonNeg | None = None
     #: Global layer ids now ready; absent: every layer of the stage not signalled yet.
     layers: list[NonNeg] | None = None
+    #: The decode service this request's handoff belongs to (its public URL, as its
+    #: destination names it). Handoff ids are unique per decode only: with it, two decodes
+    #: may use the same id; without it, the id must be unique across the decodes using this
+    #: prefill (a ready whose id two of them use is refused with 409).
+    decode_url: ServiceUrl | None = None
 
 
 class StageReadyAck(Struct, frozen=True):
@@ -221,8 +227,11 @@ async def stage_ready(request: web.Request) -> web.StreamResponse:
     inputs.pages(body.src_pages or (), "src_pages")
     inputs.slot(body.src_slot, "src_slot")
     pipeline = prefill_of(request)
-    if handoff_id not in pipeline.handoffs and len(pipeline.handoffs) >= MAX_AWAITING_DESTINATION:
-        awaiting = sum(1 for h in pipeline.handoffs.values() if h.decode_url is None)
+    if (
+        not pipeline.query.holds(handoff_id)
+        and pipeline.query.open_count() >= MAX_AWAITING_DESTINATION
+    ):
+        awaiting = pipeline.query.awaiting_destination()
         if awaiting >= MAX_AWAITING_DESTINATION:
             # A ready signal opens a handoff that waits for its destination until its deadline:
             # bounded, so an engine (or its credential) cannot grow the prefill without end.
@@ -232,5 +241,7 @@ async def stage_ready(request: web.Request) -> web.StreamResponse:
                 field="id",
                 limit=MAX_AWAITING_DESTINATION,
             )
-    pipeline.ready(handoff_id, rank, body.src_pages, body.src_slot, body.layers)
+    pipeline.ready(
+        handoff_id, rank, body.src_pages, body.src_slot, body.layers, decode_url=body.decode_url
+    )
     return json_response(StageReadyAck(handoff_id, rank, body.layers), status=202)

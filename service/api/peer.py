@@ -201,13 +201,13 @@ async def abort(request: web.Request) -> web.StreamResponse:
     check_version(msg.version)
     _handoff_id(msg.handoff_id)
     pipeline = prefill_of(request)
+    # Ids are the decode's own: a signed abort stops its sender's handoff of that id (or one no
+    # decode has sent a destination for yet: nothing can be written, and any peer may stop the
+    # waiting), never another decode's.
     sender = signed_sender(request)
-    handoff = pipeline.handoffs.get(msg.handoff_id)
-    if sender is not None and handoff is not None and handoff.decode_url is not None:
-        # Only the decode service that sent the destination may stop it (before one arrives,
-        # nothing can be written, and any peer may stop the waiting).
-        _same_service(handoff.decode_url, sender, "the abort", "handoff_id")
-    return json_response(await pipeline.abort(msg.handoff_id, msg.reason, msg.decode_incarnation))
+    return json_response(
+        await pipeline.abort(msg.handoff_id, msg.reason, msg.decode_incarnation, decode_url=sender)
+    )
 
 
 @decode_peer_routes.post(
@@ -286,10 +286,9 @@ def _from_stage_peer(
     pipeline = decode_of(request)
 
     def check(msg: ArrivalMsg | StageFailedMsg | WindowRequest | SegmentMsg, sender: str) -> None:
-        view = pipeline.get(msg.handoff_id)  # an unknown handoff: 404, as the pipeline says
-        for stage in view.stages:
-            if stage.pp_rank == msg.pp_rank:
-                _same_service(stage.peer, sender, f"the {what} of stage {msg.pp_rank}", "pp_rank")
-                return
+        # An unknown handoff: 404, as the pipeline says; an unknown stage: the pipeline's 422.
+        peer = pipeline.query.stage_peer(msg.handoff_id, msg.pp_rank)
+        if peer is not None:
+            _same_service(peer, sender, f"the {what} of stage {msg.pp_rank}", "pp_rank")
 
     return check

@@ -63,11 +63,22 @@ ReadinessCheck = Callable[[], bool | Awaitable[bool]]
 VERSION = "0.1.0"
 
 
+class PeerReady(Struct, frozen=True):
+    """One peer in `/readyz`'s `peers` section: whether it is reachable now."""
+
+    url: str
+    up: bool
+    configured: bool  # named in `peers.prefill`: what a decode's readiness asks about
+    last_heard_s: float | None  # seconds since it was last heard; None: never
+
+
 class Readiness:
-    """Named readiness checks; the app is ready when every one passes."""
+    """Named readiness checks; the app is ready when every one passes. `peers` reports the
+    peers behind the `peers` check (set by the role's runtime once it runs)."""
 
     def __init__(self) -> None:
         self._checks: dict[str, ReadinessCheck] = {}
+        self.peers: Callable[[], list[PeerReady]] = list
 
     def add(self, name: str, check: ReadinessCheck) -> None:
         self._checks[name] = check
@@ -274,9 +285,10 @@ class Health(Struct, frozen=True):
     uptime_s: float
 
 
-class Ready(Struct, frozen=True):
+class Ready(Struct, frozen=True, omit_defaults=True):
     status: str
     checks: list[str]
+    peers: list[PeerReady] = []
 
 
 _started = web.AppKey("started_monotonic", float)
@@ -292,9 +304,13 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     readiness = request.app[READINESS]
     failed = await readiness.failing()
+    peers = readiness.peers()
     if failed:
-        raise NotReady(f"not ready: {', '.join(failed)}", not_ready=failed)
-    return json_response(Ready("ready", readiness.names))
+        context: dict[str, Any] = {"not_ready": failed}
+        if peers:
+            context["peers"] = msgspec.to_builtins(peers)
+        raise NotReady(f"not ready: {', '.join(failed)}", **context)
+    return json_response(Ready("ready", readiness.names, peers))
 
 
 async def openapi_json(request: web.Request) -> web.Response:

@@ -42,6 +42,12 @@ class PeerHealth(Struct, frozen=True):
     #: Connections its current watch attempted (a watch starts afresh when the peer shares
     #: handoffs again after none, or is back after a loss).
     watch_attempts: int = 0
+    #: Reachable now: heard within the silence timeout and not lost since (never heard: not
+    #: up). What `kvhandoff_peer_up`, `/readyz` and the dashboard's "up" say.
+    up: bool = False
+    #: Named in the configuration (`peers.prefill`): watched whether or not anything is in
+    #: flight with it, and what the decode's readiness asks about.
+    configured: bool = False
 
 
 @dataclass

@@ -1,8 +1,11 @@
 """Heartbeats between services that share live handoffs, and the verdict on silent peers.
 
 Every `interval_s`, a service sends a heartbeat to each peer it has live handoffs with (the
-decode side to its prefill services, each prefill service to its decode services), naming its
-incarnation and the handoffs it runs with that peer. The answer names the peer's incarnation and
+decode side to its prefill services, each prefill service to its decode services), and to each
+configured peer (`peers.prefill`) whether or not anything is in flight with it — so "up" on the
+dashboard and `kvhandoff_peer_up` mean reachable now, and a stage that dies while idle is lost
+before the next handoff waits on it — naming its incarnation and the handoffs it runs with that
+peer. The answer names the peer's incarnation and
 the handoffs *it* runs with us: the role's pipeline reconciles the two (a handoff the peer no
 longer has, or one bound to an earlier life of the peer, fails at once).
 
@@ -146,8 +149,9 @@ class Heartbeats:
         self.confirm_probes = settings.confirm_probes
         self._clock = clock
         self._sleep = sleep
+        self._configured = settings.configured
         self._backoff = Backoff(settings.watch_retry_min_s, settings.watch_retry_max_s, rand)
-        self._last: dict[str, float] = {}  # peers with live handoffs -> last time heard
+        self._last: dict[str, float] = {}  # peers watched (live or configured) -> last heard
         self._lost_peers: set[str] = set()
         # For metrics and the dashboard: configured and live peers, and others for a while.
         self._table = HealthTable(
@@ -166,16 +170,20 @@ class Heartbeats:
     def health(self) -> list[PeerHealth]:
         """The peers of the health table (configured, live, or heard lately), by URL."""
         out = []
+        configured = set(self._configured)
         for url, heard_s, misses, losses in self._table.rows():
             w = self._watchers.get(url)
             watch = w[0] if w is not None else None
+            lost = url in self._lost_peers
             out.append(
                 PeerHealth(
                     url=url,
                     last_heard_s=heard_s,
-                    lost=url in self._lost_peers,
+                    lost=lost,
                     misses=misses,
                     losses=losses,
+                    up=not lost and heard_s is not None and heard_s <= self.timeout_s,
+                    configured=url in configured,
                     watch="" if watch is None else watch.state,
                     watch_status=None if watch is None else watch.status,
                     watch_detail="" if watch is None else watch.detail,
@@ -267,9 +275,10 @@ class Heartbeats:
         await self._tasks.close()
 
     async def tick(self) -> None:
-        """One round: start a beat to every peer sharing live handoffs (unless its last one is
-        still running), then judge the silent ones. Waits for no peer (see `settled`)."""
-        live = self.side.live()
+        """One round: start a beat to every configured peer and every peer sharing live
+        handoffs (unless its last one is still running), then judge the silent ones. Waits for
+        no peer (see `settled`)."""
+        live = self._watched()
         now = self._clock()
         for peer in list(self._last):
             if peer not in live:
@@ -296,6 +305,13 @@ class Heartbeats:
             if silent > self.timeout_s:
                 reason = f"was silent for {silent:.1f} s (heartbeat timeout {self.timeout_s:g} s)"
                 self._declare_lost(peer, reason)
+
+    def _watched(self) -> dict[str, list[str]]:
+        """Whom this round pings: each configured peer (with nothing to reconcile when nothing
+        is shared with it) and each peer the pipeline shares live handoffs with."""
+        watched: dict[str, list[str]] = {peer: [] for peer in self._configured}
+        watched.update(self.side.live())
+        return watched
 
     async def settled(self) -> None:
         """Wait until the beats and loss handling started so far have ended (watches run on).

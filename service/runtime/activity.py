@@ -5,8 +5,6 @@ the landed transfer's memory in use.
 age, what the dashboard page (`service.api.dashboard`) shows on load: the most recent handoffs
 with per-stage progress, completions per time bucket, and latency percentiles. The page then
 applies the live SSE events to the same model, so this snapshot and the stream agree.
-`arena_uses` reads the landing arena (decode) and staging buffer (prefill) of a pipeline: the
-dashboard and `/metrics` (`service.runtime.metrics.ArenaCollector`) show the same numbers.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ from collections.abc import Callable, Collection
 
 from msgspec import Struct
 
-from pipelines.arena import Arena
-from pipelines.decode import DecodePipeline
+from pipelines.decode.views import HandoffView
 from pipelines.events import (
     ChunksEmitted,
     Event,
@@ -26,11 +23,12 @@ from pipelines.events import (
     HandoffCompleted,
     HandoffCreated,
     HandoffFailed,
+    SegmentCommitted,
     StageArrived,
     StageReady,
     StageTransferred,
 )
-from pipelines.prefill import PrefillPipeline
+from pipelines.states import StageState
 
 #: Handoffs kept for the page; older ones are in `GET /v1/handoffs`.
 RECENT = 200
@@ -41,10 +39,12 @@ WINDOW_S = 300.0
 
 class StageProgress(Struct):
     pp_rank: int
-    bytes: int = 0
+    bytes: int = 0  # moved so far: sent (prefill), committed or arrived (decode)
     layers: int = 0  # layers sent so far (prefill side)
     done: bool = False  # arrived (decode) or sent its last layer (prefill)
     failed: bool = False
+    segments: int = 0  # landed segments committed so far (decode, landed mode)
+    expected: int = 0  # bytes the stage moves in all, once a segment said so; 0: not known
 
 
 class HandoffActivity(Struct):
@@ -62,6 +62,8 @@ class HandoffActivity(Struct):
     reason: str | None = None
     pp_rank: int | None = None  # the failing stage
     stages: list[StageProgress] = []
+    #: Read from the records at start-up (an earlier life's, or one this life did not see).
+    recorded: bool = False
 
 
 class Bucket(Struct, frozen=True):
@@ -75,37 +77,6 @@ class Latency(Struct, frozen=True):
     p50_s: float | None
     p90_s: float | None
     p99_s: float | None
-
-
-class ArenaUse(Struct, frozen=True):
-    """One arena of the landed transfer, now: `landing` (decode) or `staging` (prefill)."""
-
-    arena: str
-    capacity_bytes: int
-    used_bytes: int
-    quarantined_bytes: int
-    waiting: int  # takers waiting for room now
-    waits: int  # takers that had to wait, ever
-
-
-def arena_uses(decode: DecodePipeline | None, prefill: PrefillPipeline | None) -> list[ArenaUse]:
-    """The arenas of this service's pipeline (none in direct mode on a decode)."""
-    arenas: list[tuple[str, Arena]] = []
-    if decode is not None and decode.landing is not None:
-        arenas.append(("landing", decode.landing.arena))
-    if prefill is not None and prefill.staging is not None:
-        arenas.append(("staging", prefill.staging.arena))
-    return [
-        ArenaUse(
-            arena=name,
-            capacity_bytes=a.stats.capacity_bytes,
-            used_bytes=a.stats.used_bytes,
-            quarantined_bytes=a.stats.quarantined_bytes,
-            waiting=a.stats.waiting,
-            waits=a.stats.waits,
-        )
-        for name, a in arenas
-    ]
 
 
 class Activity:
@@ -131,11 +102,17 @@ class Activity:
                 s.done = s.done or event.final
                 h.bytes += event.bytes
                 self._moved.append((event.at, event.bytes))
+            case SegmentCommitted():
+                h.state = "transferring"
+                s = self._stage(h, event.pp_rank)
+                s.segments += 1
+                s.bytes, s.expected = event.committed, event.expected
+                h.bytes = sum(x.bytes for x in h.stages)
             case StageArrived():
                 h.state = "transferring"
                 s = self._stage(h, event.pp_rank)
                 s.bytes, s.done = event.bytes, True
-                h.bytes += event.bytes
+                h.bytes = sum(x.bytes for x in h.stages)
                 h.pp_size = max(h.pp_size, event.expected)
                 self._moved.append((event.at, event.bytes))
             case HandoffCompleted():
@@ -164,6 +141,17 @@ class Activity:
                 self.handoffs.popitem(last=False)
         h.updated_at = event.at
         return h
+
+    def seed(self, views: list[HandoffView]) -> None:
+        """Show `views` (finished handoffs from the records, oldest first) before anything this
+        life observed, so a restarted decode's page keeps the failure being investigated."""
+        seeded: OrderedDict[str, HandoffActivity] = OrderedDict(
+            (v.id, _recorded(v)) for v in views[-RECENT:] if v.id not in self.handoffs
+        )
+        seeded.update(self.handoffs)
+        while len(seeded) > RECENT:
+            seeded.popitem(last=False)
+        self.handoffs = seeded
 
     def settle(self, live: Collection[str]) -> None:
         """Mark "sent" what a prefill pipeline no longer runs (`live`: the ids it does): it
@@ -215,3 +203,31 @@ class Activity:
             return seconds[min(int(q * len(seconds)), len(seconds) - 1)]
 
         return Latency(len(seconds), pick(0.5), pick(0.9), pick(0.99))
+
+
+def _recorded(v: HandoffView) -> HandoffActivity:
+    """A finished handoff's record as the page shows one it watched."""
+    finished, error = v.finished_at, v.error
+    return HandoffActivity(
+        id=v.id,
+        state=v.state.value,
+        started_at=v.created_at,
+        updated_at=finished or v.created_at,
+        pp_size=len(v.stages),
+        bytes=v.bytes,
+        finished_at=finished,
+        seconds=None if finished is None else finished - v.created_at,
+        code=None if error is None else error.code,
+        reason=None if error is None else error.reason,
+        pp_rank=None if error is None else error.pp_rank,
+        stages=[
+            StageProgress(
+                s.pp_rank,
+                s.bytes,
+                done=s.state == StageState.ARRIVED,
+                failed=s.state == StageState.FAILED,
+            )
+            for s in v.stages
+        ],
+        recorded=True,
+    )

@@ -19,8 +19,6 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator
 
-import msgspec
-
 from pipelines.decode import DecodePipeline
 from pipelines.decode.views import HandoffPage, HandoffView
 from pipelines.states import HandoffState
@@ -57,11 +55,11 @@ def _seq(item: tuple[int, Callable[[], HandoffView]]) -> int:
 def _live(
     decode: DecodePipeline, records: HandoffRecords, state: HandoffState | None, cursor: int
 ) -> Iterator[tuple[int, Callable[[], HandoffView]]]:
-    # The pipeline's dict is in creation order, and so are the seqs this life gives its records.
-    for h in decode.handoffs.values():
+    # The pipeline holds them in creation order, and so are the seqs this life gives its records.
+    for h in decode.query.held(state):
         seq = records.seq_of(h.seq)
-        if seq > cursor and (state is None or h.state == state):
-            yield seq, functools.partial(h.view, timeline=False)
+        if seq > cursor:
+            yield seq, functools.partial(decode.get, h.request.id, timeline=False)
 
 
 def _recorded(
@@ -77,12 +75,8 @@ def _recorded(
     while True:
         rows = records.listed(after, state, batch, before=before)
         for seq, hid in rows:
-            if hid not in decode.handoffs:  # held here: `_live` answers for it
-                yield seq, functools.partial(_archived, decode, hid)
+            if not decode.query.holds(hid):  # held here: `_live` answers for it
+                yield seq, functools.partial(decode.get, hid, timeline=False)
         if len(rows) < batch:
             return
         after = rows[-1][0]
-
-
-def _archived(decode: DecodePipeline, handoff_id: str) -> HandoffView:
-    return msgspec.structs.replace(decode.get(handoff_id), timeline=[])

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pipelines.arena import ArenaUse
 from pipelines.events import (
     TERMINAL_EVENTS,
     ChunksEmitted,
@@ -34,7 +35,6 @@ from pipelines.events import (
     StageTransferred,
 )
 from service.peers.health import PeerHealth
-from service.runtime.activity import ArenaUse
 from service.runtime.streams import StreamStats
 from service.runtime.webhooks import WebhookStats
 from transport.base import TransportStats
@@ -210,7 +210,9 @@ class PeerCollector(Collector):
     def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
         peers = self._health()
         up = GaugeMetricFamily(
-            "kvhandoff_peer_up", "1 while a peer answers heartbeats, 0 once lost", labels=["peer"]
+            "kvhandoff_peer_up",
+            "1 while a peer is reachable (heard within the silence timeout, not lost), else 0",
+            labels=["peer"],
         )
         heard = GaugeMetricFamily(
             "kvhandoff_peer_last_heard_seconds",
@@ -243,7 +245,7 @@ class PeerCollector(Collector):
             labels=["peer"],
         )
         for p in peers:
-            up.add_metric([p.url], 0.0 if p.lost else 1.0)
+            up.add_metric([p.url], 1.0 if p.up else 0.0)
             if p.last_heard_s is not None:
                 heard.add_metric([p.url], p.last_heard_s)
             misses.add_metric([p.url], p.misses)
@@ -261,7 +263,7 @@ class PeerCollector(Collector):
 
 
 class ArenaCollector(Collector):
-    """The landed transfer's memory (`service.runtime.activity.arena_uses`), read at scrape time:
+    """The landed transfer's memory (each pipeline's `arena()`), read at scrape time:
     the decode's landing arena and a prefill's staging buffer, by `arena`."""
 
     def __init__(self, arenas: Callable[[], list[ArenaUse]]) -> None:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from pipelines.decode import DecodeHandoff, DecodePipeline
+from pipelines.decode import DecodePipeline
+from pipelines.decode.views import HandoffView, HeldHandoff
 from pipelines.errors import ConflictError
 from pipelines.events import (
     TERMINAL_EVENTS,
@@ -158,7 +159,7 @@ class _Journal:
 
     def _write(self, event: Event) -> None:
         outbox = self._p.outbox
-        h = self._decode.handoffs.get(event.handoff_id)
+        h = self._decode.query.find(event.handoff_id)
         tag = event_tag(event)
         callback = h.request.callback_url if h is not None else None
         wanted = outbox.wanted(event, callback)
@@ -173,23 +174,31 @@ class _Journal:
         self._p.dispatcher.add(deliveries)
 
     def _record(
-        self, tx: sqlite3.Connection, event: Event, tag: str, h: DecodeHandoff | None
+        self, tx: sqlite3.Connection, event: Event, tag: str, h: HeldHandoff | None
     ) -> None:
         records = self._p.records
+        decode = self._decode
         if isinstance(event, HandoffCreated) and h is not None:
             records.accepted(
-                tx, h.request, h.created_at, h.deadline_at, h.seq, h.view(timeline=False)
+                tx,
+                h.request,
+                h.created_at,
+                h.deadline_at,
+                h.seq,
+                decode.get(h.request.id, timeline=False),
             )
         elif isinstance(event, StageArrived) and h is not None:
-            records.progress(
-                tx, h.view(timeline=False)
-            )  # a restart-failed record keeps its stages, bytes
+            # A restart-failed record keeps its stages and bytes.
+            records.progress(tx, decode.get(h.request.id, timeline=False))
         elif isinstance(event, TERMINAL_EVENTS):
-            view = (
-                msgspec.structs.replace(h.view(), timeline=[*h.timeline, event])
-                if h is not None
-                else records.restored_view(tx, event)
-            )
+            if h is not None:
+                # Published before the pipeline appends it to the handoff's timeline.
+                now = decode.get(h.request.id)
+                view: HandoffView | None = msgspec.structs.replace(
+                    now, timeline=[*now.timeline, event]
+                )
+            else:
+                view = records.restored_view(tx, event)
             if view is not None:
                 records.finished(tx, view)
         elif isinstance(event, HandoffReleased):

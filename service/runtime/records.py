@@ -204,6 +204,14 @@ class HandoffRecords:
             return None
         return ArchivedHandoff(_request_decoder.decode(row[0]), _view_decoder.decode(row[1]))
 
+    def recent(self, limit: int) -> list[HandoffView]:
+        """The final views of the `limit` most recently created finished records, oldest
+        first (what the dashboard shows after a restart)."""
+        rows = self._db.conn.execute(
+            "SELECT view FROM handoffs WHERE view IS NOT NULL ORDER BY seq DESC LIMIT ?", (limit,)
+        ).fetchall()
+        return [_view_decoder.decode(row[0]) for row in reversed(rows)]
+
     def listed(
         self, after: int, state: HandoffState | None, limit: int, *, before: int | None = None
     ) -> list[tuple[int, str]]:

@@ -25,18 +25,18 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from pipelines.arena import ArenaUse
 from pipelines.decode import DecodePipeline
 from pipelines.decode.views import HandoffRequest, HandoffView
 from pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag, life_first_seq
 from pipelines.messages import PEER_PROTOCOL_VERSION, HeartbeatAck, LayoutInfo
 from pipelines.prefill import HostedStage, PrefillPipeline
 from service.config import Config, ConfigError
-from service.http.app import CONFIG, INCARNATION, PEERS, READINESS
+from service.http.app import CONFIG, INCARNATION, PEERS, READINESS, PeerReady
 from service.http.client import PeerClient
 from service.peers.heartbeat import Heartbeats, HeartbeatSettings
 from service.peers.protocol import HttpPeers
 from service.runtime import admission
-from service.runtime.activity import ArenaUse, arena_uses
 from service.runtime.landing import TransferMemory, open_transfer_memory
 from service.runtime.persistence import PERSISTENCE, Persistence, open_persistence
 from service.runtime.stages import Buffers, HostedMemory, open_stages
@@ -90,11 +90,12 @@ class DecodeRuntime(RuntimeBase):
 
     def arenas(self) -> list[ArenaUse]:
         """The landing arena in use (none in direct mode)."""
-        return arena_uses(self.pipeline, None)
+        use = self.pipeline.query.arena()
+        return [] if use is None else [use]
 
     def in_flight(self) -> int:
         """Handoffs started and not yet terminal."""
-        return sum(not h.state.terminal for h in self.pipeline.handoffs.values())
+        return self.pipeline.query.in_flight()
 
 
 @dataclass(kw_only=True)
@@ -102,8 +103,9 @@ class PrefillRuntime(RuntimeBase):
     pipeline: PrefillPipeline
 
     def arenas(self) -> list[ArenaUse]:
-        """The staging buffer in use."""
-        return arena_uses(None, self.pipeline)
+        """The staging buffer in use (none in direct mode)."""
+        use = self.pipeline.query.arena()
+        return [] if use is None else [use]
 
     def in_flight(self) -> int:
         """Handoffs with a destination from a decode and not yet ended here."""
@@ -399,11 +401,19 @@ def install_runtime(app: web.Application, buffers: Buffers | None = None) -> Non
 
     app.cleanup_ctx.append(runtime_ctx)
     app.on_shutdown.append(_closing)
-    app[READINESS].add("transport", lambda: TRANSPORT in app)
-    app[READINESS].add("handoffs", lambda: RUNTIME in app)
-    if app[CONFIG].role == "decode" and app[CONFIG].records.persist:
+    readiness = app[READINESS]
+    readiness.add("transport", lambda: TRANSPORT in app)
+    readiness.add("handoffs", lambda: RUNTIME in app)
+    config = app[CONFIG]
+    if config.role == "decode" and config.records.persist:
         # Not ready until restored, nor after a write failed: routers must go elsewhere.
-        app[READINESS].add("records", lambda: _records_ok(app))
+        readiness.add("records", lambda: _records_ok(app))
+    readiness.peers = lambda: _peers_ready(app)
+    if config.role == "decode" and config.peers.prefill:
+        # A handoff without its own `prefill` list goes to the configured ones: with none of
+        # them reachable now (the heartbeats ping them whether or not anything is in flight),
+        # this decode cannot do its job and routers must go elsewhere.
+        readiness.add("peers", lambda: any(p.up for p in _peers_ready(app) if p.configured))
 
 
 def on_runtime(app: web.Application, hook: Callable[[Runtime], None]) -> None:
@@ -417,6 +427,17 @@ def _hooks(app: web.Application) -> list[Callable[[Runtime], None]]:
         app[_ON_RUNTIME] = []
     hooks: list[Callable[[Runtime], None]] = app[_ON_RUNTIME]
     return hooks
+
+
+def _peers_ready(app: web.Application) -> list[PeerReady]:
+    """The peers the heartbeats track (configured ones first), for `/readyz`."""
+    if RUNTIME not in app:
+        return []
+    rows = [
+        PeerReady(p.url, p.up, p.configured, p.last_heard_s)
+        for p in app[RUNTIME].heartbeats.health()
+    ]
+    return sorted(rows, key=lambda p: (not p.configured, p.url))
 
 
 def _records_ok(app: web.Application) -> bool:

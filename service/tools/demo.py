@@ -119,6 +119,12 @@ def _positive(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    layers = int(MODEL["num_layers"])
+    if args.pp > layers:
+        # Checked before anything starts: each stage must hold at least one layer.
+        return _usage(
+            f"--pp {args.pp}: the demo's model has {layers} layers, so 1..{layers} stages"
+        )
     if args.inprocess and args.serve:
         return _usage("--serve needs the multi-process deployment (drop --inprocess)")
     if not args.inprocess and args.transport:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import socket
 import tempfile
@@ -120,6 +121,15 @@ def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, 
     expect = playwright_api.expect
     page.set_default_timeout(WAIT_MS)
     expect.set_options(timeout=WAIT_MS)
+    failed_loads: list[str] = []
+    page.on(
+        "response",
+        lambda r: (
+            failed_loads.append(f"{r.status} {r.url}")
+            if r.status >= 400 and not r.url.endswith("/v1/dashboard")  # 401 until the token
+            else None
+        ),
+    )
     page.goto(dep.decode_url + "/")
     # The page needs the token, asks once, and keeps it out of every URL.
     expect(page.locator("#login")).to_be_visible()
@@ -127,6 +137,14 @@ def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, 
     page.click("#login button")
     expect(page.locator("#conn")).to_have_attribute("data-state", "live")
     assert TOKEN not in page.url
+    # Peers by the stages they host, in stage order, and up while idle (issue 18 D).
+    peers = page.locator("#peers tr[data-peer]")
+    expect(peers).to_have_count(2)
+    expect(peers.nth(0)).to_have_attribute("data-peer", dep.url_of_stage(0))
+    expect(peers.nth(1)).to_have_attribute("data-peer", dep.url_of_stage(1))
+    expect(peers.nth(0)).to_contain_text("stage 0")
+    expect(peers.nth(1)).to_contain_text("stage 1")
+    expect(peers.nth(1)).to_have_attribute("data-up", "true")
 
     # In flight: stage 0 arrived, stage 1 not signalled yet.
     create(dep, "dash-1", [3, 4], 1)
@@ -135,9 +153,20 @@ def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, 
     expect(row).to_be_visible()
     expect(row.locator('.stage[data-rank="0"]')).to_have_attribute("data-done", "true")
     expect(row.locator('.stage[data-rank="1"]')).to_have_attribute("data-done", "false")
+    # Each bar says which stage it is and how far it got, without hovering: stage 0's landed
+    # segments were committed (stage.segment_committed), stage 1 has not started.
+    bar0 = row.locator('.stage[data-rank="0"]')
+    expect(bar0.locator("span")).to_contain_text("s0")
+    expect(bar0).to_have_attribute("data-pct", "100")
+    assert int(bar0.get_attribute("data-segments") or "0") >= 1
+    expect(row.locator('.stage[data-rank="1"] span')).to_have_text("s1")
+    expect(page.locator("#pages-kpi [data-leased]")).to_have_attribute("data-leased", "2")
     ready(dep, "dash-1", 1, [1, 2], 1)
-    expect(page.locator('#recent tr[data-id="dash-1"][data-state="completed"]')).to_be_visible()
+    done = page.locator('#recent tr[data-id="dash-1"][data-state="completed"]')
+    expect(done).to_be_visible()
+    expect(done.locator("td[data-at]")).to_have_text(re.compile(r"^\d\d:\d\d:\d\d$"))
     expect(row).to_have_count(0)
+    expect(page.locator("#k-failed-box")).to_have_attribute("data-count", "0")
     # The landing arena: in use while windows are granted, all given back once it completed.
     arena = page.locator('#arenas tr[data-arena="landing"]')
     expect(arena).to_be_visible()
@@ -156,6 +185,13 @@ def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, 
     expect(failed).to_contain_text("stage 1")
     expect(page.locator(f'#peers tr[data-peer="{lost_url}"][data-lost="true"]')).to_be_visible()
     expect(page.locator("#k-p50")).not_to_have_text("\u2013")
+    # At the top: how many failed. Below: the window granted to stage 1, which never confirmed
+    # that it stopped writing, is quarantined (landed mode frees the pages at the outcome: a
+    # late write can only land in a window), and the page shows it.
+    expect(page.locator("#k-failed-box")).to_have_attribute("data-count", "1")
+    expect(page.locator("#k-failed")).to_have_text("1")
+    expect(arena).not_to_have_attribute("data-quarantined", "0")
+    expect(page.locator("#pages-kpi [data-fenced]")).to_have_attribute("data-fenced", "0")
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
@@ -175,6 +211,26 @@ def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, 
     page.screenshot(path=str(ARTIFACTS / "dashboard-phone.png"), full_page=True)
     # Nothing on a phone width needs horizontal scrolling.
     assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+    page.set_viewport_size({"width": 1200, "height": 860})
+
+    # The decode dies: the page says at once that what it shows is old, and how old.
+    dep.kill("decode")
+    expect(page.locator("#conn")).to_have_attribute("data-state", "down")
+    expect(page.locator("#conn")).to_contain_text("showing data from")
+    expect(page.locator('#peers tr[data-stale="true"]')).to_have_count(2)
+    expect(page.locator("#peers")).to_contain_text("(stale)")
+    # Restarted on the same records: the page reconnects and shows the earlier life's
+    # handoffs from the database (the failure being investigated too), not an empty list.
+    dep.restart("decode")
+    expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+    expect(page.locator("#notice")).to_contain_text("restarted")
+    expect(page.locator('#recent tr[data-id="dash-1"][data-recorded="true"]')).to_be_visible()
+    expect(page.locator('#recent tr[data-id="dash-2"][data-state="failed"]')).to_contain_text(
+        "peer_unreachable"
+    )
+    expect(page.locator("#k-failed")).to_have_text("1")
+    expect(page.locator('#peers tr[data-stale="false"]')).to_have_count(2)
+    assert failed_loads == [], failed_loads  # the icon too: no 404 on any load
 
 
 class ThreadedDecode:

@@ -265,7 +265,9 @@ async def test_forged_arrivals_and_failures_change_nothing(
     assert view["bytes"] == 0 and "error" not in view
     assert decode_bytes(dep) == before
     await delivered(sessions["router"], dep, "victim")
-    for r in range(dep.pp_size):  # nor may anyone but its decode service stop it on a stage
+    # Nor may anyone but its decode service stop it on a stage: ids are scoped by decode, so a
+    # peer's signed abort of "victim" names its own handoff of that id (none: nothing stops).
+    for r in range(dep.pp_size):
         abort = {
             "handoff_id": "victim",
             "reason": "forged",
@@ -280,7 +282,7 @@ async def test_forged_arrivals_and_failures_change_nothing(
             secret=PEER,
             sender=dep.url_of_stage(1 - r),
         )
-        assert (status, problem["field"]) == (403, "handoff_id"), problem
+        assert (status, problem["stages"]) == (200, []), problem
     for r in range(dep.pp_size):  # the victim is intact: its real stages complete it
         assert (await ready(sessions["engine"], dep, "victim", r, m))[0] == 202
     assert (await finished(sessions["router"], dep, "victim"))["state"] == "completed"

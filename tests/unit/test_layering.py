@@ -190,3 +190,143 @@ def test_the_private_import_check_can_fail(tmp_path: Path) -> None:
     (tmp_path / "service").mkdir()
     (tmp_path / "service" / "a.py").write_text("from service.b import _helper\n")
     assert _private_imports(tmp_path) == ["service/a.py:1 imports _helper"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The service reads the pipelines through their query surface only
+
+
+def _is_own(node: ast.expr) -> bool:
+    """`self`, `cls` or `super()`: the code's own object, whose private names are its own."""
+    if isinstance(node, ast.Name):
+        return node.id in ("self", "cls")
+    func = node.func if isinstance(node, ast.Call) else None
+    return isinstance(func, ast.Name) and func.id == "super"
+
+
+def _foreign_private_reads(root: Path) -> list[str]:
+    # Private state (`_x`) of another object is its owner's to change at will: a service module
+    # that reads a pipeline's `_handoffs` couples itself to how the pipeline keeps them.
+    bad = []
+    for path in sorted((root / "service").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not _is_own(node.value)
+            ):
+                bad.append(f"{path.relative_to(root)}:{node.lineno} reads {ast.unparse(node)}")
+    return bad
+
+
+#: Public attributes of a pipeline that are facts fixed at construction (or the one hook the
+#: assembly sets), not state: the service may read them. Everything else it reads is a method.
+PIPELINE_FACTS = frozenset(
+    {"layout", "url", "target", "incarnation", "max_call_s", "on_peers", "query"}
+)
+PIPELINE_CLASSES = ("DecodePipeline", "PrefillPipeline")
+#: How service code reaches a pipeline: the runtime's `.pipeline`, or a route's lookup.
+PIPELINE_LOOKUPS = ("decode_of", "prefill_of")
+
+
+def _pipeline_surface() -> set[str]:
+    from pipelines.decode import DecodePipeline
+    from pipelines.prefill import PrefillPipeline
+
+    methods = {
+        name
+        for cls in (DecodePipeline, PrefillPipeline)
+        for name in dir(cls)
+        if not name.startswith("_") and callable(getattr(cls, name))
+    }
+    return methods | PIPELINE_FACTS
+
+
+def _is_pipeline_annotation(node: ast.expr | None) -> bool:
+    return node is not None and any(name in ast.unparse(node) for name in PIPELINE_CLASSES)
+
+
+def _pipeline_names(tree: ast.AST) -> set[str]:
+    """Names (and `self.x` attributes) a module binds to a pipeline: annotated as one, or
+    assigned from a lookup, a `.pipeline` or another such name."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and _is_pipeline_annotation(node.annotation):
+            names.add(node.arg)
+        elif isinstance(node, ast.AnnAssign) and _is_pipeline_annotation(node.annotation):
+            names.add(ast.unparse(node.target))
+    for _ in range(3):  # assignments chain (`p = decode.pipeline; self._p = p`)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and _reaches_pipeline(node.value, names):
+                names.update(ast.unparse(t) for t in node.targets)
+    return names
+
+
+def _reaches_pipeline(node: ast.expr, names: set[str]) -> bool:
+    if isinstance(node, ast.Attribute) and node.attr == "pipeline":
+        return True
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        return node.func.id in PIPELINE_LOOKUPS
+    return ast.unparse(node) in names
+
+
+def _pipeline_state_reads(root: Path, surface: set[str]) -> list[str]:
+    bad = []
+    for path in sorted((root / "service").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        names = _pipeline_names(tree)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and _reaches_pipeline(node.value, names)
+                and node.attr not in surface
+            ):
+                bad.append(f"{path.relative_to(root)}:{node.lineno} reads {ast.unparse(node)}")
+    return bad
+
+
+def test_no_service_module_reads_another_object_s_private_state() -> None:
+    assert _foreign_private_reads(ROOT) == []
+
+
+def test_the_service_reads_a_pipeline_only_through_its_query_surface() -> None:
+    # The handoffs a pipeline holds are its own mutable records; the service reads immutable
+    # views and counts through its `query` (`pipelines/decode/queries.py`, `pipelines/prefill/
+    # queries.py`), so a listener or a route cannot change them or depend on their shape.
+    assert _pipeline_state_reads(ROOT, _pipeline_surface()) == []
+
+
+@pytest.mark.parametrize(
+    ("source", "expect"),
+    [
+        (
+            "def f(d: DecodePipeline):\n    return d._handoffs\n",
+            "service/runtime/x.py:2 reads d._handoffs",
+        ),
+        (
+            "def f(request):\n    return prefill_of(request).stages\n",
+            "service/runtime/x.py:2 reads prefill_of(request).stages",
+        ),
+        (
+            "def f(runtime):\n    p = runtime.pipeline\n    return p.leases.holds('a')\n",
+            "service/runtime/x.py:3 reads p.leases",
+        ),
+        (
+            "class J:\n    def __init__(self, d: DecodePipeline):\n        self._d = d\n"
+            "    def on(self):\n        return self._d.cache\n",
+            "service/runtime/x.py:5 reads self._d.cache",
+        ),
+    ],
+)
+def test_the_pipeline_state_checks_can_fail(source: str, expect: str, tmp_path: Path) -> None:
+    (tmp_path / "service" / "runtime").mkdir(parents=True)
+    (tmp_path / "service" / "runtime" / "x.py").write_text(source)
+    found = _foreign_private_reads(tmp_path) + _pipeline_state_reads(tmp_path, _pipeline_surface())
+    assert expect in found
+    # ... and the surface itself passes: a query method is not a violation.
+    (tmp_path / "service" / "runtime" / "x.py").write_text(
+        "def f(request):\n    return prefill_of(request).query.decode_of('a')\n"
+    )
+    assert _pipeline_state_reads(tmp_path, _pipeline_surface()) == []

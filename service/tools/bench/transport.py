@@ -162,7 +162,10 @@ def run_case(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
         dst_pool = ShmPool(shm, case.dst_sizes, align_bytes=ALIGN, create=False)
         pools.append(dst_pool)
         (src_span,), (dst_span,) = src_pool.registrations, dst_pool.registrations
-        src_mem, dst_mem = host_array(src_span.addr, src_span.length), dst_pool._array
+        src_mem, dst_mem = (
+            host_array(src_span.addr, src_span.length),
+            host_array(dst_span.addr, dst_span.length),
+        )
         src_mem[:] = np.random.default_rng(1).integers(0, 256, src_mem.shape[0], dtype=np.uint8)
         local_blocks = case.make(src_pool.bases, dst_pool.bases)
         remote_blocks = case.make(src_pool.bases, remote_bases)

@@ -11,9 +11,16 @@ import asyncio
 import time
 
 from pipelines.decode import DecodePipeline
-from pipelines.decode.views import ArchivedHandoff, FencedPages, HandoffRequest, HandoffView
+from pipelines.decode.views import (
+    ArchivedHandoff,
+    FencedPages,
+    FencedUse,
+    HandoffRequest,
+    HandoffView,
+)
 from pipelines.events import Event, EventBus, HandoffReleased
 from pipelines.messages import DestinationMsg
+from pipelines.prefill.scopes import Finished
 from pipelines.states import HandoffState
 from tests.unit.pipelines.test_handoff_pipelines import World, world  # noqa: F401
 from tests.unit.pipelines.test_safety import cut_off, link_of
@@ -50,7 +57,7 @@ async def test_the_fence_covers_the_time_a_destination_took_to_reach_its_prefill
     req = HandoffRequest(id="q", prefill=["p"], dst_pages=[9], dst_slot=0, deadline_s=0.3)
     await w.decode.create(req)
     await received.wait()
-    prefill_deadline = w.prefill.handoffs["q"].deadline_mono
+    prefill_deadline = w.prefill._handoffs.with_id("q")[0].deadline_mono
     assert prefill_deadline is not None
     view = await w.decode.wait("q", 10.0, released=True)
     assert view.state == HandoffState.FAILED and view.released
@@ -81,15 +88,15 @@ async def test_an_abort_that_overtook_its_destination_is_sent_again_once_it_land
     await w.decode.create(req)
     abort = asyncio.ensure_future(w.decode.abort("o"))
     async with asyncio.timeout(30.0):
-        while "o" not in w.prefill._finished:  # the prefill acknowledged the abort
+        while w.prefill._finished.outcome(None, "o") is None:  # the prefill acknowledged it
             await asyncio.sleep(0.01)
-    w.prefill._finished.clear()  # as after 65,536 other handoffs finished there
+    w.prefill._finished = Finished()  # as after 65,536 other handoffs finished there
     go.set()
     view = await asyncio.wait_for(abort, 30.0)
     assert view.state == HandoffState.ABORTED and view.released
     # Nothing of "o" is live on the prefill: no write of it can land in the released pages.
-    assert "o" not in w.prefill.handoffs
-    assert w.prefill._finished.get("o") == "aborted"
+    assert not w.prefill._handoffs.holds("o")
+    assert w.prefill._finished.outcome(None, "o") == "aborted"
 
 
 class _Archive:
@@ -141,6 +148,7 @@ async def test_a_wall_clock_step_does_not_show_a_restored_fence_released_early(
     )
     wall[0] += 3600.0
     assert decode.leases.holds("old")
+    assert decode.query.pages().fenced_handoffs == [FencedUse("old", 1, restored=True)]
     assert not decode.get("old").released and not (await decode.wait("old", 0)).released
     await released.wait()  # the fence's own timer, on the loop's monotonic clock
     assert not decode.leases.holds("old") and decode.get("old").released

@@ -10,7 +10,7 @@ import pytest
 
 from pipelines.decode import DecodePipeline
 from pipelines.decode.leases import Leases
-from pipelines.decode.views import HandoffRequest
+from pipelines.decode.views import FencedUse, HandoffRequest
 from pipelines.errors import (
     CapacityExceeded,
     ConflictError,
@@ -235,7 +235,7 @@ async def test_history_keeps_the_newest_finished_and_every_live_handoff(world: W
         hid = f"done-{i}"
         await w.decode.create(HandoffRequest(id=hid, prefill=["p"], dst_pages=[1], dst_slot=1))
         await w.decode.abort(hid)
-    assert list(w.decode.handoffs) == ["live", "done-4", "done-5"]
+    assert list(w.decode._handoffs) == ["live", "done-4", "done-5"]
 
 
 async def test_capacity_and_long_poll(world: World) -> None:
@@ -336,11 +336,15 @@ async def test_pages_of_a_stage_that_never_confirmed_stay_fenced_until_deadline_
     assert w.decode.get("l").state == HandoffState.FAILED  # reported at once ...
     assert w.decode.leases.holds("l")  # ... but the page stays fenced
     assert not w.decode.get("l").released
+    pages = w.decode.query.pages()  # and says so to the dashboard
+    assert (pages.leased, pages.live, pages.fenced) == (1, 0, 1)
+    assert pages.fenced_handoffs == [FencedUse("l", 1, restored=False)]
     view = await w.decode.wait("l", 30, released=True)
     # Not before the deadline (0.3 s) plus the declared grace (0.2 s): only then can nothing
     # still land.
     assert loop.time() - t0 >= 0.45
     assert view.released and not w.decode.leases.holds("l")
+    assert w.decode.query.pages().leased == 0
     released = [e for e in view.timeline if event_tag(e) == "handoff.released"]
     assert len(released) == 1 and released[0].confirmed is False  # type: ignore[union-attr]
 
@@ -353,7 +357,7 @@ async def test_a_prefill_aborted_while_it_waits_for_its_destination_reads_as_hav
     CancelledError (it ended their task, issue 18)."""
     w = world
     w.prefill.ready("w", 0, [1, 2], 0)  # opened, waiting for its destination
-    h = w.prefill.handoffs["w"]
+    h = w.prefill._handoffs.with_id("w")[0]
     assert h.task is not None
     await asyncio.sleep(0)  # the task is now awaiting the destination
     h.task.cancel()
@@ -364,4 +368,46 @@ async def test_a_prefill_aborted_while_it_waits_for_its_destination_reads_as_hav
     ack = HeartbeatAck(role="decode", url="d", incarnation="x", live=[])
     assert await w.prefill.reconcile("d", ack, ["w"]) == []
     await w.prefill.abort("w", "test")
-    assert "w" not in w.prefill.handoffs
+    assert not w.prefill._handoffs.holds("w")
+
+
+async def test_the_query_surface_answers_with_snapshots_that_do_not_follow_the_handoff(
+    world: World,
+) -> None:
+    """What the service reads (`find`, `held`, `in_flight`, `stage_peer`, `decodes_of`, ...) is
+    a copy at the call: it cannot change the handoff, and the handoff's later changes do not
+    show through it."""
+    w = world
+    req = HandoffRequest(id="q", prefill=["p"], dst_pages=[1, 2], dst_slot=0)
+    await w.decode.create(req)
+    held = w.decode.query.find("q")
+    assert held is not None and held.request == req and held.state == HandoffState.PENDING
+    with pytest.raises(AttributeError):
+        held.state = HandoffState.FAILED  # type: ignore[misc]
+    assert [h.request.id for h in w.decode.query.held()] == ["q"]
+    assert list(w.decode.query.held(HandoffState.COMPLETED)) == []
+    assert (
+        w.decode.query.holds("q")
+        and not w.decode.query.holds("nope")
+        and w.decode.query.find("nope") is None
+    )
+    assert w.decode.query.in_flight() == 1 and w.decode.query.recent_peers(10) == ["p"]
+    assert w.decode.query.stage_peer("q", 0) == "p" and w.decode.query.stage_peer("q", 9) is None
+    with pytest.raises(NotFoundError):
+        w.decode.query.stage_peer("nope", 0)
+    assert w.decode.get("q", timeline=False).timeline == [] and w.decode.get("q").timeline
+    async with asyncio.timeout(5):
+        while not w.prefill.query.decodes_of("q"):  # until the destination is delivered
+            await asyncio.sleep(0.01)
+    assert w.prefill.query.decodes_of("q") == ["d"] and w.prefill.query.open_ids() == {"q"}
+    assert w.prefill.query.awaiting_destination() == 0 and w.prefill.query.open_count() == 1
+    w.prefill.ready("q", 0, [3, 4], 1)
+    w.prefill.ready("q", 1, [3, 4], 1)
+    assert await wait_terminal(w, "q") == HandoffState.COMPLETED
+    assert held.state == HandoffState.PENDING  # the snapshot kept what it saw
+    assert w.decode.query.find("q").state == HandoffState.COMPLETED  # type: ignore[union-attr]
+    assert (
+        w.decode.query.in_flight() == 0
+        and w.decode.query.arena() is None
+        and w.prefill.query.arena() is None
+    )

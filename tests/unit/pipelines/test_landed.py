@@ -210,7 +210,7 @@ async def test_two_segments_of_a_stage_fly_at_once_in_windows_their_pages_do_not
 async def test_a_stage_holding_its_windows_is_granted_no_more(world: World) -> None:
     w = world
     await w.decode.create(HandoffRequest(id="hog", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
-    h = w.decode.handoffs["hog"]
+    h = w.decode._handoffs["hog"]
     grants = [await w.landing.grant(h, 0, 1024) for _ in range(MAX_WINDOWS_PER_STAGE + 1)]
     # The destination's first window (if it was sent yet) counts too: no more in all.
     assert len(w.landing._stage("hog", 0).grants) == MAX_WINDOWS_PER_STAGE

@@ -208,7 +208,7 @@ def _check_completed(r: Rig, event: Any) -> None:
     """At the moment a handoff completes, its pages and slot hold exactly its source bytes."""
     if not isinstance(event, HandoffCompleted) or event.role != "decode":
         return
-    h = r.decode.handoffs[event.handoff_id]
+    h = r.decode._handoffs[event.handoff_id]
     dst, n = h.dst_pages, int(h.dst_pages.shape[0])
     src = np.asarray(SRC_PAGES[:n])
     for m in r.stages.values():
@@ -267,7 +267,7 @@ async def play(script: list[tuple[object, ...]], seed: int) -> Rig:
                 for k in (0, 1) if rank is None else (rank,):
                     tasks.append(asyncio.ensure_future(_ready(r, hid, int(k))))  # type: ignore[call-overload]
             case ("abort", str(hid)):
-                if hid in r.decode.handoffs:
+                if hid in r.decode._handoffs:
                     tasks.append(asyncio.ensure_future(r.decode.abort(hid)))
             case ("peer_lost",):
                 r.decode.peer_lost("p", "was silent")
@@ -295,7 +295,7 @@ async def play(script: list[tuple[object, ...]], seed: int) -> Rig:
 
 async def _ready(r: Rig, hid: str, rank: int) -> None:
     await asyncio.sleep(0)
-    h = r.decode.handoffs.get(hid)
+    h = r.decode._handoffs.get(hid)
     n = 1 if h is None else int(h.dst_pages.shape[0])
     # A refused signal (the handoff already ended here) is part of the game.
     with contextlib.suppress(KVHandoffError):
@@ -314,7 +314,7 @@ def test_kv_pages_change_only_by_commits_of_their_leasing_handoff(
 ) -> None:
     r = asyncio.run(play(script, seed))
     assert r.violations == []
-    for h in r.decode.handoffs.values():
+    for h in r.decode._handoffs.values():
         view = h.view()
         assert view.state.terminal, (h.id, view.state)
         assert view.released, h.id
@@ -332,7 +332,7 @@ def test_the_property_can_fail_in_direct_mode() -> None:
 
     async def run() -> list[str]:
         r = rig(7)
-        r.decode.landing = None  # direct mode: destinations name KV pages
+        r.decode._landing = None  # direct mode: destinations name KV pages
         r.decode._releases._landing = None
         r.engine.check = None  # prefills write the pages themselves here
         for i in range(6):

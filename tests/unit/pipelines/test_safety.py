@@ -59,7 +59,7 @@ async def arrived_notices(w: World, hid: str) -> list[ArrivalMsg]:
 async def delivered(w: World, hid: str) -> None:
     """Let the in-process delivery of `hid`'s destination finish."""
     for _ in range(100):
-        if all(s.delivered for s in w.decode.handoffs[hid].stages.values()):
+        if all(s.delivered for s in w.decode._handoffs[hid].stages.values()):
             return
         await asyncio.sleep(0)
     raise AssertionError(f"{hid} was not delivered")
@@ -137,7 +137,7 @@ async def test_a_destination_for_another_prefill_life_is_refused(w: World) -> No
     with pytest.raises(ConflictError) as caught:
         w.prefill.deliver(dest)
     assert caught.value.context["field"] == "prefill_incarnation"
-    assert "x" not in w.prefill.handoffs
+    assert not w.prefill._handoffs.holds("x")
 
 
 # ----------------------------------------------------------------------- issue 9: findings
@@ -183,7 +183,7 @@ async def test_delete_of_a_failed_unreleased_handoff_hurries_its_release(w: Worl
     req = HandoffRequest(id="h", prefill=["p"], dst_pages=[8], dst_slot=0, deadline_s=60)
     await w.decode.create(req)
     await asyncio.sleep(0)
-    w.decode._fail(w.decode.handoffs["h"], "x", "injected", 0, {})
+    w.decode._fail(w.decode._handoffs["h"], "x", "injected", 0, {})
     for _ in range(5):
         await asyncio.sleep(0.06)  # the quiesce backs off between refused aborts
     assert not w.decode.get("h").released
@@ -354,7 +354,7 @@ async def test_finding_4_the_prefill_stops_a_handoff_its_decode_no_longer_has(w:
     assert w.prefill.live_by_decode() == {"d": ["k"]}
     gone = HeartbeatAck(role="decode", url="d", incarnation=w.decode.incarnation, live=[])
     assert await w.prefill.reconcile("d", gone, ["k"]) == ["k"]
-    assert "k" not in w.prefill.handoffs
+    assert not w.prefill._handoffs.holds("k")
     # A decode that restarted (another incarnation) loses every handoff bound to its old life.
     await w.decode.create(HandoffRequest(id="m", prefill=["p"], dst_pages=[5], dst_slot=1))
     await delivered(w, "m")
@@ -369,7 +369,7 @@ async def test_finding_3_a_prefill_declaring_longer_engine_calls_than_the_ceilin
     with pytest.raises(InvalidInput) as caught:
         await w.decode.create(HandoffRequest(id="n", prefill=["p"], dst_pages=[4], dst_slot=0))
     assert caught.value.context["field"] == "prefill[0]"
-    assert "n" not in w.decode.handoffs and not w.decode.leases.holds("n")
+    assert "n" not in w.decode._handoffs and not w.decode.leases.holds("n")
 
 
 async def test_finding_3_the_deadline_travels_as_a_remaining_duration(w: World) -> None:
@@ -391,7 +391,7 @@ async def test_finding_3_the_deadline_travels_as_a_remaining_duration(w: World) 
     # Less only by the time between create and sending, however long a loaded machine took.
     assert len(seen) == 1 and 7.0 - (after - before) <= seen[0].deadline_in_s <= 7.0
     assert not hasattr(seen[0], "deadline_at")  # no wall-clock instant crosses hosts
-    h = w.prefill.handoffs["t"]
+    h = w.prefill._handoffs.with_id("t")[0]
     assert h.deadline_mono is not None
     # Measured on receipt on the prefill's own monotonic clock: never later than the decode's.
     assert before + 6.0 < h.deadline_mono <= time.monotonic() + 7.0

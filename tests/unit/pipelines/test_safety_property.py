@@ -67,7 +67,7 @@ class Engine:
         if time.monotonic() - started > self.max_call_s:
             return  # the engine's own timeout: nothing lands
         assert self.decode is not None
-        h = self.decode.handoffs.get(hid)
+        h = self.decode._handoffs.get(hid)
         if h is None or h.release == ReleaseState.RELEASED or not self.decode.leases.holds(hid):
             self.violations.append(f"{hid}: a batch landed after its pages were released")
         self.landed += 1
@@ -157,7 +157,7 @@ async def play(script: list[tuple[object, ...]], settle_s: float = 0.0) -> Rig:
             case ("fail_write",):
                 r.engine.fail_next = True
             case ("abort", str(hid)):
-                if hid in r.decode.handoffs:
+                if hid in r.decode._handoffs:
                     tasks.append(asyncio.ensure_future(r.decode.abort(hid)))
             case ("peer_lost",):
                 r.decode.peer_lost("p", "was silent")
@@ -184,7 +184,7 @@ async def _ready(r: Rig, hid: str, rank: int) -> None:
 
 
 def _pages(r: Rig, hid: str) -> int:
-    h = r.decode.handoffs.get(hid)
+    h = r.decode._handoffs.get(hid)
     return 1 if h is None else int(h.dst_pages.shape[0])
 
 
@@ -200,7 +200,7 @@ def test_no_byte_lands_after_release_and_every_handoff_ends_released(
 ) -> None:
     r = asyncio.run(play(script, settle_s))
     assert r.engine.violations == []
-    for h in r.decode.handoffs.values():
+    for h in r.decode._handoffs.values():
         view = h.view()
         assert view.state.terminal, (h.id, view.state)
         assert view.released and view.released_at is not None, h.id

@@ -136,7 +136,7 @@ class Deployment:
         to come after some step sets a deadline that no loaded machine reaches and moves it."""
         pipeline = self.decode.app[DECODE].pipeline
         assert pipeline is not None
-        timer = pipeline.handoffs[handoff_id].timer
+        timer = pipeline._handoffs[handoff_id].timer
         assert timer is not None and not timer.cancelled(), "no pending deadline timer"
         expire, args = timer._callback, timer._args  # type: ignore[attr-defined]
         timer.cancel()

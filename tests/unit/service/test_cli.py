@@ -26,3 +26,13 @@ def test_help_shows_the_defaults_options_have() -> None:
     assert "(default: False)" not in text  # a flag that is off says nothing
     serve = build_parser(["serve"])._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     assert "(default: None)" not in serve.format_help()  # overrides default to the config
+
+
+@pytest.mark.parametrize("extra", [[], ["--inprocess"]])
+def test_demo_with_more_stages_than_layers_prints_one_line_and_exits_2(
+    extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 18 D: `demo --pp 100` was a LayoutError traceback listing 100 boundaries.
+    assert main(["demo", "--pp", "100", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvhandoff demo: --pp 100: the demo's model has 48 layers, so 1..48 stages"]

@@ -176,3 +176,47 @@ def test_start_up_mistakes_print_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("kvhandoff serve: server.state_dir: ") and f"pid {os.getpid()}" in last
+
+
+def test_pool_mistakes_print_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Issue 18 D: a CUDA pool on a CPU build of torch (a bare AssertionError deep in torch
+    before) and a shm pool no engine created are one line naming the stage's pool, status 2."""
+    import torch
+
+    cases = {
+        "torch:cuda:0": "stages[0].pool: pool device 'cuda:0' needs a CUDA build of torch",
+        "shm:kvh-test-no-pool": "stages[0].pool: /dev/shm/kvh-test-no-pool does not exist",
+    }
+    if torch.version.cuda is not None:  # a CUDA build: the first mistake is not one here
+        del cases["torch:cuda:0"]
+    for pool, reason in cases.items():
+        path = tmp_path / "decode.toml"
+        path.write_text(CONFIG_TOML + f'pool = "{pool}"\n')
+        proc = _kvhandoff("serve", "--config", str(path), env={"XDG_STATE_HOME": str(tmp_path)})
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2, err
+        assert "Traceback" not in err, err
+        lines = err.strip().splitlines()
+        assert lines[-1].startswith(f"kvhandoff serve: {reason}"), lines
+
+
+def test_port_moves_a_derived_public_url_and_keeps_an_explicit_one(tmp_path: Path) -> None:
+    def check(toml: str) -> str:
+        path = tmp_path / "decode.toml"
+        path.write_text(toml)
+        argv = ["serve", "--config", str(path), "--port", "9100", "--check"]
+        done = subprocess.run(
+            [sys.executable, "-m", "service.cli", *argv],
+            cwd=REPO,
+            env={**os.environ, "XDG_STATE_HOME": str(tmp_path)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    derived = check(CONFIG_TOML.replace("port = 0", 'port = 8200\nhost = "10.0.0.7"'))
+    assert "port 9100, public_url http://10.0.0.7:9100)" in derived
+    named = CONFIG_TOML.replace("port = 0", 'port = 8200\npublic_url = "http://decode:8200"')
+    assert "port 9100, public_url http://decode:8200)" in check(named)  # the operator's: kept

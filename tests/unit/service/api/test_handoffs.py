@@ -17,6 +17,7 @@ import pytest
 
 from pipelines.models import hybrid_npu_mla
 from service.runtime.roles import DECODE
+from service.serve import serve
 from tests.unit.service.handoff_fixtures import (
     DECODE_PAGES,
     MODEL,
@@ -30,6 +31,7 @@ from tests.unit.service.handoff_fixtures import (
     decode_config,
     decode_memory,
     expected_decode,
+    extensions,
     fill_decode,
     fill_sources,
     open_deployment,
@@ -456,6 +458,7 @@ async def test_openapi_documents_the_handoff_routes_with_their_schemas(d: Deploy
         "src_pages",
         "src_slot",
         "layers",
+        "decode_url",
     }
     assert "/v1/handoffs" not in prefill_doc["paths"]  # each role documents its own routes
 
@@ -496,3 +499,64 @@ async def test_a_prefill_holds_a_bounded_number_of_handoffs_awaiting_a_destinati
             await asyncio.sleep(0.01)
     await ready_all(d, "real")
     assert (await d.finish("real"))["state"] == "completed"
+
+
+async def test_two_decodes_sharing_a_prefill_may_use_the_same_handoff_id() -> None:
+    """Issue 18 B: ids are the router's, unique per decode only. Two decodes create "same"
+    through one prefill; the engine names each request's decode in its ready signals, and each
+    decode gets exactly its own request's KV. A ready naming no decode while both are open is
+    refused (409 naming `decode_url`): it could belong to either."""
+    async with (
+        serve(prefill_config([0, 1]), extensions) as prefill,
+        serve(decode_config(), extensions) as first,
+        serve(decode_config(), extensions) as second,
+        aiohttp.ClientSession() as http,
+    ):
+        a, b = Deployment(http, first, [prefill]), Deployment(http, second, [prefill])
+        fill_sources(a)
+        before_a, before_b = fill_decode(a), fill_decode(b)
+        move_a = Move(src_pages=[5, 6], dst_pages=[1, 2], src_slot=2, dst_slot=0)
+        move_b = Move(src_pages=[7, 8], dst_pages=[3, 4], src_slot=3, dst_slot=1)
+        for d, m in ((a, move_a), (b, move_b)):
+            reply = await d.create("same", m.dst_pages, m.dst_slot)
+            assert reply.status == 201, reply.body
+        url = f"{prefill.url}/v1/handoffs/same/stages/0/ready"
+        ambiguous = await a.request("POST", url, json={"src_pages": [5, 6], "src_slot": 2})
+        assert_problem(ambiguous, 409, field="decode_url")
+        for d, m in ((b, move_b), (a, move_a)):  # b's signals first: order does not matter
+            for rank in (1, 0):
+                body = {
+                    "src_pages": m.src_pages,
+                    "src_slot": m.src_slot,
+                    "decode_url": d.decode.url,
+                }
+                url = f"{prefill.url}/v1/handoffs/same/stages/{rank}/ready"
+                reply = await d.request("POST", url, json=body)
+                assert reply.status == 202, reply.body
+        for d in (a, b):
+            assert (await d.finish("same"))["state"] == "completed"
+        assert_decode_is(a, expected_decode(a, before_a, move_a))
+        assert_decode_is(b, expected_decode(b, before_b, move_b))
+        bad = await a.request("POST", url, json={"src_pages": [1], "decode_url": "decode-1"})
+        assert_problem(bad, 422, field="decode_url")
+
+
+async def test_an_abort_from_one_decode_stops_only_its_own_handoff_of_a_shared_id() -> None:
+    async with (
+        serve(prefill_config([0, 1]), extensions) as prefill,
+        serve(decode_config(), extensions) as first,
+        serve(decode_config(), extensions) as second,
+        aiohttp.ClientSession() as http,
+    ):
+        a, b = Deployment(http, first, [prefill]), Deployment(http, second, [prefill])
+        fill_sources(a)
+        before_a = fill_decode(a)
+        move = Move(src_pages=[5, 6], dst_pages=[1, 2], src_slot=2, dst_slot=0)
+        for d in (a, b):
+            assert (await d.create("shared", move.dst_pages, move.dst_slot)).status == 201
+        aborted = await b.request("DELETE", f"{second.url}/v1/handoffs/shared")
+        assert aborted.status == 200 and aborted.body["state"] == "aborted", aborted.body
+        for rank in (0, 1):  # naming no decode: only a's handoff of that id is open now
+            assert (await a.ready("shared", rank, move.src_pages, move.src_slot)).status == 202
+        assert (await a.finish("shared"))["state"] == "completed"
+        assert_decode_is(a, expected_decode(a, before_a, move))

@@ -129,28 +129,22 @@ async def test_landed_transfer_metrics_move_by_exactly_the_run(d: Deployment) ->
         sum(e["commit_s"] for e in commits)
     )
     assert not [k for k in dec if k[0] == "kvhandoff_segments_rejected_total"]
-    decode = d.decode.app[DECODE].pipeline
-    assert decode is not None and decode.landing is not None
-    landing = decode.landing.arena
-    assert value(dec, "kvhandoff_arena_capacity_bytes", arena="landing") == (
-        landing.stats.capacity_bytes
-    )
-    assert landing.stats.capacity_bytes <= config.landing_bytes
+    landing = d.decode.app[DECODE].pipeline.query.arena()
+    assert landing is not None
+    assert value(dec, "kvhandoff_arena_capacity_bytes", arena="landing") == landing.capacity_bytes
+    assert landing.capacity_bytes <= config.landing_bytes
     assert value(dec, "kvhandoff_arena_used_bytes", arena="landing") == 0  # all given back
     assert value(dec, "kvhandoff_arena_quarantined_bytes", arena="landing") == 0
     assert value(dec, "kvhandoff_arena_waiting", arena="landing") == 0
-    assert value(dec, "kvhandoff_arena_waits_total", arena="landing") == landing.stats.waits
+    assert value(dec, "kvhandoff_arena_waits_total", arena="landing") == landing.waits
     assert ("kvhandoff_arena_used_bytes", (("arena", "staging"),)) not in dec
 
     text, pre = await scrape(d, d.prefill_urls[0])
     promtool_check(text)
-    prefill = d.prefills[0].app[PREFILL].pipeline
-    assert prefill is not None and prefill.staging is not None
-    staging = prefill.staging.arena
-    assert value(pre, "kvhandoff_arena_capacity_bytes", arena="staging") == (
-        staging.stats.capacity_bytes
-    )
-    assert 0 < staging.stats.capacity_bytes <= d.prefills[0].config.transfer.staging_bytes
+    staging = d.prefills[0].app[PREFILL].pipeline.query.arena()
+    assert staging is not None
+    assert value(pre, "kvhandoff_arena_capacity_bytes", arena="staging") == staging.capacity_bytes
+    assert 0 < staging.capacity_bytes <= d.prefills[0].config.transfer.staging_bytes
     assert value(pre, "kvhandoff_arena_used_bytes", arena="staging") == 0
     assert ("kvhandoff_arena_used_bytes", (("arena", "landing"),)) not in pre
     assert value(pre, "kvhandoff_segments_committed_total", pp_rank="0") == 0  # decode counts
@@ -168,7 +162,9 @@ async def test_sse_readers_are_counted(d: Deployment) -> None:
 def test_peer_health_is_exported_per_peer() -> None:
     metrics = Metrics("decode", "0.1.0")
     peers = [
-        PeerHealth(url="http://a:1", last_heard_s=0.5, lost=False, misses=2, losses=0),
+        PeerHealth(url="http://a:1", last_heard_s=0.5, lost=False, misses=2, losses=0, up=True),
+        # Never heard and not declared lost (a configured peer that does not resolve): down.
+        PeerHealth(url="http://c:3", last_heard_s=None, lost=False, misses=3, losses=0),
         PeerHealth(url="http://b:2", last_heard_s=None, lost=True, misses=7, losses=1),
     ]
     metrics.add_collector(PeerCollector(lambda: peers))
@@ -181,6 +177,7 @@ def test_peer_health_is_exported_per_peer() -> None:
     }
     assert value(samples, "kvhandoff_peer_up", peer="http://a:1") == 1
     assert value(samples, "kvhandoff_peer_up", peer="http://b:2") == 0
+    assert value(samples, "kvhandoff_peer_up", peer="http://c:3") == 0
     assert value(samples, "kvhandoff_peer_last_heard_seconds", peer="http://a:1") == 0.5
     assert ("kvhandoff_peer_last_heard_seconds", (("peer", "http://b:2"),)) not in samples
     assert value(samples, "kvhandoff_peer_heartbeat_misses_total", peer="http://b:2") == 7

@@ -444,3 +444,52 @@ async def test_a_cancelled_error_from_the_pipeline_does_not_end_the_heartbeat_ta
     task.cancel()  # its own cancellation still stops it
     await asyncio.gather(task, return_exceptions=True)
     assert task.cancelled()
+
+
+async def test_a_configured_peer_is_watched_while_idle_and_lost_when_it_dies() -> None:
+    """Issue 18 D: a stage killed while nothing is in flight must not stay "up". A configured
+    peer is pinged and watched every round with nothing shared, lost once its watch breaks and
+    connections are refused, and back once it answers again."""
+    b = Beats(configured=(PEER,))
+    b.live.clear()  # nothing in flight
+    await b.tick_at(0.0)
+    await asyncio.sleep(0)
+    assert b.peers.watching == {PEER: 1}
+    assert [(url, msg.live) for url, msg in b.peers.sent] == [(PEER, [])]
+    assert b.reconciled[-1][0] == PEER and b.reconciled[-1][2] == []
+    (health,) = b.hb.health()
+    assert not health.lost and health.last_heard_s is not None
+    b.peers.down.add(PEER)
+    b.peers.drop[PEER].set()
+    await eventually(lambda: bool(b.lost), what="the idle peer's loss")
+    assert [url for url, _ in b.lost] == [PEER]
+    (health,) = b.hb.health()
+    assert health.lost  # what `kvhandoff_peer_up` reads: 0 now
+    await b.tick_at(0.1)  # still pinged while lost, so a restart is noticed
+    assert len(b.lost) == 1 and b.peers.sent[-1][0] == PEER
+    b.peers.down.clear()
+    await b.tick_at(0.2)
+    assert b.back == [PEER]
+    (health,) = b.hb.health()
+    assert not health.lost
+    await b.close()
+
+
+async def test_an_idle_configured_peer_that_hangs_is_lost_by_silence() -> None:
+    b = Beats(configured=(PEER,))
+    b.live.clear()
+    b.peers.hung.add(PEER)
+    for now in (0.0, 0.1, 0.2, 0.3):
+        await b.tick_at(now)
+    assert b.lost == []
+    await b.tick_at(0.4)
+    assert [url for url, _ in b.lost] == [PEER] and "silent for 0.4 s" in b.lost[0][1]
+    await b.close()
+
+
+async def test_without_configured_peers_an_idle_service_pings_nobody() -> None:
+    b = Beats()
+    b.live.clear()
+    await b.tick_at(0.0)
+    assert b.peers.sent == [] and b.peers.watching == {}
+    await b.close()

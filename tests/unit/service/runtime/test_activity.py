@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from pipelines.decode.views import ErrorView, HandoffView, StageView
 from pipelines.events import (
     EventBus,
     HandoffCompleted,
     HandoffCreated,
     HandoffFailed,
+    SegmentCommitted,
     StageArrived,
     StageTransferred,
 )
+from pipelines.states import HandoffState, StageState
 from service.runtime.activity import BUCKET_S, RECENT, WINDOW_S, Activity
 
 
@@ -125,3 +128,72 @@ def test_settle_marks_sent_what_a_prefill_pipeline_no_longer_runs() -> None:
     done, live = activity.handoffs["done"], activity.handoffs["live"]
     assert (done.state, done.finished_at, done.stages[0].done) == ("sent", at, True)
     assert (live.state, live.finished_at) == ("transferring", None)
+
+
+def test_a_landed_stage_shows_its_segments_and_bytes_before_it_arrives() -> None:
+    """Issue 18 D: progress inside a stage. The decode's `stage.segment_committed` events say
+    how many bytes of how many are committed; the stage's bar reads them."""
+    clock = Clock()
+    activity = Activity(clock)
+    bus = bus_with(activity, clock)
+    bus.publish(HandoffCreated(handoff_id="s", role="decode", num_pages=4, pp_size=2))
+    for committed in (100, 250):
+        bus.publish(
+            SegmentCommitted(
+                handoff_id="s",
+                role="decode",
+                pp_rank=1,
+                bytes=committed,
+                committed=committed if committed == 100 else 350,
+                expected=1000,
+                commit_s=0.001,
+            )
+        )
+    h = activity.handoffs["s"]
+    [s] = h.stages
+    assert (s.pp_rank, s.segments, s.bytes, s.expected, s.done) == (1, 2, 350, 1000, False)
+    assert h.state == "transferring" and h.bytes == 350
+    bus.publish(
+        StageArrived(handoff_id="s", role="decode", pp_rank=1, bytes=1000, arrived=1, expected=2)
+    )
+    assert (s.bytes, s.done, h.bytes) == (1000, True, 1000)  # not counted twice
+
+
+def test_seeded_records_come_first_and_keep_their_outcome() -> None:
+    """After a restart the page shows the records of the earlier life (the failure being
+    investigated), older than anything this life observes."""
+    clock = Clock()
+    activity = Activity(clock)
+    bus = bus_with(activity, clock)
+    bus.publish(HandoffCreated(handoff_id="new", role="decode", num_pages=1, pp_size=1))
+    old = HandoffView(
+        id="old",
+        state=HandoffState.FAILED,
+        created_at=900.0,
+        deadline_at=930.0,
+        num_pages=2,
+        dst_slot=None,
+        prefill=["http://p:1"],
+        verify=False,
+        bytes=64,
+        stages=[
+            StageView(0, "http://p:1", StageState.ARRIVED, 64),
+            StageView(1, "http://p:1", StageState.FAILED, 0),
+        ],
+        released=True,
+        finished_at=901.5,
+        error=ErrorView("service_restarted", "the decode service restarted", None),
+    )
+    activity.seed([old])
+    assert list(activity.handoffs) == ["old", "new"]
+    h = activity.handoffs["old"]
+    assert (h.state, h.code, h.finished_at, h.seconds, h.recorded) == (
+        "failed",
+        "service_restarted",
+        901.5,
+        1.5,
+        True,
+    )
+    assert [(s.pp_rank, s.done, s.failed) for s in h.stages] == [(0, True, False), (1, False, True)]
+    activity.seed([old])  # once each
+    assert list(activity.handoffs) == ["old", "new"]

@@ -58,7 +58,7 @@ async def test_pages_merge_records_and_live_handoffs_reading_a_bounded_range(
             for i, hid in enumerate(this):
                 await run(d, hid, i)
             decode = again.app[DECODE].pipeline
-            assert decode is not None and set(this) <= set(decode.handoffs)
+            assert decode is not None and set(this) <= {h.request.id for h in decode.query.held()}
             limits: list[int] = []
             again.app[PERSISTENCE].db.conn.set_trace_callback(
                 lambda sql: limits.extend(int(m) for m in _LIMIT.findall(sql))

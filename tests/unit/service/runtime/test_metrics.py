@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
+from pipelines.arena import ArenaUse
 from pipelines.events import (
     ChunksEmitted,
     EventBus,
@@ -18,7 +19,6 @@ from pipelines.events import (
     StagePaired,
     StageTransferred,
 )
-from service.runtime.activity import ArenaUse
 from service.runtime.metrics import ArenaCollector, Metrics, TransportCollector
 from tests.unit.service.metrics_checks import parse, promtool_check
 from transport.base import TransportStats

@@ -3,6 +3,9 @@ once, and route modules that install in any order."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import aiohttp
 import pytest
 
@@ -86,3 +89,68 @@ async def test_route_modules_install_in_any_order() -> None:
         # Collectors the metrics module attaches once the runtime (and its records) exist.
         assert "kvhandoff_webhook_attempts" in text
         assert "kvhandoff_peer" in text or "kvhandoff_handoffs_in_flight" in text
+
+
+def _closed_port_url() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+async def _readyz(http: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, object]]:
+    async with http.get(f"{url}/readyz") as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def test_a_decode_is_ready_only_while_a_configured_prefill_is_reachable() -> None:
+    """Issue 18 D: `/readyz` means the decode can do its job. With `peers.prefill` configured
+    and none of them reachable it is not ready (503 naming `peers`); its `peers` section says
+    which are up. The heartbeats ping configured peers while idle, so a prefill that stops
+    while nothing is in flight turns the decode not ready without any handoff."""
+    dead = _closed_port_url()
+    fast = {"handoff.heartbeat_interval_s": 0.1, "handoff.peer_timeout_s": 0.5}
+    async with aiohttp.ClientSession() as http:
+        async with serve(decode_config({**fast, "peers.prefill": [dead]}), [install_service]) as d:
+            status, body = 0, {}
+            for _ in range(300):  # until the runtime runs and the heartbeats tried the peer
+                status, body = await _readyz(http, d.url)
+                if "peers" in body:
+                    break
+                await asyncio.sleep(0.01)
+            assert status == 503 and body["code"] == "not_ready", body
+            assert body["not_ready"] == ["peers"], body
+            assert body["peers"] == [
+                {"url": dead, "up": False, "configured": True, "last_heard_s": None}
+            ]
+        stop = contextlib.AsyncExitStack()
+        prefill = await stop.enter_async_context(serve(prefill_config([0, 1]), [install_service]))
+        config = decode_config({**fast, "peers.prefill": [prefill.url, dead]})
+        async with serve(config, [install_service]) as d:
+            for _ in range(300):
+                status, body = await _readyz(http, d.url)
+                if status == 200:
+                    break
+                await asyncio.sleep(0.01)
+            assert status == 200, body
+            assert "peers" in body["checks"]
+            peers = {p["url"]: (p["up"], p["configured"]) for p in body["peers"]}
+            assert peers == {prefill.url: (True, True), dead: (False, True)}
+            await stop.aclose()  # the prefill stops with nothing in flight
+            for _ in range(1000):
+                status, body = await _readyz(http, d.url)
+                if status == 503:
+                    break
+                await asyncio.sleep(0.01)
+            assert status == 503 and body["not_ready"] == ["peers"], body
+            assert {p["url"]: p["up"] for p in body["peers"]} == {prefill.url: False, dead: False}
+
+
+async def test_a_decode_without_configured_prefill_and_a_prefill_need_no_peer_to_be_ready() -> None:
+    # Routers name the prefill of each handoff (the Kubernetes base): nothing to ask about.
+    async with aiohttp.ClientSession() as http:
+        for config in (decode_config(), prefill_config([0, 1])):
+            async with serve(config, [install_service]) as server:
+                status, body = await _readyz(http, server.url)
+                assert status == 200 and "peers" not in body["checks"], body
