@@ -61,6 +61,11 @@ from pipelines.states import StageState
 
 log = logging.getLogger(__name__)
 
+#: Ready signals a stage signalled by page range may have pending (one per prefill chunk):
+#: bounded, so an engine cannot grow a stage's queue without end, and far above the chunks of
+#: any prompt (a 1M-token prompt in 8K-token chunks is 128).
+RANGED_QUEUE_DEPTH = 4096
+
 
 class PrefillPipeline:
     def __init__(
@@ -120,12 +125,21 @@ class PrefillPipeline:
         src_pages: Collection[int] | I64 | None,
         src_slot: int | None,
         layers: Collection[int] | None = None,
+        *,
+        pages_from: int | None = None,
+        last_pages: bool | None = None,
     ) -> None:
         """The engine finished `layers` (None: all) of stage `pp_rank` for this request.
 
-        The first signal of a stage must carry its source pages (and slot, for hybrid models);
-        later ones may repeat them or leave them out. Raises InvalidInput / NotFoundError /
-        ConflictError before anything changes.
+        By layer: the first signal of a stage must carry its source pages (and slot, for hybrid
+        models); later ones may repeat them or leave them out.
+
+        By page range (chunked prefill; `pages_from` given): `src_pages` are the request's
+        pages at positions `pages_from..` and are ready for every layer of the stage. Ranges
+        come in order without gaps or overlaps, each saying whether it is the last
+        (`last_pages`); the slot comes with the last one only. A stage is signalled one way.
+
+        Raises InvalidInput / NotFoundError / ConflictError before anything changes.
         """
         stage = self.stages.get(pp_rank)
         if stage is None:
@@ -135,6 +149,11 @@ class PrefillPipeline:
                 pp_rank=pp_rank,
             )
         self._refuse_finished(handoff_id)
+        if pages_from is not None or last_pages is not None:
+            self._ready_range(
+                handoff_id, pp_rank, stage, src_pages, src_slot, layers, pages_from, last_pages
+            )
+            return
         layer_set = None if layers is None else frozenset(int(x) for x in layers)
         if layer_set is not None:
             own = {e.layer_id for e in stage.layout.kv} | {s.layer_id for s in stage.layout.state}
@@ -148,6 +167,13 @@ class PrefillPipeline:
                 )
         h = self.handoffs.get(handoff_id)
         current = h.inputs.get(pp_rank) if h else None
+        if current is not None and current.ranged:
+            raise InvalidInput(
+                f"stage {pp_rank} of handoff {handoff_id!r} is signalled by page range: "
+                "give pages_from",
+                field="pages_from",
+                pp_rank=pp_rank,
+            )
         if current is None:
             if src_pages is None:
                 raise InvalidInput(
@@ -195,6 +221,106 @@ class PrefillPipeline:
                 pp_rank=pp_rank,
                 num_pages=int(pages.shape[0]),
                 layers=None if layer_set is None else sorted(layer_set),
+            )
+        )
+
+    def _ready_range(
+        self,
+        handoff_id: str,
+        pp_rank: int,
+        stage: HostedStage,
+        src_pages: Collection[int] | I64 | None,
+        src_slot: int | None,
+        layers: Collection[int] | None,
+        pages_from: int | None,
+        last_pages: bool | None,
+    ) -> None:
+        """A page-range signal (see `ready`). Its checks cost in proportion to the range: its
+        own pages against the pool, its position against the stage's ranges so far, its end
+        against the decode's page count when the destination is known (else the stage worker
+        checks it when it arrives, failing the stage naming the same field)."""
+
+        def refuse(field: str, why: str) -> InvalidInput:
+            return InvalidInput(
+                f"stage {pp_rank} of handoff {handoff_id!r}: {why}", field=field, pp_rank=pp_rank
+            )
+
+        if pages_from is None:
+            raise refuse("pages_from", "last_pages belongs to a page-range signal: give pages_from")
+        if last_pages is None:
+            raise refuse("last_pages", "a page-range signal says whether it is the last")
+        if pages_from < 0:
+            raise refuse("pages_from", f"pages_from = {pages_from} is negative")
+        if layers is not None:
+            raise refuse("layers", "a page range is ready for every layer: leave layers out")
+        if src_pages is None:
+            raise refuse("src_pages", "a page-range signal carries its pages (the last may be [])")
+        if src_slot is not None and not last_pages:
+            raise refuse("src_slot", "the slot comes with the last page range only")
+        h = self.handoffs.get(handoff_id)
+        current = h.inputs.get(pp_rank) if h else None
+        if current is not None and not current.ranged:
+            raise refuse("pages_from", "it is signalled by layer, not by page range")
+        if current is not None and current.ended:
+            raise refuse("pages_from", "its last page range was already signalled")
+        at = 0 if current is None else int(current.src_pages.shape[0])
+        if pages_from != at:
+            raise refuse(
+                "pages_from",
+                f"pages_from = {pages_from}, but the next range starts at request position {at} "
+                "(ranges come in order, without gaps or overlaps)",
+            )
+        pages = validate_pages_for_layout(
+            stage.layout,
+            np.asarray(src_pages),
+            src_slot,
+            side="source",
+            unique=False,
+            with_slot=last_pages,
+        )
+        end = at + int(pages.shape[0])
+        dest = h.known_destination if h is not None else None
+        if dest is not None and pp_rank in dest.pp_ranks:
+            n = len(dest.dst_pages)
+            if end > n:
+                raise refuse(
+                    "src_pages", f"the range ends at position {end}; the decode has {n} pages"
+                )
+            if last_pages and end != n:
+                raise refuse(
+                    "last_pages",
+                    f"the last range ends at position {end}; the decode has {n} pages",
+                )
+        if current is not None and current.signals.full():
+            raise ConflictError(
+                f"stage {pp_rank} of handoff {handoff_id!r} has too many pending ready signals",
+                field="pages_from",
+                pp_rank=pp_rank,
+            )
+        if h is None:
+            h = self._open(handoff_id)
+        if current is None:
+            current = StageInput(
+                np.zeros(0, dtype=np.int64),
+                None,
+                asyncio.Queue(RANGED_QUEUE_DEPTH),
+                ranged=True,
+                ended=False,
+            )
+            h.inputs[pp_rank] = current
+            if h.stage_state.get(pp_rank, StageState.WAITING) == StageState.WAITING:
+                h.set_stage(pp_rank, StageState.READY)
+            h.input_seen.setdefault(pp_rank, asyncio.Event()).set()
+        current.add_range(pages, src_slot, last=last_pages)
+        current.signals.put_nowait(ReadySignal(None, pages_end=end, last=last_pages))
+        self._publish(
+            StageReady(
+                handoff_id=handoff_id,
+                role=ROLE,
+                pp_rank=pp_rank,
+                num_pages=int(pages.shape[0]),
+                pages_from=pages_from,
+                last_pages=last_pages,
             )
         )
 
