@@ -18,14 +18,15 @@ def test_the_entry_point_is_installed_in_sglang_s_group() -> None:
 
 def test_load_plugins_makes_kvhandoff_a_backend_and_leaves_mooncake_alone() -> None:
     load_plugins()
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.disaggregation.mooncake import MooncakeKVManager
+
     from service.integrations.sglang.backend import (
         KVHandoffManager,
         KVHandoffReceiver,
         KVHandoffSender,
     )
     from service.integrations.sglang.bootstrap import KVHandoffBootstrapServer
-    from sglang.srt.disaggregation import utils
-    from sglang.srt.disaggregation.mooncake import MooncakeKVManager
 
     assert "kvhandoff" in DISAGG_TRANSFER_BACKEND_CHOICES
     backend = TransferBackend("kvhandoff")
