@@ -194,8 +194,22 @@ class LandedSender:
                     task.exception()
         if not last_cut:
             # Nothing left to move with a last notice (no pages and no slot here, or a last
-            # page range of no pages after the others were committed): the stage still arrives.
+            # page range of no pages after the others were committed): the stage still arrives,
+            # and says so as a final transfer of no bytes (an engine adapter waits for `final`).
+            t0 = time.perf_counter()
             await self._decode.segment(dest.decode_url, self._notice(h, rank, dest, last=True))
+            self._bus.publish(
+                StageTransferred(
+                    handoff_id=h.handoff_id,
+                    role=ROLE,
+                    pp_rank=rank,
+                    blocks=0,
+                    bytes=0,
+                    batches=0,
+                    seconds=time.perf_counter() - t0,
+                    final=True,
+                )
+            )
         return sent
 
     async def _segment(

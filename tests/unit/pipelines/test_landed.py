@@ -19,11 +19,25 @@ from pipelines.arena import Arena
 from pipelines.decode import DecodePipeline
 from pipelines.decode.landing import MAX_WINDOWS_PER_STAGE, Landing
 from pipelines.decode.views import HandoffRequest
-from pipelines.errors import ConflictError, InvalidInput, PlanError
-from pipelines.events import EventBus, SegmentCommitted, SegmentRejected, event_tag
+from pipelines.errors import ConflictError, InvalidInput, KVHandoffError, PlanError
+from pipelines.events import (
+    EventBus,
+    SegmentCommitted,
+    SegmentRejected,
+    StageTransferred,
+    event_tag,
+)
 from pipelines.inprocess import InProcessLink
 from pipelines.memory import PoolMemory, pool_array
-from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from pipelines.models import (
+    ModelSpec,
+    Partition,
+    decode_layout,
+    dense_mha,
+    hybrid_npu_mla,
+    partition_layers,
+    stage_layout,
+)
 from pipelines.prefill import HostedStage, PrefillPipeline, Staging
 from pipelines.states import HandoffState
 from tests.fakes import eventually
@@ -53,9 +67,12 @@ async def make_world(
     window_bytes: int = 1 << 20,
     algorithm: str = "xxh3_128",
     landed: bool = True,
+    model: ModelSpec = MODEL,
+    part: Partition | None = None,
 ) -> World:
     t = LocalTransport()
-    dlay = decode_layout(MODEL, num_pages=NUM_PAGES, num_slots=4)
+    part = PART if part is None else part
+    dlay = decode_layout(model, num_pages=NUM_PAGES, num_slots=4)
     dec_pool = open_pool("torch:cpu", dlay.region_sizes)
     dec_pool.register(t)
     dec = PoolMemory(dlay, dec_pool)
@@ -71,7 +88,7 @@ async def make_world(
     )
     stages = {}
     for r in range(2):
-        lay = stage_layout(MODEL, PART, r, num_pages=NUM_PAGES, num_slots=4)
+        lay = stage_layout(model, part, r, num_pages=NUM_PAGES, num_slots=4)
         pool = open_pool("torch:cpu", lay.region_sizes)
         pool.register(t)
         stages[r] = PoolMemory(lay, pool)
@@ -339,7 +356,11 @@ async def test_page_ranges_are_committed_as_each_one_is_signalled(world: World) 
     w = world
     src, dst = [3, 4, 9, 10, 11, 20, 21], [10, 11, 2, 20, 21, 5, 6]
     commits: list[SegmentCommitted] = []
+    finals: list[StageTransferred] = []
     w.bus.add_listener(lambda e: commits.append(e) if isinstance(e, SegmentCommitted) else None)
+    w.bus.add_listener(
+        lambda e: finals.append(e) if isinstance(e, StageTransferred) and e.final else None
+    )
     await w.decode.create(HandoffRequest(id="c", prefill=["p"], dst_pages=dst, dst_slot=1))
     expected = {r: w.landing.expected("c", r) for r in (0, 1)}
     for rank, cuts in ((0, [0, 3, 5, 7]), (1, [0, 7, 7])):
@@ -363,6 +384,8 @@ async def test_page_ranges_are_committed_as_each_one_is_signalled(world: World) 
         mine = [e for e in commits if e.pp_rank == rank]
         assert sum(e.bytes for e in mine) == expected[rank]
     assert len([e for e in commits if e.pp_rank == 0]) >= 3
+    # One final transfer per stage, the zero-page end of stage 1 included.
+    assert sorted(e.pp_rank for e in finals) == [0, 1]
     assert w.landing.arena.stats.used_bytes == 0
 
 
@@ -408,7 +431,7 @@ async def test_bad_page_range_signals_are_refused_naming_the_field_and_change_no
     )
     w.prefill.ready("b", 0, src[:2], None, pages_from=0, last_pages=False)
     inp = w.prefill.handoffs["b"].inputs[0]
-    cases: list[tuple[type[Exception], dict[str, object], str]] = [
+    cases: list[tuple[type[KVHandoffError], dict[str, object], str]] = [
         (InvalidInput, dict(src_pages=src[3:], pages_from=3, last_pages=True), "pages_from"),
         (InvalidInput, dict(src_pages=src[1:], pages_from=1, last_pages=True), "pages_from"),
         (InvalidInput, dict(src_pages=src[2:], pages_from=-1, last_pages=True), "pages_from"),
@@ -469,5 +492,34 @@ async def test_direct_mode_sends_a_ranged_stage_whole_once_its_last_range_is_in(
             w.prefill.ready("d", rank, src[2:], 2, pages_from=2, last_pages=True)
         assert await wait_released(w, "d") == HandoffState.COMPLETED
         assert_landed(w, src, dst, 2, 1)
+    finally:
+        await close_world(w)
+
+
+async def test_a_stage_without_state_ends_with_a_range_of_no_pages() -> None:
+    # Dense layers, no slot: every page is committed before the last range says the stage is
+    # over; its arrival is an empty last notice, still reported as the stage's final transfer.
+    model = dense_mha(num_layers=4, scale=64, page_size=4)
+    w = await make_world(model=model, part=partition_layers(4, 2))
+    try:
+        finals: list[StageTransferred] = []
+        w.bus.add_listener(
+            lambda e: finals.append(e) if isinstance(e, StageTransferred) and e.final else None
+        )
+        src, dst = [5, 6, 7], [1, 2, 3]
+        await w.decode.create(HandoffRequest(id="z", prefill=["p"], dst_pages=dst))
+        for rank in (0, 1):
+            w.prefill.ready("z", rank, src, None, pages_from=0, last_pages=False)
+        await eventually(
+            lambda: all(w.landing.committed("z", r) == w.landing.expected("z", r) for r in (0, 1)),
+            what="every page committed",
+        )
+        assert w.decode.get("z").state != HandoffState.COMPLETED  # the last range is to come
+        for rank in (0, 1):
+            w.prefill.ready("z", rank, [], None, pages_from=3, last_pages=True)
+        assert await wait_released(w, "z") == HandoffState.COMPLETED
+        assert_landed(w, src, dst, 0, 0)
+        assert sorted(e.pp_rank for e in finals) == [0, 1]
+        assert all(e.bytes == 0 for e in finals)
     finally:
         await close_world(w)
