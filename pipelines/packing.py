@@ -225,7 +225,8 @@ def gather(pairing: Pairing, src: Side, pieces: Pieces, packed: Any) -> None:
             torch.index_select(rows, 0, idx, out=out)
         else:
             # mode="clip": the pages were validated against every pool before any segment
-            # was cut, and the default ("raise") buffers the output, copying every byte twice.
+            # over them was cut (by page range: each range when it was signalled), and the
+            # default ("raise") buffers the output, copying every byte twice.
             np.take(rows, idx, axis=0, out=out, mode="clip")
 
 

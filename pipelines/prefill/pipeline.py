@@ -55,6 +55,7 @@ from pipelines.prefill.handoff import (
     StageInput,
     Staging,
 )
+from pipelines.prefill.ranges import check_range
 from pipelines.prefill.stage import StageRunner
 from pipelines.settings import PREFILL_DEFAULTS, PrefillSettings
 from pipelines.states import StageState
@@ -235,62 +236,22 @@ class PrefillPipeline:
         pages_from: int | None,
         last_pages: bool | None,
     ) -> None:
-        """A page-range signal (see `ready`). Its checks cost in proportion to the range: its
-        own pages against the pool, its position against the stage's ranges so far, its end
-        against the decode's page count when the destination is known (else the stage worker
-        checks it when it arrives, failing the stage naming the same field)."""
-
-        def refuse(field: str, why: str) -> InvalidInput:
-            return InvalidInput(
-                f"stage {pp_rank} of handoff {handoff_id!r}: {why}", field=field, pp_rank=pp_rank
-            )
-
-        if pages_from is None:
-            raise refuse("pages_from", "last_pages belongs to a page-range signal: give pages_from")
-        if last_pages is None:
-            raise refuse("last_pages", "a page-range signal says whether it is the last")
-        if pages_from < 0:
-            raise refuse("pages_from", f"pages_from = {pages_from} is negative")
-        if layers is not None:
-            raise refuse("layers", "a page range is ready for every layer: leave layers out")
-        if src_pages is None:
-            raise refuse("src_pages", "a page-range signal carries its pages (the last may be [])")
-        if src_slot is not None and not last_pages:
-            raise refuse("src_slot", "the slot comes with the last page range only")
+        """A page-range signal (see `ready`), checked by `check_range` before anything
+        changes."""
         h = self.handoffs.get(handoff_id)
         current = h.inputs.get(pp_rank) if h else None
-        if current is not None and not current.ranged:
-            raise refuse("pages_from", "it is signalled by layer, not by page range")
-        if current is not None and current.ended:
-            raise refuse("pages_from", "its last page range was already signalled")
-        at = 0 if current is None else int(current.src_pages.shape[0])
-        if pages_from != at:
-            raise refuse(
-                "pages_from",
-                f"pages_from = {pages_from}, but the next range starts at request position {at} "
-                "(ranges come in order, without gaps or overlaps)",
-            )
-        pages = validate_pages_for_layout(
-            stage.layout,
-            np.asarray(src_pages),
+        pages, at, end, last_pages = check_range(
+            handoff_id,
+            pp_rank,
+            stage,
+            current,
+            h.known_destination if h is not None else None,
+            src_pages,
             src_slot,
-            side="source",
-            unique=False,
-            with_slot=last_pages,
+            layers,
+            pages_from,
+            last_pages,
         )
-        end = at + int(pages.shape[0])
-        dest = h.known_destination if h is not None else None
-        if dest is not None and pp_rank in dest.pp_ranks:
-            n = len(dest.dst_pages)
-            if end > n:
-                raise refuse(
-                    "src_pages", f"the range ends at position {end}; the decode has {n} pages"
-                )
-            if last_pages and end != n:
-                raise refuse(
-                    "last_pages",
-                    f"the last range ends at position {end}; the decode has {n} pages",
-                )
         if current is not None and current.signals.full():
             raise ConflictError(
                 f"stage {pp_rank} of handoff {handoff_id!r} has too many pending ready signals",
@@ -319,7 +280,7 @@ class PrefillPipeline:
                 role=ROLE,
                 pp_rank=pp_rank,
                 num_pages=int(pages.shape[0]),
-                pages_from=pages_from,
+                pages_from=at,
                 last_pages=last_pages,
             )
         )
