@@ -38,6 +38,10 @@ class StageReady(_Event, frozen=True, tag="stage.ready"):
     pp_rank: int
     num_pages: int
     layers: list[int] | None = None  # None: every layer of the stage
+    # A page-range signal: `num_pages` pages from this request position are ready for every
+    # layer (None: a layer signal); `last_pages` it is the last range.
+    pages_from: int | None = None
+    last_pages: bool | None = None
 
 
 class ChunksEmitted(_Event, frozen=True, tag="stage.chunks_emitted"):

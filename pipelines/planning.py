@@ -127,6 +127,21 @@ def _check_slot(slot: int | None, limits: I64, field: str, pairing: Pairing) -> 
     return slot
 
 
+def _check_unique(dst: I64) -> None:
+    if dst.size > 1 and (np.diff(np.sort(dst)) == 0).any():
+        # Only on failure: find the first repeated position to name it.
+        order = np.argsort(dst, kind="stable")
+        same = np.flatnonzero(dst[order][1:] == dst[order][:-1])
+        if same.size:
+            i = int(order[same[0] + 1])
+            first = int(order[same[0]])
+            raise PlanError(
+                f"dst_pages[{i}] = {int(dst[i])} repeats dst_pages[{first}]: two source pages "
+                "would land on one destination page",
+                field=f"dst_pages[{i}]",
+            )
+
+
 def validate_request(
     pairing: Pairing,
     src_pages: PageList,
@@ -145,22 +160,24 @@ def validate_request(
     if pairing.num_kv_pairs:
         _check_range(src, pairing.kv_src_items, "src_pages", pairing, "source")
         _check_range(dst, pairing.kv_dst_items, "dst_pages", pairing, "destination")
-    if dst.size > 1 and (np.diff(np.sort(dst)) == 0).any():
-        # Only on failure: find the first repeated position to name it.
-        order = np.argsort(dst, kind="stable")
-        same = np.flatnonzero(dst[order][1:] == dst[order][:-1])
-        if same.size:
-            i = int(order[same[0] + 1])
-            first = int(order[same[0]])
-            raise PlanError(
-                f"dst_pages[{i}] = {int(dst[i])} repeats dst_pages[{first}]: two source pages "
-                "would land on one destination page",
-                field=f"dst_pages[{i}]",
-            )
+    _check_unique(dst)
     if pairing.num_state_pairs:
         _check_slot(src_slot, pairing.state_src_slots, "src_slot", pairing)
         _check_slot(dst_slot, pairing.state_dst_slots, "dst_slot", pairing)
     return src, dst
+
+
+def validate_destination(pairing: Pairing, dst_pages: PageList, dst_slot: int | None) -> I64:
+    """The destination half of `validate_request`, once per stage signalled by page range:
+    every page inside the decode's pools, none listed twice, the slot inside its pools. Each
+    range's source pages were checked against this stage's pools when it was signalled."""
+    dst = as_pages(dst_pages, "dst_pages")
+    if pairing.num_kv_pairs:
+        _check_range(dst, pairing.kv_dst_items, "dst_pages", pairing, "destination")
+    _check_unique(dst)
+    if pairing.num_state_pairs:
+        _check_slot(dst_slot, pairing.state_dst_slots, "dst_slot", pairing)
+    return dst
 
 
 def plan(
@@ -224,11 +241,18 @@ def plan(
 
 
 def validate_pages_for_layout(
-    layout: StageLayout, pages: PageList, slot: int | None, *, side: str, unique: bool
+    layout: StageLayout,
+    pages: PageList,
+    slot: int | None,
+    *,
+    side: str,
+    unique: bool,
+    with_slot: bool = True,
 ) -> I64:
     """Check one side's page list and slot against a layout alone (before any pairing exists):
     every page inside every KV pool, the slot inside every state pool, and — for destinations —
-    no page listed twice. Names the offending index like `validate_request`."""
+    no page listed twice. Names the offending index like `validate_request`. `with_slot=False`:
+    the slot is not part of this check (a page range before the last one)."""
     prefix = "src" if side == "source" else "dst"
     field = f"{prefix}_pages"
     arr = as_pages(pages, field)
@@ -252,7 +276,7 @@ def validate_pages_for_layout(
         raise PlanError(
             f"{field}[{i}] = {int(arr[i])} repeats {field}[{first}]", field=f"{field}[{i}]"
         )
-    if layout.state:
+    if layout.state and with_slot:
         slot_field = f"{prefix}_slot"
         if slot is None:
             raise PlanError(

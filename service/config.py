@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import re
 import tomllib
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
@@ -525,13 +527,23 @@ def _check_env_key(name: str, parts: list[str]) -> None:
         fields = {f.name: f.type for f in msgspec.structs.fields(struct_type)}
         if part not in fields:
             raise ConfigError(name, f"unknown key {'.'.join(parts[: depth + 1])!r}")
-        target = fields[part]
+        target = _unoptional(fields[part])
         if not (isinstance(target, type) and issubclass(target, Struct)):
             if depth != len(parts) - 1:
                 raise ConfigError(name, f"{'.'.join(parts[: depth + 1])} takes a JSON value")
             return
         struct_type = target
     raise ConfigError(name, f"{'.'.join(parts)} is a section; name one of its keys")
+
+
+def _unoptional(annotation: Any) -> Any:
+    """`X | None` as `X` (an optional section, e.g. `model`, still takes its keys from the
+    environment); any other annotation as it is."""
+    if get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
 
 
 def _nest(parts: list[str], value: Any) -> dict[str, Any]:

@@ -207,12 +207,15 @@ class EmbeddedService:
         layers: Sequence[int] | None = None,
         *,
         decode_url: str | None = None,
+        pages_from: int | None = None,
+        last_pages: bool | None = None,
     ) -> None:
-        """Stage `pp_rank` finished `layers` (None: all its layers) of this request: as
+        """Stage `pp_rank` finished `layers` (None: all its layers) of this request, or with
+        `pages_from` the next range of its pages (`last_pages` on the last, with the slot): as
         `POST /v1/handoffs/{id}/stages/{pp_rank}/ready`, with the same errors (InvalidInput and
-        PlanError naming the field, NotFoundError, ConflictError). The first signal of a stage
-        carries its source pages, copied here: the engine may reuse its array once this returns.
-        `decode_url` names the decode service the id belongs to (ids are unique per decode).
+        PlanError naming the field, NotFoundError, ConflictError). The pages are copied here:
+        the engine may reuse its array once this returns. `decode_url` names the decode
+        service the id belongs to (ids are unique per decode).
         """
         self._require("prefill", "stage_ready")
         _check_id(handoff_id)
@@ -225,6 +228,14 @@ class EmbeddedService:
                 ) from None
         rank = _non_negative(pp_rank, "pp_rank")
         slot = None if src_slot is None else _non_negative(src_slot, "src_slot")
+        start = None if pages_from is None else _non_negative(pages_from, "pages_from")
+        if last_pages is not None:
+            if not isinstance(last_pages, bool | np.bool_):
+                raise InvalidInput(
+                    f"last_pages must be a bool, got {type(last_pages).__name__}",
+                    field="last_pages",
+                )
+            last_pages = bool(last_pages)
         layer_ids = (
             None
             if layers is None
@@ -234,7 +245,14 @@ class EmbeddedService:
 
         def ready(runtime: RuntimeBase) -> None:
             _prefill_of(runtime).ready(
-                handoff_id, rank, pages, slot, layer_ids, decode_url=decode_url
+                handoff_id,
+                rank,
+                pages,
+                slot,
+                layer_ids,
+                decode_url=decode_url,
+                pages_from=start,
+                last_pages=last_pages,
             )
 
         self._call_sync(ready)

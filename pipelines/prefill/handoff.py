@@ -88,6 +88,10 @@ class Staging:
 @dataclass(frozen=True)
 class ReadySignal:
     layers: frozenset[int] | None  # None: every layer of the stage not sent yet
+    # A page-range signal: the request's pages up to this position are ready for every KV
+    # layer of the stage (None: a layer signal).
+    pages_end: int | None = None
+    last: bool = False  # a page-range signal: the last range; the slot comes with it
 
 
 class End:
@@ -108,9 +112,36 @@ class Chunk:
 
 @dataclass
 class StageInput:
+    """What the engine told this process about one stage of one handoff.
+
+    Signalled by layer, `src_pages` holds every page from the first signal on. Signalled by
+    page range (`ranged`), it holds the pages of the ranges so far (request positions
+    `0..len-1`) and grows with each one, amortised O(range): a segment may still be gathering
+    from an older array, which keeps the same values at the positions it reads."""
+
     src_pages: I64
     src_slot: int | None
     signals: asyncio.Queue[ReadySignal]
+    ranged: bool = False
+    ended: bool = True  # every page (and the slot) is known: False until the last range
+    ended_event: asyncio.Event = field(default_factory=asyncio.Event)
+    _buffer: I64 | None = None
+
+    def add_range(self, pages: I64, slot: int | None, *, last: bool) -> None:
+        """Append a validated page range (ranged stages only)."""
+        n, m = int(self.src_pages.shape[0]), int(pages.shape[0])
+        buf = self._buffer
+        if buf is None or buf.shape[0] < n + m:
+            # A new array, so a gather reading the old one is untouched.
+            grown = np.empty(max(2 * (n + m), 16), dtype=np.int64)
+            grown[:n] = self.src_pages
+            buf = self._buffer = grown
+        buf[n : n + m] = pages
+        self.src_pages = buf[: n + m]
+        if last:
+            self.src_slot = slot
+            self.ended = True
+            self.ended_event.set()
 
 
 @dataclass

@@ -62,6 +62,7 @@ class _Segment:
     pieces: Pieces
     grant: Grant
     last: bool
+    src: Side  # the stage's memory, pages and slot as of this segment's cut
     after: set[asyncio.Task[int]]  # the last segment's notice waits for these (earlier ones)
 
 
@@ -110,11 +111,14 @@ class LandedSender:
                 field="mode",
                 pp_rank=rank,
             )
-        if stage.regions is None:
+        regions = stage.regions
+        if regions is None:
             raise InternalError(f"stage {rank} has no memory to gather from", pp_rank=rank)
         has_slot = dest.dst_slot is not None and pairing.num_state_pairs > 0
-        n = int(inp.src_pages.shape[0])
-        packer = StagePacker(pairing, n, has_slot)
+        # By page range, the stage's pages are known only as they come: the decode's count is
+        # what the ranges must add up to (`make_pages_ready` refuses more, or a short last).
+        n = len(dest.dst_pages) if inp.ranged else int(inp.src_pages.shape[0])
+        packer = StagePacker(pairing, n, has_slot, ranged=inp.ranged)
         if packer.largest_item > min(dest.window_bytes, staging.arena.capacity_bytes):
             raise InvalidInput(
                 f"stage {rank} has a {packer.largest_item}-byte page or slot; the decode's "
@@ -123,7 +127,6 @@ class LandedSender:
                 field="window_bytes",
                 pp_rank=rank,
             )
-        src = source_side(pairing, stage.regions, inp.src_pages, inp.src_slot)
         grants: deque[Grant] = deque(g for g in dest.grants if g.pp_rank == rank)
         pending_layers = {e.layer_id for e in stage.layout.kv} | {
             s.layer_id for s in stage.layout.state
@@ -131,15 +134,20 @@ class LandedSender:
         kv_layers = {e.layer_id for e in stage.layout.kv}
         flight: deque[asyncio.Task[int]] = deque()  # segments in flight, in the order cut
         sent = 0
+        last_cut = False
         try:
-            while not packer.done:
+            while not last_cut:
                 # Fold in every ready signal already queued; wait for one while nothing is ready.
-                while not inp.signals.empty() or packer.ready_bytes == 0:
+                while not inp.signals.empty() or (packer.ready_bytes == 0 and not packer.done):
                     signal = await inp.signals.get()
-                    wanted = pending_layers if signal.layers is None else signal.layers
-                    now = pending_layers & wanted  # a new set: `pending_layers` shrinks below
-                    pending_layers -= now
-                    packer.make_ready(now)
+                    if signal.pages_end is not None:
+                        packer.make_pages_ready(signal.pages_end, last=signal.last, pp_rank=rank)
+                        now = (kv_layers | pending_layers) if signal.last else set(kv_layers)
+                    else:
+                        wanted = pending_layers if signal.layers is None else signal.layers
+                        now = pending_layers & wanted  # a new set: `pending_layers` shrinks
+                        pending_layers -= now
+                        packer.make_ready(now)
                     self._bus.publish(
                         ChunksEmitted(
                             handoff_id=h.handoff_id,
@@ -149,6 +157,8 @@ class LandedSender:
                             state_layers=sorted(now - kv_layers),
                         )
                     )
+                if packer.ready_bytes == 0:
+                    break  # done, and the last signal brought nothing more (a zero-page end)
                 grant = grants.popleft() if grants else await self._window(h, rank, dest, packer)
                 pieces = packer.next_segment(grant.length)
                 if pieces is None:
@@ -156,18 +166,24 @@ class LandedSender:
                         f"a {grant.length}-byte window holds no piece of stage {rank}",
                         pp_rank=rank,
                     )
-                last = packer.done
+                last_cut = packer.done
                 self._paired(h, rank, pairing, pieces)
-                segment = _Segment(rank, pieces, grant, last, set(flight) if last else set())
+                # Built per segment: a stage signalled by page range grows its page array (and
+                # learns its slot with the last range) while earlier segments travel.
+                src = source_side(pairing, regions, inp.src_pages, inp.src_slot)
+                after = set(flight) if last_cut else set()
+                segment = _Segment(rank, pieces, grant, last_cut, src, after)
                 flight.append(
                     asyncio.ensure_future(
-                        self._segment(h, dest, pairing, staging, src, segment, grants, packer)
+                        self._segment(h, dest, pairing, staging, segment, grants, packer)
                     )
                 )
                 # The next segment is gathered and written while this one's notice and commit
                 # run; beyond IN_FLIGHT, wait for the oldest (its answer brings a window).
-                while len(flight) >= IN_FLIGHT or (last and flight):
+                while len(flight) >= IN_FLIGHT or (last_cut and flight):
                     sent += await flight.popleft()
+            while flight:  # the end came with nothing to cut: every segment is committed first
+                sent += await flight.popleft()
         finally:
             # Leave only once no segment of this stage can still copy or write.
             for task in flight:
@@ -176,9 +192,24 @@ class LandedSender:
             for task in flight:  # the error that left first is the stage's; these are noise
                 if not task.cancelled():
                     task.exception()
-        if sent == 0:
-            # Nothing to move (no pages and no slot here): the stage still arrives.
+        if not last_cut:
+            # Nothing left to move with a last notice (no pages and no slot here, or a last
+            # page range of no pages after the others were committed): the stage still arrives,
+            # and says so as a final transfer of no bytes (an engine adapter waits for `final`).
+            t0 = time.perf_counter()
             await self._decode.segment(dest.decode_url, self._notice(h, rank, dest, last=True))
+            self._bus.publish(
+                StageTransferred(
+                    handoff_id=h.handoff_id,
+                    role=ROLE,
+                    pp_rank=rank,
+                    blocks=0,
+                    bytes=0,
+                    batches=0,
+                    seconds=time.perf_counter() - t0,
+                    final=True,
+                )
+            )
         return sent
 
     async def _segment(
@@ -187,7 +218,6 @@ class LandedSender:
         dest: DestinationMsg,
         pairing: Pairing,
         staging: Staging,
-        src: Side,
         seg: _Segment,
         grants: deque[Grant],
         packer: StagePacker,
@@ -196,10 +226,10 @@ class LandedSender:
         refused; its byte count once committed. The last segment's notice waits for every
         earlier one to be committed: the decode takes it as the stage's arrival."""
         rank = seg.rank
-        ack = await self._land(h, rank, dest, pairing, staging, src, seg, seg.grant)
+        ack = await self._land(h, rank, dest, pairing, staging, seg, seg.grant)
         if not ack.committed:
             retry = ack.next_grant or await self._window(h, rank, dest, packer, seg.pieces)
-            ack = await self._land(h, rank, dest, pairing, staging, src, seg, retry)
+            ack = await self._land(h, rank, dest, pairing, staging, seg, retry)
             if not ack.committed:
                 raise DigestMismatch(
                     f"stage {rank}: a segment was refused twice by its digest ({ack.reason})",
@@ -263,14 +293,13 @@ class LandedSender:
         dest: DestinationMsg,
         pairing: Pairing,
         staging: Staging,
-        src: Side,
         seg: _Segment,
         grant: Grant,
     ) -> SegmentAck:
         """Gather, digest and write one segment into `grant`; then notify the decode (the last
         segment once the segments before it were committed)."""
         assert h.deadline_mono is not None
-        pieces, last = seg.pieces, seg.last
+        pieces, last, src = seg.pieces, seg.last, seg.src
         nbytes = int(piece_bytes(pairing, pieces).sum())
         t0 = time.perf_counter()
         extent = await staging.arena.take(nbytes, h.handoff_id, until_mono=h.deadline_mono)

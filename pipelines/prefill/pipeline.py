@@ -55,6 +55,7 @@ from pipelines.prefill.handoff import (
     Staging,
 )
 from pipelines.prefill.queries import PrefillQueries
+from pipelines.prefill.ranges import check_range
 from pipelines.prefill.scopes import Finished, OpenHandoffs
 from pipelines.prefill.stage import StageRunner
 from pipelines.settings import PREFILL_DEFAULTS, PrefillSettings
@@ -62,6 +63,11 @@ from pipelines.states import StageState
 from pipelines.urls import canonical_url
 
 log = logging.getLogger(__name__)
+
+#: Ready signals a stage signalled by page range may have pending (one per prefill chunk):
+#: bounded, so an engine cannot grow a stage's queue without end, and far above the chunks of
+#: any prompt (a 1M-token prompt in 8K-token chunks is 128).
+RANGED_QUEUE_DEPTH = 4096
 
 
 class PrefillPipeline:
@@ -123,15 +129,23 @@ class PrefillPipeline:
         layers: Collection[int] | None = None,
         *,
         decode_url: str | None = None,
+        pages_from: int | None = None,
+        last_pages: bool | None = None,
     ) -> None:
         """The engine finished `layers` (None: all) of stage `pp_rank` for this request.
 
-        The first signal of a stage must carry its source pages (and slot, for hybrid models);
-        later ones may repeat them or leave them out. `decode_url` names the decode service the
-        request's id belongs to (ids are unique per decode only); without it the id must be
-        unique across the decodes using this prefill, and a ready whose id two of them use
-        now is refused. Raises InvalidInput / NotFoundError / ConflictError before anything
-        changes.
+        By layer: the first signal of a stage must carry its source pages (and slot, for hybrid
+        models); later ones may repeat them or leave them out.
+
+        By page range (chunked prefill; `pages_from` given): `src_pages` are the request's
+        pages at positions `pages_from..` and are ready for every layer of the stage. Ranges
+        come in order without gaps or overlaps, each saying whether it is the last
+        (`last_pages`); the slot comes with the last one only. A stage is signalled one way.
+
+        `decode_url` names the decode service the request's id belongs to (ids are unique per
+        decode only); without it the id must be unique across the decodes using this prefill,
+        and a ready whose id two of them use now is refused. Raises InvalidInput /
+        NotFoundError / ConflictError before anything changes.
         """
         stage = self.stages.get(pp_rank)
         if stage is None:
@@ -141,6 +155,19 @@ class PrefillPipeline:
                 pp_rank=pp_rank,
             )
         scope = None if decode_url is None else canonical_url(decode_url)
+        if pages_from is not None or last_pages is not None:
+            self._ready_range(
+                scope,
+                handoff_id,
+                pp_rank,
+                stage,
+                src_pages,
+                src_slot,
+                layers,
+                pages_from,
+                last_pages,
+            )
+            return
         layer_set = None if layers is None else frozenset(int(x) for x in layers)
         if layer_set is not None:
             own = {e.layer_id for e in stage.layout.kv} | {s.layer_id for s in stage.layout.state}
@@ -156,6 +183,13 @@ class PrefillPipeline:
         if h is None:  # an open handoff of this id is not the ended one
             self._refuse_finished(scope, handoff_id)
         current = h.inputs.get(pp_rank) if h else None
+        if current is not None and current.ranged:
+            raise InvalidInput(
+                f"stage {pp_rank} of handoff {handoff_id!r} is signalled by page range: "
+                "give pages_from",
+                field="pages_from",
+                pp_rank=pp_rank,
+            )
         if current is None:
             if src_pages is None:
                 raise InvalidInput(
@@ -205,6 +239,71 @@ class PrefillPipeline:
                 pp_rank=pp_rank,
                 num_pages=int(pages.shape[0]),
                 layers=None if layer_set is None else sorted(layer_set),
+            )
+        )
+
+    def _ready_range(
+        self,
+        scope: str | None,
+        handoff_id: str,
+        pp_rank: int,
+        stage: HostedStage,
+        src_pages: Collection[int] | I64 | None,
+        src_slot: int | None,
+        layers: Collection[int] | None,
+        pages_from: int | None,
+        last_pages: bool | None,
+    ) -> None:
+        """A page-range signal (see `ready`), checked by `check_range` before anything
+        changes."""
+        h = self._for_ready(scope, handoff_id)
+        if h is None:  # an open handoff of this id is not the ended one
+            self._refuse_finished(scope, handoff_id)
+        current = h.inputs.get(pp_rank) if h else None
+        pages, at, end, last_pages = check_range(
+            handoff_id,
+            pp_rank,
+            stage,
+            current,
+            h.known_destination if h is not None else None,
+            src_pages,
+            src_slot,
+            layers,
+            pages_from,
+            last_pages,
+        )
+        if current is not None and current.signals.full():
+            raise ConflictError(
+                f"stage {pp_rank} of handoff {handoff_id!r} has too many pending ready signals",
+                field="pages_from",
+                pp_rank=pp_rank,
+            )
+        if h is None:
+            h = self._open(scope, handoff_id)
+        elif h.scope is None and scope is not None:
+            self._handoffs.rescope(h, scope)
+        if current is None:
+            current = StageInput(
+                np.zeros(0, dtype=np.int64),
+                None,
+                asyncio.Queue(RANGED_QUEUE_DEPTH),
+                ranged=True,
+                ended=False,
+            )
+            h.inputs[pp_rank] = current
+            if h.stage_state.get(pp_rank, StageState.WAITING) == StageState.WAITING:
+                h.set_stage(pp_rank, StageState.READY)
+            h.input_seen.setdefault(pp_rank, asyncio.Event()).set()
+        current.add_range(pages, src_slot, last=last_pages)
+        current.signals.put_nowait(ReadySignal(None, pages_end=end, last=last_pages))
+        self._publish(
+            StageReady(
+                handoff_id=handoff_id,
+                role=ROLE,
+                pp_rank=pp_rank,
+                num_pages=int(pages.shape[0]),
+                pages_from=at,
+                last_pages=last_pages,
             )
         )
 

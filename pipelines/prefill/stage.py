@@ -35,7 +35,7 @@ from pipelines.layout import StageLayout
 from pipelines.memory import source_digests
 from pipelines.messages import ArrivalMsg, DestinationMsg, StageFailedMsg
 from pipelines.pairing import Pairing, PairingCache
-from pipelines.planning import TransferPlan, plan, validate_request
+from pipelines.planning import TransferPlan, plan, validate_destination, validate_request
 from pipelines.prefill.handoff import (
     END,
     ROLE,
@@ -133,7 +133,17 @@ class StageRunner:
             # Wait for the engine's first signal: it carries the source pages.
             await h.input_seen.setdefault(rank, asyncio.Event()).wait()
             inp = h.inputs[rank]
-            validate_request(pairing, inp.src_pages, dest.dst_pages, inp.src_slot, dest.dst_slot)
+            if inp.ranged:
+                # Each range's source pages were checked as it came; the destination once here.
+                validate_destination(pairing, dest.dst_pages, dest.dst_slot)
+                if dest.mode != "landed":
+                    # Direct mode plans a stage whole: its ranges are sent once the last one is
+                    # in, as one stage (no overlap with chunked prefill; landed mode has it).
+                    await inp.ended_event.wait()
+            if not inp.ranged or dest.mode != "landed":
+                validate_request(
+                    pairing, inp.src_pages, dest.dst_pages, inp.src_slot, dest.dst_slot
+                )
             h.set_stage(rank, StageState.SENDING)
             if dest.mode == "landed":
                 await self._landed.send(h, rank, stage, inp, dest, pairing)

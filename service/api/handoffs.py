@@ -183,11 +183,14 @@ NonNeg = Annotated[int, Meta(ge=0)]
 
 
 class StageReady(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Engine → prefill: stage `pp_rank` finished (some of) its layers for this request."""
+    """Engine → prefill: stage `pp_rank` finished (some of) its layers, or (with `pages_from`)
+    the next range of its pages, for this request."""
 
-    #: Source pages of the request on this stage; required on the stage's first signal.
+    #: Source pages of the request on this stage; required on the stage's first signal. With
+    #: `pages_from`: the pages of this range only (the last range may be empty).
     src_pages: list[NonNeg] | None = None
-    #: The request's linear-attention state slot (hybrid models).
+    #: The request's linear-attention state slot (hybrid models); by page range, only with the
+    #: last range.
     src_slot: NonNeg | None = None
     #: Global layer ids now ready; absent: every layer of the stage not signalled yet.
     layers: list[NonNeg] | None = None
@@ -196,12 +199,19 @@ class StageReady(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     #: may use the same id; without it, the id must be unique across the decodes using this
     #: prefill (a ready whose id two of them use is refused with 409).
     decode_url: ServiceUrl | None = None
+    #: Chunked prefill: `src_pages` are the request's pages from this position on, ready for
+    #: every layer of the stage. Ranges come in order, without gaps or overlaps.
+    pages_from: NonNeg | None = None
+    #: With `pages_from`, required: this range is the stage's last (the slot comes with it).
+    last_pages: bool | None = None
 
 
-class StageReadyAck(Struct, frozen=True):
+class StageReadyAck(Struct, frozen=True, omit_defaults=True):
     handoff_id: str
     pp_rank: int
     layers: list[int] | None
+    pages_from: int | None = None
+    last_pages: bool | None = None
 
 
 @prefill_routes.post(
@@ -210,9 +220,11 @@ class StageReadyAck(Struct, frozen=True):
     response=StageReadyAck,
     status=202,
     errors=(404, 409, 422, 429),
-    summary="Stage pp_rank has finished this request (all layers, or those listed)",
+    summary="Stage pp_rank has finished this request (all layers, those listed, or a page range)",
     description="The first signal of a stage carries its source pages (and slot). Chunks of the "
-    "listed layers are sent as soon as the decode destination is known.",
+    "listed layers are sent as soon as the decode destination is known. Chunked prefill: each "
+    "signal with `pages_from` brings the next pages (`last_pages` on the last, with the slot), "
+    "sent as it comes.",
     tags=("engine",),
     role="engine",
     path_schemas={
@@ -242,6 +254,14 @@ async def stage_ready(request: web.Request) -> web.StreamResponse:
                 limit=MAX_AWAITING_DESTINATION,
             )
     pipeline.ready(
-        handoff_id, rank, body.src_pages, body.src_slot, body.layers, decode_url=body.decode_url
+        handoff_id,
+        rank,
+        body.src_pages,
+        body.src_slot,
+        body.layers,
+        decode_url=body.decode_url,
+        pages_from=body.pages_from,
+        last_pages=body.last_pages,
     )
-    return json_response(StageReadyAck(handoff_id, rank, body.layers), status=202)
+    ack = StageReadyAck(handoff_id, rank, body.layers, body.pages_from, body.last_pages)
+    return json_response(ack, status=202)

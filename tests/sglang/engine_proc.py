@@ -123,6 +123,9 @@ def main() -> None:
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
+    from pipelines.events import event_tag
+    from service.integrations.sglang.backend import handoff_id
+
     server_args = ServerArgs(
         model_path=model,
         skip_tokenizer_init=True,
@@ -176,6 +179,16 @@ def main() -> None:
         return None
 
     terminal = {int(KVPoll.Success), int(KVPoll.Failed)}
+    # Segments of this rank's stage the decode committed, per handoff id: the prefill publishes
+    # `stage.transferred` only once the decode's commit answered (landed mode).
+    committed: dict[str, int] = {}
+    if role == "prefill":
+
+        def on_event(event: Any) -> None:
+            if event_tag(event) == "stage.transferred":
+                committed[event.handoff_id] = committed.get(event.handoff_id, 0) + 1
+
+        manager.service.add_listener(on_event)
     held: dict[int, Any] = {}  # PP ranks > 0: senders kept until PP rank 0's consensus decided
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -201,10 +214,18 @@ def main() -> None:
             until(sender, terminal | {int(KVPoll.WaitingForInput)}, 10.0, seen)
             time.sleep(cmd.get("delay_s", 0.0))
             at = 0
+            hid = handoff_id(room, manager.tp_rank_for_handoffs)
+            before_last = 0  # segments committed before the last chunk was sent
             for k, n in enumerate(cmd["chunks"]):  # one send per chunk, the next pages each
                 if k == cmd.get("abort_before_chunk"):  # the client went away mid-prefill
                     sender.abort()
                     break
+                if k == len(cmd["chunks"]) - 1 and cmd.get("commit_before_last_s"):
+                    # A slow last chunk: the earlier chunks' segments may land meanwhile.
+                    end = time.monotonic() + cmd["commit_before_last_s"]
+                    while not committed.get(hid) and time.monotonic() < end:
+                        time.sleep(0.01)
+                    before_last = committed.get(hid, 0)
                 sender.send(np.array(pages[at : at + n], dtype=np.int32))
                 at += n
                 poll(sender)
@@ -222,6 +243,7 @@ def main() -> None:
                     "final": final,
                     "error": error,
                     "seconds": time.monotonic() - start,
+                    "committed_before_last": before_last,
                 }
             )
             continue

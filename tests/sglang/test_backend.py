@@ -241,6 +241,22 @@ def test_chunked_pp2_handoff_lands_every_byte(deployment: Deployment) -> None:
         verify(d, room, src, dst, sa, da)
 
 
+def test_each_send_moves_its_own_pages_before_the_last_chunk_is_sent(
+    deployment: Deployment,
+) -> None:
+    # Each chunk is signalled as it is sent: with a slow last chunk, both stages' earlier
+    # chunks are committed in the decode's pages before it (SGLang's chunked prefill overlaps
+    # the transfer). Accumulating the chunks until the last one committed none by then.
+    d = deployment
+    room, src, dst, (sa, da) = 7003, [3, 4, 9, 10, 11, 20], [7, 8, 1, 2, 40, 41], (2, 5)
+    extra = {"prefill": {"commit_before_last_s": 10.0}}
+    decode, prefill = run(d, room, src, dst, sa, da, [2, 3, 1], **extra)
+    assert decode["final"] == KVPoll.Success, decode
+    assert all(p["final"] == KVPoll.Success for p in prefill), prefill
+    assert all(p["committed_before_last"] >= 1 for p in prefill), prefill
+    verify(d, room, src, dst, sa, da)
+
+
 def test_decode_abort_fails_both_sides_with_the_reason(deployment: Deployment) -> None:
     d = deployment
     decode, prefill = run(

@@ -207,8 +207,13 @@ def _is_own(node: ast.expr) -> bool:
 def _foreign_private_reads(root: Path) -> list[str]:
     # Private state (`_x`) of another object is its owner's to change at will: a service module
     # that reads a pipeline's `_handoffs` couples itself to how the pipeline keeps them.
+    # An engine adapter (`service/integrations/`) is exempt: it patches the engine's closed
+    # parts (SGLang's backend enum, its bootstrap registry's handlers), a contract with one
+    # pinned engine version that its own tests check in that engine's environment.
     bad = []
     for path in sorted((root / "service").rglob("*.py")):
+        if "integrations" in path.relative_to(root).parts:
+            continue
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if (

@@ -12,8 +12,9 @@ the bootstrap look-ups and the timeouts. What moves bytes and decides outcomes i
   signed (`bootstrap.py`);
 - one handoff per request and attention-TP rank: id `sglang-<bootstrap_room>-tp<rank>`;
 - decode `send_metadata` creates the handoff (destination pages, aux row as its slot) on the
-  decode service, naming the prefill stages' services; prefill `send` accumulates the chunk's
-  pages and, with the last chunk, signals the stage ready (its pages and aux row);
+  decode service, naming the prefill stages' services; each prefill `send` signals its chunk's
+  pages ready at once, as a page range of the stage (the aux row with the last), so the
+  chunk's segments travel while the next chunk is prefilled;
 - the service's events drive `update_status` / `record_failure` on its own thread, so `poll()`
   only reads SGLang's table (a snapshot) and never waits; engine-facing calls that wait
   (create, stage ready, abort) run on one worker thread per rank, in order.
@@ -134,8 +135,8 @@ class KVHandoffManager(CommonKVManager):
         self.service_url = self.service.url
         self._secret = self.kv_config.secrets("peer")[0].encode()
         self._rooms: dict[str, int] = {}  # handoff id -> room, of live senders / receivers
-        self._pages: dict[int, list[np.ndarray[Any, Any]]] = {}  # prefill: chunks so far
-        self._signalled: set[int] = set()  # prefill: rooms whose stage was signalled ready
+        self._sent: dict[int, int] = {}  # prefill: pages signalled so far, per room
+        self._signalled: set[int] = set()  # prefill: rooms whose last page range was signalled
         # Handoff ids whose pages are free again (HandoffReleased), kept past clear(): SGLang
         # asks `is_abort_release_safe` after it cleared the receiver. Bounded, oldest first out.
         self._released: OrderedDict[str, None] = OrderedDict()
@@ -169,7 +170,7 @@ class KVHandoffManager(CommonKVManager):
     def close_room(self, room: int) -> None:
         with self._lock:
             self._rooms.pop(handoff_id(room, self.tp_rank_for_handoffs), None)
-            self._pages.pop(int(room), None)
+            self._sent.pop(int(room), None)
             self._signalled.discard(int(room))
 
     def released(self, room: int) -> bool:
@@ -264,30 +265,44 @@ class KVHandoffManager(CommonKVManager):
         num_kv_tokens: int | None = None,
         **_: Any,
     ) -> None:
-        """One prefill chunk's pages (from `CommonKVSender.send`). The stage is signalled once,
-        with the last chunk: all its pages, and its aux row on the last PP stage."""
+        """One prefill chunk's pages (from `CommonKVSender.send`), signalled at once as the
+        stage's next page range: its segments travel while the engine prefills the next chunk.
+        The last chunk brings the aux row (the last PP stage's slot). Signals go out in order on
+        the rank's worker thread, so the ranges reach the service in SGLang's order."""
         room = int(bootstrap_room)
         if state_indices and any(s is not None and len(s) for s in state_indices):
             self.fail(room, "kvhandoff: per-component state indices are not supported yet")
             return
+        pages = np.array(kv_indices, dtype=np.int64)  # a copy: SGLang reuses its array
         with self._lock:
             if room in self._signalled:
-                if len(kv_indices):
-                    self.fail(room, f"kvhandoff: {len(kv_indices)} pages sent after the last chunk")
+                if len(pages):
+                    self.fail(room, f"kvhandoff: {len(pages)} pages sent after the last chunk")
                 return  # SGLang's empty closing send after a chunk that already ended the pages
-            chunks = self._pages.setdefault(room, [])
-            chunks.append(np.array(kv_indices, dtype=np.int64))  # a copy: SGLang reuses it
-            if not is_last_chunk:
-                return
-            pages = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
-            self._pages.pop(room, None)
-            self._signalled.add(room)
-        slot = aux_index if self.rank.has_aux else None
+            at = self._sent.get(room, 0)
+            self._sent[room] = at + len(pages)
+            if is_last_chunk:
+                self._signalled.add(room)
+                self._sent.pop(room, None)
+        start = index_slice.start if isinstance(index_slice, slice) else None
+        if start is not None and int(start) != at:
+            # SGLang's positions and ours disagree (a sharded or CP-filtered send, which this
+            # backend refuses at start-up): never guess where the pages go.
+            self.fail(room, f"kvhandoff: chunk at page position {start}, expected {at}")
+            return
+        slot = aux_index if self.rank.has_aux and is_last_chunk else None
         hid = handoff_id(room, self.tp_rank_for_handoffs)
         rank = self.stage_rank
-        self.submit(room, "stage ready", lambda: self.service.stage_ready(hid, rank, pages, slot))
+        last = bool(is_last_chunk)
+        self.submit(
+            room,
+            "stage ready",
+            lambda: self.service.stage_ready(
+                hid, rank, pages, slot, pages_from=at, last_pages=last
+            ),
+        )
 
-    def _register_prefill_dp_rank_signed(self, bootstrap_addr: str, room: int) -> None:
+    def register_prefill_dp_rank_signed(self, bootstrap_addr: str, room: int) -> None:
         self._signed(
             "POST",
             f"http://{bootstrap_addr}/register_dp_rank",
@@ -331,7 +346,7 @@ class KVHandoffSender(CommonKVSender):
             mgr.update_status(self.bootstrap_room, KVPoll.WaitingForInput)
 
     def _register_prefill_dp_rank(self) -> None:
-        self.kv_mgr._register_prefill_dp_rank_signed(self.bootstrap_server_url, self.bootstrap_room)
+        self.kv_mgr.register_prefill_dp_rank_signed(self.bootstrap_server_url, self.bootstrap_room)
 
     def abort(self) -> None:
         super().abort()

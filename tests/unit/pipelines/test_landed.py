@@ -7,8 +7,10 @@ torch's kernels as a device pool is), the local transport, both pipelines linked
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,12 +20,28 @@ from pipelines.arena import Arena
 from pipelines.decode import DecodePipeline
 from pipelines.decode.landing import MAX_WINDOWS_PER_STAGE, Landing
 from pipelines.decode.views import HandoffRequest
-from pipelines.events import EventBus, SegmentCommitted, SegmentRejected, event_tag
+from pipelines.errors import ConflictError, InvalidInput, KVHandoffError, PlanError
+from pipelines.events import (
+    EventBus,
+    SegmentCommitted,
+    SegmentRejected,
+    StageTransferred,
+    event_tag,
+)
 from pipelines.inprocess import InProcessLink
 from pipelines.memory import PoolMemory, pool_array
-from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from pipelines.models import (
+    ModelSpec,
+    Partition,
+    decode_layout,
+    dense_mha,
+    hybrid_npu_mla,
+    partition_layers,
+    stage_layout,
+)
 from pipelines.prefill import HostedStage, PrefillPipeline, Staging
 from pipelines.states import HandoffState
+from tests.fakes import eventually
 from transport.local import LocalTransport
 from transport.pool_base import host_array
 from transport.pools import open_pool
@@ -45,10 +63,17 @@ class World:
 
 
 async def make_world(
-    *, arena_bytes: int = 1 << 20, window_bytes: int = 1 << 20, algorithm: str = "xxh3_128"
+    *,
+    arena_bytes: int = 1 << 20,
+    window_bytes: int = 1 << 20,
+    algorithm: str = "xxh3_128",
+    landed: bool = True,
+    model: ModelSpec = MODEL,
+    part: Partition | None = None,
 ) -> World:
     t = LocalTransport()
-    dlay = decode_layout(MODEL, num_pages=NUM_PAGES, num_slots=4)
+    part = PART if part is None else part
+    dlay = decode_layout(model, num_pages=NUM_PAGES, num_slots=4)
     dec_pool = open_pool("torch:cpu", dlay.region_sizes)
     dec_pool.register(t)
     dec = PoolMemory(dlay, dec_pool)
@@ -64,7 +89,7 @@ async def make_world(
     )
     stages = {}
     for r in range(2):
-        lay = stage_layout(MODEL, PART, r, num_pages=NUM_PAGES, num_slots=4)
+        lay = stage_layout(model, part, r, num_pages=NUM_PAGES, num_slots=4)
         pool = open_pool("torch:cpu", lay.region_sizes)
         pool.register(t)
         stages[r] = PoolMemory(lay, pool)
@@ -76,7 +101,9 @@ async def make_world(
     staging = Staging(Arena(staging_pool.bases[0], 1 << 20), pool_array(staging_pool, 0))
     bus = EventBus()
     link = InProcessLink()
-    decode = DecodePipeline(dec.layout, t.local_target, "d", link, bus, memory=dec, landing=landing)
+    decode = DecodePipeline(
+        dec.layout, t.local_target, "d", link, bus, memory=dec, landing=landing if landed else None
+    )
     prefill = PrefillPipeline(
         {r: HostedStage(m.layout, m, m) for r, m in stages.items()},
         t,
@@ -89,6 +116,12 @@ async def make_world(
     w = World(decode, prefill, dec, stages, bus, landing, t)
     w._pools = [dec_pool, arena_pool, staging_pool, *(m.pool for m in stages.values())]  # type: ignore[attr-defined]
     return w
+
+
+def open_handoff(w: World, hid: str) -> Any:
+    """The prefill's open handoff `hid` (one decode here), or None."""
+    same = w.prefill._handoffs.with_id(hid)
+    return same[0] if same else None
 
 
 async def close_world(w: World) -> None:
@@ -295,7 +328,6 @@ async def test_a_segment_refused_twice_fails_the_handoff_and_touches_no_page() -
 
 async def test_a_forged_segment_changes_nothing(world: World) -> None:
     w = world
-    from pipelines.errors import ConflictError, InvalidInput
     from pipelines.messages import SegmentMsg
 
     await w.decode.create(HandoffRequest(id="s", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
@@ -320,3 +352,181 @@ async def test_a_forged_segment_changes_nothing(world: World) -> None:
             await w.decode.segment(SegmentMsg(**base, **fields))  # type: ignore[arg-type]
     after = [w.dec.region(i) for i in range(len(w.dec.layout.kv))]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+# ------------------------------------------------------------------ page-range readiness
+
+
+async def test_page_ranges_are_committed_as_each_one_is_signalled(world: World) -> None:
+    # Chunked prefill: each range of pages is committed before the next one is signalled, the
+    # slot comes with the last; a stage may end with a range of no pages.
+    w = world
+    src, dst = [3, 4, 9, 10, 11, 20, 21], [10, 11, 2, 20, 21, 5, 6]
+    commits: list[SegmentCommitted] = []
+    finals: list[StageTransferred] = []
+    w.bus.add_listener(lambda e: commits.append(e) if isinstance(e, SegmentCommitted) else None)
+    w.bus.add_listener(
+        lambda e: finals.append(e) if isinstance(e, StageTransferred) and e.final else None
+    )
+    await w.decode.create(HandoffRequest(id="c", prefill=["p"], dst_pages=dst, dst_slot=1))
+    expected = {r: w.landing.expected("c", r) for r in (0, 1)}
+    for rank, cuts in ((0, [0, 3, 5, 7]), (1, [0, 7, 7])):
+        for i, (a, b) in enumerate(itertools.pairwise(cuts)):
+            last = i == len(cuts) - 2
+
+            def of_stage(rank: int = rank) -> int:
+                return len([e for e in commits if e.pp_rank == rank])
+
+            seen = of_stage()
+            w.prefill.ready("c", rank, src[a:b], 2 if last else None, pages_from=a, last_pages=last)
+            if b > a:  # this range's bytes reach the decode's pages before the next is sent
+                await eventually(
+                    lambda seen=seen: of_stage() > seen,  # type: ignore[misc]
+                    what=f"a commit of stage {rank} pages {a}:{b}",
+                )
+                assert w.decode.get("c").state != HandoffState.COMPLETED or last
+    assert await wait_released(w, "c") == HandoffState.COMPLETED
+    assert_landed(w, src, dst, 2, 1)
+    for rank in (0, 1):
+        mine = [e for e in commits if e.pp_rank == rank]
+        assert sum(e.bytes for e in mine) == expected[rank]
+    assert len([e for e in commits if e.pp_rank == 0]) >= 3
+    # One final transfer per stage, the zero-page end of stage 1 included.
+    assert sorted(e.pp_rank for e in finals) == [0, 1]
+    assert w.landing.arena.stats.used_bytes == 0
+
+
+async def test_page_ranges_signalled_before_the_destination_land_once_it_comes(
+    world: World,
+) -> None:
+    w = world
+    src, dst = [1, 2, 3, 4], [9, 8, 7, 6]
+    for rank in (0, 1):
+        w.prefill.ready("early", rank, src[:1], None, pages_from=0, last_pages=False)
+        w.prefill.ready("early", rank, src[1:], 0, pages_from=1, last_pages=True)
+    await w.decode.create(HandoffRequest(id="early", prefill=["p"], dst_pages=dst, dst_slot=3))
+    assert await wait_released(w, "early") == HandoffState.COMPLETED
+    assert_landed(w, src, dst, 0, 3)
+
+
+async def test_ranges_beyond_the_decode_pages_fail_the_stage_naming_the_field(
+    world: World,
+) -> None:
+    # Signalled before the destination said how many pages there are: the stage worker checks
+    # when it comes, and the handoff fails naming the field (no page of it is committed).
+    w = world
+    before = [w.dec.region(i).copy() for i in range(len(w.dec.layout.kv))]
+    w.prefill.ready("over", 0, [1, 2, 3], 0, pages_from=0, last_pages=True)
+    w.prefill.ready("over", 1, [1, 2, 3], 0, pages_from=0, last_pages=True)
+    await w.decode.create(HandoffRequest(id="over", prefill=["p"], dst_pages=[4, 5], dst_slot=0))
+    assert await wait_released(w, "over") == HandoffState.FAILED
+    error = w.decode.get("over").error
+    assert error is not None and error.context.get("field") == "src_pages", error
+    after = [w.dec.region(i) for i in range(len(w.dec.layout.kv))]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+async def test_bad_page_range_signals_are_refused_naming_the_field_and_change_nothing(
+    world: World,
+) -> None:
+    w = world
+    src, dst = [3, 4, 5, 6], [1, 2, 7, 8]
+    await w.decode.create(HandoffRequest(id="b", prefill=["p"], dst_pages=dst, dst_slot=0))
+    await eventually(lambda: open_handoff(w, "b") is not None, what="the destination")
+    await eventually(
+        lambda: open_handoff(w, "b").known_destination is not None, what="the destination"
+    )
+    w.prefill.ready("b", 0, src[:2], None, pages_from=0, last_pages=False)
+    inp = open_handoff(w, "b").inputs[0]
+    cases: list[tuple[type[KVHandoffError], dict[str, object], str]] = [
+        (InvalidInput, dict(src_pages=src[3:], pages_from=3, last_pages=True), "pages_from"),
+        (InvalidInput, dict(src_pages=src[1:], pages_from=1, last_pages=True), "pages_from"),
+        (InvalidInput, dict(src_pages=src[2:], pages_from=-1, last_pages=True), "pages_from"),
+        (InvalidInput, dict(src_pages=src[2:], last_pages=True), "pages_from"),
+        (InvalidInput, dict(src_pages=src[2:], pages_from=2), "last_pages"),
+        (
+            InvalidInput,
+            dict(src_pages=src[2:3], slot=0, pages_from=2, last_pages=True),
+            "last_pages",
+        ),
+        (InvalidInput, dict(src_pages=[*src[2:], 9], pages_from=2, last_pages=False), "src_pages"),
+        (InvalidInput, dict(src_pages=None, pages_from=2, last_pages=False), "src_pages"),
+        (PlanError, dict(src_pages=[7, NUM_PAGES], pages_from=2, last_pages=False), "src_pages[1]"),
+        (
+            InvalidInput,
+            dict(src_pages=src[2:3], slot=0, pages_from=2, last_pages=False),
+            "src_slot",
+        ),
+        (PlanError, dict(src_pages=src[2:], pages_from=2, last_pages=True), "src_slot"),
+        (
+            InvalidInput,
+            dict(src_pages=src[2:], layers=[0], pages_from=2, last_pages=False),
+            "layers",
+        ),
+        (InvalidInput, dict(src_pages=src), "pages_from"),  # by layer after a range
+    ]
+    for exc, args, field in cases:
+        kwargs = dict(args)
+        pages, slot = kwargs.pop("src_pages"), kwargs.pop("slot", None)
+        with pytest.raises(exc) as err:
+            w.prefill.ready("b", 0, pages, slot, **kwargs)  # type: ignore[arg-type]
+        assert err.value.context["field"] == field, (args, err.value)
+        assert inp.src_pages.tolist() == src[:2] and not inp.ended  # nothing changed
+    # A stage signalled by layer takes no range.
+    w.prefill.ready("b", 1, src, 0)
+    with pytest.raises(InvalidInput) as err:
+        w.prefill.ready("b", 1, src[:1], None, pages_from=0, last_pages=False)
+    assert err.value.context["field"] == "pages_from"
+    # The right ranges still land the handoff.
+    w.prefill.ready("b", 0, src[2:], 0, pages_from=2, last_pages=True)
+    assert await wait_released(w, "b") == HandoffState.COMPLETED
+    assert_landed(w, src, dst, 0, 0)
+    # After the end: its last range was signalled, or (once closed) the handoff is finished.
+    with pytest.raises((InvalidInput, ConflictError)):
+        w.prefill.ready("b", 0, [], 0, pages_from=4, last_pages=True)
+
+
+async def test_direct_mode_sends_a_ranged_stage_whole_once_its_last_range_is_in() -> None:
+    w = await make_world(landed=False)
+    try:
+        src, dst = [3, 4, 9, 10, 11], [10, 11, 2, 20, 21]
+        await w.decode.create(HandoffRequest(id="d", prefill=["p"], dst_pages=dst, dst_slot=1))
+        for rank in (0, 1):
+            w.prefill.ready("d", rank, src[:2], None, pages_from=0, last_pages=False)
+        await asyncio.sleep(0.05)
+        assert open_handoff(w, "d").bytes_sent == 0  # nothing moves before the last range
+        for rank in (0, 1):
+            w.prefill.ready("d", rank, src[2:], 2, pages_from=2, last_pages=True)
+        assert await wait_released(w, "d") == HandoffState.COMPLETED
+        assert_landed(w, src, dst, 2, 1)
+    finally:
+        await close_world(w)
+
+
+async def test_a_stage_without_state_ends_with_a_range_of_no_pages() -> None:
+    # Dense layers, no slot: every page is committed before the last range says the stage is
+    # over; its arrival is an empty last notice, still reported as the stage's final transfer.
+    model = dense_mha(num_layers=4, scale=64, page_size=4)
+    w = await make_world(model=model, part=partition_layers(4, 2))
+    try:
+        finals: list[StageTransferred] = []
+        w.bus.add_listener(
+            lambda e: finals.append(e) if isinstance(e, StageTransferred) and e.final else None
+        )
+        src, dst = [5, 6, 7], [1, 2, 3]
+        await w.decode.create(HandoffRequest(id="z", prefill=["p"], dst_pages=dst))
+        for rank in (0, 1):
+            w.prefill.ready("z", rank, src, None, pages_from=0, last_pages=False)
+        await eventually(
+            lambda: all(w.landing.committed("z", r) == w.landing.expected("z", r) for r in (0, 1)),
+            what="every page committed",
+        )
+        assert w.decode.get("z").state != HandoffState.COMPLETED  # the last range is to come
+        for rank in (0, 1):
+            w.prefill.ready("z", rank, [], None, pages_from=3, last_pages=True)
+        assert await wait_released(w, "z") == HandoffState.COMPLETED
+        assert_landed(w, src, dst, 0, 0)
+        assert sorted(e.pp_rank for e in finals) == [0, 1]
+        assert all(e.bytes == 0 for e in finals)
+    finally:
+        await close_world(w)

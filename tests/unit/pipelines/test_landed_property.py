@@ -245,6 +245,10 @@ actions = st.one_of(
         st.sampled_from([0.05, 0.2, 2.0]),
     ),
     st.tuples(st.just("ready"), handoff_ids, st.sampled_from([0, 1, None])),
+    # Chunked prefill: the stage's pages in two ranges (the slot with the second), split here.
+    st.tuples(
+        st.just("ready_pages"), handoff_ids, st.sampled_from([0, 1, None]), st.integers(0, 3)
+    ),
     st.tuples(st.just("abort"), handoff_ids),
     st.tuples(st.just("peer_lost")),
     st.tuples(st.just("deliver")),
@@ -266,6 +270,9 @@ async def play(script: list[tuple[object, ...]], seed: int) -> Rig:
             case ("ready", str(hid), rank):
                 for k in (0, 1) if rank is None else (rank,):
                     tasks.append(asyncio.ensure_future(_ready(r, hid, int(k))))  # type: ignore[call-overload]
+            case ("ready_pages", str(hid), rank, int(cut)):
+                for k in (0, 1) if rank is None else (rank,):
+                    tasks.append(asyncio.ensure_future(_ready_pages(r, hid, int(k), cut)))  # type: ignore[call-overload]
             case ("abort", str(hid)):
                 if hid in r.decode._handoffs:
                     tasks.append(asyncio.ensure_future(r.decode.abort(hid)))
@@ -300,6 +307,18 @@ async def _ready(r: Rig, hid: str, rank: int) -> None:
     # A refused signal (the handoff already ended here) is part of the game.
     with contextlib.suppress(KVHandoffError):
         r.prefill.ready(hid, rank, SRC_PAGES[:n], SRC_SLOT)
+
+
+async def _ready_pages(r: Rig, hid: str, rank: int, cut: int) -> None:
+    await asyncio.sleep(0)
+    h = r.decode._handoffs.get(hid)
+    n = 1 if h is None else int(h.dst_pages.shape[0])
+    cut = min(cut, n)
+    with contextlib.suppress(KVHandoffError):
+        r.prefill.ready(hid, rank, SRC_PAGES[:cut], None, pages_from=0, last_pages=False)
+        await asyncio.sleep(0)  # the first range's segment may be cut and sent meanwhile
+        await asyncio.sleep(0)
+        r.prefill.ready(hid, rank, SRC_PAGES[cut:n], SRC_SLOT, pages_from=cut, last_pages=True)
 
 
 @settings(

@@ -76,6 +76,94 @@ def test_the_packer_cuts_ready_rows_to_the_budget_and_covers_everything_once() -
     assert len(covered) == p.num_kv_pairs * 5 + p.num_state_pairs
 
 
+def cells_of(seg: Pieces) -> set[tuple[int, int]]:
+    return {
+        (r, x)
+        for r, s, e in zip(seg.rows.tolist(), seg.starts.tolist(), seg.ends.tolist())
+        for x in range(s, e)
+    }
+
+
+def test_page_ranges_are_cut_as_they_come_and_the_state_only_with_the_last() -> None:
+    p = pairing_of_stage()
+    k = p.num_kv_pairs
+    packer = StagePacker(p, num_pages=6, has_slot=True, ranged=True)
+    assert packer.ready_bytes == 0 and not packer.done
+    packer.make_pages_ready(2, last=False)  # pages 0:2 of every KV row, no state yet
+    assert packer.ready_bytes == int(p.kv_item_len.sum()) * 2
+    seg = packer.next_segment(1 << 30)
+    assert seg is not None and (seg.rows < k).all()
+    assert cells_of(seg) == {(r, x) for r in range(k) for x in (0, 1)}
+    assert packer.next_segment(1 << 30) is None and not packer.done
+    covered = cells_of(seg)
+    total = int(piece_bytes(p, seg).sum())
+    packer.make_pages_ready(5, last=False)
+    item = int(p.kv_item_len[0])
+    seg = packer.next_segment(item)  # one page of the first row: a piece from position 2
+    assert seg is not None and (seg.rows.tolist(), seg.starts.tolist(), seg.ends.tolist()) == (
+        [0],
+        [2],
+        [3],
+    )
+    packer.make_pages_ready(6, last=True)  # the last range brings the slot
+    while (nxt := packer.next_segment(16 * 1024)) is not None or seg is not None:
+        if seg is not None:
+            assert not cells_of(seg) & covered
+            covered |= cells_of(seg)
+            total += int(piece_bytes(p, seg).sum())
+        seg = nxt
+    assert packer.done and packer.ready_bytes == 0
+    assert total == packer.total_bytes
+    assert covered == {(r, x) for r in range(k) for x in range(6)} | {
+        (k + j, 0) for j in range(p.num_state_pairs)
+    }
+
+
+def test_ranges_signalled_before_packing_grow_one_piece_per_row() -> None:
+    p = pairing_of_stage()
+    packer = StagePacker(p, num_pages=4, has_slot=False, ranged=True)
+    packer.make_pages_ready(1, last=False)
+    packer.make_pages_ready(3, last=False)
+    seg = packer.next_segment(1 << 30)
+    assert seg is not None and len(seg) == p.num_kv_pairs
+    assert set(seg.starts.tolist()) == {0} and set(seg.ends.tolist()) == {3}
+
+
+def test_a_ranged_stage_is_done_only_once_its_last_range_was_signalled() -> None:
+    # Every page packed is not the end: a zero-page last range (SGLang's last chunk may hold
+    # none) still has to come, so the stage's last notice waits for it.
+    p = pairing_of_stage()
+    packer = StagePacker(p, num_pages=3, has_slot=False, ranged=True)
+    packer.make_pages_ready(3, last=False)
+    assert packer.next_segment(1 << 30) is not None
+    assert packer.ready_bytes == 0 and not packer.done
+    packer.make_pages_ready(3, last=True)
+    assert packer.done and packer.next_segment(1 << 30) is None
+
+
+def test_bad_page_ranges_are_refused_naming_the_field_and_change_nothing() -> None:
+    p = pairing_of_stage()
+    packer = StagePacker(p, num_pages=4, has_slot=True, ranged=True)
+    packer.make_pages_ready(2, last=False)
+    for end, last, field in (
+        (5, False, "src_pages"),  # past the decode's 4 pages
+        (1, False, "src_pages"),  # behind what is ready already
+        (3, True, "last_pages"),  # a last range short of the decode's pages
+    ):
+        with pytest.raises(InvalidInput) as err:
+            packer.make_pages_ready(end, last=last, pp_rank=1)
+        assert err.value.context["field"] == field
+        assert packer.ready_bytes == int(p.kv_item_len.sum()) * 2 and not packer.done
+    packer.make_pages_ready(4, last=True)
+    with pytest.raises(InvalidInput) as err:  # nothing after the last range
+        packer.make_pages_ready(4, last=True)
+    assert err.value.context["field"] == "pages_from"
+    by_layer = StagePacker(p, num_pages=4, has_slot=True)
+    with pytest.raises(InvalidInput) as err:
+        by_layer.make_pages_ready(2, last=False)
+    assert err.value.context["field"] == "pages_from"
+
+
 @pytest.mark.parametrize("kind", ["numpy", "torch", "torch-kernels"])
 def test_gather_then_scatter_moves_exactly_the_pieces(
     kind: str, monkeypatch: pytest.MonkeyPatch

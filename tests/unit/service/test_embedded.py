@@ -195,6 +195,54 @@ def test_stage_ready_validates_like_the_http_route(pair: Pair) -> None:
         svc.stage_ready("r2", 0, [1, 3], 0)
 
 
+def test_page_ranges_validate_like_the_http_route_and_land_every_byte(pair: Pair) -> None:
+    svc = pair.prefill
+    url = f"{svc.url}/v1/handoffs/r6/stages/0/ready"
+    svc.stage_ready("r6", 0, [3], pages_from=0, last_pages=False)
+    for body, field in (
+        ({"src_pages": [4], "pages_from": 2, "last_pages": False}, "pages_from"),  # a gap
+        ({"src_pages": [4], "pages_from": 1}, "last_pages"),
+        ({"src_pages": [4], "last_pages": True, "src_slot": 2}, "pages_from"),
+        ({"src_pages": [4], "pages_from": -1, "last_pages": False}, "pages_from"),
+        ({"src_pages": [4], "pages_from": 1, "last_pages": "yes"}, "last_pages"),
+        ({"src_pages": [4], "pages_from": 1, "last_pages": False, "src_slot": 2}, "src_slot"),
+    ):
+        status, problem = http("POST", url, body)
+        assert (status, problem["field"]) == (422, field), (body, problem)
+    for kwargs, field in (
+        ({"pages_from": -1, "last_pages": False}, "pages_from"),
+        ({"pages_from": 1, "last_pages": 1}, "last_pages"),
+        ({"pages_from": 0, "last_pages": False}, "pages_from"),  # overlaps the first range
+    ):
+        with pytest.raises(InvalidInput) as caught:
+            svc.stage_ready("r6", 0, [4], **kwargs)  # type: ignore[arg-type]
+        assert caught.value.context["field"] == field, kwargs
+    # The ranges that follow still land the request: HTTP and embedded alike.
+    status, ack = http("POST", url, {"src_pages": [4, 9], "pages_from": 1, "last_pages": False})
+    assert (status, ack["pages_from"], ack["last_pages"]) == (202, 1, False)
+    svc.stage_ready("r6", 0, [], 2, pages_from=3, last_pages=True)
+    svc.stage_ready("r6", 1, np.array([3, 4]), pages_from=0, last_pages=False)
+    svc.stage_ready("r6", 1, [9], 2, pages_from=2, last_pages=True)
+    src_pages, dst_pages, src_slot, dst_slot = [3, 4, 9], [10, 11, 2], 2, 1
+    pair.decode.expect_handoff(HandoffRequest(id="r6", dst_pages=dst_pages, dst_slot=dst_slot))
+    done = pair.decode.wait("r6", 15.0, released=True)
+    assert done.state == HandoffState.COMPLETED, done.error
+    dec = embedded_layout(pair.decode_config, 0)
+    kv_index = {(e.layer_id, e.group): i for i, e in enumerate(dec.kv)}
+    state_index = {(s.layer_id, s.kind): len(dec.kv) + j for j, s in enumerate(dec.state)}
+    for rank, tensors in pair.src.items():
+        lay = embedded_layout(pair.prefill_config, rank)
+        for i, e in enumerate(lay.kv):
+            j = kv_index[(e.layer_id, e.group)]
+            landed = rows(pair.dst[0][j], e.item_len, dec.kv[j].num_items)
+            sent = rows(tensors[i], e.item_len, e.num_items)[src_pages]
+            assert np.array_equal(sent, landed[dst_pages]), (e.layer_id, e.group)
+        for i, st in enumerate(lay.state):
+            j = state_index[(st.layer_id, st.kind)]
+            sent = rows(tensors[len(lay.kv) + i], st.item_len, st.num_slots)[src_slot]
+            assert np.array_equal(sent, rows(pair.dst[0][j], st.item_len, st.num_slots)[dst_slot])
+
+
 def test_expect_handoff_validates_like_the_http_route(pair: Pair) -> None:
     svc = pair.decode
     bad = {"id": "r3", "dst_pages": [1, -1], "dst_slot": 0}

@@ -459,6 +459,8 @@ async def test_openapi_documents_the_handoff_routes_with_their_schemas(d: Deploy
         "src_slot",
         "layers",
         "decode_url",
+        "pages_from",
+        "last_pages",
     }
     assert "/v1/handoffs" not in prefill_doc["paths"]  # each role documents its own routes
 

@@ -1,0 +1,84 @@
+"""Page-range ready signals (chunked prefill): the checks one signal must pass before the
+prefill pipeline (`pipeline.py`, `PrefillPipeline.ready`) records it.
+
+A stage signalled by page range receives the request's pages range by range, each ready for
+every layer of the stage, in order without gaps or overlaps, the slot only with the last. Each
+check costs in proportion to the range: its own pages against the stage's pools, its position
+against the stage's ranges so far, its end against the decode's page count when the destination
+is known (otherwise the landed sender checks it when the destination comes, failing the stage
+naming the same field: `StagePacker.make_pages_ready`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+
+from pipelines.errors import InvalidInput
+from pipelines.messages import DestinationMsg
+from pipelines.planning import validate_pages_for_layout
+from pipelines.prefill.handoff import I64, HostedStage, StageInput
+
+
+def check_range(
+    handoff_id: str,
+    pp_rank: int,
+    stage: HostedStage,
+    current: StageInput | None,
+    dest: DestinationMsg | None,
+    src_pages: Collection[int] | I64 | None,
+    src_slot: int | None,
+    layers: Collection[int] | None,
+    pages_from: int | None,
+    last_pages: bool | None,
+) -> tuple[I64, int, int, bool]:
+    """The range's pages, its start and end positions and whether it is the last; raises
+    InvalidInput (PlanError for a page outside the pool) naming the field."""
+
+    def refuse(field: str, why: str) -> InvalidInput:
+        return InvalidInput(
+            f"stage {pp_rank} of handoff {handoff_id!r}: {why}", field=field, pp_rank=pp_rank
+        )
+
+    if pages_from is None:
+        raise refuse("pages_from", "last_pages belongs to a page-range signal: give pages_from")
+    if last_pages is None:
+        raise refuse("last_pages", "a page-range signal says whether it is the last")
+    if pages_from < 0:
+        raise refuse("pages_from", f"pages_from = {pages_from} is negative")
+    if layers is not None:
+        raise refuse("layers", "a page range is ready for every layer: leave layers out")
+    if src_pages is None:
+        raise refuse("src_pages", "a page-range signal carries its pages (the last may be [])")
+    if src_slot is not None and not last_pages:
+        raise refuse("src_slot", "the slot comes with the last page range only")
+    if current is not None and not current.ranged:
+        raise refuse("pages_from", "it is signalled by layer, not by page range")
+    if current is not None and current.ended:
+        raise refuse("pages_from", "its last page range was already signalled")
+    at = 0 if current is None else int(current.src_pages.shape[0])
+    if pages_from != at:
+        raise refuse(
+            "pages_from",
+            f"pages_from = {pages_from}, but the next range starts at request position {at} "
+            "(ranges come in order, without gaps or overlaps)",
+        )
+    pages = validate_pages_for_layout(
+        stage.layout,
+        np.asarray(src_pages),
+        src_slot,
+        side="source",
+        unique=False,
+        with_slot=last_pages,
+    )
+    end = at + int(pages.shape[0])
+    if dest is not None and pp_rank in dest.pp_ranks:
+        n = len(dest.dst_pages)
+        if end > n:
+            raise refuse("src_pages", f"the range ends at position {end}; the decode has {n} pages")
+        if last_pages and end != n:
+            raise refuse(
+                "last_pages", f"the last range ends at position {end}; the decode has {n} pages"
+            )
+    return pages, at, end, last_pages
