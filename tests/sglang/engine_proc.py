@@ -113,7 +113,7 @@ def main() -> None:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()  # as every SGLang process does first: the entry point registers kvhandoff
-    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
     from sglang.srt.disaggregation.utils import (
         DisaggregationMode,
         KVClassType,
@@ -252,7 +252,10 @@ def main() -> None:
             time.sleep(0.05)
         receiver = get_kv_class(backend, KVClassType.RECEIVER)(manager, addr, room)
         receiver.init(0)
-        receiver.send_metadata(np.array(pages, dtype=np.int32), aux_index, None)
+        destination = KVTransferDestination(cmd.get("destination", "device"))
+        receiver.send_metadata(
+            np.array(pages, dtype=np.int32), aux_index, None, destination=destination
+        )
         if cmd.get("abort_after_s") is not None:
             until(receiver, terminal, cmd["abort_after_s"], seen)
             receiver.abort()

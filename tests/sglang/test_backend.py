@@ -257,6 +257,23 @@ def test_each_send_moves_its_own_pages_before_the_last_chunk_is_sent(
     verify(d, room, src, dst, sa, da)
 
 
+def test_a_host_destination_fails_its_request_by_name_and_the_scheduler_goes_on(
+    deployment: Deployment,
+) -> None:
+    # SGLang's host-offload destinations are not supported: the request fails with the reason
+    # (no exception into the decode scheduler), and the next request lands as usual.
+    d = deployment
+    d.decode.ask({"op": "request", "room": 7401, "pages": [3], "aux": 1, "destination": "host"})
+    decode = d.decode.answer()
+    assert decode["final"] == KVPoll.Failed, decode
+    assert "KV destination HOST is not supported" in decode["error"], decode
+    room, src, dst, (sa, da) = 7402, [5, 6], [12, 13], (3, 4)
+    decode, prefill = run(d, room, src, dst, sa, da, [2])
+    assert decode["final"] == KVPoll.Success, decode
+    assert all(p["final"] == KVPoll.Success for p in prefill), prefill
+    verify(d, room, src, dst, sa, da)
+
+
 def test_decode_abort_fails_both_sides_with_the_reason(deployment: Deployment) -> None:
     d = deployment
     decode, prefill = run(

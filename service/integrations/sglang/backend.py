@@ -402,7 +402,14 @@ class KVHandoffReceiver(CommonKVReceiver):
             mgr.fail(room, f"Could not fetch prefill parallel info from {self.bootstrap_addr}")
             return
         if destination != KVTransferDestination.DEVICE:
-            raise NotImplementedError("Host KV destinations are not supported")
+            # Refused as the other unsupported features are: this request fails with the
+            # reason, the scheduler goes on (an exception here would take it down).
+            mgr.fail(
+                room,
+                f"kvhandoff: KV destination {destination.name} is not supported "
+                "(device destinations only)",
+            )
+            return
         if decode_prefix_len:
             mgr.fail(
                 room, "kvhandoff: decode prefix reuse (decode_prefix_len > 0) is not supported yet"
