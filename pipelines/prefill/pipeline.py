@@ -317,7 +317,12 @@ class PrefillPipeline:
                 field="prefill_incarnation",
             )
         scope = canonical_url(msg.decode_url)
-        self._refuse_finished(scope, msg.handoff_id)
+        outcome = self._finished.claim(scope, msg.handoff_id)
+        if outcome is not None:
+            raise ConflictError(
+                f"handoff {msg.handoff_id!r} already {outcome} on this prefill service",
+                field="handoff_id",
+            )
         missing = [r for r in msg.pp_ranks if r not in self.stages]
         if missing:
             raise NotFoundError(

@@ -80,14 +80,35 @@ class Finished:
 
     def __init__(self, limit: int = MAX_FINISHED) -> None:
         self._outcomes: OrderedDict[Key, str] = OrderedDict()
+        #: Ids of handoffs that ended unscoped (given up or aborted before any destination or
+        #: signal named their decode): the first destination of the id is theirs, as it would
+        #: have been had they still been open, and is refused.
+        self._unclaimed: OrderedDict[str, str] = OrderedDict()
         self._limit = limit
 
     def remember(self, scope: str | None, handoff_id: str, outcome: str) -> None:
         for key in {(scope, handoff_id), (None, handoff_id)}:
             self._outcomes[key] = outcome
             self._outcomes.move_to_end(key)
+        if scope is None:
+            self._unclaimed[handoff_id] = outcome
+            self._unclaimed.move_to_end(handoff_id)
+        else:
+            self._unclaimed.pop(handoff_id, None)
         while len(self._outcomes) > self._limit:
             self._outcomes.popitem(last=False)
+        while len(self._unclaimed) > self._limit:
+            self._unclaimed.popitem(last=False)
 
     def outcome(self, scope: str | None, handoff_id: str) -> str | None:
         return self._outcomes.get((scope, handoff_id))
+
+    def claim(self, scope: str, handoff_id: str) -> str | None:
+        """The outcome a destination from decode `scope` meets: that decode's handoff of this
+        id ended, or one that ended unscoped takes this scope now (once)."""
+        outcome = self._outcomes.get((scope, handoff_id))
+        if outcome is None:
+            outcome = self._unclaimed.pop(handoff_id, None)
+            if outcome is not None:
+                self.remember(scope, handoff_id, outcome)
+        return outcome

@@ -371,6 +371,25 @@ async def test_a_prefill_aborted_while_it_waits_for_its_destination_reads_as_hav
     assert not w.prefill._handoffs.holds("w")
 
 
+async def test_a_prefill_given_up_before_its_destination_refuses_it_and_the_decode_fails(
+    world: World,
+) -> None:
+    """The engine gives up a request signalled ready without naming its decode, before the
+    destination came: that destination is refused (the handoff ended here) and the decode
+    fails the handoff at once. The ended handoff had been remembered unscoped only, so the
+    destination (scoped by its decode) opened a fresh handoff that waited for a ready signal
+    that never came, until the deadline (a race the embedded test lost about 2 runs in 3)."""
+    w = world
+    w.prefill.ready("g", 0, [1, 2], 0)  # names no decode: unscoped until a destination
+    await w.prefill.give_up("g", "client went away")
+    assert not w.prefill._handoffs.holds("g")
+    await w.decode.create(HandoffRequest(id="g", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
+    view = await asyncio.wait_for(w.decode.wait("g", 10), 5)
+    assert view.state == HandoffState.FAILED, view
+    assert view.error is not None and "already failed" in view.error.reason
+    assert not w.prefill._handoffs.holds("g")  # nothing was opened for the refused destination
+
+
 async def test_the_query_surface_answers_with_snapshots_that_do_not_follow_the_handoff(
     world: World,
 ) -> None:
