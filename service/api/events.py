@@ -29,6 +29,7 @@ from pipelines.events import (
     event_tag,
 )
 from service.http.app import CONFIG, ROUTES
+from service.http.egress import EGRESS
 from service.http.routing import RouteTable
 from service.runtime.roles import DECODE, RUNTIME
 from service.runtime.streams import (
@@ -168,6 +169,7 @@ class _Stream:
     async def write(self, data: bytes) -> None:
         """Write, or close the connection of a reader that stopped reading altogether (its
         handler would otherwise wait on the socket for ever)."""
+        await self.request.app[EGRESS].before()  # the events these frames tell of are on disk first
         try:
             async with asyncio.timeout(self.keepalive_s * STUCK_KEEPALIVES):
                 await self.response.write(data)

@@ -36,6 +36,7 @@ from pipelines.peercache import new_incarnation
 from service.config import Config
 from service.http.auth import Credentials, answer_middleware, auth_middleware, signer_for
 from service.http.client import PeerClient
+from service.http.egress import EGRESS, Egress
 from service.http.openapi import build_openapi
 from service.http.problems import (
     PROBLEM_CONTENT_TYPE,
@@ -353,7 +354,10 @@ async def _peer_client_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     async with aiohttp.ClientSession() as session:
         app[PEERS] = PeerClient(
-            session, signer=signer_for(config), timeout_s=config.peers.request_timeout_s
+            session,
+            signer=signer_for(config),
+            timeout_s=config.peers.request_timeout_s,
+            egress=app[EGRESS],
         )
         yield
 
@@ -379,6 +383,7 @@ def create_app(config: Config, *, extensions: Sequence[Extension] = ()) -> web.A
     app[_CREDENTIALS] = credentials
     app[ROUTES] = RouteTable()
     app[READINESS] = Readiness()
+    app[EGRESS] = Egress()
     app[_OPENAPI] = {}
     app.cleanup_ctx.append(_clock_ctx)
     app.cleanup_ctx.append(_peer_client_ctx)

@@ -28,6 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from service.config import AUTH_ROLES, Config
+from service.http.egress import EGRESS
 from service.http.problems import Forbidden, Replayed, StaleIncarnation, Unauthorized
 from service.http.routing import API_PREFIX, AuthRole, Route
 from service.http.signing import (
@@ -136,6 +137,7 @@ def answer_middleware(credentials: Credentials) -> Any:
     @web.middleware
     async def sign(request: web.Request, handler: Any) -> web.StreamResponse:
         response: web.StreamResponse = await handler(request)
+        await request.app[EGRESS].before()  # what the answer tells of is on disk before it goes out
         nonce = request.get(_ANSWER_NONCE)
         answers = credentials.answers
         signable = isinstance(response, web.Response) and not response.prepared

@@ -29,6 +29,7 @@ from pipelines.errors import KVHandoffError, PeerUnreachable
 from pipelines.peercache import MAX_PEERS, PeerCache
 from pipelines.urls import canonical_url
 from service.config import PeersConfig
+from service.http.egress import Egress
 from service.http.problems import PeerError, PeerTimeout, StaleIncarnation, error_from_problem
 from service.http.signing import NONCE_HEADER, AnswerRejected, Signer
 
@@ -75,9 +76,11 @@ class PeerClient:
         *,
         signer: Signer | None = None,
         timeout_s: float = _PEERS.request_timeout_s,
+        egress: Egress | None = None,
     ) -> None:
         self._session = session
         self._signer = signer
+        self._egress = egress
         self.timeout_s = timeout_s
         # Each peer's incarnation, as its last authenticated answer named it (bounded).
         self._incarnations: PeerCache[str] = PeerCache(MAX_PEERS)
@@ -179,6 +182,8 @@ class PeerClient:
                 )
             )
         timeout = aiohttp.ClientTimeout(total=self.timeout_s if timeout_s is None else timeout_s)
+        if self._egress is not None:
+            await self._egress.before()  # what this request may tell of is on disk first
         try:
             async with self._session.request(
                 method,

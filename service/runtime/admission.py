@@ -66,6 +66,8 @@ async def create(runtime: DecodeRuntime, request: HandoffRequest) -> tuple[Hando
             )
         await persistence.check_callback(request.callback_url)
     view, created = await runtime.pipeline.create(request)
+    if created and runtime.persistence is not None:
+        await runtime.persistence.db.committed()  # the group commit of this turn of the loop
     if created and runtime.persistence is not None and runtime.persistence.broken is not None:
         # Its `handoff.created` was published, and the record of it (or one just before) did
         # not reach the disk: undo it rather than promise what a crash would forget.

@@ -104,6 +104,10 @@ class Outbox:
             )
 
     @property
+    def db(self) -> Database:
+        return self._db
+
+    @property
     def registered_count(self) -> int:
         """Endpoints registered through `POST /v1/webhooks` (not per-handoff callbacks)."""
         return len(self._registered)

@@ -1,14 +1,16 @@
 """Records and webhooks wired into a decode service: the database, the bus listener, restore.
 
-`open_persistence(config, decode, bus)` (entered by the decode role's assembly,
+`open_persistence(config, decode, bus, egress)` (entered by the decode role's assembly,
 `service.runtime.roles`, when `records.persist` is on), once the decode pipeline exists:
 
 1. opens `server.state_dir/decode.sqlite3` (`service.runtime.database`);
 2. adds one synchronous bus listener that, for each event, writes its handoff record
-   (`service.runtime.records`) and its webhook deliveries (`service.runtime.outbox`) in one
-   transaction — committed inside `EventBus.publish`, so before any route answers with the new
-   state and before any SSE subscriber sees the event — then hands the deliveries to the
-   dispatcher (`service.runtime.webhooks`);
+   (`service.runtime.records`) and its webhook deliveries (`service.runtime.outbox`) inside
+   `EventBus.publish`, into the group commit (`Database.grouped`): committed on the loop's
+   next turn or, sooner, before any answer, peer request, SSE frame or webhook leaves the
+   process (`service.http.egress`), so no one learns of a state before it is on disk — then
+   hands the deliveries to the dispatcher (`service.runtime.webhooks`), which sends them once
+   committed;
 3. ends what an earlier process left in flight: each such handoff fails with
    `service_restarted` (a published event: its record, its webhooks), and every page a handoff
    may still be written through stays fenced until its deadline plus the engine's timeout;
@@ -34,7 +36,7 @@ from aiohttp import web
 
 from pipelines.decode import DecodePipeline
 from pipelines.decode.views import HandoffView, HeldHandoff
-from pipelines.errors import ConflictError
+from pipelines.errors import ConflictError, NotFoundError
 from pipelines.events import (
     TERMINAL_EVENTS,
     Event,
@@ -46,6 +48,7 @@ from pipelines.events import (
     event_tag,
 )
 from service.config import Config, ConfigError
+from service.http.egress import Egress
 from service.runtime.database import FILE_NAME, Database
 from service.runtime.outbox import Outbox
 from service.runtime.records import HandoffRecords
@@ -70,6 +73,12 @@ class Persistence:
     clock: Callable[[], float]
     #: Why the last write failed (disk full, I/O error); /readyz fails while set.
     broken: str | None = None
+
+    def commit_failed(self, exc: Exception) -> None:
+        """A group's commit failed (disk full, I/O error): its writes are gone, so the service
+        stops being ready — no router is told about state that is not on disk again."""
+        self.broken = f"{type(exc).__name__}: {exc}"
+        log.error("committing handoff records failed: %s", self.broken, exc_info=exc)
 
     async def check_callback(self, url: str) -> None:
         """Refuse (naming `callback_url`) a handoff's callback the service may not call."""
@@ -96,7 +105,7 @@ def persistence_of(request: web.Request) -> Persistence:
 
 @contextlib.asynccontextmanager
 async def open_persistence(
-    config: Config, decode: DecodePipeline, bus: EventBus
+    config: Config, decode: DecodePipeline, bus: EventBus, egress: Egress
 ) -> AsyncIterator[Persistence]:
     """The decode's records and webhooks over `decode` and its `bus`, restored, until the
     `async with` ends (the caller closes the pipeline before that, so its shutdown aborts are
@@ -109,6 +118,8 @@ async def open_persistence(
         raise ConfigError("server.state_dir", f"cannot open {path}: {exc}") from None
     try:
         persistence = _persistence(config, db)
+        db.on_commit_error = persistence.commit_failed
+        egress.add(db.committed)
         bus.add_listener(_Journal(persistence, decode).on_event)
         _restore(persistence, decode, bus.publish, config)
         await persistence.dispatcher.start()
@@ -122,6 +133,8 @@ async def open_persistence(
             await persistence.dispatcher.close()
             persistence.outbox.flush()
     finally:
+        with contextlib.suppress(ValueError):
+            egress.remove(db.committed)
         db.close()
 
 
@@ -163,46 +176,55 @@ class _Journal:
         tag = event_tag(event)
         callback = h.request.callback_url if h is not None else None
         wanted = outbox.wanted(event, callback)
-        if not wanted:
-            # At most one statement (a record): SQLite's autocommit is its own transaction,
-            # without the two extra round trips of BEGIN and COMMIT.
-            self._record(self._p.db.conn, event, tag, h)
+        # Joins the group commit (`Database.grouped`): on disk before anything leaves the
+        # process, and the deliveries are sent only then (`Dispatcher.add`).
+        db = self._p.db
+        if not wanted and h is not None and db.open_group():
+            # Only notes, written when the group commits: no statement, no savepoint.
+            self._record(db.conn, event, tag, h)
             return
-        with self._p.db.transaction() as tx:
+        with db.grouped() as tx:
             self._record(tx, event, tag, h)
-            deliveries = outbox.enqueue(tx, event, callback)
-        self._p.dispatcher.add(deliveries)
+            deliveries = outbox.enqueue(tx, event, callback) if wanted else []
+        if deliveries:
+            self._p.dispatcher.add(deliveries)
 
     def _record(
         self, tx: sqlite3.Connection, event: Event, tag: str, h: HeldHandoff | None
     ) -> None:
+        """Note the event's record (written merged with the handoff's other notes when the
+        group commits: `HandoffRecords.apply`)."""
         records = self._p.records
         decode = self._decode
         if isinstance(event, HandoffCreated) and h is not None:
-            records.accepted(
-                tx,
-                h.request,
-                h.created_at,
-                h.deadline_at,
-                h.seq,
-                decode.get(h.request.id, timeline=False),
+            records.note_accepted(
+                h.request, h.created_at, h.deadline_at, h.seq, self._progress(h.request.id)
             )
         elif isinstance(event, StageArrived) and h is not None:
             # A restart-failed record keeps its stages and bytes.
-            records.progress(tx, decode.get(h.request.id, timeline=False))
+            records.note_progress(h.request.id, self._progress(h.request.id))
         elif isinstance(event, TERMINAL_EVENTS):
             if h is not None:
                 # Published before the pipeline appends it to the handoff's timeline.
                 now = decode.get(h.request.id)
-                view: HandoffView | None = msgspec.structs.replace(
-                    now, timeline=[*now.timeline, event]
-                )
+                records.note_finished(msgspec.structs.replace(now, timeline=[*now.timeline, event]))
             else:
                 view = records.restored_view(tx, event)
-            if view is not None:
-                records.finished(tx, view)
+                if view is not None:
+                    records.finished(tx, view)
         elif isinstance(event, HandoffReleased):
-            records.released(tx, event)
+            records.note_released(event)
+
+    def _progress(self, handoff_id: str) -> Callable[[], HandoffView | None]:
+        """The handoff's view when its record is written, if it is still held then."""
+
+        def view() -> HandoffView | None:
+            try:
+                return self._decode.get(handoff_id, timeline=False)
+            except NotFoundError:
+                return None
+
+        return view
 
 
 def _restore(

@@ -16,6 +16,7 @@ after which no write of the old prefill stages can land.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -64,10 +65,78 @@ class Interrupted:
     deadline_at: float
 
 
+@dataclass
+class _Pending:
+    """What the bus listener noted of one handoff since the last write (`HandoffRecords.note_*`)."""
+
+    accepted: tuple[HandoffRequest, float, float, int | None] | None = None
+    #: Its view now, for its progress (stages, bytes); None once it is no longer held.
+    progress: Callable[[], HandoffView | None] | None = None
+    final: HandoffView | None = None
+    released: HandoffReleased | None = None
+
+
 class HandoffRecords:
+    """A handoff's record is noted as its events come (`note_*`) and written once, with the
+    latest of them, when the group commit runs (`apply`, a `Database.before_commit` hook) or
+    before any read: a one-page handoff whose arrival, outcome and release come in one request
+    is one INSERT and one UPDATE, not four statements that each rewrite its view."""
+
     def __init__(self, db: Database, *, grace_s: float) -> None:
         self._db = db
         self._grace_s = grace_s
+        self._pending: dict[str, _Pending] = {}
+        db.before_commit(self.apply)
+
+    # -- noted by the bus listener, written by `apply` -------------------------------------------
+
+    def note_accepted(
+        self,
+        request: HandoffRequest,
+        created_at: float,
+        deadline_at: float,
+        number: int | None,
+        progress: Callable[[], HandoffView | None],
+    ) -> None:
+        self._pending[request.id] = _Pending(
+            accepted=(request, created_at, deadline_at, number), progress=progress
+        )
+
+    def note_progress(self, handoff_id: str, progress: Callable[[], HandoffView | None]) -> None:
+        self._pending.setdefault(handoff_id, _Pending()).progress = progress
+
+    def note_finished(self, view: HandoffView) -> None:
+        self._pending.setdefault(view.id, _Pending()).final = view
+
+    def note_released(self, event: HandoffReleased) -> None:
+        self._pending.setdefault(event.handoff_id, _Pending()).released = event
+
+    def apply(self) -> None:
+        """Write what was noted, in the order noted, into the open transaction (or each as
+        its own, without one): the merged rows of each handoff."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        with self._db.transaction() as tx:
+            for handoff_id, p in pending.items():
+                self._write(tx, handoff_id, p)
+
+    def _write(self, tx: sqlite3.Connection, handoff_id: str, p: _Pending) -> None:
+        final = p.final
+        if final is not None and p.released is not None:
+            final = _with_release(final, p.released)
+        if p.accepted is not None:
+            request, created_at, deadline_at, number = p.accepted
+            progress = None if final is not None or p.progress is None else p.progress()
+            self.accepted(tx, request, created_at, deadline_at, number, progress)
+        elif final is None and p.progress is not None:
+            view = p.progress()
+            if view is not None:
+                self.progress(tx, view)
+        if final is not None:
+            self.finished(tx, final)
+        elif p.released is not None:
+            self.released(tx, p.released)
 
     # -- written by the bus listener, inside its transaction -----------------------------------
 
@@ -123,7 +192,7 @@ class HandoffRecords:
         # A completed handoff ended after every writer reported its bytes; a failed or aborted
         # one is announced before its writers stopped, so its pages stay unreleased until a
         # `handoff.released` event.
-        released = view.state == HandoffState.COMPLETED
+        released = view.state == HandoffState.COMPLETED or view.released
         tx.execute(
             "UPDATE handoffs SET state = ?, view = ?, finished_at = ?,"
             " released = MAX(released, ?) WHERE id = ?",
@@ -138,11 +207,7 @@ class HandoffRecords:
         if row is None or row[0] is None:
             tx.execute("UPDATE handoffs SET released = 1 WHERE id = ?", (event.handoff_id,))
             return
-        view = _view_decoder.decode(row[0])
-        if not any(isinstance(e, HandoffReleased) for e in view.timeline):
-            view = msgspec.structs.replace(
-                view, released=True, released_at=event.at, timeline=[*view.timeline, event]
-            )
+        view = _with_release(_view_decoder.decode(row[0]), event)
         tx.execute(
             "UPDATE handoffs SET released = 1, view = ? WHERE id = ?",
             (_encoder.encode(view), event.handoff_id),
@@ -151,6 +216,7 @@ class HandoffRecords:
     def restored_view(self, tx: sqlite3.Connection, event: Event) -> HandoffView | None:
         """The terminal view of a handoff this process does not hold (one an earlier process
         left in flight), built from its record and the terminal `event`."""
+        self.apply()
         row = tx.execute(
             "SELECT request, created_at, deadline_at, progress FROM handoffs"
             " WHERE id = ? AND state = ?",
@@ -197,6 +263,7 @@ class HandoffRecords:
 
     def find(self, handoff_id: str) -> ArchivedHandoff | None:
         """`HandoffArchive.find`: a finished handoff's request and final view."""
+        self.apply()
         row = self._db.conn.execute(
             "SELECT request, view FROM handoffs WHERE id = ? AND view IS NOT NULL", (handoff_id,)
         ).fetchone()
@@ -207,6 +274,7 @@ class HandoffRecords:
     def recent(self, limit: int) -> list[HandoffView]:
         """The final views of the `limit` most recently created finished records, oldest
         first (what the dashboard shows after a restart)."""
+        self.apply()
         rows = self._db.conn.execute(
             "SELECT view FROM handoffs WHERE view IS NOT NULL ORDER BY seq DESC LIMIT ?", (limit,)
         ).fetchall()
@@ -219,6 +287,7 @@ class HandoffRecords:
         in creation order, optionally of one `state`: a range read through an index, whatever
         the table holds (for `completed`, the state of most records, the read walks creation
         order and stops at the `limit`th match)."""
+        self.apply()
         where = "seq > ? AND view IS NOT NULL"
         args: list[object] = [after]
         if before is not None:
@@ -238,6 +307,7 @@ class HandoffRecords:
 
     def interrupted(self) -> list[Interrupted]:
         """Handoffs accepted and never finished (the process died while they were in flight)."""
+        self.apply()
         rows = self._db.conn.execute(
             "SELECT request, created_at, deadline_at FROM handoffs WHERE state = ?"
             " ORDER BY created_at",
@@ -247,6 +317,7 @@ class HandoffRecords:
 
     def fenced(self, now: float) -> list[FencedPages]:
         """Pages not known released whose old writers may still write after `now`."""
+        self.apply()
         rows = self._db.conn.execute(
             "SELECT id, dst_pages, request, deadline_at FROM handoffs"
             " WHERE released = 0 AND deadline_at + ? > ?",
@@ -267,6 +338,7 @@ class HandoffRecords:
     ) -> list[str]:
         """Within `tx`: delete terminal records past retention or beyond the newest
         `max_records`, never one whose pages may still be written. Returns the ids deleted."""
+        self.apply()
         safe = "(released = 1 OR deadline_at + ? < ?)"
         ids = [
             r[0]
@@ -281,3 +353,13 @@ class HandoffRecords:
         if ids:
             tx.executemany("DELETE FROM handoffs WHERE id = ?", [(i,) for i in ids])
         return ids
+
+
+def _with_release(view: HandoffView, event: HandoffReleased) -> HandoffView:
+    """`view` with its pages released by `event`, the event at the end of its timeline (what
+    `GET` and `/events` serve after a restart: the stream runs to `handoff.released`)."""
+    if any(isinstance(e, HandoffReleased) for e in view.timeline):
+        return view
+    return msgspec.structs.replace(
+        view, released=True, released_at=event.at, timeline=[*view.timeline, event]
+    )

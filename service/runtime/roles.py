@@ -34,6 +34,7 @@ from pipelines.prefill import HostedStage, PrefillPipeline
 from service.config import Config, ConfigError
 from service.http.app import CONFIG, INCARNATION, PEERS, READINESS, PeerReady
 from service.http.client import PeerClient
+from service.http.egress import EGRESS, Egress
 from service.peers.heartbeat import Heartbeats, HeartbeatSettings
 from service.peers.protocol import HttpPeers
 from service.runtime import admission
@@ -314,6 +315,7 @@ async def open_runtime(
     incarnation: str,
     buffers: Buffers | None = None,
     *,
+    egress: Egress,
     ready: Callable[[Runtime], None] = lambda runtime: None,
 ) -> AsyncIterator[Runtime]:
     """The role's runtime, running, until the `async with` ends; then every resource it opened
@@ -351,7 +353,7 @@ async def open_runtime(
             if isinstance(runtime, DecodeRuntime):
                 if config.records.persist:
                     runtime.persistence = await stack.enter_async_context(
-                        open_persistence(config, runtime.pipeline, runtime.bus)
+                        open_persistence(config, runtime.pipeline, runtime.bus, egress)
                     )
                 stack.push_async_callback(runtime.pipeline.close, config.handoff.shutdown_grace_s)
             else:
@@ -394,7 +396,13 @@ def install_runtime(app: web.Application, buffers: Buffers | None = None) -> Non
         async with (
             transport_opened(app) as transport,
             open_runtime(
-                app[CONFIG], transport, app[PEERS], app[INCARNATION], buffers, ready=ready
+                app[CONFIG],
+                transport,
+                app[PEERS],
+                app[INCARNATION],
+                buffers,
+                egress=app[EGRESS],
+                ready=ready,
             ),
         ):
             yield

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import functools
 import heapq
 import logging
 import random
@@ -172,8 +173,14 @@ class Dispatcher:
             await self._sender.close()
 
     def add(self, deliveries: Iterable[Delivery]) -> None:
-        """Queue committed pending deliveries on their endpoints' lanes (each in O(log n); those
-        beyond a lane's cap are left to the outbox, to be loaded as the lane drains)."""
+        """Queue pending deliveries on their endpoints' lanes once they are committed (the
+        group commit, `Database.after_commit`): a webhook never tells of an event a killed
+        process did not keep."""
+        self._outbox.db.after_commit(functools.partial(self._hold, list(deliveries)))
+
+    def _hold(self, deliveries: list[Delivery]) -> None:
+        """Each in O(log n); those beyond a lane's cap are left to the outbox, to be loaded as
+        the lane drains."""
         cap = self._settings.max_held
         for d in deliveries:
             lane = self._lane(d.endpoint_id)
@@ -298,6 +305,8 @@ class Dispatcher:
             ("webhook-signature", sign(endpoint.key, d.msg_id, timestamp, d.body)),
         )
         started = time.perf_counter()
+        # A delivery loaded from the outbox may be of the open group: on disk before it is sent.
+        await self._outbox.db.committed()
         try:
             answer = await self._sender.post(
                 endpoint.url, headers, d.body, self._settings.timeout_s
