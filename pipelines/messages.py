@@ -24,6 +24,9 @@ not speak instead of guessing. Change history:
   request's nonce, and checked by the caller before any field of it (a layout's incarnation, an
   abort ack, a heartbeat's live list) is used; peer calls never follow redirects. The bodies
   are unchanged.
+- v5: segment notices travel in batches, as arrivals do: `POST /v1/peer/segments` takes a list
+  and answers one outcome per notice (its `SegmentAck`, or a problem); a prefill batches the
+  small notices queued for one decode while a request to it is in flight.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from msgspec import Meta, Struct
 
 from pipelines.layout import StageLayout
 
-PEER_PROTOCOL_VERSION = 4
+PEER_PROTOCOL_VERSION = 5
 
 NonNeg = Annotated[int, Meta(ge=0)]
 Seconds = Annotated[float, Meta(ge=0)]

@@ -31,7 +31,6 @@ from pipelines.messages import (
     HeartbeatAck,
     HeartbeatMsg,
     LayoutInfo,
-    SegmentAck,
     SegmentMsg,
     StageFailedMsg,
     WindowAnswer,
@@ -54,6 +53,7 @@ from service.peers.protocol import (
     WATCH_PATH,
     WINDOWS_PATH,
     Outcome,
+    SegmentOutcome,
 )
 from service.runtime.roles import RUNTIME, decode_of, prefill_of
 
@@ -263,20 +263,33 @@ async def windows(request: web.Request) -> web.StreamResponse:
 
 @decode_peer_routes.post(
     SEGMENTS_PATH,
-    request=SegmentMsg,
-    response=SegmentAck,
-    errors=(404, 409, 422),
-    summary="Prefill → decode: a segment landed in its window; committed once its digest matches",
+    request=list[SegmentMsg],
+    response=list[SegmentOutcome],
+    errors=(422,),
+    summary="Prefill → decode: these segments landed in their windows; each committed once its "
+    "digest matches (one outcome per item: its ack, or a problem)",
     tags=("peer",),
     role="peer",
 )
 async def segments(request: web.Request) -> web.StreamResponse:
-    msg = await decode_body(request, SegmentMsg)
-    check_version(msg.version)
+    batch = await decode_body(request, list[SegmentMsg])
     sender = signed_sender(request)
-    if sender is not None:
-        _from_stage_peer(request, "segment")(msg, sender)
-    return json_response(await decode_of(request).segment(msg))
+    pipeline = decode_of(request)
+    check = _from_stage_peer(request, "segment")
+
+    async def one(msg: SegmentMsg) -> SegmentOutcome:
+        try:
+            check_version(msg.version)
+            if sender is not None:
+                check(msg, sender)
+            return SegmentOutcome(200, await pipeline.segment(msg))
+        except KVHandoffError as error:
+            status, problem = error_problem(error, request.path)
+            return SegmentOutcome(status, problem=problem)
+
+    # Committed side by side, as separate requests would be; answered once all are.
+    outcomes = [await one(batch[0])] if len(batch) == 1 else await asyncio.gather(*map(one, batch))
+    return json_response(outcomes)
 
 
 def _from_stage_peer(

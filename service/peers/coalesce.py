@@ -6,8 +6,9 @@ under load, many: one HTTP request each would spend most of both services' CPU o
 request is in flight wait and leave together in the next one. An idle service therefore adds no
 latency, and a busy one sends a few large requests instead of many small ones.
 
-Each notice still gets its own outcome: the receiver answers one result per item, and `submit`
-raises the error of its own item only. A failed request (peer unreachable) fails every notice in
+Each notice still gets its own outcome: the receiver answers one result per item, `submit`
+returns its own item's answer (None for a bare notice; a segment's `SegmentAck`) or raises its
+own item's error only. A failed request (peer unreachable) fails every notice in
 it. Batches are capped in bytes so they stay under the receiver's body limit. A lane exists only
 while its peer has notices pending or in flight.
 """
@@ -18,21 +19,23 @@ import asyncio
 import copy
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
 from pipelines.errors import InternalError, KVHandoffError
 from service.tasks import TaskOwner
 
-#: Sends one batch of pre-encoded notices to a peer; returns one error (or None) per notice.
-SendBatch = Callable[[str, list[msgspec.Raw]], Awaitable[list[KVHandoffError | None]]]
+#: Sends one batch of pre-encoded notices to a peer; returns, per notice, its answer (None for
+#: a bare notice) or the error the peer reported for it.
+SendBatch = Callable[[str, list[msgspec.Raw]], Awaitable[list[Any]]]
 
 _encoder = msgspec.json.Encoder()
 
 
 @dataclass
 class _Lane:
-    pending: list[tuple[msgspec.Raw, asyncio.Future[None]]] = field(default_factory=list)
+    pending: list[tuple[msgspec.Raw, asyncio.Future[Any]]] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
 
 
@@ -43,41 +46,41 @@ class Coalescer:
         self._lanes: dict[str, _Lane] = {}
         self._tasks = TaskOwner("coalescer")
 
-    async def submit(self, peer: str, notice: msgspec.Struct) -> None:
-        """Deliver `notice` to `peer`; raises the error the peer reported for it."""
+    async def submit(self, peer: str, notice: msgspec.Struct) -> Any:
+        """Deliver `notice` to `peer`: its answer, or the error the peer reported for it."""
         if self._tasks.closing:
             raise InternalError(f"not sent to {peer}: the service is shutting down", peer=peer)
         loop = asyncio.get_running_loop()
         lane = self._lanes.setdefault(peer, _Lane())
-        done: asyncio.Future[None] = loop.create_future()
+        done: asyncio.Future[Any] = loop.create_future()
         lane.pending.append((msgspec.Raw(_encoder.encode(notice)), done))
         if lane.task is None:
             lane.task = self._tasks.spawn(self._drain(peer, lane), f"coalesce:{peer}")
-        await done
+        return await done
 
     async def close(self) -> None:
         await self._tasks.close()
 
     async def _drain(self, peer: str, lane: _Lane) -> None:
-        live: list[tuple[msgspec.Raw, asyncio.Future[None]]] = []
+        live: list[tuple[msgspec.Raw, asyncio.Future[Any]]] = []
         try:
             while lane.pending:
                 live = [(raw, fut) for raw, fut in self._take(lane) if not fut.done()]
                 if not live:
                     continue  # every submitter of this batch was cancelled
                 try:
-                    errors = await self._send(peer, [raw for raw, _ in live])
+                    results = await self._send(peer, [raw for raw, _ in live])
                 except KVHandoffError as exc:
                     # One instance per waiter: a raised exception collects each raiser's
                     # traceback, so a shared one would grow and mix unrelated stacks.
-                    errors = [copy.copy(exc) for _ in live]
-                for (_, fut), error in zip(live, errors, strict=True):
+                    results = [copy.copy(exc) for _ in live]
+                for (_, fut), result in zip(live, results, strict=True):
                     if fut.done():
                         pass
-                    elif error is None:
-                        fut.set_result(None)
+                    elif isinstance(result, KVHandoffError):
+                        fut.set_exception(result)
                     else:
-                        fut.set_exception(error)
+                        fut.set_result(result)
                 live = []
         except BaseException as exc:
             # Shutdown or a bug: nobody may be left waiting on a notice that will not be sent.
@@ -93,7 +96,7 @@ class Coalescer:
             if not lane.pending and self._lanes.get(peer) is lane:
                 del self._lanes[peer]  # an idle peer keeps no lane
 
-    def _take(self, lane: _Lane) -> list[tuple[msgspec.Raw, asyncio.Future[None]]]:
+    def _take(self, lane: _Lane) -> list[tuple[msgspec.Raw, asyncio.Future[Any]]]:
         """The oldest notices that fit in one batch (always at least one)."""
         size, n = 0, 0
         for raw, _ in lane.pending:

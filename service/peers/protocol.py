@@ -52,6 +52,21 @@ class Outcome(msgspec.Struct, frozen=True, omit_defaults=True):
     problem: dict[str, Any] | None = None
 
 
+class SegmentOutcome(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The decode's answer for one segment notice of a batch: its ack, or a problem."""
+
+    status: int
+    ack: SegmentAck | None = None
+    problem: dict[str, Any] | None = None
+
+
+#: A segment notice of at most this many bytes travels in a batch with the others queued for
+#: its decode (one request for many one-page handoffs); a larger one's commit takes long
+#: enough (a copy out of its window, a digest, a scatter: in a thread) that it goes alone, so
+#: small notices do not queue behind it.
+COALESCED_SEGMENT_BYTES = 256 * 1024
+
+
 class HttpPeers:
     """Both directions of the peer protocol over one `PeerClient`."""
 
@@ -71,6 +86,7 @@ class HttpPeers:
         self._destinations = Coalescer(self._batch_sender(DESTINATIONS_PATH))
         self._arrivals = Coalescer(self._batch_sender(ARRIVALS_PATH))
         self._failures = Coalescer(self._batch_sender(STAGE_FAILURES_PATH))
+        self._segments = Coalescer(self._send_segments)
 
     def _batch_sender(self, path: str) -> SendBatch:
         async def send(peer: str, notices: list[msgspec.Raw]) -> list[KVHandoffError | None]:
@@ -89,8 +105,30 @@ class HttpPeers:
 
         return send
 
+    async def _send_segments(
+        self, peer: str, notices: list[msgspec.Raw]
+    ) -> list[SegmentAck | KVHandoffError]:
+        # A commit copies a segment out of its window and digests it: allow a transfer's time.
+        outcomes = await self._client.post(
+            peer, SEGMENTS_PATH, notices, list[SegmentOutcome], timeout_s=self._abort_timeout_s
+        )
+        if len(outcomes) != len(notices):
+            raise PeerError(
+                f"{peer}{SEGMENTS_PATH} answered {len(outcomes)} outcomes for {len(notices)} "
+                "segments",
+                peer=peer,
+            )
+        results: list[SegmentAck | KVHandoffError] = []
+        for o in outcomes:
+            if o.ack is not None:
+                results.append(o.ack)
+            else:
+                problem = o.problem or {"detail": f"status {o.status} without an ack"}
+                results.append(error_from_problem(o.status, encode_problem(problem), peer=peer))
+        return results
+
     async def close(self) -> None:
-        for coalescer in (self._destinations, self._arrivals, self._failures):
+        for coalescer in (self._destinations, self._arrivals, self._failures, self._segments):
             await coalescer.close()
         if self._watch_session is not None:
             await self._watch_session.close()
@@ -146,10 +184,13 @@ class HttpPeers:
         return await self._client.post(decode_url, WINDOWS_PATH, msg, WindowAnswer)
 
     async def segment(self, decode_url: str, msg: SegmentMsg) -> SegmentAck:
-        # A commit copies the segment out of its window and digests it: allow a transfer's time.
-        return await self._client.post(
-            decode_url, SEGMENTS_PATH, msg, SegmentAck, timeout_s=self._abort_timeout_s
-        )
+        if msg.bytes <= COALESCED_SEGMENT_BYTES:
+            ack: SegmentAck = await self._segments.submit(decode_url, msg)
+            return ack
+        [result] = await self._send_segments(decode_url, [msgspec.Raw(_encode(msg))])
+        if isinstance(result, KVHandoffError):
+            raise result
+        return result
 
     # either direction
     async def watch(self, url: str, opened: Callable[[], None] | None = None) -> None:
@@ -163,6 +204,9 @@ class HttpPeers:
 
     async def heartbeat(self, url: str, msg: HeartbeatMsg, timeout_s: float) -> HeartbeatAck:
         return await self._client.post(url, HEARTBEATS_PATH, msg, HeartbeatAck, timeout_s=timeout_s)
+
+
+_encode = msgspec.json.Encoder().encode
 
 
 def _layout_key(url: str, incarnation: str, fingerprint: str, address_key: str) -> str:
