@@ -12,8 +12,8 @@ callback for a while), and the table holds the mean per handoff:
 - `sqlite.statements.<side>`, `sqlite.commits.<side>`: statements SQLite ran (its trace
   callback, so `BEGIN`/`COMMIT` count) and the `COMMIT`s among them;
 - `http.<from>-><to> <METHOD> <route>` and `http.requests.<side>`: client requests a service
-  made, by peer and route (ids as `{id}`, numbers as `{n}`); the driver's own are not counted,
-  the services' work to answer them is;
+  made (aiohttp's client, and the webhook sender's own), by peer and route (ids as `{id}`,
+  numbers as `{n}`); the driver's own are not counted, the services' work to answer them is;
 - `encode.calls.<side>`, `encode.bytes.<side>`: JSON encodes (every module-level
   `msgspec.json.Encoder` of the service's modules, `msgspec.json.encode`, `json.dumps`);
 - `mooncake.engine_calls.<side>`, `mooncake.batches.<side>`: engine calls and batches, from each
@@ -67,8 +67,10 @@ from yarl import URL
 import service.runtime.persistence
 from service.config import Config, load_config
 from service.runtime.records import HandoffRecords
+from service.runtime.sender import Sender
 from service.runtime.transport import TRANSPORT
 from service.serve import Server, install_service, serve
+from tests.receivers import WebhookReceiver
 
 pytest.importorskip("mooncake.engine")
 
@@ -98,13 +100,16 @@ class Case:
     name: str
     pp_size: int
     model: dict[str, Any]
+    #: A webhook endpoint registered for every handoff event (the outbox and its deliveries).
+    webhooks: bool = False
 
 
-#: `small` is `kvhandoff bench handoff --cases small` one at a time; `pp4` the same over PP=4
-#: stages, one prefill service each.
+#: `pp1` is `kvhandoff bench handoff --cases small` one at a time; `pp4` the same over PP=4
+#: stages, one prefill service each; `pp1-webhooks` is `pp1` with a router's webhook endpoint.
 CASES = [
     Case("pp1", 1, {"preset": "dense-mha", "scale": 64, "num_layers": 4}),
     Case("pp4", 4, {"preset": "dense-mha", "scale": 64, "num_layers": 8}),
+    Case("pp1-webhooks", 1, {"preset": "dense-mha", "scale": 64, "num_layers": 4}, webhooks=True),
 ]
 NUM_PAGES = 64
 
@@ -227,6 +232,16 @@ def install_counters(monkeypatch: pytest.MonkeyPatch, tally: Tally, routes: Rout
 
     monkeypatch.setattr(aiohttp.ClientSession, "_request", request)
 
+    # Webhooks go out through their own small HTTP client, not aiohttp's.
+    real_post = Sender.post
+
+    async def post(self: Sender, url: str, *args: Any, **kwargs: Any) -> Any:
+        tally.add(f"http.{{side}}->{routes.name('POST', URL(url))}")
+        tally.add("http.requests.{side}")
+        return await real_post(self, url, *args, **kwargs)
+
+    monkeypatch.setattr(Sender, "post", post)
+
     for module, attr, value in module_encoders():
         monkeypatch.setattr(module, attr, CountingEncoder(value, tally))
 
@@ -263,6 +278,7 @@ def config_for(role: str, state_dir: str, case: Case, ranks: list[int]) -> Confi
         "handoff": {"heartbeat_interval_s": QUIET_S, "peer_timeout_s": 2 * QUIET_S},
         # Small landing and staging memory, as the local deployment has.
         "transfer": {"landing_bytes": 32 << 20, "window_bytes": 4 << 20, "staging_bytes": 16 << 20},
+        "webhooks": {"allow_private": True},
     }
     return load_config(None, {}, table)
 
@@ -337,14 +353,21 @@ class Driver:
         self.http = http
         self.decode = services[-1]
         self.prefills = services[:-1]
+        self.ids: list[str] = []
 
     async def _post(self, url: str, body: Any, token: str) -> tuple[int, Any]:
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         async with self.http.post(url, data=_encoder.encode(body), headers=headers) as resp:
             return resp.status, await resp.json(content_type=None)
 
+    async def register_webhook(self, url: str) -> None:
+        body = {"url": url, "types": ["handoff."]}
+        status, reply = await self._post(f"{self.decode.url}/v1/webhooks", body, ROUTER)
+        assert status == 201, reply
+
     async def handoff(self, page: int) -> str:
         hid = f"gate{next(_ids):06d}"  # one width: encoded bytes must not depend on the count
+        self.ids.append(hid)
         body = {"id": hid, "prefill": [p.url for p in self.prefills], "dst_pages": [page]}
         status, reply = await self._post(f"{self.decode.url}/v1/handoffs", body, ROUTER)
         assert status in (200, 201), reply
@@ -412,12 +435,16 @@ async def measure(
     tally, routes = Tally(), Routes()
     install_counters(monkeypatch, tally, routes)
     per: list[Counter[str]] = []
+    receiver = await WebhookReceiver().start()  # the driver's (its work is not counted)
+    routes.peers[receiver.port] = "webhook"
     async with deployment(case) as services, aiohttp.ClientSession() as http:
-        routes.peers = {URL(s.url).port: side_of(s.name) for s in services}
+        routes.peers.update({URL(s.url).port: side_of(s.name) for s in services})
         # A module imported only once a service started would hold an encoder nobody counts.
         missed = [f"{m.__name__}.{a}" for m, a, _ in module_encoders()]
         assert not missed, f"encoders the gate does not count: {missed}"
         driver = Driver(http, services)
+        if case.webhooks:
+            await driver.register_webhook(receiver.url)
         for i in range(warmup):
             await driver.handoff(i % NUM_PAGES)
         before = await settled(tally, services)
@@ -428,6 +455,10 @@ async def measure(
             delta.subtract(before)
             per.append(+delta)
             before = after
+    await receiver.stop()
+    if case.webhooks:
+        # Every event of every handoff was delivered (`handoff.` events only).
+        assert {r.handoff_id for r in receiver.received} >= set(driver.ids), "deliveries missing"
     keys = sorted(set().union(*per))
     return Measured(
         mean={k: sum(c[k] for c in per) / len(per) for k in keys},
