@@ -28,7 +28,9 @@ A count belongs to the side whose context it ran in: each service is started in 
 
 What keeps the counts deterministic: one handoff at a time (nothing coalesces by chance), every
 service on one loop (a sender's writes are all in the socket before the receiver reads), each
-handoff settled before the next (its release and confirmations are its own), and no timer
+handoff settled before the next (its release and confirmations are its own), the outcome
+asked for by long poll right after the stages are signalled, as a router does (the transfer
+takes a worker thread's round trip and a peer request, so the poll always waits), and no timer
 inside the window: heartbeats and the WAL checkpoint chore are moved out of reach (they are
 per second, not per handoff; their cost is not what this gate watches). Not counted: syscalls
 (no deterministic in-process count; `strace -c` on a bench run shows them).
@@ -191,11 +193,11 @@ def install_counters(monkeypatch: pytest.MonkeyPatch, tally: Tally, routes: Rout
     """Patch the counting hooks in; `monkeypatch` takes them out after the test."""
     real_run = asyncio.events.Handle._run
 
-    def run(handle: asyncio.Handle) -> None:
+    def run(handle: Any) -> None:
         # The self-pipe's reader wakes a sleeping loop for another thread's `call_soon_threadsafe`:
         # whether the loop was asleep then is timing, so it is not counted.
-        if getattr(handle._callback, "__name__", "") != "_read_from_self":  # type: ignore[attr-defined]
-            tally.add("loop.callbacks.{side}", side=handle._context.get(SIDE, ""))  # type: ignore[attr-defined]
+        if getattr(handle._callback, "__name__", "") != "_read_from_self":
+            tally.add("loop.callbacks.{side}", side=handle._context.get(SIDE, ""))
         real_run(handle)
 
     monkeypatch.setattr(asyncio.events.Handle, "_run", run)
