@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable
 
 import msgspec
+import numpy as np
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -46,6 +47,8 @@ class FakeEngine:
         #: Per call, in the order calls entered: its destination addresses and lengths.
         self.dst_blocks: list[tuple[list[int], list[int]]] = []
         self.registered: dict[int, int] = {}
+        #: Per call, which binding entry point it came through: "lists" or "arrays".
+        self.api_calls: list[str] = []
         self.active = 0
         self.max_active = 0
         self.entered = 0
@@ -95,6 +98,10 @@ class FakeEngine:
     def batch_transfer_sync_write(
         self, target: str, src: list[int], dst: list[int], lengths: list[int]
     ) -> int:
+        self.api_calls.append("lists")
+        return self._write(target, src, dst, lengths)
+
+    def _write(self, target: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
         with self._cv:
             self.active += 1
             self.entered += 1
@@ -123,6 +130,48 @@ class FakeEngine:
                 self.active -= 1
                 self.returned += 1
                 self._cv.notify_all()
+
+
+class FakeArrayEngineBinding(FakeEngine):
+    """`FakeEngine` as a Mooncake 0.3.14 binding: it also has `batch_transfer_sync_write_arrays`
+    (`transport.mooncake.WRITE_ARRAYS`), which checks its arguments as the real binding does
+    (one-dimensional, contiguous, 8-byte integers, equal lengths: TypeError / ValueError
+    otherwise), records what it was given (`array_args`: the three arrays per call, as passed),
+    and writes with the same memmoves as the list call. The list call stays, as on a real
+    0.3.14 engine; `api_calls` tells which one the transport used."""
+
+    def __init__(self, *, max_blocks: int = 2048) -> None:
+        super().__init__(max_blocks=max_blocks)
+        self.array_args: list[tuple[object, object, object]] = []
+
+    def batch_transfer_sync_write_arrays(
+        self, target: str, src: object, dst: object, lengths: object
+    ) -> int:
+        self.api_calls.append("arrays")
+        self.array_args.append((src, dst, lengths))
+        arrays = [
+            _binding_buffer(name, a)
+            for name, a in (("buffers", src), ("peer_buffer_addresses", dst), ("lengths", lengths))
+        ]
+        if len({a.shape[0] for a in arrays}) != 1:
+            raise ValueError("buffers, peer_buffer_addresses and lengths must have the same length")
+        s, d, n = (a.astype(np.uint64).tolist() for a in arrays)
+        return self._write(target, s, d, n)
+
+
+def _binding_buffer(name: str, value: object) -> np.ndarray:
+    """What the 0.3.14 binding accepts for one of its three buffers (its own error texts)."""
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"{name}: a buffer is required, got {type(value).__name__}")
+    if value.ndim != 1:
+        raise TypeError(f"{name} must be a one-dimensional array")
+    if not value.flags.c_contiguous:
+        raise TypeError(f"{name} must be contiguous")
+    if value.dtype.kind not in "iu" or value.dtype.itemsize != 8:
+        raise TypeError(f"{name} must hold 8-byte integers (uint64/int64)")
+    if value.dtype.kind == "i" and value.size and int(value.min()) < 0:
+        raise ValueError(f"{name} must not contain negative values")
+    return value
 
 
 def threads_named(prefix: str) -> int:

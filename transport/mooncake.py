@@ -16,9 +16,9 @@ async batches of 2,048 in flight. A lane idle for `peer_idle_s` is forgotten.
 The write path's safety rules, each enforced in one place here:
 
 1. *A batch has one outcome, and success only when the engine said so.* `_call` starts every
-   batch of a call as failed and marks success only after `batch_transfer_sync_write` returned
+   batch of a call as failed and marks success only after the engine's batch write returned
    0; a non-zero rc fails them with that rc, an exception from the call or its preparation
-   (`Blocks.concat`, `.tolist()`) with `EngineCallError` carrying the cause. The outcome is
+   (`Blocks.concat`, the call's arguments) with `EngineCallError` carrying the cause. The outcome is
    written once by whoever takes the batch off the lane's queue (`_report` in the worker;
    `_expire` and `_enqueue` on the loop, under the lane lock) and read once (`_settle`), each
    with its own exception instance. Tests: `test_an_engine_exception_fails_every_batch_...`,
@@ -29,8 +29,8 @@ The write path's safety rules, each enforced in one place here:
    `test_a_late_batch_does_not_cancel_the_one_before_it`,
    `test_a_failed_write_skips_only_its_own_batches`.
 3. *No batch starts after its `start_by`, nor after its write gave up.* Checked in `_call`, in the
-   worker thread, under the lane lock, after the call's lists are built and immediately before
-   the engine call, so neither a stalled loop nor slow preparation can delay it. Test:
+   worker thread, under the lane lock, after the call's arguments are built and immediately
+   before the engine call, so neither a stalled loop nor slow preparation can delay it. Test:
    `test_no_batch_starts_after_start_by_even_if_it_passes_while_preparing`.
 4. *`quiesce` returns only once no started call can still write.* Calls are counted under the
    same lock as check 3 (`calls_started`/`calls_ended`); `quiesce` waits for the calls started
@@ -70,6 +70,18 @@ raises `TransportTimeout` on time, while the worker thread stays inside the engi
 engine gives up. Until then the peer is stuck (rule 6): new writes to it fail at once, and
 `quiesce(peer)` waits for the call to return — the only point after which no byte can still land.
 
+Which engine call. Builds with the array API (`batch_transfer_sync_write_arrays`, Mooncake
+0.3.14: the same call taking three contiguous 8-byte-integer buffers instead of three
+`list[int]`) get the batch's numpy arrays as they are, so no per-block Python int is made on
+either side of the binding; older builds (0.3.13, the CPU wheel) get lists. Detected once, at
+construction (`uses_array_api`). The same build's `batch_transfer_sync_write_pages` (pages x
+`[src_base, src_stride, dst_base, dst_stride, length]` rows, expanded inside the engine, cut
+into engine batches of `max_batch_size` inside one call) is deliberately not used: the
+planner's blocks are already merged runs and landed mode sends a few staged 1 MiB blocks, so
+expanding pages would give the engine more requests, not fewer; and one call running several
+engine batches would break rules 3 and 5 (no `start_by` check between them, and a call could
+outlast `max_call_s`).
+
 Other facts: writes into unregistered destination memory are rejected by the receiver (rc -1)
 and the engine stays usable; unregistered *source* memory is read without complaint over TCP, so
 sources are checked here against the regions registered through this transport.
@@ -88,8 +100,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from transport.base import TransportStats
-from transport.blocks import Blocks
+from transport.blocks import U64, Blocks
 from transport.config import MooncakeConfig
 from transport.errors import EngineCallError, TransportError, TransportTimeout
 from transport.lanes import Batch, Counters, PeerLane, Write
@@ -119,6 +133,16 @@ class Engine(Protocol):
     def batch_transfer_sync_write(
         self, target: str, src: list[int], dst: list[int], lengths: list[int]
     ) -> int: ...
+
+
+#: `TransferEngine.batch_transfer_sync_write_arrays(target_hostname, buffers,
+#: peer_buffer_addresses, lengths, transport_hint="", nic_hint="") -> int` (Mooncake 0.3.14):
+#: like `batch_transfer_sync_write`, over three one-dimensional, contiguous buffers of 8-byte
+#: integers of equal length (else TypeError / ValueError before anything is sent).
+WriteArrays = Callable[[str, U64, U64, U64], int]
+
+#: The name the array call has on engines that have it.
+WRITE_ARRAYS = "batch_transfer_sync_write_arrays"
 
 
 def start_engine(config: MooncakeConfig) -> Engine:
@@ -154,6 +178,8 @@ class MooncakeTransport:
 
     def __init__(self, engine: Engine, config: MooncakeConfig, target: str) -> None:
         self._engine = engine
+        # Looked up once: an engine build either has the array call or it does not.
+        self._write_arrays: WriteArrays | None = getattr(engine, WRITE_ARRAYS, None)
         self._closed = False
         self._config = config
         self._target = target
@@ -181,6 +207,11 @@ class MooncakeTransport:
     @property
     def config(self) -> MooncakeConfig:
         return self._config
+
+    @property
+    def uses_array_api(self) -> bool:
+        """Whether writes reach the engine as numpy arrays (`WRITE_ARRAYS`) rather than lists."""
+        return self._write_arrays is not None
 
     @property
     def max_call_s(self) -> float:
@@ -443,7 +474,8 @@ class MooncakeTransport:
         """Worker thread: one engine call for `taken`; every batch gets exactly one outcome.
 
         The outcome is failure unless the engine call returned 0: an exception from the call or
-        from its preparation (`Blocks.concat`, `.tolist()`) fails every batch with that cause.
+        from its preparation (`Blocks.concat`, the call's arguments) fails every batch with that
+        cause.
         """
         fail: Callable[[], TransportError] = functools.partial(
             TransportError, "the worker stopped before the engine call returned", peer=lane.peer
@@ -459,12 +491,10 @@ class MooncakeTransport:
                 blocks = (
                     taken[0].blocks if len(taken) == 1 else Blocks.concat([b.blocks for b in taken])
                 )
-                src = blocks.src_addr.tolist()
-                dst = blocks.dst_addr.tolist()
-                lengths = blocks.length.tolist()
-                # The last check before the engine call, in this thread, after the lists are
-                # built: no batch starts after its `start_by`, none of an abandoned write starts,
-                # and `quiesce` (same lock) sees every call that does start.
+                engine_call = self._engine_call(lane.peer, blocks)
+                # The last check before the engine call, in this thread, after its arguments
+                # are built: no batch starts after its `start_by`, none of an abandoned write
+                # starts, and `quiesce` (same lock) sees every call that does start.
                 with lane.lock:
                     now = time.monotonic()
                     late = [b for b in taken if b.start_by is not None and now > b.start_by]
@@ -486,7 +516,7 @@ class MooncakeTransport:
             _post(loop, self._arm, lane, taken, time.monotonic())
             started = time.monotonic()
             try:
-                rc = self._engine.batch_transfer_sync_write(lane.peer, src, dst, lengths)
+                rc = engine_call()
             finally:
                 with lane.lock:
                     lane.calls_ended += 1
@@ -519,6 +549,27 @@ class MooncakeTransport:
                 if error is not None:
                     batch.write.abandoned = True  # its write skips its batches not started
                 self._report(loop, lane, batch, error)
+
+    def _engine_call(self, peer: str, blocks: Blocks) -> Callable[[], int]:
+        """Worker: the engine call for `blocks`, its arguments built (numpy arrays where the
+        engine takes them, lists otherwise), ready to run after the last check."""
+        if self._write_arrays is not None:
+            # Views of the planner's arrays (contiguous already: `ascontiguousarray` copies
+            # only a strided view the binding would refuse); kept alive by this partial.
+            return functools.partial(
+                self._write_arrays,
+                peer,
+                np.ascontiguousarray(blocks.src_addr, dtype=np.uint64),
+                np.ascontiguousarray(blocks.dst_addr, dtype=np.uint64),
+                np.ascontiguousarray(blocks.length, dtype=np.uint64),
+            )
+        return functools.partial(
+            self._engine.batch_transfer_sync_write,
+            peer,
+            blocks.src_addr.tolist(),
+            blocks.dst_addr.tolist(),
+            blocks.length.tolist(),
+        )
 
     def _report(
         self,

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import numpy as np
 import pytest
 
-from tests.fakes import FakeEngine
+from tests.fakes import FakeArrayEngineBinding, FakeEngine
 from transport.base import Transport
 from transport.config import MooncakeConfig
 from transport.local import LocalTransport
@@ -49,8 +49,12 @@ async def transport(request: pytest.FixtureRequest) -> AsyncIterator[Transport]:
 _fake_ports = itertools.count(1)
 
 
-@pytest.fixture
-def fake_engine() -> FakeEngine:
+@pytest.fixture(params=["lists", "arrays"])
+def fake_engine(request: pytest.FixtureRequest) -> FakeEngine:
+    """An engine binding double of each kind: 0.3.13 (list call only) and 0.3.14 (with the
+    array call), so every rule of `MooncakeTransport` is checked on both of its call paths."""
+    if request.param == "arrays":
+        return FakeArrayEngineBinding(max_blocks=64)
     return FakeEngine(max_blocks=64)
 
 

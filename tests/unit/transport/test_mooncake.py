@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 import transport.mooncake
-from tests.fakes import FakeEngine, threads_named
+from tests.fakes import FakeArrayEngineBinding, FakeEngine, threads_named
 from tests.unit.transport.conftest import fake_transport, pool_of
 from transport.blocks import Blocks
 from transport.config import MooncakeConfig
 from transport.errors import EngineCallError, TransportError, TransportTimeout
-from transport.mooncake import MooncakeTransport
+from transport.mooncake import WRITE_ARRAYS, MooncakeTransport
 
 
 async def in_thread(fn, *args) -> None:
@@ -284,6 +284,89 @@ async def test_batches_are_capped_in_bytes_and_a_larger_block_is_cut(
     assert fake_engine.bytes_per_call == [4096, 4096, 4096]
     np.testing.assert_array_equal(src, dst)
     t.close()
+
+
+# -- which engine call: the array API where the binding has it (Mooncake 0.3.14) --------------
+
+
+async def test_an_engine_with_the_array_call_gets_the_batch_arrays_themselves(make_buffer) -> None:
+    engine = FakeArrayEngineBinding(max_blocks=64)
+    t = fake_transport(engine)
+    assert t.uses_array_api
+    src, dst, blocks = setup_blocks(make_buffer, t, 1000)
+    await t.write("peer:1", blocks)
+    assert engine.api_calls == ["arrays"] * 16  # the ~2,100-per-peer cap still cuts batches
+    assert engine.batch_sizes == [64] * 15 + [40]
+    for args in engine.array_args:
+        assert all(type(a) is np.ndarray and a.dtype == np.uint64 for a in args)
+    # One write, no concat: the engine got views of the planner's arrays, not copies.
+    first_src, first_dst, first_len = engine.array_args[0]
+    assert np.shares_memory(first_src, blocks.src_addr)
+    assert np.shares_memory(first_dst, blocks.dst_addr)
+    assert np.shares_memory(first_len, blocks.length)
+    np.testing.assert_array_equal(src, dst)
+    t.close()
+
+
+async def test_an_engine_without_the_array_call_gets_lists() -> None:
+    engine = FakeEngine(max_blocks=64)
+    t = fake_transport(engine)
+    assert not hasattr(engine, WRITE_ARRAYS) and not t.uses_array_api
+    src = np.arange(256, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    pool_of(src).register(t)
+    await t.write("peer:1", Blocks.of([src.ctypes.data], [dst.ctypes.data], [256]))
+    assert engine.api_calls == ["lists"]
+    np.testing.assert_array_equal(src, dst)
+    t.close()
+
+
+async def test_writes_queued_together_reach_the_array_call_as_one_batch(make_buffer) -> None:
+    engine = FakeArrayEngineBinding(max_blocks=64)
+    t = fake_transport(engine)
+    src, dst, blocks = setup_blocks(make_buffer, t, 10)
+    engine.hang = threading.Event()
+    first = asyncio.create_task(t.write("peer:1", blocks[0:2]))
+    await in_thread(engine.wait_entered, 1)
+    rest = [asyncio.create_task(t.write("peer:1", blocks[i : i + 4])) for i in (2, 6)]
+    await asyncio.sleep(0)
+    engine.hang.set()
+    await asyncio.gather(first, *rest)
+    assert engine.api_calls == ["arrays", "arrays"] and engine.batch_sizes == [2, 8]
+    np.testing.assert_array_equal(engine.array_args[1][0], blocks.src_addr[2:10])
+    np.testing.assert_array_equal(src, dst)
+    t.close()
+
+
+async def test_strided_blocks_reach_the_array_call_contiguous(make_buffer) -> None:
+    """The binding refuses a strided buffer (TypeError); the transport hands it a contiguous
+    copy instead of failing the write."""
+    engine = FakeArrayEngineBinding(max_blocks=64)
+    t = fake_transport(engine)
+    src, dst = make_buffer(8 * 16), make_buffer(8 * 16)
+    src[:] = np.arange(src.size) % 241
+    pool_of(src).register(t)
+    offs = np.arange(16, dtype=np.uint64) * np.uint64(8)  # every other one is used
+    table = np.stack([offs + np.uint64(src.ctypes.data), offs + np.uint64(dst.ctypes.data)])
+    strided = Blocks(table[0, ::2], table[1, ::2], np.full(16, 8, dtype=np.uint64)[::2])
+    assert not strided.src_addr.flags.c_contiguous
+    await t.write("peer:1", strided)
+    assert engine.api_calls == ["arrays"] and engine.batch_sizes == [8]
+    assert all(a.flags.c_contiguous for a in engine.array_args[0])  # type: ignore[attr-defined]
+    for k in range(0, 16, 2):
+        np.testing.assert_array_equal(dst[k * 8 : k * 8 + 8], src[k * 8 : k * 8 + 8])
+        assert not dst[k * 8 + 8 : k * 8 + 16].any()
+    t.close()
+
+
+def test_the_installed_engine_is_asked_once_whether_it_has_the_array_call() -> None:
+    """The real binding here (0.3.13 CPU wheel: lists only; a 0.3.14 build: arrays)."""
+    engine_module = pytest.importorskip("mooncake.engine")
+    t = MooncakeTransport.start(MooncakeConfig())
+    try:
+        assert t.uses_array_api == hasattr(engine_module.TransferEngine, WRITE_ARRAYS)
+    finally:
+        t.close()
 
 
 # -- the write path's safety rules, against the fault-injecting engine --------------------------
