@@ -139,6 +139,7 @@ class DecodePipeline:
         self._seq = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._archive: HandoffArchive | None = None
+        self._evicted = 0  # handoffs forgotten so far (`_evict`): held only in the archive now
         self._peers = PrefillDirectory(
             layout, prefill, self.cache, max_grace_s=max_grace_s, clock=clock
         )
@@ -184,8 +185,11 @@ class DecodePipeline:
         dst_pages = validate_pages_for_layout(
             self.layout, req.dst_pages, req.dst_slot, side="destination", unique=True
         )
+        evicted = self._evicted
         stages = await self._peers.stages_of(req.prefill)
-        existing = self._existing(req)  # another create of this id may have won meanwhile
+        # Another create of this id may have won meanwhile: it is held here, or it was evicted
+        # to the archive since (only then is the archive read again).
+        existing = self._existing(req, archive=self._evicted != evicted)
         if existing is not None:
             return existing, False
         live = self._outcomes.live
@@ -688,12 +692,14 @@ class DecodePipeline:
         pairing = self.cache.get(h.stages[msg.pp_rank].layout, self.layout)
         check_accounting(pairing, h.dst_pages, h.request.dst_slot, msg)
 
-    def _existing(self, req: HandoffRequest) -> HandoffView | None:
+    def _existing(self, req: HandoffRequest, *, archive: bool = True) -> HandoffView | None:
         h = self._handoffs.get(req.id)
         if h is not None:
             found: ArchivedHandoff | None = ArchivedHandoff(h.request, h.view())
+        elif archive and self._archive is not None:
+            found = self._archive.find(req.id)
         else:
-            found = self._archive.find(req.id) if self._archive is not None else None
+            found = None
         if found is None:
             return None
         if found.request != req:
@@ -740,6 +746,7 @@ class DecodePipeline:
             # islice: stop at the few needed (dicts keep creation order, oldest first).
             for handoff_id in list(itertools.islice(self._oldest_released(), excess)):
                 del self._handoffs[handoff_id]
+                self._evicted += 1
 
     def _oldest_released(self) -> Iterator[str]:
         for h in self._handoffs.values():

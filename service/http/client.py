@@ -164,7 +164,8 @@ class PeerClient:
         headers: dict[str, str] = {}
         data = b""
         if body is not None:
-            data = _encoder.encode(body)
+            # Bytes are a body already encoded (a batch of notices joined by the coalescer).
+            data = body if isinstance(body, bytes) else _encoder.encode(body)
             headers["Content-Type"] = "application/json"
         try:
             # encoded=True: the path is sent exactly as signed, never re-quoted by yarl.

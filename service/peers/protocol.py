@@ -90,7 +90,7 @@ class HttpPeers:
 
     def _batch_sender(self, path: str) -> SendBatch:
         async def send(peer: str, notices: list[msgspec.Raw]) -> list[KVHandoffError | None]:
-            outcomes = await self._client.post(peer, path, notices, list[Outcome])
+            outcomes = await self._client.post(peer, path, _joined(notices), list[Outcome])
             if len(outcomes) != len(notices):
                 raise PeerError(
                     f"{peer}{path} answered {len(outcomes)} outcomes for {len(notices)} notices",
@@ -110,7 +110,11 @@ class HttpPeers:
     ) -> list[SegmentAck | KVHandoffError]:
         # A commit copies a segment out of its window and digests it: allow a transfer's time.
         outcomes = await self._client.post(
-            peer, SEGMENTS_PATH, notices, list[SegmentOutcome], timeout_s=self._abort_timeout_s
+            peer,
+            SEGMENTS_PATH,
+            _joined(notices),
+            list[SegmentOutcome],
+            timeout_s=self._abort_timeout_s,
         )
         if len(outcomes) != len(notices):
             raise PeerError(
@@ -207,6 +211,11 @@ class HttpPeers:
 
 
 _encode = msgspec.json.Encoder().encode
+
+
+def _joined(notices: list[msgspec.Raw]) -> bytes:
+    """The JSON array of notices already encoded, without encoding them again."""
+    return b"[" + b",".join(bytes(n) for n in notices) + b"]"
 
 
 def _layout_key(url: str, incarnation: str, fingerprint: str, address_key: str) -> str:

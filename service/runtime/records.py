@@ -117,6 +117,10 @@ class HandoffRecords:
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
+        if self._db.conn.in_transaction:  # the group's commit, or a reader inside one
+            for handoff_id, p in pending.items():
+                self._write(self._db.conn, handoff_id, p)
+            return
         with self._db.transaction() as tx:
             for handoff_id, p in pending.items():
                 self._write(tx, handoff_id, p)

@@ -530,10 +530,12 @@ async def test_work_per_handoff_is_within_its_budget(
     assert not over, f"more work per handoff than budgeted ({', '.join(over)}):\n{report}"
 
 
-async def test_the_gate_sees_one_more_commit_per_handoff(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_gate_sees_one_more_statement_per_handoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The gate can fail: one more write per accepted handoff (here: a test's, beside the
-    record of the create) shows as exactly one more statement and one more commit per handoff,
-    and nothing else changes."""
+    record of the create) shows as exactly one more statement per handoff, and nothing else
+    changes."""
     case = CASES[0]
     baseline = await measure(case, monkeypatch, warmup=3, measured=3)
     monkeypatch.undo()
@@ -547,4 +549,5 @@ async def test_the_gate_sees_one_more_commit_per_handoff(monkeypatch: pytest.Mon
     more = await measure(case, monkeypatch, warmup=3, measured=3)
     added = {k: more.mean.get(k, 0) - v for k, v in baseline.mean.items()}
     changed = {k: d for k, d in added.items() if d and not k.startswith("encode.bytes.")}
-    assert changed == {"sqlite.statements.decode": 1, "sqlite.commits.decode": 1}
+    # The extra write joins the record's group commit: one statement more, no commit more.
+    assert changed == {"sqlite.statements.decode": 1}
