@@ -13,6 +13,7 @@ outbox, add theirs the same way). Labels are bounded: role, state, error code, p
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -138,6 +139,9 @@ class Metrics:
         )
         # (handoff, pp_rank) -> when its chunks were emitted; cleared at the terminal event.
         self._emitted_at: dict[tuple[str, int], float] = {}
+        # Each series' child, by metric and label values: `labels()` validates and locks on
+        # every call, several times per event on the hot path; the label sets are few.
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def count_in_flight(self, live: Callable[[], int]) -> None:
         """Read the in-flight gauge from the pipeline at scrape time (a prefill service sees no
@@ -146,6 +150,13 @@ class Metrics:
 
     def add_collector(self, collector: Collector) -> None:
         self.registry.register(collector)
+
+    def _series(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     def observe(self, event: Event) -> None:
         """The bus listener: move the metrics by what `event` says happened."""
@@ -157,32 +168,34 @@ class Metrics:
             case StagePaired():
                 emitted = self._emitted_at.pop((event.handoff_id, event.pp_rank), None)
                 if emitted is not None:
-                    self.planning.labels(str(event.pp_rank)).observe(max(event.at - emitted, 0))
+                    self._series(self.planning, str(event.pp_rank)).observe(
+                        max(event.at - emitted, 0)
+                    )
             case StageTransferred():
                 rank = str(event.pp_rank)
-                self.sent_bytes.labels(rank).inc(event.bytes)
-                self.sent_blocks.labels(rank).inc(event.blocks)
-                self.sent_batches.labels(rank).inc(event.batches)
-                self.transfer.labels(rank).observe(event.seconds)
+                self._series(self.sent_bytes, rank).inc(event.bytes)
+                self._series(self.sent_blocks, rank).inc(event.blocks)
+                self._series(self.sent_batches, rank).inc(event.batches)
+                self._series(self.transfer, rank).observe(event.seconds)
             case StageArrived():
-                self.arrived_bytes.labels(str(event.pp_rank)).inc(event.bytes)
+                self._series(self.arrived_bytes, str(event.pp_rank)).inc(event.bytes)
             case SegmentCommitted():
                 rank = str(event.pp_rank)
-                self.segments_committed.labels(rank).inc()
-                self.segment_committed_bytes.labels(rank).inc(event.bytes)
+                self._series(self.segments_committed, rank).inc()
+                self._series(self.segment_committed_bytes, rank).inc(event.bytes)
                 self.commit.observe(event.commit_s)
             case SegmentRejected():
                 resend = "true" if event.resend else "false"
-                self.segments_rejected.labels(str(event.pp_rank), resend).inc()
+                self._series(self.segments_rejected, str(event.pp_rank), resend).inc()
             case HandoffCompleted():
-                self.finished.labels("completed", "").inc()
+                self._series(self.finished, "completed", "").inc()
                 self.latency.observe(event.seconds)
             case HandoffFailed():
-                self.finished.labels("failed", event.code).inc()
+                self._series(self.finished, "failed", event.code).inc()
                 if event.code in PAIRING_CODES:
-                    self.pairing_failures.labels(event.code).inc()
+                    self._series(self.pairing_failures, event.code).inc()
             case HandoffAborted():
-                self.finished.labels("aborted", "").inc()
+                self._series(self.finished, "aborted", "").inc()
             case _:
                 pass
         if isinstance(event, StageTransferred) and event.final:
