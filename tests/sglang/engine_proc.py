@@ -1,11 +1,13 @@
 """One SGLang scheduler rank's disaggregation calls, replayed in its own process.
 
 Started by `test_backend.py` as `python -m tests.sglang.engine_proc <role> <pp_rank> <pp_size>
-<bootstrap_port> <dist_port> <model_dir>`. It publishes SGLang's runtime context as a scheduler
-does, builds `KVArgs` over CPU tensors (their `data_ptr()`s), gets the manager, sender and
-receiver classes through SGLang's `get_kv_class`, and makes the calls SGLang's `prefill.py` /
-`decode.py` make, in their order, for each command read from stdin (one JSON object a line);
-it answers one JSON line each. PP ranks of the prefill share a gloo group, as SGLang's pp_group.
+<bootstrap_port> <dist_port> <model_dir> <variant>` (a JSON object: `aux_items` replaces the aux
+buffers' row sizes, to make a rank whose memory differs from its peers'). It publishes
+SGLang's runtime context as a scheduler does, builds `KVArgs` over CPU tensors (their
+`data_ptr()`s), gets the manager, sender and receiver classes through SGLang's `get_kv_class`,
+and makes the calls SGLang's `prefill.py` / `decode.py` make, in their order, for each command
+read from stdin (one JSON object a line); it answers one JSON line each. PP ranks of the
+prefill share a gloo group, as SGLang's pp_group.
 
 The memory: a hybrid model of 8 layers, full attention on 1, 3 (stage 0) and 5, 7 (stage 1),
 K and V buffers, pages of 4 tokens; three aux buffers (output ids, logprobs, bootstrap room)
@@ -35,14 +37,16 @@ def layer_ids(role: str, pp_rank: int) -> list[int]:
     return FULL_ATTENTION[pp_rank] if role == "prefill" else FULL_ATTENTION[0] + FULL_ATTENTION[1]
 
 
-def tensors(role: str, pp_rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def tensors(
+    role: str, pp_rank: int, aux_items: list[int] = AUX_ITEMS
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(KV buffers group-major: K of each layer then V, aux buffers): random on the prefill
     (seeded by stage), zeros on the decode."""
     pages = PREFILL_PAGES if role == "prefill" else DECODE_PAGES
     n = 2 * len(layer_ids(role, pp_rank))
     if role == "decode":
         kv = [torch.zeros(pages * KV_ITEM, dtype=torch.uint8) for _ in range(n)]
-        aux = [torch.zeros(AUX_ROWS * item, dtype=torch.uint8) for item in AUX_ITEMS]
+        aux = [torch.zeros(AUX_ROWS * item, dtype=torch.uint8) for item in aux_items]
         return kv, aux
     gen = torch.Generator().manual_seed(1000 + pp_rank)
     kv = [
@@ -51,12 +55,18 @@ def tensors(role: str, pp_rank: int) -> tuple[list[torch.Tensor], list[torch.Ten
     ]
     aux = [
         torch.randint(1, 255, (AUX_ROWS * item,), dtype=torch.uint8, generator=gen)
-        for item in AUX_ITEMS
+        for item in aux_items
     ]
     return kv, aux
 
 
-def kv_args(role: str, pp_rank: int, kv: list[torch.Tensor], aux: list[torch.Tensor]) -> Any:
+def kv_args(
+    role: str,
+    pp_rank: int,
+    kv: list[torch.Tensor],
+    aux: list[torch.Tensor],
+    aux_items: list[int] = AUX_ITEMS,
+) -> Any:
     from sglang.srt.disaggregation.base.conn import KVArgs
 
     args = KVArgs()
@@ -69,7 +79,7 @@ def kv_args(role: str, pp_rank: int, kv: list[torch.Tensor], aux: list[torch.Ten
     args.kv_cache_dtype_str = "bfloat16"
     args.aux_data_ptrs = [t.data_ptr() for t in aux]
     args.aux_data_lens = [t.numel() for t in aux]
-    args.aux_item_lens = list(AUX_ITEMS)
+    args.aux_item_lens = list(aux_items)
     args.state_types, args.state_data_ptrs, args.state_data_lens = [], [], []
     args.state_item_lens, args.state_layer_ids = [], []
     args.state_dim_per_tensor, args.state_slice_outer_counts = [], []
@@ -106,6 +116,8 @@ def answer(obj: Any) -> None:
 
 def main() -> None:
     role, pp_rank, pp_size, port, dist_port, model = sys.argv[1:7]
+    variant = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}
+    aux_items = [int(n) for n in variant.get("aux_items", AUX_ITEMS)]
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logging.getLogger("kvhandoff").setLevel(logging.INFO)
     pp_rank_i, pp_size_i, port_i = int(pp_rank), int(pp_size), int(port)
@@ -148,8 +160,8 @@ def main() -> None:
         get_parallel().override_permanently(pp_group=GlooGroup())
 
     backend = TransferBackend(server_args.disaggregation_transfer_backend)
-    kv, aux = tensors(role, pp_rank_i)
-    args = kv_args(role, pp_rank_i, kv, aux)
+    kv, aux = tensors(role, pp_rank_i, aux_items)
+    args = kv_args(role, pp_rank_i, kv, aux, aux_items)
     mode = DisaggregationMode(role)
     manager = get_kv_class(backend, KVClassType.MANAGER)(args, mode, server_args, False)
     bootstrap_addr = f"127.0.0.1:{port_i}"

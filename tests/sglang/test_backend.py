@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,8 @@ class Deployment:
     prefill: list[Proc]
     decode: Proc
     tmp: Path
+    #: Another rank process: (role, pp_rank, variant of engine_proc's memory, its state dir).
+    start: Callable[[str, int, dict[str, Any], str], Proc]
 
 
 @pytest.fixture(scope="module")
@@ -96,19 +98,32 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             }
         )
     )
-    config = tmp / "kvhandoff.toml"
-    config.write_text(
-        f'[server]\nstate_dir = "{tmp / "state"}"\n[auth]\npeer = "{SECRET}"\n'
-        "[transfer]\nlanding_bytes = 4194304\nwindow_bytes = 1048576\nstaging_bytes = 4194304\n"
-        "[handoff]\ndefault_deadline_s = 10.0\nheartbeat_interval_s = 0.5\npeer_timeout_s = 2.0\n"
-    )
-    env = {**os.environ, "SGLANG_KVHANDOFF_CONFIG": str(config), "HF_HUB_OFFLINE": "1"}
+
+    def write_config(state: str) -> Path:
+        path = tmp / f"kvhandoff-{state}.toml"
+        path.write_text(
+            f'[server]\nstate_dir = "{tmp / state}"\n[auth]\npeer = "{SECRET}"\n'
+            "[transfer]\nlanding_bytes = 4194304\nwindow_bytes = 1048576\n"
+            "staging_bytes = 4194304\n[handoff]\ndefault_deadline_s = 10.0\n"
+            "heartbeat_interval_s = 0.5\npeer_timeout_s = 2.0\n"
+        )
+        return path
+
+    config = write_config("state")
     os.environ["SGLANG_KVHANDOFF_CONFIG"] = str(config)
     port, dist_port = free_port(), free_port()
     server = KVHandoffBootstrapServer("127.0.0.1", port)
     serving(port)
+    started: list[Proc] = []
 
-    def start(role: str, pp_rank: int) -> Proc:
+    def start(
+        role: str, pp_rank: int, variant: dict[str, Any] | None = None, state: str = "state"
+    ) -> Proc:
+        env = {
+            **os.environ,
+            "SGLANG_KVHANDOFF_CONFIG": str(write_config(state)),
+            "HF_HUB_OFFLINE": "1",
+        }
         argv = [
             sys.executable,
             "-m",
@@ -119,8 +134,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             str(port),
             str(dist_port),
             str(tmp / "model"),
+            json.dumps(variant or {}),
         ]
-        log = open(tmp / f"{role}{pp_rank}.log", "w")  # noqa: SIM115  -- closed with the process
+        log = open(tmp / f"{role}{pp_rank}-{state}.log", "w")  # noqa: SIM115  -- with the process
         popen = subprocess.Popen(
             argv,
             cwd=ROOT,
@@ -130,15 +146,18 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             stderr=log,
             text=True,
         )
-        return Proc(f"{role}{pp_rank}", popen)
+        proc = Proc(f"{role}{pp_rank}", popen)
+        started.append(proc)
+        return proc
 
     procs = [start("prefill", 0), start("prefill", 1), start("decode", 0)]
     try:
         for p in procs:
             hello = p.answer()
             assert hello["ready"] and hello["manager"] == "KVHandoffManager", hello
-        yield Deployment(port, server, procs[:2], procs[2], tmp)
+        yield Deployment(port, server, procs[:2], procs[2], tmp, start)
     finally:
+        procs = started
         for p in procs:
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
@@ -435,3 +454,26 @@ def test_a_killed_prefill_stage_fails_the_decode_within_the_heartbeat_window(
     # PP rank 0 never reports Success without its dead peer stage (SGLang's consensus waits on
     # every stage; a dead PP rank takes the prefill instance down in SGLang itself).
     assert d.prefill[0].answer()["final"] != KVPoll.Success
+
+
+def test_a_decode_whose_aux_rows_differ_fails_the_request_naming_the_aux_entry(
+    deployment: Deployment,
+) -> None:
+    # A second decode instance whose logprobs rows are wider than the prefill's: refused when
+    # the handoff is created (pairing), naming the aux entry and both sizes; nothing moves.
+    d = deployment
+    wide = [ep.AUX_ITEMS[0], 64, ep.AUX_ITEMS[2]]
+    other = d.start("decode", 0, {"aux_items": wide}, "state-wide-aux")
+    try:
+        hello = other.answer()
+        assert hello["ready"], hello
+        other.ask({"op": "request", "room": 7501, "pages": [1, 2], "aux": 1, "timeout_s": 5.0})
+        decode = other.answer()
+    finally:
+        other.ask({"op": "exit"})
+        other.popen.wait(20)
+    assert decode["final"] == KVPoll.Failed, decode
+    assert "aux entry 1" in decode["error"], decode
+    assert "source 32 bytes, destination 64" in decode["error"], decode
+    assert decode["seconds"] < 5.0, decode  # refused at once, not timed out
+    assert decode["released"], decode  # nothing was leased: SGLang may free the pages now

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
+from pipelines.errors import PairingError
+from pipelines.pairing import pair
 from service.integrations.sglang.layouts import (
-    AUX_LAYER_ID,
     Unsupported,
     rank_layout,
     refuse_unsupported,
@@ -39,11 +40,55 @@ def test_a_hybrid_stage_pairs_by_global_layer_id_and_carries_the_aux_rows() -> N
     rank = rank_layout(kv_args(), pp_rank=1, pp_size=2, is_mla=False, with_aux=True)
     kv = [(e.layer_id, e.group, e.base, e.num_items) for e in rank.layout.kv]
     assert kv == [(5, 0, 4096, 10), (7, 0, 8192, 10), (5, 1, 12288, 10), (7, 1, 16384, 10)]
-    aux = [(s.layer_id, s.kind, s.item_len, s.num_slots) for s in rank.layout.state]
-    assert aux == [(AUX_LAYER_ID, "sglang_aux_0", 16, 8), (AUX_LAYER_ID, "sglang_aux_1", 8, 8)]
-    assert rank.buffers[-1] == (131072, 64) and rank.has_aux
+    aux = [(a.item_len, a.num_rows, a.base) for a in rank.layout.aux]
+    assert aux == [(16, 8, 65536), (8, 8, 131072)]
+    assert rank.layout.state == ()  # aux rows are entries of their own, not state
+    assert rank.buffers[-2:] == [(65536, 128), (131072, 64)] and rank.has_aux
     first = rank_layout(kv_args(), pp_rank=0, pp_size=2, is_mla=False, with_aux=False)
-    assert first.layout.state == () and not first.has_aux
+    assert first.layout.aux == () and not first.has_aux
+
+
+def test_aux_rows_pair_by_position_and_a_row_size_mismatch_names_the_aux_entry() -> None:
+    last = rank_layout(kv_args(), pp_rank=1, pp_size=2, is_mla=False, with_aux=True).layout
+    decode = rank_layout(
+        kv_args(
+            kv_layer_ids=[1, 3, 5, 7] * 2,
+            kv_data_ptrs=[4096 * k for k in range(1, 9)],
+            kv_data_lens=[640] * 8,
+            kv_item_lens=[64] * 8,
+        ),
+        pp_rank=0,
+        pp_size=1,
+        is_mla=False,
+        with_aux=True,
+    ).layout
+    assert pair(last, decode).num_aux_pairs == 2
+    other = rank_layout(
+        kv_args(
+            kv_layer_ids=[1, 3, 5, 7] * 2,
+            kv_data_ptrs=[4096 * k for k in range(1, 9)],
+            kv_data_lens=[640] * 8,
+            kv_item_lens=[64] * 8,
+            aux_item_lens=[16, 16],
+            aux_data_lens=[128, 128],
+        ),
+        pp_rank=0,
+        pp_size=1,
+        is_mla=False,
+        with_aux=True,
+    ).layout
+    with pytest.raises(PairingError) as err:
+        pair(last, other)
+    assert err.value.context == {"aux": 1, "pp_rank": 1}
+    assert "aux entry 1: source 8 bytes, destination 16" in str(err.value)
+
+
+def test_a_torn_aux_buffer_is_refused_naming_it() -> None:
+    with pytest.raises(Unsupported) as err:
+        rank_layout(
+            kv_args(aux_data_lens=[128, 60]), pp_rank=1, pp_size=2, is_mla=False, with_aux=True
+        )
+    assert "aux entry 1" in str(err.value) and "row size 8" in str(err.value)
 
 
 def test_a_positional_list_under_pp_takes_its_ids_from_the_stage_s_first_layer() -> None:

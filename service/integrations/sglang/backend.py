@@ -11,7 +11,7 @@ the bootstrap look-ups and the timeouts. What moves bytes and decides outcomes i
   port and locked state directory; prefill ranks register its URL with the bootstrap server,
   signed (`bootstrap.py`);
 - one handoff per request and attention-TP rank: id `sglang-<bootstrap_room>-tp<rank>`;
-- decode `send_metadata` creates the handoff (destination pages, aux row as its slot) on the
+- decode `send_metadata` creates the handoff (destination pages and aux row) on the
   decode service, naming the prefill stages' services; each prefill `send` signals its chunk's
   pages ready at once, as a page range of the stage (the aux row with the last), so the
   chunk's segments travel while the next chunk is prefilled;
@@ -177,6 +177,14 @@ class KVHandoffManager(CommonKVManager):
         with self._lock:
             return handoff_id(room, self.tp_rank_for_handoffs) in self._released
 
+    def never_leased(self, room: int) -> None:
+        """The room's handoff was refused at create: no page of it was ever leased, so no write
+        of it can land (SGLang may free the pages: `is_abort_release_safe`)."""
+        with self._lock:
+            self._released[handoff_id(room, self.tp_rank_for_handoffs)] = None
+            while len(self._released) > RELEASED_KEPT:
+                self._released.popitem(last=False)
+
     def fail(self, room: int, reason: str) -> None:
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
@@ -267,7 +275,7 @@ class KVHandoffManager(CommonKVManager):
     ) -> None:
         """One prefill chunk's pages (from `CommonKVSender.send`), signalled at once as the
         stage's next page range: its segments travel while the engine prefills the next chunk.
-        The last chunk brings the aux row (the last PP stage's slot). Signals go out in order on
+        The last chunk brings the aux row (on the last PP stage). Signals go out in order on
         the rank's worker thread, so the ranges reach the service in SGLang's order."""
         room = int(bootstrap_room)
         if state_indices and any(s is not None and len(s) for s in state_indices):
@@ -290,7 +298,9 @@ class KVHandoffManager(CommonKVManager):
             # backend refuses at start-up): never guess where the pages go.
             self.fail(room, f"kvhandoff: chunk at page position {start}, expected {at}")
             return
-        slot = aux_index if self.rank.has_aux and is_last_chunk else None
+        aux = None
+        if self.rank.has_aux and is_last_chunk and aux_index is not None:
+            aux = int(aux_index)
         hid = handoff_id(room, self.tp_rank_for_handoffs)
         rank = self.stage_rank
         last = bool(is_last_chunk)
@@ -298,7 +308,7 @@ class KVHandoffManager(CommonKVManager):
             room,
             "stage ready",
             lambda: self.service.stage_ready(
-                hid, rank, pages, slot, pages_from=at, last_pages=last
+                hid, rank, pages, pages_from=at, last_pages=last, src_aux=aux
             ),
         )
 
@@ -432,9 +442,17 @@ class KVHandoffReceiver(CommonKVReceiver):
             id=handoff_id(room, mgr.tp_rank_for_handoffs),
             prefill=urls,
             dst_pages=[int(p) for p in np.asarray(kv_indices).tolist()],
-            dst_slot=int(aux_index) if (mgr.rank.has_aux and aux_index is not None) else None,
+            dst_aux=int(aux_index) if (mgr.rank.has_aux and aux_index is not None) else None,
         )
-        mgr.submit(room, "create", lambda: mgr.service.expect_handoff(request))
+
+        def create() -> None:
+            try:
+                mgr.service.expect_handoff(request)
+            except (KVHandoffError, ValueError):
+                mgr.never_leased(room)  # refused before anything was leased
+                raise
+
+        mgr.submit(room, "create", create)
         self.init_time = time.time()
 
     def _send_abort_notification(self, *, force_arm: bool = False) -> None:

@@ -4,9 +4,9 @@ Called once per scheduler rank by the manager (`backend.py`). The KV buffers fol
 layer-id contract as SGLang publishes it: `kv_data_ptrs` group-major, `kv_layer_ids` the global
 ids (one per buffer, or the distinct ids; `[]` means SGLang's positional list, whose ids start
 at `prefill_start_layer`). SGLang's aux (metadata) buffers hold one row per request, indexed by
-the request's `aux_index`: they become state entries of a reserved layer id, one kind per aux
-buffer, so they pair by (id, kind) and travel in the request's slot — from the last PP stage
-only, where SGLang computes them.
+the request's `aux_index`: they become the layout's aux entries (paired by position, their row
+sizes checked), sent at the request's aux row from the last PP stage only, where SGLang
+computes them.
 
 One index space per request is what a handoff carries today (its slot), so a request whose state
 lives at another index than its aux row (SGLang's MAMBA, SWA, DSA ... components) and draft
@@ -19,11 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipelines.layout import StageLayout, StateEntry, layout_from_flat_lists
-
-#: The layer id of the aux rows: far above any model's layers (draft bands included).
-AUX_LAYER_ID = 1 << 20
-AUX_KIND = "sglang_aux_{}"
+from pipelines.errors import LayoutError
+from pipelines.layout import StageLayout, layout_from_flat_lists
 
 
 class Unsupported(ValueError):
@@ -32,11 +29,14 @@ class Unsupported(ValueError):
 
 @dataclass(frozen=True)
 class RankLayout:
-    """One rank's layout and its raw buffers, KV entries first (region i is entry i)."""
+    """One rank's layout and its raw buffers, KV, then state, then aux (region i is entry i)."""
 
     layout: StageLayout
     buffers: list[tuple[int, int]]
-    has_aux: bool
+
+    @property
+    def has_aux(self) -> bool:
+        return bool(self.layout.aux)
 
 
 def refuse_unsupported(kv_args: Any, *, device: str) -> None:
@@ -88,42 +88,27 @@ def rank_layout(
 ) -> RankLayout:
     """The layout of one rank (a prefill PP stage, or the decode with `pp_size` 1)."""
     ids = kv_layer_ids(kv_args, is_mla=is_mla, pp_size=pp_size)
-    layout = layout_from_flat_lists(
-        pp_rank=pp_rank,
-        pp_size=pp_size,
-        page_size=int(kv_args.page_size),
-        dtype=str(kv_args.kv_cache_dtype_str),
-        kv_data_ptrs=kv_args.kv_data_ptrs,
-        kv_data_lens=kv_args.kv_data_lens,
-        kv_item_lens=kv_args.kv_item_lens,
-        kv_layer_ids=ids,
+    aux: list[Sequence[int]] = (
+        [kv_args.aux_data_ptrs or [], kv_args.aux_data_lens or [], kv_args.aux_item_lens or []]
+        if with_aux
+        else [[], [], []]
     )
-    aux = aux_entries(kv_args) if with_aux else []
-    buffers = [(int(p), int(n)) for p, n in zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens)]
-    buffers += [(e.base, e.nbytes) for e in aux]
-    placed = StageLayout(
-        pp_rank=layout.pp_rank,
-        pp_size=layout.pp_size,
-        page_size=layout.page_size,
-        dtype=layout.dtype,
-        kv=layout.kv,
-        state=tuple(aux),
-        layer_ids_published=layout.layer_ids_published,
-    )
-    return RankLayout(placed, buffers, bool(aux))
-
-
-def aux_entries(kv_args: Any) -> list[StateEntry]:
-    ptrs: Sequence[int] = kv_args.aux_data_ptrs or []
-    lens: Sequence[int] = kv_args.aux_data_lens or []
-    items: Sequence[int] = kv_args.aux_item_lens or []
-    out = []
-    for i, (ptr, length, item) in enumerate(zip(ptrs, lens, items)):
-        if item <= 0 or length % item:
-            raise Unsupported(
-                f"aux buffer {i}: {length} bytes is not a whole number of {item}-byte rows"
-            )
-        out.append(
-            StateEntry(AUX_LAYER_ID, AUX_KIND.format(i), int(item), length // item, int(ptr))
+    try:
+        layout = layout_from_flat_lists(
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            page_size=int(kv_args.page_size),
+            dtype=str(kv_args.kv_cache_dtype_str),
+            kv_data_ptrs=kv_args.kv_data_ptrs,
+            kv_data_lens=kv_args.kv_data_lens,
+            kv_item_lens=kv_args.kv_item_lens,
+            kv_layer_ids=ids,
+            aux_data_ptrs=[int(p) for p in aux[0]],
+            aux_data_lens=[int(n) for n in aux[1]],
+            aux_item_lens=[int(n) for n in aux[2]],
         )
-    return out
+    except LayoutError as exc:
+        raise Unsupported(f"SGLang's KVArgs do not make a kvhandoff layout: {exc}") from exc
+    buffers = [(int(p), int(n)) for p, n in zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens)]
+    buffers += [(a.base, a.nbytes) for a in layout.aux]
+    return RankLayout(layout, buffers)
