@@ -122,14 +122,15 @@ def test_batches_respect_the_cap() -> None:
 @st.composite
 def layouts_and_request(
     draw: st.DrawFn,
-) -> tuple[StageLayout, StageLayout, list[int], list[int], int, int]:
+) -> tuple[StageLayout, StageLayout, list[int], list[int], RequestSlots, RequestSlots]:
     num_layers = draw(st.integers(4, 24))
     interval = draw(st.integers(1, 4))
     groups = tuple(
         KVGroup(f"g{g}", draw(st.integers(1, 64))) for g in range(draw(st.integers(1, 3)))
     )
     kinds = tuple(
-        StateKind(f"k{k}", draw(st.integers(1, 512))) for k in range(draw(st.integers(0, 2)))
+        StateKind(f"k{k}", draw(st.integers(1, 512)), draw(st.sampled_from(["a", "b"])))
+        for k in range(draw(st.integers(0, 2)))
     )
     model = ModelSpec(
         name="random",
@@ -139,6 +140,7 @@ def layouts_and_request(
         kv_groups=groups,
         state_kinds=kinds if interval > 1 else (),
         page_size=draw(st.sampled_from([1, 4, 16])),
+        aux_row_bytes=tuple(draw(st.lists(st.integers(1, 64), max_size=2))),
     )
     pp = draw(st.integers(1, min(4, num_layers)))
     rank = draw(st.integers(0, pp - 1))
@@ -168,20 +170,19 @@ def layouts_and_request(
     if draw(st.booleans()) and n <= src_pages_total:
         start = draw(st.integers(0, src_pages_total - n))
         src_pages = list(range(start, start + n))
-    return (
-        src,
-        dst,
-        src_pages,
-        dst_pages,
-        draw(st.integers(0, slots - 1)),
-        draw(st.integers(0, slots - 1)),
-    )
+
+    def slots_of() -> RequestSlots:
+        index = st.integers(0, slots - 1)
+        named = draw(st.lists(st.sampled_from(["a", "b"]), unique=True))
+        return RequestSlots(draw(index), {c: draw(index) for c in named}, draw(index))
+
+    return src, dst, src_pages, dst_pages, slots_of(), slots_of()
 
 
 @settings(max_examples=200, deadline=None)
 @given(layouts_and_request())
 def test_vectorised_planner_equals_reference_and_stays_inside_regions(
-    case: tuple[StageLayout, StageLayout, list[int], list[int], int, int],
+    case: tuple[StageLayout, StageLayout, list[int], list[int], RequestSlots, RequestSlots],
 ) -> None:
     src, dst, src_pages, dst_pages, src_slot, dst_slot = case
     p = pair(src, dst)
@@ -189,12 +190,12 @@ def test_vectorised_planner_equals_reference_and_stays_inside_regions(
     b = got.blocks
     as_tuples = list(zip(b.src_addr.tolist(), b.dst_addr.tolist(), b.length.tolist()))
     assert as_tuples == reference_plan(p, src_pages, dst_pages, src_slot, dst_slot)
-    assert b.total_bytes == len(src_pages) * p.kv_bytes_per_page + p.state_bytes_per_slot
+    assert b.total_bytes == len(src_pages) * p.kv_bytes_per_page + p.slot_bytes
+    assert p.num_aux_pairs == (len(src.aux) if src.pp_rank == src.pp_size - 1 else 0)
 
     def regions(layout: StageLayout) -> list[tuple[int, int]]:
-        return [(e.base, e.base + e.nbytes) for e in layout.kv] + [
-            (s.base, s.base + s.nbytes) for s in layout.state
-        ]
+        entries = [*layout.kv, *layout.state, *layout.aux]
+        return [(e.base, e.base + e.nbytes) for e in entries]
 
     for addrs, regs in ((b.src_addr, regions(src)), (b.dst_addr, regions(dst))):
         for a, n in zip(addrs.tolist(), b.length.tolist()):
