@@ -218,15 +218,34 @@ def monotone(polls: list[int]) -> bool:
 
 
 def verify(
-    d: Deployment, room: int, src: list[int], dst: list[int], src_aux: int, dst_aux: int
+    d: Deployment,
+    room: int,
+    src: list[int],
+    dst: list[int],
+    src_aux: int,
+    dst_aux: int,
+    mamba: tuple[int, int] | None = None,
 ) -> None:
-    """Every decode byte: the pages and aux row of this request from their source, zeros
-    everywhere else."""
+    """Every decode byte: the pages, Mamba slot and aux row of this request from their source,
+    zeros everywhere else. `mamba`: (source, destination) slot, else engine_proc's default."""
+    src_mamba, dst_mamba = mamba or (
+        ep.mamba_slot({"aux": src_aux}),
+        ep.mamba_slot({"aux": dst_aux}),
+    )
     landed = list(np.load(d.tmp / f"decode-{room}.npz").values())
     dec_ids = ep.layer_ids("decode", 0)
     n = len(dec_ids)
+    dec_linear = ep.mamba_layers("decode", 0)
     for rank in (0, 1):
-        kv, aux = ep.tensors("prefill", rank)
+        kv, state, aux = ep.tensors("prefill", rank)
+        linear = ep.mamba_layers("prefill", rank)
+        for t, item in enumerate(ep.MAMBA_ITEMS):  # tensor-major over each side's layers
+            for layer in linear:
+                sent = state[t * len(linear) + linear.index(layer)].numpy().reshape(-1, item)
+                got = landed[2 * n + t * len(dec_linear) + dec_linear.index(layer)]
+                got = got.reshape(-1, item)
+                assert np.array_equal(got[dst_mamba], sent[src_mamba]), f"mamba {t} {layer}"
+                assert not np.delete(got, [dst_mamba], axis=0).any(), f"mamba {t} {layer}"
         ids = ep.layer_ids("prefill", rank)
         for i, layer in enumerate(ids * 2):
             group = i // len(ids)
@@ -235,9 +254,10 @@ def verify(
             got = landed[j].reshape(ep.DECODE_PAGES, ep.KV_ITEM)
             assert np.array_equal(got[dst], sent), f"layer {layer} group {group}"
             assert not np.delete(got, dst, axis=0).any(), f"layer {layer} group {group}"
-    _, aux = ep.tensors("prefill", 1)  # the last stage's aux rows; the room row it wrote
+    _, _, aux = ep.tensors("prefill", 1)  # the last stage's aux rows; the room row it wrote
+    first_aux = 2 * n + len(ep.MAMBA_ITEMS) * len(dec_linear)
     for k, item in enumerate(ep.AUX_ITEMS):
-        got = landed[2 * n + k].reshape(ep.AUX_ROWS, item)
+        got = landed[first_aux + k].reshape(ep.AUX_ROWS, item)
         want = aux[k].numpy().reshape(ep.AUX_ROWS, item)[src_aux].copy()
         if k == 2:
             want = np.frombuffer(np.int64(room).tobytes(), dtype=np.uint8)
@@ -247,17 +267,19 @@ def verify(
 
 def test_chunked_pp2_handoff_lands_every_byte(deployment: Deployment) -> None:
     d = deployment
-    for room, src, dst, chunks, (sa, da) in (
-        (7001, [3, 4, 9, 10, 11, 20], [7, 8, 1, 2, 40, 41], [2, 3, 1], (2, 5)),
-        (7002, [30, 1, 2, 5, 6, 7], [0, 46, 47, 10, 11, 12], [4, 2, 0], (6, 0)),  # empty last
+    for room, src, dst, chunks, (sa, da), mamba in (
+        (7001, [3, 4, 9, 10, 11, 20], [7, 8, 1, 2, 40, 41], [2, 3, 1], (2, 5), (4, 1)),
+        # An empty last chunk (it brings the slots and the aux row alone).
+        (7002, [30, 1, 2, 5, 6, 7], [0, 46, 47, 10, 11, 12], [4, 2, 0], (6, 0), (0, 5)),
     ):
-        decode, prefill = run(d, room, src, dst, sa, da, chunks)
+        extra = {"prefill": {"mamba": mamba[0]}, "decode": {"mamba": mamba[1]}}
+        decode, prefill = run(d, room, src, dst, sa, da, chunks, **extra)
         assert decode["final"] == KVPoll.Success, decode
         assert all(p["final"] == KVPoll.Success for p in prefill), prefill
         for answer in [decode, *prefill]:
             assert monotone(answer["polls"]), answer
         assert decode["released"]
-        verify(d, room, src, dst, sa, da)
+        verify(d, room, src, dst, sa, da, mamba)
 
 
 def test_each_send_moves_its_own_pages_before_the_last_chunk_is_sent(
@@ -434,28 +456,6 @@ def test_a_prefill_of_another_tp_size_is_refused_naming_both(deployment: Deploym
     ), decode
 
 
-def test_a_killed_prefill_stage_fails_the_decode_within_the_heartbeat_window(
-    deployment: Deployment,
-) -> None:
-    d = deployment
-    d.decode.ask({"op": "request", "room": 7201, "pages": [1, 2], "aux": 3, "timeout_s": 20.0})
-    d.prefill[0].ask(
-        {"op": "request", "room": 7201, "pages": [5, 6], "aux": 3, "chunks": [2], "timeout_s": 6.0}
-    )
-    time.sleep(0.5)  # the decode has created the handoff and reached both stages
-    d.prefill[1].popen.kill()
-    d.prefill[1].popen.wait(10)
-    decode = d.decode.answer()
-    assert decode["final"] == KVPoll.Failed, decode
-    print("decode failure:", decode["error"])
-    assert "sglang-7201-tp0" in decode["error"] and "stage 1" in decode["error"], decode
-    # Heartbeats every 0.5 s, a peer silent for 2 s is lost: well inside 8 s of the metadata.
-    assert decode["after_metadata_s"] < 8.0, decode
-    # PP rank 0 never reports Success without its dead peer stage (SGLang's consensus waits on
-    # every stage; a dead PP rank takes the prefill instance down in SGLang itself).
-    assert d.prefill[0].answer()["final"] != KVPoll.Success
-
-
 def test_a_decode_whose_aux_rows_differ_fails_the_request_naming_the_aux_entry(
     deployment: Deployment,
 ) -> None:
@@ -477,3 +477,47 @@ def test_a_decode_whose_aux_rows_differ_fails_the_request_naming_the_aux_entry(
     assert "source 32 bytes, destination 64" in decode["error"], decode
     assert decode["seconds"] < 5.0, decode  # refused at once, not timed out
     assert decode["released"], decode  # nothing was leased: SGLang may free the pages now
+
+
+def test_a_decode_whose_mamba_slots_differ_fails_naming_the_layer_and_kind(
+    deployment: Deployment,
+) -> None:
+    # The Mamba slot-size guard: a decode whose temporal state is larger than the prefill's.
+    d = deployment
+    other = d.start("decode", 0, {"mamba_items": [ep.MAMBA_ITEMS[0], 48]}, "state-wide-mamba")
+    try:
+        assert other.answer()["ready"]
+        other.ask({"op": "request", "room": 7502, "pages": [1, 2], "aux": 1, "timeout_s": 5.0})
+        decode = other.answer()
+    finally:
+        other.ask({"op": "exit"})
+        other.popen.wait(20)
+    assert decode["final"] == KVPoll.Failed, decode
+    # Named by layer (a Mamba layer of the stage paired first) and kind (the temporal tensor).
+    assert "state slot size differs for layer" in decode["error"], decode
+    assert "kind 'mamba.1'" in decode["error"], decode
+    assert "source 40 bytes, destination 48" in decode["error"], decode
+    assert decode["released"], decode
+
+
+# Last in this module: it kills a prefill stage of the shared deployment.
+def test_a_killed_prefill_stage_fails_the_decode_within_the_heartbeat_window(
+    deployment: Deployment,
+) -> None:
+    d = deployment
+    d.decode.ask({"op": "request", "room": 7201, "pages": [1, 2], "aux": 3, "timeout_s": 20.0})
+    d.prefill[0].ask(
+        {"op": "request", "room": 7201, "pages": [5, 6], "aux": 3, "chunks": [2], "timeout_s": 6.0}
+    )
+    time.sleep(0.5)  # the decode has created the handoff and reached both stages
+    d.prefill[1].popen.kill()
+    d.prefill[1].popen.wait(10)
+    decode = d.decode.answer()
+    assert decode["final"] == KVPoll.Failed, decode
+    print("decode failure:", decode["error"])
+    assert "sglang-7201-tp0" in decode["error"] and "stage 1" in decode["error"], decode
+    # Heartbeats every 0.5 s, a peer silent for 2 s is lost: well inside 8 s of the metadata.
+    assert decode["after_metadata_s"] < 8.0, decode
+    # PP rank 0 never reports Success without its dead peer stage (SGLang's consensus waits on
+    # every stage; a dead PP rank takes the prefill instance down in SGLang itself).
+    assert d.prefill[0].answer()["final"] != KVPoll.Success

@@ -5,12 +5,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from pipelines.errors import PairingError
 from pipelines.pairing import pair
 from service.integrations.sglang.layouts import (
     Unsupported,
+    component_slots,
     rank_layout,
     refuse_unsupported,
 )
@@ -105,7 +107,9 @@ def test_a_positional_list_under_pp_takes_its_ids_from_the_stage_s_first_layer()
     [
         ({}, "cuda", "--device cuda"),
         ({"num_draft_entries": 2}, "cpu", "num_draft_entries=2"),
-        ({"state_types": ["mamba"], "state_data_ptrs": [[1]]}, "cpu", "['mamba']"),
+        ({"state_types": ["swa"], "state_data_ptrs": [[1]]}, "cpu", "components ['swa']"),
+        ({"state_types": ["mamba", "dsa"], "state_data_ptrs": [[1], [2]]}, "cpu", "['dsa']"),
+        ({"state_types": ["mamba"], "state_data_ptrs": [[1]]}, "cpu", "no state_layer_ids"),
         ({"host_kv_data_ptrs": [1]}, "cpu", "host KV destinations"),
     ],
 )
@@ -116,3 +120,42 @@ def test_unsupported_features_are_refused_by_name(
         refuse_unsupported(kv_args(**changes), device=device)
     assert named in str(err.value)
     refuse_unsupported(kv_args(), device="cpu")  # and the supported case passes
+
+
+def mamba_args(**changes: Any) -> Any:
+    # Stage 1 of 2: linear layers 4 and 6, conv (24-byte slots) then temporal (40), 6 slots.
+    mamba = {
+        "state_types": ["mamba"],
+        "state_data_ptrs": [[1 << 20, 2 << 20, 3 << 20, 4 << 20]],
+        "state_data_lens": [[144, 144, 240, 240]],
+        "state_item_lens": [[24, 24, 40, 40]],
+        "state_layer_ids": [[4, 6, 4, 6]],
+    }
+    return kv_args(**{**mamba, **changes})
+
+
+def test_a_mamba_component_becomes_state_entries_of_its_own_component() -> None:
+    refuse_unsupported(mamba_args(), device="cpu")
+    rank = rank_layout(mamba_args(), pp_rank=1, pp_size=2, is_mla=False, with_aux=True)
+    state = [(s.layer_id, s.kind, s.item_len, s.num_slots, s.component) for s in rank.layout.state]
+    assert state == [
+        (4, "mamba.0", 24, 6, "mamba"),
+        (6, "mamba.0", 24, 6, "mamba"),
+        (4, "mamba.1", 40, 6, "mamba"),
+        (6, "mamba.1", 40, 6, "mamba"),
+    ]
+    # Regions in layout order: KV, then the Mamba buffers, then aux.
+    assert rank.buffers[4:8] == [(1 << 20, 144), (2 << 20, 144), (3 << 20, 240), (4 << 20, 240)]
+    torn = mamba_args(state_layer_ids=[[4, 6, 6, 4]])  # not tensor-major over the same layers
+    with pytest.raises(Unsupported) as err:
+        rank_layout(torn, pp_rank=1, pp_size=2, is_mla=False, with_aux=True)
+    assert "state component 'mamba'" in str(err.value)
+
+
+def test_state_indices_become_one_slot_per_component() -> None:
+    # SGLang's MAMBA payload: a list holding one array of one index.
+    assert component_slots(["mamba"], [[np.array([3], dtype=np.int32)]]) == ({"mamba": 3}, None)
+    assert component_slots(["mamba"], None) == ({}, None)
+    assert component_slots(["mamba", "swa"], [np.array([2]), None]) == ({"mamba": 2}, None)
+    slots, refused = component_slots(["mamba"], [np.array([2, 5])])
+    assert slots == {} and refused is not None and "2 indices" in refused

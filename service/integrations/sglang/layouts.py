@@ -8,9 +8,14 @@ the request's `aux_index`: they become the layout's aux entries (paired by posit
 sizes checked), sent at the request's aux row from the last PP stage only, where SGLang
 computes them.
 
-One index space per request is what a handoff carries today (its slot), so a request whose state
-lives at another index than its aux row (SGLang's MAMBA, SWA, DSA ... components) and draft
-entries are refused here, naming what is unsupported, before anything is registered.
+SGLang's state components (`state_types`, each with its own buffers, `state_layer_ids` and one
+index list per request) become state entries of that component: a MAMBA component's buffers
+(tensor-major x layer: every layer's conv tensor, then every layer's temporal tensor) are entries
+of kind `mamba.<tensor>` paired by global layer id, moved at the request's one MAMBA index, its
+slot of component `mamba`. Components whose per-request indices are not one slot (SWA, DSA and
+the other paged or ring components: a list of rows of their own pool, with window semantics
+kvhandoff does not carry) are refused here by name, as are draft entries, before anything is
+registered.
 """
 
 from __future__ import annotations
@@ -19,8 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from pipelines.errors import LayoutError
-from pipelines.layout import StageLayout, layout_from_flat_lists
+from pipelines.layout import StageLayout, group_layer_ids, layout_from_flat_lists
+
+#: SGLang state components with one index per request (a slot of their own pool): what this
+#: backend moves, as the state component of that name.
+SLOT_COMPONENTS = frozenset({"mamba"})
 
 
 class Unsupported(ValueError):
@@ -52,13 +63,23 @@ def refuse_unsupported(kv_args: Any, *, device: str) -> None:
             f"speculative-decoding draft KV entries (num_draft_entries={num_draft}) are not "
             "supported by the kvhandoff backend yet"
         )
-    kinds = [str(getattr(t, "value", t)) for t in (getattr(kv_args, "state_types", None) or [])]
-    with_data = [k for k, ptrs in zip(kinds, kv_args.state_data_ptrs or []) if ptrs]
-    if with_data:
+    kinds = state_types(kv_args)
+    with_data = [k for i, k in enumerate(kinds) if _component_list(kv_args, "state_data_ptrs", i)]
+    paged = [k for k in with_data if k not in SLOT_COMPONENTS]
+    if paged:
         raise Unsupported(
-            f"state components {with_data} (a per-request index apart from the aux row) are not "
-            "supported by the kvhandoff backend yet: a handoff carries one slot per request"
+            f"state components {paged} are not supported by the kvhandoff backend yet: their "
+            "per-request indices are rows of their own pool (a sliding window's pages, a ring), "
+            "not one slot per request; kvhandoff moves one slot per component "
+            f"({', '.join(sorted(SLOT_COMPONENTS))})"
         )
+    for i, kind in enumerate(kinds):
+        ptrs = _component_list(kv_args, "state_data_ptrs", i)
+        if ptrs and not _component_list(kv_args, "state_layer_ids", i):
+            raise Unsupported(
+                f"state component {kind!r} publishes no state_layer_ids: its entries cannot be "
+                "paired by global layer id"
+            )
     if getattr(kv_args, "host_kv_data_ptrs", None):
         raise Unsupported("host KV destinations (HiCache) are not supported by kvhandoff")
 
@@ -88,6 +109,7 @@ def rank_layout(
 ) -> RankLayout:
     """The layout of one rank (a prefill PP stage, or the decode with `pp_size` 1)."""
     ids = kv_layer_ids(kv_args, is_mla=is_mla, pp_size=pp_size)
+    state = state_lists(kv_args)
     aux: list[Sequence[int]] = (
         [kv_args.aux_data_ptrs or [], kv_args.aux_data_lens or [], kv_args.aux_item_lens or []]
         if with_aux
@@ -103,6 +125,12 @@ def rank_layout(
             kv_data_lens=kv_args.kv_data_lens,
             kv_item_lens=kv_args.kv_item_lens,
             kv_layer_ids=ids,
+            state_data_ptrs=state["state_data_ptrs"],
+            state_data_lens=state["state_data_lens"],
+            state_item_lens=state["state_item_lens"],
+            state_layer_ids=state["state_layer_ids"],
+            state_kinds=state["state_kinds"],
+            state_components=state["state_components"],
             aux_data_ptrs=[int(p) for p in aux[0]],
             aux_data_lens=[int(n) for n in aux[1]],
             aux_item_lens=[int(n) for n in aux[2]],
@@ -110,5 +138,66 @@ def rank_layout(
     except LayoutError as exc:
         raise Unsupported(f"SGLang's KVArgs do not make a kvhandoff layout: {exc}") from exc
     buffers = [(int(p), int(n)) for p, n in zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens)]
+    buffers += [(e.base, e.nbytes) for e in layout.state]
     buffers += [(a.base, a.nbytes) for a in layout.aux]
     return RankLayout(layout, buffers)
+
+
+def state_types(kv_args: Any) -> list[str]:
+    """SGLang's state component names (`StateType` values), in `state_*` list order."""
+    return [str(getattr(t, "value", t)) for t in (getattr(kv_args, "state_types", None) or [])]
+
+
+def _component_list(kv_args: Any, name: str, i: int) -> list[int]:
+    lists = getattr(kv_args, name, None) or []
+    return [int(x) for x in lists[i]] if i < len(lists) and lists[i] is not None else []
+
+
+def state_lists(kv_args: Any) -> dict[str, list[Any]]:
+    """The `state_*` flat lists of `layout_from_flat_lists` for SGLang's slot components:
+    every buffer of a component, kind `<component>.<tensor>` (its tensor-major position over
+    the component's distinct layer ids), its global layer id and its component."""
+    out: dict[str, list[Any]] = {
+        "state_data_ptrs": [],
+        "state_data_lens": [],
+        "state_item_lens": [],
+        "state_layer_ids": [],
+        "state_kinds": [],
+        "state_components": [],
+    }
+    for i, component in enumerate(state_types(kv_args)):
+        ptrs = _component_list(kv_args, "state_data_ptrs", i)
+        if not ptrs or component not in SLOT_COMPONENTS:
+            continue  # nothing of it on this rank, or refused by `refuse_unsupported`
+        ids = _component_list(kv_args, "state_layer_ids", i)
+        try:
+            layers, _ = group_layer_ids(ids, len(ptrs))
+        except LayoutError as exc:
+            raise Unsupported(f"state component {component!r}: {exc.message}") from exc
+        for j, ptr in enumerate(ptrs):
+            out["state_data_ptrs"].append(ptr)
+            out["state_layer_ids"].append(layers[j % len(layers)])
+            out["state_kinds"].append(f"{component}.{j // len(layers)}")
+            out["state_components"].append(component)
+        out["state_data_lens"] += _component_list(kv_args, "state_data_lens", i)
+        out["state_item_lens"] += _component_list(kv_args, "state_item_lens", i)
+    return out
+
+
+def component_slots(
+    types: Sequence[str], state_indices: Sequence[Any] | None
+) -> tuple[dict[str, int], str | None]:
+    """SGLang's per-component `state_indices` (parallel to `state_types`) as slots by
+    component, or an error naming the component whose indices are not one slot."""
+    slots: dict[str, int] = {}
+    for component, indices in zip(types, state_indices or []):
+        if indices is None or component not in SLOT_COMPONENTS:
+            continue
+        flat = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if flat.shape[0] != 1:
+            return {}, (
+                f"state component {component!r} came with {flat.shape[0]} indices; kvhandoff "
+                "moves one slot per request of it"
+            )
+        slots[component] = int(flat[0])
+    return slots, None
