@@ -3,7 +3,7 @@
 Started by `test_backend.py` as `python -m tests.sglang.engine_proc <role> <pp_rank> <pp_size>
 <bootstrap_port> <dist_port> <model_dir> <variant>` (a JSON object: `aux_items` replaces the aux
 buffers' row sizes, `mamba_items` the Mamba tensors' slot sizes, to make a rank whose memory
-differs from its peers'). It publishes
+differs from its peers'; `tp_size` and `tp_rank` place it in a TP group). It publishes
 SGLang's runtime context as a scheduler does, builds `KVArgs` over CPU tensors (their
 `data_ptr()`s), gets the manager, sender and receiver classes through SGLang's `get_kv_class`,
 and makes the calls SGLang's `prefill.py` / `decode.py` make, in their order, for each command
@@ -41,16 +41,19 @@ MAMBA_ITEMS = [24, 40]  # bytes of one slot of the conv and the temporal tensor
 MAMBA_SLOTS = 6
 
 
-def mamba_layers(role: str, pp_rank: int) -> list[int]:
-    return LINEAR[pp_rank] if role == "prefill" else LINEAR[0] + LINEAR[1]
+def mamba_layers(role: str, pp_rank: int, pp_size: int = 2) -> list[int]:
+    return LINEAR[pp_rank] if role == "prefill" and pp_size > 1 else LINEAR[0] + LINEAR[1]
 
 
 def mamba_slot(cmd: dict[str, Any]) -> int:
     return int(cmd.get("mamba", (int(cmd["aux"]) + 1) % MAMBA_SLOTS))
 
 
-def layer_ids(role: str, pp_rank: int) -> list[int]:
-    return FULL_ATTENTION[pp_rank] if role == "prefill" else FULL_ATTENTION[0] + FULL_ATTENTION[1]
+def layer_ids(role: str, pp_rank: int, pp_size: int = 2) -> list[int]:
+    """The full-attention layers of a rank: its stage's (a prefill of two PP stages) or all."""
+    if role == "prefill" and pp_size > 1:
+        return FULL_ATTENTION[pp_rank]
+    return FULL_ATTENTION[0] + FULL_ATTENTION[1]
 
 
 Tensors = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
@@ -61,18 +64,22 @@ def tensors(
     pp_rank: int,
     aux_items: list[int] = AUX_ITEMS,
     mamba_items: list[int] = MAMBA_ITEMS,
+    *,
+    pp_size: int = 2,
+    tp_rank: int = 0,
 ) -> Tensors:
     """(KV buffers group-major: K of each layer then V; Mamba buffers tensor-major: conv of
-    each linear layer, then temporal; aux buffers): random on the prefill (seeded by stage),
-    zeros on the decode."""
+    each linear layer, then temporal; aux buffers): random on the prefill (seeded by stage and
+    TP rank: each TP rank holds its own heads), zeros on the decode."""
     pages = PREFILL_PAGES if role == "prefill" else DECODE_PAGES
-    n = 2 * len(layer_ids(role, pp_rank))
-    state_sizes = [MAMBA_SLOTS * item for item in mamba_items for _ in mamba_layers(role, pp_rank)]
+    n = 2 * len(layer_ids(role, pp_rank, pp_size))
+    linear = mamba_layers(role, pp_rank, pp_size)
+    state_sizes = [MAMBA_SLOTS * item for item in mamba_items for _ in linear]
     sizes = [pages * KV_ITEM] * n + state_sizes + [AUX_ROWS * item for item in aux_items]
     if role == "decode":
         made = [torch.zeros(size, dtype=torch.uint8) for size in sizes]
     else:
-        gen = torch.Generator().manual_seed(1000 + pp_rank)
+        gen = torch.Generator().manual_seed(1000 + pp_rank + 100 * tp_rank)
         made = [torch.randint(1, 255, (size,), dtype=torch.uint8, generator=gen) for size in sizes]
     m = len(state_sizes)
     return made[:n], made[n : n + m], made[n + m :]
@@ -84,6 +91,9 @@ def kv_args(
     memory: Tensors,
     aux_items: list[int] = AUX_ITEMS,
     mamba_items: list[int] = MAMBA_ITEMS,
+    *,
+    pp_size: int = 2,
+    tp_rank: int = 0,
 ) -> Any:
     from sglang.srt.disaggregation.base.conn import KVArgs, StateType
     from sglang.srt.disaggregation.utils import append_state_component
@@ -91,8 +101,8 @@ def kv_args(
     kv, state, aux = memory
 
     args = KVArgs()
-    ids = layer_ids(role, pp_rank)
-    args.engine_rank = 0
+    ids = layer_ids(role, pp_rank, pp_size)
+    args.engine_rank = tp_rank
     args.kv_data_ptrs = [t.data_ptr() for t in kv]
     args.kv_data_lens = [t.numel() for t in kv]
     args.kv_item_lens = [KV_ITEM] * len(kv)
@@ -105,7 +115,7 @@ def kv_args(
     args.state_item_lens, args.state_layer_ids = [], []
     args.state_dim_per_tensor, args.state_slice_outer_counts = [], []
     args.state_conv_shard_groups = []
-    linear = mamba_layers(role, pp_rank)
+    linear = mamba_layers(role, pp_rank, pp_size)
     append_state_component(  # as SGLang's setup_state_kv_args does for a hybrid linear pool
         args,
         StateType.MAMBA,
@@ -122,12 +132,20 @@ def kv_args(
     args.system_dp_rank = 0
     args.rust_http_port = None
     args.pp_rank = pp_rank
-    args.prefill_start_layer = 4 * pp_rank if role == "prefill" else 0
-    args.prefill_end_layer = 4 * pp_rank + 4 if role == "prefill" else MODEL_LAYERS
+    staged = role == "prefill" and pp_size > 1
+    args.prefill_start_layer = 4 * pp_rank if staged else 0
+    args.prefill_end_layer = 4 * pp_rank + 4 if staged else MODEL_LAYERS
     args.mla_compression_ratios = None
     args.kv_buf_groups, args.hidden_kv_layers, args.draft_kv_layers = 2, 0, 0
     args.num_draft_entries = 0
     return args
+
+
+class OneRankGroup:
+    """SGLang's pp_group of a prefill of one PP stage: broadcasting to itself."""
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
 
 
 class GlooGroup:
@@ -149,6 +167,7 @@ def main() -> None:
     variant = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}
     aux_items = [int(n) for n in variant.get("aux_items", AUX_ITEMS)]
     mamba_items = [int(n) for n in variant.get("mamba_items", MAMBA_ITEMS)]
+    tp_size, tp_rank = int(variant.get("tp_size", 1)), int(variant.get("tp_rank", 0))
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logging.getLogger("kvhandoff").setLevel(logging.INFO)
     pp_rank_i, pp_size_i, port_i = int(pp_rank), int(pp_size), int(port)
@@ -176,11 +195,13 @@ def main() -> None:
         page_size=PAGE_SIZE,
         host="127.0.0.1",
         pp_size=pp_size_i if role == "prefill" else 1,
+        tp_size=tp_size,
         disaggregation_mode=role,
         disaggregation_transfer_backend="kvhandoff",
         disaggregation_bootstrap_port=port_i,
     )
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=pp_rank_i))
+    world_rank = pp_rank_i * tp_size + tp_rank  # TP ranks innermost, as SGLang places them
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank))
     if role == "prefill" and pp_size_i > 1:
         torch.distributed.init_process_group(
             "gloo",
@@ -189,11 +210,14 @@ def main() -> None:
             world_size=pp_size_i,
         )
         get_parallel().override_permanently(pp_group=GlooGroup())
+    elif role == "prefill":
+        get_parallel().override_permanently(pp_group=OneRankGroup())
 
     backend = TransferBackend(server_args.disaggregation_transfer_backend)
-    memory = tensors(role, pp_rank_i, aux_items, mamba_items)
+    shape = {"pp_size": pp_size_i, "tp_rank": tp_rank}
+    memory = tensors(role, pp_rank_i, aux_items, mamba_items, **shape)
     kv, state, aux = memory
-    args = kv_args(role, pp_rank_i, memory, aux_items, mamba_items)
+    args = kv_args(role, pp_rank_i, memory, aux_items, mamba_items, **shape)
     mode = DisaggregationMode(role)
     manager = get_kv_class(backend, KVClassType.MANAGER)(args, mode, server_args, False)
     bootstrap_addr = f"127.0.0.1:{port_i}"

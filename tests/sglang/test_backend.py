@@ -5,6 +5,7 @@ Mooncake over TCP on 127.0.0.1 between the ranks' embedded services."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -77,11 +78,15 @@ class Deployment:
     tmp: Path
     #: Another rank process: (role, pp_rank, variant of engine_proc's memory, its state dir).
     start: Callable[[str, int, dict[str, Any], str], Proc]
+    decodes: list[Proc]  # every decode rank (`decode` is the first)
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    tmp = tmp_path_factory.mktemp("sglang")
+@contextlib.contextmanager
+def deploy(
+    tmp: Path, prefill: list[tuple[int, dict[str, Any]]], decode: list[dict[str, Any]], pp_size: int
+) -> Iterator[Deployment]:
+    """A bootstrap server of its own and one process per rank: the prefill ranks `(pp_rank,
+    variant)` of a prefill of `pp_size` stages, then the decode ranks (their variants)."""
     (tmp / "model").mkdir()
     (tmp / "model" / "config.json").write_text(
         json.dumps(
@@ -110,7 +115,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         return path
 
     config = write_config("state")
-    os.environ["SGLANG_KVHANDOFF_CONFIG"] = str(config)
+    os.environ["SGLANG_KVHANDOFF_CONFIG"] = str(config)  # this process's bootstrap server
     port, dist_port = free_port(), free_port()
     server = KVHandoffBootstrapServer("127.0.0.1", port)
     serving(port)
@@ -130,13 +135,14 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             "tests.sglang.engine_proc",
             role,
             str(pp_rank),
-            "2",
+            str(pp_size),
             str(port),
             str(dist_port),
             str(tmp / "model"),
             json.dumps(variant or {}),
         ]
-        log = open(tmp / f"{role}{pp_rank}-{state}.log", "w")  # noqa: SIM115  -- with the process
+        name = f"{role}{pp_rank}-tp{(variant or {}).get('tp_rank', 0)}-{state}"
+        log = open(tmp / f"{name}.log", "w")  # noqa: SIM115  -- closed with the process
         popen = subprocess.Popen(
             argv,
             cwd=ROOT,
@@ -146,27 +152,34 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             stderr=log,
             text=True,
         )
-        proc = Proc(f"{role}{pp_rank}", popen)
+        proc = Proc(name, popen)
         started.append(proc)
         return proc
 
-    procs = [start("prefill", 0), start("prefill", 1), start("decode", 0)]
+    prefills = [start("prefill", rank, variant) for rank, variant in prefill]
+    decodes = [start("decode", 0, variant) for variant in decode]
     try:
-        for p in procs:
+        for p in [*prefills, *decodes]:
             hello = p.answer()
             assert hello["ready"] and hello["manager"] == "KVHandoffManager", hello
-        yield Deployment(port, server, procs[:2], procs[2], tmp, start)
+        yield Deployment(port, server, prefills, decodes[0], tmp, start, decodes)
     finally:
-        procs = started
-        for p in procs:
+        for p in started:
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
-        for p in procs:
+        for p in started:
             try:
                 p.popen.wait(20)
             except subprocess.TimeoutExpired:
                 p.popen.kill()
         server.close()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """A prefill of two PP stages (TP 1) and a decode."""
+    with deploy(tmp_path_factory.mktemp("sglang"), [(0, {}), (1, {})], [{}], 2) as d:
+        yield d
 
 
 def run(
@@ -521,3 +534,67 @@ def test_a_killed_prefill_stage_fails_the_decode_within_the_heartbeat_window(
     # PP rank 0 never reports Success without its dead peer stage (SGLang's consensus waits on
     # every stage; a dead PP rank takes the prefill instance down in SGLang itself).
     assert d.prefill[0].answer()["final"] != KVPoll.Success
+
+
+def verify_whole_rank(
+    dump: Path,
+    room: int,
+    pages: tuple[list[int], list[int]],
+    aux: tuple[int, int],
+    mamba: tuple[int, int],
+    tp_rank: int,
+) -> None:
+    """Every byte of one decode TP rank against the same TP rank of a one-stage prefill (its
+    entries in the decode's order): the request's rows from their source, zeros elsewhere."""
+    landed = list(np.load(dump).values())
+    kv, state, rows = ep.tensors("prefill", 0, pp_size=1, tp_rank=tp_rank)
+    linear = ep.mamba_layers("decode", 0)
+    items = [ep.KV_ITEM] * len(kv) + [i for i in ep.MAMBA_ITEMS for _ in linear] + ep.AUX_ITEMS
+    at = [pages] * len(kv) + [([mamba[0]], [mamba[1]])] * len(state)
+    at += [([aux[0]], [aux[1]])] * len(rows)
+    for k, (sent, got, item, (src, dst)) in enumerate(zip([*kv, *state, *rows], landed, items, at)):
+        want = sent.numpy().reshape(-1, item)[src].copy()
+        if k == len(landed) - 1:  # the bootstrap_room row this rank's last stage wrote
+            want = np.frombuffer(np.int64(room).tobytes(), dtype=np.uint8)[None, :]
+        got = got.reshape(-1, item)
+        assert np.array_equal(got[dst], want), f"tp rank {tp_rank}: region {k}"
+        assert not np.delete(got, dst, axis=0).any(), f"tp rank {tp_rank}: region {k}"
+
+
+def test_equal_tp_moves_one_handoff_per_request_and_tp_rank(tmp_path: Path) -> None:
+    # A prefill of TP 2 and a decode of TP 2, one process per rank: each decode TP rank pairs
+    # with the prefill TP rank of its own rank (handoff `sglang-<room>-tp<rank>`, one per rank)
+    # and lands that rank's own bytes (distinct per rank: each holds its own heads).
+    tp = [{"tp_size": 2, "tp_rank": r} for r in (0, 1)]
+    room, src, dst, aux, mamba = 7601, [3, 4, 9], [7, 8, 1], (2, 5), (4, 1)
+    with deploy(tmp_path, [(0, v) for v in tp], tp, 1) as d:
+        for r, p in enumerate(d.decodes):
+            dump = str(tmp_path / f"decode-tp{r}.npz")
+            p.ask(
+                {
+                    "op": "request",
+                    "room": room,
+                    "pages": dst,
+                    "aux": aux[1],
+                    "mamba": mamba[1],
+                    "dump": dump,
+                }
+            )
+        for p in d.prefill:
+            p.ask(
+                {
+                    "op": "request",
+                    "room": room,
+                    "pages": src,
+                    "aux": aux[0],
+                    "mamba": mamba[0],
+                    "chunks": [2, 1],
+                }
+            )
+        prefill = [p.answer() for p in d.prefill]
+        decode = [p.answer() for p in d.decodes]
+    assert all(a["final"] == KVPoll.Success for a in [*prefill, *decode]), (prefill, decode)
+    assert all(monotone(a["polls"]) for a in [*prefill, *decode])
+    assert all(a["released"] for a in decode)
+    for r in (0, 1):
+        verify_whole_rank(tmp_path / f"decode-tp{r}.npz", room, (src, dst), aux, mamba, r)
