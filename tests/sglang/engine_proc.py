@@ -11,12 +11,14 @@ read from stdin (one JSON object a line); it answers one JSON line each. PP rank
 prefill share a gloo group, as SGLang's pp_group.
 
 The memory: a hybrid model of 8 layers, full attention on 1, 3 (stage 0) and 5, 7 (stage 1),
-K and V buffers, pages of 4 tokens; SGLang's MAMBA state component on the linear layers 0, 2
-(stage 0) and 4, 6 (stage 1), a conv and a temporal tensor per layer listed tensor-major with
-their global layer ids (as SGLang's `HybridLinearKVPool.get_state_layer_ids`), one slot per
-request (its `state_indices`: `[array([slot])]`); three aux buffers (output ids, logprobs,
-bootstrap room) with one row per request. `tensors()` makes the same bytes in the test, from the
-same seed. A request's Mamba slot is its command's `mamba`, else `(aux + 1) % MAMBA_SLOTS`.
+K and V buffers, pages of 4 tokens, and a speculative-decoding draft layer (MTP: K and V, id 8,
+appended as SGLang appends `num_draft_entries`) on the last stage and the decode; SGLang's
+MAMBA state component on the linear layers 0, 2 (stage 0) and 4, 6 (stage 1), a conv and a
+temporal tensor per layer listed tensor-major with their global layer ids (as SGLang's
+`HybridLinearKVPool.get_state_layer_ids`), one slot per request (its `state_indices`:
+`[array([slot])]`); three aux buffers (output ids, logprobs, bootstrap room) with one row per
+request. `tensors()` makes the same bytes in the test, from the same seed. A request's Mamba
+slot is its command's `mamba`, else `(aux + 1) % MAMBA_SLOTS`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ PREFILL_PAGES, DECODE_PAGES, AUX_ROWS = 32, 48, 8
 LINEAR = {0: [0, 2], 1: [4, 6]}  # Mamba layers per prefill PP stage
 MAMBA_ITEMS = [24, 40]  # bytes of one slot of the conv and the temporal tensor
 MAMBA_SLOTS = 6
+DRAFT_LAYER = MODEL_LAYERS  # SGLang's id of the first draft layer (`build_kv_layer_ids`)
 
 
 def mamba_layers(role: str, pp_rank: int, pp_size: int = 2) -> list[int]:
@@ -47,6 +50,19 @@ def mamba_layers(role: str, pp_rank: int, pp_size: int = 2) -> list[int]:
 
 def mamba_slot(cmd: dict[str, Any]) -> int:
     return int(cmd.get("mamba", (int(cmd["aux"]) + 1) % MAMBA_SLOTS))
+
+
+def has_draft(role: str, pp_rank: int, pp_size: int = 2) -> bool:
+    """The draft model's KV (one MTP layer) lives on the last prefill stage and the decode."""
+    return role == "decode" or pp_rank == pp_size - 1
+
+
+def kv_entries(role: str, pp_rank: int, pp_size: int = 2) -> list[tuple[int, int]]:
+    """(layer id, group) of each KV buffer in SGLang's order: the target's K then V, then the
+    draft's K and V with SGLang's draft id (the band above the target's layers)."""
+    ids = layer_ids(role, pp_rank, pp_size)
+    draft = [(DRAFT_LAYER, 0), (DRAFT_LAYER, 1)] if has_draft(role, pp_rank, pp_size) else []
+    return [(i, 0) for i in ids] + [(i, 1) for i in ids] + draft
 
 
 def layer_ids(role: str, pp_rank: int, pp_size: int = 2) -> list[int]:
@@ -72,7 +88,7 @@ def tensors(
     each linear layer, then temporal; aux buffers): random on the prefill (seeded by stage and
     TP rank: each TP rank holds its own heads), zeros on the decode."""
     pages = PREFILL_PAGES if role == "prefill" else DECODE_PAGES
-    n = 2 * len(layer_ids(role, pp_rank, pp_size))
+    n = len(kv_entries(role, pp_rank, pp_size))
     linear = mamba_layers(role, pp_rank, pp_size)
     state_sizes = [MAMBA_SLOTS * item for item in mamba_items for _ in linear]
     sizes = [pages * KV_ITEM] * n + state_sizes + [AUX_ROWS * item for item in aux_items]
@@ -101,12 +117,12 @@ def kv_args(
     kv, state, aux = memory
 
     args = KVArgs()
-    ids = layer_ids(role, pp_rank, pp_size)
+    entries = kv_entries(role, pp_rank, pp_size)
     args.engine_rank = tp_rank
     args.kv_data_ptrs = [t.data_ptr() for t in kv]
     args.kv_data_lens = [t.numel() for t in kv]
     args.kv_item_lens = [KV_ITEM] * len(kv)
-    args.kv_layer_ids = ids * 2  # one global id per buffer, group-major
+    args.kv_layer_ids = [layer for layer, _ in entries]  # one global id per buffer
     args.kv_cache_dtype_str = "bfloat16"
     args.aux_data_ptrs = [t.data_ptr() for t in aux]
     args.aux_data_lens = [t.numel() for t in aux]
@@ -137,7 +153,7 @@ def kv_args(
     args.prefill_end_layer = 4 * pp_rank + 4 if staged else MODEL_LAYERS
     args.mla_compression_ratios = None
     args.kv_buf_groups, args.hidden_kv_layers, args.draft_kv_layers = 2, 0, 0
-    args.num_draft_entries = 0
+    args.num_draft_entries = 2 if has_draft(role, pp_rank, pp_size) else 0
     return args
 
 

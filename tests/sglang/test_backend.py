@@ -239,15 +239,16 @@ def verify(
     dst_aux: int,
     mamba: tuple[int, int] | None = None,
 ) -> None:
-    """Every decode byte: the pages, Mamba slot and aux row of this request from their source,
-    zeros everywhere else. `mamba`: (source, destination) slot, else engine_proc's default."""
+    """Every decode byte: the pages (target and draft layers), Mamba slot and aux row of this
+    request from their source, zeros everywhere else. `mamba`: (source, destination) slot,
+    else engine_proc's default."""
     src_mamba, dst_mamba = mamba or (
         ep.mamba_slot({"aux": src_aux}),
         ep.mamba_slot({"aux": dst_aux}),
     )
     landed = list(np.load(d.tmp / f"decode-{room}.npz").values())
-    dec_ids = ep.layer_ids("decode", 0)
-    n = len(dec_ids)
+    dec_kv = ep.kv_entries("decode", 0)
+    n = len(dec_kv)  # the decode's KV buffers, its Mamba buffers after them
     dec_linear = ep.mamba_layers("decode", 0)
     for rank in (0, 1):
         kv, state, aux = ep.tensors("prefill", rank)
@@ -255,20 +256,18 @@ def verify(
         for t, item in enumerate(ep.MAMBA_ITEMS):  # tensor-major over each side's layers
             for layer in linear:
                 sent = state[t * len(linear) + linear.index(layer)].numpy().reshape(-1, item)
-                got = landed[2 * n + t * len(dec_linear) + dec_linear.index(layer)]
+                got = landed[n + t * len(dec_linear) + dec_linear.index(layer)]
                 got = got.reshape(-1, item)
                 assert np.array_equal(got[dst_mamba], sent[src_mamba]), f"mamba {t} {layer}"
                 assert not np.delete(got, [dst_mamba], axis=0).any(), f"mamba {t} {layer}"
-        ids = ep.layer_ids("prefill", rank)
-        for i, layer in enumerate(ids * 2):
-            group = i // len(ids)
-            j = group * n + dec_ids.index(layer)
+        for i, (layer, group) in enumerate(ep.kv_entries("prefill", rank)):
+            j = dec_kv.index((layer, group))  # the draft layer too: by its id in SGLang's band
             sent = kv[i].numpy().reshape(ep.PREFILL_PAGES, ep.KV_ITEM)[src]
             got = landed[j].reshape(ep.DECODE_PAGES, ep.KV_ITEM)
             assert np.array_equal(got[dst], sent), f"layer {layer} group {group}"
             assert not np.delete(got, dst, axis=0).any(), f"layer {layer} group {group}"
     _, _, aux = ep.tensors("prefill", 1)  # the last stage's aux rows; the room row it wrote
-    first_aux = 2 * n + len(ep.MAMBA_ITEMS) * len(dec_linear)
+    first_aux = n + len(ep.MAMBA_ITEMS) * len(dec_linear)
     for k, item in enumerate(ep.AUX_ITEMS):
         got = landed[first_aux + k].reshape(ep.AUX_ROWS, item)
         want = aux[k].numpy().reshape(ep.AUX_ROWS, item)[src_aux].copy()

@@ -106,7 +106,6 @@ def test_a_positional_list_under_pp_takes_its_ids_from_the_stage_s_first_layer()
     ("changes", "device", "named"),
     [
         ({}, "cuda", "--device cuda"),
-        ({"num_draft_entries": 2}, "cpu", "num_draft_entries=2"),
         ({"state_types": ["swa"], "state_data_ptrs": [[1]]}, "cpu", "components ['swa']"),
         ({"state_types": ["mamba", "dsa"], "state_data_ptrs": [[1], [2]]}, "cpu", "['dsa']"),
         ({"state_types": ["mamba"], "state_data_ptrs": [[1]]}, "cpu", "no state_layer_ids"),
@@ -159,3 +158,92 @@ def test_state_indices_become_one_slot_per_component() -> None:
     assert component_slots(["mamba", "swa"], [np.array([2]), None]) == ({"mamba": 2}, None)
     slots, refused = component_slots(["mamba"], [np.array([2, 5])])
     assert slots == {} and refused is not None and "2 indices" in refused
+
+
+def draft_args(**changes: Any) -> Any:
+    # Stage 1 of 2: target layers 5, 7 (K, V) and one MTP draft layer, SGLang's id 8 (the band
+    # above the target's 8 layers), its K and V appended after the target's buffers.
+    draft = {
+        "kv_data_ptrs": [4096 * k for k in range(1, 7)],
+        "kv_data_lens": [640] * 6,
+        "kv_item_lens": [64] * 6,
+        "kv_layer_ids": [5, 7, 5, 7, 8, 8],
+        "num_draft_entries": 2,
+        "prefill_end_layer": 8,
+    }
+    return kv_args(**{**draft, **changes})
+
+
+def test_draft_entries_join_each_group_in_their_own_id_band() -> None:
+    rank = rank_layout(draft_args(), pp_rank=1, pp_size=2, is_mla=False, with_aux=False)
+    kv = [(e.layer_id, e.group, e.base) for e in rank.layout.kv]
+    assert kv == [
+        (5, 0, 4096),
+        (7, 0, 8192),
+        (8, 0, 4096 * 5),  # the draft's K after the target's K
+        (5, 1, 4096 * 3),
+        (7, 1, 4096 * 4),
+        (8, 1, 4096 * 6),
+    ]
+    assert [b for b, _ in rank.buffers] == [e.base for e in rank.layout.kv]  # region i = entry i
+    decode = rank_layout(
+        draft_args(
+            kv_data_ptrs=[4096 * k for k in range(1, 11)],
+            kv_data_lens=[640] * 10,
+            kv_item_lens=[64] * 10,
+            kv_layer_ids=[1, 3, 5, 7, 1, 3, 5, 7, 8, 8],
+        ),
+        pp_rank=0,
+        pp_size=1,
+        is_mla=False,
+        with_aux=False,
+    ).layout
+    p = pair(rank.layout, decode)
+    assert sorted(zip(p.kv_layer.tolist(), p.kv_group.tolist())) == [
+        (5, 0),
+        (5, 1),
+        (7, 0),
+        (7, 1),
+        (8, 0),
+        (8, 1),
+    ]
+    # A positional list under PP: the target's ids from the stage's first layer, the draft's
+    # from the end of the target's layers.
+    positional = rank_layout(
+        draft_args(kv_layer_ids=[]), pp_rank=1, pp_size=2, is_mla=False, with_aux=False
+    )
+    assert [(e.layer_id, e.group) for e in positional.layout.kv] == [
+        (4, 0),
+        (5, 0),
+        (8, 0),
+        (4, 1),
+        (5, 1),
+        (8, 1),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("changes", "pp_rank", "named"),
+    [
+        ({}, 0, "draft KV entries on PP stage 0 of 2"),
+        ({"kv_layer_ids": [5, 7, 5, 7, 7, 7]}, 1, "draft layer id 7 is also a target layer id"),
+        (
+            {
+                "num_draft_entries": 1,
+                "kv_data_ptrs": [4096 * k for k in range(1, 6)],
+                "kv_data_lens": [640] * 5,
+                "kv_item_lens": [64] * 5,
+                "kv_layer_ids": [5, 7, 5, 7, 8],
+            },
+            1,
+            "the draft model's 1 KV buffers make 1 groups, the target's 4 make 2",
+        ),
+        ({"kv_layer_ids": [5, 7, 5, 7]}, 1, "4 ids for 6 KV buffers (2 of the draft)"),
+    ],
+)
+def test_draft_entries_that_cannot_pair_by_id_are_refused_by_name(
+    changes: dict[str, Any], pp_rank: int, named: str
+) -> None:
+    with pytest.raises(Unsupported) as err:
+        rank_layout(draft_args(**changes), pp_rank=pp_rank, pp_size=2, is_mla=False, with_aux=False)
+    assert named in str(err.value)

@@ -14,8 +14,8 @@ index list per request) become state entries of that component: a MAMBA componen
 of kind `mamba.<tensor>` paired by global layer id, moved at the request's one MAMBA index, its
 slot of component `mamba`. Components whose per-request indices are not one slot (SWA, DSA and
 the other paged or ring components: a list of rows of their own pool, with window semantics
-kvhandoff does not carry) are refused here by name, as are draft entries, before anything is
-registered.
+kvhandoff does not carry) are refused here by name before anything is registered. Draft-model
+KV entries (speculative decoding) take their ids in SGLang's band above the target's layers.
 """
 
 from __future__ import annotations
@@ -57,12 +57,6 @@ def refuse_unsupported(kv_args: Any, *, device: str) -> None:
             f"the kvhandoff SGLang backend registers host memory only in this version; "
             f"--device {device} buffers are not supported yet"
         )
-    num_draft = int(getattr(kv_args, "num_draft_entries", 0) or 0)
-    if num_draft:
-        raise Unsupported(
-            f"speculative-decoding draft KV entries (num_draft_entries={num_draft}) are not "
-            "supported by the kvhandoff backend yet"
-        )
     kinds = state_types(kv_args)
     with_data = [k for i, k in enumerate(kinds) if _component_list(kv_args, "state_data_ptrs", i)]
     paged = [k for k in with_data if k not in SLOT_COMPONENTS]
@@ -84,19 +78,81 @@ def refuse_unsupported(kv_args: Any, *, device: str) -> None:
         raise Unsupported("host KV destinations (HiCache) are not supported by kvhandoff")
 
 
-def kv_layer_ids(kv_args: Any, *, is_mla: bool, pp_size: int) -> list[int] | None:
-    """The global layer ids of the KV buffers; None for a legacy positional PP=1 list."""
-    ids = [int(i) for i in (kv_args.kv_layer_ids or [])]
-    if ids:
-        return ids
-    if pp_size == 1:
-        return None
+@dataclass(frozen=True)
+class KVLists:
+    """A rank's KV buffers in the layer-id contract's order, with their global ids (one per
+    buffer; None: SGLang's positional PP=1 list, paired by position)."""
+
+    ptrs: list[int]
+    lens: list[int]
+    items: list[int]
+    ids: list[int] | None
+
+
+def kv_lists(kv_args: Any, *, is_mla: bool, pp_rank: int, pp_size: int) -> KVLists:
+    """SGLang's `kv_data_*` lists as layout entries. SGLang appends the draft model's buffers
+    (`num_draft_entries`, MTP / EAGLE) after the target's, each part group-major, with draft
+    ids in a band above the target's layers (`build_kv_layer_ids`; from `prefill_end_layer`
+    for a positional list): here the draft layers join each group after the target's, so the
+    whole list is group-major and drafts pair by id like any layer."""
+    ptrs = [int(p) for p in kv_args.kv_data_ptrs]
+    lens = [int(n) for n in kv_args.kv_data_lens]
+    items = [int(n) for n in kv_args.kv_item_lens]
+    n = len(ptrs)
+    d = int(getattr(kv_args, "num_draft_entries", 0) or 0)
+    if not 0 <= d <= n:
+        raise Unsupported(f"num_draft_entries={d} for {n} KV buffers")
+    if d and pp_rank != pp_size - 1:
+        raise Unsupported(
+            f"draft KV entries on PP stage {pp_rank} of {pp_size}: only the last stage sends "
+            "them (another stage's copy would write the same decode entries)"
+        )
+    published = [int(i) for i in (kv_args.kv_layer_ids or [])]
+    if not published and pp_size == 1:
+        return KVLists(ptrs, lens, items, None)
+    t = n - d
     groups = 1 if is_mla else 2  # SGLang's MHA lists K buffers, then V buffers
-    n = len(kv_args.kv_data_ptrs)
-    if n % groups:
-        raise Unsupported(f"{n} KV buffers do not split into {groups} groups (K, V)")
-    start = int(kv_args.prefill_start_layer or 0)
-    return list(range(start, start + n // groups))
+    if published:
+        if len(published) != n:
+            raise Unsupported(
+                f"kv_layer_ids lists {len(published)} ids for {n} KV buffers ({d} of the draft)"
+            )
+        target_ids, draft_ids = published[:t], published[t:]
+    else:
+        if t % groups or d % groups:
+            raise Unsupported(
+                f"{t} target and {d} draft KV buffers do not split into {groups} groups (K, V)"
+            )
+        start = int(kv_args.prefill_start_layer or 0)
+        end = int(getattr(kv_args, "prefill_end_layer", None) or start + t // groups)
+        target_ids = list(range(start, start + t // groups)) * groups
+        draft_ids = list(range(end, end + d // groups)) * groups
+    try:
+        layers, target_groups = group_layer_ids(target_ids, t)
+        drafts, draft_groups = group_layer_ids(draft_ids, d) if d else ([], target_groups)
+    except LayoutError as exc:
+        raise Unsupported(f"SGLang's KV lists do not make a kvhandoff layout: {exc}") from exc
+    if draft_groups != target_groups:
+        raise Unsupported(
+            f"the draft model's {d} KV buffers make {draft_groups} groups, the target's "
+            f"{t} make {target_groups}"
+        )
+    clash = sorted(set(layers) & set(drafts))
+    if clash:
+        raise Unsupported(
+            f"draft layer id {clash[0]} is also a target layer id: draft entries need ids in "
+            "their own band, above the target model's layers"
+        )
+    order: list[int] = []
+    for g in range(target_groups):
+        order += [g * len(layers) + i for i in range(len(layers))]
+        order += [t + g * len(drafts) + i for i in range(len(drafts))]
+    return KVLists(
+        [ptrs[i] for i in order],
+        [lens[i] for i in order],
+        [items[i] for i in order],
+        (layers + drafts) * target_groups,
+    )
 
 
 def rank_layout(
@@ -108,7 +164,7 @@ def rank_layout(
     with_aux: bool,
 ) -> RankLayout:
     """The layout of one rank (a prefill PP stage, or the decode with `pp_size` 1)."""
-    ids = kv_layer_ids(kv_args, is_mla=is_mla, pp_size=pp_size)
+    kv = kv_lists(kv_args, is_mla=is_mla, pp_rank=pp_rank, pp_size=pp_size)
     state = state_lists(kv_args)
     aux: list[Sequence[int]] = (
         [kv_args.aux_data_ptrs or [], kv_args.aux_data_lens or [], kv_args.aux_item_lens or []]
@@ -121,10 +177,10 @@ def rank_layout(
             pp_size=pp_size,
             page_size=int(kv_args.page_size),
             dtype=str(kv_args.kv_cache_dtype_str),
-            kv_data_ptrs=kv_args.kv_data_ptrs,
-            kv_data_lens=kv_args.kv_data_lens,
-            kv_item_lens=kv_args.kv_item_lens,
-            kv_layer_ids=ids,
+            kv_data_ptrs=kv.ptrs,
+            kv_data_lens=kv.lens,
+            kv_item_lens=kv.items,
+            kv_layer_ids=kv.ids,
             state_data_ptrs=state["state_data_ptrs"],
             state_data_lens=state["state_data_lens"],
             state_item_lens=state["state_item_lens"],
@@ -137,7 +193,7 @@ def rank_layout(
         )
     except LayoutError as exc:
         raise Unsupported(f"SGLang's KVArgs do not make a kvhandoff layout: {exc}") from exc
-    buffers = [(int(p), int(n)) for p, n in zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens)]
+    buffers = list(zip(kv.ptrs, kv.lens))
     buffers += [(e.base, e.nbytes) for e in layout.state]
     buffers += [(a.base, a.nbytes) for a in layout.aux]
     return RankLayout(layout, buffers)
