@@ -54,7 +54,8 @@ class PairingError(KVHandoffError):
         message = getattr(first, "message", "layouts cannot be paired")
         extra = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         context = {
-            key: getattr(first, key, None) for key in ("layer_id", "group", "kind", "pp_rank")
+            key: getattr(first, key, None)
+            for key in ("layer_id", "group", "kind", "aux", "pp_rank")
         }
         super().__init__(f"{message}{extra}", **context)
         self.problems = problems

@@ -38,18 +38,41 @@ class KVEntry(Struct, frozen=True, forbid_unknown_fields=True):
         return self.item_len * self.num_items
 
 
+#: The component of state entries that name none: one slot per request for all of them.
+DEFAULT_COMPONENT = "state"
+
+
 class StateEntry(Struct, frozen=True, forbid_unknown_fields=True):
-    """One linear-attention state tensor of one layer: one slot per request."""
+    """One linear-attention state tensor of one layer: one slot per request.
+
+    `component` names the index space its slot is drawn from: entries of one component share
+    a request's slot (a Mamba layer's conv and temporal state); another component (an engine's
+    second state pool) has a slot of its own (`pipelines.slots.RequestSlots`)."""
 
     layer_id: NonNeg
     kind: str  # "conv", "temporal", ...
     item_len: Positive  # bytes of one request slot
     num_slots: Positive
     base: NonNeg
+    component: Annotated[str, Meta(min_length=1, max_length=64)] = DEFAULT_COMPONENT
 
     @property
     def nbytes(self) -> int:
         return self.item_len * self.num_slots
+
+
+class AuxEntry(Struct, frozen=True, forbid_unknown_fields=True):
+    """One per-request metadata buffer (an engine's output ids, logprobs, hidden states...):
+    one row per request, indexed by the request's aux row. Written by the last PP stage only;
+    aux entries pair by position (entry i with entry i), not by layer."""
+
+    item_len: Positive  # bytes of one request row
+    num_rows: Positive
+    base: NonNeg
+
+    @property
+    def nbytes(self) -> int:
+        return self.item_len * self.num_rows
 
 
 class StageLayout(Struct, frozen=True, forbid_unknown_fields=True, dict=True):
@@ -61,6 +84,7 @@ class StageLayout(Struct, frozen=True, forbid_unknown_fields=True, dict=True):
     dtype: str
     kv: tuple[KVEntry, ...] = ()
     state: tuple[StateEntry, ...] = ()
+    aux: tuple[AuxEntry, ...] = ()
     # False for legacy layouts built from pointer lists without layer ids: their entries carry
     # positional ids and may only be paired positionally (PP = 1 on both sides).
     layer_ids_published: bool = True
@@ -69,6 +93,15 @@ class StageLayout(Struct, frozen=True, forbid_unknown_fields=True, dict=True):
         if self.pp_rank >= self.pp_size:
             raise LayoutError(
                 f"pp_rank {self.pp_rank} is not below pp_size {self.pp_size}", field="pp_rank"
+            )
+        if self.aux and self.pp_rank != self.pp_size - 1:
+            # An engine computes a request's metadata on its last stage: aux rows from another
+            # stage would be a second writer of the same decode row.
+            raise LayoutError(
+                f"stage {self.pp_rank} of {self.pp_size} registers {len(self.aux)} aux "
+                f"entries; only the last PP stage ({self.pp_size - 1}) sends aux rows",
+                field="aux",
+                pp_rank=self.pp_rank,
             )
 
     # Cached: a frozen layout's hashes never change, and a pairing-cache lookup needs both.
@@ -82,14 +115,19 @@ class StageLayout(Struct, frozen=True, forbid_unknown_fields=True, dict=True):
             self.dtype,
             self.layer_ids_published,
             [(e.layer_id, e.group, e.item_len, e.num_items) for e in self.kv],
-            [(s.layer_id, s.kind, s.item_len, s.num_slots) for s in self.state],
+            [(s.layer_id, s.kind, s.item_len, s.num_slots, s.component) for s in self.state],
+            [(a.item_len, a.num_rows) for a in self.aux],
         )
         return hashlib.blake2b(msgspec.json.encode(shape), digest_size=12).hexdigest()
 
     @cached_property
     def address_key(self) -> str:
         """Hash of the addresses alone; with `fingerprint` it identifies a registered layout."""
-        bases = ([e.base for e in self.kv], [s.base for s in self.state])
+        bases = (
+            [e.base for e in self.kv],
+            [s.base for s in self.state],
+            [a.base for a in self.aux],
+        )
         return hashlib.blake2b(msgspec.json.encode(bases), digest_size=12).hexdigest()
 
     @property
@@ -103,16 +141,27 @@ class StageLayout(Struct, frozen=True, forbid_unknown_fields=True, dict=True):
         return list(dict.fromkeys(e.layer_id for e in self.kv))
 
     @property
+    def components(self) -> list[str]:
+        """The state components, in first-seen order: one slot per request each."""
+        return list(dict.fromkeys(s.component for s in self.state))
+
+    @property
     def num_groups(self) -> int:
         layers = len(self.full_attention_layers)
         return len(self.kv) // layers if layers else 0
 
-    def with_bases(self, kv_bases: Sequence[int], state_bases: Sequence[int]) -> StageLayout:
+    def with_bases(
+        self, kv_bases: Sequence[int], state_bases: Sequence[int], aux_bases: Sequence[int] = ()
+    ) -> StageLayout:
         """The same layout placed at new addresses (e.g. once a pool has allocated it)."""
-        if len(kv_bases) != len(self.kv) or len(state_bases) != len(self.state):
+        if (
+            len(kv_bases) != len(self.kv)
+            or len(state_bases) != len(self.state)
+            or len(aux_bases) != len(self.aux)
+        ):
             raise LayoutError(
-                f"expected {len(self.kv)} KV and {len(self.state)} state bases, "
-                f"got {len(kv_bases)} and {len(state_bases)}",
+                f"expected {len(self.kv)} KV, {len(self.state)} state and {len(self.aux)} aux "
+                f"bases, got {len(kv_bases)}, {len(state_bases)} and {len(aux_bases)}",
                 field="bases",
             )
         return msgspec.structs.replace(
@@ -121,12 +170,23 @@ class StageLayout(Struct, frozen=True, forbid_unknown_fields=True, dict=True):
             state=tuple(
                 msgspec.structs.replace(s, base=int(b)) for s, b in zip(self.state, state_bases)
             ),
+            aux=tuple(msgspec.structs.replace(a, base=int(b)) for a, b in zip(self.aux, aux_bases)),
         )
+
+    def place(self, bases: Sequence[int]) -> StageLayout:
+        """`with_bases` from one flat list in region order (KV, state, aux), as pools give it."""
+        k, s = len(self.kv), len(self.kv) + len(self.state)
+        return self.with_bases(bases[:k], bases[k:s], bases[s:])
 
     @property
     def region_sizes(self) -> list[int]:
-        """Bytes of every entry, KV first then state: what a pool must allocate for this layout."""
-        return [e.nbytes for e in self.kv] + [s.nbytes for s in self.state]
+        """Bytes of every entry, KV first, then state, then aux: what a pool must allocate for
+        this layout (region i is entry i in that order)."""
+        return (
+            [e.nbytes for e in self.kv]
+            + [s.nbytes for s in self.state]
+            + [a.nbytes for a in self.aux]
+        )
 
 
 def group_layer_ids(kv_layer_ids: Sequence[int], num_buffers: int) -> tuple[list[int], int]:
@@ -192,11 +252,17 @@ def layout_from_flat_lists(
     state_item_lens: Sequence[int] = (),
     state_layer_ids: Sequence[int] = (),
     state_kinds: Sequence[str] = (),
+    state_components: Sequence[str] = (),
+    aux_data_ptrs: Sequence[int] = (),
+    aux_data_lens: Sequence[int] = (),
+    aux_item_lens: Sequence[int] = (),
 ) -> StageLayout:
     """Build a layout from the flat lists engines publish today.
 
     `kv_*` lists have one element per KV buffer (group-major). Without `kv_layer_ids` the layout
-    is legacy: entries get positional ids and `layer_ids_published` is False.
+    is legacy: entries get positional ids and `layer_ids_published` is False. `state_*` lists
+    have one element per state buffer (`state_components` empty: all of the default
+    component); `aux_*` one per aux buffer, whose rows are `aux_item_lens[i]` bytes.
     """
     n = len(kv_data_ptrs)
     for name, values in (("kv_data_lens", kv_data_lens), ("kv_item_lens", kv_item_lens)):
@@ -214,11 +280,13 @@ def layout_from_flat_lists(
         for i in range(n)
     )
     m = len(state_data_ptrs)
+    components = list(state_components) or [DEFAULT_COMPONENT] * m
     for name, svalues in (
         ("state_data_lens", state_data_lens),
         ("state_item_lens", state_item_lens),
         ("state_layer_ids", state_layer_ids),
         ("state_kinds", state_kinds),
+        ("state_components", components),
     ):
         if len(svalues) != m:
             raise LayoutError(
@@ -232,8 +300,18 @@ def layout_from_flat_lists(
             state_data_ptrs[j],
             state_data_lens[j],
             state_item_lens[j],
+            components[j],
         )
         for j in range(m)
+    )
+    a = len(aux_data_ptrs)
+    for name, avalues in (("aux_data_lens", aux_data_lens), ("aux_item_lens", aux_item_lens)):
+        if len(avalues) != a:
+            raise LayoutError(
+                f"{name} has {len(avalues)} elements for {a} aux_data_ptrs", field=name
+            )
+    aux = tuple(
+        _aux_entry(i, aux_data_ptrs[i], aux_data_lens[i], aux_item_lens[i]) for i in range(a)
     )
     return StageLayout(
         pp_rank=pp_rank,
@@ -242,6 +320,7 @@ def layout_from_flat_lists(
         dtype=dtype,
         kv=kv,
         state=state,
+        aux=aux,
         layer_ids_published=published,
     )
 
@@ -258,8 +337,19 @@ def _kv_entry(i: int, layer: int, group: int, ptr: int, data_len: int, item_len:
     return KVEntry(layer, group, item_len, data_len // item_len, ptr)
 
 
+def _aux_entry(i: int, ptr: int, data_len: int, item_len: int) -> AuxEntry:
+    if item_len <= 0 or data_len % item_len:
+        raise LayoutError(
+            f"aux entry {i}: data length {data_len} is not a positive multiple of its row "
+            f"size {item_len}",
+            field=f"aux_item_lens[{i}]",
+            aux=i,
+        )
+    return AuxEntry(int(item_len), data_len // item_len, int(ptr))
+
+
 def _state_entry(
-    j: int, layer: int, kind: str, ptr: int, data_len: int, item_len: int
+    j: int, layer: int, kind: str, ptr: int, data_len: int, item_len: int, component: str
 ) -> StateEntry:
     if item_len <= 0 or data_len % item_len:
         raise LayoutError(
@@ -269,4 +359,4 @@ def _state_entry(
             layer_id=layer,
             kind=kind,
         )
-    return StateEntry(layer, kind, item_len, data_len // item_len, ptr)
+    return StateEntry(layer, kind, item_len, data_len // item_len, ptr, component)

@@ -26,7 +26,11 @@ not speak instead of guessing. Change history:
   are unchanged.
 - v5: segment notices travel in batches, as arrivals do: `POST /v1/peer/segments` takes a list
   and answers one outcome per notice (its `SegmentAck`, or a problem); a prefill batches the
-  small notices queued for one decode while a request to it is in flight.
+  small notices queued for one decode while a request to it is in flight. A destination
+  carries a slot per state component (`dst_slots`, beside `dst_slot`, the slot of every
+  component it leaves out) and the request's aux row (`dst_aux`); layouts carry aux entries
+  (`StageLayout.aux`) and each state entry's component. Segment pieces and arrival digests
+  cover the aux rows (`aux:<i>`) after the state slots.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Annotated, Any, Literal
 from msgspec import Meta, Struct
 
 from pipelines.layout import StageLayout
+from pipelines.slots import RequestSlots
 
 PEER_PROTOCOL_VERSION = 5
 
@@ -103,6 +108,8 @@ class DestinationMsg(Struct, frozen=True, kw_only=True):
     pp_ranks: list[NonNeg]  # the stages of the receiving process this handoff expects
     dst_pages: Pages
     dst_slot: NonNeg | None = None
+    dst_slots: dict[str, NonNeg] = {}  # per state component (v5)
+    dst_aux: NonNeg | None = None  # the request's aux row (v5)
     # Seconds left until the handoff's deadline when the decode sent this; the receiver adds it
     # to its own monotonic clock on receipt (transit only shortens it: no clocks to agree on).
     deadline_in_s: Seconds
@@ -112,6 +119,10 @@ class DestinationMsg(Struct, frozen=True, kw_only=True):
     digest: DigestAlgorithm = "xxh3_128"  # what each segment's digest is computed with
     grants: list[Grant] = []  # first windows, at most one per stage (landed mode)
     window_bytes: NonNeg = 0  # the largest window the decode grants (landed mode)
+
+    @property
+    def slots(self) -> RequestSlots:
+        return RequestSlots(self.dst_slot, self.dst_slots, self.dst_aux)
 
 
 class ArrivalMsg(Struct, frozen=True, kw_only=True):
@@ -126,7 +137,8 @@ class ArrivalMsg(Struct, frozen=True, kw_only=True):
     pp_rank: NonNeg
     bytes: NonNeg
     blocks: NonNeg
-    # Present when verification is on: "kv:<layer>:<group>" / "state:<layer>:<kind>" -> hex digest
+    # Present when verification is on: "kv:<layer>:<group>" / "state:<layer>:<kind>" /
+    # "aux:<i>" -> hex digest
     digests: dict[str, str] | None = None
 
 

@@ -1,7 +1,9 @@
 """Model descriptions, PP partitions and the stage layouts they imply.
 
-A `ModelSpec` says which layers are full attention (own KV pages, one buffer per group) and which
-are linear attention (own one state slot per request per state kind). `partition_layers` splits
+A `ModelSpec` says which layers are full attention (own KV pages, one buffer per group), which
+are linear attention (own one state slot per request per state kind, each kind of a state
+component with a slot of its own) and what per-request metadata rows (aux entries) the last
+stage writes. `partition_layers` splits
 the layers over PP stages; `stage_layout` / `decode_layout` turn both into unplaced layouts (all
 bases 0) whose `region_sizes` a pool allocates before `StageLayout.with_bases` places them.
 
@@ -18,7 +20,7 @@ from typing import Annotated
 from msgspec import Meta, Struct
 
 from pipelines.errors import LayoutError
-from pipelines.layout import KVEntry, StageLayout, StateEntry
+from pipelines.layout import DEFAULT_COMPONENT, AuxEntry, KVEntry, StageLayout, StateEntry
 
 Positive = Annotated[int, Meta(gt=0)]
 NonNeg = Annotated[int, Meta(ge=0)]
@@ -40,10 +42,12 @@ class KVGroup(Struct, frozen=True):
 
 
 class StateKind(Struct, frozen=True):
-    """One linear-attention state tensor kind of every linear layer."""
+    """One linear-attention state tensor kind of every linear layer; kinds of one component
+    share a request's slot."""
 
     kind: str
     slot_bytes: Positive
+    component: str = DEFAULT_COMPONENT
 
 
 class ModelSpec(Struct, frozen=True, forbid_unknown_fields=True):
@@ -58,6 +62,9 @@ class ModelSpec(Struct, frozen=True, forbid_unknown_fields=True):
     # Speculative-decoding draft layers (MTP / EAGLE): full attention, hosted by the last PP stage,
     # ids in a reserved band starting at `num_layers` so they pair like any other layer.
     num_draft_layers: NonNeg = 0
+    # Per-request metadata rows the last PP stage writes (an engine's output ids, logprobs...):
+    # bytes of one row of each aux entry.
+    aux_row_bytes: tuple[Positive, ...] = ()
 
     def __post_init__(self) -> None:
         bad = [i for i in self.full_attention_layers if i >= self.num_layers]
@@ -168,6 +175,7 @@ def _layout(
     pp_size: int,
     num_pages: int,
     num_slots: int,
+    with_aux: bool,
 ) -> StageLayout:
     kv = tuple(
         KVEntry(layer_id=layer, group=g, item_len=model.item_len(g), num_items=num_pages, base=0)
@@ -175,10 +183,24 @@ def _layout(
         for layer in kv_layers
     )
     state = tuple(
-        StateEntry(layer_id=layer, kind=s.kind, item_len=s.slot_bytes, num_slots=num_slots, base=0)
+        StateEntry(
+            layer_id=layer,
+            kind=s.kind,
+            item_len=s.slot_bytes,
+            num_slots=num_slots,
+            base=0,
+            component=s.component,
+        )
         for s in model.state_kinds
         for layer in state_layers
     )
+    if with_aux and model.aux_row_bytes and num_slots <= 0:
+        raise LayoutError(
+            f"model {model.name} has aux entries: num_slots (their rows) must be positive",
+            field="num_slots",
+        )
+    # One aux row per request in flight, as many as state slots.
+    aux = tuple(AuxEntry(b, num_slots, 0) for b in model.aux_row_bytes) if with_aux else ()
     return StageLayout(
         pp_rank=pp_rank,
         pp_size=pp_size,
@@ -186,6 +208,7 @@ def _layout(
         dtype=model.dtype,
         kv=kv,
         state=state,
+        aux=aux,
     )
 
 
@@ -197,7 +220,8 @@ def stage_layout(
     num_pages: int,
     num_slots: int,
 ) -> StageLayout:
-    """The unplaced layout of one prefill PP stage: only its own layers (and drafts if last)."""
+    """The unplaced layout of one prefill PP stage: only its own layers (and drafts and aux
+    entries if last). `num_slots` sizes the state pools and the aux entries' rows."""
     owned = set(partition.layers(pp_rank))
     kv_layers = [i for i in model.full_attention_layers if i in owned]
     if pp_rank == partition.pp_size - 1:
@@ -211,6 +235,7 @@ def stage_layout(
         pp_size=partition.pp_size,
         num_pages=num_pages,
         num_slots=num_slots,
+        with_aux=pp_rank == partition.pp_size - 1,
     )
 
 
@@ -225,6 +250,7 @@ def decode_layout(model: ModelSpec, *, num_pages: int, num_slots: int) -> StageL
         pp_size=1,
         num_pages=num_pages,
         num_slots=num_slots,
+        with_aux=True,
     )
 
 

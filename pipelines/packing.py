@@ -1,8 +1,9 @@
-"""Packing: a stage's KV pages and state slots as segments of contiguous bytes, and back.
+"""Packing: a stage's KV pages, state slots and aux rows as segments of contiguous bytes, and back.
 
 A **segment** is a list of *pieces*: piece i is pairing row `rows[i]` over the request's page
 positions `starts[i]:ends[i]` (rows below `num_kv_pairs` are KV pairs; row `num_kv_pairs + j` is
-state pair j, always positions 0:1, its one slot). Packed, piece after piece, each piece's pages
+slot row j — a state pair at its component's slot, or an aux pair at the request's aux row —
+always positions 0:1, its one index). Packed, piece after piece, each piece's pages
 in request order, a segment is `sum(item_len[row] * (end - start))` bytes.
 
 - The prefill **gathers** a segment from its stage memory into a staging buffer (`gather`), one
@@ -28,6 +29,8 @@ import numpy.typing as npt
 
 from pipelines.errors import InvalidInput
 from pipelines.pairing import Pairing
+from pipelines.planning import slot_indices
+from pipelines.slots import SlotsLike, as_slots
 
 I64 = npt.NDArray[np.int64]
 
@@ -66,12 +69,13 @@ def check_pieces(
     pairing: Pairing, pieces: Pieces, num_pages: int, has_slot: bool, *, pp_rank: int
 ) -> int:
     """The pieces name only rows of this pairing, page positions of this request and the slot
-    when it has one. Returns the segment's byte count; raises InvalidInput naming the piece."""
+    rows when it has its slots. Returns the segment's byte count; raises InvalidInput naming
+    the piece."""
     n = len(pieces)
     if not (pieces.starts.shape[0] == n and pieces.ends.shape[0] == n):
         raise InvalidInput("rows, starts and ends differ in length", field="rows", pp_rank=pp_rank)
     k = pairing.num_kv_pairs
-    total_rows = k + pairing.num_state_pairs
+    total_rows = k + pairing.num_slot_rows
     rows, starts, ends = pieces.rows, pieces.starts, pieces.ends
     kv = rows < k
     # One pass for the common case (a sound notice), per segment; the named check on failure.
@@ -91,7 +95,7 @@ def check_pieces(
                 raise InvalidInput(
                     f"piece {i} (row {int(rows[i])}, pages {int(starts[i])}:"
                     f"{int(ends[i])}) is not part of this stage's destination "
-                    f"({k} KV rows x {num_pages} pages, {pairing.num_state_pairs} state rows)",
+                    f"({k} KV rows x {num_pages} pages, {pairing.num_slot_rows} slot rows)",
                     field=f"{name}[{i}]",
                     pp_rank=pp_rank,
                 )
@@ -99,14 +103,15 @@ def check_pieces(
 
 
 def layer_range(pairing: Pairing, rows: Iterable[int]) -> str:
-    """The layers `rows` cover, for errors: `"layers 3-9"` or `"layer 4"`."""
+    """The layers `rows` cover, for errors: `"layers 3-9"`, `"layer 4"`, `"layer 4 and aux"`."""
     k = pairing.num_kv_pairs
-    layers = sorted(
-        {int(pairing.kv_layer[r]) if r < k else int(pairing.state_layer[r - k]) for r in rows}
-    )
+    ids = {int(pairing.kv_layer[r]) if r < k else int(pairing.slot_layer[r - k]) for r in rows}
+    aux = -1 in ids
+    layers = sorted(ids - {-1})
     if not layers:
-        return "no layers"
-    return f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+        return "aux rows" if aux else "no layers"
+    text = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+    return f"{text} and aux rows" if aux else text
 
 
 # ------------------------------------------------------------------------- copies
@@ -159,23 +164,30 @@ def _index(idx: I64, like: Any) -> Any:
 
 @dataclass(frozen=True)
 class Side:
-    """One side's memory for a pairing: the regions of its entries, its pages and its slot."""
+    """One side's memory for a pairing: the regions of its entries, its pages and the index
+    each slot row moves (its component's slot or the aux row; zeros while not known yet)."""
 
     memory: ByteRegions
     pages: I64
-    slot: int | None
+    slots: I64  # slot row -> index in its entry
     kv_index: I64  # pairing row -> region index of the KV entry on this side
-    state_index: I64  # state pair row -> region index of the state entry on this side
+    slot_region: I64  # slot row -> region index of the state or aux entry on this side
 
 
-def source_side(pairing: Pairing, memory: ByteRegions, pages: I64, slot: int | None) -> Side:
-    n = len(pairing.src.kv)
-    return Side(memory, pages, slot, pairing.kv_src_index, pairing.state_src_index + n)
+def _indices(pairing: Pairing, slots: SlotsLike, side: str) -> I64:
+    if as_slots(slots).empty:
+        return np.zeros(pairing.num_slot_rows, dtype=np.int64)  # no slot row is cut yet
+    return slot_indices(pairing, slots, side)
 
 
-def destination_side(pairing: Pairing, memory: ByteRegions, pages: I64, slot: int | None) -> Side:
-    n = len(pairing.dst.kv)
-    return Side(memory, pages, slot, pairing.kv_dst_index, pairing.state_dst_index + n)
+def source_side(pairing: Pairing, memory: ByteRegions, pages: I64, slots: SlotsLike) -> Side:
+    indices = _indices(pairing, slots, "source")
+    return Side(memory, pages, indices, pairing.kv_src_index, pairing.slot_src_region)
+
+
+def destination_side(pairing: Pairing, memory: ByteRegions, pages: I64, slots: SlotsLike) -> Side:
+    indices = _indices(pairing, slots, "destination")
+    return Side(memory, pages, indices, pairing.kv_dst_index, pairing.slot_dst_region)
 
 
 def piece_views(
@@ -186,9 +198,8 @@ def piece_views(
     views: a demo-sized segment is dozens of pieces of a few KiB each."""
     item = pairing.row_item_len.tolist()
     k = pairing.num_kv_pairs
-    kv_index, state_index = side.kv_index.tolist(), side.state_index.tolist()
+    kv_index, slot_region = side.kv_index.tolist(), side.slot_region.tolist()
     packed_host = _host(packed)
-    slot = np.array([side.slot or 0], dtype=np.int64)
     off = 0
     for row, start, end in zip(pieces.rows.tolist(), pieces.starts.tolist(), pieces.ends.tolist()):
         length = item[row]
@@ -197,8 +208,8 @@ def piece_views(
             region = side.memory.array(kv_index[row])
             idx = side.pages[start:end]
         else:
-            region = side.memory.array(state_index[row - k])
-            idx = slot
+            region = side.memory.array(slot_region[row - k])
+            idx = side.slots[row - k : row - k + 1]
         nbytes = count * length
         region_host = _host(region) if packed_host is not None else None
         if region_host is not None:
@@ -273,7 +284,10 @@ class StagePacker:
 
     - by layer (`make_ready`): a row becomes ready over all its pages at once;
     - by page range (`ranged=True`, `make_pages_ready`): the request's pages up to a position
-      become ready for every KV row; the state rows (the slot) only with the last range.
+      become ready for every KV row; the slot rows (state slots, aux rows) only with the last
+      range.
+
+    Aux rows belong to no layer: by layer, they become ready once every layer's rows are.
 
     Pieces stay (row, start, end) over request page positions either way, so the decode's
     checks and commits do not depend on how the stage was signalled.
@@ -301,22 +315,23 @@ class StagePacker:
         p = self.pairing
         k = p.num_kv_pairs
         self._item = p.row_item_len.tolist()
-        self._final_end = [self.num_pages] * k + [1 if self.has_slot else 0] * p.num_state_pairs
+        self._final_end = [self.num_pages] * k + [1 if self.has_slot else 0] * p.num_slot_rows
         rows = len(self._final_end)
         self._ready_end = [0] * rows
         self._next = [0] * rows
         self._queued = [False] * rows
         self._queue = deque()
         self._rows_of_layer = {}
-        for r, layer in enumerate([*p.kv_layer.tolist(), *p.state_layer.tolist()]):
-            self._rows_of_layer.setdefault(int(layer), []).append(r)
+        for r, layer in enumerate([*p.kv_layer.tolist(), *p.slot_layer.tolist()]):
+            if r < k + p.num_state_pairs:  # aux rows (layer -1) follow the layers (`make_ready`)
+                self._rows_of_layer.setdefault(int(layer), []).append(r)
         self._unpacked = sum(self._final_end)
         self._ended = not self.ranged
 
     @property
     def total_bytes(self) -> int:
         kv = int(self.pairing.kv_item_len.sum()) * self.num_pages
-        return kv + (int(self.pairing.state_item_len.sum()) if self.has_slot else 0)
+        return kv + (self.pairing.slot_bytes if self.has_slot else 0)
 
     @property
     def largest_item(self) -> int:
@@ -334,11 +349,16 @@ class StagePacker:
 
     def make_ready(self, layers: Iterable[int] | None) -> None:
         """Rows of `layers` (None: all) become packable over all their pages; KV rows before
-        state rows."""
+        state rows; the aux rows once every layer's rows are."""
         if layers is None:
             rows = list(range(len(self._final_end)))
         else:
             rows = sorted(r for layer in set(layers) for r in self._rows_of_layer.get(layer, ()))
+            first_aux = self.pairing.num_kv_pairs + self.pairing.num_state_pairs
+            end, final = self._ready_end, self._final_end
+            covered = set(rows)
+            if all(r in covered or end[r] >= final[r] for r in range(first_aux)):
+                rows += list(range(first_aux, len(final)))
         self._extend(rows, [self._final_end[r] for r in rows])
 
     def make_pages_ready(self, end: int, *, last: bool, pp_rank: int = 0) -> None:

@@ -2,9 +2,15 @@
 
 Called once per (source layout, destination layout) pair — by the handoff pipeline through
 `PairingCache`, and by the service's dry-run `validate` endpoint through `pairing_report` — never
-per request. KV entries pair by `(layer_id, group)`, state entries by `(layer_id, kind)`. Positional
-pairing is allowed only for legacy layouts that publish no layer ids on either side with PP = 1.
-Every problem found is collected (the report lists them all); `pair` raises on the first set.
+per request. KV entries pair by `(layer_id, group)`, state entries by `(layer_id, kind)` (and
+must agree on their component), aux entries by position (the last PP stage's aux entry i with
+the decode's aux entry i, of equal row size). Positional pairing of KV and state is allowed only
+for legacy layouts that publish no layer ids on either side with PP = 1. Every problem found is
+collected (the report lists them all); `pair` raises on the first set.
+
+A pairing's rows: KV pairs first, then its **slot rows** — the state pairs, then the aux pairs —
+each moving one row of a per-request index (`pipelines.slots`): a state pair its component's
+slot, an aux pair the request's aux row.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import numpy.typing as npt
 from msgspec import Struct
 
 from pipelines.errors import LayoutError, PairingError
-from pipelines.layout import KVEntry, StageLayout, StateEntry, group_layer_ids
+from pipelines.layout import AuxEntry, KVEntry, StageLayout, StateEntry, group_layer_ids
+from pipelines.slots import AUX, Space
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
@@ -34,13 +41,17 @@ class Problem(Struct, frozen=True, omit_defaults=True):
     layer_id: int | None = None
     group: int | None = None
     kind: str | None = None
+    aux: int | None = None  # the aux entry's position
 
 
 @dataclass(frozen=True, slots=True)
 class Pairing:
     """Source→destination entry pairs of one layout pair, as arrays ready for planning.
 
-    Row i of the `kv_*` arrays is one KV pair; row j of the `state_*` arrays one state pair.
+    Row i of the `kv_*` arrays is one KV pair; row j of the `state_*` arrays one state pair,
+    row j of the `aux_*` arrays one aux pair. The `slot_*` arrays are the slot rows (state
+    pairs, then aux pairs) as planning and packing read them: row `num_kv_pairs + j` of the
+    pairing is slot row j.
     """
 
     src: StageLayout
@@ -63,7 +74,20 @@ class Pairing:
     state_item_len: U64
     state_src_slots: I64
     state_dst_slots: I64
-    # Bytes per page of every row: KV pairs, then state pairs (one slot each). What packing
+    aux_src_index: I64
+    aux_dst_index: I64
+    # Slot rows: state pairs, then aux pairs.
+    slot_space: tuple[Space, ...]  # the state entry's component, or AUX
+    slot_layer: I64  # the state entry's layer id; -1 for an aux row
+    slot_src_region: I64  # region index of the entry (KV, state, aux order) on each side
+    slot_dst_region: I64
+    slot_src_base: U64
+    slot_dst_base: U64
+    slot_item_len: U64
+    slot_src_limit: I64  # slots (rows) in each side's pool
+    slot_dst_limit: I64
+    slot_groups: tuple[tuple[Space, I64], ...]  # each index space and its slot rows
+    # Bytes per page of every row: KV pairs, then slot rows (one index each). What packing
     # sizes pieces with, per segment: kept here so no segment rebuilds it.
     row_item_len: I64
 
@@ -76,12 +100,33 @@ class Pairing:
         return int(self.state_src_index.shape[0])
 
     @property
+    def num_aux_pairs(self) -> int:
+        return int(self.aux_src_index.shape[0])
+
+    @property
+    def num_slot_rows(self) -> int:
+        return len(self.slot_space)
+
+    @property
     def kv_bytes_per_page(self) -> int:
         return int(self.kv_item_len.sum())
 
     @property
     def state_bytes_per_slot(self) -> int:
         return int(self.state_item_len.sum())
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one request's indices move: every state pair's slot and every aux row."""
+        return int(self.slot_item_len.sum())
+
+    def slot_name(self, j: int) -> tuple[str, dict[str, Any]]:
+        """How errors name slot row j: text and the fields an HTTP error carries."""
+        if self.slot_space[j] is AUX:
+            i = int(self.aux_src_index[j - self.num_state_pairs])
+            return f"aux entry {i}", {"aux": i}
+        layer, kind = int(self.slot_layer[j]), self.state_kind[j]
+        return f"state pool of layer {layer} kind {kind!r}", {"layer_id": layer, "kind": kind}
 
 
 def _layout_problems(layout: StageLayout, side: str) -> list[Problem]:
@@ -143,8 +188,11 @@ def _match(
     return pairs, dups, missing
 
 
-def _where(entry: KVEntry | StateEntry) -> tuple[str, dict[str, Any]]:
-    """How a problem names an entry: text and the structured fields an HTTP error carries."""
+def _where(entry: KVEntry | StateEntry, index: int = 0) -> tuple[str, dict[str, Any]]:
+    """How a problem names an entry: text and the structured fields an HTTP error carries
+    (an aux entry by its position `index`)."""
+    if isinstance(entry, AuxEntry):
+        return f"aux entry {index}", {"aux": index}
     if isinstance(entry, KVEntry):
         return f"layer {entry.layer_id} group {entry.group}", {
             "layer_id": entry.layer_id,
@@ -193,6 +241,17 @@ def _entry_problems(
         )
     for i, j in pairs:
         a, b = src_entries[i], dst_entries[j]
+        if isinstance(a, StateEntry) and isinstance(b, StateEntry) and a.component != b.component:
+            text, fields = _where(a)
+            problems.append(
+                Problem(
+                    "component_mismatch",
+                    f"state of {text} is of component {a.component!r} on the source and "
+                    f"{b.component!r} on the destination: their slots would not agree",
+                    pp_rank=rank,
+                    **fields,
+                )
+            )
         if a.item_len != b.item_len:
             text, fields = _where(a)
             problems.append(
@@ -207,10 +266,53 @@ def _entry_problems(
     return pairs
 
 
+def _aux_problems(problems: list[Problem], src: StageLayout, dst: StageLayout) -> list[int]:
+    """Pair aux entries by position: the last stage's must match the decode's one for one, of
+    equal row size; other stages have none (the layout refuses them). Returns the positions."""
+    rank = src.pp_rank
+    if src.pp_rank != src.pp_size - 1 and not src.aux:
+        return []
+    for i in range(len(src.aux), len(dst.aux)):
+        problems.append(
+            Problem(
+                "missing_source",
+                f"the last stage has no aux entry {i} for the destination's aux entry {i} "
+                f"({len(src.aux)} aux entries, destination {len(dst.aux)})",
+                pp_rank=rank,
+                aux=i,
+            )
+        )
+    for i in range(len(dst.aux), len(src.aux)):
+        problems.append(
+            Problem(
+                "missing_destination",
+                f"destination has no aux entry {i} ({len(dst.aux)} aux entries, source "
+                f"{len(src.aux)})",
+                pp_rank=rank,
+                aux=i,
+            )
+        )
+    pairs = list(range(min(len(src.aux), len(dst.aux))))
+    for i in pairs:
+        a, b = src.aux[i], dst.aux[i]
+        if a.item_len != b.item_len:
+            problems.append(
+                Problem(
+                    "aux_size_mismatch",
+                    f"aux row size differs for aux entry {i}: source {a.item_len} bytes, "
+                    f"destination {b.item_len}",
+                    pp_rank=rank,
+                    aux=i,
+                )
+            )
+    return pairs
+
+
 def find_problems(
     src: StageLayout, dst: StageLayout
-) -> tuple[list[Problem], list[tuple[int, int]], list[tuple[int, int]]]:
-    """All problems of pairing `src` with `dst`, plus the KV and state index pairs found."""
+) -> tuple[list[Problem], list[tuple[int, int]], list[tuple[int, int]], list[int]]:
+    """All problems of pairing `src` with `dst`, plus the KV and state index pairs and the aux
+    positions found."""
     rank = src.pp_rank
     problems = _layout_problems(src, "source") + _layout_problems(dst, "destination")
     if src.page_size != dst.page_size:
@@ -240,7 +342,7 @@ def find_problems(
                 pp_rank=rank,
             )
         )
-        return problems, [], []
+        return problems, [], [], []
     if positional:
         if src.pp_size != 1 or dst.pp_size != 1:
             problems.append(
@@ -252,7 +354,7 @@ def find_problems(
                     pp_rank=rank,
                 )
             )
-            return problems, [], []
+            return problems, [], [], []
         src_kv_keys: list[Hashable] = list(range(len(src.kv)))
         dst_kv_keys: list[Hashable] = list(range(len(dst.kv)))
         src_st_keys: list[Hashable] = list(range(len(src.state)))
@@ -287,7 +389,8 @@ def find_problems(
         size_text="state slot size",
         unit="bytes",
     )
-    return problems, kv_pairs, st_pairs
+    aux_pairs = _aux_problems(problems, src, dst)
+    return problems, kv_pairs, st_pairs, aux_pairs
 
 
 def _bind(
@@ -295,13 +398,23 @@ def _bind(
     dst: StageLayout,
     kv_pairs: list[tuple[int, int]],
     st_pairs: list[tuple[int, int]],
+    aux_pairs: list[int],
 ) -> Pairing:
     ks = np.array([i for i, _ in kv_pairs], dtype=np.int64)
     kd = np.array([j for _, j in kv_pairs], dtype=np.int64)
     ss = np.array([i for i, _ in st_pairs], dtype=np.int64)
     sd = np.array([j for _, j in st_pairs], dtype=np.int64)
+    aux = np.array(aux_pairs, dtype=np.int64)
     kv_item_len = np.array([src.kv[i].item_len for i in ks], dtype=np.uint64)
     state_item_len = np.array([src.state[i].item_len for i in ss], dtype=np.uint64)
+    src_state = [src.state[i] for i in ss]
+    dst_state = [dst.state[j] for j in sd]
+    src_aux = [src.aux[i] for i in aux]
+    dst_aux = [dst.aux[i] for i in aux]
+    slot_item_len = np.array(
+        [e.item_len for e in src_state] + [a.item_len for a in src_aux], dtype=np.uint64
+    )
+    slot_space: tuple[Space, ...] = tuple(e.component for e in src_state) + (AUX,) * len(src_aux)
     return Pairing(
         src=src,
         dst=dst,
@@ -323,16 +436,43 @@ def _bind(
         state_item_len=state_item_len,
         state_src_slots=np.array([src.state[i].num_slots for i in ss], dtype=np.int64),
         state_dst_slots=np.array([dst.state[j].num_slots for j in sd], dtype=np.int64),
-        row_item_len=np.concatenate((kv_item_len, state_item_len)).astype(np.int64),
+        aux_src_index=aux,
+        aux_dst_index=aux.copy(),
+        slot_space=slot_space,
+        slot_layer=np.array([e.layer_id for e in src_state] + [-1] * len(src_aux), np.int64),
+        slot_src_region=np.concatenate(
+            (ss + len(src.kv), aux + len(src.kv) + len(src.state))
+        ).astype(np.int64),
+        slot_dst_region=np.concatenate(
+            (sd + len(dst.kv), aux + len(dst.kv) + len(dst.state))
+        ).astype(np.int64),
+        slot_src_base=np.array([e.base for e in src_state] + [a.base for a in src_aux], np.uint64),
+        slot_dst_base=np.array([e.base for e in dst_state] + [a.base for a in dst_aux], np.uint64),
+        slot_item_len=slot_item_len,
+        slot_src_limit=np.array(
+            [e.num_slots for e in src_state] + [a.num_rows for a in src_aux], np.int64
+        ),
+        slot_dst_limit=np.array(
+            [e.num_slots for e in dst_state] + [a.num_rows for a in dst_aux], np.int64
+        ),
+        slot_groups=_groups(slot_space),
+        row_item_len=np.concatenate((kv_item_len, slot_item_len)).astype(np.int64),
     )
+
+
+def _groups(spaces: tuple[Space, ...]) -> tuple[tuple[Space, I64], ...]:
+    rows: dict[Space, list[int]] = {}
+    for j, space in enumerate(spaces):
+        rows.setdefault(space, []).append(j)
+    return tuple((space, np.array(r, dtype=np.int64)) for space, r in rows.items())
 
 
 def pair(src: StageLayout, dst: StageLayout) -> Pairing:
     """Pair a source stage layout with a destination layout, or raise `PairingError`."""
-    problems, kv_pairs, st_pairs = find_problems(src, dst)
+    problems, kv_pairs, st_pairs, aux_pairs = find_problems(src, dst)
     if problems:
         raise PairingError(list(problems))
-    return _bind(src, dst, kv_pairs, st_pairs)
+    return _bind(src, dst, kv_pairs, st_pairs, aux_pairs)
 
 
 class PairingCache:
@@ -383,6 +523,8 @@ class StageReport(Struct, frozen=True):
     kv_bytes_per_page: int  # bytes one page of this stage moves, over all its KV pairs
     state_bytes_per_slot: int  # bytes one request slot of this stage moves, over its state pairs
     layers: list[int]  # global layer ids this stage sends
+    aux_pairs: int = 0  # aux entries this stage sends (the last stage only)
+    aux_bytes_per_row: int = 0  # bytes of one request's aux rows
 
 
 class PairingReport(Struct, frozen=True):
@@ -405,13 +547,16 @@ def pairing_report(sources: Sequence[StageLayout], dst: StageLayout) -> PairingR
         problems.append(Problem("duplicate_stage", f"PP ranks {ranks} list a stage twice"))
     kv_writers: dict[int, list[int]] = defaultdict(list)
     st_writers: dict[int, list[int]] = defaultdict(list)
+    aux_writers: dict[int, list[int]] = defaultdict(list)
     for src in sources:
-        found, kv_pairs, st_pairs = find_problems(src, dst)
+        found, kv_pairs, st_pairs, aux_pairs = find_problems(src, dst)
         problems.extend(found)
         for _, j in kv_pairs:
             kv_writers[j].append(src.pp_rank)
         for _, j in st_pairs:
             st_writers[j].append(src.pp_rank)
+        for j in aux_pairs:
+            aux_writers[j].append(src.pp_rank)
         stages.append(
             StageReport(
                 pp_rank=src.pp_rank,
@@ -424,6 +569,8 @@ def pairing_report(sources: Sequence[StageLayout], dst: StageLayout) -> PairingR
                     {src.kv[i].layer_id for i, _ in kv_pairs}
                     | {src.state[i].layer_id for i, _ in st_pairs}
                 ),
+                aux_pairs=len(aux_pairs),
+                aux_bytes_per_row=sum(src.aux[i].item_len for i in aux_pairs),
             )
         )
     pp_sizes = {s.pp_size for s in sources}
@@ -472,6 +619,12 @@ def pairing_report(sources: Sequence[StageLayout], dst: StageLayout) -> PairingR
                     layer_id=sentry.layer_id,
                     kind=sentry.kind,
                 )
+            )
+    for j in range(len(dst.aux)):
+        writers = aux_writers.get(j, [])
+        if not writers and complete:
+            problems.append(
+                Problem("unfilled_destination", f"no prefill stage sends aux entry {j}", aux=j)
             )
     return PairingReport(
         ok=not problems,

@@ -1,10 +1,11 @@
-"""Planning: turn one request's page lists and slots into transfer blocks.
+"""Planning: turn one request's page lists and slots (and aux row) into transfer blocks.
 
 Called per request (per stage, per readiness step) by the handoff pipeline, with a cached
 `Pairing`. Validation comes first and names the offending index; then runs — maximal stretches
 where both page lists step by +1 — are found once and expanded over all pairs with numpy
 broadcasting, so the cost grows with runs x pairs in C, not in Python. The result is pair-major
-(all runs of pair 0, then pair 1, ...) followed by one block per state pair.
+(all runs of pair 0, then pair 1, ...) followed by one block per slot row (state pairs, each at
+its component's slot, then aux pairs at the request's aux row: `pipelines.slots`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy.typing as npt
 from pipelines.errors import PlanError
 from pipelines.layout import StageLayout
 from pipelines.pairing import Pairing
+from pipelines.slots import RequestSlots, SlotsLike, as_slots, space_name
 from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
 
 I64 = npt.NDArray[np.int64]
@@ -26,15 +28,15 @@ PageList = Sequence[int] | npt.NDArray[np.integer]
 
 @dataclass(frozen=True, slots=True)
 class TransferPlan:
-    """The blocks of one planning call: KV blocks pair-major, then one block per state pair.
+    """The blocks of one planning call: KV blocks pair-major, then one block per slot row.
 
-    `kv_rows` / `state_rows` are the pairing rows planned (all, or those of the ready layers);
+    `kv_rows` / `slot_rows` are the pairing rows planned (all, or those of the ready layers);
     `pair_of_block` maps every block back to its row for progress and digests.
     """
 
     blocks: Blocks
     kv_rows: I64
-    state_rows: I64
+    slot_rows: I64
     num_runs: int
     num_kv_pairs: int
 
@@ -43,14 +45,14 @@ class TransferPlan:
         return int(self.kv_rows.shape[0]) * self.num_runs
 
     @property
-    def state_blocks(self) -> int:
-        return int(self.state_rows.shape[0])
+    def slot_blocks(self) -> int:
+        return int(self.slot_rows.shape[0])
 
     @property
     def pair_of_block(self) -> I64:
-        """Per block: the KV pair row, or `num_kv_pairs + j` for state pair row j."""
+        """Per block: the KV pair row, or `num_kv_pairs + j` for slot row j."""
         return np.concatenate(
-            (np.repeat(self.kv_rows, self.num_runs), self.state_rows + self.num_kv_pairs)
+            (np.repeat(self.kv_rows, self.num_runs), self.slot_rows + self.num_kv_pairs)
         )
 
     @property
@@ -107,24 +109,36 @@ def _check_range(pages: I64, limits: I64, field: str, pairing: Pairing, side: st
         )
 
 
-def _check_slot(slot: int | None, limits: I64, field: str, pairing: Pairing) -> int:
-    if slot is None:
-        raise PlanError(
-            f"{field} is required: the layouts pair {pairing.num_state_pairs} state entries",
-            field=field,
-        )
-    k = int(np.argmin(limits))
-    limit = int(limits[k])
-    if not 0 <= slot < limit:
-        layer, kind = int(pairing.state_layer[k]), pairing.state_kind[k]
-        raise PlanError(
-            f"{field} = {slot} is outside the state pool of layer {layer} kind {kind!r} "
-            f"(slots 0..{limit - 1})",
-            field=field,
-            layer_id=layer,
-            kind=kind,
-        )
-    return slot
+def slot_indices(pairing: Pairing, slots: SlotsLike, side: str) -> I64:
+    """Per slot row of the pairing: the index it moves (its component's slot, or the aux row),
+    each checked against the smallest pool it is used in. Raises PlanError naming the field
+    (`dst_slot`, `dst_slots.<component>`, `dst_aux`) and the entry."""
+    given = as_slots(slots)
+    prefix = "src" if side == "source" else "dst"
+    limits = pairing.slot_src_limit if side == "source" else pairing.slot_dst_limit
+    out = np.zeros(pairing.num_slot_rows, dtype=np.int64)
+    for space, rows in pairing.slot_groups:
+        field = given.field_of(space, prefix)
+        index = given.of(space)
+        if index is None:
+            raise PlanError(
+                f"{field} is required: the layouts pair {rows.shape[0]} entries of "
+                f"{space_name(space)}",
+                field=field,
+            )
+        j = int(rows[np.argmin(limits[rows])])
+        limit = int(limits[j])
+        if not 0 <= index < limit:
+            text, where = pairing.slot_name(j)
+            unit = "rows" if "aux" in where else "slots"
+            raise PlanError(
+                f"{field} = {index} is outside the {text} on the {side} side "
+                f"({unit} 0..{limit - 1})",
+                field=field,
+                **where,
+            )
+        out[rows] = index
+    return out
 
 
 def _check_unique(dst: I64) -> None:
@@ -146,8 +160,8 @@ def validate_request(
     pairing: Pairing,
     src_pages: PageList,
     dst_pages: PageList,
-    src_slot: int | None,
-    dst_slot: int | None,
+    src_slots: SlotsLike,
+    dst_slots: SlotsLike,
 ) -> tuple[I64, I64]:
     """Check one request against a pairing before anything is planned or sent."""
     src = as_pages(src_pages, "src_pages")
@@ -161,22 +175,22 @@ def validate_request(
         _check_range(src, pairing.kv_src_items, "src_pages", pairing, "source")
         _check_range(dst, pairing.kv_dst_items, "dst_pages", pairing, "destination")
     _check_unique(dst)
-    if pairing.num_state_pairs:
-        _check_slot(src_slot, pairing.state_src_slots, "src_slot", pairing)
-        _check_slot(dst_slot, pairing.state_dst_slots, "dst_slot", pairing)
+    if pairing.num_slot_rows:
+        slot_indices(pairing, src_slots, "source")
+        slot_indices(pairing, dst_slots, "destination")
     return src, dst
 
 
-def validate_destination(pairing: Pairing, dst_pages: PageList, dst_slot: int | None) -> I64:
+def validate_destination(pairing: Pairing, dst_pages: PageList, dst_slots: SlotsLike) -> I64:
     """The destination half of `validate_request`, once per stage signalled by page range:
-    every page inside the decode's pools, none listed twice, the slot inside its pools. Each
+    every page inside the decode's pools, none listed twice, the slots inside their pools. Each
     range's source pages were checked against this stage's pools when it was signalled."""
     dst = as_pages(dst_pages, "dst_pages")
     if pairing.num_kv_pairs:
         _check_range(dst, pairing.kv_dst_items, "dst_pages", pairing, "destination")
     _check_unique(dst)
-    if pairing.num_state_pairs:
-        _check_slot(dst_slot, pairing.state_dst_slots, "dst_slot", pairing)
+    if pairing.num_slot_rows:
+        slot_indices(pairing, dst_slots, "destination")
     return dst
 
 
@@ -184,28 +198,35 @@ def plan(
     pairing: Pairing,
     src_pages: PageList,
     dst_pages: PageList,
-    src_slot: int | None = None,
-    dst_slot: int | None = None,
+    src_slots: SlotsLike = None,
+    dst_slots: SlotsLike = None,
     *,
     layers: Collection[int] | None = None,
     include_state: bool = True,
+    include_aux: bool | None = None,
 ) -> TransferPlan:
     """Validate one request and plan its blocks.
 
     `layers` restricts the plan to those global layer ids (layer-by-layer readiness);
-    `include_state=False` leaves the state slot out (e.g. when it is sent in a later step).
+    `include_state=False` leaves the state slots and aux rows out (e.g. when they are sent in a
+    later step). Aux rows belong to no layer: they are planned with the whole stage (`layers`
+    None), or alone with `include_aux=True`.
     """
-    src, dst = validate_request(pairing, src_pages, dst_pages, src_slot, dst_slot)
+    src, dst = validate_request(pairing, src_pages, dst_pages, src_slots, dst_slots)
     s0, d0, run_pages = find_runs(src, dst)
 
     kv_rows = np.arange(pairing.num_kv_pairs, dtype=np.int64)
-    st_rows = np.arange(pairing.num_state_pairs, dtype=np.int64)
+    st_rows = np.arange(pairing.num_slot_rows, dtype=np.int64)
+    is_aux = st_rows >= pairing.num_state_pairs
+    if include_aux is None:
+        include_aux = include_state and layers is None
     if layers is not None:
         wanted = np.fromiter(layers, dtype=np.int64)
         kv_rows = kv_rows[np.isin(pairing.kv_layer[kv_rows], wanted)]
-        st_rows = st_rows[np.isin(pairing.state_layer[st_rows], wanted)]
-    if not include_state:
-        st_rows = st_rows[:0]
+        keep = np.isin(pairing.slot_layer, wanted) & ~is_aux
+    else:
+        keep = ~is_aux
+    st_rows = st_rows[(keep & include_state) | (is_aux & include_aux)]
 
     # One allocation for all three arrays, filled in place: fresh large temporaries cost more
     # in page faults than the arithmetic itself (measured: ~7x slower for 61 x 472 blocks).
@@ -226,15 +247,17 @@ def plan(
             if bases is not None:
                 np.add(view, bases[kv_rows][:, None], out=view)
     if num_st:
-        # Slots were validated above whenever state pairs exist.
-        st_item = pairing.state_item_len[st_rows]
-        src_addr[kv_end:] = pairing.state_src_base[st_rows] + np.uint64(src_slot or 0) * st_item
-        dst_addr[kv_end:] = pairing.state_dst_base[st_rows] + np.uint64(dst_slot or 0) * st_item
+        # Slots were validated above whenever slot rows exist.
+        st_item = pairing.slot_item_len[st_rows]
+        src_at = slot_indices(pairing, src_slots, "source")[st_rows].astype(np.uint64)
+        dst_at = slot_indices(pairing, dst_slots, "destination")[st_rows].astype(np.uint64)
+        src_addr[kv_end:] = pairing.slot_src_base[st_rows] + src_at * st_item
+        dst_addr[kv_end:] = pairing.slot_dst_base[st_rows] + dst_at * st_item
         length[kv_end:] = st_item
     return TransferPlan(
         blocks=Blocks(src_addr, dst_addr, length),
         kv_rows=kv_rows,
-        state_rows=st_rows,
+        slot_rows=st_rows,
         num_runs=num_runs,
         num_kv_pairs=pairing.num_kv_pairs,
     )
@@ -243,16 +266,19 @@ def plan(
 def validate_pages_for_layout(
     layout: StageLayout,
     pages: PageList,
-    slot: int | None,
+    slots: SlotsLike,
     *,
     side: str,
     unique: bool,
     with_slot: bool = True,
 ) -> I64:
-    """Check one side's page list and slot against a layout alone (before any pairing exists):
-    every page inside every KV pool, the slot inside every state pool, and — for destinations —
-    no page listed twice. Names the offending index like `validate_request`. `with_slot=False`:
-    the slot is not part of this check (a page range before the last one)."""
+    """Check one side's page list and slots against a layout alone (before any pairing exists):
+    every page inside every KV pool, each component's slot inside its state pools, the aux row
+    inside the aux pools (none given where the layout has no aux entries), and — for
+    destinations — no page listed twice and no slot for a component the layout does not have
+    (a prefill stage may lack components of the model).
+    Names the offending index like `validate_request`. `with_slot=False`: the slots and aux row
+    are not part of this check (a page range before the last one)."""
     prefix = "src" if side == "source" else "dst"
     field = f"{prefix}_pages"
     arr = as_pages(pages, field)
@@ -276,16 +302,32 @@ def validate_pages_for_layout(
         raise PlanError(
             f"{field}[{i}] = {int(arr[i])} repeats {field}[{first}]", field=f"{field}[{i}]"
         )
-    if layout.state and with_slot:
-        slot_field = f"{prefix}_slot"
+    if with_slot:
+        _check_layout_slots(layout, as_slots(slots), prefix, side)
+    return arr
+
+
+def _check_layout_slots(layout: StageLayout, given: RequestSlots, prefix: str, side: str) -> None:
+    components = layout.components
+    if side == "destination":
+        unknown = sorted(set(given.by_component) - set(components))
+        if unknown:
+            raise PlanError(
+                f"{prefix}_slots names component {unknown[0]!r}, which the {side} layout does "
+                f"not have (components: {components})",
+                field=f"{prefix}_slots.{unknown[0]}",
+            )
+    for component in components:
+        entries = [s for s in layout.state if s.component == component]
+        slot_field = given.field_of(component, prefix)
+        slot = given.of(component)
         if slot is None:
             raise PlanError(
-                f"{slot_field} is required: the {side} layout has "
-                f"{len(layout.state)} state entries",
+                f"{slot_field} is required: the {side} layout has {len(entries)} state entries "
+                f"of component {component!r}",
                 field=slot_field,
             )
-        j = min(range(len(layout.state)), key=lambda i: layout.state[i].num_slots)
-        s = layout.state[j]
+        s = min(entries, key=lambda e: e.num_slots)
         if not 0 <= slot < s.num_slots:
             raise PlanError(
                 f"{slot_field} = {slot} is outside the state pool of layer {s.layer_id} kind "
@@ -294,4 +336,24 @@ def validate_pages_for_layout(
                 layer_id=s.layer_id,
                 kind=s.kind,
             )
-    return arr
+    aux_field = f"{prefix}_aux"
+    if given.aux is not None and not layout.aux:
+        raise PlanError(
+            f"{aux_field} = {given.aux}, but the {side} layout has no aux entries (only the "
+            "last PP stage of a model with aux entries sends aux rows)",
+            field=aux_field,
+        )
+    if layout.aux:
+        if given.aux is None:
+            raise PlanError(
+                f"{aux_field} is required: the {side} layout has {len(layout.aux)} aux entries",
+                field=aux_field,
+            )
+        j = min(range(len(layout.aux)), key=lambda i: layout.aux[i].num_rows)
+        rows = layout.aux[j].num_rows
+        if not 0 <= given.aux < rows:
+            raise PlanError(
+                f"{aux_field} = {given.aux} is outside aux entry {j} (rows 0..{rows - 1})",
+                field=aux_field,
+                aux=j,
+            )

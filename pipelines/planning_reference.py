@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipelines.pairing import Pairing
+from pipelines.slots import SlotsLike, as_slots
 
 
 def reference_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -27,11 +28,13 @@ def reference_plan(
     pairing: Pairing,
     src_pages: Sequence[int],
     dst_pages: Sequence[int],
-    src_slot: int | None = None,
-    dst_slot: int | None = None,
+    src_slot: SlotsLike = None,
+    dst_slot: SlotsLike = None,
 ) -> list[tuple[int, int, int]]:
-    """(src_addr, dst_addr, length) per block, pair-major, then one block per state pair."""
+    """(src_addr, dst_addr, length) per block, pair-major, then one block per state pair (at
+    its component's slot), then one per aux pair (at the aux row)."""
     src, dst = pairing.src, pairing.dst
+    src_at, dst_at = as_slots(src_slot), as_slots(dst_slot)
     blocks: list[tuple[int, int, int]] = []
     runs = reference_runs([int(p) for p in src_pages], [int(p) for p in dst_pages])
     for i, j in zip(pairing.kv_src_index.tolist(), pairing.kv_dst_index.tolist()):
@@ -40,8 +43,13 @@ def reference_plan(
             blocks.append((a.base + s0 * a.item_len, b.base + d0 * b.item_len, n * a.item_len))
     for i, j in zip(pairing.state_src_index.tolist(), pairing.state_dst_index.tolist()):
         sa, sb = src.state[i], dst.state[j]
-        assert src_slot is not None and dst_slot is not None
+        s, d = src_at.of(sa.component), dst_at.of(sb.component)
+        assert s is not None and d is not None
+        blocks.append((sa.base + s * sa.item_len, sb.base + d * sb.item_len, sa.item_len))
+    for i in pairing.aux_src_index.tolist():
+        xa, xb = src.aux[i], dst.aux[i]
+        assert src_at.aux is not None and dst_at.aux is not None
         blocks.append(
-            (sa.base + src_slot * sa.item_len, sb.base + dst_slot * sb.item_len, sa.item_len)
+            (xa.base + src_at.aux * xa.item_len, xb.base + dst_at.aux * xb.item_len, xa.item_len)
         )
     return blocks

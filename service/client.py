@@ -154,6 +154,8 @@ class KVHandoffClient:
         dst_pages: Sequence[int],
         *,
         dst_slot: int | None = None,
+        dst_slots: Mapping[str, int] | None = None,
+        dst_aux: int | None = None,
         prefill: Sequence[str] = (),
         deadline_s: float | None = None,
         verify: bool | None = None,
@@ -164,6 +166,8 @@ class KVHandoffClient:
         body: dict[str, Any] = {"id": handoff_id, "dst_pages": list(dst_pages)}
         optional = {
             "dst_slot": dst_slot,
+            "dst_slots": dict(dst_slots) if dst_slots else None,
+            "dst_aux": dst_aux,
             "prefill": list(prefill) or None,
             "deadline_s": deadline_s,
             "verify": verify,

@@ -298,7 +298,8 @@ class StageConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True)
     pp_rank: NonNeg = 0
     pp_size: Positive = 1
     num_pages: Positive
-    #: Linear-attention state slots (requests in flight); ignored by models without state.
+    #: Linear-attention state slots and aux rows (requests in flight); ignored by models
+    #: without either.
     num_slots: NonNeg = 0
     #: "torch:cpu", "torch:cuda:0", "torch:npu:0" or "shm:<name>" (see transport.pools).
     pool: str = "torch:cpu"
@@ -446,9 +447,12 @@ def check(config: Config) -> None:
 def _check_model(config: Config) -> None:
     stages = config.stages
     spec = config.model_spec()
-    if spec.state_kinds and any(s.num_slots == 0 for s in stages):
+    if (spec.state_kinds or spec.aux_row_bytes) and any(s.num_slots == 0 for s in stages):
         bad = next(i for i, s in enumerate(stages) if s.num_slots == 0)
-        raise ConfigError(f"stages[{bad}].num_slots", f"model {spec.name} has state; must be > 0")
+        raise ConfigError(
+            f"stages[{bad}].num_slots",
+            f"model {spec.name} has state or aux rows (one per slot); must be > 0",
+        )
     if config.role == "prefill":
         config.layer_partition()
 

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import operator
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -36,6 +36,7 @@ from pipelines.events import Event
 from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
 from pipelines.prefill import PrefillPipeline
+from pipelines.slots import RequestSlots
 from pipelines.urls import ServiceUrl
 from service.config import Config, ConfigError
 from service.http.problems import NotReady, invalid_value
@@ -209,9 +210,13 @@ class EmbeddedService:
         decode_url: str | None = None,
         pages_from: int | None = None,
         last_pages: bool | None = None,
+        src_slots: Mapping[str, int] | None = None,
+        src_aux: int | None = None,
     ) -> None:
         """Stage `pp_rank` finished `layers` (None: all its layers) of this request, or with
-        `pages_from` the next range of its pages (`last_pages` on the last, with the slot): as
+        `pages_from` the next range of its pages (`last_pages` on the last, with the slots):
+        `src_slot` is the slot of every state component `src_slots` leaves out, `src_aux` the
+        request's aux row (the last stage of a layout with aux entries). As
         `POST /v1/handoffs/{id}/stages/{pp_rank}/ready`, with the same errors (InvalidInput and
         PlanError naming the field, NotFoundError, ConflictError). The pages are copied here:
         the engine may reuse its array once this returns. `decode_url` names the decode
@@ -227,7 +232,11 @@ class EmbeddedService:
                     f"decode_url {decode_url!r}: {exc}", field="decode_url"
                 ) from None
         rank = _non_negative(pp_rank, "pp_rank")
-        slot = None if src_slot is None else _non_negative(src_slot, "src_slot")
+        slots = RequestSlots(
+            None if src_slot is None else _non_negative(src_slot, "src_slot"),
+            {str(c): _non_negative(i, f"src_slots.{c}") for c, i in (src_slots or {}).items()},
+            None if src_aux is None else _non_negative(src_aux, "src_aux"),
+        )
         start = None if pages_from is None else _non_negative(pages_from, "pages_from")
         if last_pages is not None:
             if not isinstance(last_pages, bool | np.bool_):
@@ -248,7 +257,7 @@ class EmbeddedService:
                 handoff_id,
                 rank,
                 pages,
-                slot,
+                slots,
                 layer_ids,
                 decode_url=decode_url,
                 pages_from=start,

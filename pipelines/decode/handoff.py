@@ -138,6 +138,8 @@ class DecodeHandoff:
             deadline_at=self.deadline_at,
             num_pages=int(self.dst_pages.shape[0]),
             dst_slot=self.request.dst_slot,
+            dst_slots=dict(self.request.dst_slots),
+            dst_aux=self.request.dst_aux,
             prefill=list(self.request.prefill),
             verify=self.verify,
             bytes=sum(s.bytes for s in self.stages.values()),

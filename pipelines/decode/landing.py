@@ -105,26 +105,21 @@ class Landing:
 
     # ----------------------------------------------------------------- handoffs
 
-    def open(
-        self, handoff_id: str, dst_pages: I64, dst_slot: int | None, pairings: dict[int, Pairing]
-    ) -> None:
-        """Start landing a new handoff's stages; raises InvalidInput (changing nothing) when a
-        page or slot of a stage cannot fit one window."""
+    def open(self, handoff_id: str, dst_pages: I64, pairings: dict[int, Pairing]) -> None:
+        """Start landing a new handoff's stages (its slots were validated against the layout:
+        every slot row has its index); raises InvalidInput (changing nothing) when a page, slot
+        or aux row of a stage cannot fit one window."""
         n = int(dst_pages.shape[0])
         stages = {}
         for rank, pairing in pairings.items():
-            has_slot = dst_slot is not None and pairing.num_state_pairs > 0
-            expected = pairing.kv_bytes_per_page * n + (
-                pairing.state_bytes_per_slot if has_slot else 0
-            )
-            k, rows = pairing.num_kv_pairs, pairing.num_kv_pairs + pairing.num_state_pairs
+            expected = pairing.kv_bytes_per_page * n + pairing.slot_bytes
+            k, rows = pairing.num_kv_pairs, pairing.num_kv_pairs + pairing.num_slot_rows
             # True where nothing is to be sent; each cell to send turns True once committed.
             covered = np.ones((rows, max(n, 1)), dtype=np.bool_)
             covered[:k, :n] = False
-            if has_slot:
-                covered[k:, 0] = False  # a state row has one position: the slot
+            covered[k:, 0] = False  # a slot row has one position: its index
             largest = max(
-                int(pairing.kv_item_len.max(initial=0)), int(pairing.state_item_len.max(initial=0))
+                int(pairing.kv_item_len.max(initial=0)), int(pairing.slot_item_len.max(initial=0))
             )
             if largest > self.window_bytes:
                 raise InvalidInput(
@@ -186,8 +181,7 @@ class Landing:
             )
         pieces = Pieces.of(msg.rows, msg.starts, msg.ends)
         n = int(h.dst_pages.shape[0])
-        has_slot = h.request.dst_slot is not None and stage.pairing.num_state_pairs > 0
-        nbytes = check_pieces(stage.pairing, pieces, n, has_slot, pp_rank=rank)
+        nbytes = check_pieces(stage.pairing, pieces, n, True, pp_rank=rank)
         if nbytes != msg.bytes or nbytes > extent.length:
             raise InvalidInput(
                 f"the segment's pieces hold {nbytes} bytes; the notice says {msg.bytes} and "
@@ -298,7 +292,7 @@ class Landing:
         snapshot = copy_out(self._window, offset, nbytes, self._scratch())
         if digest(snapshot, self.algorithm) != expected_digest:
             return False
-        side = destination_side(pairing, self._memory, h.dst_pages, h.request.dst_slot)
+        side = destination_side(pairing, self._memory, h.dst_pages, h.request.slots)
         scatter(pairing, side, pieces, snapshot)
         return True
 

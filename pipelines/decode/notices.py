@@ -17,6 +17,7 @@ from pipelines.layout import StageLayout
 from pipelines.memory import EntryMemory, destination_digests
 from pipelines.messages import ArrivalMsg, SegmentMsg, StageFailedMsg, WindowRequest
 from pipelines.pairing import Pairing
+from pipelines.slots import SlotsLike
 
 I64 = npt.NDArray[np.int64]
 
@@ -47,17 +48,16 @@ def check_sender(
         )
 
 
-def check_accounting(
-    pairing: Pairing, dst_pages: I64, dst_slot: int | None, msg: ArrivalMsg
-) -> None:
+def check_accounting(pairing: Pairing, dst_pages: I64, msg: ArrivalMsg) -> None:
     """The arrival must account for exactly the bytes this destination expects of the stage,
     computed from the cached pairs and the pages (so 0 bytes never completes a stage that has
-    pages), in a block count the pages allow. Raises InvalidInput naming `bytes` or `blocks`."""
+    pages) plus one row per slot row (the destination's slots were required at create), in a
+    block count the pages allow. Raises InvalidInput naming `bytes` or `blocks`."""
     n = int(dst_pages.shape[0])
     expected = pairing.kv_bytes_per_page * n
-    state_blocks = pairing.num_state_pairs if dst_slot is not None else 0
+    state_blocks = pairing.num_slot_rows
     if state_blocks:
-        expected += pairing.state_bytes_per_slot
+        expected += pairing.slot_bytes
     if msg.bytes != expected:
         raise InvalidInput(
             f"stage {msg.pp_rank} reports {msg.bytes} bytes; this destination expects {expected}",
@@ -82,7 +82,7 @@ def first_mismatch(
     memory: EntryMemory,
     digests: dict[int, dict[str, str] | None],
     dst_pages: I64,
-    dst_slot: int | None,
+    dst_slots: SlotsLike,
 ) -> tuple[str, int, dict[str, Any]] | None:
     """The first stage (by rank) whose landed bytes differ from the digests it sent, or that
     sent none: (reason, rank, context naming the layer and group/kind or the field). Reads
@@ -94,17 +94,22 @@ def first_mismatch(
                 rank,
                 {"field": "digests"},
             )
-        landed = destination_digests(layout, memory, set(sent), dst_pages, dst_slot)
+        landed = destination_digests(layout, memory, set(sent), dst_pages, dst_slots)
         for key, digest in sorted(sent.items()):
             if landed.get(key) != digest:
-                kind, layer, which = key.split(":", 2)
-                ctx: dict[str, Any] = {"layer_id": int(layer)}
-                if kind == "state":
-                    ctx["kind"] = which
+                kind, _, where = key.partition(":")
+                ctx: dict[str, Any]
+                if kind == "aux":
+                    ctx = {"aux": int(where)}
                 else:
-                    ctx["group"] = int(which)
+                    layer, which = where.split(":", 1)
+                    ctx = {"layer_id": int(layer)}
+                    if kind == "state":
+                        ctx["kind"] = which
+                    else:
+                        ctx["group"] = int(which)
                 return (
-                    f"bytes landed for {kind} {layer}:{which} differ from what stage {rank} sent",
+                    f"bytes landed for {kind} {where} differ from what stage {rank} sent",
                     rank,
                     ctx,
                 )

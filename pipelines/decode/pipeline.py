@@ -27,7 +27,7 @@ import msgspec
 from pipelines.decode.handoff import I64, ROLE, DecodeHandoff, DecodeStage, publish
 from pipelines.decode.heartbeats import PrefillWatch
 from pipelines.decode.landing import Landing
-from pipelines.decode.leases import Leases
+from pipelines.decode.leases import Leases, slot_claims
 from pipelines.decode.notices import check_accounting, check_sender, first_mismatch
 from pipelines.decode.outcomes import Outcomes
 from pipelines.decode.prefill_peers import PrefillDirectory, Stages
@@ -183,7 +183,7 @@ class DecodePipeline:
         if existing is not None:
             return existing, False
         dst_pages = validate_pages_for_layout(
-            self.layout, req.dst_pages, req.dst_slot, side="destination", unique=True
+            self.layout, req.dst_pages, req.slots, side="destination", unique=True
         )
         evicted = self._evicted
         stages = await self._peers.stages_of(req.prefill)
@@ -200,10 +200,10 @@ class DecodePipeline:
             )
         if self._landing is not None:  # raises (changing nothing) if a page cannot fit a window
             pairings = {r: self.cache.get(lay, self.layout) for r, (_, _, lay) in stages.items()}
-            self._landing.open(req.id, dst_pages, req.dst_slot, pairings)
+            self._landing.open(req.id, dst_pages, pairings)
         # I1: leased before anything is sent; nothing awaited from here on.
         try:
-            self.leases.acquire(req.id, dst_pages, req.dst_slot if self.layout.state else None)
+            self.leases.acquire(req.id, dst_pages, slot_claims(self.layout, req.slots))
         except BaseException:
             if self._landing is not None:
                 self._landing.forget(req.id)
@@ -616,6 +616,8 @@ class DecodePipeline:
             pp_ranks=sorted(ranks),
             dst_pages=h.request.dst_pages,
             dst_slot=h.request.dst_slot,
+            dst_slots=dict(h.request.dst_slots),
+            dst_aux=h.request.dst_aux,
             deadline_in_s=remaining_s,
             verify=h.verify,
             **self._landed_fields(h, ranks),
@@ -664,7 +666,7 @@ class DecodePipeline:
     def _verify(self, h: DecodeHandoff) -> tuple[str, int, dict[str, Any]] | None:
         assert self._memory is not None
         digests = {rank: st.digests for rank, st in h.stages.items()}
-        return first_mismatch(self.layout, self._memory, digests, h.dst_pages, h.request.dst_slot)
+        return first_mismatch(self.layout, self._memory, digests, h.dst_pages, h.request.slots)
 
     def _fail(
         self,
@@ -690,7 +692,7 @@ class DecodePipeline:
 
     def _check_accounting(self, h: DecodeHandoff, msg: ArrivalMsg) -> None:
         pairing = self.cache.get(h.stages[msg.pp_rank].layout, self.layout)
-        check_accounting(pairing, h.dst_pages, h.request.dst_slot, msg)
+        check_accounting(pairing, h.dst_pages, msg)
 
     def _existing(self, req: HandoffRequest, *, archive: bool = True) -> HandoffView | None:
         h = self._handoffs.get(req.id)

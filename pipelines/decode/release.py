@@ -29,7 +29,7 @@ import msgspec
 
 from pipelines.decode.handoff import ROLE, DecodeHandoff, DecodeStage, publish
 from pipelines.decode.landing import Landing
-from pipelines.decode.leases import Leases
+from pipelines.decode.leases import Leases, slot_claims
 from pipelines.decode.views import FencedPages, HandoffArchive, HandoffView
 from pipelines.errors import InvalidInput, KVHandoffError
 from pipelines.events import EventBus, HandoffReleased
@@ -268,9 +268,9 @@ class Releases:
                 continue
             try:
                 pages = validate_pages_for_layout(
-                    layout, f.dst_pages, f.dst_slot, side="destination", unique=True
+                    layout, f.dst_pages, f.slots, side="destination", unique=True
                 )
-                self.leases.acquire(f.handoff_id, pages, f.dst_slot if layout.state else None)
+                self.leases.acquire(f.handoff_id, pages, slot_claims(layout, f.slots))
             except InvalidInput as exc:  # the pool shrank between runs: nothing there to fence
                 log.warning("not fencing pages of restored handoff %s: %s", f.handoff_id, exc)
                 self._release_restored(f.handoff_id, leased=False)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Protocol
 from msgspec import Meta, Struct
 
 from pipelines.events import Event
+from pipelines.slots import RequestSlots
 from pipelines.states import HandoffState, StageState
 
 #: A handoff id is a URL path segment (`/v1/handoffs/{id}`): no "/", and not "." or "..",
@@ -20,6 +21,8 @@ HANDOFF_ID_PATTERN = (
     r"^(?:[A-Za-z0-9._:@-]{3,256}|[A-Za-z0-9_:@-][A-Za-z0-9._:@-]?|\.[A-Za-z0-9_:@-])$"
 )
 HandoffId = Annotated[str, Meta(min_length=1, max_length=256, pattern=HANDOFF_ID_PATTERN)]
+#: A state component's name (`StateEntry.component`), as a key of `dst_slots` / `src_slots`.
+Component = Annotated[str, Meta(min_length=1, max_length=64)]
 
 
 class HandoffRequest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -30,12 +33,47 @@ class HandoffRequest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # once); empty: the decode service's configured `peers.prefill`.
     prefill: list[Annotated[str, Meta(pattern=r"^https?://")]] = []
     dst_pages: list[Annotated[int, Meta(ge=0)]]
-    dst_slot: Annotated[int, Meta(ge=0)] | None = None
+    # The state slot of every component `dst_slots` leaves out (a model of one component: its
+    # slot); `dst_slots` per component (`StateEntry.component`); `dst_aux` the request's aux row.
+    dst_slot: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                description="The state slot of every state component `dst_slots` does not name "
+                "(a model with one component: its slot).",
+            ),
+        ]
+        | None
+    ) = None
+    dst_slots: Annotated[
+        dict[Component, Annotated[int, Meta(ge=0)]],
+        Meta(
+            description="The slot of each named state component (`StateEntry.component` of the "
+            "decode layout, e.g. an engine's `mamba` pool); an unknown component is refused "
+            "(422 naming `dst_slots.<component>`)."
+        ),
+    ] = {}
+    dst_aux: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                description="The request's aux row: required when the decode layout has aux "
+                "entries (per-request metadata rows, sent by the last PP stage).",
+            ),
+        ]
+        | None
+    ) = None
     deadline_s: Annotated[float, Meta(gt=0, le=3600)] | None = None
     verify: bool | None = None
     metadata: dict[str, Any] = {}
     #: Receives this handoff's lifecycle events as signed webhooks (the service checks the host).
     callback_url: Annotated[str, Meta(pattern=r"^https?://", max_length=2048)] | None = None
+
+    @property
+    def slots(self) -> RequestSlots:
+        return RequestSlots(self.dst_slot, self.dst_slots, self.dst_aux)
 
 
 class StageView(Struct, frozen=True):
@@ -68,6 +106,8 @@ class HandoffView(Struct, frozen=True, omit_defaults=True):
     bytes: int
     stages: list[StageView]
     released: bool
+    dst_slots: dict[str, int] = {}
+    dst_aux: int | None = None
     finished_at: float | None = None
     released_at: float | None = None
     # "passed", or "skipped: <why>" when verification was asked for and could not run.
@@ -140,3 +180,9 @@ class FencedPages(Struct, frozen=True):
     dst_pages: list[int]
     dst_slot: int | None
     release_at: float
+    dst_slots: dict[str, int] = {}
+    dst_aux: int | None = None
+
+    @property
+    def slots(self) -> RequestSlots:
+        return RequestSlots(self.dst_slot, self.dst_slots, self.dst_aux)

@@ -27,6 +27,7 @@ from pipelines.messages import (
     WindowRequest,
 )
 from pipelines.packing import ByteRegions
+from pipelines.slots import RequestSlots
 from pipelines.states import StageState, advance
 from transport.blocks import Blocks
 
@@ -103,10 +104,11 @@ END = End()
 
 @dataclass(frozen=True)
 class Chunk:
-    """Layer-tagged work for one stage: KV pages of `layers`, or state slots of `layers`."""
+    """Layer-tagged work for one stage: KV pages of `layers`, state slots of `layers`, or the
+    stage's aux rows (no layers)."""
 
     pp_rank: int
-    kind: str  # "kv" or "state"
+    kind: str  # "kv", "state" or "aux"
     layers: tuple[int, ...]
 
 
@@ -120,14 +122,14 @@ class StageInput:
     from an older array, which keeps the same values at the positions it reads."""
 
     src_pages: I64
-    src_slot: int | None
+    src_slots: RequestSlots  # its state slots and aux row (by page range: with the last)
     signals: asyncio.Queue[ReadySignal]
     ranged: bool = False
-    ended: bool = True  # every page (and the slot) is known: False until the last range
+    ended: bool = True  # every page (and the slots) is known: False until the last range
     ended_event: asyncio.Event = field(default_factory=asyncio.Event)
     _buffer: I64 | None = None
 
-    def add_range(self, pages: I64, slot: int | None, *, last: bool) -> None:
+    def add_range(self, pages: I64, slots: RequestSlots, *, last: bool) -> None:
         """Append a validated page range (ranged stages only)."""
         n, m = int(self.src_pages.shape[0]), int(pages.shape[0])
         buf = self._buffer
@@ -139,7 +141,7 @@ class StageInput:
         buf[n : n + m] = pages
         self.src_pages = buf[: n + m]
         if last:
-            self.src_slot = slot
+            self.src_slots = slots
             self.ended = True
             self.ended_event.set()
 

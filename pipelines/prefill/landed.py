@@ -114,11 +114,12 @@ class LandedSender:
         regions = stage.regions
         if regions is None:
             raise InternalError(f"stage {rank} has no memory to gather from", pp_rank=rank)
-        has_slot = dest.dst_slot is not None and pairing.num_state_pairs > 0
+        # Every slot row's index was validated on both sides (`StageRunner.run`), so the
+        # stage sends its slot rows (with the last range, by page range).
         # By page range, the stage's pages are known only as they come: the decode's count is
         # what the ranges must add up to (`make_pages_ready` refuses more, or a short last).
         n = len(dest.dst_pages) if inp.ranged else int(inp.src_pages.shape[0])
-        packer = StagePacker(pairing, n, has_slot, ranged=inp.ranged)
+        packer = StagePacker(pairing, n, True, ranged=inp.ranged)
         if packer.largest_item > min(dest.window_bytes, staging.arena.capacity_bytes):
             raise InvalidInput(
                 f"stage {rank} has a {packer.largest_item}-byte page or slot; the decode's "
@@ -170,7 +171,7 @@ class LandedSender:
                 self._paired(h, rank, pairing, pieces)
                 # Built per segment: a stage signalled by page range grows its page array (and
                 # learns its slot with the last range) while earlier segments travel.
-                src = source_side(pairing, regions, inp.src_pages, inp.src_slot)
+                src = source_side(pairing, regions, inp.src_pages, inp.src_slots)
                 after = set(flight) if last_cut else set()
                 segment = _Segment(rank, pieces, grant, last_cut, src, after)
                 flight.append(

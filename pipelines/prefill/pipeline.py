@@ -59,6 +59,7 @@ from pipelines.prefill.ranges import check_range
 from pipelines.prefill.scopes import Finished, OpenHandoffs
 from pipelines.prefill.stage import StageRunner
 from pipelines.settings import PREFILL_DEFAULTS, PrefillSettings
+from pipelines.slots import NO_SLOTS, RequestSlots, SlotsLike, as_slots
 from pipelines.states import StageState
 from pipelines.urls import canonical_url
 
@@ -125,7 +126,7 @@ class PrefillPipeline:
         handoff_id: str,
         pp_rank: int,
         src_pages: Collection[int] | I64 | None,
-        src_slot: int | None,
+        src_slots: SlotsLike,
         layers: Collection[int] | None = None,
         *,
         decode_url: str | None = None,
@@ -134,13 +135,15 @@ class PrefillPipeline:
     ) -> None:
         """The engine finished `layers` (None: all) of stage `pp_rank` for this request.
 
-        By layer: the first signal of a stage must carry its source pages (and slot, for hybrid
-        models); later ones may repeat them or leave them out.
+        By layer: the first signal of a stage must carry its source pages (and slots, for hybrid
+        models: `src_slots` is a `RequestSlots`, or the single slot of every component; and
+        the aux row on the last stage of a layout with aux entries); later ones may repeat them
+        or leave them out.
 
         By page range (chunked prefill; `pages_from` given): `src_pages` are the request's
         pages at positions `pages_from..` and are ready for every layer of the stage. Ranges
         come in order without gaps or overlaps, each saying whether it is the last
-        (`last_pages`); the slot comes with the last one only. A stage is signalled one way.
+        (`last_pages`); the slots come with the last one only. A stage is signalled one way.
 
         `decode_url` names the decode service the request's id belongs to (ids are unique per
         decode only); without it the id must be unique across the decodes using this prefill,
@@ -155,6 +158,7 @@ class PrefillPipeline:
                 pp_rank=pp_rank,
             )
         scope = None if decode_url is None else canonical_url(decode_url)
+        slots = as_slots(src_slots)
         if pages_from is not None or last_pages is not None:
             self._ready_range(
                 scope,
@@ -162,7 +166,7 @@ class PrefillPipeline:
                 pp_rank,
                 stage,
                 src_pages,
-                src_slot,
+                slots,
                 layers,
                 pages_from,
                 last_pages,
@@ -196,7 +200,7 @@ class PrefillPipeline:
                     "src_pages is required on a stage's first ready signal", field="src_pages"
                 )
             pages = validate_pages_for_layout(
-                stage.layout, np.asarray(src_pages), src_slot, side="source", unique=False
+                stage.layout, np.asarray(src_pages), slots, side="source", unique=False
             )
         else:
             if src_pages is not None and not np.array_equal(
@@ -207,10 +211,10 @@ class PrefillPipeline:
                     field="src_pages",
                     pp_rank=pp_rank,
                 )
-            if src_slot is not None and src_slot != current.src_slot:
+            if not slots.empty and slots != current.src_slots:
                 raise ConflictError(
-                    f"stage {pp_rank} of handoff {handoff_id!r} already reported src_slot "
-                    f"{current.src_slot}",
+                    f"stage {pp_rank} of handoff {handoff_id!r} already reported other slots "
+                    f"({current.src_slots})",
                     field="src_slot",
                     pp_rank=pp_rank,
                 )
@@ -220,7 +224,7 @@ class PrefillPipeline:
         elif h.scope is None and scope is not None:
             self._handoffs.rescope(h, scope)
         if current is None:
-            current = StageInput(pages, src_slot, asyncio.Queue(len(stage.layout.kv) + 64))
+            current = StageInput(pages, slots, asyncio.Queue(len(stage.layout.kv) + 64))
             h.inputs[pp_rank] = current
             if h.stage_state.get(pp_rank, StageState.WAITING) == StageState.WAITING:
                 h.set_stage(pp_rank, StageState.READY)
@@ -249,7 +253,7 @@ class PrefillPipeline:
         pp_rank: int,
         stage: HostedStage,
         src_pages: Collection[int] | I64 | None,
-        src_slot: int | None,
+        src_slots: RequestSlots,
         layers: Collection[int] | None,
         pages_from: int | None,
         last_pages: bool | None,
@@ -267,7 +271,7 @@ class PrefillPipeline:
             current,
             h.known_destination if h is not None else None,
             src_pages,
-            src_slot,
+            src_slots,
             layers,
             pages_from,
             last_pages,
@@ -285,7 +289,7 @@ class PrefillPipeline:
         if current is None:
             current = StageInput(
                 np.zeros(0, dtype=np.int64),
-                None,
+                NO_SLOTS,
                 asyncio.Queue(RANGED_QUEUE_DEPTH),
                 ranged=True,
                 ended=False,
@@ -294,7 +298,7 @@ class PrefillPipeline:
             if h.stage_state.get(pp_rank, StageState.WAITING) == StageState.WAITING:
                 h.set_stage(pp_rank, StageState.READY)
             h.input_seen.setdefault(pp_rank, asyncio.Event()).set()
-        current.add_range(pages, src_slot, last=last_pages)
+        current.add_range(pages, src_slots, last=last_pages)
         current.signals.put_nowait(ReadySignal(None, pages_end=end, last=last_pages))
         self._publish(
             StageReady(

@@ -2,7 +2,8 @@
 prefill pipeline (`pipeline.py`, `PrefillPipeline.ready`) records it.
 
 A stage signalled by page range receives the request's pages range by range, each ready for
-every layer of the stage, in order without gaps or overlaps, the slot only with the last. Each
+every layer of the stage, in order without gaps or overlaps, the slots and aux row only with
+the last. Each
 check costs in proportion to the range: its own pages against the stage's pools, its position
 against the stage's ranges so far, its end against the decode's page count when the destination
 is known (otherwise the landed sender checks it when the destination comes, failing the stage
@@ -19,6 +20,7 @@ from pipelines.errors import InvalidInput
 from pipelines.messages import DestinationMsg
 from pipelines.planning import validate_pages_for_layout
 from pipelines.prefill.handoff import I64, HostedStage, StageInput
+from pipelines.slots import RequestSlots
 
 
 def check_range(
@@ -28,7 +30,7 @@ def check_range(
     current: StageInput | None,
     dest: DestinationMsg | None,
     src_pages: Collection[int] | I64 | None,
-    src_slot: int | None,
+    src_slots: RequestSlots,
     layers: Collection[int] | None,
     pages_from: int | None,
     last_pages: bool | None,
@@ -51,8 +53,11 @@ def check_range(
         raise refuse("layers", "a page range is ready for every layer: leave layers out")
     if src_pages is None:
         raise refuse("src_pages", "a page-range signal carries its pages (the last may be [])")
-    if src_slot is not None and not last_pages:
-        raise refuse("src_slot", "the slot comes with the last page range only")
+    if not src_slots.empty and not last_pages:
+        field = "src_aux" if src_slots.aux is not None else "src_slot"
+        if src_slots.by_component:
+            field = f"src_slots.{sorted(src_slots.by_component)[0]}"
+        raise refuse(field, "the slots and the aux row come with the last page range only")
     if current is not None and not current.ranged:
         raise refuse("pages_from", "it is signalled by layer, not by page range")
     if current is not None and current.ended:
@@ -67,7 +72,7 @@ def check_range(
     pages = validate_pages_for_layout(
         stage.layout,
         np.asarray(src_pages),
-        src_slot,
+        src_slots,
         side="source",
         unique=False,
         with_slot=last_pages,

@@ -135,15 +135,13 @@ class StageRunner:
             inp = h.inputs[rank]
             if inp.ranged:
                 # Each range's source pages were checked as it came; the destination once here.
-                validate_destination(pairing, dest.dst_pages, dest.dst_slot)
+                validate_destination(pairing, dest.dst_pages, dest.slots)
                 if dest.mode != "landed":
                     # Direct mode plans a stage whole: its ranges are sent once the last one is
                     # in, as one stage (no overlap with chunked prefill; landed mode has it).
                     await inp.ended_event.wait()
             if not inp.ranged or dest.mode != "landed":
-                validate_request(
-                    pairing, inp.src_pages, dest.dst_pages, inp.src_slot, dest.dst_slot
-                )
+                validate_request(pairing, inp.src_pages, dest.dst_pages, inp.src_slots, dest.slots)
             h.set_stage(rank, StageState.SENDING)
             if dest.mode == "landed":
                 await self._landed.send(h, rank, stage, inp, dest, pairing)
@@ -167,9 +165,9 @@ class StageRunner:
                     pairing,
                     stage.memory,
                     inp.src_pages,
-                    inp.src_slot,
+                    inp.src_slots,
                     np.arange(pairing.num_kv_pairs, dtype=np.int64),
-                    np.arange(pairing.num_state_pairs, dtype=np.int64),
+                    np.arange(pairing.num_slot_rows, dtype=np.int64),
                 )
             await self._decode.arrived(
                 dest.decode_url,
@@ -225,6 +223,8 @@ class StageRunner:
                 await out.put(Chunk(rank, "kv", tuple(kv)))
             if st:
                 await out.put(Chunk(rank, "state", tuple(st)))
+        if stage.layout.aux:  # aux rows belong to no layer: with the stage's last layers
+            await out.put(Chunk(rank, "aux", ()))
         await out.put(END)
 
     async def _pair(
@@ -243,20 +243,22 @@ class StageRunner:
                     pairing,
                     inp.src_pages,
                     dest.dst_pages,
-                    inp.src_slot,
-                    dest.dst_slot,
+                    inp.src_slots,
+                    dest.slots,
                     layers=chunk.layers,
                     include_state=False,
                 )
+            elif chunk.kind == "aux":
+                p = plan(pairing, [], [], inp.src_slots, dest.slots, layers=(), include_aux=True)
             else:
-                p = plan(pairing, [], [], inp.src_slot, dest.dst_slot, layers=chunk.layers)
+                p = plan(pairing, [], [], inp.src_slots, dest.slots, layers=chunk.layers)
             self._publish(
                 StagePaired(
                     handoff_id=h.handoff_id,
                     role=ROLE,
                     pp_rank=rank,
                     kv_pairs=int(p.kv_rows.shape[0]),
-                    state_pairs=p.state_blocks,
+                    state_pairs=p.slot_blocks,
                     blocks=len(p),
                     bytes=p.total_bytes,
                 )

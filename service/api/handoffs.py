@@ -14,8 +14,15 @@ from typing import Annotated
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from pipelines.decode.views import HANDOFF_ID_PATTERN, HandoffPage, HandoffRequest, HandoffView
+from pipelines.decode.views import (
+    HANDOFF_ID_PATTERN,
+    Component,
+    HandoffPage,
+    HandoffRequest,
+    HandoffView,
+)
 from pipelines.errors import CapacityExceeded, InvalidInput
+from pipelines.slots import RequestSlots
 from pipelines.states import HandoffState
 from pipelines.urls import ServiceUrl
 from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
@@ -74,7 +81,8 @@ def _handoff_id(request: web.Request) -> str:
     summary="Create a handoff (idempotent for an identical body; 409 for another body)",
     description="Admits the request as every door does (`service.runtime.admission`: URLs, "
     "bounds, the metadata size, records writable, the callback policy), checks the destination "
-    "pages and slot, fences them, fetches and pairs the "
+    "pages, slots (`dst_slot`, `dst_slots` per state component) and aux row (`dst_aux`), fences "
+    "them, fetches and pairs the "
     "prefill layouts, then sends the destination to every prefill service. Answers 201 for a new "
     "handoff and 200 when the same body was already accepted.",
     tags=("handoffs",),
@@ -189,9 +197,32 @@ class StageReady(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     #: Source pages of the request on this stage; required on the stage's first signal. With
     #: `pages_from`: the pages of this range only (the last range may be empty).
     src_pages: list[NonNeg] | None = None
-    #: The request's linear-attention state slot (hybrid models); by page range, only with the
-    #: last range.
+    #: The request's linear-attention state slot (hybrid models): the slot of every state
+    #: component `src_slots` leaves out; by page range, only with the last range.
     src_slot: NonNeg | None = None
+    #: The slot of each named state component (a layout's `StateEntry.component`), where
+    #: components have slots of their own; by page range, only with the last range.
+    src_slots: Annotated[
+        dict[Component, NonNeg],
+        Meta(
+            description="The slot of each named state component, where components have "
+            "slots of their own (`src_slot` is the slot of the others); by page range, only "
+            "with the last range."
+        ),
+    ] = {}
+    #: The request's aux row (per-request metadata entries, the last PP stage only); by page
+    #: range, only with the last range.
+    src_aux: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                description="The request's aux row, on the last PP stage of a layout with aux "
+                "entries; by page range, only with the last range.",
+            ),
+        ]
+        | None
+    ) = None
     #: Global layer ids now ready; absent: every layer of the stage not signalled yet.
     layers: list[NonNeg] | None = None
     #: The decode service this request's handoff belongs to (its public URL, as its
@@ -202,7 +233,7 @@ class StageReady(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     #: Chunked prefill: `src_pages` are the request's pages from this position on, ready for
     #: every layer of the stage. Ranges come in order, without gaps or overlaps.
     pages_from: NonNeg | None = None
-    #: With `pages_from`, required: this range is the stage's last (the slot comes with it).
+    #: With `pages_from`, required: this range is the stage's last (the slots come with it).
     last_pages: bool | None = None
 
 
@@ -221,10 +252,11 @@ class StageReadyAck(Struct, frozen=True, omit_defaults=True):
     status=202,
     errors=(404, 409, 422, 429),
     summary="Stage pp_rank has finished this request (all layers, those listed, or a page range)",
-    description="The first signal of a stage carries its source pages (and slot). Chunks of the "
-    "listed layers are sent as soon as the decode destination is known. Chunked prefill: each "
-    "signal with `pages_from` brings the next pages (`last_pages` on the last, with the slot), "
-    "sent as it comes.",
+    description="The first signal of a stage carries its source pages (and its slots: `src_slot`, "
+    "`src_slots` per state component, `src_aux` on the last stage of a layout with aux "
+    "entries). Chunks of the listed layers are sent as soon as the decode destination is known. "
+    "Chunked prefill: each signal with `pages_from` brings the next pages (`last_pages` on the "
+    "last, with the slots), sent as it comes.",
     tags=("engine",),
     role="engine",
     path_schemas={
@@ -237,7 +269,7 @@ async def stage_ready(request: web.Request) -> web.StreamResponse:
     rank = inputs.ascii_int(request.match_info["pp_rank"], "pp_rank")
     body = await decode_body(request, StageReady)
     inputs.pages(body.src_pages or (), "src_pages")
-    inputs.slot(body.src_slot, "src_slot")
+    inputs.slots(body.src_slot, body.src_slots, body.src_aux, "src")
     pipeline = prefill_of(request)
     if (
         not pipeline.query.holds(handoff_id)
@@ -257,7 +289,7 @@ async def stage_ready(request: web.Request) -> web.StreamResponse:
         handoff_id,
         rank,
         body.src_pages,
-        body.src_slot,
+        RequestSlots(body.src_slot, body.src_slots, body.src_aux),
         body.layers,
         decode_url=body.decode_url,
         pages_from=body.pages_from,

@@ -185,6 +185,7 @@ class ProblemDetails(Struct, omit_defaults=True, kw_only=True):
     layer_id: int | None = None
     group: int | None = None
     kind: str | None = None
+    aux: int | None = None  # an aux entry, by position
     pp_rank: int | None = None
     peer: str | None = None
     rc: int | None = None

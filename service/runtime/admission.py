@@ -43,12 +43,14 @@ def check(runtime: DecodeRuntime, request: HandoffRequest) -> HandoffRequest:
     arrival of a stage not count: URLs are compared in that form)."""
     request = msgspec.structs.replace(request, prefill=inputs.peer_urls(request.prefill, "prefill"))
     inputs.pages(request.dst_pages, "dst_pages")
-    inputs.slot(request.dst_slot, "dst_slot")
+    inputs.slots(request.dst_slot, request.dst_slots, request.dst_aux, "dst")
     inputs.metadata(request.metadata, runtime.config.handoff.max_metadata_bytes, "metadata")
-    if not request.dst_pages and not runtime.pipeline.layout.state:
+    layout = runtime.pipeline.layout
+    if not request.dst_pages and not layout.state and not layout.aux:
         # Empty pages are a state-only handoff (README); without state there is nothing to move.
         raise InvalidInput(
-            "dst_pages is empty and the model has no state to move", field="dst_pages"
+            "dst_pages is empty and the model has no state or aux rows to move",
+            field="dst_pages",
         )
     _records_writable(runtime)
     return request

@@ -78,6 +78,15 @@ def slot(value: int | None, field: str) -> None:
         )
 
 
+def slots(single: int | None, by_component: Mapping[str, int], aux: int | None, side: str) -> None:
+    """`slot` for every index of one side: `<side>_slot`, `<side>_slots.<component>`,
+    `<side>_aux`."""
+    slot(single, f"{side}_slot")
+    for component, value in by_component.items():
+        slot(value, f"{side}_slots.{component}")
+    slot(aux, f"{side}_aux")
+
+
 def metadata(value: dict[str, Any], limit_bytes: int, field: str) -> None:
     """Refuse a `metadata` object whose JSON exceeds `limit_bytes`: it is echoed in every event,
     record and webhook of its handoff, and held in the decode's history."""

@@ -252,6 +252,8 @@ class HandoffRecords:
             deadline_at=row[2],
             num_pages=len(request.dst_pages),
             dst_slot=request.dst_slot,
+            dst_slots=dict(request.dst_slots),
+            dst_aux=request.dst_aux,
             prefill=list(request.prefill),
             verify=bool(request.verify),
             bytes=progress.bytes,
@@ -332,7 +334,12 @@ class HandoffRecords:
             req = _request_decoder.decode(request)
             out.append(
                 FencedPages(
-                    hid, _pages_decoder.decode(pages), req.dst_slot, deadline_at + self._grace_s
+                    hid,
+                    _pages_decoder.decode(pages),
+                    req.dst_slot,
+                    deadline_at + self._grace_s,
+                    dict(req.dst_slots),
+                    req.dst_aux,
                 )
             )
         return out

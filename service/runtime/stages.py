@@ -91,7 +91,7 @@ def engine_layout(given: EngineStage, stage: StageConfig, key: str) -> StageLayo
             f"the engine's layout is stage {layout.pp_rank} of {layout.pp_size}, the stage table "
             f"says {stage.pp_rank} of {stage.pp_size}",
         )
-    return layout.with_bases([0] * len(layout.kv), [0] * len(layout.state))
+    return layout.place([0] * len(layout.region_sizes))
 
 
 def open_stages(

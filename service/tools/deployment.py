@@ -390,8 +390,7 @@ class LocalDeployment:
         moves = list(moves)
         out = []
         for r, layout in self.stage_layouts.items():
-            pool, n = self.stage_pool(r), len(layout.kv)
-            pairing = cache.get(layout.with_bases(pool.bases[:n], pool.bases[n:]), decode)
+            pairing = cache.get(layout.place(self.stage_pool(r).bases), decode)
             out.append(
                 Blocks.concat(
                     [plan(pairing, src, dst, ss, ds).blocks for src, dst, ss, ds in moves]

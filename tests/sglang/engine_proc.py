@@ -1,15 +1,24 @@
 """One SGLang scheduler rank's disaggregation calls, replayed in its own process.
 
 Started by `test_backend.py` as `python -m tests.sglang.engine_proc <role> <pp_rank> <pp_size>
-<bootstrap_port> <dist_port> <model_dir>`. It publishes SGLang's runtime context as a scheduler
-does, builds `KVArgs` over CPU tensors (their `data_ptr()`s), gets the manager, sender and
-receiver classes through SGLang's `get_kv_class`, and makes the calls SGLang's `prefill.py` /
-`decode.py` make, in their order, for each command read from stdin (one JSON object a line);
-it answers one JSON line each. PP ranks of the prefill share a gloo group, as SGLang's pp_group.
+<bootstrap_port> <dist_port> <model_dir> <variant>` (a JSON object: `aux_items` replaces the aux
+buffers' row sizes, `mamba_items` the Mamba tensors' slot sizes, to make a rank whose memory
+differs from its peers'; `tp_size` and `tp_rank` place it in a TP group). It publishes
+SGLang's runtime context as a scheduler does, builds `KVArgs` over CPU tensors (their
+`data_ptr()`s), gets the manager, sender and receiver classes through SGLang's `get_kv_class`,
+and makes the calls SGLang's `prefill.py` / `decode.py` make, in their order, for each command
+read from stdin (one JSON object a line); it answers one JSON line each. PP ranks of the
+prefill share a gloo group, as SGLang's pp_group.
 
 The memory: a hybrid model of 8 layers, full attention on 1, 3 (stage 0) and 5, 7 (stage 1),
-K and V buffers, pages of 4 tokens; three aux buffers (output ids, logprobs, bootstrap room)
-with one row per request. `tensors()` makes the same bytes in the test, from the same seed.
+K and V buffers, pages of 4 tokens, and a speculative-decoding draft layer (MTP: K and V, id 8,
+appended as SGLang appends `num_draft_entries`) on the last stage and the decode; SGLang's
+MAMBA state component on the linear layers 0, 2 (stage 0) and 4, 6 (stage 1), a conv and a
+temporal tensor per layer listed tensor-major with their global layer ids (as SGLang's
+`HybridLinearKVPool.get_state_layer_ids`), one slot per request (its `state_indices`:
+`[array([slot])]`); three aux buffers (output ids, logprobs, bootstrap room) with one row per
+request. `tensors()` makes the same bytes in the test, from the same seed. A request's Mamba
+slot is its command's `mamba`, else `(aux + 1) % MAMBA_SLOTS`.
 """
 
 from __future__ import annotations
@@ -29,51 +38,108 @@ PAGE_SIZE = 4
 KV_ITEM = PAGE_SIZE * 16  # bytes of one page of one buffer
 AUX_ITEMS = [16, 32, 8]  # output ids, logprobs, bootstrap_room (int64)
 PREFILL_PAGES, DECODE_PAGES, AUX_ROWS = 32, 48, 8
+LINEAR = {0: [0, 2], 1: [4, 6]}  # Mamba layers per prefill PP stage
+MAMBA_ITEMS = [24, 40]  # bytes of one slot of the conv and the temporal tensor
+MAMBA_SLOTS = 6
+DRAFT_LAYER = MODEL_LAYERS  # SGLang's id of the first draft layer (`build_kv_layer_ids`)
 
 
-def layer_ids(role: str, pp_rank: int) -> list[int]:
-    return FULL_ATTENTION[pp_rank] if role == "prefill" else FULL_ATTENTION[0] + FULL_ATTENTION[1]
+def mamba_layers(role: str, pp_rank: int, pp_size: int = 2) -> list[int]:
+    return LINEAR[pp_rank] if role == "prefill" and pp_size > 1 else LINEAR[0] + LINEAR[1]
 
 
-def tensors(role: str, pp_rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(KV buffers group-major: K of each layer then V, aux buffers): random on the prefill
-    (seeded by stage), zeros on the decode."""
+def mamba_slot(cmd: dict[str, Any]) -> int:
+    return int(cmd.get("mamba", (int(cmd["aux"]) + 1) % MAMBA_SLOTS))
+
+
+def has_draft(role: str, pp_rank: int, pp_size: int = 2) -> bool:
+    """The draft model's KV (one MTP layer) lives on the last prefill stage and the decode."""
+    return role == "decode" or pp_rank == pp_size - 1
+
+
+def kv_entries(role: str, pp_rank: int, pp_size: int = 2) -> list[tuple[int, int]]:
+    """(layer id, group) of each KV buffer in SGLang's order: the target's K then V, then the
+    draft's K and V with SGLang's draft id (the band above the target's layers)."""
+    ids = layer_ids(role, pp_rank, pp_size)
+    draft = [(DRAFT_LAYER, 0), (DRAFT_LAYER, 1)] if has_draft(role, pp_rank, pp_size) else []
+    return [(i, 0) for i in ids] + [(i, 1) for i in ids] + draft
+
+
+def layer_ids(role: str, pp_rank: int, pp_size: int = 2) -> list[int]:
+    """The full-attention layers of a rank: its stage's (a prefill of two PP stages) or all."""
+    if role == "prefill" and pp_size > 1:
+        return FULL_ATTENTION[pp_rank]
+    return FULL_ATTENTION[0] + FULL_ATTENTION[1]
+
+
+Tensors = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+
+
+def tensors(
+    role: str,
+    pp_rank: int,
+    aux_items: list[int] = AUX_ITEMS,
+    mamba_items: list[int] = MAMBA_ITEMS,
+    *,
+    pp_size: int = 2,
+    tp_rank: int = 0,
+) -> Tensors:
+    """(KV buffers group-major: K of each layer then V; Mamba buffers tensor-major: conv of
+    each linear layer, then temporal; aux buffers): random on the prefill (seeded by stage and
+    TP rank: each TP rank holds its own heads), zeros on the decode."""
     pages = PREFILL_PAGES if role == "prefill" else DECODE_PAGES
-    n = 2 * len(layer_ids(role, pp_rank))
+    n = len(kv_entries(role, pp_rank, pp_size))
+    linear = mamba_layers(role, pp_rank, pp_size)
+    state_sizes = [MAMBA_SLOTS * item for item in mamba_items for _ in linear]
+    sizes = [pages * KV_ITEM] * n + state_sizes + [AUX_ROWS * item for item in aux_items]
     if role == "decode":
-        kv = [torch.zeros(pages * KV_ITEM, dtype=torch.uint8) for _ in range(n)]
-        aux = [torch.zeros(AUX_ROWS * item, dtype=torch.uint8) for item in AUX_ITEMS]
-        return kv, aux
-    gen = torch.Generator().manual_seed(1000 + pp_rank)
-    kv = [
-        torch.randint(1, 255, (pages * KV_ITEM,), dtype=torch.uint8, generator=gen)
-        for _ in range(n)
-    ]
-    aux = [
-        torch.randint(1, 255, (AUX_ROWS * item,), dtype=torch.uint8, generator=gen)
-        for item in AUX_ITEMS
-    ]
-    return kv, aux
+        made = [torch.zeros(size, dtype=torch.uint8) for size in sizes]
+    else:
+        gen = torch.Generator().manual_seed(1000 + pp_rank + 100 * tp_rank)
+        made = [torch.randint(1, 255, (size,), dtype=torch.uint8, generator=gen) for size in sizes]
+    m = len(state_sizes)
+    return made[:n], made[n : n + m], made[n + m :]
 
 
-def kv_args(role: str, pp_rank: int, kv: list[torch.Tensor], aux: list[torch.Tensor]) -> Any:
-    from sglang.srt.disaggregation.base.conn import KVArgs
+def kv_args(
+    role: str,
+    pp_rank: int,
+    memory: Tensors,
+    aux_items: list[int] = AUX_ITEMS,
+    mamba_items: list[int] = MAMBA_ITEMS,
+    *,
+    pp_size: int = 2,
+    tp_rank: int = 0,
+) -> Any:
+    from sglang.srt.disaggregation.base.conn import KVArgs, StateType
+    from sglang.srt.disaggregation.utils import append_state_component
+
+    kv, state, aux = memory
 
     args = KVArgs()
-    ids = layer_ids(role, pp_rank)
-    args.engine_rank = 0
+    entries = kv_entries(role, pp_rank, pp_size)
+    args.engine_rank = tp_rank
     args.kv_data_ptrs = [t.data_ptr() for t in kv]
     args.kv_data_lens = [t.numel() for t in kv]
     args.kv_item_lens = [KV_ITEM] * len(kv)
-    args.kv_layer_ids = ids * 2  # one global id per buffer, group-major
+    args.kv_layer_ids = [layer for layer, _ in entries]  # one global id per buffer
     args.kv_cache_dtype_str = "bfloat16"
     args.aux_data_ptrs = [t.data_ptr() for t in aux]
     args.aux_data_lens = [t.numel() for t in aux]
-    args.aux_item_lens = list(AUX_ITEMS)
+    args.aux_item_lens = list(aux_items)
     args.state_types, args.state_data_ptrs, args.state_data_lens = [], [], []
     args.state_item_lens, args.state_layer_ids = [], []
     args.state_dim_per_tensor, args.state_slice_outer_counts = [], []
     args.state_conv_shard_groups = []
+    linear = mamba_layers(role, pp_rank, pp_size)
+    append_state_component(  # as SGLang's setup_state_kv_args does for a hybrid linear pool
+        args,
+        StateType.MAMBA,
+        [t.data_ptr() for t in state],
+        [t.numel() for t in state],
+        [item for item in mamba_items for _ in linear],
+        layer_ids=linear * len(mamba_items),
+    )
     args.is_hybrid_mla_backend = False
     args.swa_kv_cache_layout = None
     args.ib_device, args.gpu_id = "", 0
@@ -82,12 +148,20 @@ def kv_args(role: str, pp_rank: int, kv: list[torch.Tensor], aux: list[torch.Ten
     args.system_dp_rank = 0
     args.rust_http_port = None
     args.pp_rank = pp_rank
-    args.prefill_start_layer = 4 * pp_rank if role == "prefill" else 0
-    args.prefill_end_layer = 4 * pp_rank + 4 if role == "prefill" else MODEL_LAYERS
+    staged = role == "prefill" and pp_size > 1
+    args.prefill_start_layer = 4 * pp_rank if staged else 0
+    args.prefill_end_layer = 4 * pp_rank + 4 if staged else MODEL_LAYERS
     args.mla_compression_ratios = None
     args.kv_buf_groups, args.hidden_kv_layers, args.draft_kv_layers = 2, 0, 0
-    args.num_draft_entries = 0
+    args.num_draft_entries = 2 if has_draft(role, pp_rank, pp_size) else 0
     return args
+
+
+class OneRankGroup:
+    """SGLang's pp_group of a prefill of one PP stage: broadcasting to itself."""
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
 
 
 class GlooGroup:
@@ -106,6 +180,10 @@ def answer(obj: Any) -> None:
 
 def main() -> None:
     role, pp_rank, pp_size, port, dist_port, model = sys.argv[1:7]
+    variant = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}
+    aux_items = [int(n) for n in variant.get("aux_items", AUX_ITEMS)]
+    mamba_items = [int(n) for n in variant.get("mamba_items", MAMBA_ITEMS)]
+    tp_size, tp_rank = int(variant.get("tp_size", 1)), int(variant.get("tp_rank", 0))
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logging.getLogger("kvhandoff").setLevel(logging.INFO)
     pp_rank_i, pp_size_i, port_i = int(pp_rank), int(pp_size), int(port)
@@ -133,11 +211,13 @@ def main() -> None:
         page_size=PAGE_SIZE,
         host="127.0.0.1",
         pp_size=pp_size_i if role == "prefill" else 1,
+        tp_size=tp_size,
         disaggregation_mode=role,
         disaggregation_transfer_backend="kvhandoff",
         disaggregation_bootstrap_port=port_i,
     )
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=pp_rank_i))
+    world_rank = pp_rank_i * tp_size + tp_rank  # TP ranks innermost, as SGLang places them
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank))
     if role == "prefill" and pp_size_i > 1:
         torch.distributed.init_process_group(
             "gloo",
@@ -146,10 +226,14 @@ def main() -> None:
             world_size=pp_size_i,
         )
         get_parallel().override_permanently(pp_group=GlooGroup())
+    elif role == "prefill":
+        get_parallel().override_permanently(pp_group=OneRankGroup())
 
     backend = TransferBackend(server_args.disaggregation_transfer_backend)
-    kv, aux = tensors(role, pp_rank_i)
-    args = kv_args(role, pp_rank_i, kv, aux)
+    shape = {"pp_size": pp_size_i, "tp_rank": tp_rank}
+    memory = tensors(role, pp_rank_i, aux_items, mamba_items, **shape)
+    kv, state, aux = memory
+    args = kv_args(role, pp_rank_i, memory, aux_items, mamba_items, **shape)
     mode = DisaggregationMode(role)
     manager = get_kv_class(backend, KVClassType.MANAGER)(args, mode, server_args, False)
     bootstrap_addr = f"127.0.0.1:{port_i}"
@@ -226,7 +310,9 @@ def main() -> None:
                     while not committed.get(hid) and time.monotonic() < end:
                         time.sleep(0.01)
                     before_last = committed.get(hid, 0)
-                sender.send(np.array(pages[at : at + n], dtype=np.int32))
+                last = k == len(cmd["chunks"]) - 1  # SGLang sends the state with the last
+                state_indices = [np.array([mamba_slot(cmd)], dtype=np.int32)] if last else None
+                sender.send(np.array(pages[at : at + n], dtype=np.int32), state_indices)
                 at += n
                 poll(sender)
             final = until(sender, terminal, cmd.get("timeout_s", 20.0), seen)
@@ -254,7 +340,10 @@ def main() -> None:
         receiver.init(0)
         destination = KVTransferDestination(cmd.get("destination", "device"))
         receiver.send_metadata(
-            np.array(pages, dtype=np.int32), aux_index, None, destination=destination
+            np.array(pages, dtype=np.int32),
+            aux_index,
+            [np.array([mamba_slot(cmd)], dtype=np.int32)],
+            destination=destination,
         )
         if cmd.get("abort_after_s") is not None:
             until(receiver, terminal, cmd["abort_after_s"], seen)
@@ -269,8 +358,8 @@ def main() -> None:
         receiver.clear()
         dump = cmd.get("dump")
         if dump:
-            np.savez(dump, *[t.numpy() for t in kv], *[t.numpy() for t in aux])
-        for t in (*kv, *aux):  # the next request's check sees only its own bytes
+            np.savez(dump, *[t.numpy() for t in (*kv, *state, *aux)])
+        for t in (*kv, *state, *aux):  # the next request's check sees only its own bytes
             t.zero_()
         answer(
             {

@@ -5,6 +5,7 @@ Mooncake over TCP on 127.0.0.1 between the ranks' embedded services."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,11 +76,17 @@ class Deployment:
     prefill: list[Proc]
     decode: Proc
     tmp: Path
+    #: Another rank process: (role, pp_rank, variant of engine_proc's memory, its state dir).
+    start: Callable[[str, int, dict[str, Any], str], Proc]
+    decodes: list[Proc]  # every decode rank (`decode` is the first)
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    tmp = tmp_path_factory.mktemp("sglang")
+@contextlib.contextmanager
+def deploy(
+    tmp: Path, prefill: list[tuple[int, dict[str, Any]]], decode: list[dict[str, Any]], pp_size: int
+) -> Iterator[Deployment]:
+    """A bootstrap server of its own and one process per rank: the prefill ranks `(pp_rank,
+    variant)` of a prefill of `pp_size` stages, then the decode ranks (their variants)."""
     (tmp / "model").mkdir()
     (tmp / "model" / "config.json").write_text(
         json.dumps(
@@ -96,31 +103,46 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             }
         )
     )
-    config = tmp / "kvhandoff.toml"
-    config.write_text(
-        f'[server]\nstate_dir = "{tmp / "state"}"\n[auth]\npeer = "{SECRET}"\n'
-        "[transfer]\nlanding_bytes = 4194304\nwindow_bytes = 1048576\nstaging_bytes = 4194304\n"
-        "[handoff]\ndefault_deadline_s = 10.0\nheartbeat_interval_s = 0.5\npeer_timeout_s = 2.0\n"
-    )
-    env = {**os.environ, "SGLANG_KVHANDOFF_CONFIG": str(config), "HF_HUB_OFFLINE": "1"}
-    os.environ["SGLANG_KVHANDOFF_CONFIG"] = str(config)
+
+    def write_config(state: str) -> Path:
+        path = tmp / f"kvhandoff-{state}.toml"
+        path.write_text(
+            f'[server]\nstate_dir = "{tmp / state}"\n[auth]\npeer = "{SECRET}"\n'
+            "[transfer]\nlanding_bytes = 4194304\nwindow_bytes = 1048576\n"
+            "staging_bytes = 4194304\n[handoff]\ndefault_deadline_s = 10.0\n"
+            "heartbeat_interval_s = 0.5\npeer_timeout_s = 2.0\n"
+        )
+        return path
+
+    config = write_config("state")
+    os.environ["SGLANG_KVHANDOFF_CONFIG"] = str(config)  # this process's bootstrap server
     port, dist_port = free_port(), free_port()
     server = KVHandoffBootstrapServer("127.0.0.1", port)
     serving(port)
+    started: list[Proc] = []
 
-    def start(role: str, pp_rank: int) -> Proc:
+    def start(
+        role: str, pp_rank: int, variant: dict[str, Any] | None = None, state: str = "state"
+    ) -> Proc:
+        env = {
+            **os.environ,
+            "SGLANG_KVHANDOFF_CONFIG": str(write_config(state)),
+            "HF_HUB_OFFLINE": "1",
+        }
         argv = [
             sys.executable,
             "-m",
             "tests.sglang.engine_proc",
             role,
             str(pp_rank),
-            "2",
+            str(pp_size),
             str(port),
             str(dist_port),
             str(tmp / "model"),
+            json.dumps(variant or {}),
         ]
-        log = open(tmp / f"{role}{pp_rank}.log", "w")  # noqa: SIM115  -- closed with the process
+        name = f"{role}{pp_rank}-tp{(variant or {}).get('tp_rank', 0)}-{state}"
+        log = open(tmp / f"{name}.log", "w")  # noqa: SIM115  -- closed with the process
         popen = subprocess.Popen(
             argv,
             cwd=ROOT,
@@ -130,24 +152,34 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             stderr=log,
             text=True,
         )
-        return Proc(f"{role}{pp_rank}", popen)
+        proc = Proc(name, popen)
+        started.append(proc)
+        return proc
 
-    procs = [start("prefill", 0), start("prefill", 1), start("decode", 0)]
+    prefills = [start("prefill", rank, variant) for rank, variant in prefill]
+    decodes = [start("decode", 0, variant) for variant in decode]
     try:
-        for p in procs:
+        for p in [*prefills, *decodes]:
             hello = p.answer()
             assert hello["ready"] and hello["manager"] == "KVHandoffManager", hello
-        yield Deployment(port, server, procs[:2], procs[2], tmp)
+        yield Deployment(port, server, prefills, decodes[0], tmp, start, decodes)
     finally:
-        for p in procs:
+        for p in started:
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
-        for p in procs:
+        for p in started:
             try:
                 p.popen.wait(20)
             except subprocess.TimeoutExpired:
                 p.popen.kill()
         server.close()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """A prefill of two PP stages (TP 1) and a decode."""
+    with deploy(tmp_path_factory.mktemp("sglang"), [(0, {}), (1, {})], [{}], 2) as d:
+        yield d
 
 
 def run(
@@ -199,26 +231,45 @@ def monotone(polls: list[int]) -> bool:
 
 
 def verify(
-    d: Deployment, room: int, src: list[int], dst: list[int], src_aux: int, dst_aux: int
+    d: Deployment,
+    room: int,
+    src: list[int],
+    dst: list[int],
+    src_aux: int,
+    dst_aux: int,
+    mamba: tuple[int, int] | None = None,
 ) -> None:
-    """Every decode byte: the pages and aux row of this request from their source, zeros
-    everywhere else."""
+    """Every decode byte: the pages (target and draft layers), Mamba slot and aux row of this
+    request from their source, zeros everywhere else. `mamba`: (source, destination) slot,
+    else engine_proc's default."""
+    src_mamba, dst_mamba = mamba or (
+        ep.mamba_slot({"aux": src_aux}),
+        ep.mamba_slot({"aux": dst_aux}),
+    )
     landed = list(np.load(d.tmp / f"decode-{room}.npz").values())
-    dec_ids = ep.layer_ids("decode", 0)
-    n = len(dec_ids)
+    dec_kv = ep.kv_entries("decode", 0)
+    n = len(dec_kv)  # the decode's KV buffers, its Mamba buffers after them
+    dec_linear = ep.mamba_layers("decode", 0)
     for rank in (0, 1):
-        kv, aux = ep.tensors("prefill", rank)
-        ids = ep.layer_ids("prefill", rank)
-        for i, layer in enumerate(ids * 2):
-            group = i // len(ids)
-            j = group * n + dec_ids.index(layer)
+        kv, state, aux = ep.tensors("prefill", rank)
+        linear = ep.mamba_layers("prefill", rank)
+        for t, item in enumerate(ep.MAMBA_ITEMS):  # tensor-major over each side's layers
+            for layer in linear:
+                sent = state[t * len(linear) + linear.index(layer)].numpy().reshape(-1, item)
+                got = landed[n + t * len(dec_linear) + dec_linear.index(layer)]
+                got = got.reshape(-1, item)
+                assert np.array_equal(got[dst_mamba], sent[src_mamba]), f"mamba {t} {layer}"
+                assert not np.delete(got, [dst_mamba], axis=0).any(), f"mamba {t} {layer}"
+        for i, (layer, group) in enumerate(ep.kv_entries("prefill", rank)):
+            j = dec_kv.index((layer, group))  # the draft layer too: by its id in SGLang's band
             sent = kv[i].numpy().reshape(ep.PREFILL_PAGES, ep.KV_ITEM)[src]
             got = landed[j].reshape(ep.DECODE_PAGES, ep.KV_ITEM)
             assert np.array_equal(got[dst], sent), f"layer {layer} group {group}"
             assert not np.delete(got, dst, axis=0).any(), f"layer {layer} group {group}"
-    _, aux = ep.tensors("prefill", 1)  # the last stage's aux rows; the room row it wrote
+    _, _, aux = ep.tensors("prefill", 1)  # the last stage's aux rows; the room row it wrote
+    first_aux = n + len(ep.MAMBA_ITEMS) * len(dec_linear)
     for k, item in enumerate(ep.AUX_ITEMS):
-        got = landed[2 * n + k].reshape(ep.AUX_ROWS, item)
+        got = landed[first_aux + k].reshape(ep.AUX_ROWS, item)
         want = aux[k].numpy().reshape(ep.AUX_ROWS, item)[src_aux].copy()
         if k == 2:
             want = np.frombuffer(np.int64(room).tobytes(), dtype=np.uint8)
@@ -228,17 +279,19 @@ def verify(
 
 def test_chunked_pp2_handoff_lands_every_byte(deployment: Deployment) -> None:
     d = deployment
-    for room, src, dst, chunks, (sa, da) in (
-        (7001, [3, 4, 9, 10, 11, 20], [7, 8, 1, 2, 40, 41], [2, 3, 1], (2, 5)),
-        (7002, [30, 1, 2, 5, 6, 7], [0, 46, 47, 10, 11, 12], [4, 2, 0], (6, 0)),  # empty last
+    for room, src, dst, chunks, (sa, da), mamba in (
+        (7001, [3, 4, 9, 10, 11, 20], [7, 8, 1, 2, 40, 41], [2, 3, 1], (2, 5), (4, 1)),
+        # An empty last chunk (it brings the slots and the aux row alone).
+        (7002, [30, 1, 2, 5, 6, 7], [0, 46, 47, 10, 11, 12], [4, 2, 0], (6, 0), (0, 5)),
     ):
-        decode, prefill = run(d, room, src, dst, sa, da, chunks)
+        extra = {"prefill": {"mamba": mamba[0]}, "decode": {"mamba": mamba[1]}}
+        decode, prefill = run(d, room, src, dst, sa, da, chunks, **extra)
         assert decode["final"] == KVPoll.Success, decode
         assert all(p["final"] == KVPoll.Success for p in prefill), prefill
         for answer in [decode, *prefill]:
             assert monotone(answer["polls"]), answer
         assert decode["released"]
-        verify(d, room, src, dst, sa, da)
+        verify(d, room, src, dst, sa, da, mamba)
 
 
 def test_each_send_moves_its_own_pages_before_the_last_chunk_is_sent(
@@ -415,6 +468,51 @@ def test_a_prefill_of_another_tp_size_is_refused_naming_both(deployment: Deploym
     ), decode
 
 
+def test_a_decode_whose_aux_rows_differ_fails_the_request_naming_the_aux_entry(
+    deployment: Deployment,
+) -> None:
+    # A second decode instance whose logprobs rows are wider than the prefill's: refused when
+    # the handoff is created (pairing), naming the aux entry and both sizes; nothing moves.
+    d = deployment
+    wide = [ep.AUX_ITEMS[0], 64, ep.AUX_ITEMS[2]]
+    other = d.start("decode", 0, {"aux_items": wide}, "state-wide-aux")
+    try:
+        hello = other.answer()
+        assert hello["ready"], hello
+        other.ask({"op": "request", "room": 7501, "pages": [1, 2], "aux": 1, "timeout_s": 5.0})
+        decode = other.answer()
+    finally:
+        other.ask({"op": "exit"})
+        other.popen.wait(20)
+    assert decode["final"] == KVPoll.Failed, decode
+    assert "aux entry 1" in decode["error"], decode
+    assert "source 32 bytes, destination 64" in decode["error"], decode
+    assert decode["seconds"] < 5.0, decode  # refused at once, not timed out
+    assert decode["released"], decode  # nothing was leased: SGLang may free the pages now
+
+
+def test_a_decode_whose_mamba_slots_differ_fails_naming_the_layer_and_kind(
+    deployment: Deployment,
+) -> None:
+    # The Mamba slot-size guard: a decode whose temporal state is larger than the prefill's.
+    d = deployment
+    other = d.start("decode", 0, {"mamba_items": [ep.MAMBA_ITEMS[0], 48]}, "state-wide-mamba")
+    try:
+        assert other.answer()["ready"]
+        other.ask({"op": "request", "room": 7502, "pages": [1, 2], "aux": 1, "timeout_s": 5.0})
+        decode = other.answer()
+    finally:
+        other.ask({"op": "exit"})
+        other.popen.wait(20)
+    assert decode["final"] == KVPoll.Failed, decode
+    # Named by layer (a Mamba layer of the stage paired first) and kind (the temporal tensor).
+    assert "state slot size differs for layer" in decode["error"], decode
+    assert "kind 'mamba.1'" in decode["error"], decode
+    assert "source 40 bytes, destination 48" in decode["error"], decode
+    assert decode["released"], decode
+
+
+# Last in this module: it kills a prefill stage of the shared deployment.
 def test_a_killed_prefill_stage_fails_the_decode_within_the_heartbeat_window(
     deployment: Deployment,
 ) -> None:
@@ -435,3 +533,67 @@ def test_a_killed_prefill_stage_fails_the_decode_within_the_heartbeat_window(
     # PP rank 0 never reports Success without its dead peer stage (SGLang's consensus waits on
     # every stage; a dead PP rank takes the prefill instance down in SGLang itself).
     assert d.prefill[0].answer()["final"] != KVPoll.Success
+
+
+def verify_whole_rank(
+    dump: Path,
+    room: int,
+    pages: tuple[list[int], list[int]],
+    aux: tuple[int, int],
+    mamba: tuple[int, int],
+    tp_rank: int,
+) -> None:
+    """Every byte of one decode TP rank against the same TP rank of a one-stage prefill (its
+    entries in the decode's order): the request's rows from their source, zeros elsewhere."""
+    landed = list(np.load(dump).values())
+    kv, state, rows = ep.tensors("prefill", 0, pp_size=1, tp_rank=tp_rank)
+    linear = ep.mamba_layers("decode", 0)
+    items = [ep.KV_ITEM] * len(kv) + [i for i in ep.MAMBA_ITEMS for _ in linear] + ep.AUX_ITEMS
+    at = [pages] * len(kv) + [([mamba[0]], [mamba[1]])] * len(state)
+    at += [([aux[0]], [aux[1]])] * len(rows)
+    for k, (sent, got, item, (src, dst)) in enumerate(zip([*kv, *state, *rows], landed, items, at)):
+        want = sent.numpy().reshape(-1, item)[src].copy()
+        if k == len(landed) - 1:  # the bootstrap_room row this rank's last stage wrote
+            want = np.frombuffer(np.int64(room).tobytes(), dtype=np.uint8)[None, :]
+        got = got.reshape(-1, item)
+        assert np.array_equal(got[dst], want), f"tp rank {tp_rank}: region {k}"
+        assert not np.delete(got, dst, axis=0).any(), f"tp rank {tp_rank}: region {k}"
+
+
+def test_equal_tp_moves_one_handoff_per_request_and_tp_rank(tmp_path: Path) -> None:
+    # A prefill of TP 2 and a decode of TP 2, one process per rank: each decode TP rank pairs
+    # with the prefill TP rank of its own rank (handoff `sglang-<room>-tp<rank>`, one per rank)
+    # and lands that rank's own bytes (distinct per rank: each holds its own heads).
+    tp = [{"tp_size": 2, "tp_rank": r} for r in (0, 1)]
+    room, src, dst, aux, mamba = 7601, [3, 4, 9], [7, 8, 1], (2, 5), (4, 1)
+    with deploy(tmp_path, [(0, v) for v in tp], tp, 1) as d:
+        for r, p in enumerate(d.decodes):
+            dump = str(tmp_path / f"decode-tp{r}.npz")
+            p.ask(
+                {
+                    "op": "request",
+                    "room": room,
+                    "pages": dst,
+                    "aux": aux[1],
+                    "mamba": mamba[1],
+                    "dump": dump,
+                }
+            )
+        for p in d.prefill:
+            p.ask(
+                {
+                    "op": "request",
+                    "room": room,
+                    "pages": src,
+                    "aux": aux[0],
+                    "mamba": mamba[0],
+                    "chunks": [2, 1],
+                }
+            )
+        prefill = [p.answer() for p in d.prefill]
+        decode = [p.answer() for p in d.decodes]
+    assert all(a["final"] == KVPoll.Success for a in [*prefill, *decode]), (prefill, decode)
+    assert all(monotone(a["polls"]) for a in [*prefill, *decode])
+    assert all(a["released"] for a in decode)
+    for r in (0, 1):
+        verify_whole_rank(tmp_path / f"decode-tp{r}.npz", room, (src, dst), aux, mamba, r)

@@ -11,10 +11,10 @@ the bootstrap look-ups and the timeouts. What moves bytes and decides outcomes i
   port and locked state directory; prefill ranks register its URL with the bootstrap server,
   signed (`bootstrap.py`);
 - one handoff per request and attention-TP rank: id `sglang-<bootstrap_room>-tp<rank>`;
-- decode `send_metadata` creates the handoff (destination pages, aux row as its slot) on the
-  decode service, naming the prefill stages' services; each prefill `send` signals its chunk's
-  pages ready at once, as a page range of the stage (the aux row with the last), so the
-  chunk's segments travel while the next chunk is prefilled;
+- decode `send_metadata` creates the handoff (destination pages, a slot per state component,
+  the aux row) on the decode service, naming the prefill stages' services; each prefill `send`
+  signals its chunk's pages ready at once, as a page range of the stage (the slots and aux row
+  with the last), so the chunk's segments travel while the next chunk is prefilled;
 - the service's events drive `update_status` / `record_failure` on its own thread, so `poll()`
   only reads SGLang's table (a snapshot) and never waits; engine-facing calls that wait
   (create, stage ready, abort) run on one worker thread per rank, in order.
@@ -65,8 +65,10 @@ from service.integrations.sglang.bootstrap import SIGNATURE_HEADER, URL_FIELD, s
 from service.integrations.sglang.layouts import (
     RankLayout,
     Unsupported,
+    component_slots,
     rank_layout,
     refuse_unsupported,
+    state_types,
 )
 from service.integrations.sglang.settings import rank_config
 from service.runtime.stages import EngineStage
@@ -116,6 +118,7 @@ class KVHandoffManager(CommonKVManager):
         pp_rank = int(args.pp_rank) if prefill else 0
         self.stage_rank = pp_rank
         self.tp_rank_for_handoffs = int(parallel.attn_tp_rank)
+        self.state_types = state_types(args)  # what `state_indices` lists are parallel to
         self.rank: RankLayout = rank_layout(
             args,
             pp_rank=pp_rank,
@@ -137,6 +140,8 @@ class KVHandoffManager(CommonKVManager):
         self._rooms: dict[str, int] = {}  # handoff id -> room, of live senders / receivers
         self._sent: dict[int, int] = {}  # prefill: pages signalled so far, per room
         self._signalled: set[int] = set()  # prefill: rooms whose last page range was signalled
+        # prefill: rooms whose pages all came, by SGLang's count, before their state slots
+        self._ended: dict[int, int] = {}
         # Handoff ids whose pages are free again (HandoffReleased), kept past clear(): SGLang
         # asks `is_abort_release_safe` after it cleared the receiver. Bounded, oldest first out.
         self._released: OrderedDict[str, None] = OrderedDict()
@@ -171,11 +176,20 @@ class KVHandoffManager(CommonKVManager):
         with self._lock:
             self._rooms.pop(handoff_id(room, self.tp_rank_for_handoffs), None)
             self._sent.pop(int(room), None)
+            self._ended.pop(int(room), None)
             self._signalled.discard(int(room))
 
     def released(self, room: int) -> bool:
         with self._lock:
             return handoff_id(room, self.tp_rank_for_handoffs) in self._released
+
+    def never_leased(self, room: int) -> None:
+        """The room's handoff was refused at create: no page of it was ever leased, so no write
+        of it can land (SGLang may free the pages: `is_abort_release_safe`)."""
+        with self._lock:
+            self._released[handoff_id(room, self.tp_rank_for_handoffs)] = None
+            while len(self._released) > RELEASED_KEPT:
+                self._released.popitem(last=False)
 
     def fail(self, room: int, reason: str) -> None:
         self.record_failure(room, reason)
@@ -267,38 +281,59 @@ class KVHandoffManager(CommonKVManager):
     ) -> None:
         """One prefill chunk's pages (from `CommonKVSender.send`), signalled at once as the
         stage's next page range: its segments travel while the engine prefills the next chunk.
-        The last chunk brings the aux row (the last PP stage's slot). Signals go out in order on
-        the rank's worker thread, so the ranges reach the service in SGLang's order."""
+        The last chunk brings the aux row (on the last PP stage) and each state component's
+        slot (`state_indices`: one MAMBA index per request). SGLang counts a chunk last once
+        its pages are all sent, but the scheduler's state indices come with its own last send,
+        which may be an empty one after that: a stage with state ends its ranges only once its
+        slots came. Signals go out in order on the rank's worker thread, so the ranges reach
+        the service in SGLang's order."""
         room = int(bootstrap_room)
-        if state_indices and any(s is not None and len(s) for s in state_indices):
-            self.fail(room, "kvhandoff: per-component state indices are not supported yet")
+        slots, refused = component_slots(self.state_types, state_indices)
+        if refused:
+            self.fail(room, f"kvhandoff: {refused}")
             return
         pages = np.array(kv_indices, dtype=np.int64)  # a copy: SGLang reuses its array
+        waiting = set(self.rank.layout.components) - set(slots)
+        last = bool(is_last_chunk) and not waiting
         with self._lock:
             if room in self._signalled:
                 if len(pages):
                     self.fail(room, f"kvhandoff: {len(pages)} pages sent after the last chunk")
                 return  # SGLang's empty closing send after a chunk that already ended the pages
             at = self._sent.get(room, 0)
+            if not last and room in self._ended:
+                # A second send after the pages ended, still without the slots: none will come.
+                self.fail(room, f"kvhandoff: no state slot of {sorted(waiting)} came")
+                return
             self._sent[room] = at + len(pages)
-            if is_last_chunk:
+            if is_last_chunk and not last:
+                self._ended[room] = at + len(pages)  # pages done; the slots come next
+            if last:
                 self._signalled.add(room)
                 self._sent.pop(room, None)
+                self._ended.pop(room, None)
         start = index_slice.start if isinstance(index_slice, slice) else None
         if start is not None and int(start) != at:
             # SGLang's positions and ours disagree (a sharded or CP-filtered send, which this
             # backend refuses at start-up): never guess where the pages go.
             self.fail(room, f"kvhandoff: chunk at page position {start}, expected {at}")
             return
-        slot = aux_index if self.rank.has_aux and is_last_chunk else None
+        aux = None
+        if self.rank.has_aux and last and aux_index is not None:
+            aux = int(aux_index)
         hid = handoff_id(room, self.tp_rank_for_handoffs)
         rank = self.stage_rank
-        last = bool(is_last_chunk)
         self.submit(
             room,
             "stage ready",
             lambda: self.service.stage_ready(
-                hid, rank, pages, slot, pages_from=at, last_pages=last
+                hid,
+                rank,
+                pages,
+                pages_from=at,
+                last_pages=last,
+                src_slots=slots if last else None,
+                src_aux=aux,
             ),
         )
 
@@ -415,8 +450,9 @@ class KVHandoffReceiver(CommonKVReceiver):
                 room, "kvhandoff: decode prefix reuse (decode_prefix_len > 0) is not supported yet"
             )
             return
-        if state_indices and any(s is not None and len(s) for s in state_indices):
-            mgr.fail(room, "kvhandoff: per-component state indices are not supported yet")
+        slots, refused = component_slots(mgr.state_types, state_indices)
+        if refused:
+            mgr.fail(room, f"kvhandoff: {refused}")
             return
         urls = sorted(
             {i[URL_FIELD] for i in self.bootstrap_infos if i.get(URL_FIELD) and not i["is_dummy"]}
@@ -432,9 +468,18 @@ class KVHandoffReceiver(CommonKVReceiver):
             id=handoff_id(room, mgr.tp_rank_for_handoffs),
             prefill=urls,
             dst_pages=[int(p) for p in np.asarray(kv_indices).tolist()],
-            dst_slot=int(aux_index) if (mgr.rank.has_aux and aux_index is not None) else None,
+            dst_slots=slots,
+            dst_aux=int(aux_index) if (mgr.rank.has_aux and aux_index is not None) else None,
         )
-        mgr.submit(room, "create", lambda: mgr.service.expect_handoff(request))
+
+        def create() -> None:
+            try:
+                mgr.service.expect_handoff(request)
+            except (KVHandoffError, ValueError):
+                mgr.never_leased(room)  # refused before anything was leased
+                raise
+
+        mgr.submit(room, "create", create)
         self.init_time = time.time()
 
     def _send_abort_notification(self, *, force_arm: bool = False) -> None:

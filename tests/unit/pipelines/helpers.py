@@ -6,11 +6,11 @@ from pipelines.layout import StageLayout
 
 
 def place(layout: StageLayout, base: int, stride: int = 0x100000) -> StageLayout:
-    """Entry k (KV first, then state) at `base + k * stride`; stride must exceed every entry."""
+    """Entry k (KV first, then state, then aux) at `base + k * stride`; stride must exceed
+    every entry."""
     sizes = layout.region_sizes
     assert all(s <= stride for s in sizes), "stride too small for an entry"
-    bases = [base + k * stride for k in range(len(sizes))]
-    return layout.with_bases(bases[: len(layout.kv)], bases[len(layout.kv) :])
+    return layout.place([base + k * stride for k in range(len(sizes))])
 
 
 def place_packed(layout: StageLayout, base: int) -> StageLayout:
@@ -19,4 +19,4 @@ def place_packed(layout: StageLayout, base: int) -> StageLayout:
     for size in layout.region_sizes:
         bases.append(at)
         at += size
-    return layout.with_bases(bases[: len(layout.kv)], bases[len(layout.kv) :])
+    return layout.place(bases)

@@ -1,6 +1,7 @@
 """Decode and prefill pipelines linked in-process over the local transport, real memory."""
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -23,8 +24,16 @@ from pipelines.events import EventBus, StageTransferred, event_tag
 from pipelines.inprocess import InProcessLink
 from pipelines.memory import PoolMemory
 from pipelines.messages import AbortAck, AbortMsg, DestinationMsg, HeartbeatAck, StageFailedMsg
-from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from pipelines.models import (
+    ModelSpec,
+    StateKind,
+    decode_layout,
+    hybrid_npu_mla,
+    partition_layers,
+    stage_layout,
+)
 from pipelines.prefill import HostedStage, PrefillPipeline
+from pipelines.slots import RequestSlots
 from pipelines.states import HandoffState
 from transport.local import LocalTransport
 from transport.pools import open_pool
@@ -45,20 +54,20 @@ class World:
     bus: EventBus
 
 
-@pytest.fixture
-async def world() -> AsyncIterator[World]:
+@contextlib.asynccontextmanager
+async def make_world(model: ModelSpec = MODEL) -> AsyncIterator[World]:
     t = LocalTransport()
-    dec_pool = open_pool("torch:cpu", decode_layout(MODEL, num_pages=32, num_slots=4).region_sizes)
+    dec_pool = open_pool("torch:cpu", decode_layout(model, num_pages=32, num_slots=4).region_sizes)
     dec_pool.register(t)
-    dec = Mem(decode_layout(MODEL, num_pages=32, num_slots=4), dec_pool)
+    dec = Mem(decode_layout(model, num_pages=32, num_slots=4), dec_pool)
     stages = {}
     for r in range(2):
-        lay = stage_layout(MODEL, PART, r, num_pages=32, num_slots=4)
+        lay = stage_layout(model, PART, r, num_pages=32, num_slots=4)
         pool = open_pool("torch:cpu", lay.region_sizes)
         pool.register(t)
         stages[r] = Mem(lay, pool)
     for m in stages.values():
-        for i in range(len(m.layout.kv) + len(m.layout.state)):
+        for i in range(len(m.layout.region_sizes)):
             m.region(i)[:] = np.random.default_rng(i).integers(1, 255, m.region(i).shape[0])
     bus = EventBus()
     link = InProcessLink()
@@ -74,6 +83,12 @@ async def world() -> AsyncIterator[World]:
     for m in [dec, *stages.values()]:
         m.pool.close()
     t.close()
+
+
+@pytest.fixture
+async def world() -> AsyncIterator[World]:
+    async with make_world() as w:
+        yield w
 
 
 async def wait_terminal(w: World, hid: str) -> HandoffState:
@@ -127,6 +142,52 @@ async def test_pp2_handoff_lands_every_byte_in_the_right_entry(world: World) -> 
     tags = [event_tag(e) for e in w.decode.get("a").timeline]
     assert tags[0] == "handoff.created" and tags[-2:] == ["handoff.completed", "handoff.released"]
     assert not w.decode.leases.holds("a")
+
+
+async def test_direct_mode_moves_each_component_s_slot_and_the_last_stage_s_aux_rows() -> None:
+    # Direct mode plans the stage by layer: the aux rows (no layer) follow its last layers.
+    model = msgspec.structs.replace(
+        MODEL,
+        state_kinds=(StateKind("conv", 48, "mamba"), StateKind("tail", 40, "ring")),
+        aux_row_bytes=(16, 24),
+    )
+    async with make_world(model) as w:
+        request = HandoffRequest(
+            id="c",
+            prefill=["p"],
+            dst_pages=[1, 2],
+            dst_slot=3,
+            dst_slots={"ring": 0},
+            dst_aux=1,
+            verify=True,
+        )
+        await w.decode.create(request)
+        w.prefill.ready("c", 1, [5, 6], RequestSlots(2, aux=3), layers=[7])
+        w.prefill.ready("c", 1, [5, 6], RequestSlots(2, aux=3))
+        w.prefill.ready("c", 0, [5, 6], RequestSlots(by_component={"mamba": 1, "ring": 0}))
+        assert await wait_terminal(w, "c") == HandoffState.COMPLETED
+        assert w.decode.get("c").verification == "passed"  # every state and aux digest matched
+        k, dec = len(w.dec.layout.kv), w.dec.layout
+        for rank, (mamba, ring) in ((0, (1, 0)), (1, (2, 2))):
+            m = w.stages[rank]
+            for i, s in enumerate(m.layout.state):
+                j = next(
+                    x
+                    for x, d in enumerate(dec.state)
+                    if (d.layer_id, d.kind) == (s.layer_id, s.kind)
+                )
+                src_row, dst_row = (mamba, 3) if s.component == "mamba" else (ring, 0)
+                a = m.region(len(m.layout.kv) + i)[src_row * s.item_len :][: s.item_len]
+                b = w.dec.region(k + j)[dst_row * s.item_len :][: s.item_len]
+                assert np.array_equal(a, b), (s.layer_id, s.kind)
+        last = w.stages[1]
+        for i, a in enumerate(last.layout.aux):
+            sent = last.region(len(last.layout.kv) + len(last.layout.state) + i)
+            got = w.dec.region(k + len(dec.state) + i)
+            assert np.array_equal(
+                sent[3 * a.item_len :][: a.item_len], got[a.item_len :][: a.item_len]
+            )
+            assert not got[: a.item_len].any() and not got[2 * a.item_len :].any()
 
 
 async def test_each_stage_says_final_on_its_last_transfer_only(world: World) -> None:
@@ -219,11 +280,25 @@ async def test_corrupted_byte_is_caught_by_verification(world: World) -> None:
 
 def test_leases_release_is_idempotent() -> None:
     leases = Leases(8, 2)
-    leases.acquire("a", np.array([1, 2]), 0)
+    leases.acquire("a", np.array([1, 2]), [("state", 0, "dst_slot")])
     leases.release("a")
     leases.release("a")
-    leases.acquire("b", np.array([1, 2]), 0)
+    leases.acquire("b", np.array([1, 2]), [("state", 0, "dst_slot")])
     assert leases.leased_pages == 2
+
+
+def test_slots_are_leased_per_component_and_aux_rows_apart() -> None:
+    leases = Leases(8, 4)
+    leases.acquire("a", np.array([1]), [("mamba", 0, "dst_slots.mamba"), (None, 2, "dst_aux")])
+    # The same index of another component, or as an aux row, is another piece of memory.
+    leases.acquire("b", np.array([2]), [("swa", 0, "dst_slots.swa"), (None, 0, "dst_aux")])
+    with pytest.raises(ConflictError) as err:
+        leases.acquire("c", np.array([3]), [("mamba", 0, "dst_slots.mamba")])
+    assert err.value.context == {"field": "dst_slots.mamba", "holder": "a"}
+    with pytest.raises(ConflictError) as err:
+        leases.acquire("c", np.array([3]), [(None, 2, "dst_aux")])
+    assert err.value.context["field"] == "dst_aux"
+    assert not leases.holds("c") and leases.leased_pages == 2  # refused: nothing changed
 
 
 async def test_history_keeps_the_newest_finished_and_every_live_handoff(world: World) -> None:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -33,6 +34,7 @@ from pipelines.memory import PoolMemory, pool_array
 from pipelines.models import (
     ModelSpec,
     Partition,
+    StateKind,
     decode_layout,
     dense_mha,
     hybrid_npu_mla,
@@ -40,6 +42,7 @@ from pipelines.models import (
     stage_layout,
 )
 from pipelines.prefill import HostedStage, PrefillPipeline, Staging
+from pipelines.slots import RequestSlots
 from pipelines.states import HandoffState
 from tests.fakes import eventually
 from transport.local import LocalTransport
@@ -94,7 +97,7 @@ async def make_world(
         pool.register(t)
         stages[r] = PoolMemory(lay, pool)
     for m in stages.values():
-        for i in range(len(m.layout.kv) + len(m.layout.state)):
+        for i in range(len(m.layout.region_sizes)):
             m.region(i)[:] = np.random.default_rng(i).integers(1, 255, m.region(i).shape[0])
     staging_pool = open_pool("torch:cpu", [1 << 20])
     staging_pool.register(t)
@@ -167,6 +170,114 @@ def assert_landed(w: World, src: list[int], dst: list[int], src_slot: int, dst_s
                 dst_slot * s.item_len : (dst_slot + 1) * s.item_len
             ]
             assert np.array_equal(a, b), (s.layer_id, s.kind)
+
+
+#: Two state components with slots of their own (a Mamba pool; a ring pool) and two aux entries.
+COMPONENTS = msgspec.structs.replace(
+    MODEL,
+    state_kinds=(
+        StateKind("conv", 48, "mamba"),
+        StateKind("temporal", 256, "mamba"),
+        StateKind("tail", 40, "ring"),
+    ),
+    aux_row_bytes=(16, 24),
+)
+
+
+def entry_rows(m: PoolMemory, region: int, item: int) -> Any:
+    return m.region(region)[: m.layout.region_sizes[region]].reshape(-1, item)
+
+
+def assert_slots_landed(w: World, src: dict[int, RequestSlots], dst: RequestSlots) -> None:
+    """Each state entry's slot of its own component, and the aux rows of the last stage, equal
+    their source rows; every other slot and aux row of the decode is still zero."""
+    dec, k = w.dec.layout, len(w.dec.layout.kv)
+    written: dict[int, int] = {}
+    for rank, m in w.stages.items():
+        for i, s in enumerate(m.layout.state):
+            j = next(
+                x for x, d in enumerate(dec.state) if (d.layer_id, d.kind) == (s.layer_id, s.kind)
+            )
+            a = entry_rows(m, len(m.layout.kv) + i, s.item_len)[src[rank].of(s.component)]
+            b = entry_rows(w.dec, k + j, s.item_len)[dst.of(s.component)]
+            assert np.array_equal(a, b), (s.layer_id, s.kind)
+            written[k + j] = dst.of(s.component)  # type: ignore[assignment]
+        first_aux = len(m.layout.kv) + len(m.layout.state)
+        for i, a in enumerate(m.layout.aux):
+            sent = entry_rows(m, first_aux + i, a.item_len)[src[rank].aux]
+            got = entry_rows(w.dec, k + len(dec.state) + i, a.item_len)[dst.aux]
+            assert np.array_equal(sent, got), f"aux entry {i}"
+            written[k + len(dec.state) + i] = dst.aux  # type: ignore[assignment]
+    for region, row in written.items():
+        item = (list(dec.state) + list(dec.aux))[region - k].item_len
+        rest = np.delete(entry_rows(w.dec, region, item), [row], axis=0)
+        assert not rest.any(), f"region {region} holds bytes beside row {row}"
+
+
+@pytest.mark.parametrize("signal", ["layers", "ranges"])
+async def test_state_per_component_and_aux_rows_land_from_the_last_stage(signal: str) -> None:
+    w = await make_world(model=COMPONENTS)
+    try:
+        src_pages, dst_pages = [3, 4, 9], [10, 11, 2]
+        dst = RequestSlots(slot=1, by_component={"ring": 3}, aux=2)
+        src = {0: RequestSlots(by_component={"mamba": 0, "ring": 2}), 1: RequestSlots(2, aux=3)}
+        await w.decode.create(
+            HandoffRequest(
+                id="c",
+                prefill=["p"],
+                dst_pages=dst_pages,
+                dst_slot=1,
+                dst_slots={"ring": 3},
+                dst_aux=2,
+                verify=True,
+            )
+        )
+        for rank in (1, 0):
+            if signal == "layers":
+                w.prefill.ready("c", rank, src_pages, src[rank], layers=[7 if rank else 3])
+                w.prefill.ready("c", rank, src_pages, src[rank])
+            else:
+                w.prefill.ready(
+                    "c", rank, src_pages[:2], RequestSlots(), pages_from=0, last_pages=False
+                )
+                w.prefill.ready("c", rank, src_pages[2:], src[rank], pages_from=2, last_pages=True)
+        assert await wait_released(w, "c") == HandoffState.COMPLETED
+        view = w.decode.get("c")
+        assert view.verification == "passed" and view.dst_aux == 2
+        assert view.dst_slots == {"ring": 3}
+        assert_slots_landed(w, src, dst)
+    finally:
+        await close_world(w)
+
+
+async def test_a_slot_or_aux_row_leased_by_a_live_handoff_is_refused_by_its_field() -> None:
+    w = await make_world(model=COMPONENTS)
+
+    def request(hid: str, **slots: Any) -> HandoffRequest:
+        return HandoffRequest(id=hid, prefill=["p"], dst_pages=[len(hid)], **slots)
+
+    try:
+        await w.decode.create(request("x", dst_slot=0, dst_slots={"ring": 1}, dst_aux=2))
+        with pytest.raises(ConflictError) as err:  # its ring slot is 1: x's
+            await w.decode.create(request("y1", dst_slot=1, dst_aux=3))
+        assert err.value.context == {"field": "dst_slot", "holder": "x"}
+        with pytest.raises(ConflictError) as err:
+            await w.decode.create(request("y22", dst_slot=3, dst_slots={"ring": 2}, dst_aux=2))
+        assert err.value.context == {"field": "dst_aux", "holder": "x"}
+        # Slot 1 of the Mamba pool is not slot 1 of the ring pool: free.
+        await w.decode.create(request("z333", dst_slot=1, dst_slots={"ring": 0}, dst_aux=0))
+        with pytest.raises(PlanError) as err:
+            await w.decode.create(request("v4444", dst_slot=3))
+        assert err.value.context == {"field": "dst_aux"}
+        assert [w.decode.leases.holds(h) for h in ("x", "y1", "y22", "z333", "v4444")] == [
+            True,
+            False,
+            False,
+            True,
+            False,
+        ]
+    finally:
+        await close_world(w)
 
 
 async def test_a_landed_pp2_handoff_commits_every_byte_and_digests_it(world: World) -> None:

@@ -3,6 +3,7 @@ import pytest
 
 from pipelines.errors import LayoutError
 from pipelines.layout import (
+    AuxEntry,
     KVEntry,
     StageLayout,
     group_layer_ids,
@@ -134,3 +135,51 @@ def test_wire_constraints_name_the_path() -> None:
 def test_pp_rank_must_be_below_pp_size() -> None:
     with pytest.raises(LayoutError, match="pp_rank 2"):
         StageLayout(pp_rank=2, pp_size=2, page_size=16, dtype="bfloat16")
+
+
+def test_aux_entries_are_refused_on_a_stage_other_than_the_last() -> None:
+    aux = (AuxEntry(16, 4, 0),)
+    with pytest.raises(LayoutError) as err:
+        StageLayout(pp_rank=0, pp_size=2, page_size=4, dtype="bfloat16", aux=aux)
+    assert err.value.context == {"field": "aux", "pp_rank": 0}
+    assert "only the last PP stage (1) sends aux rows" in err.value.message
+    last = StageLayout(pp_rank=1, pp_size=2, page_size=4, dtype="bfloat16", aux=aux)
+    assert last.region_sizes == [64]
+
+
+def test_flat_lists_make_aux_entries_after_state_and_refuse_a_torn_row() -> None:
+    layout = layout_from_flat_lists(
+        pp_rank=0,
+        pp_size=1,
+        page_size=4,
+        dtype="bfloat16",
+        kv_data_ptrs=[4096],
+        kv_data_lens=[640],
+        kv_item_lens=[64],
+        kv_layer_ids=[3],
+        aux_data_ptrs=[1 << 20, 2 << 20],
+        aux_data_lens=[128, 64],
+        aux_item_lens=[16, 8],
+    )
+    assert [(a.item_len, a.num_rows, a.base) for a in layout.aux] == [
+        (16, 8, 1 << 20),
+        (8, 8, 2 << 20),
+    ]
+    assert layout.region_sizes == [640, 128, 64]
+    assert layout.place([1, 2, 3]).aux[1].base == 3
+    wider = msgspec.structs.replace(layout, aux=(layout.aux[0], AuxEntry(16, 8, 2 << 20)))
+    assert wider.fingerprint != layout.fingerprint  # peers re-pair when an aux row grows
+    with pytest.raises(LayoutError) as err:
+        layout_from_flat_lists(
+            pp_rank=0,
+            pp_size=1,
+            page_size=4,
+            dtype="bfloat16",
+            kv_data_ptrs=[],
+            kv_data_lens=[],
+            kv_item_lens=[],
+            aux_data_ptrs=[1 << 20],
+            aux_data_lens=[100],
+            aux_item_lens=[16],
+        )
+    assert err.value.context == {"field": "aux_item_lens[0]", "aux": 0}

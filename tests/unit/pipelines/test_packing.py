@@ -3,6 +3,7 @@ scatter on numpy and torch memory alike."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -162,6 +163,32 @@ def test_bad_page_ranges_are_refused_naming_the_field_and_change_nothing() -> No
     with pytest.raises(InvalidInput) as err:
         by_layer.make_pages_ready(2, last=False)
     assert err.value.context["field"] == "pages_from"
+
+
+def test_aux_rows_become_ready_with_the_last_layer_or_the_last_range() -> None:
+    model = msgspec.structs.replace(MODEL, aux_row_bytes=(16, 24))
+    src = stage_layout(model, PART, 1, num_pages=16, num_slots=4)
+    p = pair(src, decode_layout(model, num_pages=16, num_slots=4))
+    k, aux_rows = p.num_kv_pairs, {p.num_kv_pairs + p.num_state_pairs + i for i in (0, 1)}
+
+    def rows_of(packer: StagePacker) -> set[int]:
+        cut = packer.next_segment(1 << 30)
+        return set() if cut is None else set(cut.rows.tolist())
+
+    by_layer = StagePacker(p, num_pages=2, has_slot=True)
+    by_layer.make_ready([7])  # the full-attention layer: not yet every layer
+    assert not rows_of(by_layer) & aux_rows
+    by_layer.make_ready([4, 5, 6])  # the last layers: the aux rows with them
+    assert aux_rows <= rows_of(by_layer) and by_layer.done
+    ranged = StagePacker(p, num_pages=2, has_slot=True, ranged=True)
+    ranged.make_pages_ready(1, last=False)
+    assert rows_of(ranged) == set(range(k))
+    ranged.make_pages_ready(2, last=True)
+    assert aux_rows <= rows_of(ranged) and ranged.done
+    assert ranged.total_bytes == 2 * p.kv_bytes_per_page + p.state_bytes_per_slot + 40
+    with pytest.raises(InvalidInput) as err:  # an aux row has one position: 0:1
+        check_pieces(p, Pieces.of([min(aux_rows)], [0], [2]), 2, True, pp_rank=1)
+    assert err.value.context["field"] == "starts[0]"
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch", "torch-kernels"])

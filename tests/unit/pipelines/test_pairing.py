@@ -203,3 +203,58 @@ def test_cache_pairs_once_per_layout_pair() -> None:
         with pytest.raises(PairingError):
             cache.get(src, bad)
     assert len(cache) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Aux entries: per-request metadata rows, from the last stage only, paired by position
+
+AUX_MODEL = msgspec.structs.replace(MODEL, aux_row_bytes=(16, 24))
+
+
+def test_aux_entries_pair_by_position_from_the_last_stage_only() -> None:
+    dst = place(decode_layout(AUX_MODEL, num_pages=64, num_slots=8), D)
+    last = place(stage_layout(AUX_MODEL, PART, 3, num_pages=64, num_slots=8), S3)
+    first = place(stage_layout(AUX_MODEL, PART, 0, num_pages=64, num_slots=8), S1)
+    assert first.aux == () and len(last.aux) == 2
+    p = pair(last, dst)
+    assert p.num_aux_pairs == 2 and pair(first, dst).num_aux_pairs == 0
+    # The aux rows are the last slot rows: after the 6 state pairs of stage 3's linear layers.
+    assert p.slot_space[-2:] == (None, None) and p.num_slot_rows == p.num_state_pairs + 2
+    n = len(dst.kv) + len(dst.state)
+    assert p.slot_dst_region[-2:].tolist() == [n, n + 1]
+    assert p.slot_dst_base[-2:].tolist() == [D + n * M, D + (n + 1) * M]
+    report = pairing_report(
+        [
+            place(stage_layout(AUX_MODEL, PART, r, num_pages=64, num_slots=8), S1 + r * 0x100_0000)
+            for r in range(4)
+        ],
+        dst,
+    )
+    assert report.ok, report.problems
+    assert [s.aux_pairs for s in report.stages] == [0, 0, 0, 2]
+    assert report.stages[3].aux_bytes_per_row == 40
+
+
+def test_an_aux_row_size_or_count_mismatch_names_the_aux_entry() -> None:
+    last = place(stage_layout(AUX_MODEL, PART, 3, num_pages=64, num_slots=8), S3)
+    wider = msgspec.structs.replace(AUX_MODEL, aux_row_bytes=(16, 32))
+    with pytest.raises(PairingError) as err:
+        pair(last, place(decode_layout(wider, num_pages=64, num_slots=8), D))
+    assert err.value.context == {"aux": 1, "pp_rank": 3}
+    assert "aux entry 1: source 24 bytes, destination 32" in err.value.message
+    more = msgspec.structs.replace(AUX_MODEL, aux_row_bytes=(16, 24, 8))
+    with pytest.raises(PairingError) as err:
+        pair(last, place(decode_layout(more, num_pages=64, num_slots=8), D))
+    assert err.value.problems[0].code == "missing_source"  # type: ignore[attr-defined]
+    assert err.value.context["aux"] == 2
+    with pytest.raises(PairingError) as err:
+        pair(last, decode())  # a decode without aux entries
+    assert err.value.context["aux"] == 0 and "destination has no aux entry 0" in err.value.message
+
+
+def test_the_report_names_an_aux_entry_no_stage_sends() -> None:
+    dst = place(decode_layout(AUX_MODEL, num_pages=64, num_slots=8), D)
+    sources = [stage(r, S1 + r * 0x100_0000) for r in range(4)]  # no aux on the last stage
+    report = pairing_report(sources, dst)
+    codes = {(p.code, p.aux) for p in report.problems}
+    assert ("missing_source", 0) in codes and ("unfilled_destination", 1) in codes

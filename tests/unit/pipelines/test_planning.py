@@ -1,3 +1,4 @@
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,8 +18,9 @@ from pipelines.models import (
     stage_layout,
 )
 from pipelines.pairing import Pairing, pair
-from pipelines.planning import find_runs, plan
+from pipelines.planning import find_runs, plan, validate_pages_for_layout
 from pipelines.planning_reference import reference_plan, reference_runs
+from pipelines.slots import RequestSlots
 from tests.unit.pipelines.helpers import place_packed
 
 MODEL = hybrid_npu_mla(num_layers=16, scale=64, page_size=16)
@@ -92,15 +94,15 @@ def test_out_of_range_names_layer_and_group_of_the_smallest_pool() -> None:
 def test_layers_filter_and_state_toggle() -> None:
     p = pairing()
     only_kv7 = plan(p, [0, 1, 5], [3, 4, 9], 0, 1, layers=[7], include_state=False)
-    assert only_kv7.kv_blocks == 2 * 2 and only_kv7.state_blocks == 0
+    assert only_kv7.kv_blocks == 2 * 2 and only_kv7.slot_blocks == 0
     only_state = plan(p, [0, 1, 5], [3, 4, 9], 0, 1, layers=[4, 5])
-    assert only_state.kv_blocks == 0 and only_state.state_blocks == 4
+    assert only_state.kv_blocks == 0 and only_state.slot_blocks == 4
     assert only_state.pair_of_block.tolist() == [2, 3, 5, 6]  # conv 4, conv 5, temporal 4, 5
 
 
 def test_empty_page_list_moves_only_state() -> None:
     out = plan(pairing(), [], [], 2, 3)
-    assert out.kv_blocks == 0 and out.state_blocks == 6
+    assert out.kv_blocks == 0 and out.slot_blocks == 6
 
 
 def test_batches_respect_the_cap() -> None:
@@ -120,14 +122,15 @@ def test_batches_respect_the_cap() -> None:
 @st.composite
 def layouts_and_request(
     draw: st.DrawFn,
-) -> tuple[StageLayout, StageLayout, list[int], list[int], int, int]:
+) -> tuple[StageLayout, StageLayout, list[int], list[int], RequestSlots, RequestSlots]:
     num_layers = draw(st.integers(4, 24))
     interval = draw(st.integers(1, 4))
     groups = tuple(
         KVGroup(f"g{g}", draw(st.integers(1, 64))) for g in range(draw(st.integers(1, 3)))
     )
     kinds = tuple(
-        StateKind(f"k{k}", draw(st.integers(1, 512))) for k in range(draw(st.integers(0, 2)))
+        StateKind(f"k{k}", draw(st.integers(1, 512)), draw(st.sampled_from(["a", "b"])))
+        for k in range(draw(st.integers(0, 2)))
     )
     model = ModelSpec(
         name="random",
@@ -137,6 +140,7 @@ def layouts_and_request(
         kv_groups=groups,
         state_kinds=kinds if interval > 1 else (),
         page_size=draw(st.sampled_from([1, 4, 16])),
+        aux_row_bytes=tuple(draw(st.lists(st.integers(1, 64), max_size=2))),
     )
     pp = draw(st.integers(1, min(4, num_layers)))
     rank = draw(st.integers(0, pp - 1))
@@ -166,20 +170,19 @@ def layouts_and_request(
     if draw(st.booleans()) and n <= src_pages_total:
         start = draw(st.integers(0, src_pages_total - n))
         src_pages = list(range(start, start + n))
-    return (
-        src,
-        dst,
-        src_pages,
-        dst_pages,
-        draw(st.integers(0, slots - 1)),
-        draw(st.integers(0, slots - 1)),
-    )
+
+    def slots_of() -> RequestSlots:
+        index = st.integers(0, slots - 1)
+        named = draw(st.lists(st.sampled_from(["a", "b"]), unique=True))
+        return RequestSlots(draw(index), {c: draw(index) for c in named}, draw(index))
+
+    return src, dst, src_pages, dst_pages, slots_of(), slots_of()
 
 
 @settings(max_examples=200, deadline=None)
 @given(layouts_and_request())
 def test_vectorised_planner_equals_reference_and_stays_inside_regions(
-    case: tuple[StageLayout, StageLayout, list[int], list[int], int, int],
+    case: tuple[StageLayout, StageLayout, list[int], list[int], RequestSlots, RequestSlots],
 ) -> None:
     src, dst, src_pages, dst_pages, src_slot, dst_slot = case
     p = pair(src, dst)
@@ -187,12 +190,12 @@ def test_vectorised_planner_equals_reference_and_stays_inside_regions(
     b = got.blocks
     as_tuples = list(zip(b.src_addr.tolist(), b.dst_addr.tolist(), b.length.tolist()))
     assert as_tuples == reference_plan(p, src_pages, dst_pages, src_slot, dst_slot)
-    assert b.total_bytes == len(src_pages) * p.kv_bytes_per_page + p.state_bytes_per_slot
+    assert b.total_bytes == len(src_pages) * p.kv_bytes_per_page + p.slot_bytes
+    assert p.num_aux_pairs == (len(src.aux) if src.pp_rank == src.pp_size - 1 else 0)
 
     def regions(layout: StageLayout) -> list[tuple[int, int]]:
-        return [(e.base, e.base + e.nbytes) for e in layout.kv] + [
-            (s.base, s.base + s.nbytes) for s in layout.state
-        ]
+        entries = [*layout.kv, *layout.state, *layout.aux]
+        return [(e.base, e.base + e.nbytes) for e in entries]
 
     for addrs, regs in ((b.src_addr, regions(src)), (b.dst_addr, regions(dst))):
         for a, n in zip(addrs.tolist(), b.length.tolist()):
@@ -201,3 +204,109 @@ def test_vectorised_planner_equals_reference_and_stays_inside_regions(
     order = np.argsort(b.dst_addr)
     ends = b.dst_addr[order] + b.length[order]
     assert np.all(ends[:-1] <= b.dst_addr[order][1:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Slots per state component, and the aux row
+
+CONV, TEMPORAL, TAIL = 768, 1024, 96
+COMPONENTS = msgspec.structs.replace(
+    MODEL,
+    state_kinds=(
+        StateKind("conv", CONV, "mamba"),
+        StateKind("temporal", TEMPORAL, "mamba"),
+        StateKind("tail", TAIL, "ring"),
+    ),
+    aux_row_bytes=(16, 24),
+)
+
+
+def component_pairing(rank: int = 3) -> Pairing:
+    src = place_packed(stage_layout(COMPONENTS, PART, rank, num_pages=8, num_slots=6), 1 << 32)
+    dst = place_packed(decode_layout(COMPONENTS, num_pages=8, num_slots=6), 1 << 40)
+    return pair(src, dst)
+
+
+def test_each_component_moves_its_own_slot_and_the_aux_rows_their_row() -> None:
+    p = component_pairing()
+    src = RequestSlots(by_component={"mamba": 1, "ring": 3}, aux=2)
+    dst = RequestSlots(slot=0, by_component={"ring": 5}, aux=4)  # mamba: the single slot 0
+    out = plan(p, [], [], src, dst)
+    s, d = p.src, p.dst
+    expected = []
+    for e in s.state:  # state blocks in pairing order, each at its own component's slot
+        j = next(k for k, x in enumerate(d.state) if (x.layer_id, x.kind) == (e.layer_id, e.kind))
+        si, di = (1, 0) if e.component == "mamba" else (3, 5)
+        expected.append((e.base + si * e.item_len, d.state[j].base + di * e.item_len, e.item_len))
+    for a, b in zip(s.aux, d.aux):  # then one block per aux entry, at the aux row
+        expected.append((a.base + 2 * a.item_len, b.base + 4 * b.item_len, a.item_len))
+    got = list(
+        zip(out.blocks.src_addr.tolist(), out.blocks.dst_addr.tolist(), out.blocks.length.tolist())
+    )
+    assert got == expected
+    assert out.slot_blocks == len(s.state) + 2
+
+
+def test_aux_rows_follow_the_whole_stage_not_a_layer() -> None:
+    p = component_pairing()
+    src, dst = RequestSlots(1, aux=2), RequestSlots(0, aux=4)
+    layer = p.src.state[0].layer_id
+    by_layer = plan(p, [], [], src, dst, layers=[layer])
+    assert by_layer.slot_rows.tolist() == [
+        j for j, x in enumerate(p.slot_layer.tolist()) if x == layer
+    ]
+    alone = plan(p, [], [], src, dst, layers=(), include_aux=True)
+    assert alone.slot_rows.tolist() == [p.num_state_pairs, p.num_state_pairs + 1]
+    assert plan(p, [1], [2], src, dst, include_state=False).slot_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "field", "text"),
+    [
+        (
+            RequestSlots(1, aux=2),
+            RequestSlots(by_component={"mamba": 0}, aux=1),
+            "dst_slot",
+            "dst_slot is required: the layouts pair 3 entries of component 'ring'",
+        ),
+        (
+            RequestSlots(1, aux=2),
+            RequestSlots(0, {"mamba": 6}, aux=1),
+            "dst_slots.mamba",
+            "dst_slots.mamba = 6 is outside the state pool of layer",
+        ),
+        (
+            RequestSlots(1),
+            RequestSlots(0, aux=1),
+            "src_aux",
+            "src_aux is required: the layouts pair 2 entries of the aux row",
+        ),
+        (
+            RequestSlots(1, aux=2),
+            RequestSlots(0, aux=6),
+            "dst_aux",
+            "dst_aux = 6 is outside the aux entry 0 on the destination side (rows 0..5)",
+        ),
+    ],
+)
+def test_a_missing_or_outside_slot_names_its_component_or_the_aux_row(
+    src: RequestSlots, dst: RequestSlots, field: str, text: str
+) -> None:
+    with pytest.raises(PlanError) as err:
+        plan(component_pairing(), [], [], src, dst)
+    assert err.value.context["field"] == field
+    assert text in err.value.message
+
+
+def test_a_destination_naming_a_component_its_layout_lacks_is_refused() -> None:
+    dst = decode_layout(COMPONENTS, num_pages=8, num_slots=6)
+    with pytest.raises(PlanError) as err:
+        validate_pages_for_layout(
+            dst, [1], RequestSlots(0, {"swa": 1}, aux=0), side="destination", unique=True
+        )
+    assert err.value.context == {"field": "dst_slots.swa"}
+    first = stage_layout(COMPONENTS, PART, 0, num_pages=8, num_slots=6)  # no aux, no "swa"
+    validate_pages_for_layout(first, [1], RequestSlots(0, {"swa": 1}), side="source", unique=False)
+    with pytest.raises(PlanError) as err:
+        validate_pages_for_layout(dst, [1], RequestSlots(0), side="destination", unique=True)
+    assert err.value.context == {"field": "dst_aux"}

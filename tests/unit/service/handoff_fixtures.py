@@ -236,7 +236,7 @@ def stage_memory(d: Deployment, rank: int) -> PoolMemory:
 
 
 def num_regions(memory: PoolMemory) -> int:
-    return len(memory.layout.kv) + len(memory.layout.state)
+    return len(memory.layout.region_sizes)
 
 
 def snapshot(memory: PoolMemory) -> list[U8]:
@@ -302,9 +302,11 @@ def assert_decode_is(d: Deployment, expected: list[U8]) -> None:
     """Every decode region equals `expected` byte for byte; a mismatch names the entry."""
     memory = decode_memory(d)
     layout = memory.layout
-    names = [f"kv layer {e.layer_id} group {e.group}" for e in layout.kv] + [
-        f"state layer {s.layer_id} kind {s.kind}" for s in layout.state
-    ]
+    names = (
+        [f"kv layer {e.layer_id} group {e.group}" for e in layout.kv]
+        + [f"state layer {s.layer_id} kind {s.kind}" for s in layout.state]
+        + [f"aux entry {i}" for i in range(len(layout.aux))]
+    )
     for i, name in enumerate(names):
         landed, want = memory.region(i), expected[i]
         if not np.array_equal(landed, want):

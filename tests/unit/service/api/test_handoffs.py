@@ -8,11 +8,13 @@ crosses real HTTP between real apps and checks real pool bytes. The last tests c
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import msgspec
+import numpy as np
 import pytest
 
 from pipelines.models import hybrid_npu_mla
@@ -34,10 +36,12 @@ from tests.unit.service.handoff_fixtures import (
     extensions,
     fill_decode,
     fill_sources,
+    make_config,
     open_deployment,
     prefill_config,
     snapshot,
     stage_bytes,
+    stage_memory,
     watch,
 )
 
@@ -454,9 +458,13 @@ async def test_openapi_documents_the_handoff_routes_with_their_schemas(d: Deploy
         assert _schema_ref(doc["paths"]["/v1/layout"]["get"], "200").endswith("/LayoutInfo")
     request_schema = decode_doc["components"]["schemas"]["HandoffRequest"]
     assert {"id", "dst_pages"} <= set(request_schema["required"])
+    assert {"dst_slot", "dst_slots", "dst_aux"} <= set(request_schema["properties"])
+    assert "aux row" in json.dumps(request_schema["properties"]["dst_aux"])
     assert set(prefill_doc["components"]["schemas"]["StageReady"]["properties"]) == {
         "src_pages",
         "src_slot",
+        "src_slots",
+        "src_aux",
         "layers",
         "decode_url",
         "pages_from",
@@ -562,3 +570,78 @@ async def test_an_abort_from_one_decode_stops_only_its_own_handoff_of_a_shared_i
             assert (await a.ready("shared", rank, move.src_pages, move.src_slot)).status == 202
         assert (await a.finish("shared"))["state"] == "completed"
         assert_decode_is(a, expected_decode(a, before_a, move))
+
+
+# ---------------------------------------------------------------------------------------------
+# Slots per state component and the aux row, over HTTP
+
+SLOTS_MODEL: dict[str, Any] = {
+    "spec": {
+        "name": "hybrid-components-aux",
+        "num_layers": 8,
+        "full_attention_layers": [3, 7],
+        "attention": "mha",
+        "kv_groups": [{"name": "k", "bytes_per_token": 4}, {"name": "v", "bytes_per_token": 4}],
+        "state_kinds": [
+            {"kind": "conv", "slot_bytes": 32, "component": "mamba"},
+            {"kind": "tail", "slot_bytes": 16, "component": "ring"},
+        ],
+        "page_size": 4,
+        "aux_row_bytes": [8, 24],
+    }
+}
+
+
+async def test_a_handoff_moves_each_component_s_slot_and_the_aux_row_over_http() -> None:
+    decode = make_config("decode", [{"num_pages": 16, "num_slots": 6}], model=SLOTS_MODEL)
+    stages = [{"pp_rank": r, "pp_size": 2, "num_pages": 16, "num_slots": 6} for r in (0, 1)]
+    prefill = make_config("prefill", stages, model=SLOTS_MODEL)
+    async with open_deployment(decode=decode, prefill=[prefill]) as d:
+        fill_sources(d)
+        before = fill_decode(d)
+        for extra, field in (
+            ({}, "dst_aux"),  # the decode layout has aux entries: the row is required
+            ({"dst_aux": 6}, "dst_aux"),  # 6 aux rows: 0..5
+            ({"dst_aux": 1, "dst_slots": {"swa": 1}}, "dst_slots.swa"),
+            ({"dst_aux": 1, "dst_slots": {"ring": 6}}, "dst_slots.ring"),
+        ):
+            reply = await d.create("bad", [1], dst_slot=0, **extra)
+            assert_problem(reply, 422, field=field)
+        assert_decode_is(d, before)  # refused: nothing changed
+        created = await d.create("h", [3, 4], dst_slot=2, dst_slots={"ring": 5}, dst_aux=1)
+        assert created.status == 201, created.body
+        assert created.body["dst_slots"] == {"ring": 5} and created.body["dst_aux"] == 1
+        ready = f"{d.prefill_urls[0]}/v1/handoffs/h/stages"
+        reply = await d.request(
+            "POST", f"{ready}/0/ready", json={"src_pages": [1, 2], "src_slot": 4, "src_aux": 0}
+        )
+        assert_problem(reply, 422, field="src_aux")  # stage 0 sends no aux rows
+        for rank, body in (
+            (0, {"src_pages": [1, 2], "src_slot": 4, "src_slots": {"ring": 0}}),
+            (1, {"src_pages": [1, 2], "src_slot": 3, "src_aux": 2}),
+        ):
+            reply = await d.request("POST", f"{ready}/{rank}/ready", json=body)
+            assert reply.status == 202, reply.body
+        view = await d.finish("h")
+        assert view["state"] == "completed", view
+        dec = decode_memory(d)
+        k = len(dec.layout.kv)
+        for rank, mamba, ring in ((0, 4, 0), (1, 3, 3)):
+            src = stage_memory(d, rank)
+            for i, s in enumerate(src.layout.state):
+                j = dec.layout.state.index(
+                    next(
+                        x for x in dec.layout.state if (x.layer_id, x.kind) == (s.layer_id, s.kind)
+                    )
+                )
+                row, at = (mamba, 2) if s.component == "mamba" else (ring, 5)
+                sent = src.region(len(src.layout.kv) + i)[row * s.item_len :][: s.item_len]
+                got = dec.region(k + j)[at * s.item_len :][: s.item_len]
+                assert np.array_equal(sent, got), (rank, s.layer_id, s.kind)
+        last = stage_memory(d, 1)
+        for i, a in enumerate(last.layout.aux):
+            sent = last.region(len(last.layout.kv) + len(last.layout.state) + i)
+            got = dec.region(k + len(dec.layout.state) + i)
+            assert np.array_equal(
+                sent[2 * a.item_len :][: a.item_len], got[a.item_len :][: a.item_len]
+            )
