@@ -312,7 +312,10 @@ def main() -> None:
                     before_last = committed.get(hid, 0)
                 last = k == len(cmd["chunks"]) - 1  # SGLang sends the state with the last
                 state_indices = [np.array([mamba_slot(cmd)], dtype=np.int32)] if last else None
-                sender.send(np.array(pages[at : at + n], dtype=np.int32), state_indices)
+                chunk = np.array(pages[at : at + n], dtype=np.int32)
+                if k == cmd.get("bad_page_at_chunk"):  # a page outside the pool: refused
+                    chunk[0] = 1 << 20
+                sender.send(chunk, state_indices)
                 at += n
                 poll(sender)
             final = until(sender, terminal, cmd.get("timeout_s", 20.0), seen)

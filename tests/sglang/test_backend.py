@@ -385,6 +385,44 @@ def test_a_prefill_abort_mid_chunks_fails_the_decode_naming_the_stage(
     assert decode["released"], decode
 
 
+def test_a_prefill_send_the_service_refuses_fails_the_decode_at_once(
+    deployment: Deployment,
+) -> None:
+    # Stage 0's second chunk names a page outside its pool: the embedded service refuses the
+    # ready signal. The request fails on that prefill rank, and its handoff is given up, so
+    # the decode is told now, naming the stage and the refusal; before, only the prefill
+    # learned of it and the decode waited for its deadline (10 s).
+    d = deployment
+    d.decode.ask({"op": "request", "room": 7161, "pages": [9, 10, 11], "aux": 2})
+    d.prefill[0].ask(
+        {
+            "op": "request",
+            "room": 7161,
+            "pages": [1, 2, 3],
+            "aux": 2,
+            "chunks": [2, 1],
+            "bad_page_at_chunk": 1,
+        }
+    )
+    d.prefill[1].ask(
+        {"op": "request", "room": 7161, "pages": [1, 2, 3], "aux": 2, "chunks": [2, 1]}
+    )
+    prefill = [p.answer() for p in d.prefill]
+    failed = prefill[1]["final"] != KVPoll.Success
+    d.prefill[1].ask({"op": "clear", "room": 7161, "failed": failed})
+    assert d.prefill[1].answer()["cleared"] == 7161
+    decode = d.decode.answer()
+    assert prefill[0]["final"] == KVPoll.Failed, prefill
+    assert "stage ready refused" in prefill[0]["error"], prefill
+    assert decode["final"] == KVPoll.Failed, decode
+    # Told with the refusal, or (its destination came after the give-up) by the destination's
+    # refusal: either way now, naming the stage.
+    assert "stage 0" in decode["error"], decode
+    assert any(why in decode["error"] for why in ("stage ready refused", "already failed")), decode
+    assert decode["after_metadata_s"] < 8.0, decode  # told, not timed out (deadline 10 s)
+    assert decode["released"], decode
+
+
 def test_a_registration_without_the_peer_secret_is_refused(deployment: Deployment) -> None:
     url = f"http://127.0.0.1:{deployment.port}/route"
     row = {

@@ -196,18 +196,36 @@ class KVHandoffManager(CommonKVManager):
         self.update_status(room, KVPoll.Failed)
 
     def submit(
-        self, room: int, what: str, call: Callable[[], Any]
+        self, room: int, what: str, call: Callable[[], Any], *, give_up: str | None = None
     ) -> concurrent.futures.Future[Any]:
-        """Run `call` on the rank's worker thread; an error fails the room naming `what`."""
+        """Run `call` on the rank's worker thread; an error fails the room naming `what` and,
+        with `give_up` (a prefill's handoff id), gives that handoff up too."""
 
         def run() -> Any:
             try:
                 return call()
             except (KVHandoffError, TimeoutError, ValueError) as exc:
-                self.fail(room, f"kvhandoff {what} refused: {exc}")
+                reason = f"kvhandoff {what} refused: {exc}"
+                self.fail(room, reason)
+                if give_up is not None:
+                    self._give_up(give_up, reason)
                 return None
 
         return self._calls.submit(run)
+
+    def refuse_send(self, room: int, reason: str) -> None:
+        """A prefill send this backend refuses: the request fails here, and its handoff is
+        given up so the decode is told now (with the stage and the reason), not at its
+        deadline; a destination that comes later is refused."""
+        self.fail(room, reason)
+        hid = handoff_id(room, self.tp_rank_for_handoffs)
+        self._calls.submit(self._give_up, hid, reason)
+
+    def _give_up(self, hid: str, reason: str) -> None:
+        try:
+            self.service.abort_prefill(hid, reason)
+        except (KVHandoffError, TimeoutError) as exc:  # the failure above stands either way
+            log.warning("giving up %s after %s failed: %s", hid, reason, exc)
 
     # ------------------------------------------------------------------ events -> status
 
@@ -290,7 +308,7 @@ class KVHandoffManager(CommonKVManager):
         room = int(bootstrap_room)
         slots, refused = component_slots(self.state_types, state_indices)
         if refused:
-            self.fail(room, f"kvhandoff: {refused}")
+            self.refuse_send(room, f"kvhandoff: {refused}")
             return
         pages = np.array(kv_indices, dtype=np.int64)  # a copy: SGLang reuses its array
         waiting = set(self.rank.layout.components) - set(slots)
@@ -298,12 +316,14 @@ class KVHandoffManager(CommonKVManager):
         with self._lock:
             if room in self._signalled:
                 if len(pages):
-                    self.fail(room, f"kvhandoff: {len(pages)} pages sent after the last chunk")
+                    self.refuse_send(
+                        room, f"kvhandoff: {len(pages)} pages sent after the last chunk"
+                    )
                 return  # SGLang's empty closing send after a chunk that already ended the pages
             at = self._sent.get(room, 0)
             if not last and room in self._ended:
                 # A second send after the pages ended, still without the slots: none will come.
-                self.fail(room, f"kvhandoff: no state slot of {sorted(waiting)} came")
+                self.refuse_send(room, f"kvhandoff: no state slot of {sorted(waiting)} came")
                 return
             self._sent[room] = at + len(pages)
             if is_last_chunk and not last:
@@ -316,7 +336,7 @@ class KVHandoffManager(CommonKVManager):
         if start is not None and int(start) != at:
             # SGLang's positions and ours disagree (a sharded or CP-filtered send, which this
             # backend refuses at start-up): never guess where the pages go.
-            self.fail(room, f"kvhandoff: chunk at page position {start}, expected {at}")
+            self.refuse_send(room, f"kvhandoff: chunk at page position {start}, expected {at}")
             return
         aux = None
         if self.rank.has_aux and last and aux_index is not None:
@@ -335,6 +355,7 @@ class KVHandoffManager(CommonKVManager):
                 src_slots=slots if last else None,
                 src_aux=aux,
             ),
+            give_up=hid,
         )
 
     def register_prefill_dp_rank_signed(self, bootstrap_addr: str, room: int) -> None:
