@@ -166,6 +166,8 @@ def _bulk_deployment(args: argparse.Namespace, mode: str) -> LocalDeployment:
             staging_bytes=args.staging_mb << 20,
         ),
         log_level="warning",
+        # Pool memory allocated up front, as an engine's is: see `deployment._preallocate`.
+        preallocate=True,
     )
 
 
