@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
+TERMINAL = frozenset({"completed", "failed", "aborted"})
 #: What the decode's handoff limit leaves beyond `--inflight`: a lane's next create can reach
 #: the decode before the previous handoff's release is counted.
 LIVE_MARGIN = 64
@@ -59,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=1.25,
         help="largest last-quarter / first-quarter mean RSS of any process",
+    )
+    parser.add_argument(
+        "--peer-timeout-s",
+        type=float,
+        default=None,
+        help="handoff.peer_timeout_s of every service (default: the service's default)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", help="also write the JSON result here")
@@ -198,6 +205,19 @@ async def _peer_lost(http: Any, url: str) -> int:
     )
 
 
+async def _until_ended(client: Any, hid: str, bound_s: float = 120.0) -> None:
+    """Poll handoff `hid` until it is terminal (or gone), at most `bound_s`."""
+    import aiohttp
+
+    give_up = time.monotonic() + bound_s
+    while time.monotonic() < give_up:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            view = await client._until_terminal(hid)
+            if view["state"] in TERMINAL or view["state"] == "unreachable":
+                return
+        await asyncio.sleep(0.5)
+
+
 async def load(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     import aiohttp
 
@@ -206,12 +226,13 @@ async def load(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]
     from service.tools.router_client import RouterClient
 
     inflight = args.inflight
+    timeouts = {} if args.peer_timeout_s is None else {"peer_timeout_s": args.peer_timeout_s}
     with LocalDeployment(
         preset="dense-mha",
         model={"scale": 64, "num_layers": 4},
         pp_size=args.pp,
         num_pages=inflight,
-        handoff=HandoffConfig(max_concurrent=inflight + LIVE_MARGIN),
+        handoff=HandoffConfig(max_concurrent=inflight + LIVE_MARGIN, **timeouts),
         log_level="warning",
     ) as dep:
         pids = {p.name: p.popen.pid for p in dep.processes if p.popen is not None}
@@ -245,6 +266,10 @@ async def load(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]
                         done_at.append(end - t0)
                     else:
                         errors[f"{out.state}: {(out.error or '')[:160]}"] += 1
+                    if out.state not in TERMINAL:
+                        # The client gave up, not the handoff: its page stays leased until it
+                        # ends. The lane waits for that (as a router must) before reusing it.
+                        await _until_ended(client, hid)
 
             async def report() -> None:
                 while True:
@@ -286,6 +311,7 @@ async def load(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]
     return {
         "case": "load",
         "model": f"dense-mha 4 layers, 1 page, PP={args.pp}, one process per stage",
+        "peer_timeout_s": args.peer_timeout_s or HandoffConfig().peer_timeout_s,
         "inflight": inflight,
         "duration_s": args.duration_s,
         "wall_s": wall,

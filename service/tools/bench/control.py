@@ -10,6 +10,7 @@ are create → completed as the router sees them.
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -17,10 +18,26 @@ import aiohttp
 import numpy as np
 
 from service.config import HandoffConfig
-from service.tools.bench.e2e import Checked
 from service.tools.bench.handoff import Request, run_lanes
 from service.tools.deployment import LocalDeployment
 from service.tools.router_client import RouterClient
+
+
+class Counted:
+    """One-page handoffs through `client`; the ones that do not complete are counted by error
+    (a sweep records them beside its figures instead of stopping)."""
+
+    def __init__(self, client: RouterClient) -> None:
+        self.client = client
+        self.errors: Counter[str] = Counter()
+
+    async def __call__(self, hid: str, req: Request) -> int:
+        out = await self.client.handoff(
+            hid, req.src_pages, req.dst_pages, req.src_slot, req.dst_slot
+        )
+        if out.state != "completed":
+            self.errors[f"{out.state}: {(out.error or '')[:120]}"] += 1
+        return out.bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +70,7 @@ async def concurrency_sweep(
             log_level="warning",
         ) as dep:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-                handoff = Checked(RouterClient(http, dep))
+                handoff = Counted(RouterClient(http, dep))
                 health = f"{dep.decode_url}/healthz"
 
                 async def ping(_: str, __: Request, health: str = health) -> int:
@@ -62,12 +79,13 @@ async def concurrency_sweep(
                     return 0
 
                 lanes = [Request([k], [k], None, None) for k in range(top)]
-                await run_lanes(min(200, 4 * top), lanes, handoff, f"warm{pp}")
+                await run_lanes(min(200, 4 * top), lanes[:64], handoff, f"warm{pp}")
                 # A first guess of the rates, to size each run to about `control_seconds`.
                 wall, _, _ = await run_lanes(64, lanes[:8], handoff, f"guess{pp}")
                 guess = 64 / wall
                 for conc in args.control_concurrency:
                     note(f"PP={pp}, concurrency {conc}")
+                    handoff.errors.clear()
                     mine = lanes[:conc]
                     # Each run sized to about `control_seconds` from the last rate seen.
                     want_h = guess * min(1.0, conc / 8)
@@ -76,10 +94,12 @@ async def concurrency_sweep(
                     for rep in range(args.repeat):
                         for name, job, want in (("p", ping, want_p), ("h", handoff, want_h)):
                             n = max(4 * conc, int(want * args.control_seconds))
+                            bad = sum(handoff.errors.values())
                             wall, lats, _ = await run_lanes(
                                 n, mine, job, f"{name}{pp}-{conc}-{rep}"
                             )
-                            rate = n / wall
+                            # Handoffs/s counts the completed ones only.
+                            rate = (n - sum(handoff.errors.values()) + bad) / wall
                             if name not in best or rate > best[name][0]:
                                 best[name] = (rate, lats, n)
                             if name == "p":
@@ -100,6 +120,9 @@ async def concurrency_sweep(
                             "p99_ms": float(np.percentile(lat_h, 99) * 1e3),
                             "healthz_p50_ms": float(np.percentile(lat_p, 50) * 1e3),
                             "healthz_p99_ms": float(np.percentile(lat_p, 99) * 1e3),
+                            # Handoffs of this point's runs that did not complete, by error.
+                            "failed": sum(handoff.errors.values()),
+                            "errors": dict(handoff.errors.most_common(3)),
                         }
                     )
     return rows

@@ -323,6 +323,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def _main(args: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
-    out = {"sizes": await sizes(args, print), "segments": await segments(args, print)}
+    out: dict[str, Any] = {
+        "sizes": await sizes(args, print),
+        "segments": await segments(args, print),
+    }
     out["wall_s"] = time.perf_counter() - t0
     return out

@@ -186,14 +186,21 @@ def _segments(r: Mapping[str, Any]) -> str:
 def _control(r: Mapping[str, Any]) -> str:
     body = table(
         ["PP", "concurrency", "handoffs/s", "GET /healthz/s", "handoffs ÷ healthz",
-         "p50 ms", "p99 ms", "healthz p50 ms"],
+         "p50 ms", "p99 ms", "healthz p50 ms", "not completed"],
         (
             [num(x["pp"]), num(x["concurrency"]), num(x["handoffs_per_s"]),
              num(x["healthz_per_s"]), ratio(x["ratio"]), num(x["p50_ms"]), num(x["p99_ms"]),
-             num(x["healthz_p50_ms"])]
+             num(x["healthz_p50_ms"]), num(x.get("failed", 0))]
             for x in r["rows"]
         ),
     )  # fmt: skip
+    failed = [x for x in r["rows"] if x.get("failed")]
+    if failed:
+        body += "\n\nHandoffs that did not complete:\n\n" + "\n".join(
+            f"- PP={x['pp']}, concurrency {x['concurrency']}: "
+            + "; ".join(f"{n} x `{e}`" for e, n in x["errors"].items())
+            for x in failed
+        )
     return (
         "One-page handoffs of a small dense model (4 layers), every step over HTTP as a router "
         "and engines drive them (create on the decode, ready on every stage, long-poll to the "
@@ -261,7 +268,7 @@ SECTION_TEXT: dict[str, tuple[str, Callable[[Mapping[str, Any]], str]]] = {
     "control": ("Control plane against concurrency", _control),
     "events": ("SSE events", _events),
     "webhooks": ("Webhook deliveries", _webhooks),
-    "load": ("Load: 1,000 in flight, memory over time", _load),
+    "load": ("Load run: handoffs in flight, memory over time", _load),
 }
 
 
@@ -409,16 +416,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("results", nargs="?", default="bench/results.json")
     parser.add_argument("--out", default="BENCHMARKS.md")
     args = parser.parse_args(argv)
-    results = Path(args.results)
+    out = Path(args.out)
+    out.write_text(regenerate(Path(args.results), out.parent))
+    return 0
+
+
+def regenerate(results: Path, base: Path) -> str:
+    """The report of a results file, linking the plots found beside it, for a report written
+    in `base`."""
     doc = json.loads(results.read_text())
-    plots = {
-        name: str(results.parent / png)
+    return render(doc, plots_beside(results, doc), base=base.resolve())
+
+
+def plots_beside(results: Path, doc: Mapping[str, Any]) -> dict[str, str]:
+    return {
+        name: str(results.parent.resolve() / png)
         for name, png in PLOTS.items()
         if name in doc["sections"] and (results.parent / png).exists()
     }
-    out = Path(args.out)
-    out.write_text(render(doc, plots, base=out.parent.resolve()))
-    return 0
 
 
 if __name__ == "__main__":
