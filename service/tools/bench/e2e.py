@@ -4,10 +4,11 @@
   at full size, 128-token pages, one prefill process per stage, a PP=1 decode), up at once;
   for each request size, `concurrency` handoffs at a time over HTTP (router → decode → every
   stage → Mooncake → done; landed: → commit), and raw Mooncake in the same topology: one engine
-  per stage (each with only its own stage's pool registered), all writing at once from this
-  process into the direct decode's KV memory, the same bytes — as 1 MiB blocks (`raw_large`,
-  how a landed stage packs them) and as the same per-page blocks direct mode plans
-  (`raw_pages`). Runs are interleaved (raw, landed, direct, ...), best of `repeat`.
+  per stage, each in a process of its own with only its stage's pool registered
+  (`StageProcesses`), all writing at once into the direct decode's KV memory, the same bytes —
+  as 1 MiB blocks (`raw_large`, how a landed stage packs them) and as the same per-page blocks
+  direct mode plans (`raw_pages`). Runs are interleaved (raw, landed, direct, ...), best of
+  `repeat`.
 - `segments`: the landed deployment of the largest PP, one request size, each stage signalled
   once (all layers, all pages), layer by layer (one ready per layer), or in page chunks (one
   ready per chunk of pages, as chunked prefill sends them): handoffs/s and GB/s, as ratios to
@@ -33,7 +34,7 @@ import numpy as np
 from pipelines.messages import LayoutInfo
 from pipelines.prefill.landed import BLOCK_BYTES
 from service.config import HandoffConfig, TransferConfig
-from service.tools.bench.common import StageEngines, fragmented_pages, large_blocks
+from service.tools.bench.common import StageProcesses, fragmented_pages, large_blocks
 from service.tools.bench.handoff import Request, _stage_shares, run_lanes
 from service.tools.deployment import LocalDeployment
 from service.tools.router_client import RouterClient
@@ -140,7 +141,8 @@ async def _sizes_one_pp(
     decode = info.stages[0].layout
     shares = _stage_shares(decode, pp)
     rows = []
-    with contextlib.closing(StageEngines([direct.stage_pool(r) for r in range(pp)])) as engines:
+    pools = [direct.stage_pool(r) for r in range(pp)]
+    with contextlib.closing(StageProcesses(pools)) as engines:
         for pages in args.e2e_pages:
             note(f"PP={pp}, {pages} pages per request")
             lanes = {m: lanes_for(d, pages, conc, args.seed) for m, d in deps.items()}

@@ -146,10 +146,11 @@ def _e2e(r: Mapping[str, Any]) -> str:
         f"pages), {conc} at a time, router → decode → every stage → Mooncake over loopback TCP "
         "(→ digest-checked commit when landed), one prefill process per stage and a PP=1 decode; "
         "a landed and a direct deployment of the same shape up at once. Raw Mooncake runs in the "
-        "same topology: one engine per stage, each with only its stage's pool registered, all "
-        "writing at once into the direct decode's KV memory, the same bytes — as 1 MiB blocks "
-        "(how a landed stage packs them) and as the per-page blocks direct mode plans. Runs "
-        "interleaved, best of the rounds; p50 is create → completed as the router sees it.\n\n"
+        "same topology: one engine per stage, each in a process of its own with only its stage's "
+        "pool registered, all writing at once into the direct decode's KV memory, the same "
+        "bytes — as 1 MiB blocks (how a landed stage packs them) and as the per-page blocks "
+        "direct mode plans. Runs interleaved, best of the rounds; p50 is create → completed "
+        "as the router sees it.\n\n"
         f"{body}"
     )
 
