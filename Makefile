@@ -151,8 +151,9 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[cpu,test,bench]"
 	touch $(BENCH_STAMP)
 
-# BENCHMARKS.md again from the committed bench/results.json and plots, running nothing.
-bench-report: setup
+# The plots and BENCHMARKS.md again from the committed bench/results.json, running nothing.
+bench-report: bench-setup
+	$(PY) -m service.tools.bench.plots bench/results.json
 	$(PY) -m service.tools.bench.report bench/results.json --out BENCHMARKS.md
 
 # 1,000 handoffs in flight for ten minutes through the multi-process deployment; fails if one is

@@ -63,24 +63,31 @@ def _transport(plt: Any, r: Mapping[str, Any]) -> Any:
 
 def _e2e(plt: Any, r: Mapping[str, Any]) -> Any:
     fig, (ax, lat) = plt.subplots(1, 2, figsize=SIZE)
-    for pp in sorted({x["pp"] for x in r["rows"]}):
+    for i, pp in enumerate(sorted({x["pp"] for x in r["rows"]})):
         rows = [x for x in r["rows"] if x["pp"] == pp]
         mb = [x["bytes_per_request"] / 1e6 for x in rows]
+        c = f"C{i}"
         for key, label, style in (
             ("landed_gb_s", "landed", "-"),
             ("direct_gb_s", "direct", "--"),
             ("raw_large_gb_s", "raw 1 MiB", ":"),
         ):
-            ax.plot(mb, [x[key] for x in rows], style, marker="o", label=f"{label}, PP={pp}")
+            ys = [x[key] for x in rows]
+            ax.plot(mb, ys, style, color=c, marker="o", label=f"{label}, PP={pp}")
         for key, label, style in (
             ("landed_p50_ms", "landed", "-"),
             ("direct_p50_ms", "direct", "--"),
         ):
-            lat.plot(mb, [x[key] for x in rows], style, marker="o", label=f"{label}, PP={pp}")
+            ys = [x[key] for x in rows]
+            lat.plot(mb, ys, style, color=c, marker="o", label=f"{label}, PP={pp}")
+    sizes = sorted({x["bytes_per_request"] / 1e6 for x in r["rows"]})
     for a, ylabel in ((ax, "GB/s"), (lat, "p50 ms per handoff")):
         a.set_xscale("log")
+        a.set_xticks(sizes, [f"{x:.0f}" for x in sizes])
+        a.minorticks_off()
         a.set_xlabel("MB per request")
         a.set_ylabel(ylabel)
+        a.set_ylim(bottom=0)
         a.grid(True, alpha=0.3)
     ax.legend(fontsize=6)
     lat.legend(fontsize=6)
@@ -99,15 +106,18 @@ def _segments(plt: Any, r: Mapping[str, Any]) -> Any:
 
 def _control(plt: Any, r: Mapping[str, Any]) -> Any:
     fig, (ax, lat) = plt.subplots(1, 2, figsize=SIZE)
-    for pp in sorted({x["pp"] for x in r["rows"]}):
+    for i, pp in enumerate(sorted({x["pp"] for x in r["rows"]})):
         rows = [x for x in r["rows"] if x["pp"] == pp]
         conc = [x["concurrency"] for x in rows]
-        ax.plot(conc, [x["handoffs_per_s"] for x in rows], marker="o", label=f"handoffs, PP={pp}")
-        ax.plot(
-            conc, [x["healthz_per_s"] for x in rows], ":", marker="x", label=f"healthz, PP={pp}"
-        )
-        lat.plot(conc, [x["p50_ms"] for x in rows], marker="o", label=f"p50, PP={pp}")
-        lat.plot(conc, [x["p99_ms"] for x in rows], "--", marker="o", label=f"p99, PP={pp}")
+        c = f"C{i}"
+        for a, key, style, label in (
+            (ax, "handoffs_per_s", "-", "handoffs"),
+            (ax, "healthz_per_s", ":", "healthz"),
+            (lat, "p50_ms", "-", "p50"),
+            (lat, "p99_ms", "--", "p99"),
+        ):
+            ys = [x[key] for x in rows]
+            a.plot(conc, ys, style, color=c, marker="o", label=f"{label}, PP={pp}")
     for a, ylabel in ((ax, "per second"), (lat, "ms create → completed")):
         a.set_xscale("log", base=2)
         a.set_yscale("log")
@@ -161,3 +171,18 @@ def render_all(doc: Mapping[str, Any], out_dir: Path) -> dict[str, str]:
         plt.close(fig)
         written[name] = str(path)
     return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m service.tools.bench.plots [bench/results.json]`: the plots again, beside it."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    results = Path(args[0] if args else "bench/results.json")
+    render_all(json.loads(results.read_text()), results.parent)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
