@@ -212,7 +212,7 @@ async def _until_ended(client: Any, hid: str, bound_s: float = 120.0) -> None:
     give_up = time.monotonic() + bound_s
     while time.monotonic() < give_up:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            view = await client._until_terminal(hid)
+            view = await client.until_terminal(hid)
             if view["state"] in TERMINAL or view["state"] == "unreachable":
                 return
         await asyncio.sleep(0.5)

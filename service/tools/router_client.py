@@ -72,7 +72,7 @@ class RouterClient:
             if resp.status not in (200, 201):  # 200: this very request was already accepted
                 return Outcome("rejected", 0, await problem_text(resp))
         refused = await self.signal_stages(handoff_id, src_pages, src_slot)
-        view = await self._until_terminal(handoff_id)
+        view = await self.until_terminal(handoff_id)
         error = view.get("error")
         reason = f"{error['code']}: {error['reason']}" if error else None
         return Outcome(view["state"], int(view["bytes"]), reason or next(iter(refused), None))
@@ -99,7 +99,9 @@ class RouterClient:
             # The handoff exists: the decode service fails it (peer timeout, deadline); wait.
             return f"stage {rank}: {type(exc).__name__}: {exc}"
 
-    async def _until_terminal(self, handoff_id: str) -> dict[str, Any]:
+    async def until_terminal(self, handoff_id: str) -> dict[str, Any]:
+        """Long-poll the handoff's view until its state is terminal (a view with state
+        "unreachable" when the decode answers with an error)."""
         # Bounded by the handoff's deadline: the decode service fails it then at the latest.
         url = f"{self.dep.decode_url}/v1/handoffs/{handoff_id}"
         while True:

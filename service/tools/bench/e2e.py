@@ -35,7 +35,7 @@ from pipelines.messages import LayoutInfo
 from pipelines.prefill.landed import BLOCK_BYTES
 from service.config import HandoffConfig, TransferConfig
 from service.tools.bench.common import StageProcesses, fragmented_pages, large_blocks
-from service.tools.bench.handoff import Request, _stage_shares, run_lanes
+from service.tools.bench.handoff import Request, run_lanes, stage_shares
 from service.tools.deployment import LocalDeployment
 from service.tools.router_client import RouterClient
 
@@ -139,7 +139,7 @@ async def _sizes_one_pp(
     pp, conc = direct.pp_size, args.e2e_concurrency
     info = await _layout(http, direct)
     decode = info.stages[0].layout
-    shares = _stage_shares(decode, pp)
+    shares = stage_shares(decode, pp)
     rows = []
     pools = [direct.stage_pool(r) for r in range(pp)]
     with contextlib.closing(StageProcesses(pools)) as engines:

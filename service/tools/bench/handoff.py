@@ -176,7 +176,7 @@ def _bulk_deployment(args: argparse.Namespace, mode: str) -> LocalDeployment:
     )
 
 
-def _stage_shares(layout: StageLayout, parts: int) -> list[list[tuple[int, int]]]:
+def stage_shares(layout: StageLayout, parts: int) -> list[list[tuple[int, int]]]:
     """The KV entries of `layout` as `parts` disjoint shares of equal bytes ((addr, length)
     regions each): where each stage's raw engine writes its large blocks."""
     regions = [(e.base, e.nbytes) for e in layout.kv]
@@ -227,7 +227,7 @@ async def bulk(args: argparse.Namespace) -> dict[str, Any]:
             per_request = sum(b.total_bytes for b in per_stage) // len(moves)
             rounds = args.bulk_requests / len(moves)
             # Raw: each stage's bytes of `bulk_requests` requests, into its own decode entries.
-            shares = _stage_shares(decode, dep.pp_size)
+            shares = stage_shares(decode, dep.pp_size)
             large = [
                 large_blocks(
                     int(b.total_bytes * rounds),
