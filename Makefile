@@ -35,9 +35,9 @@ APT_UPDATE = waited=0; \
 	  sleep $(APT_RETRY_S); waited=$$((waited + $(APT_RETRY_S))); \
 	done; [ -z "$$out" ] || printf '%s\n' "$$out"
 
-.PHONY: setup apt-lists test-tools test test-unit lint fmt typecheck demo bench bench-plan \
-	bench-transport bench-events bench-webhooks fuzz reliability clean image-setup image \
-	image-test sglang-env test-sglang
+.PHONY: setup apt-lists test-tools test test-unit lint fmt typecheck demo bench bench-setup \
+	bench-report soak bench-plan bench-transport bench-events bench-webhooks fuzz reliability \
+	clean image-setup image image-test sglang-env test-sglang
 
 setup: $(STAMP)
 
@@ -136,7 +136,34 @@ fuzz: setup
 reliability: setup
 	$(PY) -m tests.reliability --out RELIABILITY.md
 
-bench: bench-plan bench-transport bench-events bench-webhooks
+# Every benchmark in one bounded run (10 minutes at most on the 2-core development machine):
+# bench/results.json and .csv (with the machine and the commit), bench/*.png and BENCHMARKS.md,
+# regenerated from them (service/tools/bench/suite.py says what each section measures). The
+# planning section runs SGLang's own path in its environment, hence sglang-env.
+bench: bench-setup sglang-env
+	$(VENV)/bin/kvhandoff bench suite --out-dir bench --markdown BENCHMARKS.md
+
+# matplotlib for the plots: the `bench` extra, which neither the service nor the tests need.
+BENCH_STAMP := $(VENV)/.bench-installed
+bench-setup: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[cpu,test,bench]"
+	touch $(BENCH_STAMP)
+
+# The plots and BENCHMARKS.md again from the committed bench/results.json, running nothing.
+bench-report: bench-setup
+	$(PY) -m service.tools.bench.plots bench/results.json
+	$(PY) -m service.tools.bench.report bench/results.json --out BENCHMARKS.md
+
+# 1,000 handoffs in flight for ten minutes through the multi-process deployment; fails if one is
+# lost, a peer is declared lost or any process's memory grows (not in CI: see `kvhandoff load`).
+SOAK_S ?= 600
+SOAK_INFLIGHT ?= 1000
+soak: setup
+	mkdir -p bench
+	$(VENV)/bin/kvhandoff load --inflight $(SOAK_INFLIGHT) --duration-s $(SOAK_S) \
+	  --out bench/soak.json
 
 bench-plan: setup
 	$(VENV)/bin/kvhandoff bench plan

@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "service.tools.demo",
         "start a local PP prefill + decode deployment and verify handoffs",
     ),
+    "load": (
+        "service.tools.load",
+        "many handoffs in flight through a local deployment; fails on loss or memory growth",
+    ),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "plan": ("service.tools.bench.plan", "transfer planning vs. a per-entry reference planner"),
@@ -35,6 +39,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "webhooks": (
         "service.tools.bench.webhooks",
         "webhook deliveries from the outbox vs. plain POSTs; the outbox's cost on handoffs",
+    ),
+    "suite": (
+        "service.tools.bench.suite",
+        "every benchmark (make bench): results, plots and BENCHMARKS.md",
     ),
 }
 

@@ -50,7 +50,7 @@ from pipelines.messages import LayoutInfo
 from pipelines.models import decode_layout, partition_layers, preset, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
 from service.config import HandoffConfig, TransferConfig
-from service.tools.bench.common import StageEngines
+from service.tools.bench.common import StageProcesses
 from service.tools.deployment import DeploymentError, LocalDeployment
 from service.tools.router_client import TERMINAL, WAIT_S, Outcome, RouterClient
 from transport.config import MooncakeConfig
@@ -434,8 +434,9 @@ async def _baseline(
     http: aiohttp.ClientSession, dep: LocalDeployment, work: _Workload
 ) -> dict[str, float] | None:
     """Raw Mooncake writing the completed handoffs' blocks (one per page, layer and group, as
-    direct mode plans them) into the decode service's memory: one engine per stage, each with
-    its stage's blocks, all at once (best of two) — the same process topology, no kvhandoff."""
+    direct mode plans them) into the decode service's memory: one engine per stage, each in a
+    process of its own with its stage's blocks, all at once (best of two) — the same process
+    topology, no kvhandoff."""
     async with http.get(f"{dep.decode_url}/v1/layout") as resp:
         info = msgspec.json.decode(await resp.read(), type=LayoutInfo)
     moves = [(j.src_pages, j.dst_pages, j.src_slot, j.dst_slot) for j in work.completed]
@@ -444,7 +445,9 @@ async def _baseline(
     if not blocks:
         return None  # nothing completed: nothing to compare with
     total = sum(b.total_bytes for b in per_stage)
-    engines = StageEngines([dep.stage_pool(r) for r in range(dep.pp_size)])
+    # A process per stage, as the deployment runs them (threads of one process would share
+    # its cores and starve each other's busy-waiting engine calls).
+    engines = StageProcesses([dep.stage_pool(r) for r in range(dep.pp_size)])
     try:
         runs = [await asyncio.to_thread(engines.seconds, info.target, per_stage) for _ in "ab"]
     finally:

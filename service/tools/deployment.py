@@ -121,6 +121,8 @@ class LocalDeployment:
     (`spare-0`, ...) hosting those ranks again from the same stage pools (so they send the same
     source bytes), listed neither in `prefill_urls` nor in the decode's default peers: a second,
     healthy set of stages for a test that stops the first (name them in the create body).
+    `preallocate` allocates every pool file's memory when it is created (`posix_fallocate`), as
+    an engine's KV memory is allocated before any request: see `_preallocate`.
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class LocalDeployment:
         work_dir: str | Path | None = None,
         env: Mapping[str, str] | None = None,
         ready_timeout_s: float = 60.0,
+        preallocate: bool = False,
     ) -> None:
         self.groups = [tuple(g) for g in (groups or [[r] for r in range(pp_size)])]
         hosted = sorted(r for g in self.groups for r in g)
@@ -178,6 +181,7 @@ class LocalDeployment:
         self.token = token
         self.log_level = log_level
         self.ready_timeout_s = ready_timeout_s
+        self.preallocate = preallocate
         self.work_dir = Path(work_dir) if work_dir is not None else None
         self._made_dir: Path | None = None  # a temp dir start() made, removed by close()
         self._env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
@@ -225,6 +229,9 @@ class LocalDeployment:
         self._decode_pool = ShmPool(
             f"{self._prefix}-decode", self.decode_layout.region_sizes, align_bytes=align
         )
+        if self.preallocate:
+            for pool in [*self._stage_pools.values(), self._decode_pool]:
+                _preallocate(pool)
 
     def _plan_processes(self) -> None:
         work = self.work_dir
@@ -466,6 +473,25 @@ def _stop_all(popens: list[subprocess.Popen[bytes]], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _preallocate(pool: ShmPool) -> None:
+    """Allocate the memory of `pool`'s file now. A /dev/shm file is sparse: its pages are
+    allocated when first touched, and when that first touch is a Mooncake server's `recv` into
+    a landed or written page while the host is short of memory, the kernel cannot fault the page
+    in and the receive fails with EFAULT ("ServerSession::readBody failed ... Bad address"), the
+    server drops the connection and the writer's batch fails ("WRITE rejected by server",
+    connection reset) — after stalling in reclaim. Benchmarks preallocate, so a shortage fails
+    the start with ENOMEM/ENOSPC here instead, and no timed transfer pays for page allocation."""
+    fd = os.open(pool.path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, pool.nbytes)
+    except OSError as exc:
+        raise DeploymentError(
+            f"cannot allocate {pool.nbytes / 2**20:.0f} MiB for the pool {pool.path}: {exc}"
+        ) from exc
+    finally:
+        os.close(fd)
 
 
 def _sweep_stale_pools() -> None:

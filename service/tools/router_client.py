@@ -71,15 +71,23 @@ class RouterClient:
         async with self.http.post(url, json=body, timeout=self.timeout) as resp:
             if resp.status not in (200, 201):  # 200: this very request was already accepted
                 return Outcome("rejected", 0, await problem_text(resp))
+        refused = await self.signal_stages(handoff_id, src_pages, src_slot)
+        view = await self.until_terminal(handoff_id)
+        error = view.get("error")
+        reason = f"{error['code']}: {error['reason']}" if error else None
+        return Outcome(view["state"], int(view["bytes"]), reason or next(iter(refused), None))
+
+    async def signal_stages(
+        self, handoff_id: str, src_pages: Sequence[int], src_slot: int | None
+    ) -> list[str]:
+        """Signal every stage ready, all at once, each with all its layers and pages (an
+        engine's one completion per stage); the refusals' texts. Benchmarks override it to
+        signal by layer or by page range."""
         ready: dict[str, Any] = {"src_pages": list(src_pages)}
         if src_slot is not None:
             ready["src_slot"] = src_slot
         signals = (self._ready(handoff_id, r, ready) for r in range(len(self._stage_urls)))
-        refused = [p for p in await asyncio.gather(*signals) if p]
-        view = await self._until_terminal(handoff_id)
-        error = view.get("error")
-        reason = f"{error['code']}: {error['reason']}" if error else None
-        return Outcome(view["state"], int(view["bytes"]), reason or next(iter(refused), None))
+        return [p for p in await asyncio.gather(*signals) if p]
 
     async def _ready(self, handoff_id: str, rank: int, body: dict[str, Any]) -> str | None:
         """Signal stage `rank` ready; the problem's text if the prefill service refused."""
@@ -91,7 +99,9 @@ class RouterClient:
             # The handoff exists: the decode service fails it (peer timeout, deadline); wait.
             return f"stage {rank}: {type(exc).__name__}: {exc}"
 
-    async def _until_terminal(self, handoff_id: str) -> dict[str, Any]:
+    async def until_terminal(self, handoff_id: str) -> dict[str, Any]:
+        """Long-poll the handoff's view until its state is terminal (a view with state
+        "unreachable" when the decode answers with an error)."""
         # Bounded by the handoff's deadline: the decode service fails it then at the latest.
         url = f"{self.dep.decode_url}/v1/handoffs/{handoff_id}"
         while True:

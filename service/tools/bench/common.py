@@ -3,6 +3,7 @@ baselines (one engine from this process, or one per stage in parallel)."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -168,3 +169,126 @@ def large_blocks(
         if d_off == d_len:
             di, d_off = (di + 1) % len(dst_regions), 0
     return Blocks.of(srcs, dsts, lens)
+
+
+class StageProcesses:
+    """One raw Transfer Engine per prefill stage, each in a process of its own that maps only
+    its stage's shm pool file and registers it — the services' topology with one process per
+    stage — all writing their blocks at once on `seconds`. Nothing of kvhandoff is on the path:
+    each process calls `batch_transfer_sync_write` in a loop from one thread (`raw_write`).
+    Threads of one process (`StageEngines`) are not the same topology: on a small host the
+    engines' busy-waiting calls then share one process's cores and starve each other."""
+
+    def __init__(self, pools: Sequence[Any]) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._bases = [pool.registrations[0].addr for pool in pools]
+        self._conns: list[Any] = []
+        self._procs: list[Any] = []
+        try:
+            for pool in pools:
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_stage_writer, args=(pool.path, child), daemon=True)
+                proc.start()
+                self._conns.append(parent)
+                self._procs.append(proc)
+            for k in range(len(self._conns)):
+                ready = self._recv(k)
+                if ready != "ready":
+                    raise RuntimeError(f"a raw stage process did not start: {ready}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _recv(self, k: int, timeout_s: float = 300.0) -> Any:
+        """Stage `k`'s next answer; an error if its process died or said nothing in time
+        (never a wait for ever on a process that is gone)."""
+        conn, proc = self._conns[k], self._procs[k]
+        deadline = time.monotonic() + timeout_s
+        while not conn.poll(0.2):
+            if not proc.is_alive():
+                raise RuntimeError(f"raw stage process {k} exited with status {proc.exitcode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"raw stage process {k} did not answer in {timeout_s:.0f} s")
+        return conn.recv()
+
+    def close(self) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                conn.send(None)
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self._conns, self._procs = [], []
+
+    def seconds(self, target: str, per_stage: Sequence[Blocks]) -> float:
+        """From the first stage's start to the last one's end (CLOCK_MONOTONIC is one clock
+        for every process of the host) of every stage writing its `per_stage[r]` at once."""
+        if len(per_stage) != len(self._conns):
+            raise ValueError(f"{len(per_stage)} block lists for {len(self._conns)} stages")
+        for conn, base, blocks in zip(self._conns, self._bases, per_stage):
+            # Offsets into the pool: each process maps it at its own address.
+            conn.send(
+                (
+                    target,
+                    (blocks.src_addr - np.uint64(base)).tolist(),
+                    blocks.dst_addr.tolist(),
+                    blocks.length.tolist(),
+                )
+            )
+        for k in range(len(self._conns)):
+            if (got := self._recv(k)) != "set":
+                raise RuntimeError(f"raw stage process: {got}")
+        for conn in self._conns:
+            conn.send("go")
+        spans = [self._recv(k) for k in range(len(self._conns))]
+        errors = [s for s in spans if isinstance(s, str)]
+        if errors:
+            raise RuntimeError(f"raw engine write failed: {errors[0]}")
+        return float(max(end for _, end in spans) - min(start for start, _ in spans))
+
+
+def _stage_writer(path: str, conn: Any) -> None:
+    """A raw stage process: map `path`, register it with a fresh engine, then for each block
+    list sent, wait for "go", write it and answer (start, end); `None` stops."""
+    import mmap
+    import os
+
+    from transport.config import MooncakeConfig
+    from transport.mooncake import start_engine
+
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        base = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
+        engine = start_engine(MooncakeConfig())
+        if engine.batch_register_memory([base], [size]) != 0:
+            raise RuntimeError(f"could not register {path}")
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(f"{type(exc).__name__}: {exc}")
+        return
+    conn.send("ready")
+    try:
+        while (job := conn.recv()) is not None:
+            target, src_off, dst, lengths = job
+            blocks = Blocks.of(np.asarray(src_off, dtype=np.uint64) + np.uint64(base), dst, lengths)
+            conn.send("set")
+            if conn.recv() != "go":
+                break
+            start = time.monotonic()
+            try:
+                raw_write(engine, target, blocks)
+            except RuntimeError as exc:
+                conn.send(str(exc))
+                continue
+            conn.send((start, time.monotonic()))
+    except EOFError:
+        pass
+    finally:
+        engine.batch_unregister_memory([base])

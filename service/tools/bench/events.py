@@ -117,11 +117,12 @@ async def _fanout(subscribers: int, n: int) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """The fan-out and its baseline, as `run` reports them (`ok`: every frame, none dropped)."""
     baseline = _baseline(args.events)
     fan = uvloop.run(_fanout(args.subscribers, args.events))
     total = fan["frames"] / fan["seconds"]
-    result = {
+    return {
         "subscribers": args.subscribers,
         "events": args.events,
         "frames_delivered": fan["frames"],
@@ -131,14 +132,18 @@ def run(args: argparse.Namespace) -> int:
         "fanout_vs_bus_only": round(total / baseline, 3),
         "dropped": fan["dropped"],
         "target_events_per_s_total": 20_000,
+        "ok": fan["frames"] == args.events * args.subscribers and fan["dropped"] == 0,
     }
+
+
+def run(args: argparse.Namespace) -> int:
+    result = measure(args)
     if args.json:
         print(json.dumps(result))
     else:
         for key, value in result.items():
             print(f"{key:36s} {value}")
-    ok = fan["frames"] == args.events * args.subscribers and fan["dropped"] == 0
-    return 0 if ok else 1
+    return 0 if result["ok"] else 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ costs, each case against a baseline measured in the same run.
   (153 MB each at 64), `--bulk-concurrency` at a time: router → decode → every stage → Mooncake
   → commit → done. Run twice, in a landed and a direct deployment of the same shape. Baseline
   in each, interleaved with its runs: raw Mooncake in the same topology — one engine per stage,
-  each with its own stage's pool registered, all writing at once — moving the same bytes as
+  each with its own stage's pool registered, in a process per stage as the services (threads
+  of this process with `--bulk-stage-processes one`), all writing at once — moving the same bytes as
   1 MiB blocks, and once the same per-page blocks direct mode plans. Reported: GB/s of each,
   landed/direct, landed/raw and direct/raw, and the decode's commit time (copy out, digest,
   scatter; from `kvhandoff_segment_commit_seconds`) per second of the landed runs.
@@ -31,7 +32,6 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,12 @@ from pipelines.messages import LayoutInfo
 from pipelines.prefill.landed import BLOCK_BYTES
 from service.config import TransferConfig
 from service.tools.bench import landed as landed_cases
-from service.tools.bench.common import StageEngines, fragmented_pages, large_blocks
+from service.tools.bench.common import (
+    StageEngines,
+    StageProcesses,
+    fragmented_pages,
+    large_blocks,
+)
 from service.tools.deployment import LocalDeployment
 from service.tools.router_client import RouterClient
 
@@ -166,10 +171,12 @@ def _bulk_deployment(args: argparse.Namespace, mode: str) -> LocalDeployment:
             staging_bytes=args.staging_mb << 20,
         ),
         log_level="warning",
+        # Pool memory allocated up front, as an engine's is: see `deployment._preallocate`.
+        preallocate=True,
     )
 
 
-def _stage_shares(layout: StageLayout, parts: int) -> list[list[tuple[int, int]]]:
+def stage_shares(layout: StageLayout, parts: int) -> list[list[tuple[int, int]]]:
     """The KV entries of `layout` as `parts` disjoint shares of equal bytes ((addr, length)
     regions each): where each stage's raw engine writes its large blocks."""
     regions = [(e.base, e.nbytes) for e in layout.kv]
@@ -220,7 +227,7 @@ async def bulk(args: argparse.Namespace) -> dict[str, Any]:
             per_request = sum(b.total_bytes for b in per_stage) // len(moves)
             rounds = args.bulk_requests / len(moves)
             # Raw: each stage's bytes of `bulk_requests` requests, into its own decode entries.
-            shares = _stage_shares(decode, dep.pp_size)
+            shares = stage_shares(decode, dep.pp_size)
             large = [
                 large_blocks(
                     int(b.total_bytes * rounds),
@@ -230,9 +237,10 @@ async def bulk(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 for r, b in enumerate(per_stage)
             ]
-            engines = stack.enter_context(_closing(StageEngines(
-                [dep.stage_pool(r) for r in range(dep.pp_size)]
-            )))  # fmt: skip
+            # The services' topology: a process per stage (`each`), or all stages in one.
+            pools = [dep.stage_pool(r) for r in range(dep.pp_size)]
+            raw = StageProcesses if args.bulk_stage_processes == "each" else StageEngines
+            engines = stack.enter_context(contextlib.closing(raw(pools)))
             await asyncio.to_thread(engines.seconds, info.target, large)  # warm-up
             for mode in deps:
                 await run_lanes(len(moves), lanes[mode], routers[mode].handoff, f"warm-{mode}")
@@ -280,14 +288,6 @@ async def bulk(args: argparse.Namespace) -> dict[str, Any]:
         "raw_mooncake_gb_s": gbs["raw"],
         "ratio": gbs["landed"] / gbs["raw"],
     }
-
-
-@contextlib.contextmanager
-def _closing(engines: StageEngines) -> Iterator[StageEngines]:
-    try:
-        yield engines
-    finally:
-        engines.close()
 
 
 # -- small --------------------------------------------------------------------------------------

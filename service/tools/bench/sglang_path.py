@@ -3,9 +3,11 @@
 Run by `kvhandoff bench handoff --cases planning` with the SGLang environment's interpreter
 (`make sglang-env`), never imported by the service: it needs only numpy and the installed
 `sglang`. It reads one JSON request on stdin — the entries of a stage (address, item length and
-layer id on both sides) and a request's prefill and decode page indices — and prints one JSON
-line: the median wall time of what SGLang's Mooncake backend does per request before its engine
-call (`MooncakeKVManager._send_kvcache_generic` with layer ids, the default path):
+layer id on both sides) and a request's prefill and decode page indices — or `{"requests":
+[...]}`, several of them (one interpreter start for a whole grid), and prints one JSON line
+(a list for a list): the median wall time of what SGLang's Mooncake backend does per request
+before its engine call (`MooncakeKVManager._send_kvcache_generic` with layer ids, the default
+path):
 
 1. `group_concurrent_contiguous(src, dst)`: runs of pages contiguous on both sides;
 2. `build_transfer_entry_pairs(...)` and the `is_elided_entry` filter: entries paired by layer;
@@ -43,12 +45,12 @@ def _blocks(
     return transfer_blocks
 
 
-def main() -> int:
+def _measure(req: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
+    import sglang
     from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
     from sglang.srt.disaggregation.utils import build_transfer_entry_pairs, is_elided_entry
 
-    req = json.load(sys.stdin)
     src_pages = np.asarray(req["src_pages"], dtype=np.int32)
     dst_pages = np.asarray(req["dst_pages"], dtype=np.int32)
     src_ptrs, dst_ptrs = req["src_ptrs"], req["dst_ptrs"]
@@ -76,13 +78,15 @@ def main() -> int:
         t0 = time.perf_counter()
         one()
         times.append(time.perf_counter() - t0)
-    import sglang
+    return {"ms": statistics.median(times) * 1e3, "blocks": blocks, "sglang": sglang.__version__}
 
-    print(
-        json.dumps(
-            {"ms": statistics.median(times) * 1e3, "blocks": blocks, "sglang": sglang.__version__}
-        )
-    )
+
+def main() -> int:
+    req = json.load(sys.stdin)
+    if "requests" in req:
+        print(json.dumps([_measure(r) for r in req["requests"]]))
+    else:
+        print(json.dumps(_measure(req)))
     return 0
 
 

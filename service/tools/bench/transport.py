@@ -149,17 +149,29 @@ def timed(fn: Callable[[], None], repeat: int) -> list[float]:
 
 
 def run_case(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
+    return run_cases([case], args)
+
+
+def run_cases(
+    cases: list[Case], args: argparse.Namespace, on_case: Callable[[Case], None] | None = None
+) -> list[dict[str, Any]]:
+    """Every method on every case, one receiver process for all: the cases must share their
+    source and destination sizes (a block-size sweep over the same memory). `on_case` is told
+    when each case starts (progress)."""
+    src_sizes, dst_sizes = cases[0].src_sizes, cases[0].dst_sizes
+    if any(c.src_sizes != src_sizes or c.dst_sizes != dst_sizes for c in cases):
+        raise ValueError("run_cases needs cases of the same source and destination sizes")
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     shm = f"kvhandoff-bench-{uuid.uuid4().hex[:12]}"
-    proc = ctx.Process(target=_receiver, args=(shm, case.dst_sizes, child), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(shm, dst_sizes, child), daemon=True)
     proc.start()
     pools: list[Pool] = []
     try:
         peer, remote_bases = parent.recv()
-        src_pool = open_pool("torch:cpu", case.src_sizes, align_bytes=ALIGN)
+        src_pool = open_pool("torch:cpu", src_sizes, align_bytes=ALIGN)
         pools.append(src_pool)
-        dst_pool = ShmPool(shm, case.dst_sizes, align_bytes=ALIGN, create=False)
+        dst_pool = ShmPool(shm, dst_sizes, align_bytes=ALIGN, create=False)
         pools.append(dst_pool)
         (src_span,), (dst_span,) = src_pool.registrations, dst_pool.registrations
         src_mem, dst_mem = (
@@ -167,56 +179,31 @@ def run_case(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
             host_array(dst_span.addr, dst_span.length),
         )
         src_mem[:] = np.random.default_rng(1).integers(0, 256, src_mem.shape[0], dtype=np.uint8)
-        local_blocks = case.make(src_pool.bases, dst_pool.bases)
-        remote_blocks = case.make(src_pool.bases, remote_bases)
-        results: dict[str, list[float]] = {}
-
-        results["memcpy"] = timed(
-            lambda: memcpy_blocks(local_blocks, src_span.addr, src_mem, dst_span.addr, dst_mem),
-            args.repeat,
-        )
-
-        # Each transport registers the same spans directly (a Pool registers with one only).
-        async def local_runs() -> None:
-            local = LocalTransport(max_bytes_per_batch=args.max_bytes_per_batch)
-            local.register([src_span, dst_span])
-            results["local"] = await atimed(
-                lambda: local.write(local.local_target, local_blocks), args.repeat
+        rows: list[dict[str, Any]] = []
+        for case in cases:
+            if on_case is not None:
+                on_case(case)
+            local_blocks = case.make(src_pool.bases, dst_pool.bases)
+            remote_blocks = case.make(src_pool.bases, remote_bases)
+            results = _methods(
+                args, peer, local_blocks, remote_blocks, (src_span, src_mem), (dst_span, dst_mem)
             )
-            local.close()
-
-        asyncio.run(local_runs())
-
-        config = MooncakeConfig(max_bytes_per_batch=args.max_bytes_per_batch)
-        raw = start_engine(config)
-        if raw.batch_register_memory([src_span.addr], [src_span.length]) != 0:
-            raise RuntimeError("raw engine could not register the source")
-        results["mooncake-raw"] = timed(lambda: raw_write(raw, peer, remote_blocks), args.repeat)
-        raw.batch_unregister_memory([src_span.addr])
-
-        async def mooncake_runs() -> None:
-            transport = MooncakeTransport.start(config)
-            transport.register([src_span])
-            results["mooncake"] = await atimed(
-                lambda: transport.write(peer, remote_blocks), args.repeat
-            )
-            transport.close()
-
-        asyncio.run(mooncake_runs())
-        total = local_blocks.total_bytes
-        return [
-            {
-                "case": case.name,
-                "method": method,
-                "blocks": len(local_blocks),
-                "bytes": total,
-                "best_s": min(times),
-                "median_s": statistics.median(times),
-                "best_gbps": total / min(times) / 1e9,
-                "median_gbps": total / statistics.median(times) / 1e9,
-            }
-            for method, times in results.items()
-        ]
+            total = local_blocks.total_bytes
+            rows += [
+                {
+                    "case": case.name,
+                    "method": method,
+                    "blocks": len(local_blocks),
+                    "block_bytes": int(local_blocks.length.max()),
+                    "bytes": total,
+                    "best_s": min(times),
+                    "median_s": statistics.median(times),
+                    "best_gbps": total / min(times) / 1e9,
+                    "median_gbps": total / statistics.median(times) / 1e9,
+                }
+                for method, times in results.items()
+            ]
+        return rows
     finally:
         for p in pools:
             p.close()
@@ -224,6 +211,55 @@ def run_case(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+
+
+def _methods(
+    args: argparse.Namespace,
+    peer: str,
+    local_blocks: Blocks,
+    remote_blocks: Blocks,
+    src: tuple[Any, np.ndarray],
+    dst: tuple[Any, np.ndarray],
+) -> dict[str, list[float]]:
+    """Wall times of each method moving the same blocks (`local_blocks` within this process,
+    `remote_blocks` into the receiver's mapping of the same memory)."""
+    (src_span, src_mem), (dst_span, dst_mem) = src, dst
+    results: dict[str, list[float]] = {}
+    results["memcpy"] = timed(
+        lambda: memcpy_blocks(local_blocks, src_span.addr, src_mem, dst_span.addr, dst_mem),
+        args.repeat,
+    )
+
+    # Each transport registers the same spans directly (a Pool registers with one only).
+    async def local_runs() -> None:
+        local = LocalTransport(max_bytes_per_batch=args.max_bytes_per_batch)
+        local.register([src_span, dst_span])
+        results["local"] = await atimed(
+            lambda: local.write(local.local_target, local_blocks), args.repeat
+        )
+        local.close()
+
+    asyncio.run(local_runs())
+
+    config = MooncakeConfig(max_bytes_per_batch=args.max_bytes_per_batch)
+    raw = start_engine(config)
+    if raw.batch_register_memory([src_span.addr], [src_span.length]) != 0:
+        raise RuntimeError("raw engine could not register the source")
+    try:
+        results["mooncake-raw"] = timed(lambda: raw_write(raw, peer, remote_blocks), args.repeat)
+    finally:
+        raw.batch_unregister_memory([src_span.addr])
+
+    async def mooncake_runs() -> None:
+        transport = MooncakeTransport.start(config)
+        transport.register([src_span])
+        results["mooncake"] = await atimed(
+            lambda: transport.write(peer, remote_blocks), args.repeat
+        )
+        transport.close()
+
+    asyncio.run(mooncake_runs())
+    return results
 
 
 async def atimed(fn: Callable[[], Any], repeat: int) -> list[float]:
@@ -268,3 +304,17 @@ def run(args: argparse.Namespace) -> int:
             f"local/memcpy = {rs['local/memcpy']:.3f}"
         )
     return 0
+
+
+def block_sweep(
+    args: argparse.Namespace,
+    block_kibs: list[int],
+    total_mib: int,
+    on_case: Callable[[Case], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Throughput against block size: `total_mib` MiB moved as blocks of each size in
+    `block_kibs`, by every method, over the same memory and one receiver."""
+    cases = [
+        bulk_case(argparse.Namespace(bulk_mib=total_mib, bulk_block_kib=kib)) for kib in block_kibs
+    ]
+    return run_cases(cases, args, on_case)

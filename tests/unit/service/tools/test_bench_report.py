@@ -1,0 +1,89 @@
+"""BENCHMARKS.md is generated, never typed: the generator against a small fixture results file
+(every section, a failed one, the targets), and the committed report against the committed
+results it was generated from."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from service.tools.bench import report
+
+FIXTURE = Path(__file__).with_name("fixtures") / "bench_results.json"
+ROOT = Path(__file__).resolve().parents[4]
+
+
+@pytest.fixture
+def doc() -> dict:
+    return json.loads(FIXTURE.read_text())
+
+
+def test_report_has_every_section_the_machine_and_the_commit(doc: dict, tmp_path: Path) -> None:
+    text = report.render(doc, {}, base=tmp_path)
+    assert text.startswith("# Benchmarks\n")
+    assert "0123456789abcdef0123456789abcdef01234567" in text
+    assert "mooncake-transfer-engine-non-cuda 0.3.13.post1" in text and "SGLang 0.5.23" in text
+    for title, _ in report.SECTION_TEXT.values():
+        assert f"\n## {title}\n" in text
+    assert "a `--quick` smoke run" in text
+
+
+def test_a_failed_section_says_so_and_the_others_still_report(doc: dict, tmp_path: Path) -> None:
+    text = report.render(doc, {}, base=tmp_path)
+    webhooks = text.split("## Webhook deliveries", 1)[1].split("\n## ", 1)[0]
+    assert "**Not measured**" in webhooks and "the receiver did not start" in webhooks
+    assert "| 10 | 2,000 |" in text  # the events section's row still there
+
+
+def test_figures_and_ratios_come_from_the_results(doc: dict, tmp_path: Path) -> None:
+    text = report.render(doc, {}, base=tmp_path)
+    row = doc["sections"]["e2e"]["result"]["rows"][0]
+    assert f"| {report.num(row['landed_vs_direct'])}x |" in text
+    ctl = doc["sections"]["control"]["result"]["rows"][0]
+    assert f"| {report.num(ctl['handoffs_per_s'])} | {report.num(ctl['healthz_per_s'])} |" in text
+
+
+def test_targets_are_judged_from_the_rows(doc: dict) -> None:
+    rows = {target: met for target, _, met in report.targets(doc)}
+    assert (
+        rows["≥ 2,500 one-page handoffs/s, PP=1, concurrency 64"] == "met"
+    )  # 2,600 in the fixture
+    assert rows["≥ 1,500 one-page handoffs/s, PP=4, concurrency 64"] == "**missed**"  # 1,200
+    assert rows["p50 ≤ 1.5 ms create → completed, one page, concurrency 1"] == "**missed**"
+    assert rows["load: 0 lost"] == "met"
+    assert rows["load: no peer declared lost"] == "met"  # 2 before the run do not count
+
+
+def test_plots_are_linked_relative_to_the_report(doc: dict, tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    png = tmp_path / "bench" / "planning.png"
+    png.write_bytes(b"\x89PNG")
+    results = tmp_path / "bench" / "results.json"
+    results.write_text(json.dumps(doc))
+    text = report.regenerate(results, tmp_path)
+    assert "](bench/planning.png)" in text
+    assert "](bench/transport.png)" not in text  # not there: not linked
+
+
+def test_csv_has_one_row_per_figure(doc: dict) -> None:
+    rows = list(csv.DictReader(io.StringIO(report.to_csv(doc))))
+    assert {"section", "params", "metric", "value"} <= set(rows[0])
+    e2e = [r for r in rows if r["section"] == "e2e" and r["metric"] == "landed_gb_s"]
+    assert len(e2e) == len(doc["sections"]["e2e"]["result"]["rows"])
+    assert e2e[0]["params"].startswith("pp=")
+    assert not [r for r in rows if r["section"] == "webhooks"]  # failed: no figures
+    float(e2e[0]["value"])
+
+
+def test_the_committed_report_is_what_the_committed_results_generate() -> None:
+    results = ROOT / "bench" / "results.json"
+    if not results.exists():
+        pytest.skip("no committed results yet")
+    assert (ROOT / "BENCHMARKS.md").read_text() == report.regenerate(results, ROOT), (
+        "BENCHMARKS.md differs from what bench/results.json generates: run `make bench` "
+        "(or `make bench-report`), never edit it by hand"
+    )
