@@ -81,6 +81,15 @@ def _handoff_id(handoff_id: str) -> None:
         )
 
 
+def _heard(request: web.Request, sender: str | None) -> None:
+    """A verified peer request proves its sender alive as a heartbeat would: under load its
+    heartbeat answers may come late, while its notices keep coming, and a busy peer must not be
+    judged silent (`service.peers.heartbeat`). Unsigned (peer auth off), nothing proves who
+    sent it, and only heartbeats count."""
+    if sender is not None:
+        request.app[RUNTIME].heartbeats.heard(canonical_url(sender))
+
+
 def _same_service(claimed: str, sender: str, what: str, field: str) -> None:
     if canonical_url(claimed) != canonical_url(sender):
         raise Forbidden(f"{what} names {claimed} but was signed by {sender}", field=field)
@@ -97,6 +106,7 @@ async def _each(
     outcomes = []
     batch: list[M] = await decode_body(request, list[type_])  # type: ignore[valid-type]
     sender = signed_sender(request)
+    _heard(request, sender)
     for msg in batch:
         try:
             check_version(msg.version)
@@ -256,6 +266,7 @@ async def windows(request: web.Request) -> web.StreamResponse:
     msg = await decode_body(request, WindowRequest)
     check_version(msg.version)
     sender = signed_sender(request)
+    _heard(request, sender)
     if sender is not None:
         _from_stage_peer(request, "window request")(msg, sender)
     return json_response(await decode_of(request).window(msg))
@@ -274,6 +285,7 @@ async def windows(request: web.Request) -> web.StreamResponse:
 async def segments(request: web.Request) -> web.StreamResponse:
     batch = await decode_body(request, list[SegmentMsg])
     sender = signed_sender(request)
+    _heard(request, sender)
     pipeline = decode_of(request)
     check = _from_stage_peer(request, "segment")
 
