@@ -325,6 +325,23 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 # -- the document -------------------------------------------------------------------------------
 
+#: What holds the control-plane targets back, as profiled (py-spy on the decode and a prefill
+#: under the PP=1 concurrency-64 case, and `tests/perf`'s counts per handoff); shown when a
+#: target is missed.
+LIMITS = (
+    "What limits the control-plane figures, as profiled on this machine: each one-page "
+    "handoff is three router requests (create, ready, a long poll) and, per stage, a "
+    "destination and a segment notice (batched per peer under load): about 40% of the "
+    "decode's event loop is aiohttp and socket I/O (parsing requests, writing answers), the "
+    "handoff's own work (checks, its segment's commit, events, records) most of the rest. "
+    "Records commit in groups (one per turn of the loop), so SQLite is no longer the "
+    "largest cost. With PP=4 every stage is its own prefill process: four destinations and "
+    "four segment notices per handoff, which nothing can batch across processes. At "
+    "concurrency 1 the figure is the sum of those hops' latencies on two shared cores, where "
+    "each loopback message is a context switch between busy processes (the loop's own "
+    "polling and socket writes are half the decode's time there)."
+)
+
 
 def render(doc: Mapping[str, Any], plots: Mapping[str, str], *, base: Path) -> str:
     """BENCHMARKS.md for `doc`; `plots` maps a section to its PNG, linked relative to `base`
@@ -358,6 +375,8 @@ def render(doc: Mapping[str, Any], plots: Mapping[str, str], *, base: Path) -> s
     rows = targets(doc)
     if rows:
         parts += ["", "## Targets (issue #20)", "", table(["target", "this run", ""], rows)]
+        if any("missed" in str(r[-1]) for r in rows):
+            parts += ["", LIMITS]
     for name, section in doc["sections"].items():
         title, fn = SECTION_TEXT[name]
         parts += ["", f"## {title}", ""]
