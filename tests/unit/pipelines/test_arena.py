@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -69,3 +70,23 @@ async def test_an_indefinite_quarantine_waits_for_its_owner() -> None:
     assert a.try_take(4096, "x") is None
     a.give_back_owner("h")  # its handoff ended with every writer done
     assert a.try_take(4096, "x") is not None
+
+
+async def test_each_owner_s_extents_are_found_without_the_others_in_the_order_taken() -> None:
+    rng = random.Random(7)
+    a = Arena(base_addr=0, capacity_bytes=64 * 4096)
+    held: dict[str, list[int]] = {}
+    for step in range(400):
+        owner = f"h{rng.randrange(5)}"
+        mine = held.setdefault(owner, [])
+        if mine and rng.random() < 0.4:
+            offset = mine.pop(rng.randrange(len(mine)))
+            a.give_back(next(e for e in a.owned_by(owner) if e.offset == offset))
+        else:
+            extent = a.try_take(4096 * rng.randint(1, 3), owner)
+            if extent is not None:
+                mine.append(extent.offset)
+        for name, offsets in held.items():
+            assert [e.offset for e in a.owned_by(name)] == offsets, step
+    a.give_back_owner("h0")
+    assert a.owned_by("h0") == [] and a.owned_by("nobody") == []
