@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from service.tools.load import MIB, RssSeries, read_rss, rss_check
+from service.tools.load import MIB, RssSeries, default_warmup, read_rss, rss_check
 
 
 def series(rss_mib: list[float], anon_mib: list[float] | None = None) -> RssSeries:
@@ -65,3 +65,13 @@ def test_read_rss_of_this_process_and_of_none() -> None:
     got = read_rss(os.getpid())
     assert got is not None and got[0] > 0 and 0 < got[1] <= got[0]
     assert read_rss(2**22 + 12345) is None  # above pid_max: no such process
+
+
+def test_the_warm_up_lasts_until_the_decode_s_bounded_history_is_full() -> None:
+    # 100 completions a second: a history of 1,000 is full at 10 s of a 60 s run.
+    done_at = [i / 100 for i in range(1, 6001)]
+    assert default_warmup(60.0, done_at, 1000) == 10.0
+    # Never full, or full too late to leave a quarter of the run to compare: 10% of the run.
+    assert default_warmup(60.0, done_at[:500], 1000) == 6.0
+    assert default_warmup(60.0, done_at, 5000) == 6.0
+    assert default_warmup(20.0, [], 1000) == 5.0
