@@ -3,12 +3,12 @@
 Started by `test_backend.py` as `python -m tests.sglang.engine_proc <role> <pp_rank> <pp_size>
 <bootstrap_port> <dist_port> <model_dir> <variant>` (a JSON object: `aux_items` replaces the aux
 buffers' row sizes, `mamba_items` the Mamba tensors' slot sizes, to make a rank whose memory
-differs from its peers'; `tp_size` and `tp_rank` place it in a TP group). It publishes
-SGLang's runtime context as a scheduler does, builds `KVArgs` over CPU tensors (their
-`data_ptr()`s), gets the manager, sender and receiver classes through SGLang's `get_kv_class`,
-and makes the calls SGLang's `prefill.py` / `decode.py` make, in their order, for each command
-read from stdin (one JSON object a line); it answers one JSON line each. PP ranks of the
-prefill share a gloo group, as SGLang's pp_group.
+differs from its peers'; `tp_size` and `tp_rank` place it in an attention TP group, `cp_size`
+and `cp_rank` in a prefill's attention CP group). It publishes SGLang's runtime context as a
+scheduler does, builds `KVArgs` over CPU tensors (their `data_ptr()`s), gets the manager, sender
+and receiver classes through SGLang's `get_kv_class`, and makes the calls SGLang's `prefill.py`
+/ `decode.py` make, in their order, for each command read from stdin (one JSON object a line);
+it answers one JSON line each. PP ranks of the prefill share a gloo group, as SGLang's pp_group.
 
 The memory: a hybrid model of 8 layers, full attention on 1, 3 (stage 0) and 5, 7 (stage 1),
 K and V buffers, pages of 4 tokens, and a speculative-decoding draft layer (MTP: K and V, id 8,
@@ -83,10 +83,12 @@ def tensors(
     *,
     pp_size: int = 2,
     tp_rank: int = 0,
+    cp_rank: int = 0,
 ) -> Tensors:
     """(KV buffers group-major: K of each layer then V; Mamba buffers tensor-major: conv of
-    each linear layer, then temporal; aux buffers): random on the prefill (seeded by stage and
-    TP rank: each TP rank holds its own heads), zeros on the decode."""
+    each linear layer, then temporal; aux buffers): random on the prefill (seeded by stage, TP
+    rank and CP rank: each TP rank holds its own heads, and a CP rank's bytes differ from CP
+    rank 0's so a decode shows which one sent), zeros on the decode."""
     pages = PREFILL_PAGES if role == "prefill" else DECODE_PAGES
     n = len(kv_entries(role, pp_rank, pp_size))
     linear = mamba_layers(role, pp_rank, pp_size)
@@ -95,7 +97,7 @@ def tensors(
     if role == "decode":
         made = [torch.zeros(size, dtype=torch.uint8) for size in sizes]
     else:
-        gen = torch.Generator().manual_seed(1000 + pp_rank + 100 * tp_rank)
+        gen = torch.Generator().manual_seed(1000 + pp_rank + 100 * tp_rank + 10000 * cp_rank)
         made = [torch.randint(1, 255, (size,), dtype=torch.uint8, generator=gen) for size in sizes]
     m = len(state_sizes)
     return made[:n], made[n : n + m], made[n + m :]
@@ -184,6 +186,7 @@ def main() -> None:
     aux_items = [int(n) for n in variant.get("aux_items", AUX_ITEMS)]
     mamba_items = [int(n) for n in variant.get("mamba_items", MAMBA_ITEMS)]
     tp_size, tp_rank = int(variant.get("tp_size", 1)), int(variant.get("tp_rank", 0))
+    cp_size, cp_rank = int(variant.get("cp_size", 1)), int(variant.get("cp_rank", 0))
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logging.getLogger("kvhandoff").setLevel(logging.INFO)
     pp_rank_i, pp_size_i, port_i = int(pp_rank), int(pp_size), int(port)
@@ -211,12 +214,14 @@ def main() -> None:
         page_size=PAGE_SIZE,
         host="127.0.0.1",
         pp_size=pp_size_i if role == "prefill" else 1,
-        tp_size=tp_size,
+        tp_size=tp_size * cp_size,  # SGLang's attention TP is tp_size / attn_cp_size
+        attn_cp_size=cp_size,
         disaggregation_mode=role,
         disaggregation_transfer_backend="kvhandoff",
         disaggregation_bootstrap_port=port_i,
     )
-    world_rank = pp_rank_i * tp_size + tp_rank  # TP ranks innermost, as SGLang places them
+    # TP ranks innermost, then CP ranks, then PP stages, as SGLang places them.
+    world_rank = (pp_rank_i * cp_size + cp_rank) * tp_size + tp_rank
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank))
     if role == "prefill" and pp_size_i > 1:
         torch.distributed.init_process_group(
@@ -231,9 +236,10 @@ def main() -> None:
 
     backend = TransferBackend(server_args.disaggregation_transfer_backend)
     shape = {"pp_size": pp_size_i, "tp_rank": tp_rank}
-    memory = tensors(role, pp_rank_i, aux_items, mamba_items, **shape)
+    memory = tensors(role, pp_rank_i, aux_items, mamba_items, **shape, cp_rank=cp_rank)
     kv, state, aux = memory
     args = kv_args(role, pp_rank_i, memory, aux_items, mamba_items, **shape)
+    args.engine_rank = cp_rank * tp_size + tp_rank  # SGLang's rank in its TP group, CP included
     mode = DisaggregationMode(role)
     manager = get_kv_class(backend, KVClassType.MANAGER)(args, mode, server_args, False)
     bootstrap_addr = f"127.0.0.1:{port_i}"
@@ -333,6 +339,7 @@ def main() -> None:
                     "error": error,
                     "seconds": time.monotonic() - start,
                     "committed_before_last": before_last,
+                    "transferred": committed.get(hid, 0),  # this stage's segments committed
                 }
             )
             continue

@@ -141,7 +141,8 @@ def deploy(
             str(tmp / "model"),
             json.dumps(variant or {}),
         ]
-        name = f"{role}{pp_rank}-tp{(variant or {}).get('tp_rank', 0)}-{state}"
+        v = variant or {}
+        name = f"{role}{pp_rank}-tp{v.get('tp_rank', 0)}-cp{v.get('cp_rank', 0)}-{state}"
         log = open(tmp / f"{name}.log", "w")  # noqa: SIM115  -- closed with the process
         popen = subprocess.Popen(
             argv,
@@ -635,3 +636,42 @@ def test_equal_tp_moves_one_handoff_per_request_and_tp_rank(tmp_path: Path) -> N
     assert all(a["released"] for a in decode)
     for r in (0, 1):
         verify_whole_rank(tmp_path / f"decode-tp{r}.npz", room, (src, dst), aux, mamba, r)
+
+
+def test_attention_cp_sends_from_cp_rank_0_alone(tmp_path: Path) -> None:
+    # A prefill of attention CP 2 (TP 1) and a decode: SGLang pairs the decode with CP rank 0,
+    # which holds every page and sends; CP rank 1 is SGLang's dummy participant, reaching
+    # Success at its last send without a handoff. Its bytes differ from rank 0's (engine_proc
+    # seeds by CP rank), so the decode's bytes show that rank 0's landed and rank 1's did not.
+    cp = [{"cp_size": 2, "cp_rank": r} for r in (0, 1)]
+    room, src, dst, aux, mamba = 7701, [6, 2, 11], [9, 3, 5], (4, 1), (2, 3)
+    dump = tmp_path / "decode.npz"
+    with deploy(tmp_path, [(0, v) for v in cp], [{}], 1) as d:
+        d.decode.ask(
+            {
+                "op": "request",
+                "room": room,
+                "pages": dst,
+                "aux": aux[1],
+                "mamba": mamba[1],
+                "dump": str(dump),
+            }
+        )
+        for p in d.prefill:
+            p.ask(
+                {
+                    "op": "request",
+                    "room": room,
+                    "pages": src,
+                    "aux": aux[0],
+                    "mamba": mamba[0],
+                    "chunks": [2, 1],
+                }
+            )
+        prefill = [p.answer() for p in d.prefill]
+        decode = d.decode.answer()
+    assert all(a["final"] == KVPoll.Success for a in [*prefill, decode]), (prefill, decode)
+    assert all(monotone(a["polls"]) for a in [*prefill, decode])
+    assert decode["released"]
+    assert prefill[0]["transferred"] >= 1 and prefill[1]["transferred"] == 0, prefill
+    verify_whole_rank(dump, room, (src, dst), aux, mamba, 0)

@@ -247,3 +247,50 @@ def test_draft_entries_that_cannot_pair_by_id_are_refused_by_name(
     with pytest.raises(Unsupported) as err:
         rank_layout(draft_args(**changes), pp_rank=pp_rank, pp_size=2, is_mla=False, with_aux=False)
     assert named in str(err.value)
+
+
+def _parallel(**changes: Any) -> SimpleNamespace:
+    """The fields of SGLang's parallel context the CP check reads: a prefill of CP 2."""
+    base = {"attn_cp_size": 2, "enable_dsa_cache_layer_split": False}
+    base["enable_cp_tp_group_sharing"] = False
+    return SimpleNamespace(**{**base, **changes})
+
+
+@pytest.mark.parametrize(
+    ("prefill", "parallel", "env", "named"),
+    [
+        (False, {}, None, "on the decode"),
+        (True, {}, "1", "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"),
+        (True, {"enable_dsa_cache_layer_split": True}, None, "DSA cache layer split"),
+        (True, {"enable_cp_tp_group_sharing": True}, None, "CP-TP group sharing"),
+    ],
+)
+def test_attention_cp_where_every_rank_sends_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+    prefill: bool,
+    parallel: dict[str, Any],
+    env: str | None,
+    named: str,
+) -> None:
+    from service.integrations.sglang.backend import refuse_context_parallel
+
+    if env is None:
+        monkeypatch.delenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", env)
+    with pytest.raises(Unsupported) as err:
+        refuse_context_parallel(_parallel(**parallel), kv_args(), prefill=prefill)
+    assert named in str(err.value)
+
+
+def test_attention_cp_with_cp_rank_0_sending_alone_is_carried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from service.integrations.sglang.backend import refuse_context_parallel
+
+    monkeypatch.delenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", raising=False)
+    refuse_context_parallel(_parallel(), kv_args(), prefill=True)
+    refuse_context_parallel(_parallel(attn_cp_size=1), kv_args(), prefill=False)
+    hybrid_mla = kv_args(is_hybrid_mla_backend=True)
+    with pytest.raises(Unsupported, match="hybrid MLA"):
+        refuse_context_parallel(_parallel(), hybrid_mla, prefill=True)

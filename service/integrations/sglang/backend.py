@@ -10,7 +10,9 @@ the bootstrap look-ups and the timeouts. What moves bytes and decides outcomes i
   engine's own buffers (layouts from `KVArgs`, `layouts.py`), with its own Mooncake engine, free
   port and locked state directory; prefill ranks register its URL with the bootstrap server,
   signed (`bootstrap.py`);
-- one handoff per request and attention-TP rank: id `sglang-<bootstrap_room>-tp<rank>`;
+- one handoff per request and attention-TP rank: id `sglang-<bootstrap_room>-tp<rank>`; with
+  attention CP on the prefill, CP rank 0 sends it and the other CP ranks, SGLang's dummy
+  participants, move nothing (SGLang's `CommonKVSender.send` ends them at their last send);
 - decode `send_metadata` creates the handoff (destination pages, a slot per state component,
   the aux row) on the decode service, naming the prefill stages' services; each prefill `send`
   signals its chunk's pages ready at once, as a page range of the stage (the slots and aux row
@@ -46,6 +48,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
 
 from pipelines.decode.views import HandoffRequest
@@ -81,6 +84,32 @@ def handoff_id(room: int, tp_rank: int) -> str:
     return f"sglang-{int(room)}-tp{int(tp_rank)}"
 
 
+def refuse_context_parallel(parallel: Any, kv_args: Any, *, prefill: bool) -> None:
+    """Attention CP as kvhandoff carries it: on the prefill only, where SGLang's CP rank 0
+    holds every page of a request and sends alone, the other CP ranks being SGLang's "dummy"
+    participants (they report Success at their last send and move nothing). The modes where
+    each CP rank sends its own share of the pages, or a CP rank stands in for a TP rank, are
+    refused by name before anything starts."""
+    if parallel.attn_cp_size <= 1:
+        return
+    if not prefill:
+        raise Unsupported("attention context parallelism on the decode (attn_cp_size > 1)")
+    shared: list[str] = []
+    if envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get():
+        shared.append("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER")
+    if getattr(kv_args, "is_hybrid_mla_backend", False):
+        shared.append("a hybrid MLA model (SGLang shards its KV over CP ranks)")
+    if parallel.enable_dsa_cache_layer_split:
+        shared.append("DSA cache layer split")
+    if parallel.enable_cp_tp_group_sharing:
+        shared.append("CP-TP group sharing (each CP rank transfers as a TP rank)")
+    if shared:
+        raise Unsupported(
+            f"attention CP where every CP rank sends ({', '.join(shared)}) is not supported by "
+            "kvhandoff: it pairs each decode rank with CP rank 0 of its prefill TP rank"
+        )
+
+
 def failure_reason(event: HandoffFailed | HandoffAborted) -> str:
     """What `failure_exception()` raises: the code, the stage and the layer when known."""
     if isinstance(event, HandoffAborted):
@@ -107,13 +136,12 @@ class KVHandoffManager(CommonKVManager):
     ) -> None:
         parallel = get_parallel()
         refuse_unsupported(args, device=str(getattr(server_args, "device", "cpu")))
-        if parallel.attn_cp_size > 1:
-            raise Unsupported("attention context parallelism (attn_cp_size > 1) with kvhandoff")
+        prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        refuse_context_parallel(parallel, args, prefill=prefill)
         if parallel.attn_dcp_size > 1:
             raise Unsupported("decode context parallelism (--dcp-size > 1) with kvhandoff")
         if parallel.enable_kv_cache_sharding:
             raise Unsupported("--enable-kv-cache-sharding with kvhandoff")
-        prefill = disaggregation_mode == DisaggregationMode.PREFILL
         pp_size = int(parallel.pp_size) if prefill else 1
         pp_rank = int(args.pp_rank) if prefill else 0
         self.stage_rank = pp_rank
@@ -128,6 +156,8 @@ class KVHandoffManager(CommonKVManager):
         )
         role = "prefill" if prefill else "decode"
         rank_name = f"sglang-{role}-dp{parallel.attn_dp_rank}-pp{pp_rank}-tp{parallel.attn_tp_rank}"
+        if parallel.attn_cp_size > 1:  # CP ranks share their TP rank: each its own state dir
+            rank_name += f"-cp{parallel.attn_cp_rank}"
         num_pages = min((e.num_items for e in self.rank.layout.kv), default=1)
         stage = {"pp_rank": pp_rank, "pp_size": pp_size, "num_pages": num_pages}
         self.kv_config = rank_config(os.environ, role=role, stage=stage, rank_name=rank_name)
@@ -154,6 +184,12 @@ class KVHandoffManager(CommonKVManager):
         try:
             self.service.add_listener(self._on_event)
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+            if prefill and self.attn_cp_size > 1 and self.enable_all_cp_ranks_for_transfer:
+                # SGLang's own verdict, should a condition of it not be named above.
+                raise Unsupported(
+                    "attention CP with every CP rank sending its share of the pages "
+                    "(SGLang's enable_all_cp_ranks_for_transfer) is not supported by kvhandoff"
+                )
         except BaseException:
             self._calls.shutdown(wait=False)
             self.service.stop()  # a rank that did not come up leaves nothing registered
@@ -367,15 +403,25 @@ class KVHandoffManager(CommonKVManager):
 
     # ------------------------------------------------------------------ decode
 
-    def check_equal_tp(self, room: int, prefill_attn_tp_size: int) -> bool:
-        if prefill_attn_tp_size == self.attn_tp_size:
-            return True
-        self.fail(
-            room,
-            f"kvhandoff pairs equal TP only: prefill attention TP {prefill_attn_tp_size}, "
-            f"decode {self.attn_tp_size} (unequal TP is not supported yet)",
-        )
-        return False
+    def check_pairing(self, room: int, info: Any) -> bool:
+        """Whether this decode rank pairs with one prefill rank per PP stage, as kvhandoff
+        does: equal attention TP, and one CP rank sending (SGLang's `target_cp_ranks`)."""
+        if info.attn_tp_size != self.attn_tp_size:
+            self.fail(
+                room,
+                f"kvhandoff pairs equal TP only: prefill attention TP {info.attn_tp_size}, "
+                f"decode {self.attn_tp_size} (unequal TP is not supported yet)",
+            )
+            return False
+        senders = list(getattr(info, "target_cp_ranks", None) or [0])
+        if len(senders) > 1:
+            self.fail(
+                room,
+                f"kvhandoff pairs a decode rank with CP rank 0 of the prefill; this prefill's "
+                f"{info.attn_cp_size} CP ranks would each send a share of the pages",
+            )
+            return False
+        return True
 
     def close(self) -> None:
         """Stop this rank's service (tests, role switch); no write lands afterwards."""
@@ -407,6 +453,8 @@ class KVHandoffSender(CommonKVSender):
     def abort(self) -> None:
         super().abort()
         mgr, room = self.kv_mgr, self.bootstrap_room
+        if mgr.is_dummy_cp_rank:
+            return  # a CP rank that sends nothing has no handoff to give up
         hid = handoff_id(room, mgr.tp_rank_for_handoffs)
         # Waited for (after any queued stage signal): SGLang frees the source pages next.
         stop = mgr.submit(
@@ -436,7 +484,7 @@ class KVHandoffReceiver(CommonKVReceiver):
         super().init(prefill_dp_rank)
         if self.conclude_state == KVPoll.Failed or not hasattr(self, "prefill_info"):
             return
-        if not self.kv_mgr.check_equal_tp(self.bootstrap_room, self.prefill_info.attn_tp_size):
+        if not self.kv_mgr.check_pairing(self.bootstrap_room, self.prefill_info):
             self.conclude_state = KVPoll.Failed
 
     def _register_kv_args(self) -> bool:
