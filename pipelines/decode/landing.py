@@ -272,6 +272,14 @@ class Landing:
         else:
             self.arena.quarantine_owner(h.id, until_mono)
 
+    async def drain(self) -> None:
+        """Returns once no commit of any handoff runs. Not bounded by time, and need not be: a
+        commit is a local copy of at most one window, which always ends. A service that stops
+        waits for this, so no commit of its life writes a page after it stopped (a record of
+        it that says unreleased frees its pages at once after a restart: S1)."""
+        running = [hl.idle.wait() for hl in self._handoffs.values() if hl.running]
+        await asyncio.gather(*running)
+
     def close(self) -> None:
         """The pipeline closed: stop the arena's timers and drop the view of its memory (the
         service unregisters and frees the pool next; no commit runs any more)."""

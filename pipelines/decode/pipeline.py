@@ -538,7 +538,8 @@ class DecodePipeline:
         nothing. The caller must then close the transport that receives the writes before the
         memory is reused; the service does (pools are unregistered and the engine closed right
         after this returns), so no write can land afterwards, and the handoff's record, still
-        unreleased, keeps the pages fenced if the service starts again on them."""
+        unreleased, keeps the pages fenced if the service starts again on them (direct mode;
+        landed, no commit runs once this returns, so nothing is left to fence)."""
         live = [h.id for h in self._handoffs.values() if not h.state.terminal]
         aborts = asyncio.gather(
             *(self.abort(hid, "decode service shutting down") for hid in live),
@@ -568,6 +569,7 @@ class DecodePipeline:
         await asyncio.gather(*self._tasks, aborts, return_exceptions=True)
         self._releases.close()
         if self._landing is not None:
+            await self._landing.drain()  # a cancelled caller's commit may still be copying
             self._landing.close()
 
     # ----------------------------------------------------------------- the lifecycle

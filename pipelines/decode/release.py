@@ -257,10 +257,16 @@ class Releases:
     ) -> None:
         """Keep each `fenced` handoff's pages leased until its `release_at` (unix time: the only
         clock that survives a restart), so no new handoff gets pages an earlier process's prefill
-        stages may still write; then release them like any handoff."""
+        stages may still write; then release them like any handoff. A landed one is released
+        now, confirmed: its pages changed only by that process's commits (S1), which died with
+        it; a late write of its prefills can reach this life's arena only, where S3 holds."""
         self._archive = archive
         loop = asyncio.get_running_loop()
         for f in fenced:
+            if f.landed:
+                self._fenced_until[f.handoff_id] = self._clock()
+                self._release_restored(f.handoff_id, leased=False, confirmed=True)
+                continue
             self._fenced_until[f.handoff_id] = f.release_at
             delay = f.release_at - self._clock()
             if delay <= 0:
@@ -302,10 +308,11 @@ class Releases:
             async with asyncio.timeout(timeout_s):
                 await lifted.wait()
 
-    def _release_restored(self, handoff_id: str, leased: bool) -> None:
-        """The bound of an earlier life's handoff passed: free its pages and say so, like any
-        release (`handoff.released`, unconfirmed), so the record, webhooks and SSE readers see it
-        and a later restart does not fence these pages again."""
+    def _release_restored(self, handoff_id: str, leased: bool, confirmed: bool = False) -> None:
+        """The bound of an earlier life's handoff passed (or, landed, there was none): free its
+        pages and say so, like any release (`handoff.released`, confirmed only when no write can
+        reach them), so the record, webhooks and SSE readers see it and a later restart does not
+        fence these pages again."""
         if leased:
             self.leases.release(handoff_id)
         lifted = self._restored_waiters.pop(handoff_id, None)
@@ -320,7 +327,7 @@ class Releases:
                 handoff_id=handoff_id,
                 role=ROLE,
                 outcome=old.view.state.value,
-                confirmed=False,
+                confirmed=confirmed,
                 seconds_after_outcome=max(0.0, now - (old.view.finished_at or now)),
                 metadata=old.request.metadata,
             )

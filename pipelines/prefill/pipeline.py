@@ -434,7 +434,7 @@ class PrefillPipeline:
         """A decode service went silent: stop sending to it. Returns the stopped handoff ids."""
         victims = [h for h in self._handoffs if h.decode_url == decode_url]
         for h in victims:
-            await self._abort(h, reason)
+            await self._abort(h, f"decode {decode_url} {reason}")  # as `reconcile` names it
         return [h.handoff_id for h in victims]
 
     async def reconcile(self, decode_url: str, ack: HeartbeatAck, sent: list[str]) -> list[str]:

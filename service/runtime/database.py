@@ -44,7 +44,8 @@ WAL_LIMIT_BYTES = 64 << 20
 GROUP_WINDOW_S = 0.0
 #: Bump with a migration below when the schema changes. 2: `handoffs.seq` (the list's order).
 #: 3: `handoffs.progress` (stages and bytes of a handoff in flight, kept if the process dies).
-SCHEMA_VERSION = 3
+#: 4: `handoffs.mode` (the transfer mode the handoff ran in: what a restart must fence).
+SCHEMA_VERSION = 4
 #: A handoff's `seq` is `life << LIFE_SHIFT | n`, `n` its creation number in that life (1, 2, …):
 #: 2**40 handoffs per life, 2**22 lives below the cursor's 2**62.
 LIFE_SHIFT = 40
@@ -55,6 +56,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 -- state with its final `view`. `released`: its pages were given back (no write can land).
 -- `seq`: creation order across lives (`LIFE_SHIFT`), what `GET /v1/handoffs` pages by.
 -- `progress`: while in flight, its stages and bytes so far (what a restart-failed record shows).
+-- `mode`: its `transfer.mode`, 'landed' or 'direct' (NULL, from before schema 4: as direct).
 CREATE TABLE IF NOT EXISTS handoffs (
     id TEXT PRIMARY KEY,
     request BLOB NOT NULL,
@@ -66,7 +68,8 @@ CREATE TABLE IF NOT EXISTS handoffs (
     finished_at REAL,
     released INTEGER NOT NULL DEFAULT 0,
     seq INTEGER,
-    progress BLOB
+    progress BLOB,
+    mode TEXT
 );
 CREATE INDEX IF NOT EXISTS handoffs_by_finish ON handoffs (finished_at);
 CREATE TABLE IF NOT EXISTS endpoints (
@@ -348,4 +351,7 @@ def _migrate(tx: sqlite3.Connection, version: int) -> None:
         )
     if version < 3:
         tx.execute("ALTER TABLE handoffs ADD COLUMN progress BLOB")
+    if version < 4:
+        # Records from before `mode` stay NULL: fenced after a crash as direct ones are.
+        tx.execute("ALTER TABLE handoffs ADD COLUMN mode TEXT")
     tx.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))

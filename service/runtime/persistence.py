@@ -147,7 +147,7 @@ def _persistence(
         db=db,
         # The longest any prefill may declare its engine calls run (a create is refused beyond it):
         # after a crash, the handoff's own declaration is gone with the process.
-        records=HandoffRecords(db, grace_s=config.handoff.max_grace_s),
+        records=HandoffRecords(db, grace_s=config.handoff.max_grace_s, mode=config.transfer.mode),
         outbox=outbox,
         dispatcher=Dispatcher(outbox, hooks, clock=clock),
         clock=clock,

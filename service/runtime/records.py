@@ -30,6 +30,7 @@ from pipelines.decode.views import (
     StageView,
 )
 from pipelines.events import Event, HandoffCompleted, HandoffFailed, HandoffReleased
+from pipelines.messages import TransferMode
 from pipelines.states import HandoffState, StageState
 from service.runtime.database import LIFE_SHIFT, Database
 
@@ -82,9 +83,10 @@ class HandoffRecords:
     before any read: a one-page handoff whose arrival, outcome and release come in one request
     is one INSERT and one UPDATE, not four statements that each rewrite its view."""
 
-    def __init__(self, db: Database, *, grace_s: float) -> None:
+    def __init__(self, db: Database, *, grace_s: float, mode: TransferMode = "direct") -> None:
         self._db = db
         self._grace_s = grace_s
+        self._mode = mode  # this life's transfer mode, recorded with each handoff it accepts
         self._pending: dict[str, _Pending] = {}
         db.before_commit(self.apply)
 
@@ -167,7 +169,7 @@ class HandoffRecords:
         )
         tx.execute(
             "INSERT OR REPLACE INTO handoffs (id, request, dst_pages, created_at, deadline_at,"
-            " state, seq, progress) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            " state, seq, progress, mode) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 request.id,
                 _encoder.encode(request),
@@ -177,6 +179,7 @@ class HandoffRecords:
                 ACCEPTED,
                 seq,
                 None if progress is None else _progress(progress),
+                self._mode,
             ),
         )
 
@@ -325,12 +328,12 @@ class HandoffRecords:
         """Pages not known released whose old writers may still write after `now`."""
         self.apply()
         rows = self._db.conn.execute(
-            "SELECT id, dst_pages, request, deadline_at FROM handoffs"
+            "SELECT id, dst_pages, request, deadline_at, mode FROM handoffs"
             " WHERE released = 0 AND deadline_at + ? > ?",
             (self._grace_s, now),
         )
         out = []
-        for hid, pages, request, deadline_at in rows:
+        for hid, pages, request, deadline_at, mode in rows:
             req = _request_decoder.decode(request)
             out.append(
                 FencedPages(
@@ -340,6 +343,7 @@ class HandoffRecords:
                     deadline_at + self._grace_s,
                     dict(req.dst_slots),
                     req.dst_aux,
+                    landed=mode == "landed",
                 )
             )
         return out

@@ -505,6 +505,10 @@ def test_a_prefill_of_another_tp_size_is_refused_naming_both(deployment: Deploym
         "equal TP only" in decode["error"]
         and "prefill attention TP 2, decode 1" in (decode["error"])
     ), decode
+    # Named once at SGLang's first contact with that prefill, in the decode rank's log.
+    log = (d.tmp / f"{d.decode.name}.log").read_text()
+    said = [line for line in log.splitlines() if "cannot serve this decode rank" in line]
+    assert len(said) == 1 and f"127.0.0.1:{port}" in said[0] and "TP 2, decode 1" in said[0], said
 
 
 def test_a_decode_whose_aux_rows_differ_fails_the_request_naming_the_aux_entry(
@@ -675,3 +679,69 @@ def test_attention_cp_sends_from_cp_rank_0_alone(tmp_path: Path) -> None:
     assert decode["released"]
     assert prefill[0]["transferred"] >= 1 and prefill[1]["transferred"] == 0, prefill
     verify_whole_rank(dump, room, (src, dst), aux, mamba, 0)
+
+
+def one_request(
+    prefill: Proc, decode: Proc, room: int, dump: str | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A request of a one-stage prefill (source pages 2, 3 and aux row 1; destination pages
+    and aux row from the room), the decode asking first as SGLang's decode does."""
+    decode.ask(
+        {
+            "op": "request",
+            "room": room,
+            "pages": [room % 40, room % 40 + 1],
+            "aux": room % ep.AUX_ROWS,
+            "dump": dump,
+        }
+    )
+    prefill.ask({"op": "request", "room": room, "pages": [2, 3], "aux": 1, "chunks": [1, 1]})
+    return prefill.answer(), decode.answer()
+
+
+def test_killed_and_restarted_ranks_fail_fast_and_the_next_request_lands(
+    tmp_path: Path,
+) -> None:
+    # A one-stage prefill and a decode, each killed (SIGKILL) and started again on its state
+    # dir: a request that needed the dead rank fails on the living side within the heartbeat
+    # window (not SGLang's minutes), and the next request, through the same bootstrap server,
+    # reaches the new rank (its new URL and life) and lands every byte: no failed session
+    # sticks to a rank that is gone.
+    with deploy(tmp_path, [(0, {})], [{}], 1) as d:
+        prefill, decode = d.prefill[0], d.decode
+        dump = str(tmp_path / "decode.npz")
+
+        def lands(room: int) -> None:
+            p, dec = one_request(prefill, decode, room, dump)
+            assert p["final"] == dec["final"] == KVPoll.Success, (p, dec)
+            pages = ([2, 3], [room % 40, room % 40 + 1])
+            aux = (1, room % ep.AUX_ROWS)
+            mamba = (ep.mamba_slot({"aux": aux[0]}), ep.mamba_slot({"aux": aux[1]}))
+            verify_whole_rank(Path(dump), room, pages, aux, mamba, 0)
+
+        lands(7801)
+        prefill.popen.kill()
+        prefill.popen.wait(10)
+        decode.ask({"op": "request", "room": 7802, "pages": [5], "aux": 2, "timeout_s": 20.0})
+        lost = decode.answer()
+        assert lost["final"] == KVPoll.Failed and lost["seconds"] < 8.0, lost
+
+        prefill = d.start("prefill", 0, {})
+        assert prefill.answer()["ready"]
+        lands(7803)
+
+        # The decode dies once the prefill holds the destination, before the prefill sends.
+        decode.ask({"op": "request", "room": 7804, "pages": [6], "aux": 3})
+        prefill.ask(
+            {"op": "request", "room": 7804, "pages": [4], "aux": 1, "chunks": [1], "delay_s": 1.0}
+        )
+        time.sleep(0.5)
+        decode.popen.kill()
+        decode.popen.wait(10)
+        orphaned = prefill.answer()
+        assert orphaned["final"] == KVPoll.Failed and orphaned["seconds"] < 8.0, orphaned
+        assert "sglang-7804-tp0" in orphaned["error"] and "decode http://" in orphaned["error"]
+
+        decode = d.start("decode", 0, {})
+        assert decode.answer()["ready"]
+        lands(7805)

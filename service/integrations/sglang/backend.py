@@ -403,25 +403,38 @@ class KVHandoffManager(CommonKVManager):
 
     # ------------------------------------------------------------------ decode
 
-    def check_pairing(self, room: int, info: Any) -> bool:
-        """Whether this decode rank pairs with one prefill rank per PP stage, as kvhandoff
-        does: equal attention TP, and one CP rank sending (SGLang's `target_cp_ranks`)."""
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's first contact with a prefill instance: a prefill this decode cannot pair
+        with is named here, once, in the log (refusing it here would make SGLang retry it for
+        ever or stop the scheduler); each of its requests then fails at `init` with the reason."""
+        known = bootstrap_addr in self.prefill_info_table
+        found = bool(super().try_ensure_parallel_info(bootstrap_addr))
+        info = self.prefill_info_table.get(bootstrap_addr)
+        why = self.pairing_refusal(info) if found and not known and info is not None else None
+        if why is not None:
+            log.error("the prefill at %s cannot serve this decode rank: %s", bootstrap_addr, why)
+        return found
+
+    def pairing_refusal(self, info: Any) -> str | None:
+        """Why this decode rank cannot pair with one prefill rank per PP stage, as kvhandoff
+        does (equal attention TP, one CP rank sending: SGLang's `target_cp_ranks`), or None."""
         if info.attn_tp_size != self.attn_tp_size:
-            self.fail(
-                room,
+            return (
                 f"kvhandoff pairs equal TP only: prefill attention TP {info.attn_tp_size}, "
-                f"decode {self.attn_tp_size} (unequal TP is not supported yet)",
+                f"decode {self.attn_tp_size} (unequal TP is not supported yet)"
             )
-            return False
-        senders = list(getattr(info, "target_cp_ranks", None) or [0])
-        if len(senders) > 1:
-            self.fail(
-                room,
+        if len(list(getattr(info, "target_cp_ranks", None) or [0])) > 1:
+            return (
                 f"kvhandoff pairs a decode rank with CP rank 0 of the prefill; this prefill's "
-                f"{info.attn_cp_size} CP ranks would each send a share of the pages",
+                f"{info.attn_cp_size} CP ranks would each send a share of the pages"
             )
-            return False
-        return True
+        return None
+
+    def check_pairing(self, room: int, info: Any) -> bool:
+        why = self.pairing_refusal(info)
+        if why is not None:
+            self.fail(room, why)
+        return why is None
 
     def close(self) -> None:
         """Stop this rank's service (tests, role switch); no write lands afterwards."""
@@ -478,7 +491,19 @@ class KVHandoffReceiver(CommonKVReceiver):
     ) -> None:
         if bootstrap_room is not None:
             mgr.open_room(bootstrap_room)
+        self._forgot_prefill = False
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
+
+    def poll(self) -> KVPoll:
+        state = super().poll()
+        if state == KVPoll.Failed and not self._forgot_prefill:
+            # SGLang keeps a prefill's bootstrap rows (its ranks' kvhandoff URLs) for every later
+            # request; after a failure they may name a rank that is gone or started again on
+            # another port. The next request fetches them anew, as SGLang's own backends do
+            # after a failed send, so no failure sticks to a prefill that has come back.
+            self._forgot_prefill = True
+            self.invalidate_cached_bootstrap_infos()
+        return state
 
     def init(self, prefill_dp_rank: int) -> None:
         super().init(prefill_dp_rank)

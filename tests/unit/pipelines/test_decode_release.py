@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
+
 from pipelines.decode import DecodePipeline
 from pipelines.decode.views import (
     ArchivedHandoff,
@@ -152,4 +154,36 @@ async def test_a_wall_clock_step_does_not_show_a_restored_fence_released_early(
     assert not decode.get("old").released and not (await decode.wait("old", 0)).released
     await released.wait()  # the fence's own timer, on the loop's monotonic clock
     assert not decode.leases.holds("old") and decode.get("old").released
+    await decode.close()
+
+
+async def test_a_landed_handoff_of_an_earlier_life_is_released_at_once_confirmed(
+    world: World,  # noqa: F811 - the shared fixture
+) -> None:
+    """A landed handoff's pages changed only by its own process's commits (S1), and those died
+    with the process: a restart has nothing to fence. Its pages are free for this life's first
+    create (an embedded engine's allocator, born with this process, hands them out at once),
+    and its `handoff.released` says so, confirmed. A direct one beside it stays fenced."""
+    w = world
+    wall = [1_000_000.0]
+    bus = EventBus()
+    decode = DecodePipeline(
+        w.dec.layout, "t", "d2", link_of(w), bus, memory=None, clock=lambda: wall[0]
+    )
+    released: list[HandoffReleased] = []
+    bus.add_listener(lambda e: released.append(e) if isinstance(e, HandoffReleased) else None)
+    landed, direct = _recorded("landed", wall[0] - 5.0), _recorded("direct", wall[0] - 5.0)
+    direct = ArchivedHandoff(msgspec.structs.replace(direct.request, dst_pages=[4]), direct.view)
+    decode.adopt(
+        _Archive(landed, direct),
+        [
+            FencedPages("landed", [3], 0, release_at=wall[0] + 60.0, landed=True),
+            FencedPages("direct", [4], 1, release_at=wall[0] + 60.0),
+        ],
+    )
+    assert [(e.handoff_id, e.confirmed) for e in released] == [("landed", True)]
+    assert not decode.leases.holds("landed") and decode.get("landed").released
+    assert decode.get("landed").released_at == wall[0]
+    assert decode.leases.holds("direct") and not decode.get("direct").released
+    assert decode.query.pages().fenced_handoffs == [FencedUse("direct", 1, restored=True)]
     await decode.close()

@@ -364,6 +364,31 @@ async def test_a_handoff_in_flight_at_a_crash_fails_as_restarted_with_its_pages_
         await run(d, "new2", dst_pages=[8, 9])
 
 
+async def test_a_landed_handoff_in_flight_at_a_crash_frees_its_pages_at_once(
+    tmp_path: Path,
+) -> None:
+    # Landed, its pages changed only by the dead process's own commits (SAFETY.md S1): the
+    # restart fails it as restarted and releases it at once, confirmed; its pages serve the
+    # next handoff with no fence to wait out.
+    now = time.time()
+    db = Database(tmp_path / FILE_NAME)
+    request = HandoffRequest(id="old", prefill=["http://p"], dst_pages=[5, 6], dst_slot=2)
+    with db.transaction() as tx:
+        records = HandoffRecords(db, grace_s=30.0, mode="landed")
+        records.accepted(tx, request, now, now + 30.0)
+    db.close()
+    config = decode_config({**LOOPBACK, "server.state_dir": str(tmp_path)})
+    async with open_deployment(decode=config) as d:
+        fill_sources(d)
+        old = await d.get("old")
+        assert old.body["state"] == "failed" and old.body["error"]["code"] == RESTARTED
+        assert old.body["released"] is True
+        released = old.body["timeline"][-1]
+        assert released["type"] == "handoff.released" and released["confirmed"] is True
+        await run(d, "new", dst_pages=[6, 7])
+        assert persistence(d.decode).records.fenced(time.time()) == []
+
+
 async def test_a_restored_fence_lasts_the_longest_declarable_grace_then_is_released(
     tmp_path: Path, receiver: WebhookReceiver
 ) -> None:

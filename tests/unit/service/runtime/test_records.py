@@ -107,6 +107,22 @@ def test_fenced_pages_are_those_not_released_whose_writers_may_still_write(db: D
     assert again is not None and again.view.timeline == found.view.timeline
 
 
+def test_a_restart_fences_by_the_mode_each_handoff_ran_in(tmp_path: Path) -> None:
+    # A landed handoff's pages were written only by its own process's commits: a restart has
+    # nothing to fence there (SAFETY.md S1). The mode is the one it ran in, not the next life's.
+    path = tmp_path / FILE_NAME
+    first = Database(path)
+    accept(first, HandoffRecords(first, grace_s=GRACE_S, mode="direct"), request("d", [1]))
+    first.close()
+    again = Database(path)
+    try:
+        r = HandoffRecords(again, grace_s=GRACE_S, mode="landed")
+        accept(again, r, request("l", [2]))
+        assert {f.handoff_id: f.landed for f in r.fenced(now=10.0)} == {"d": False, "l": True}
+    finally:
+        again.close()
+
+
 def test_a_restored_view_is_built_from_the_record_and_the_event(db: Database) -> None:
     r = HandoffRecords(db, grace_s=GRACE_S)
     req = msgspec.structs.replace(request("a", [1, 2]), metadata={"k": "v"})
@@ -258,11 +274,19 @@ def test_a_file_of_schema_1_is_migrated_keeping_its_records_in_creation_order(
                 created_at + 1,
             ),
         )
+    live = request("live", [7])  # in flight when that release's process died
+    old.execute(
+        "INSERT INTO handoffs VALUES (?, ?, ?, ?, ?, ?, NULL, NULL, 0)",
+        (live.id, msgspec.json.encode(live), b"[7]", 5.0, 30.0, "accepted"),
+    )
     old.commit()
     old.close()
     db = Database(path)
     try:
         assert db.instance == "abc" and db.life == 1
+        # Its mode was not recorded then: fenced as a direct handoff is, the cautious reading.
+        landed = HandoffRecords(db, grace_s=GRACE_S, mode="landed")
+        assert [(f.handoff_id, f.landed) for f in landed.fenced(now=10.0)] == [("live", False)]
         version = db.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'")
         assert int(version.fetchone()[0]) == SCHEMA_VERSION
         r = HandoffRecords(db, grace_s=GRACE_S)
