@@ -20,6 +20,7 @@ digest refuses it).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -47,9 +48,12 @@ from pipelines.packing import (
 from pipelines.pairing import Pairing
 
 I64 = npt.NDArray[np.int64]
+log = logging.getLogger(__name__)
 
 #: Below this many bytes a commit runs on the event loop: a thread hop costs more than the copy.
 INLINE_COMMIT_BYTES = 256 * 1024
+#: A stop still waiting for a commit's copy after this long says so (and goes on waiting).
+DRAIN_WARN_S = 10.0
 #: Windows one stage may hold at once: its sender's segments in flight (two) and one to send a
 #: refused segment again into. More are not granted, so a sender cannot hoard the arena.
 MAX_WINDOWS_PER_STAGE = 3
@@ -278,7 +282,18 @@ class Landing:
         waits for this, so no commit of its life writes a page after it stopped (a record of
         it that says unreleased frees its pages at once after a restart: S1)."""
         running = [hl.idle.wait() for hl in self._handoffs.values() if hl.running]
-        await asyncio.gather(*running)
+        waiting = asyncio.gather(*running)
+        try:
+            async with asyncio.timeout(DRAIN_WARN_S):
+                await asyncio.shield(waiting)
+        except TimeoutError:
+            log.error(
+                "stopping: %d commit(s) still copying after %g s; waiting for them (a hung "
+                "device holds the stop here: no page may change after it)",
+                len(running),
+                DRAIN_WARN_S,
+            )
+            await waiting
 
     def close(self) -> None:
         """The pipeline closed: stop the arena's timers and drop the view of its memory (the

@@ -257,16 +257,30 @@ class Releases:
     ) -> None:
         """Keep each `fenced` handoff's pages leased until its `release_at` (unix time: the only
         clock that survives a restart), so no new handoff gets pages an earlier process's prefill
-        stages may still write; then release them like any handoff. A landed one is released
-        now, confirmed: its pages changed only by that process's commits (S1), which died with
-        it; a late write of its prefills can reach this life's arena only, where S3 holds."""
+        stages may still write; then release them like any handoff.
+
+        A landed one is released now, confirmed, when its earlier life's arena shares no byte
+        with this life's stage memory (`layout`): its pages changed only by that process's
+        commits (S1), which died with it, and a late write of its prefills, aimed at that
+        arena's addresses, finds unregistered memory (refused by the receiving engine) or this
+        life's arena (S3). One whose old arena overlaps a stage entry now is fenced as a direct
+        one: a late write could land there."""
         self._archive = archive
         loop = asyncio.get_running_loop()
         for f in fenced:
-            if f.landed:
-                self._fenced_until[f.handoff_id] = self._clock()
-                self._release_restored(f.handoff_id, leased=False, confirmed=True)
-                continue
+            if f.arena is not None:
+                clash = _entry_within(layout, *f.arena)
+                if clash is None:
+                    self._fenced_until[f.handoff_id] = self._clock()
+                    self._release_restored(f.handoff_id, leased=False, confirmed=True)
+                    continue
+                log.warning(
+                    "restored handoff %s: its landing arena [%#x, +%d) overlaps %s of this "
+                    "life's memory; its pages stay fenced as a direct handoff's",
+                    f.handoff_id,
+                    *f.arena,
+                    clash,
+                )
             self._fenced_until[f.handoff_id] = f.release_at
             delay = f.release_at - self._clock()
             if delay <= 0:
@@ -337,3 +351,19 @@ class Releases:
         """Stop the restored fences' timers (the service is stopping: see I8)."""
         for timer in self._fence_timers:
             timer.cancel()
+
+
+def _entry_within(layout: StageLayout, base: int, nbytes: int) -> str | None:
+    """The first entry of `layout` sharing a byte with `[base, base + nbytes)`, named; or None."""
+    end = base + nbytes
+    named: list[tuple[str, int, int]] = [
+        (f"KV entry layer {e.layer_id} group {e.group}", e.base, e.nbytes) for e in layout.kv
+    ]
+    named += [
+        (f"state entry layer {s.layer_id} kind {s.kind}", s.base, s.nbytes) for s in layout.state
+    ]
+    named += [(f"aux entry {i}", a.base, a.nbytes) for i, a in enumerate(layout.aux)]
+    for name, start, size in named:
+        if start < end and base < start + size:
+            return name
+    return None

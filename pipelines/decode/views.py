@@ -174,9 +174,9 @@ class HandoffArchive(Protocol):
 
 class FencedPages(Struct, frozen=True):
     """Pages and slot an earlier process leased to `handoff_id`, writable by its prefill stages
-    until `release_at` (unix seconds): its deadline plus the engine's timeout. `landed`: the
-    handoff ran in landed mode, so only that process's own commits ever wrote its pages, and
-    they died with it: nothing is left to fence (SAFETY.md S1)."""
+    until `release_at` (unix seconds): its deadline plus the engine's timeout. `arena`: the
+    landing arena (base, bytes) its prefills wrote into, in landed mode (None: direct): its
+    pages then changed only by that process's own commits, which died with it (SAFETY.md S1)."""
 
     handoff_id: str
     dst_pages: list[int]
@@ -184,7 +184,7 @@ class FencedPages(Struct, frozen=True):
     release_at: float
     dst_slots: dict[str, int] = {}
     dst_aux: int | None = None
-    landed: bool = False
+    arena: tuple[int, int] | None = None
 
     @property
     def slots(self) -> RequestSlots:

@@ -44,7 +44,8 @@ WAL_LIMIT_BYTES = 64 << 20
 GROUP_WINDOW_S = 0.0
 #: Bump with a migration below when the schema changes. 2: `handoffs.seq` (the list's order).
 #: 3: `handoffs.progress` (stages and bytes of a handoff in flight, kept if the process dies).
-#: 4: `handoffs.mode` (the transfer mode the handoff ran in: what a restart must fence).
+#: 4: `handoffs.arena_base`/`arena_bytes` (the landing arena a handoff's writers wrote into:
+#: what a restart must fence).
 SCHEMA_VERSION = 4
 #: A handoff's `seq` is `life << LIFE_SHIFT | n`, `n` its creation number in that life (1, 2, …):
 #: 2**40 handoffs per life, 2**22 lives below the cursor's 2**62.
@@ -56,7 +57,8 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 -- state with its final `view`. `released`: its pages were given back (no write can land).
 -- `seq`: creation order across lives (`LIFE_SHIFT`), what `GET /v1/handoffs` pages by.
 -- `progress`: while in flight, its stages and bytes so far (what a restart-failed record shows).
--- `mode`: its `transfer.mode`, 'landed' or 'direct' (NULL, from before schema 4: as direct).
+-- `arena_base`, `arena_bytes`: the landing arena its prefills wrote into (landed mode); NULL in
+-- direct mode and before schema 4 (a restart then fences its pages as direct ones).
 CREATE TABLE IF NOT EXISTS handoffs (
     id TEXT PRIMARY KEY,
     request BLOB NOT NULL,
@@ -69,7 +71,8 @@ CREATE TABLE IF NOT EXISTS handoffs (
     released INTEGER NOT NULL DEFAULT 0,
     seq INTEGER,
     progress BLOB,
-    mode TEXT
+    arena_base INTEGER,
+    arena_bytes INTEGER
 );
 CREATE INDEX IF NOT EXISTS handoffs_by_finish ON handoffs (finished_at);
 CREATE TABLE IF NOT EXISTS endpoints (
@@ -352,6 +355,7 @@ def _migrate(tx: sqlite3.Connection, version: int) -> None:
     if version < 3:
         tx.execute("ALTER TABLE handoffs ADD COLUMN progress BLOB")
     if version < 4:
-        # Records from before `mode` stay NULL: fenced after a crash as direct ones are.
-        tx.execute("ALTER TABLE handoffs ADD COLUMN mode TEXT")
+        # Records from before the arena stay NULL: fenced after a crash as direct ones are.
+        tx.execute("ALTER TABLE handoffs ADD COLUMN arena_base INTEGER")
+        tx.execute("ALTER TABLE handoffs ADD COLUMN arena_bytes INTEGER")
     tx.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))

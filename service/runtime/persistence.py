@@ -117,7 +117,7 @@ async def open_persistence(
     except (OSError, sqlite3.Error) as exc:
         raise ConfigError("server.state_dir", f"cannot open {path}: {exc}") from None
     try:
-        persistence = _persistence(config, db)
+        persistence = _persistence(config, db, arena=decode.arena_span)
         db.on_commit_error = persistence.commit_failed
         egress.add(db.committed)
         bus.add_listener(_Journal(persistence, decode).on_event)
@@ -139,7 +139,10 @@ async def open_persistence(
 
 
 def _persistence(
-    config: Config, db: Database, clock: Callable[[], float] = time.time
+    config: Config,
+    db: Database,
+    clock: Callable[[], float] = time.time,
+    arena: tuple[int, int] | None = None,
 ) -> Persistence:
     hooks = config.webhooks
     outbox = Outbox(db, hooks.callback_secret, hooks.callback_types)
@@ -147,7 +150,7 @@ def _persistence(
         db=db,
         # The longest any prefill may declare its engine calls run (a create is refused beyond it):
         # after a crash, the handoff's own declaration is gone with the process.
-        records=HandoffRecords(db, grace_s=config.handoff.max_grace_s, mode=config.transfer.mode),
+        records=HandoffRecords(db, grace_s=config.handoff.max_grace_s, arena=arena),
         outbox=outbox,
         dispatcher=Dispatcher(outbox, hooks, clock=clock),
         clock=clock,

@@ -30,7 +30,6 @@ from pipelines.decode.views import (
     StageView,
 )
 from pipelines.events import Event, HandoffCompleted, HandoffFailed, HandoffReleased
-from pipelines.messages import TransferMode
 from pipelines.states import HandoffState, StageState
 from service.runtime.database import LIFE_SHIFT, Database
 
@@ -83,10 +82,15 @@ class HandoffRecords:
     before any read: a one-page handoff whose arrival, outcome and release come in one request
     is one INSERT and one UPDATE, not four statements that each rewrite its view."""
 
-    def __init__(self, db: Database, *, grace_s: float, mode: TransferMode = "direct") -> None:
+    def __init__(
+        self, db: Database, *, grace_s: float, arena: tuple[int, int] | None = None
+    ) -> None:
         self._db = db
         self._grace_s = grace_s
-        self._mode = mode  # this life's transfer mode, recorded with each handoff it accepts
+        # This life's landing arena (base, bytes; None in direct mode), kept with each handoff it
+        # accepts: a later life frees that handoff's pages at once when no stale write into this
+        # arena can reach its own stage memory (`Releases.restore`).
+        self._arena = arena or (None, None)
         self._pending: dict[str, _Pending] = {}
         db.before_commit(self.apply)
 
@@ -169,7 +173,7 @@ class HandoffRecords:
         )
         tx.execute(
             "INSERT OR REPLACE INTO handoffs (id, request, dst_pages, created_at, deadline_at,"
-            " state, seq, progress, mode) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " state, seq, progress, arena_base, arena_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 request.id,
                 _encoder.encode(request),
@@ -179,7 +183,7 @@ class HandoffRecords:
                 ACCEPTED,
                 seq,
                 None if progress is None else _progress(progress),
-                self._mode,
+                *self._arena,
             ),
         )
 
@@ -328,12 +332,12 @@ class HandoffRecords:
         """Pages not known released whose old writers may still write after `now`."""
         self.apply()
         rows = self._db.conn.execute(
-            "SELECT id, dst_pages, request, deadline_at, mode FROM handoffs"
+            "SELECT id, dst_pages, request, deadline_at, arena_base, arena_bytes FROM handoffs"
             " WHERE released = 0 AND deadline_at + ? > ?",
             (self._grace_s, now),
         )
         out = []
-        for hid, pages, request, deadline_at, mode in rows:
+        for hid, pages, request, deadline_at, arena_base, arena_bytes in rows:
             req = _request_decoder.decode(request)
             out.append(
                 FencedPages(
@@ -343,7 +347,7 @@ class HandoffRecords:
                     deadline_at + self._grace_s,
                     dict(req.dst_slots),
                     req.dst_aux,
-                    landed=mode == "landed",
+                    arena=None if arena_base is None else (arena_base, arena_bytes),
                 )
             )
         return out

@@ -52,7 +52,7 @@ from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
 
 from pipelines.decode.views import HandoffRequest
-from pipelines.errors import KVHandoffError
+from pipelines.errors import KVHandoffError, PeerUnreachable
 from pipelines.events import (
     Event,
     HandoffAborted,
@@ -175,6 +175,9 @@ class KVHandoffManager(CommonKVManager):
         # Handoff ids whose pages are free again (HandoffReleased), kept past clear(): SGLang
         # asks `is_abort_release_safe` after it cleared the receiver. Bounded, oldest first out.
         self._released: OrderedDict[str, None] = OrderedDict()
+        # decode: rooms that failed because a prefill rank was unreachable (gone, or started
+        # again elsewhere): their receiver has SGLang forget the prefill's bootstrap rows.
+        self._unreachable: set[int] = set()
         self._lock = threading.Lock()
         # SGLang's update_status reads, then writes: two threads (the scheduler's and the
         # service's) interleaving there could move a room backwards. One writer at a time.
@@ -214,6 +217,7 @@ class KVHandoffManager(CommonKVManager):
             self._sent.pop(int(room), None)
             self._ended.pop(int(room), None)
             self._signalled.discard(int(room))
+            self._unreachable.discard(int(room))
 
     def released(self, room: int) -> bool:
         with self._lock:
@@ -227,9 +231,18 @@ class KVHandoffManager(CommonKVManager):
             while len(self._released) > RELEASED_KEPT:
                 self._released.popitem(last=False)
 
-    def fail(self, room: int, reason: str) -> None:
+    def fail(self, room: int, reason: str, *, unreachable: bool = False) -> None:
+        """Fail the room with `reason`; `unreachable`: a prefill rank could not be reached
+        (noted before the status moves, so a poll that sees Failed sees the note too)."""
+        if unreachable:
+            with self._lock:
+                self._unreachable.add(int(room))
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
+
+    def prefill_unreachable(self, room: int) -> bool:
+        with self._lock:
+            return int(room) in self._unreachable
 
     def submit(
         self, room: int, what: str, call: Callable[[], Any], *, give_up: str | None = None
@@ -242,7 +255,7 @@ class KVHandoffManager(CommonKVManager):
                 return call()
             except (KVHandoffError, TimeoutError, ValueError) as exc:
                 reason = f"kvhandoff {what} refused: {exc}"
-                self.fail(room, reason)
+                self.fail(room, reason, unreachable=isinstance(exc, PeerUnreachable))
                 if give_up is not None:
                     self._give_up(give_up, reason)
                 return None
@@ -277,7 +290,8 @@ class KVHandoffManager(CommonKVManager):
             return
         match event:
             case HandoffFailed() | HandoffAborted():
-                self.fail(room, failure_reason(event))
+                gone = isinstance(event, HandoffFailed) and event.code == PeerUnreachable.code
+                self.fail(room, failure_reason(event), unreachable=gone)
             case StageReady() if event.role == "prefill":
                 self.update_status(room, KVPoll.Transferring)
             case StageTransferred() if event.final and event.pp_rank == self.stage_rank:
@@ -496,11 +510,17 @@ class KVHandoffReceiver(CommonKVReceiver):
 
     def poll(self) -> KVPoll:
         state = super().poll()
-        if state == KVPoll.Failed and not self._forgot_prefill:
+        room = self.bootstrap_room
+        if (
+            state == KVPoll.Failed
+            and not self._forgot_prefill
+            and self.kv_mgr.prefill_unreachable(room)
+        ):
             # SGLang keeps a prefill's bootstrap rows (its ranks' kvhandoff URLs) for every later
-            # request; after a failure they may name a rank that is gone or started again on
-            # another port. The next request fetches them anew, as SGLang's own backends do
-            # after a failed send, so no failure sticks to a prefill that has come back.
+            # request; a rank that could not be reached may be gone or started again on another
+            # port. The next request fetches them anew, as SGLang's own backends do after a
+            # failed send, so no failure sticks to a prefill that has come back. (Other failures
+            # keep them: a client's abort says nothing about the prefill.)
             self._forgot_prefill = True
             self.invalidate_cached_bootstrap_infos()
         return state

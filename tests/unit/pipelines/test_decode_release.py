@@ -161,9 +161,12 @@ async def test_a_landed_handoff_of_an_earlier_life_is_released_at_once_confirmed
     world: World,  # noqa: F811 - the shared fixture
 ) -> None:
     """A landed handoff's pages changed only by its own process's commits (S1), and those died
-    with the process: a restart has nothing to fence. Its pages are free for this life's first
-    create (an embedded engine's allocator, born with this process, hands them out at once),
-    and its `handoff.released` says so, confirmed. A direct one beside it stays fenced."""
+    with the process; its prefills' late writes aim at its life's arena, which shares no byte
+    with this life's stage memory: a restart has nothing to fence. Its pages are free for this
+    life's first create (an embedded engine's allocator, born with this process, hands them
+    out at once), and its `handoff.released` says so, confirmed. A direct one stays fenced, and
+    so does a landed one whose old arena overlaps this life's memory (a late write could land
+    in an entry)."""
     w = world
     wall = [1_000_000.0]
     bus = EventBus()
@@ -172,18 +175,27 @@ async def test_a_landed_handoff_of_an_earlier_life_is_released_at_once_confirmed
     )
     released: list[HandoffReleased] = []
     bus.add_listener(lambda e: released.append(e) if isinstance(e, HandoffReleased) else None)
-    landed, direct = _recorded("landed", wall[0] - 5.0), _recorded("direct", wall[0] - 5.0)
-    direct = ArchivedHandoff(msgspec.structs.replace(direct.request, dst_pages=[4]), direct.view)
+    recorded = {h: _recorded(h, wall[0] - 5.0) for h in ("landed", "direct", "overlaps")}
+    for page, hid in ((4, "direct"), (5, "overlaps")):
+        req = msgspec.structs.replace(recorded[hid].request, dst_pages=[page])
+        recorded[hid] = ArchivedHandoff(req, recorded[hid].view)
+    entry = w.dec.layout.kv[1]  # an old arena that ends inside this life's second KV entry
+    bound = wall[0] + 60.0
     decode.adopt(
-        _Archive(landed, direct),
+        _Archive(*recorded.values()),
         [
-            FencedPages("landed", [3], 0, release_at=wall[0] + 60.0, landed=True),
-            FencedPages("direct", [4], 1, release_at=wall[0] + 60.0),
+            FencedPages("landed", [3], 0, release_at=bound, arena=(4096, 4096)),
+            FencedPages("direct", [4], 1, release_at=bound),
+            FencedPages("overlaps", [5], 2, release_at=bound, arena=(entry.base - 64, 128)),
         ],
     )
     assert [(e.handoff_id, e.confirmed) for e in released] == [("landed", True)]
     assert not decode.leases.holds("landed") and decode.get("landed").released
     assert decode.get("landed").released_at == wall[0]
-    assert decode.leases.holds("direct") and not decode.get("direct").released
-    assert decode.query.pages().fenced_handoffs == [FencedUse("direct", 1, restored=True)]
+    for hid in ("direct", "overlaps"):
+        assert decode.leases.holds(hid) and not decode.get(hid).released
+    assert decode.query.pages().fenced_handoffs == [
+        FencedUse("direct", 1, restored=True),
+        FencedUse("overlaps", 1, restored=True),
+    ]
     await decode.close()

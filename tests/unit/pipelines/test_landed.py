@@ -641,3 +641,43 @@ async def test_a_stage_without_state_ends_with_a_range_of_no_pages() -> None:
         assert all(e.bytes == 0 for e in finals)
     finally:
         await close_world(w)
+
+
+async def test_a_stopping_decode_returns_only_once_no_commit_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A commit's copy runs in a thread and always ends; a stop whose quiesce wait timed out
+    # must still wait for it, or the copy would write pages after the service stopped (and a
+    # restart frees landed pages at once). The copy is held until a timer lets it go; the stop
+    # must return after the copy ended, an order of instants, not a duration.
+    import threading
+    import time
+
+    from pipelines.decode import landing as landing_module
+
+    monkeypatch.setattr(landing_module, "INLINE_COMMIT_BYTES", 0)  # every commit in a thread
+    w = await make_world()
+    started, let_go = threading.Event(), threading.Event()
+    copy_ended: list[float] = []
+    real = w.landing._copy_check_commit
+
+    def held(*args: Any) -> bool:
+        started.set()
+        let_go.wait(30.0)
+        try:
+            return real(*args)
+        finally:
+            copy_ended.append(time.monotonic())
+
+    w.landing._copy_check_commit = held  # type: ignore[method-assign]
+    try:
+        await w.decode.create(HandoffRequest(id="s", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
+        w.prefill.ready("s", 0, [3, 4], 1)
+        assert await asyncio.to_thread(started.wait, 30.0)
+        threading.Timer(0.5, let_go.set).start()
+        await w.decode.close(timeout_s=0.01)  # its quiesce gives up long before the copy ends
+        stopped = time.monotonic()
+        assert copy_ended and copy_ended[0] <= stopped
+    finally:
+        let_go.set()
+        await close_world(w)

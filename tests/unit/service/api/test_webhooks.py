@@ -374,7 +374,8 @@ async def test_a_landed_handoff_in_flight_at_a_crash_frees_its_pages_at_once(
     db = Database(tmp_path / FILE_NAME)
     request = HandoffRequest(id="old", prefill=["http://p"], dst_pages=[5, 6], dst_slot=2)
     with db.transaction() as tx:
-        records = HandoffRecords(db, grace_s=30.0, mode="landed")
+        # Its arena at an address no allocation of this life can have (the first page).
+        records = HandoffRecords(db, grace_s=30.0, arena=(4096, 4096))
         records.accepted(tx, request, now, now + 30.0)
     db.close()
     config = decode_config({**LOOPBACK, "server.state_dir": str(tmp_path)})

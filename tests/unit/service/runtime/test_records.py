@@ -107,18 +107,21 @@ def test_fenced_pages_are_those_not_released_whose_writers_may_still_write(db: D
     assert again is not None and again.view.timeline == found.view.timeline
 
 
-def test_a_restart_fences_by_the_mode_each_handoff_ran_in(tmp_path: Path) -> None:
-    # A landed handoff's pages were written only by its own process's commits: a restart has
-    # nothing to fence there (SAFETY.md S1). The mode is the one it ran in, not the next life's.
+def test_a_restart_sees_the_arena_each_handoff_was_written_through(tmp_path: Path) -> None:
+    # A landed handoff's pages were written only by its own process's commits; its prefills
+    # wrote into that life's arena, which a restart checks against its own memory (SAFETY.md
+    # S1). The arena is the one the handoff ran with, not the next life's; direct: none.
     path = tmp_path / FILE_NAME
     first = Database(path)
-    accept(first, HandoffRecords(first, grace_s=GRACE_S, mode="direct"), request("d", [1]))
+    accept(first, HandoffRecords(first, grace_s=GRACE_S), request("d", [1]))
+    accept(first, HandoffRecords(first, grace_s=GRACE_S, arena=(8192, 4096)), request("a", [3]))
     first.close()
     again = Database(path)
     try:
-        r = HandoffRecords(again, grace_s=GRACE_S, mode="landed")
+        r = HandoffRecords(again, grace_s=GRACE_S, arena=(65536, 4096))
         accept(again, r, request("l", [2]))
-        assert {f.handoff_id: f.landed for f in r.fenced(now=10.0)} == {"d": False, "l": True}
+        arenas = {f.handoff_id: f.arena for f in r.fenced(now=10.0)}
+        assert arenas == {"d": None, "a": (8192, 4096), "l": (65536, 4096)}
     finally:
         again.close()
 
@@ -284,9 +287,9 @@ def test_a_file_of_schema_1_is_migrated_keeping_its_records_in_creation_order(
     db = Database(path)
     try:
         assert db.instance == "abc" and db.life == 1
-        # Its mode was not recorded then: fenced as a direct handoff is, the cautious reading.
-        landed = HandoffRecords(db, grace_s=GRACE_S, mode="landed")
-        assert [(f.handoff_id, f.landed) for f in landed.fenced(now=10.0)] == [("live", False)]
+        # Its arena was not recorded then: fenced as a direct handoff is, the cautious reading.
+        landed = HandoffRecords(db, grace_s=GRACE_S, arena=(1 << 20, 4096))
+        assert [(f.handoff_id, f.arena) for f in landed.fenced(now=10.0)] == [("live", None)]
         version = db.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'")
         assert int(version.fetchone()[0]) == SCHEMA_VERSION
         r = HandoffRecords(db, grace_s=GRACE_S)
