@@ -4,7 +4,8 @@ Started by `test_backend.py` as `python -m tests.sglang.engine_proc <role> <pp_r
 <bootstrap_port> <dist_port> <model_dir> <variant>` (a JSON object: `aux_items` replaces the aux
 buffers' row sizes, `mamba_items` the Mamba tensors' slot sizes, to make a rank whose memory
 differs from its peers'; `tp_size` and `tp_rank` place it in an attention TP group, `cp_size`
-and `cp_rank` in a prefill's attention CP group). It publishes SGLang's runtime context as a
+and `cp_rank` in a prefill's attention CP group, `dp_size` and `dp_rank` in a DP-attention
+group). It publishes SGLang's runtime context as a
 scheduler does, builds `KVArgs` over CPU tensors (their `data_ptr()`s), gets the manager, sender
 and receiver classes through SGLang's `get_kv_class`, and makes the calls SGLang's `prefill.py`
 / `decode.py` make, in their order, for each command read from stdin (one JSON object a line);
@@ -84,11 +85,12 @@ def tensors(
     pp_size: int = 2,
     tp_rank: int = 0,
     cp_rank: int = 0,
+    dp_rank: int = 0,
 ) -> Tensors:
     """(KV buffers group-major: K of each layer then V; Mamba buffers tensor-major: conv of
-    each linear layer, then temporal; aux buffers): random on the prefill (seeded by stage, TP
-    rank and CP rank: each TP rank holds its own heads, and a CP rank's bytes differ from CP
-    rank 0's so a decode shows which one sent), zeros on the decode."""
+    each linear layer, then temporal; aux buffers): random on the prefill (seeded by stage, TP,
+    CP and DP rank: each TP rank holds its own heads, and a CP or DP rank's bytes differ from
+    the others' so a decode shows which one sent), zeros on the decode."""
     pages = PREFILL_PAGES if role == "prefill" else DECODE_PAGES
     n = len(kv_entries(role, pp_rank, pp_size))
     linear = mamba_layers(role, pp_rank, pp_size)
@@ -97,7 +99,8 @@ def tensors(
     if role == "decode":
         made = [torch.zeros(size, dtype=torch.uint8) for size in sizes]
     else:
-        gen = torch.Generator().manual_seed(1000 + pp_rank + 100 * tp_rank + 10000 * cp_rank)
+        seed = 1000 + pp_rank + 100 * tp_rank + 10000 * cp_rank + 20000 * dp_rank
+        gen = torch.Generator().manual_seed(seed)
         made = [torch.randint(1, 255, (size,), dtype=torch.uint8, generator=gen) for size in sizes]
     m = len(state_sizes)
     return made[:n], made[n : n + m], made[n + m :]
@@ -187,6 +190,7 @@ def main() -> None:
     mamba_items = [int(n) for n in variant.get("mamba_items", MAMBA_ITEMS)]
     tp_size, tp_rank = int(variant.get("tp_size", 1)), int(variant.get("tp_rank", 0))
     cp_size, cp_rank = int(variant.get("cp_size", 1)), int(variant.get("cp_rank", 0))
+    dp_size, dp_rank = int(variant.get("dp_size", 1)), int(variant.get("dp_rank", 0))
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logging.getLogger("kvhandoff").setLevel(logging.INFO)
     pp_rank_i, pp_size_i, port_i = int(pp_rank), int(pp_size), int(port)
@@ -214,14 +218,19 @@ def main() -> None:
         page_size=PAGE_SIZE,
         host="127.0.0.1",
         pp_size=pp_size_i if role == "prefill" else 1,
-        tp_size=tp_size * cp_size,  # SGLang's attention TP is tp_size / attn_cp_size
+        # SGLang's attention TP is tp_size / attn_cp_size (/ dp_size with DP attention)
+        tp_size=tp_size * cp_size * dp_size,
         attn_cp_size=cp_size,
+        dp_size=dp_size,
+        enable_dp_attention=dp_size > 1,
         disaggregation_mode=role,
         disaggregation_transfer_backend="kvhandoff",
         disaggregation_bootstrap_port=port_i,
     )
-    # TP ranks innermost, then CP ranks, then PP stages, as SGLang places them.
-    world_rank = (pp_rank_i * cp_size + cp_rank) * tp_size + tp_rank
+    # TP ranks innermost, then CP ranks, then DP-attention ranks, then PP stages, as SGLang
+    # places them (`runtime_context`: tp_rank = (dp * cp_size + cp) * attn_tp_size + tp).
+    group_rank = (dp_rank * cp_size + cp_rank) * tp_size + tp_rank
+    world_rank = pp_rank_i * tp_size * cp_size * dp_size + group_rank
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank))
     if role == "prefill" and pp_size_i > 1:
         torch.distributed.init_process_group(
@@ -236,10 +245,12 @@ def main() -> None:
 
     backend = TransferBackend(server_args.disaggregation_transfer_backend)
     shape = {"pp_size": pp_size_i, "tp_rank": tp_rank}
-    memory = tensors(role, pp_rank_i, aux_items, mamba_items, **shape, cp_rank=cp_rank)
+    memory = tensors(
+        role, pp_rank_i, aux_items, mamba_items, **shape, cp_rank=cp_rank, dp_rank=dp_rank
+    )
     kv, state, aux = memory
     args = kv_args(role, pp_rank_i, memory, aux_items, mamba_items, **shape)
-    args.engine_rank = cp_rank * tp_size + tp_rank  # SGLang's rank in its TP group, CP included
+    args.engine_rank = group_rank  # SGLang's rank in its TP group, CP and DP included
     mode = DisaggregationMode(role)
     manager = get_kv_class(backend, KVClassType.MANAGER)(args, mode, server_args, False)
     bootstrap_addr = f"127.0.0.1:{port_i}"
@@ -347,7 +358,10 @@ def main() -> None:
         while not manager.try_ensure_parallel_info(addr):
             time.sleep(0.05)
         receiver = get_kv_class(backend, KVClassType.RECEIVER)(manager, addr, room)
-        receiver.init(0)
+        # decode.py `_resolve_prefill_dp_rank`: the one DP rank, else the room's (SGLang's
+        # default `follow_bootstrap_room` load balancing of the prefill).
+        info = manager.prefill_info_table[addr]
+        receiver.init(0 if info.dp_size == 1 else room % info.dp_size)
         destination = KVTransferDestination(cmd.get("destination", "device"))
         receiver.send_metadata(
             np.array(pages, dtype=np.int32),
