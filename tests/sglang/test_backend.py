@@ -605,43 +605,58 @@ def verify_whole_rank(
         assert not np.delete(got, dst, axis=0).any(), f"tp rank {tp_rank}: region {k}"
 
 
+def request_on_ranks(
+    decodes: list[tuple[Proc, Path]],
+    prefills: list[Proc],
+    room: int,
+    pages: tuple[list[int], list[int]],
+    aux: tuple[int, int],
+    mamba: tuple[int, int],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One request on every rank given: each decode rank (dumping its memory to its path) asks
+    first, as SGLang's decode does, then each prefill rank sends it in chunks of 2 and 1 pages.
+    Returns (prefill answers, decode answers). `pages`, `aux`, `mamba`: (source, destination)."""
+    for p, dump in decodes:
+        p.ask(
+            {
+                "op": "request",
+                "room": room,
+                "pages": pages[1],
+                "aux": aux[1],
+                "mamba": mamba[1],
+                "dump": str(dump),
+            }
+        )
+    for p in prefills:
+        p.ask(
+            {
+                "op": "request",
+                "room": room,
+                "pages": pages[0],
+                "aux": aux[0],
+                "mamba": mamba[0],
+                "chunks": [2, 1],
+            }
+        )
+    return [p.answer() for p in prefills], [p.answer() for p, _ in decodes]
+
+
 def test_equal_tp_moves_one_handoff_per_request_and_tp_rank(tmp_path: Path) -> None:
     # A prefill of TP 2 and a decode of TP 2, one process per rank: each decode TP rank pairs
     # with the prefill TP rank of its own rank (handoff `sglang-<room>-tp<rank>`, one per rank)
     # and lands that rank's own bytes (distinct per rank: each holds its own heads).
     tp = [{"tp_size": 2, "tp_rank": r} for r in (0, 1)]
     room, src, dst, aux, mamba = 7601, [3, 4, 9], [7, 8, 1], (2, 5), (4, 1)
+    dumps = [tmp_path / f"decode-tp{r}.npz" for r in (0, 1)]
     with deploy(tmp_path, [(0, v) for v in tp], tp, 1) as d:
-        for r, p in enumerate(d.decodes):
-            dump = str(tmp_path / f"decode-tp{r}.npz")
-            p.ask(
-                {
-                    "op": "request",
-                    "room": room,
-                    "pages": dst,
-                    "aux": aux[1],
-                    "mamba": mamba[1],
-                    "dump": dump,
-                }
-            )
-        for p in d.prefill:
-            p.ask(
-                {
-                    "op": "request",
-                    "room": room,
-                    "pages": src,
-                    "aux": aux[0],
-                    "mamba": mamba[0],
-                    "chunks": [2, 1],
-                }
-            )
-        prefill = [p.answer() for p in d.prefill]
-        decode = [p.answer() for p in d.decodes]
+        prefill, decode = request_on_ranks(
+            list(zip(d.decodes, dumps)), d.prefill, room, (src, dst), aux, mamba
+        )
     assert all(a["final"] == KVPoll.Success for a in [*prefill, *decode]), (prefill, decode)
     assert all(monotone(a["polls"]) for a in [*prefill, *decode])
     assert all(a["released"] for a in decode)
     for r in (0, 1):
-        verify_whole_rank(tmp_path / f"decode-tp{r}.npz", room, (src, dst), aux, mamba, r)
+        verify_whole_rank(dumps[r], room, (src, dst), aux, mamba, r)
 
 
 def test_attention_cp_sends_from_cp_rank_0_alone(tmp_path: Path) -> None:
@@ -653,29 +668,9 @@ def test_attention_cp_sends_from_cp_rank_0_alone(tmp_path: Path) -> None:
     room, src, dst, aux, mamba = 7701, [6, 2, 11], [9, 3, 5], (4, 1), (2, 3)
     dump = tmp_path / "decode.npz"
     with deploy(tmp_path, [(0, v) for v in cp], [{}], 1) as d:
-        d.decode.ask(
-            {
-                "op": "request",
-                "room": room,
-                "pages": dst,
-                "aux": aux[1],
-                "mamba": mamba[1],
-                "dump": str(dump),
-            }
+        prefill, [decode] = request_on_ranks(
+            [(d.decode, dump)], d.prefill, room, (src, dst), aux, mamba
         )
-        for p in d.prefill:
-            p.ask(
-                {
-                    "op": "request",
-                    "room": room,
-                    "pages": src,
-                    "aux": aux[0],
-                    "mamba": mamba[0],
-                    "chunks": [2, 1],
-                }
-            )
-        prefill = [p.answer() for p in d.prefill]
-        decode = d.decode.answer()
     assert all(a["final"] == KVPoll.Success for a in [*prefill, decode]), (prefill, decode)
     assert all(monotone(a["polls"]) for a in [*prefill, decode])
     assert decode["released"]
