@@ -5,11 +5,12 @@ Started by `test_backend.py` as `python -m tests.sglang.engine_proc <role> <pp_r
 buffers' row sizes, `mamba_items` the Mamba tensors' slot sizes, to make a rank whose memory
 differs from its peers'; `tp_size` and `tp_rank` place it in an attention TP group, `cp_size`
 and `cp_rank` in a prefill's attention CP group, `dp_size` and `dp_rank` in a DP-attention
-group). It publishes SGLang's runtime context as a
-scheduler does, builds `KVArgs` over CPU tensors (their `data_ptr()`s), gets the manager, sender
-and receiver classes through SGLang's `get_kv_class`, and makes the calls SGLang's `prefill.py`
-/ `decode.py` make, in their order, for each command read from stdin (one JSON object a line);
-it answers one JSON line each. PP ranks of the prefill share a gloo group, as SGLang's pp_group.
+group, `load_balance` is SGLang's `--load-balance-method`). It publishes SGLang's runtime
+context as a scheduler does, builds `KVArgs` over CPU tensors (their `data_ptr()`s), gets the
+manager, sender and receiver classes through SGLang's `get_kv_class`, and makes the calls
+SGLang's `prefill.py` / `decode.py` make, in their order, for each command read from stdin (one
+JSON object a line); it answers one JSON line each. PP ranks of the prefill share a gloo group,
+as SGLang's pp_group.
 
 The memory: a hybrid model of 8 layers, full attention on 1, 3 (stage 0) and 5, 7 (stage 1),
 K and V buffers, pages of 4 tokens, and a speculative-decoding draft layer (MTP: K and V, id 8,
@@ -162,6 +163,26 @@ def kv_args(
     return args
 
 
+def prefill_dp_rank(info: Any, addr: str, room: int) -> int:
+    """The prefill DP rank of `room`, as decode.py resolves it (`_resolve_prefill_dp_rank`,
+    then the pending queue's `query_prefill_dp_ranks`): the one DP rank; the room's under the
+    prefill's `follow_bootstrap_room` balancing; else what the prefill rank registered with
+    the bootstrap server, asked for again until it is there."""
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    if info.dp_size == 1:
+        return 0
+    if info.follow_bootstrap_room:
+        return room % int(info.dp_size)
+    end = time.monotonic() + 20.0
+    while time.monotonic() < end:
+        found = CommonKVReceiver.query_prefill_dp_ranks(addr, [room])
+        if str(room) in found:
+            return int(found[str(room)])
+        time.sleep(0.05)
+    raise RuntimeError(f"no prefill DP rank registered for room {room}")
+
+
 class OneRankGroup:
     """SGLang's pp_group of a prefill of one PP stage: broadcasting to itself."""
 
@@ -223,6 +244,7 @@ def main() -> None:
         attn_cp_size=cp_size,
         dp_size=dp_size,
         enable_dp_attention=dp_size > 1,
+        load_balance_method=variant.get("load_balance", "auto"),
         disaggregation_mode=role,
         disaggregation_transfer_backend="kvhandoff",
         disaggregation_bootstrap_port=port_i,
@@ -358,10 +380,7 @@ def main() -> None:
         while not manager.try_ensure_parallel_info(addr):
             time.sleep(0.05)
         receiver = get_kv_class(backend, KVClassType.RECEIVER)(manager, addr, room)
-        # decode.py `_resolve_prefill_dp_rank`: the one DP rank, else the room's (SGLang's
-        # default `follow_bootstrap_room` load balancing of the prefill).
-        info = manager.prefill_info_table[addr]
-        receiver.init(0 if info.dp_size == 1 else room % info.dp_size)
+        receiver.init(prefill_dp_rank(manager.prefill_info_table[addr], addr, room))
         destination = KVTransferDestination(cmd.get("destination", "device"))
         receiver.send_metadata(
             np.array(pages, dtype=np.int32),

@@ -454,6 +454,12 @@ def test_a_registration_without_the_peer_secret_is_refused(deployment: Deploymen
         f"{url}?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=1", timeout=5
     ).json()
     assert good["rank_ip"] != "198.51.100.7" and good["kvhandoff_url"].startswith("http://127.")
+    # A room's DP rank likewise: an unsigned claim would send the decode to another DP rank.
+    base = f"http://127.0.0.1:{deployment.port}"
+    claim = json.dumps({"bootstrap_room": 4242, "dp_rank": 1}).encode()
+    assert requests.post(f"{base}/register_dp_rank", data=claim, timeout=5).status_code == 401
+    rooms = {"bootstrap_rooms": [4242]}
+    assert requests.post(f"{base}/query_dp_ranks", json=rooms, timeout=5).json() == {}
 
 
 def test_a_prefill_of_another_tp_size_is_refused_naming_both(deployment: Deployment) -> None:
@@ -744,13 +750,18 @@ def test_killed_and_restarted_ranks_fail_fast_and_the_next_request_lands(
         lands(7805)
 
 
-def test_dp_attention_pairs_each_room_with_its_prefill_dp_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("balance", ["follow_bootstrap_room", "round_robin"])
+def test_dp_attention_pairs_each_room_with_its_prefill_dp_rank(
+    tmp_path: Path, balance: str
+) -> None:
     # DP attention on both sides (TP 2 = DP 2 x attention TP 1, as SGLang's DeepSeek PD
-    # deployments run): a room is prefilled by the prefill DP rank SGLang routes it to (its
-    # `follow_bootstrap_room` default: room % DP) and decoded by whichever decode DP rank the
-    # router picked. Each DP rank runs its own service; every byte comes from the right one
-    # (engine_proc seeds each DP rank's memory apart).
-    dp = [{"dp_size": 2, "dp_rank": r} for r in (0, 1)]
+    # deployments run): a room is prefilled by the prefill DP rank SGLang routes it to and
+    # decoded by whichever decode DP rank the router picked. With `follow_bootstrap_room` (the
+    # default) the decode derives the prefill DP rank from the room; with another balancing the
+    # prefill rank registers it with the bootstrap server (signed) and the decode asks there.
+    # Each DP rank runs its own service; every byte comes from the right one (engine_proc seeds
+    # each DP rank's memory apart).
+    dp = [{"dp_size": 2, "dp_rank": r, "load_balance": balance} for r in (0, 1)]
     with deploy(tmp_path, [(0, v) for v in dp], dp, 1) as d:
         # Room 7901 is prefilled by DP rank 1 and decoded by DP rank 0; room 7902 the other way.
         plan = [(7901, d.decodes[0], d.prefill[1]), (7902, d.decodes[1], d.prefill[0])]

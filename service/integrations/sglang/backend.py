@@ -306,35 +306,32 @@ class KVHandoffManager(CommonKVManager):
     # ------------------------------------------------------------------ prefill
 
     def _register_topology_row(self, url: str, payload: dict[str, Any]) -> None:
-        """SGLang's registration, with this rank's service URL and signed (`bootstrap.py`)."""
+        """SGLang's registration, with this rank's service URL and signed (`bootstrap.py`).
+        At start-up: retried for a while, then the rank does not come up."""
         body = {**payload, URL_FIELD: self.service_url}
-        self._signed("PUT", url, body)
-
-    def _signed(self, method: str, url: str, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        path = "/" + url.split("://", 1)[1].split("/", 1)[1]
         for attempt in range(5):
-            headers = {
-                "Content-Type": "application/json",
-                SIGNATURE_HEADER: sign(self._secret, method, path, data),
-            }
-            try:
-                response = requests.request(method, url, data=data, headers=headers, timeout=5)
-            except requests.RequestException as exc:
-                log.warning("bootstrap %s %s attempt %d: %s", method, url, attempt + 1, exc)
-            else:
-                if response.status_code == 200:
-                    return
-                log.warning(
-                    "bootstrap %s %s attempt %d: %d %s",
-                    method,
-                    url,
-                    attempt + 1,
-                    response.status_code,
-                    response.text,
-                )
+            why = self._signed("PUT", url, body)
+            if why is None:
+                return
+            log.warning("bootstrap PUT %s attempt %d: %s", url, attempt + 1, why)
             time.sleep(min(2.0**attempt, 8.0))
         raise RuntimeError(f"kvhandoff could not register with the bootstrap server at {url}")
+
+    def _signed(self, method: str, url: str, body: dict[str, Any]) -> str | None:
+        """One signed request to the bootstrap server: None when it answered 200, else why not."""
+        data = json.dumps(body).encode()
+        path = "/" + url.split("://", 1)[1].split("/", 1)[1]
+        headers = {
+            "Content-Type": "application/json",
+            SIGNATURE_HEADER: sign(self._secret, method, path, data),
+        }
+        try:
+            response = requests.request(method, url, data=data, headers=headers, timeout=5)
+        except requests.RequestException as exc:
+            return str(exc)
+        if response.status_code == 200:
+            return None
+        return f"{response.status_code} {response.text}"
 
     def add_transfer_request(
         self,
@@ -409,11 +406,22 @@ class KVHandoffManager(CommonKVManager):
         )
 
     def register_prefill_dp_rank_signed(self, bootstrap_addr: str, room: int) -> None:
-        self._signed(
-            "POST",
-            f"http://{bootstrap_addr}/register_dp_rank",
-            {"bootstrap_room": room, "dp_rank": self.attn_dp_rank},
-        )
+        """Tell the bootstrap server which DP rank prefills `room` (signed), on the rank's worker
+        thread: the scheduler goes on, and a decode asking before it is there asks again, as
+        it does for SGLang's own backends. Refused or unreachable, the request fails with why."""
+        url = f"http://{bootstrap_addr}/register_dp_rank"
+        body = {"bootstrap_room": int(room), "dp_rank": int(self.attn_dp_rank)}
+
+        def register() -> None:
+            why = self._signed("POST", url, body)
+            if why is not None:
+                self.fail(
+                    room,
+                    f"kvhandoff could not register DP rank {body['dp_rank']} of "
+                    f"room {room} with the bootstrap server at {bootstrap_addr}: {why}",
+                )
+
+        self._calls.submit(register)
 
     # ------------------------------------------------------------------ decode
 
