@@ -59,12 +59,16 @@ def has_draft(role: str, pp_rank: int, pp_size: int = 2) -> bool:
     return role == "decode" or pp_rank == pp_size - 1
 
 
-def kv_entries(role: str, pp_rank: int, pp_size: int = 2) -> list[tuple[int, int]]:
+def kv_entries(
+    role: str, pp_rank: int, pp_size: int = 2, *, mla: bool = False
+) -> list[tuple[int, int]]:
     """(layer id, group) of each KV buffer in SGLang's order: the target's K then V, then the
-    draft's K and V with SGLang's draft id (the band above the target's layers)."""
+    draft's K and V with SGLang's draft id (the band above the target's layers). MLA: one
+    latent buffer per layer, no V."""
+    groups = [0] if mla else [0, 1]
     ids = layer_ids(role, pp_rank, pp_size)
-    draft = [(DRAFT_LAYER, 0), (DRAFT_LAYER, 1)] if has_draft(role, pp_rank, pp_size) else []
-    return [(i, 0) for i in ids] + [(i, 1) for i in ids] + draft
+    draft = [(DRAFT_LAYER, g) for g in groups] if has_draft(role, pp_rank, pp_size) else []
+    return [(i, g) for g in groups for i in ids] + draft
 
 
 def layer_ids(role: str, pp_rank: int, pp_size: int = 2) -> list[int]:
@@ -87,13 +91,14 @@ def tensors(
     tp_rank: int = 0,
     cp_rank: int = 0,
     dp_rank: int = 0,
+    mla: bool = False,
 ) -> Tensors:
     """(KV buffers group-major: K of each layer then V; Mamba buffers tensor-major: conv of
     each linear layer, then temporal; aux buffers): random on the prefill (seeded by stage, TP,
     CP and DP rank: each TP rank holds its own heads, and a CP or DP rank's bytes differ from
     the others' so a decode shows which one sent), zeros on the decode."""
     pages = PREFILL_PAGES if role == "prefill" else DECODE_PAGES
-    n = len(kv_entries(role, pp_rank, pp_size))
+    n = len(kv_entries(role, pp_rank, pp_size, mla=mla))
     linear = mamba_layers(role, pp_rank, pp_size)
     state_sizes = [MAMBA_SLOTS * item for item in mamba_items for _ in linear]
     sizes = [pages * KV_ITEM] * n + state_sizes + [AUX_ROWS * item for item in aux_items]
@@ -116,6 +121,7 @@ def kv_args(
     *,
     pp_size: int = 2,
     tp_rank: int = 0,
+    mla: bool = False,
 ) -> Any:
     from sglang.srt.disaggregation.base.conn import KVArgs, StateType
     from sglang.srt.disaggregation.utils import append_state_component
@@ -123,7 +129,7 @@ def kv_args(
     kv, state, aux = memory
 
     args = KVArgs()
-    entries = kv_entries(role, pp_rank, pp_size)
+    entries = kv_entries(role, pp_rank, pp_size, mla=mla)
     args.engine_rank = tp_rank
     args.kv_data_ptrs = [t.data_ptr() for t in kv]
     args.kv_data_lens = [t.numel() for t in kv]
@@ -158,8 +164,8 @@ def kv_args(
     args.prefill_start_layer = 4 * pp_rank if staged else 0
     args.prefill_end_layer = 4 * pp_rank + 4 if staged else MODEL_LAYERS
     args.mla_compression_ratios = None
-    args.kv_buf_groups, args.hidden_kv_layers, args.draft_kv_layers = 2, 0, 0
-    args.num_draft_entries = 2 if has_draft(role, pp_rank, pp_size) else 0
+    args.kv_buf_groups, args.hidden_kv_layers, args.draft_kv_layers = 1 if mla else 2, 0, 0
+    args.num_draft_entries = sum(layer == DRAFT_LAYER for layer, _ in entries)
     return args
 
 
@@ -266,7 +272,8 @@ def main() -> None:
         get_parallel().override_permanently(pp_group=OneRankGroup())
 
     backend = TransferBackend(server_args.disaggregation_transfer_backend)
-    shape = {"pp_size": pp_size_i, "tp_rank": tp_rank}
+    mla = bool(variant.get("mla", False))  # a latent-KV model: SGLang's `is_mla_backend`
+    shape = {"pp_size": pp_size_i, "tp_rank": tp_rank, "mla": mla}
     memory = tensors(
         role, pp_rank_i, aux_items, mamba_items, **shape, cp_rank=cp_rank, dp_rank=dp_rank
     )
@@ -274,7 +281,7 @@ def main() -> None:
     args = kv_args(role, pp_rank_i, memory, aux_items, mamba_items, **shape)
     args.engine_rank = group_rank  # SGLang's rank in its TP group, CP and DP included
     mode = DisaggregationMode(role)
-    manager = get_kv_class(backend, KVClassType.MANAGER)(args, mode, server_args, False)
+    manager = get_kv_class(backend, KVClassType.MANAGER)(args, mode, server_args, mla)
     bootstrap_addr = f"127.0.0.1:{port_i}"
     answer({"ready": True, "url": manager.service_url, "manager": type(manager).__name__})
 

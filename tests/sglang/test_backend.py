@@ -592,12 +592,13 @@ def verify_whole_rank(
     mamba: tuple[int, int],
     tp_rank: int,
     dp_rank: int = 0,
+    mla: bool = False,
 ) -> None:
     """Every byte of one decode TP rank against the same TP rank (of DP-attention rank
     `dp_rank`) of a one-stage prefill (its entries in the decode's order): the request's rows
     from their source, zeros elsewhere."""
     landed = list(np.load(dump).values())
-    kv, state, rows = ep.tensors("prefill", 0, pp_size=1, tp_rank=tp_rank, dp_rank=dp_rank)
+    kv, state, rows = ep.tensors("prefill", 0, pp_size=1, tp_rank=tp_rank, dp_rank=dp_rank, mla=mla)
     linear = ep.mamba_layers("decode", 0)
     items = [ep.KV_ITEM] * len(kv) + [i for i in ep.MAMBA_ITEMS for _ in linear] + ep.AUX_ITEMS
     at = [pages] * len(kv) + [([mamba[0]], [mamba[1]])] * len(state)
@@ -750,9 +751,11 @@ def test_killed_and_restarted_ranks_fail_fast_and_the_next_request_lands(
         lands(7805)
 
 
-@pytest.mark.parametrize("balance", ["follow_bootstrap_room", "round_robin"])
+@pytest.mark.parametrize(
+    ("balance", "mla"), [("follow_bootstrap_room", True), ("round_robin", False)]
+)
 def test_dp_attention_pairs_each_room_with_its_prefill_dp_rank(
-    tmp_path: Path, balance: str
+    tmp_path: Path, balance: str, mla: bool
 ) -> None:
     # DP attention on both sides (TP 2 = DP 2 x attention TP 1, as SGLang's DeepSeek PD
     # deployments run): a room is prefilled by the prefill DP rank SGLang routes it to and
@@ -760,8 +763,9 @@ def test_dp_attention_pairs_each_room_with_its_prefill_dp_rank(
     # default) the decode derives the prefill DP rank from the room; with another balancing the
     # prefill rank registers it with the bootstrap server (signed) and the decode asks there.
     # Each DP rank runs its own service; every byte comes from the right one (engine_proc seeds
-    # each DP rank's memory apart).
-    dp = [{"dp_size": 2, "dp_rank": r, "load_balance": balance} for r in (0, 1)]
+    # each DP rank's memory apart). The first case is an MLA model's (one latent KV buffer per
+    # layer), as DeepSeek's PD deployments run with DP attention.
+    dp = [{"dp_size": 2, "dp_rank": r, "load_balance": balance, "mla": mla} for r in (0, 1)]
     with deploy(tmp_path, [(0, v) for v in dp], dp, 1) as d:
         # Room 7901 is prefilled by DP rank 1 and decoded by DP rank 0; room 7902 the other way.
         plan = [(7901, d.decodes[0], d.prefill[1]), (7902, d.decodes[1], d.prefill[0])]
@@ -778,4 +782,5 @@ def test_dp_attention_pairs_each_room_with_its_prefill_dp_rank(
         assert monotone(p["polls"]) and monotone(dec["polls"]) and dec["released"]
         mamba = (ep.mamba_slot({"aux": 6}), ep.mamba_slot({"aux": 2}))
         dump = tmp_path / f"decode-{room}.npz"
-        verify_whole_rank(dump, room, ([1, 4], [5, 9]), (6, 2), mamba, 0, dp_rank=room % 2)
+        pages = ([1, 4], [5, 9])
+        verify_whole_rank(dump, room, pages, (6, 2), mamba, 0, dp_rank=room % 2, mla=mla)
