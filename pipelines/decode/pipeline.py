@@ -520,14 +520,6 @@ class DecodePipeline:
 
     # ----------------------------------------------------------------- restart and shutdown
 
-    @property
-    def arena_span(self) -> tuple[int, int] | None:
-        """The landing arena's registered memory (base, bytes), None in direct mode: what the
-        records keep with each handoff, so a restart knows where its stale writes can land."""
-        if self._landing is None:
-            return None
-        return self._landing.arena.base_addr, self._landing.arena.capacity_bytes
-
     def adopt(self, archive: HandoffArchive, fenced: Iterable[FencedPages]) -> None:
         """After a restart (call before serving): answer for ids this process does not hold from
         `archive`, and keep each `fenced` handoff's pages leased until its `release_at`, so no

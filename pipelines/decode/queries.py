@@ -112,3 +112,10 @@ class DecodeQueries:
     def arena(self) -> ArenaUse | None:
         """The landing arena's use now (None in direct mode)."""
         return None if self._landing is None else self._landing.arena.use("landing")
+
+    def arena_span(self) -> tuple[int, int] | None:
+        """The landing arena's registered memory (base, bytes), None in direct mode: what the
+        records keep with each handoff, so a restart knows where its stale writes can land."""
+        if self._landing is None:
+            return None
+        return self._landing.arena.base_addr, self._landing.arena.capacity_bytes

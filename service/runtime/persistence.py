@@ -117,7 +117,7 @@ async def open_persistence(
     except (OSError, sqlite3.Error) as exc:
         raise ConfigError("server.state_dir", f"cannot open {path}: {exc}") from None
     try:
-        persistence = _persistence(config, db, arena=decode.arena_span)
+        persistence = _persistence(config, db, arena=decode.query.arena_span())
         db.on_commit_error = persistence.commit_failed
         egress.add(db.committed)
         bus.add_listener(_Journal(persistence, decode).on_event)

@@ -20,6 +20,7 @@ from service.http.signatures import new_secret
 from service.runtime.database import FILE_NAME, Database
 from service.runtime.persistence import PERSISTENCE, RESTARTED, Persistence, purge_once
 from service.runtime.records import HandoffRecords
+from service.runtime.roles import DECODE
 from service.serve import Server, serve
 from tests.receivers import WAIT_S, Answer, WebhookReceiver
 from tests.unit.service.handoff_fixtures import (
@@ -387,7 +388,12 @@ async def test_a_landed_handoff_in_flight_at_a_crash_frees_its_pages_at_once(
         released = old.body["timeline"][-1]
         assert released["type"] == "handoff.released" and released["confirmed"] is True
         await run(d, "new", dst_pages=[6, 7])
-        assert persistence(d.decode).records.fenced(time.time()) == []
+        p = persistence(d.decode)
+        assert p.records.fenced(time.time()) == []
+        # This life's handoffs keep this life's arena, for the next restart to check.
+        p.records.apply()
+        row = p.db.conn.execute("SELECT arena_base, arena_bytes FROM handoffs WHERE id = 'new'")
+        assert tuple(row.fetchone()) == d.decode.app[DECODE].pipeline.query.arena_span()
 
 
 async def test_a_restored_fence_lasts_the_longest_declarable_grace_then_is_released(
