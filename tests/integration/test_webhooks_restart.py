@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from service.client import ApiError, KVHandoffClient
-from service.config import HandoffConfig, WebhooksConfig
+from service.config import HandoffConfig, TransferConfig, WebhooksConfig
 from service.tools.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     Moved,
@@ -46,6 +46,41 @@ def dep() -> Iterator[LocalDeployment]:
         fill_sources(d, seed=3)
         reset_decode(d)
         yield d
+
+
+@pytest.fixture(scope="module")
+def direct_dep() -> Iterator[LocalDeployment]:
+    with LocalDeployment(
+        preset="hybrid-npu-mla",
+        model=MODEL,
+        pp_size=2,
+        num_pages=64,
+        num_slots=8,
+        handoff=HandoffConfig(default_deadline_s=20.0),
+        transfer=TransferConfig(mode="direct"),
+    ) as d:
+        fill_sources(d, seed=4)
+        reset_decode(d)
+        yield d
+
+
+async def test_a_direct_decode_keeps_an_earlier_life_s_pages_fenced(
+    direct_dep: LocalDeployment, http: aiohttp.ClientSession
+) -> None:
+    # The twin of the landed restart below: in direct mode the old prefill stages write into
+    # the pages themselves, so after a SIGKILL their pages stay fenced until the handoff's
+    # deadline plus the engine timeout, and a new handoff naming them is refused naming it.
+    dep = direct_dep
+    kv = KVHandoffClient(dep.decode_url, session=http)
+    assert (await create(http, dep, "direct-live", Moved([10], [20], 2, 2)))[0] == 201
+    await asyncio.to_thread(dep.kill, "decode", signal.SIGKILL)
+    await asyncio.to_thread(dep.restart, "decode")
+    view = await kv.get("direct-live")
+    assert view.state.value == "failed" and view.error is not None
+    assert view.error.code == "service_restarted" and not view.released
+    with pytest.raises(ApiError) as fenced:
+        await kv.create("reuse", [20], dst_slot=7)
+    assert fenced.value.status == 409 and fenced.value.problem["holder"] == "direct-live"
 
 
 async def test_sigkill_with_handoffs_in_flight_and_deliveries_pending(
