@@ -365,6 +365,7 @@ def main() -> None:
                 at += n
                 poll(sender)
             final = until(sender, terminal, cmd.get("timeout_s", 20.0), seen)
+            metric = sender.get_transfer_metric()  # what prefill.py reads once a room is done
             error = None
             if pp_rank_i == 0:
                 error = failure(sender) if final == KVPoll.Failed else None
@@ -380,6 +381,10 @@ def main() -> None:
                     "seconds": time.monotonic() - start,
                     "committed_before_last": before_last,
                     "transferred": committed.get(hid, 0),  # this stage's segments committed
+                    "metric": {
+                        "bytes": metric.transfer_total_bytes,
+                        "latency_s": metric.transfer_latency_s,
+                    },
                 }
             )
             continue

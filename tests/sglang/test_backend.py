@@ -289,6 +289,14 @@ def test_chunked_pp2_handoff_lands_every_byte(deployment: Deployment) -> None:
         decode, prefill = run(d, room, src, dst, sa, da, chunks, **extra)
         assert decode["final"] == KVPoll.Success, decode
         assert all(p["final"] == KVPoll.Success for p in prefill), prefill
+        # SGLang's transfer metric is kvhandoff's: each stage's bytes (its KV pages, its Mamba
+        # slot, the last stage's aux row) and the time to its last commit, within the request.
+        for rank, p in enumerate(prefill):
+            state = len(ep.mamba_layers("prefill", rank)) * sum(ep.MAMBA_ITEMS)
+            kv = len(ep.kv_entries("prefill", rank)) * len(src) * ep.KV_ITEM
+            aux = sum(ep.AUX_ITEMS) if rank == 1 else 0
+            assert p["metric"]["bytes"] == kv + state + aux, (rank, p["metric"])
+            assert 0 < p["metric"]["latency_s"] < p["seconds"], (rank, p)
         for answer in [decode, *prefill]:
             assert monotone(answer["polls"]), answer
         assert decode["released"]

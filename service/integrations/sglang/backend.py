@@ -41,7 +41,11 @@ from typing import Any
 
 import numpy as np
 import requests
-from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
+from sglang.srt.disaggregation.base.conn import (
+    KVPoll,
+    KVTransferDestination,
+    KVTransferMetric,
+)
 from sglang.srt.disaggregation.common.conn import (
     CommonKVManager,
     CommonKVReceiver,
@@ -178,6 +182,9 @@ class KVHandoffManager(CommonKVManager):
         # decode: rooms that failed because a prefill rank was unreachable (gone, or started
         # again elsewhere): their receiver has SGLang forget the prefill's bootstrap rows.
         self._unreachable: set[int] = set()
+        # prefill: per room, the bytes this rank's stage moved so far and when (perf_counter)
+        # its last segment was committed on the decode: what `get_transfer_metric` reports.
+        self._moved: dict[int, tuple[int, float | None]] = {}
         self._lock = threading.Lock()
         # SGLang's update_status reads, then writes: two threads (the scheduler's and the
         # service's) interleaving there could move a room backwards. One writer at a time.
@@ -193,6 +200,9 @@ class KVHandoffManager(CommonKVManager):
                     "attention CP with every CP rank sending its share of the pages "
                     "(SGLang's enable_all_cp_ranks_for_transfer) is not supported by kvhandoff"
                 )
+            # Each rank sends its own copy to one decode rank (equal TP), also under MLA:
+            # SGLang's metric need not wait for decode registrations to learn the factor.
+            self._kv_replica_factor = 1
         except BaseException:
             self._calls.shutdown(wait=False)
             self.service.stop()  # a rank that did not come up leaves nothing registered
@@ -218,6 +228,7 @@ class KVHandoffManager(CommonKVManager):
             self._ended.pop(int(room), None)
             self._signalled.discard(int(room))
             self._unreachable.discard(int(room))
+            self._moved.pop(int(room), None)
 
     def released(self, room: int) -> bool:
         with self._lock:
@@ -243,6 +254,12 @@ class KVHandoffManager(CommonKVManager):
     def prefill_unreachable(self, room: int) -> bool:
         with self._lock:
             return int(room) in self._unreachable
+
+    def moved(self, room: int) -> tuple[int, float | None] | None:
+        """(bytes this rank's stage moved, perf_counter of its last commit or None), or None
+        when nothing of the room moved from here."""
+        with self._lock:
+            return self._moved.get(int(room))
 
     def submit(
         self, room: int, what: str, call: Callable[[], Any], *, give_up: str | None = None
@@ -294,8 +311,13 @@ class KVHandoffManager(CommonKVManager):
                 self.fail(room, failure_reason(event), unreachable=gone)
             case StageReady() if event.role == "prefill":
                 self.update_status(room, KVPoll.Transferring)
-            case StageTransferred() if event.final and event.pp_rank == self.stage_rank:
-                self.update_status(room, KVPoll.Success)
+            case StageTransferred() if event.pp_rank == self.stage_rank:
+                with self._lock:  # noted before Success, which SGLang's metric read follows
+                    nbytes, _ = self._moved.get(room, (0, None))
+                    ended = time.perf_counter() if event.final else None
+                    self._moved[room] = (nbytes + event.bytes, ended)
+                if event.final:
+                    self.update_status(room, KVPoll.Success)
             case HandoffCreated() if event.role == "decode":
                 self.update_status(room, KVPoll.Transferring)
             case HandoffCompleted() if event.role == "decode":
@@ -484,6 +506,19 @@ class KVHandoffSender(CommonKVSender):
 
     def _register_prefill_dp_rank(self) -> None:
         self.kv_mgr.register_prefill_dp_rank_signed(self.bootstrap_server_url, self.bootstrap_room)
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        """SGLang's transfer metric with kvhandoff's own numbers: the bytes this rank's stage
+        moved (what its segments carried, state and aux rows included), and the time from
+        SGLang's first send to the stage's last segment committed on the decode."""
+        metric = super().get_transfer_metric()
+        moved = self.kv_mgr.moved(self.bootstrap_room)
+        if moved is not None:
+            nbytes, ended = moved
+            metric.transfer_total_bytes = nbytes
+            if ended is not None and self._transfer_start_time is not None:
+                metric.transfer_latency_s = max(0.0, ended - self._transfer_start_time)
+        return metric
 
     def abort(self) -> None:
         super().abort()
