@@ -6,8 +6,10 @@ handoffs in flight and deliveries pending, and restarted on the same state direc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -30,8 +32,10 @@ MODEL = {"scale": 64, "page_size": 16, "num_layers": 8}
 TERMINAL = ("handoff.completed", "handoff.failed", "handoff.aborted")
 
 
-@pytest.fixture(scope="module")
-def dep() -> Iterator[LocalDeployment]:
+@contextlib.contextmanager
+def restart_deployment(seed: int, **config: Any) -> Iterator[LocalDeployment]:
+    """A decode and two prefill stages (one process each) with sources filled from `seed`,
+    and the configuration sections in `config` (webhooks, transfer)."""
     with LocalDeployment(
         preset="hybrid-npu-mla",
         model=MODEL,
@@ -39,28 +43,25 @@ def dep() -> Iterator[LocalDeployment]:
         num_pages=64,
         num_slots=8,
         handoff=HandoffConfig(default_deadline_s=20.0),
-        webhooks=WebhooksConfig(
-            allow_private=True, backoff_base_s=0.05, backoff_max_s=0.5, timeout_s=1.0
-        ),
+        **config,
     ) as d:
-        fill_sources(d, seed=3)
+        fill_sources(d, seed=seed)
         reset_decode(d)
         yield d
 
 
 @pytest.fixture(scope="module")
+def dep() -> Iterator[LocalDeployment]:
+    hooks = WebhooksConfig(
+        allow_private=True, backoff_base_s=0.05, backoff_max_s=0.5, timeout_s=1.0
+    )
+    with restart_deployment(3, webhooks=hooks) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
 def direct_dep() -> Iterator[LocalDeployment]:
-    with LocalDeployment(
-        preset="hybrid-npu-mla",
-        model=MODEL,
-        pp_size=2,
-        num_pages=64,
-        num_slots=8,
-        handoff=HandoffConfig(default_deadline_s=20.0),
-        transfer=TransferConfig(mode="direct"),
-    ) as d:
-        fill_sources(d, seed=4)
-        reset_decode(d)
+    with restart_deployment(4, transfer=TransferConfig(mode="direct")) as d:
         yield d
 
 
