@@ -311,7 +311,7 @@ class KVHandoffManager(CommonKVManager):
                 self.fail(room, failure_reason(event), unreachable=gone)
             case StageReady() if event.role == "prefill":
                 self.update_status(room, KVPoll.Transferring)
-            case StageTransferred() if event.pp_rank == self.stage_rank:
+            case StageTransferred() if event.role == "prefill" and event.pp_rank == self.stage_rank:
                 with self._lock:  # noted before Success, which SGLang's metric read follows
                     nbytes, _ = self._moved.get(room, (0, None))
                     ended = time.perf_counter() if event.final else None
