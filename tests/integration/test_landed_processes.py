@@ -255,6 +255,13 @@ async def begin_paused_call(
     await create(http, dep, hid, dep.prefill_urls, **extra)
     await ready(http, dep.prefill_urls[0], hid, 0, OLD, FIRST)
     await until(lambda: not [p for p in landed(dep, [OLD], set(FIRST)) if "wrong" in p], "layer 0")
+    # Landed, the decode's answer to that segment carries the stage's next window: stop the
+    # decode only once the prefill has it (its `stage.transferred` follows the answer; the
+    # stream replays it), or the rest of the stage waits for a window the stopped decode cannot
+    # grant and no byte of the call reaches the wire. (Its pages hold layer 0 a turn of the
+    # decode's loop before the answer leaves: it waits for the group commit.)
+    if dep.transfer.mode == "landed":
+        await next_event(http, dep.prefill_urls[0], hid, "stage.transferred")
     before = wire(writer, decode, ports)
     os.kill(decode, signal.SIGSTOP)
     await ready(http, dep.prefill_urls[0], hid, 0, OLD, REST)
