@@ -279,6 +279,19 @@ class EmbeddedService:
 
         self._call(stop, self._call_timeout_s)
 
+    def withdraw_prefill(self, handoff_id: str, reason: str) -> bool:
+        """The engine needs no transfer of this handoff after all (e.g. another of its ranks
+        sends it): end it here `aborted` with `reason`, without failing it on a decode. Returns
+        False, changing nothing, when a decode already holds it (its destination came): then
+        `abort_prefill` is the call, which fails it there too."""
+        self._require("prefill", "withdraw_prefill")
+        _check_id(handoff_id)
+
+        async def withdraw(runtime: RuntimeBase) -> bool:
+            return await _prefill_of(runtime).withdraw(handoff_id, reason)
+
+        return bool(self._call(withdraw, self._call_timeout_s))
+
     # ----------------------------------------------------------------- decode role
 
     def expect_handoff(self, request: HandoffRequest) -> HandoffView:

@@ -421,6 +421,20 @@ class PrefillPipeline:
         await self._fail_all(h, h.known_destination, EngineAborted(reason))
         self._close(h, "failed")
 
+    async def withdraw(self, handoff_id: str, reason: str) -> bool:
+        """The engine needs no transfer of this handoff after all (another rank sends it):
+        stop its stages and end it here `aborted` with `reason`, telling no decode, as none
+        holds it yet. Returns False, changing nothing, once it has a destination: a decode
+        waits for it then, and `give_up` is the call that tells it."""
+        h = self._for_ready(None, handoff_id)
+        if h is None:
+            self._finished.remember(None, handoff_id, "aborted")
+            return True
+        if h.known_destination is not None:
+            return False
+        await self._abort(h, reason)
+        return True
+
     def _ack(self, handoff_id: str, stopped: list[int]) -> AbortAck:
         return AbortAck(
             handoff_id=handoff_id,

@@ -1,16 +1,17 @@
 """One SGLang scheduler rank's disaggregation calls, replayed in its own process.
 
 Started by `test_backend.py` as `python -m tests.sglang.engine_proc <role> <pp_rank> <pp_size>
-<bootstrap_port> <dist_port> <model_dir> <variant>` (a JSON object: `aux_items` replaces the aux
-buffers' row sizes, `mamba_items` the Mamba tensors' slot sizes, to make a rank whose memory
-differs from its peers'; `tp_size` and `tp_rank` place it in an attention TP group, `cp_size`
-and `cp_rank` in a prefill's attention CP group, `dp_size` and `dp_rank` in a DP-attention
-group, `load_balance` is SGLang's `--load-balance-method`). It publishes SGLang's runtime
-context as a scheduler does, builds `KVArgs` over CPU tensors (their `data_ptr()`s), gets the
-manager, sender and receiver classes through SGLang's `get_kv_class`, and makes the calls
-SGLang's `prefill.py` / `decode.py` make, in their order, for each command read from stdin (one
-JSON object a line); it answers one JSON line each. PP ranks of the prefill share a gloo group,
-as SGLang's pp_group.
+<bootstrap_port> <dist_port> <model_dir> <variant>`. The variant is a JSON object:
+`aux_items` replaces the aux buffers' row sizes, `mamba_items` the Mamba tensors' slot sizes,
+to make a rank whose memory differs from its peers' (`[]`: a model without state, as
+DeepSeek's); `tp_size` and `tp_rank` place it in an attention TP group, `cp_size` and
+`cp_rank` in a prefill's attention CP group, `dp_size` and `dp_rank` in a DP-attention group;
+`load_balance` is SGLang's `--load-balance-method`; `mla` makes it an MLA model's rank. It
+publishes SGLang's runtime context as a scheduler does, builds `KVArgs` over CPU tensors
+(their `data_ptr()`s), gets the manager, sender and receiver classes through SGLang's
+`get_kv_class`, and makes the calls SGLang's `prefill.py` / `decode.py` make, in their order,
+for each command read from stdin (one JSON object a line); it answers one JSON line each. PP
+ranks of the prefill share a gloo group, as SGLang's pp_group.
 
 The memory: a hybrid model of 8 layers, full attention on 1, 3 (stage 0) and 5, 7 (stage 1),
 K and V buffers, pages of 4 tokens, and a speculative-decoding draft layer (MTP: K and V, id 8,
@@ -144,14 +145,15 @@ def kv_args(
     args.state_dim_per_tensor, args.state_slice_outer_counts = [], []
     args.state_conv_shard_groups = []
     linear = mamba_layers(role, pp_rank, pp_size)
-    append_state_component(  # as SGLang's setup_state_kv_args does for a hybrid linear pool
-        args,
-        StateType.MAMBA,
-        [t.data_ptr() for t in state],
-        [t.numel() for t in state],
-        [item for item in mamba_items for _ in linear],
-        layer_ids=linear * len(mamba_items),
-    )
+    if mamba_items:  # as SGLang's setup_state_kv_args does for a hybrid linear pool
+        append_state_component(
+            args,
+            StateType.MAMBA,
+            [t.data_ptr() for t in state],
+            [t.numel() for t in state],
+            [item for item in mamba_items for _ in linear],
+            layer_ids=linear * len(mamba_items),
+        )
     args.is_hybrid_mla_backend = False
     args.swa_kv_cache_layout = None
     args.ib_device, args.gpu_id = "", 0
@@ -236,7 +238,6 @@ def main() -> None:
     from sglang.srt.server_args import ServerArgs
 
     from pipelines.events import event_tag
-    from service.integrations.sglang.backend import handoff_id
 
     server_args = ServerArgs(
         model_path=model,
@@ -283,7 +284,18 @@ def main() -> None:
     mode = DisaggregationMode(role)
     manager = get_kv_class(backend, KVClassType.MANAGER)(args, mode, server_args, mla)
     bootstrap_addr = f"127.0.0.1:{port_i}"
-    answer({"ready": True, "url": manager.service_url, "manager": type(manager).__name__})
+    answer(
+        {
+            "ready": True,
+            "url": manager.service_url,
+            "manager": type(manager).__name__,
+            "zmq": [manager.local_ip, manager.rank_port],  # SGLang's channel to this rank
+        }
+    )
+
+    def state_indices(cmd: dict[str, Any]) -> list[Any] | None:
+        """SGLang's per-component indices of a request: its MAMBA slot (None: no state)."""
+        return [np.array([mamba_slot(cmd)], dtype=np.int32)] if mamba_items else None
 
     def poll(poller: Any) -> int:
         # PP rank 0 polls the consensus of all stages (prefill.py with pp_size > 1).
@@ -344,7 +356,7 @@ def main() -> None:
             until(sender, terminal | {int(KVPoll.WaitingForInput)}, 10.0, seen)
             time.sleep(cmd.get("delay_s", 0.0))
             at = 0
-            hid = handoff_id(room, manager.tp_rank_for_handoffs)
+            hid = manager.own_handoff(room)
             before_last = 0  # segments committed before the last chunk was sent
             for k, n in enumerate(cmd["chunks"]):  # one send per chunk, the next pages each
                 if k == cmd.get("abort_before_chunk"):  # the client went away mid-prefill
@@ -357,11 +369,10 @@ def main() -> None:
                         time.sleep(0.01)
                     before_last = committed.get(hid, 0)
                 last = k == len(cmd["chunks"]) - 1  # SGLang sends the state with the last
-                state_indices = [np.array([mamba_slot(cmd)], dtype=np.int32)] if last else None
                 chunk = np.array(pages[at : at + n], dtype=np.int32)
                 if k == cmd.get("bad_page_at_chunk"):  # a page outside the pool: refused
                     chunk[0] = 1 << 20
-                sender.send(chunk, state_indices)
+                sender.send(chunk, state_indices(cmd) if last else None)
                 at += n
                 poll(sender)
             final = until(sender, terminal, cmd.get("timeout_s", 20.0), seen)
@@ -397,7 +408,7 @@ def main() -> None:
         receiver.send_metadata(
             np.array(pages, dtype=np.int32),
             aux_index,
-            [np.array([mamba_slot(cmd)], dtype=np.int32)],
+            state_indices(cmd),
             destination=destination,
         )
         if cmd.get("abort_after_s") is not None:

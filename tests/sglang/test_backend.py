@@ -14,15 +14,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import requests
+import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
 
+from service.integrations.sglang import excusal
 from service.integrations.sglang.bootstrap import (
     SIGNATURE_HEADER,
     KVHandoffBootstrapServer,
@@ -56,6 +58,7 @@ def serving(port: int) -> None:
 class Proc:
     name: str
     popen: subprocess.Popen[str]
+    hello: dict[str, Any] = field(default_factory=dict)  # its first answer, once started
 
     def ask(self, cmd: dict[str, Any]) -> None:
         assert self.popen.stdin is not None
@@ -161,8 +164,8 @@ def deploy(
     decodes = [start("decode", 0, variant) for variant in decode]
     try:
         for p in [*prefills, *decodes]:
-            hello = p.answer()
-            assert hello["ready"] and hello["manager"] == "KVHandoffManager", hello
+            p.hello = p.answer()
+            assert p.hello["ready"] and p.hello["manager"] == "KVHandoffManager", p.hello
         yield Deployment(port, server, prefills, decodes[0], tmp, start, decodes)
     finally:
         for p in started:
@@ -516,7 +519,7 @@ def test_a_prefill_of_another_tp_size_is_refused_naming_both(deployment: Deploym
         other.close()
     assert decode["final"] == KVPoll.Failed, decode
     assert (
-        "equal TP only" in decode["error"]
+        "unequal TP for MLA models only" in decode["error"]
         and "prefill attention TP 2, decode 1" in (decode["error"])
     ), decode
     # Named once at SGLang's first contact with that prefill, in the decode rank's log.
@@ -601,14 +604,17 @@ def verify_whole_rank(
     tp_rank: int,
     dp_rank: int = 0,
     mla: bool = False,
+    mamba_items: list[int] = ep.MAMBA_ITEMS,
 ) -> None:
-    """Every byte of one decode TP rank against the same TP rank (of DP-attention rank
+    """Every byte of one decode TP rank against TP rank `tp_rank` (of DP-attention rank
     `dp_rank`) of a one-stage prefill (its entries in the decode's order): the request's rows
     from their source, zeros elsewhere."""
     landed = list(np.load(dump).values())
-    kv, state, rows = ep.tensors("prefill", 0, pp_size=1, tp_rank=tp_rank, dp_rank=dp_rank, mla=mla)
+    kv, state, rows = ep.tensors(
+        "prefill", 0, mamba_items=mamba_items, pp_size=1, tp_rank=tp_rank, dp_rank=dp_rank, mla=mla
+    )
     linear = ep.mamba_layers("decode", 0)
-    items = [ep.KV_ITEM] * len(kv) + [i for i in ep.MAMBA_ITEMS for _ in linear] + ep.AUX_ITEMS
+    items = [ep.KV_ITEM] * len(kv) + [i for i in mamba_items for _ in linear] + ep.AUX_ITEMS
     at = [pages] * len(kv) + [([mamba[0]], [mamba[1]])] * len(state)
     at += [([aux[0]], [aux[1]])] * len(rows)
     for k, (sent, got, item, (src, dst)) in enumerate(zip([*kv, *state, *rows], landed, items, at)):
@@ -627,21 +633,29 @@ def request_on_ranks(
     pages: tuple[list[int], list[int]],
     aux: tuple[int, int],
     mamba: tuple[int, int],
+    *,
+    prefill_first_s: float | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One request on every rank given: each decode rank (dumping its memory to its path) asks
-    first, as SGLang's decode does, then each prefill rank sends it in chunks of 2 and 1 pages.
+    first, as SGLang's decode does, then each prefill rank sends it in chunks of 2 and 1 pages
+    (`prefill_first_s`: the prefill ranks first, the decode ranks that many seconds later).
     Returns (prefill answers, decode answers). `pages`, `aux`, `mamba`: (source, destination)."""
-    for p, dump in decodes:
-        p.ask(
-            {
-                "op": "request",
-                "room": room,
-                "pages": pages[1],
-                "aux": aux[1],
-                "mamba": mamba[1],
-                "dump": str(dump),
-            }
-        )
+
+    def decode() -> None:
+        for p, dump in decodes:
+            p.ask(
+                {
+                    "op": "request",
+                    "room": room,
+                    "pages": pages[1],
+                    "aux": aux[1],
+                    "mamba": mamba[1],
+                    "dump": str(dump),
+                }
+            )
+
+    if prefill_first_s is None:
+        decode()
     for p in prefills:
         p.ask(
             {
@@ -653,6 +667,9 @@ def request_on_ranks(
                 "chunks": [2, 1],
             }
         )
+    if prefill_first_s is not None:
+        time.sleep(prefill_first_s)
+        decode()
     return [p.answer() for p in prefills], [p.answer() for p, _ in decodes]
 
 
@@ -691,6 +708,51 @@ def test_attention_cp_sends_from_cp_rank_0_alone(tmp_path: Path) -> None:
     assert decode["released"]
     assert prefill[0]["transferred"] >= 1 and prefill[1]["transferred"] == 0, prefill
     verify_whole_rank(dump, room, (src, dst), aux, mamba, 0)
+
+
+def test_an_mla_prefill_of_larger_tp_sends_from_one_rank_and_excuses_the_other(
+    tmp_path: Path,
+) -> None:
+    # An MLA model without state (DeepSeek's latent KV, whole on every TP rank), a prefill of
+    # attention TP 2 and a decode of TP 1: SGLang pairs the decode with prefill TP rank 0 and
+    # makes rank 1 a dummy for each request. The decode rank excuses rank 1, signed, over
+    # SGLang's ZMQ channel to it: rank 1 reaches Success at its last send having moved nothing,
+    # and rank 0's bytes land (engine_proc seeds each TP rank apart, so the decode's bytes show
+    # which rank sent). Excusals sent to rank 0 first, one without the secret and one signed for
+    # rank 1, are refused and change nothing. The second request reaches the prefill first: its
+    # excusal comes once rank 1 has signalled every page, which it then withdraws.
+    mla = {"mla": True, "mamba_items": []}
+    tp = [{**mla, "tp_size": 2, "tp_rank": r} for r in (0, 1)]
+    room, src, dst, aux = 7651, [5, 1, 12], [4, 20, 6], (3, 2)
+    dump = tmp_path / "decode.npz"
+    with deploy(tmp_path, [(0, v) for v in tp], [mla], 1) as d:
+        ip, port = d.prefill[0].hello["zmq"]
+        with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as push:
+            push.connect(f"tcp://{ip}:{port}")
+            push.send_multipart(excusal.excusal(b"not-the-secret", room, d.prefill[0].hello["url"]))
+            push.send_multipart(excusal.excusal(SECRET.encode(), room, d.prefill[1].hello["url"]))
+            end = time.monotonic() + 10.0
+            log = tmp_path / f"{d.prefill[0].name}.log"
+            while log.read_text().count("refused an excusal") < 2 and time.monotonic() < end:
+                time.sleep(0.05)
+        for r, late in ((room, None), (room + 1, 1.0)):
+            prefill, [decode] = request_on_ranks(
+                [(d.decode, dump)], d.prefill, r, (src, dst), aux, (0, 0), prefill_first_s=late
+            )
+            assert all(a["final"] == KVPoll.Success for a in [*prefill, decode]), (prefill, decode)
+            assert all(monotone(a["polls"]) for a in [*prefill, decode])
+            assert decode["released"]
+            assert prefill[0]["transferred"] >= 1 and prefill[1]["transferred"] == 0, prefill
+            verify_whole_rank(dump, r, (src, dst), aux, (0, 0), 0, mla=True, mamba_items=[])
+        logs = [(tmp_path / f"{p.name}.log").read_text() for p in d.prefill]
+    refused = [line for line in logs[0].splitlines() if "refused an excusal" in line]
+    assert len(refused) == 2, refused
+    assert "bad signature" in refused[0] and "signed for the rank at" in refused[1], refused
+    for r in (room, room + 1):
+        assert f"room {r} excused" not in logs[0] and f"room {r} excused" in logs[1]
+    # The second room's signalled ranges were withdrawn (aborted, no failure on any side).
+    assert f"handoff.aborted prefill sglang-{room + 1}-tp1" in logs[1]
+    assert "handoff.failed" not in logs[1] and "giving up" not in logs[1]
 
 
 def one_request(

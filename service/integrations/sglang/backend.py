@@ -10,9 +10,12 @@ the bootstrap look-ups and the timeouts. What moves bytes and decides outcomes i
   engine's own buffers (layouts from `KVArgs`, `layouts.py`), with its own Mooncake engine, free
   port and locked state directory; prefill ranks register its URL with the bootstrap server,
   signed (`bootstrap.py`);
-- one handoff per request and attention-TP rank: id `sglang-<bootstrap_room>-tp<rank>`; with
-  attention CP on the prefill, CP rank 0 sends it and the other CP ranks, SGLang's dummy
-  participants, move nothing (SGLang's `CommonKVSender.send` ends them at their last send);
+- one handoff per request and sending prefill attention-TP rank: id
+  `sglang-<bootstrap_room>-tp<rank>`; with attention CP on the prefill, CP rank 0 sends it and
+  the other CP ranks, SGLang's dummy participants, move nothing (SGLang's `CommonKVSender.send`
+  ends them at their last send). An MLA prefill of k times the decode's attention TP sends
+  from the first of each decode rank's k prefill ranks; the decode rank excuses the other
+  k - 1 per request, signed (`excusal.py`), and they reach Success at their last send;
 - decode `send_metadata` creates the handoff (destination pages, a slot per state component,
   the aux row) on the decode service, naming the prefill stages' services; each prefill `send`
   signals its chunk's pages ready at once, as a page range of the stage (the slots and aux row
@@ -68,6 +71,7 @@ from pipelines.events import (
     StageTransferred,
 )
 from service.embedded import EmbeddedService
+from service.integrations.sglang import excusal
 from service.integrations.sglang.bootstrap import SIGNATURE_HEADER, URL_FIELD, sign
 from service.integrations.sglang.layouts import (
     RankLayout,
@@ -86,6 +90,38 @@ RELEASED_KEPT = 65536
 
 def handoff_id(room: int, tp_rank: int) -> str:
     return f"sglang-{int(room)}-tp{int(tp_rank)}"
+
+
+def tp_pairing_refusal(
+    prefill_tp: int, decode_tp: int, *, mla: bool, hybrid_mla: bool, state: bool
+) -> str | None:
+    """Why a decode rank of attention TP `decode_tp` cannot pair with a prefill of `prefill_tp`
+    as kvhandoff pairs them (one sending prefill rank per decode rank), or None. Equal TP pairs
+    rank with rank. A larger prefill TP pairs only an MLA model's KV, which every TP rank holds
+    whole, and only with no state component (its heads are split over TP ranks): the first of
+    the decode rank's prefill ranks sends, the others are excused (`excusal.py`)."""
+    if prefill_tp == decode_tp:
+        return None
+    sizes = f"prefill attention TP {prefill_tp}, decode {decode_tp}"
+    if not mla or hybrid_mla:
+        return (
+            f"kvhandoff pairs unequal TP for MLA models only ({sizes}): another model's KV "
+            "heads are split over TP ranks, and kvhandoff does not slice them"
+        )
+    if prefill_tp < decode_tp:
+        return (
+            f"kvhandoff pairs each decode rank with one prefill rank ({sizes}): a decode of "
+            f"larger attention TP would need each prefill rank to send to "
+            f"{decode_tp // max(prefill_tp, 1)} decode ranks, which is not supported yet"
+        )
+    if prefill_tp % decode_tp:
+        return f"the prefill's attention TP is not a multiple of the decode's ({sizes})"
+    if state:
+        return (
+            f"kvhandoff pairs unequal TP for MLA models without state components only "
+            f"({sizes}): a state component's heads are split over TP ranks"
+        )
+    return None
 
 
 def refuse_context_parallel(parallel: Any, kv_args: Any, *, prefill: bool) -> None:
@@ -170,12 +206,15 @@ class KVHandoffManager(CommonKVManager):
             buffers={pp_rank: EngineStage(self.rank.layout, self.rank.buffers)},
         ).start()
         self.service_url = self.service.url
-        self._secret = self.kv_config.secrets("peer")[0].encode()
+        self.secret = self.kv_config.secrets("peer")[0].encode()
         self._rooms: dict[str, int] = {}  # handoff id -> room, of live senders / receivers
         self._sent: dict[int, int] = {}  # prefill: pages signalled so far, per room
         self._signalled: set[int] = set()  # prefill: rooms whose last page range was signalled
         # prefill: rooms whose pages all came, by SGLang's count, before their state slots
         self._ended: dict[int, int] = {}
+        # prefill: rooms a decode rank excused (SGLang's MLA dummy ranks: `excusal.py`), kept
+        # until the room's sender clears (an excusal may come before the request does).
+        self._excused: OrderedDict[int, None] = OrderedDict()
         # Handoff ids whose pages are free again (HandoffReleased), kept past clear(): SGLang
         # asks `is_abort_release_safe` after it cleared the receiver. Bounded, oldest first out.
         self._released: OrderedDict[str, None] = OrderedDict()
@@ -189,6 +228,8 @@ class KVHandoffManager(CommonKVManager):
         # SGLang's update_status reads, then writes: two threads (the scheduler's and the
         # service's) interleaving there could move a room backwards. One writer at a time.
         self._status_lock = threading.Lock()
+        # prefill: reads the excusals decode ranks send (SGLang's MLA dummy ranks).
+        self._excusals: excusal.Listener | None = None
         # One thread for the calls that wait on the service, so the scheduler never does.
         self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvhandoff")
         try:
@@ -200,9 +241,13 @@ class KVHandoffManager(CommonKVManager):
                     "attention CP with every CP rank sending its share of the pages "
                     "(SGLang's enable_all_cp_ranks_for_transfer) is not supported by kvhandoff"
                 )
-            # Each rank sends its own copy to one decode rank (equal TP), also under MLA:
-            # SGLang's metric need not wait for decode registrations to learn the factor.
+            # Each sending rank sends its own copy to one decode rank (equal TP, or an MLA
+            # prefill of larger TP), so SGLang's metric need not wait to learn the factor.
             self._kv_replica_factor = 1
+            if prefill:
+                self._excusals = excusal.Listener(
+                    self.server_socket, self.secret, self.service_url, self.excuse
+                ).start()
         except BaseException:
             self._calls.shutdown(wait=False)
             self.service.stop()  # a rank that did not come up leaves nothing registered
@@ -214,33 +259,70 @@ class KVHandoffManager(CommonKVManager):
 
     # ------------------------------------------------------------------ rooms
 
-    def open_room(self, room: int) -> str:
-        hid = handoff_id(room, self.tp_rank_for_handoffs)
+    def own_handoff(self, room: int) -> str:
+        """The id of the handoff this rank's own TP rank sends (a prefill's)."""
+        return handoff_id(room, self.tp_rank_for_handoffs)
+
+    def open_room(self, room: int, hid: str | None = None) -> str:
+        """Follow `hid` (by default this rank's own) as the room's handoff; an excused
+        prefill room has none to follow."""
+        hid = hid or self.own_handoff(room)
         with self._lock:
-            self._rooms[hid] = int(room)
+            if int(room) not in self._excused:
+                self._rooms[hid] = int(room)
             self._released.pop(hid, None)
         return hid
 
-    def close_room(self, room: int) -> None:
+    def close_room(self, room: int, hid: str | None = None) -> None:
         with self._lock:
-            self._rooms.pop(handoff_id(room, self.tp_rank_for_handoffs), None)
+            self._rooms.pop(hid or self.own_handoff(room), None)
             self._sent.pop(int(room), None)
             self._ended.pop(int(room), None)
             self._signalled.discard(int(room))
             self._unreachable.discard(int(room))
             self._moved.pop(int(room), None)
+            self._excused.pop(int(room), None)
 
-    def released(self, room: int) -> bool:
+    def released(self, hid: str) -> bool:
         with self._lock:
-            return handoff_id(room, self.tp_rank_for_handoffs) in self._released
+            return hid in self._released
 
-    def never_leased(self, room: int) -> None:
-        """The room's handoff was refused at create: no page of it was ever leased, so no write
-        of it can land (SGLang may free the pages: `is_abort_release_safe`)."""
+    def never_leased(self, hid: str) -> None:
+        """The handoff was refused at create: no page of it was ever leased, so no write of it
+        can land (SGLang may free the pages: `is_abort_release_safe`)."""
         with self._lock:
-            self._released[handoff_id(room, self.tp_rank_for_handoffs)] = None
+            self._released[hid] = None
             while len(self._released) > RELEASED_KEPT:
                 self._released.popitem(last=False)
+
+    def excused(self, room: int) -> bool:
+        with self._lock:
+            return int(room) in self._excused
+
+    def excuse(self, room: int) -> None:
+        """A decode rank excused this prefill rank from `room` (verified: `excusal.py`): the
+        room moves nothing from here and reaches Success at its last send. Ranges already
+        signalled are withdrawn first, on the worker thread after them, and the room's events
+        no longer move it. Success, should the last
+        send have come already, follows the give-up there."""
+        room = int(room)
+        hid = self.own_handoff(room)
+        with self._lock:
+            if room in self._excused:
+                return
+            self._excused[room] = None
+            while len(self._excused) > RELEASED_KEPT:
+                self._excused.popitem(last=False)
+            self._rooms.pop(hid, None)
+            signalled = room in self._sent or room in self._ended or room in self._signalled
+            last = room in self._signalled
+            # Queued under the lock: in order with any stage signal `add_transfer_request`
+            # queues (which checks `_excused` under it).
+            if signalled:
+                self._calls.submit(self._withdraw, hid)
+            if last:
+                self._calls.submit(self.update_status, room, KVPoll.Success)
+        log.info("room %d excused: the decode pairs with another prefill TP rank", room)
 
     def fail(self, room: int, reason: str, *, unreachable: bool = False) -> None:
         """Fail the room with `reason`; `unreachable`: a prefill rank could not be reached
@@ -271,6 +353,8 @@ class KVHandoffManager(CommonKVManager):
             try:
                 return call()
             except (KVHandoffError, TimeoutError, ValueError) as exc:
+                if self.excused(room):
+                    return None  # the room moves nothing from this rank: no failure of it
                 reason = f"kvhandoff {what} refused: {exc}"
                 self.fail(room, reason, unreachable=isinstance(exc, PeerUnreachable))
                 if give_up is not None:
@@ -284,8 +368,18 @@ class KVHandoffManager(CommonKVManager):
         given up so the decode is told now (with the stage and the reason), not at its
         deadline; a destination that comes later is refused."""
         self.fail(room, reason)
-        hid = handoff_id(room, self.tp_rank_for_handoffs)
-        self._calls.submit(self._give_up, hid, reason)
+        self._calls.submit(self._give_up, self.own_handoff(room), reason)
+
+    def _withdraw(self, hid: str) -> None:
+        """An excused room's signalled ranges: withdrawn (`aborted`, no failure anywhere); a
+        handoff some decode holds after all is given up, which fails it there."""
+        reason = "excused: the decode pairs with another prefill TP rank (MLA)"
+        try:
+            if self.service.withdraw_prefill(hid, reason):
+                return
+        except (KVHandoffError, TimeoutError) as exc:
+            log.warning("withdrawing %s failed: %s", hid, exc)
+        self._give_up(hid, reason)
 
     def _give_up(self, hid: str, reason: str) -> None:
         try:
@@ -345,7 +439,7 @@ class KVHandoffManager(CommonKVManager):
         path = "/" + url.split("://", 1)[1].split("/", 1)[1]
         headers = {
             "Content-Type": "application/json",
-            SIGNATURE_HEADER: sign(self._secret, method, path, data),
+            SIGNATURE_HEADER: sign(self.secret, method, path, data),
         }
         try:
             response = requests.request(method, url, data=data, headers=headers, timeout=5)
@@ -373,8 +467,13 @@ class KVHandoffManager(CommonKVManager):
         its pages are all sent, but the scheduler's state indices come with its own last send,
         which may be an empty one after that: a stage with state ends its ranges only once its
         slots came. Signals go out in order on the rank's worker thread, so the ranges reach
-        the service in SGLang's order."""
+        the service in SGLang's order. A room this rank is excused from moves nothing: it
+        reaches Success at SGLang's last chunk."""
         room = int(bootstrap_room)
+        if self.excused(room):
+            if is_last_chunk:  # after any withdrawal `excuse` queued
+                self._calls.submit(self.update_status, room, KVPoll.Success)
+            return
         slots, refused = component_slots(self.state_types, state_indices)
         if refused:
             self.refuse_send(room, f"kvhandoff: {refused}")
@@ -410,22 +509,25 @@ class KVHandoffManager(CommonKVManager):
         aux = None
         if self.rank.has_aux and last and aux_index is not None:
             aux = int(aux_index)
-        hid = handoff_id(room, self.tp_rank_for_handoffs)
+        hid = self.own_handoff(room)
         rank = self.stage_rank
-        self.submit(
-            room,
-            "stage ready",
-            lambda: self.service.stage_ready(
-                hid,
-                rank,
-                pages,
-                pages_from=at,
-                last_pages=last,
-                src_slots=slots if last else None,
-                src_aux=aux,
-            ),
-            give_up=hid,
-        )
+        with self._lock:  # queued in order with an excusal's give-up (see `excuse`)
+            if room in self._excused:
+                return  # excused meanwhile: `excuse` queued the withdrawal and any Success
+            self.submit(
+                room,
+                "stage ready",
+                lambda: self.service.stage_ready(
+                    hid,
+                    rank,
+                    pages,
+                    pages_from=at,
+                    last_pages=last,
+                    src_slots=slots if last else None,
+                    src_aux=aux,
+                ),
+                give_up=hid,
+            )
 
     def register_prefill_dp_rank_signed(self, bootstrap_addr: str, room: int) -> None:
         """Tell the bootstrap server which DP rank prefills `room` (signed), on the rank's worker
@@ -461,12 +563,16 @@ class KVHandoffManager(CommonKVManager):
 
     def pairing_refusal(self, info: Any) -> str | None:
         """Why this decode rank cannot pair with one prefill rank per PP stage, as kvhandoff
-        does (equal attention TP, one CP rank sending: SGLang's `target_cp_ranks`), or None."""
-        if info.attn_tp_size != self.attn_tp_size:
-            return (
-                f"kvhandoff pairs equal TP only: prefill attention TP {info.attn_tp_size}, "
-                f"decode {self.attn_tp_size} (unequal TP is not supported yet)"
-            )
+        does (`tp_pairing_refusal`; one CP rank sending: SGLang's `target_cp_ranks`), or None."""
+        why = tp_pairing_refusal(
+            int(info.attn_tp_size),
+            int(self.attn_tp_size),
+            mla=bool(self.is_mla_backend),
+            hybrid_mla=bool(self.is_hybrid_mla_backend),
+            state=bool(self.rank.layout.state),
+        )
+        if why is not None:
+            return why
         if len(list(getattr(info, "target_cp_ranks", None) or [0])) > 1:
             return (
                 f"kvhandoff pairs a decode rank with CP rank 0 of the prefill; this prefill's "
@@ -482,6 +588,8 @@ class KVHandoffManager(CommonKVManager):
 
     def close(self) -> None:
         """Stop this rank's service (tests, role switch); no write lands afterwards."""
+        if self._excusals is not None:
+            self._excusals.stop()
         self._calls.shutdown(wait=True)
         self.service.stop()
 
@@ -523,9 +631,9 @@ class KVHandoffSender(CommonKVSender):
     def abort(self) -> None:
         super().abort()
         mgr, room = self.kv_mgr, self.bootstrap_room
-        if mgr.is_dummy_cp_rank:
-            return  # a CP rank that sends nothing has no handoff to give up
-        hid = handoff_id(room, mgr.tp_rank_for_handoffs)
+        if mgr.is_dummy_cp_rank or mgr.excused(room):
+            return  # a rank that sends nothing has no handoff to give up (or gave it up)
+        hid = mgr.own_handoff(room)
         # Waited for (after any queued stage signal): SGLang frees the source pages next.
         stop = mgr.submit(
             room, "abort", lambda: mgr.service.abort_prefill(hid, "aborted by SGLang")
@@ -546,8 +654,11 @@ class KVHandoffReceiver(CommonKVReceiver):
     def __init__(
         self, mgr: KVHandoffManager, bootstrap_addr: str, bootstrap_room: int | None = None
     ) -> None:
+        # The handoff this rank receives: named after the prefill TP rank that sends it, which
+        # `init` learns (SGLang's `target_tp_rank`); this rank's own until then.
+        self._hid = handoff_id(bootstrap_room or 0, mgr.tp_rank_for_handoffs)
         if bootstrap_room is not None:
-            mgr.open_room(bootstrap_room)
+            mgr.open_room(bootstrap_room, self._hid)
         self._forgot_prefill = False
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
@@ -572,8 +683,38 @@ class KVHandoffReceiver(CommonKVReceiver):
         super().init(prefill_dp_rank)
         if self.conclude_state == KVPoll.Failed or not hasattr(self, "prefill_info"):
             return
-        if not self.kv_mgr.check_pairing(self.bootstrap_room, self.prefill_info):
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        if not mgr.check_pairing(room, self.prefill_info):
             self.conclude_state = KVPoll.Failed
+            return
+        sender = self.prefill_info.target_tp_rank
+        if sender is not None and handoff_id(room, sender) != self._hid:
+            mgr.close_room(room, self._hid)
+            self._hid = mgr.open_room(room, handoff_id(room, sender))
+        self._excuse_dummy_ranks()
+
+    def _excuse_dummy_ranks(self) -> None:
+        """Tell each prefill rank SGLang made dummy for this request (an MLA prefill of larger
+        TP: `excusal.py`) that it moves nothing, over SGLang's channel to the rank; a rank that
+        cannot be told fails the request, as SGLang's own metadata send does."""
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        for info in self.bootstrap_infos or []:
+            if not info.get("is_dummy"):
+                continue
+            url = info.get(URL_FIELD)
+            if not url:
+                mgr.fail(
+                    room,
+                    f"the dummy prefill rank {info.get('rank_ip')}:"
+                    f"{info.get('rank_port')} registered no kvhandoff service",
+                )
+                self.conclude_state = KVPoll.Failed
+                return
+            message = excusal.excusal(mgr.secret, room, url)
+            if not self._send_bootstrap_message(
+                bootstrap_info=info, message=message, operation="send_metadata"
+            ):
+                return
 
     def _register_kv_args(self) -> bool:
         return self.bootstrap_infos is not None  # kvhandoff services exchange layouts themselves
@@ -622,7 +763,7 @@ class KVHandoffReceiver(CommonKVReceiver):
             )
             return
         request = HandoffRequest(
-            id=handoff_id(room, mgr.tp_rank_for_handoffs),
+            id=self._hid,
             prefill=urls,
             dst_pages=[int(p) for p in np.asarray(kv_indices).tolist()],
             dst_slots=slots,
@@ -633,21 +774,20 @@ class KVHandoffReceiver(CommonKVReceiver):
             try:
                 mgr.service.expect_handoff(request)
             except (KVHandoffError, ValueError):
-                mgr.never_leased(room)  # refused before anything was leased
+                mgr.never_leased(self._hid)  # refused before anything was leased
                 raise
 
         mgr.submit(room, "create", create)
         self.init_time = time.time()
 
     def _send_abort_notification(self, *, force_arm: bool = False) -> None:
-        mgr, room = self.kv_mgr, self.bootstrap_room
-        hid = handoff_id(room, mgr.tp_rank_for_handoffs)
+        mgr, room, hid = self.kv_mgr, self.bootstrap_room, self._hid
         mgr.submit(room, "abort", lambda: mgr.service.abort(hid))  # released: see below
 
     def is_abort_release_safe(self) -> bool:
         """True once the handoff's pages are released: no write of it can land any more."""
-        return self.kv_mgr.released(self.bootstrap_room)
+        return self.kv_mgr.released(self._hid)
 
     def clear(self) -> None:
         super().clear()
-        self.kv_mgr.close_room(self.bootstrap_room)
+        self.kv_mgr.close_room(self.bootstrap_room, self._hid)

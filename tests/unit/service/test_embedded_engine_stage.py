@@ -13,6 +13,13 @@ import torch
 
 from pipelines.decode.views import HandoffRequest
 from pipelines.errors import ConflictError
+from pipelines.events import (
+    Event,
+    HandoffAborted,
+    HandoffCompleted,
+    HandoffFailed,
+    StageTransferred,
+)
 from pipelines.layout import layout_from_flat_lists
 from pipelines.states import HandoffState
 from service.config import Config, ConfigError, load_config
@@ -123,3 +130,40 @@ def test_a_prefill_that_gives_up_fails_the_handoff_on_the_decode(tmp_path: Path)
             prefill.abort_prefill("h3", "client disconnected")
             with pytest.raises(ConflictError):
                 prefill.stage_ready("h3", 0, [1])
+
+
+def test_a_withdrawn_handoff_ends_aborted_here_and_one_a_decode_holds_is_kept(
+    tmp_path: Path,
+) -> None:
+    gen = torch.Generator().manual_seed(7)
+    s0, _ = engine_stage([1, 3], 0, 2, 8, gen)
+    s1, _ = engine_stage([5], 1, 2, 8, gen)
+    events: list[Event] = []
+    with EmbeddedService(config(tmp_path, "prefill"), buffers={0: s0, 1: s1}) as prefill:
+        prefill.add_listener(events.append)
+        # Signalled early, then another rank turned out to send it: no decode holds it.
+        prefill.stage_ready("w1", 0, [1, 2])
+        assert prefill.withdraw_prefill("w1", "another rank sends it")
+        d, _alive = engine_stage([1, 3, 5], 0, 1, 16, None)  # raw addresses: keep the tensors
+        dcfg = config(tmp_path, "decode", **{"peers.prefill": [prefill.url]})
+        with EmbeddedService(dcfg, buffers={0: d}) as decode:
+            # A decode holds w2 (its stage 0 moved; stage 1 is still to come): not withdrawn.
+            decode.expect_handoff(HandoffRequest(id="w2", dst_pages=[4, 7]))
+            prefill.stage_ready("w2", 0, [3, 6])
+            end = time.monotonic() + 10.0
+            while time.monotonic() < end and not any(
+                isinstance(e, StageTransferred) and e.handoff_id == "w2" for e in events
+            ):
+                time.sleep(0.02)
+            assert not prefill.withdraw_prefill("w2", "another rank sends it")
+            prefill.stage_ready("w2", 1, [3, 6])
+            assert decode.wait("w2", 15.0).state == HandoffState.COMPLETED
+            # A decode asking for w1 after all is refused by the prefill: nothing lands.
+            decode.expect_handoff(HandoffRequest(id="w1", dst_pages=[0, 1]))
+            assert decode.wait("w1", 15.0).state == HandoffState.FAILED
+    terminal = (HandoffAborted, HandoffFailed, HandoffCompleted)
+    ended = [(type(e).__name__, e.handoff_id) for e in events if isinstance(e, terminal)]
+    assert ended[0] == ("HandoffAborted", "w1"), ended
+    assert ("HandoffFailed", "w1") not in ended and ("HandoffAborted", "w2") not in ended
+    aborted = next(e for e in events if isinstance(e, HandoffAborted))
+    assert aborted.reason == "another rank sends it"

@@ -1,0 +1,101 @@
+"""The signed excusal a decode rank sends the prefill ranks SGLang makes "dummy" for a request.
+
+Under an MLA model every attention-TP rank holds the same latent KV. When the prefill's
+attention TP is k times the decode's, SGLang pairs each decode rank with the first of its k
+prefill ranks (`target_tp_ranks[0]`) and marks the other k - 1 "dummy" for the request: they
+move nothing, but SGLang's prefill reduces every rank's poll (MIN over attention TP), so each
+must still reach Success. Only the decode knows, per request, which ranks those are (the
+prefill never learns the decode's TP size), so its rank tells each of them, over SGLang's own
+ZMQ channel to the rank (`rank_ip` / `rank_port` of its bootstrap row), once it has paired.
+
+An excusal makes a prefill rank skip the request's transfer, so it is taken only when signed:
+HMAC-SHA256 with the peer secret (`bootstrap.sign` / `check`: fresh within `MAX_SKEW_S`) over
+the room and the kvhandoff service URL of the rank it is for, which names one rank in one
+life. A message signed for another rank, another life, without the secret or stale is refused
+and changes nothing. (A replay within the skew window can only excuse the same rank for the
+same room again.)
+
+Called by: `backend.py` (the decode receiver's `init` sends; a prefill manager's listener
+thread reads its `server_socket`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from service.integrations.sglang.bootstrap import check, sign
+
+log = logging.getLogger("kvhandoff.sglang.excusal")
+
+TAG = b"KVHANDOFF_EXCUSED"
+#: What the signature's method and path are, so an excusal's MAC can never pass as a
+#: bootstrap registration's (their paths differ) or the other way round.
+METHOD, PATH = "ZMQ", "/excused"
+POLL_MS = 200  # how often the listener looks at its stop flag
+
+
+def _body(room: int, url: str) -> bytes:
+    return f"{int(room)}\n{url}".encode()
+
+
+def excusal(secret: bytes, room: int, url: str) -> list[bytes]:
+    """The ZMQ frames excusing the prefill rank whose kvhandoff service is at `url`."""
+    signature = sign(secret, METHOD, PATH, _body(room, url))
+    return [TAG, str(int(room)).encode("ascii"), url.encode(), signature.encode("ascii")]
+
+
+def read(secret: bytes, frames: list[bytes], url: str) -> tuple[int | None, str | None]:
+    """(room, None) for an excusal signed for this rank (`url`), else (None, why not)."""
+    if len(frames) != 4 or frames[0] != TAG:
+        return None, f"not an excusal ({len(frames)} frames)"
+    try:
+        room, for_url, signature = int(frames[1]), frames[2].decode(), frames[3].decode("ascii")
+    except (ValueError, UnicodeDecodeError):
+        return None, "a malformed excusal"
+    why = check(secret, METHOD, PATH, _body(room, for_url), signature)
+    if why is not None:
+        return None, f"room {room}: {why}"
+    if for_url != url:
+        return None, f"room {room}: signed for the rank at {for_url}, not this one ({url})"
+    return room, None
+
+
+class Listener:
+    """Reads excusals from a prefill manager's ZMQ PULL socket on a thread of its own and
+    hands each verified one to `excuse(room)`; anything else is logged and dropped."""
+
+    def __init__(
+        self, socket: zmq.Socket[bytes], secret: bytes, url: str, excuse: Callable[[int], None]
+    ) -> None:
+        self._socket, self._secret, self._url, self._excuse = socket, secret, url, excuse
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvhandoff-excusals", daemon=True)
+
+    def start(self) -> Listener:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self._socket.poll(POLL_MS):
+                    continue
+                frames = self._socket.recv_multipart()
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            room, why = read(self._secret, frames, self._url)
+            if room is None:
+                log.warning("refused an excusal: %s", why)
+                continue
+            self._excuse(room)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5 * POLL_MS / 1000)

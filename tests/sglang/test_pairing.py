@@ -1,0 +1,80 @@
+"""Which TP layouts a decode rank pairs with, and the excusal a prefill rank takes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from service.integrations.sglang import excusal
+from service.integrations.sglang.backend import tp_pairing_refusal
+
+SECRET = b"peer-secret"
+URL = "http://10.0.0.7:43001"
+
+
+def refusal(prefill: int, decode: int, **kw: bool) -> str | None:
+    shape = {"mla": True, "hybrid_mla": False, "state": False, **kw}
+    return tp_pairing_refusal(prefill, decode, **shape)
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (2, 2), (2, 1), (8, 2), (4, 1)])
+def test_equal_tp_and_an_mla_prefill_of_k_times_the_decode_s_tp_pair(
+    prefill: int, decode: int
+) -> None:
+    assert refusal(prefill, decode) is None
+
+
+def test_equal_tp_pairs_any_model() -> None:
+    assert refusal(4, 4, mla=False, state=True) is None
+    assert refusal(2, 2, hybrid_mla=True) is None
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "shape", "named"),
+    [
+        (2, 1, {"mla": False}, "for MLA models only"),
+        (2, 1, {"hybrid_mla": True}, "for MLA models only"),
+        (1, 2, {}, "send to 2 decode ranks"),
+        (3, 2, {}, "not a multiple"),
+        (2, 1, {"state": True}, "without state components"),
+    ],
+)
+def test_other_unequal_tp_is_refused_naming_why_and_both_sizes(
+    prefill: int, decode: int, shape: dict[str, bool], named: str
+) -> None:
+    why = refusal(prefill, decode, **shape)
+    assert why is not None and named in why, why
+    assert f"prefill attention TP {prefill}, decode {decode}" in why, why
+
+
+def test_an_excusal_is_read_for_its_room_by_the_rank_it_names() -> None:
+    assert excusal.read(SECRET, excusal.excusal(SECRET, 71, URL), URL) == (71, None)
+
+
+@pytest.mark.parametrize(
+    ("frames", "why"),
+    [  # made when the test runs: a signature is fresh only for `MAX_SKEW_S`
+        (lambda: excusal.excusal(b"another-secret", 71, URL), "bad signature"),
+        (lambda: excusal.excusal(SECRET, 71, "http://10.0.0.8:43001"), "signed for the rank at"),
+        (lambda: [excusal.TAG, b"71", URL.encode()], "not an excusal"),
+        (lambda: [b"BOOTSTRAP", b"71", b"1.2.3.4", b"9"], "not an excusal"),
+        (lambda: [excusal.TAG, b"seventy", URL.encode(), b"t=1,v1=00"], "malformed"),
+    ],
+)
+def test_anything_else_is_refused_saying_why(frames: Callable[[], list[bytes]], why: str) -> None:
+    room, said = excusal.read(SECRET, frames(), URL)
+    assert room is None and said is not None and why in said, said
+
+
+def test_a_stale_or_retargeted_excusal_is_refused() -> None:
+    stale = excusal.excusal(SECRET, 71, URL)
+    body = f"71\n{URL}".encode()
+    stale[3] = excusal.sign(
+        SECRET, excusal.METHOD, excusal.PATH, body, now=time.time() - 600
+    ).encode()
+    assert "away from this server's clock" in str(excusal.read(SECRET, stale, URL)[1])
+    moved = excusal.excusal(SECRET, 71, URL)
+    moved[1] = b"72"  # the same signature for another room
+    assert "bad signature" in str(excusal.read(SECRET, moved, URL)[1])
