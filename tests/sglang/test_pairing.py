@@ -1,14 +1,17 @@
-"""Which TP layouts a decode rank pairs with, and the excusal a prefill rank takes."""
+"""Which layouts a decode rank pairs with, the excusal a prefill rank takes, and what a decode
+refuses at start-up."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 
 from service.integrations.sglang import excusal
-from service.integrations.sglang.backend import tp_pairing_refusal
+from service.integrations.sglang.backend import refuse_decode_prefix_reuse, tp_pairing_refusal
+from service.integrations.sglang.layouts import Unsupported
 
 SECRET = b"peer-secret"
 URL = "http://10.0.0.7:43001"
@@ -78,3 +81,14 @@ def test_a_stale_or_retargeted_excusal_is_refused() -> None:
     moved = excusal.excusal(SECRET, 71, URL)
     moved[1] = b"72"  # the same signature for another room
     assert "bad signature" in str(excusal.read(SECRET, moved, URL)[1])
+
+
+def test_a_decode_with_sglang_s_radix_cache_is_refused_at_start_up_by_name() -> None:
+    from sglang.srt.server_args import ServerArgs
+
+    flag = "disaggregation_decode_enable_radix_cache"
+    assert flag in ServerArgs.__struct_fields__  # SGLang's own field
+    with pytest.raises(Unsupported, match="--disaggregation-decode-enable-radix-cache"):
+        refuse_decode_prefix_reuse(SimpleNamespace(**{flag: True}), prefill=False)
+    refuse_decode_prefix_reuse(SimpleNamespace(**{flag: False}), prefill=False)
+    refuse_decode_prefix_reuse(SimpleNamespace(**{flag: True}), prefill=True)  # a decode flag

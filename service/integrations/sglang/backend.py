@@ -124,6 +124,18 @@ def tp_pairing_refusal(
     return None
 
 
+def refuse_decode_prefix_reuse(server_args: Any, *, prefill: bool) -> None:
+    """A decode with SGLang's radix cache reuses a prefix it holds and has the prefill send the
+    rest only (`decode_prefix_len`), which kvhandoff does not carry yet: refused at start-up by
+    name, rather than failing each request that hits the cache."""
+    if not prefill and getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
+        raise Unsupported(
+            "--disaggregation-decode-enable-radix-cache is not supported by kvhandoff yet: "
+            "decode prefix reuse needs the prefill to send a request's pages after the "
+            "decode's cached prefix only"
+        )
+
+
 def refuse_context_parallel(parallel: Any, kv_args: Any, *, prefill: bool) -> None:
     """Attention CP as kvhandoff carries it: on the prefill only, where SGLang's CP rank 0
     holds every page of a request and sends alone, the other CP ranks being SGLang's "dummy"
@@ -178,6 +190,7 @@ class KVHandoffManager(CommonKVManager):
         refuse_unsupported(args, device=str(getattr(server_args, "device", "cpu")))
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
         refuse_context_parallel(parallel, args, prefill=prefill)
+        refuse_decode_prefix_reuse(server_args, prefill=prefill)
         if parallel.attn_dcp_size > 1:
             raise Unsupported("decode context parallelism (--dcp-size > 1) with kvhandoff")
         if parallel.enable_kv_cache_sharding:
