@@ -325,10 +325,14 @@ def main() -> None:
     # `stage.transferred` only once the decode's commit answered (landed mode).
     committed: dict[str, int] = {}
     if role == "prefill":
+        said = logging.getLogger("engine_proc")
+        said.setLevel(logging.INFO)
 
         def on_event(event: Any) -> None:
             if event_tag(event) == "stage.transferred":
                 committed[event.handoff_id] = committed.get(event.handoff_id, 0) + 1
+            elif event_tag(event) == "stage.ready":  # what a test can wait for in the log
+                said.info("signalled %s last=%s", event.handoff_id, event.last_pages)
 
         manager.service.add_listener(on_event)
     held: dict[int, Any] = {}  # PP ranks > 0: senders kept until PP rank 0's consensus decided

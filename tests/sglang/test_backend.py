@@ -634,12 +634,13 @@ def request_on_ranks(
     aux: tuple[int, int],
     mamba: tuple[int, int],
     *,
-    prefill_first_s: float | None = None,
+    prefill_first: bool = False,
+    between: Callable[[], None] = lambda: None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One request on every rank given: each decode rank (dumping its memory to its path) asks
     first, as SGLang's decode does, then each prefill rank sends it in chunks of 2 and 1 pages
-    (`prefill_first_s`: the prefill ranks first, the decode ranks that many seconds later).
-    Returns (prefill answers, decode answers). `pages`, `aux`, `mamba`: (source, destination)."""
+    (`prefill_first`: the prefill ranks first), `between` the two. Returns (prefill answers,
+    decode answers). `pages`, `aux`, `mamba`: (source, destination)."""
 
     def decode() -> None:
         for p, dump in decodes:
@@ -654,8 +655,9 @@ def request_on_ranks(
                 }
             )
 
-    if prefill_first_s is None:
+    if not prefill_first:
         decode()
+        between()
     for p in prefills:
         p.ask(
             {
@@ -667,8 +669,8 @@ def request_on_ranks(
                 "chunks": [2, 1],
             }
         )
-    if prefill_first_s is not None:
-        time.sleep(prefill_first_s)
+    if prefill_first:
+        between()
         decode()
     return [p.answer() for p in prefills], [p.answer() for p, _ in decodes]
 
@@ -710,49 +712,89 @@ def test_attention_cp_sends_from_cp_rank_0_alone(tmp_path: Path) -> None:
     verify_whole_rank(dump, room, (src, dst), aux, mamba, 0)
 
 
-def test_an_mla_prefill_of_larger_tp_sends_from_one_rank_and_excuses_the_other(
+def logged(proc: Proc, tmp: Path, *lines: str, timeout_s: float = 20.0) -> None:
+    """Wait until `proc`'s log holds every line fragment given."""
+    log = tmp / f"{proc.name}.log"
+    end = time.monotonic() + timeout_s
+    while not all(line in log.read_text() for line in lines):
+        assert time.monotonic() < end, f"{proc.name} never logged {lines}"
+        time.sleep(0.05)
+
+
+def test_an_mla_prefill_of_larger_tp_sends_from_one_rank_and_excuses_the_others(
     tmp_path: Path,
 ) -> None:
     # An MLA model without state (DeepSeek's latent KV, whole on every TP rank), a prefill of
-    # attention TP 2 and a decode of TP 1: SGLang pairs the decode with prefill TP rank 0 and
-    # makes rank 1 a dummy for each request. The decode rank excuses rank 1, signed, over
-    # SGLang's ZMQ channel to it: rank 1 reaches Success at its last send having moved nothing,
-    # and rank 0's bytes land (engine_proc seeds each TP rank apart, so the decode's bytes show
-    # which rank sent). Excusals sent to rank 0 first, one without the secret and one signed for
-    # rank 1, are refused and change nothing. The second request reaches the prefill first: its
-    # excusal comes once rank 1 has signalled every page, which it then withdraws.
+    # attention TP 4 and a decode of TP 2: SGLang pairs decode rank d with prefill rank 2d and
+    # makes rank 2d + 1 a dummy for each request. Each decode rank receives the handoff of its
+    # sending rank (decode rank 1 that of prefill rank 2, `sglang-<room>-tp2`) and excuses its
+    # dummy, signed, over SGLang's ZMQ channel to it: the dummy reaches Success at its last send
+    # having moved nothing, and the sending rank's bytes land (engine_proc seeds each TP rank
+    # apart, so each decode rank's bytes show which rank sent). Excusals sent to rank 0 first,
+    # one without the secret and one signed for rank 1, are refused and change nothing. The
+    # first request's excusals reach the dummies before the request does; the second reaches
+    # the prefill first, and its excusals come once the dummies signalled every page, which
+    # they then withdraw (aborted: no failure on any side).
     mla = {"mla": True, "mamba_items": []}
-    tp = [{**mla, "tp_size": 2, "tp_rank": r} for r in (0, 1)]
+    prefills = [(0, {**mla, "tp_size": 4, "tp_rank": r}) for r in range(4)]
+    decodes = [{**mla, "tp_size": 2, "tp_rank": r} for r in (0, 1)]
     room, src, dst, aux = 7651, [5, 1, 12], [4, 20, 6], (3, 2)
-    dump = tmp_path / "decode.npz"
-    with deploy(tmp_path, [(0, v) for v in tp], [mla], 1) as d:
+    dumps = [tmp_path / f"decode-tp{r}.npz" for r in (0, 1)]
+    with deploy(tmp_path, prefills, decodes, 1) as d:
+        dummies = [d.prefill[1], d.prefill[3]]
         ip, port = d.prefill[0].hello["zmq"]
         with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as push:
+            push.setsockopt(zmq.LINGER, 0)
             push.connect(f"tcp://{ip}:{port}")
             push.send_multipart(excusal.excusal(b"not-the-secret", room, d.prefill[0].hello["url"]))
             push.send_multipart(excusal.excusal(SECRET.encode(), room, d.prefill[1].hello["url"]))
-            end = time.monotonic() + 10.0
-            log = tmp_path / f"{d.prefill[0].name}.log"
-            while log.read_text().count("refused an excusal") < 2 and time.monotonic() < end:
-                time.sleep(0.05)
-        for r, late in ((room, None), (room + 1, 1.0)):
-            prefill, [decode] = request_on_ranks(
-                [(d.decode, dump)], d.prefill, r, (src, dst), aux, (0, 0), prefill_first_s=late
+            logged(d.prefill[0], tmp_path, "bad signature", "signed for the rank at")
+
+        def excused(r: int) -> Callable[[], None]:
+            def wait() -> None:  # both dummies took the room's excusal
+                for p in dummies:
+                    logged(p, tmp_path, f"room {r} excused")
+
+            return wait
+
+        def signalled(r: int) -> Callable[[], None]:
+            def wait() -> None:  # both dummies signalled every page of the room
+                for p, t in zip(dummies, (1, 3)):
+                    logged(p, tmp_path, f"signalled sglang-{r}-tp{t} last=True")
+
+            return wait
+
+        for r, first, between in ((room, False, excused), (room + 1, True, signalled)):
+            prefill, decode = request_on_ranks(
+                list(zip(d.decodes, dumps)),
+                d.prefill,
+                r,
+                (src, dst),
+                aux,
+                (0, 0),
+                prefill_first=first,
+                between=between(r),
             )
-            assert all(a["final"] == KVPoll.Success for a in [*prefill, decode]), (prefill, decode)
-            assert all(monotone(a["polls"]) for a in [*prefill, decode])
-            assert decode["released"]
-            assert prefill[0]["transferred"] >= 1 and prefill[1]["transferred"] == 0, prefill
-            verify_whole_rank(dump, r, (src, dst), aux, (0, 0), 0, mla=True, mamba_items=[])
+            assert all(a["final"] == KVPoll.Success for a in [*prefill, *decode]), (prefill, decode)
+            assert all(monotone(a["polls"]) for a in [*prefill, *decode])
+            assert all(a["released"] for a in decode)
+            moved = [a["transferred"] for a in prefill]
+            assert moved[0] >= 1 and moved[2] >= 1 and moved[1] == moved[3] == 0, prefill
+            for k in (0, 1):
+                verify_whole_rank(
+                    dumps[k], r, (src, dst), aux, (0, 0), 2 * k, mla=True, mamba_items=[]
+                )
         logs = [(tmp_path / f"{p.name}.log").read_text() for p in d.prefill]
     refused = [line for line in logs[0].splitlines() if "refused an excusal" in line]
     assert len(refused) == 2, refused
-    assert "bad signature" in refused[0] and "signed for the rank at" in refused[1], refused
-    for r in (room, room + 1):
-        assert f"room {r} excused" not in logs[0] and f"room {r} excused" in logs[1]
-    # The second room's signalled ranges were withdrawn (aborted, no failure on any side).
+    for senders, dummy in ((logs[0], logs[1]), (logs[2], logs[3])):
+        for r in (room, room + 1):
+            assert f"room {r} excused" not in senders and f"room {r} excused" in dummy
+        assert "handoff.failed" not in dummy and "giving up" not in dummy
+    # The first room's dummies never signalled it; the second's withdrew what they had.
+    assert f"signalled sglang-{room}-" not in logs[1] + logs[3]
     assert f"handoff.aborted prefill sglang-{room + 1}-tp1" in logs[1]
-    assert "handoff.failed" not in logs[1] and "giving up" not in logs[1]
+    assert f"handoff.aborted prefill sglang-{room + 1}-tp3" in logs[3]
 
 
 def one_request(

@@ -3,6 +3,7 @@ refuses at start-up."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -53,7 +54,7 @@ def test_other_unequal_tp_is_refused_naming_why_and_both_sizes(
 
 
 def test_an_excusal_is_read_for_its_room_by_the_rank_it_names() -> None:
-    assert excusal.read(SECRET, excusal.excusal(SECRET, 71, URL), URL) == (71, None)
+    assert excusal.read((SECRET,), excusal.excusal(SECRET, 71, URL), URL) == (71, None)
 
 
 @pytest.mark.parametrize(
@@ -67,8 +68,15 @@ def test_an_excusal_is_read_for_its_room_by_the_rank_it_names() -> None:
     ],
 )
 def test_anything_else_is_refused_saying_why(frames: Callable[[], list[bytes]], why: str) -> None:
-    room, said = excusal.read(SECRET, frames(), URL)
+    room, said = excusal.read((SECRET,), frames(), URL)
     assert room is None and said is not None and why in said, said
+
+
+def test_during_a_secret_rotation_an_excusal_signed_with_either_secret_is_taken() -> None:
+    new, old = b"new-peer-secret", SECRET
+    for signer in (new, old):
+        assert excusal.read((new, old), excusal.excusal(signer, 9, URL), URL) == (9, None)
+    assert "bad signature" in str(excusal.read((new,), excusal.excusal(old, 9, URL), URL)[1])
 
 
 def test_a_stale_or_retargeted_excusal_is_refused() -> None:
@@ -77,10 +85,14 @@ def test_a_stale_or_retargeted_excusal_is_refused() -> None:
     stale[3] = excusal.sign(
         SECRET, excusal.METHOD, excusal.PATH, body, now=time.time() - 600
     ).encode()
-    assert "away from this server's clock" in str(excusal.read(SECRET, stale, URL)[1])
+    assert "away from this server's clock" in str(excusal.read((SECRET,), stale, URL)[1])
+    never = excusal.excusal(SECRET, 71, URL)
+    # Signed with the secret for the time "nan", which no skew would ever exceed.
+    never[3] = excusal.sign(SECRET, excusal.METHOD, excusal.PATH, body, now=math.nan).encode()
+    assert "bad timestamp" in str(excusal.read((SECRET,), never, URL)[1])
     moved = excusal.excusal(SECRET, 71, URL)
     moved[1] = b"72"  # the same signature for another room
-    assert "bad signature" in str(excusal.read(SECRET, moved, URL)[1])
+    assert "bad signature" in str(excusal.read((SECRET,), moved, URL)[1])
 
 
 def test_a_decode_with_sglang_s_radix_cache_is_refused_at_start_up_by_name() -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -72,7 +73,7 @@ from pipelines.events import (
 )
 from service.embedded import EmbeddedService
 from service.integrations.sglang import excusal
-from service.integrations.sglang.bootstrap import SIGNATURE_HEADER, URL_FIELD, sign
+from service.integrations.sglang.bootstrap import MAX_SKEW_S, SIGNATURE_HEADER, URL_FIELD, sign
 from service.integrations.sglang.layouts import (
     RankLayout,
     Unsupported,
@@ -219,15 +220,21 @@ class KVHandoffManager(CommonKVManager):
             buffers={pp_rank: EngineStage(self.rank.layout, self.rank.buffers)},
         ).start()
         self.service_url = self.service.url
-        self.secret = self.kv_config.secrets("peer")[0].encode()
+        # The peer secrets: the current one signs; any of them verifies (a rotation).
+        self.secrets = tuple(k.encode() for k in self.kv_config.secrets("peer"))
+        self.secret = self.secrets[0]
+        # How long an excusal is kept for a room not seen yet (or cleared): a handoff's deadline
+        # and the signature's skew, after which no decode can still be waiting on the room.
+        self._excusal_ttl_s = self.kv_config.handoff.default_deadline_s + MAX_SKEW_S
         self._rooms: dict[str, int] = {}  # handoff id -> room, of live senders / receivers
         self._sent: dict[int, int] = {}  # prefill: pages signalled so far, per room
         self._signalled: set[int] = set()  # prefill: rooms whose last page range was signalled
         # prefill: rooms whose pages all came, by SGLang's count, before their state slots
         self._ended: dict[int, int] = {}
-        # prefill: rooms a decode rank excused (SGLang's MLA dummy ranks: `excusal.py`), kept
-        # until the room's sender clears (an excusal may come before the request does).
-        self._excused: OrderedDict[int, None] = OrderedDict()
+        # prefill: rooms a decode rank excused (SGLang's MLA dummy ranks: `excusal.py`): inf
+        # while the room's sender is open (until it clears), else when it came (monotonic),
+        # kept `_excusal_ttl_s` (it may come before the request does, or after it cleared).
+        self._excused: OrderedDict[int, float] = OrderedDict()
         # Handoff ids whose pages are free again (HandoffReleased), kept past clear(): SGLang
         # asks `is_abort_release_safe` after it cleared the receiver. Bounded, oldest first out.
         self._released: OrderedDict[str, None] = OrderedDict()
@@ -237,7 +244,8 @@ class KVHandoffManager(CommonKVManager):
         # prefill: per room, the bytes this rank's stage moved so far and when (perf_counter)
         # its last segment was committed on the decode: what `get_transfer_metric` reports.
         self._moved: dict[int, tuple[int, float | None]] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: a send refused under it fails its room, which reads `_excused` under it.
+        self._lock = threading.RLock()
         # SGLang's update_status reads, then writes: two threads (the scheduler's and the
         # service's) interleaving there could move a room backwards. One writer at a time.
         self._status_lock = threading.Lock()
@@ -259,7 +267,7 @@ class KVHandoffManager(CommonKVManager):
             self._kv_replica_factor = 1
             if prefill:
                 self._excusals = excusal.Listener(
-                    self.server_socket, self.secret, self.service_url, self.excuse
+                    self.server_socket, self.secrets, self.service_url, self.excuse
                 ).start()
         except BaseException:
             self._calls.shutdown(wait=False)
@@ -280,9 +288,16 @@ class KVHandoffManager(CommonKVManager):
         """Follow `hid` (by default this rank's own) as the room's handoff; an excused
         prefill room has none to follow."""
         hid = hid or self.own_handoff(room)
+        room = int(room)
         with self._lock:
-            if int(room) not in self._excused:
-                self._rooms[hid] = int(room)
+            at = self._excused.get(room)
+            if at is not None and at < time.monotonic() - self._excusal_ttl_s:
+                del self._excused[room]  # for an earlier request of this room number
+                at = None
+            if at is None:
+                self._rooms[hid] = room
+            else:
+                self._excused[room] = math.inf  # bound to this sender until it clears
             self._released.pop(hid, None)
         return hid
 
@@ -316,17 +331,24 @@ class KVHandoffManager(CommonKVManager):
         """A decode rank excused this prefill rank from `room` (verified: `excusal.py`): the
         room moves nothing from here and reaches Success at its last send. Ranges already
         signalled are withdrawn first, on the worker thread after them, and the room's events
-        no longer move it. Success, should the last
-        send have come already, follows the give-up there."""
+        no longer move it. Success, should the last send have come already, follows the
+        withdrawal there."""
         room = int(room)
         hid = self.own_handoff(room)
         with self._lock:
-            if room in self._excused:
-                return
-            self._excused[room] = None
-            while len(self._excused) > RELEASED_KEPT:
+            now = time.monotonic()
+            at = self._excused.pop(room, None)
+            if at is not None and at >= now - self._excusal_ttl_s:
+                self._excused[room] = at
+                return  # a repeat (a replay within the skew window)
+            # A room whose sender is open is bound to it until it clears; another is kept for
+            # `_excusal_ttl_s` (its request may not have reached this rank yet).
+            opened = self._rooms.pop(hid, None) is not None
+            self._excused[room] = math.inf if opened else now
+            while len(self._excused) > RELEASED_KEPT or (
+                next(iter(self._excused.values())) < now - self._excusal_ttl_s
+            ):
                 self._excused.popitem(last=False)
-            self._rooms.pop(hid, None)
             signalled = room in self._sent or room in self._ended or room in self._signalled
             last = room in self._signalled
             # Queued under the lock: in order with any stage signal `add_transfer_request`
@@ -340,8 +362,10 @@ class KVHandoffManager(CommonKVManager):
     def fail(self, room: int, reason: str, *, unreachable: bool = False) -> None:
         """Fail the room with `reason`; `unreachable`: a prefill rank could not be reached
         (noted before the status moves, so a poll that sees Failed sees the note too)."""
-        if unreachable:
-            with self._lock:
+        with self._lock:
+            if int(room) in self._excused:
+                return  # an excused room moves nothing from this rank: nothing of it can fail
+            if unreachable:
                 self._unreachable.add(int(room))
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
@@ -483,18 +507,20 @@ class KVHandoffManager(CommonKVManager):
         the service in SGLang's order. A room this rank is excused from moves nothing: it
         reaches Success at SGLang's last chunk."""
         room = int(bootstrap_room)
-        if self.excused(room):
-            if is_last_chunk:  # after any withdrawal `excuse` queued
-                self._calls.submit(self.update_status, room, KVPoll.Success)
-            return
         slots, refused = component_slots(self.state_types, state_indices)
-        if refused:
-            self.refuse_send(room, f"kvhandoff: {refused}")
-            return
         pages = np.array(kv_indices, dtype=np.int64)  # a copy: SGLang reuses its array
         waiting = set(self.rank.layout.components) - set(slots)
         last = bool(is_last_chunk) and not waiting
         with self._lock:
+            # Checked with the bookkeeping `excuse` reads, in one critical section: an excusal
+            # sees either none of this send or all of it.
+            if room in self._excused:
+                if is_last_chunk:  # queued after any withdrawal `excuse` queued
+                    self._calls.submit(self.update_status, room, KVPoll.Success)
+                return
+            if refused:
+                self.refuse_send(room, f"kvhandoff: {refused}")
+                return
             if room in self._signalled:
                 if len(pages):
                     self.refuse_send(
@@ -524,9 +550,11 @@ class KVHandoffManager(CommonKVManager):
             aux = int(aux_index)
         hid = self.own_handoff(room)
         rank = self.stage_rank
-        with self._lock:  # queued in order with an excusal's give-up (see `excuse`)
+        with self._lock:  # queued in order with an excusal's withdrawal (see `excuse`)
             if room in self._excused:
-                return  # excused meanwhile: `excuse` queued the withdrawal and any Success
+                # Excused since the bookkeeping above, which `excuse` saw: it queued the
+                # withdrawal of what was signalled, and Success if this send was the last.
+                return
             self.submit(
                 room,
                 "stage ready",
@@ -634,6 +662,8 @@ class KVHandoffSender(CommonKVSender):
         SGLang's first send to the stage's last segment committed on the decode."""
         metric = super().get_transfer_metric()
         moved = self.kv_mgr.moved(self.bootstrap_room)
+        if moved is None and self.kv_mgr.excused(self.bootstrap_room):
+            moved = (0, None)  # SGLang would count the pages an excused rank never sent
         if moved is not None:
             nbytes, ended = moved
             metric.transfer_total_bytes = nbytes
@@ -644,8 +674,13 @@ class KVHandoffSender(CommonKVSender):
     def abort(self) -> None:
         super().abort()
         mgr, room = self.kv_mgr, self.bootstrap_room
-        if mgr.is_dummy_cp_rank or mgr.excused(room):
-            return  # a rank that sends nothing has no handoff to give up (or gave it up)
+        if mgr.is_dummy_cp_rank:
+            return  # a CP rank that sends nothing has no handoff to give up
+        if mgr.excused(room):
+            # Nothing to give up, but a withdrawal may still be queued: SGLang frees the source
+            # pages next, so wait for the worker to have run it.
+            mgr.submit(room, "abort", lambda: None).result()
+            return
         hid = mgr.own_handoff(room)
         # Waited for (after any queued stage signal): SGLang frees the source pages next.
         stop = mgr.submit(

@@ -21,15 +21,16 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
 from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 
-from service.integrations.sglang.settings import peer_secret
+from service.integrations.sglang.settings import peer_secrets
 
 log = logging.getLogger("kvhandoff.sglang.bootstrap")
 
@@ -46,8 +47,12 @@ def sign(secret: bytes, method: str, path: str, body: bytes, now: float | None =
     return f"t={ts},v1={_mac(secret, method, path, ts, body)}"
 
 
-def check(secret: bytes, method: str, path: str, body: bytes, header: str | None) -> str | None:
-    """None when `header` signs this request freshly; otherwise why it does not."""
+def check(
+    secrets: Sequence[bytes], method: str, path: str, body: bytes, header: str | None
+) -> str | None:
+    """None when `header` signs this request freshly with one of `secrets` (every configured
+    peer secret: a rotation adds the new one first and keeps the old one a while, as the peer
+    protocol takes them); otherwise why it does not."""
     if not header:
         return f"missing {SIGNATURE_HEADER}"
     fields = dict(part.split("=", 1) for part in header.split(",") if "=" in part)
@@ -56,9 +61,11 @@ def check(secret: bytes, method: str, path: str, body: bytes, header: str | None
         skew = abs(time.time() - float(ts))
     except ValueError:
         return "bad timestamp"
+    if not math.isfinite(skew):
+        return "bad timestamp"
     if skew > MAX_SKEW_S:
         return f"timestamp {skew:.0f} s away from this server's clock"
-    if not hmac.compare_digest(mac, _mac(secret, method, path, ts, body)):
+    if not any(hmac.compare_digest(mac, _mac(k, method, path, ts, body)) for k in secrets):
         return "bad signature"
     return None
 
@@ -91,7 +98,7 @@ class KVHandoffBootstrapServer(BaseKVBootstrapServer):
     _run_server = _common._run_server
 
     def __init__(self, host: str, port: int) -> None:
-        self._secret = peer_secret(os.environ)
+        self._secrets = peer_secrets(os.environ)
         #: (dp group, cp rank, tp rank, pp rank) -> the rank's kvhandoff URL.
         self.service_urls: dict[tuple[int, int, int, int], str] = {}
         self._loop = None
@@ -106,7 +113,7 @@ class KVHandoffBootstrapServer(BaseKVBootstrapServer):
         if (request.method, request.path) in SIGNED_ROUTES:
             body = await request.read()
             why = check(
-                self._secret,
+                self._secrets,
                 request.method,
                 request.path,
                 body,

@@ -9,11 +9,12 @@ prefill never learns the decode's TP size), so its rank tells each of them, over
 ZMQ channel to the rank (`rank_ip` / `rank_port` of its bootstrap row), once it has paired.
 
 An excusal makes a prefill rank skip the request's transfer, so it is taken only when signed:
-HMAC-SHA256 with the peer secret (`bootstrap.sign` / `check`: fresh within `MAX_SKEW_S`) over
-the room and the kvhandoff service URL of the rank it is for, which names one rank in one
-life. A message signed for another rank, another life, without the secret or stale is refused
-and changes nothing. (A replay within the skew window can only excuse the same rank for the
-same room again.)
+HMAC-SHA256 with the current peer secret (`bootstrap.sign` / `check`, which takes any
+configured one, so a rotation does not stop excusals; fresh within `MAX_SKEW_S`) over the room
+and the kvhandoff service URL of the rank it is for, which names one rank in one life. A
+message signed for another rank, another life, without a secret or stale is refused and
+changes nothing. (A replay within the skew window can only excuse the same rank for the same
+room again.)
 
 Called by: `backend.py` (the decode receiver's `init` sends; a prefill manager's listener
 thread reads its `server_socket`).
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -48,30 +49,36 @@ def excusal(secret: bytes, room: int, url: str) -> list[bytes]:
     return [TAG, str(int(room)).encode("ascii"), url.encode(), signature.encode("ascii")]
 
 
-def read(secret: bytes, frames: list[bytes], url: str) -> tuple[int | None, str | None]:
-    """(room, None) for an excusal signed for this rank (`url`), else (None, why not)."""
+def read(secrets: Sequence[bytes], frames: list[bytes], url: str) -> tuple[int | None, str | None]:
+    """(room, None) for an excusal signed with one of `secrets` for this rank (`url`), else
+    (None, why not)."""
     if len(frames) != 4 or frames[0] != TAG:
         return None, f"not an excusal ({len(frames)} frames)"
     try:
         room, for_url, signature = int(frames[1]), frames[2].decode(), frames[3].decode("ascii")
     except (ValueError, UnicodeDecodeError):
         return None, "a malformed excusal"
-    why = check(secret, METHOD, PATH, _body(room, for_url), signature)
+    why = check(secrets, METHOD, PATH, _body(room, for_url), signature)
     if why is not None:
         return None, f"room {room}: {why}"
     if for_url != url:
-        return None, f"room {room}: signed for the rank at {for_url}, not this one ({url})"
+        return None, f"room {room}: signed for the rank at {for_url!r}, not this one ({url})"
     return room, None
 
 
 class Listener:
     """Reads excusals from a prefill manager's ZMQ PULL socket on a thread of its own and
-    hands each verified one to `excuse(room)`; anything else is logged and dropped."""
+    hands each verified one to `excuse(room)`; anything else is logged and dropped. Nothing
+    but `stop` ends it: a rank whose listener died would fail every excused request."""
 
     def __init__(
-        self, socket: zmq.Socket[bytes], secret: bytes, url: str, excuse: Callable[[int], None]
+        self,
+        socket: zmq.Socket[bytes],
+        secrets: Sequence[bytes],
+        url: str,
+        excuse: Callable[[int], None],
     ) -> None:
-        self._socket, self._secret, self._url, self._excuse = socket, secret, url, excuse
+        self._socket, self._secrets, self._url, self._excuse = socket, secrets, url, excuse
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvhandoff-excusals", daemon=True)
 
@@ -82,18 +89,24 @@ class Listener:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                if not self._socket.poll(POLL_MS):
-                    continue
-                frames = self._socket.recv_multipart()
-            except zmq.ZMQError:
+                self._once()
+            except Exception:  # logged; the next message is read all the same
                 if self._stop.is_set():
                     return
-                raise
-            room, why = read(self._secret, frames, self._url)
-            if room is None:
-                log.warning("refused an excusal: %s", why)
-                continue
+                log.exception("reading excusals")
+                self._stop.wait(POLL_MS / 1000)  # a socket that keeps failing: no busy loop
+
+    def _once(self) -> None:
+        if not self._socket.poll(POLL_MS):
+            return
+        frames = self._socket.recv_multipart()
+        room, why = read(self._secrets, frames, self._url)
+        if room is not None:
             self._excuse(room)
+        elif frames[:1] == [TAG]:
+            log.warning("refused an excusal: %s", why)
+        else:  # nothing of SGLang's is sent here under the policies kvhandoff runs with
+            log.debug("dropped a message that is no excusal: %s", why)
 
     def stop(self) -> None:
         self._stop.set()

@@ -43,8 +43,9 @@ def rank_config(
     return load_config(path, env, {**overrides, "server.state_dir": str(state_dir)})
 
 
-def peer_secret(env: Mapping[str, str]) -> bytes:
-    """The current peer secret (the bootstrap server's key), from the same file."""
+def peer_secrets(env: Mapping[str, str]) -> tuple[bytes, ...]:
+    """The peer secrets the bootstrap server takes registrations signed with (the current one
+    first), from the same file."""
     path = env.get(CONFIG_ENV) or None
     base = load_config(path, env, {"role": "prefill", "stages": [{"num_pages": 1}]})
     secrets = base.secrets("peer")
@@ -52,4 +53,4 @@ def peer_secret(env: Mapping[str, str]) -> bytes:
         raise ConfigError(
             "auth.peer", f"required by the SGLang backend's bootstrap server ({CONFIG_ENV})"
         )
-    return secrets[0].encode()
+    return tuple(k.encode() for k in secrets)

@@ -141,9 +141,14 @@ def test_a_withdrawn_handoff_ends_aborted_here_and_one_a_decode_holds_is_kept(
     events: list[Event] = []
     with EmbeddedService(config(tmp_path, "prefill"), buffers={0: s0, 1: s1}) as prefill:
         prefill.add_listener(events.append)
-        # Signalled early, then another rank turned out to send it: no decode holds it.
-        prefill.stage_ready("w1", 0, [1, 2])
+        # Signalled early (a first page range), then another rank turned out to send it: no
+        # decode holds it.
+        prefill.stage_ready("w1", 0, [1, 2], pages_from=0, last_pages=False)
         assert prefill.withdraw_prefill("w1", "another rank sends it")
+        # Withdrawn before any signal: the signal that comes later is refused.
+        assert prefill.withdraw_prefill("w0", "another rank sends it")
+        with pytest.raises(ConflictError):
+            prefill.stage_ready("w0", 0, [1], pages_from=0, last_pages=True)
         d, _alive = engine_stage([1, 3, 5], 0, 1, 16, None)  # raw addresses: keep the tensors
         dcfg = config(tmp_path, "decode", **{"peers.prefill": [prefill.url]})
         with EmbeddedService(dcfg, buffers={0: d}) as decode:
