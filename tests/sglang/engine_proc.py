@@ -324,7 +324,7 @@ def main() -> None:
     # Segments of this rank's stage the decode committed, per handoff id: the prefill publishes
     # `stage.transferred` only once the decode's commit answered (landed mode).
     committed: dict[str, int] = {}
-    if role == "prefill":
+    if role == "prefill" and manager.service_url is not None:  # a dummy CP rank runs none
         said = logging.getLogger("engine_proc")
         said.setLevel(logging.INFO)
 

@@ -473,6 +473,45 @@ def test_a_registration_without_the_peer_secret_is_refused(deployment: Deploymen
     assert requests.post(f"{base}/query_dp_ranks", json=rooms, timeout=5).json() == {}
 
 
+def test_only_a_dummy_cp_rank_registers_without_a_kvhandoff_url(deployment: Deployment) -> None:
+    # Signed registrations of an attention-CP prefill with its own bootstrap server: CP rank 1
+    # (SGLang's dummy participant, which runs no service) is taken without a URL; CP rank 0,
+    # the one a decode pairs with, is not.
+    port = free_port()
+    other = KVHandoffBootstrapServer("127.0.0.1", port)
+    try:
+        serving(port)
+        statuses = []
+        for cp_rank in (1, 0):
+            row = {
+                "attn_tp_size": 1,
+                "attn_tp_rank": 0,
+                "attn_cp_size": 2,
+                "attn_cp_rank": cp_rank,
+                "attn_dp_size": 1,
+                "attn_dp_rank": 0,
+                "pp_size": 1,
+                "pp_rank": 0,
+                "system_dp_size": 1,
+                "system_dp_rank": 0,
+                "rank_ip": "127.0.0.1",
+                "rank_port": 9,
+                "page_size": ep.PAGE_SIZE,
+                "kv_cache_dtype": "bfloat16",
+                "kvhandoff_url": None,
+            }
+            body = json.dumps(row).encode()
+            headers = {SIGNATURE_HEADER: sign(SECRET.encode(), "PUT", "/route", body)}
+            reply = requests.put(
+                f"http://127.0.0.1:{port}/route", data=body, headers=headers, timeout=5
+            )
+            statuses.append((reply.status_code, reply.text))
+    finally:
+        other.close()
+    assert statuses[0][0] == 200, statuses
+    assert statuses[1][0] == 400 and "must carry kvhandoff_url" in statuses[1][1], statuses
+
+
 def test_a_prefill_of_another_tp_size_is_refused_naming_both(deployment: Deployment) -> None:
     # A second prefill instance, TP 2, registered (signed) with its own bootstrap server.
     port = free_port()
@@ -696,12 +735,14 @@ def test_equal_tp_moves_one_handoff_per_request_and_tp_rank(tmp_path: Path) -> N
 def test_attention_cp_sends_from_cp_rank_0_alone(tmp_path: Path) -> None:
     # A prefill of attention CP 2 (TP 1) and a decode: SGLang pairs the decode with CP rank 0,
     # which holds every page and sends; CP rank 1 is SGLang's dummy participant, reaching
-    # Success at its last send without a handoff. Its bytes differ from rank 0's (engine_proc
-    # seeds by CP rank), so the decode's bytes show that rank 0's landed and rank 1's did not.
+    # Success at its last send without a handoff, and runs no kvhandoff service (no Mooncake
+    # engine, no port). Its bytes differ from rank 0's (engine_proc seeds by CP rank),
+    # so the decode's bytes show that rank 0's landed and rank 1's did not.
     cp = [{"cp_size": 2, "cp_rank": r} for r in (0, 1)]
     room, src, dst, aux, mamba = 7701, [6, 2, 11], [9, 3, 5], (4, 1), (2, 3)
     dump = tmp_path / "decode.npz"
     with deploy(tmp_path, [(0, v) for v in cp], [{}], 1) as d:
+        assert d.prefill[0].hello["url"] and d.prefill[1].hello["url"] is None
         prefill, [decode] = request_on_ranks(
             [(d.decode, dump)], d.prefill, room, (src, dst), aux, mamba
         )

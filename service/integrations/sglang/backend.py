@@ -215,11 +215,18 @@ class KVHandoffManager(CommonKVManager):
         num_pages = min((e.num_items for e in self.rank.layout.kv), default=1)
         stage = {"pp_rank": pp_rank, "pp_size": pp_size, "num_pages": num_pages}
         self.kv_config = rank_config(os.environ, role=role, stage=stage, rank_name=rank_name)
-        self.service = EmbeddedService(
-            self.kv_config,
-            buffers={pp_rank: EngineStage(self.rank.layout, self.rank.buffers)},
-        ).start()
-        self.service_url = self.service.url
+        # A prefill CP rank other than 0 is SGLang's dummy participant (the modes where every CP
+        # rank sends are refused above): it moves nothing, so it runs no service (no Mooncake
+        # engine, no port) and registers no URL.
+        self.dummy_cp = prefill and parallel.attn_cp_size > 1 and parallel.attn_cp_rank != 0
+        self._service: EmbeddedService | None = None
+        self.service_url: str | None = None
+        if not self.dummy_cp:
+            self._service = EmbeddedService(
+                self.kv_config,
+                buffers={pp_rank: EngineStage(self.rank.layout, self.rank.buffers)},
+            ).start()
+            self.service_url = self._service.url
         # The peer secrets: the current one signs; any of them verifies (a rotation).
         self.secrets = tuple(k.encode() for k in self.kv_config.secrets("peer"))
         self.secret = self.secrets[0]
@@ -254,7 +261,8 @@ class KVHandoffManager(CommonKVManager):
         # One thread for the calls that wait on the service, so the scheduler never does.
         self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvhandoff")
         try:
-            self.service.add_listener(self._on_event)
+            if self._service is not None:
+                self._service.add_listener(self._on_event)
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
             if prefill and self.attn_cp_size > 1 and self.enable_all_cp_ranks_for_transfer:
                 # SGLang's own verdict, should a condition of it not be named above.
@@ -262,17 +270,31 @@ class KVHandoffManager(CommonKVManager):
                     "attention CP with every CP rank sending its share of the pages "
                     "(SGLang's enable_all_cp_ranks_for_transfer) is not supported by kvhandoff"
                 )
+            if bool(getattr(self, "is_dummy_cp_rank", False)) != self.dummy_cp:
+                raise Unsupported(  # SGLang's own verdict on which CP ranks send
+                    f"SGLang {'makes' if self.dummy_cp else 'does not make'} CP rank "
+                    f"{parallel.attn_cp_rank} a dummy participant, which kvhandoff does not "
+                    "expect of this layout"
+                )
             # Each sending rank sends its own copy to one decode rank (equal TP, or an MLA
             # prefill of larger TP), so SGLang's metric need not wait to learn the factor.
             self._kv_replica_factor = 1
-            if prefill:
+            if prefill and self.service_url is not None:
                 self._excusals = excusal.Listener(
                     self.server_socket, self.secrets, self.service_url, self.excuse
                 ).start()
         except BaseException:
             self._calls.shutdown(wait=False)
-            self.service.stop()  # a rank that did not come up leaves nothing registered
+            if self._service is not None:
+                self._service.stop()  # a rank that did not come up leaves nothing registered
             raise
+
+    @property
+    def service(self) -> EmbeddedService:
+        """The rank's kvhandoff service: every rank that moves bytes runs one."""
+        if self._service is None:
+            raise RuntimeError("a dummy CP rank of the prefill runs no kvhandoff service")
+        return self._service
 
     def update_status(self, bootstrap_room: int, status: int) -> None:
         with self._status_lock:
@@ -461,7 +483,7 @@ class KVHandoffManager(CommonKVManager):
     def _register_topology_row(self, url: str, payload: dict[str, Any]) -> None:
         """SGLang's registration, with this rank's service URL and signed (`bootstrap.py`).
         At start-up: retried for a while, then the rank does not come up."""
-        body = {**payload, URL_FIELD: self.service_url}
+        body = {**payload, URL_FIELD: self.service_url}  # None: a dummy CP rank
         for attempt in range(5):
             why = self._signed("PUT", url, body)
             if why is None:
@@ -632,7 +654,8 @@ class KVHandoffManager(CommonKVManager):
         if self._excusals is not None:
             self._excusals.stop()
         self._calls.shutdown(wait=True)
-        self.service.stop()
+        if self._service is not None:
+            self._service.stop()
 
 
 class KVHandoffSender(CommonKVSender):

@@ -129,6 +129,10 @@ class KVHandoffBootstrapServer(BaseKVBootstrapServer):
     async def _handle_route_put(self, request: web.Request) -> web.StreamResponse:
         data = await request.json()
         url = data.get(URL_FIELD)
+        if url is None and int(data.get("attn_cp_rank") or 0) > 0:
+            # A prefill CP rank other than 0, SGLang's dummy participant: registered (SGLang
+            # counts every rank), never paired with a decode rank, so it runs no service.
+            return await self._handle_route_put_common(request)
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             return web.Response(status=400, text=f"a registration must carry {URL_FIELD}")
         response = await self._handle_route_put_common(request)
