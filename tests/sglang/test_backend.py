@@ -435,25 +435,39 @@ def test_a_prefill_send_the_service_refuses_fails_the_decode_at_once(
     assert decode["released"], decode
 
 
-def test_a_registration_without_the_peer_secret_is_refused(deployment: Deployment) -> None:
-    url = f"http://127.0.0.1:{deployment.port}/route"
-    row = {
+def bootstrap_row(**fields: Any) -> dict[str, Any]:
+    """A prefill rank's registration as SGLang's `register_to_bootstrap` makes it: one stage, TP
+    1, no CP or DP, unless `fields` say otherwise."""
+    row: dict[str, Any] = {
         "attn_tp_size": 1,
         "attn_tp_rank": 0,
         "attn_cp_size": 1,
         "attn_cp_rank": 0,
         "attn_dp_size": 1,
         "attn_dp_rank": 0,
-        "pp_size": 2,
-        "pp_rank": 1,
+        "pp_size": 1,
+        "pp_rank": 0,
         "system_dp_size": 1,
         "system_dp_rank": 0,
-        "rank_ip": "198.51.100.7",
-        "rank_port": 1,
-        "page_size": 4,
+        "rank_ip": "127.0.0.1",
+        "rank_port": 9,
+        "page_size": ep.PAGE_SIZE,
         "kv_cache_dtype": "bfloat16",
-        "kvhandoff_url": "http://198.51.100.7:1",
+        "kvhandoff_url": "http://127.0.0.1:9",
     }
+    return {**row, **fields}
+
+
+def test_a_registration_without_the_peer_secret_is_refused(deployment: Deployment) -> None:
+    url = f"http://127.0.0.1:{deployment.port}/route"
+    row = bootstrap_row(
+        pp_size=2,
+        pp_rank=1,
+        rank_ip="198.51.100.7",
+        rank_port=1,
+        page_size=4,
+        kvhandoff_url="http://198.51.100.7:1",
+    )
     body = json.dumps(row).encode()
     assert requests.put(url, data=body, timeout=5).status_code == 401
     forged = sign(b"another secret", "PUT", "/route", body)
@@ -483,23 +497,7 @@ def test_only_a_dummy_cp_rank_registers_without_a_kvhandoff_url(deployment: Depl
         serving(port)
         statuses = []
         for cp_rank in (1, 0):
-            row = {
-                "attn_tp_size": 1,
-                "attn_tp_rank": 0,
-                "attn_cp_size": 2,
-                "attn_cp_rank": cp_rank,
-                "attn_dp_size": 1,
-                "attn_dp_rank": 0,
-                "pp_size": 1,
-                "pp_rank": 0,
-                "system_dp_size": 1,
-                "system_dp_rank": 0,
-                "rank_ip": "127.0.0.1",
-                "rank_port": 9,
-                "page_size": ep.PAGE_SIZE,
-                "kv_cache_dtype": "bfloat16",
-                "kvhandoff_url": None,
-            }
+            row = bootstrap_row(attn_cp_size=2, attn_cp_rank=cp_rank, kvhandoff_url=None)
             body = json.dumps(row).encode()
             headers = {SIGNATURE_HEADER: sign(SECRET.encode(), "PUT", "/route", body)}
             reply = requests.put(
@@ -519,23 +517,7 @@ def test_a_prefill_of_another_tp_size_is_refused_naming_both(deployment: Deploym
     try:
         serving(port)
         for tp_rank in (0, 1):
-            row = {
-                "attn_tp_size": 2,
-                "attn_tp_rank": tp_rank,
-                "attn_cp_size": 1,
-                "attn_cp_rank": 0,
-                "attn_dp_size": 1,
-                "attn_dp_rank": 0,
-                "pp_size": 1,
-                "pp_rank": 0,
-                "system_dp_size": 1,
-                "system_dp_rank": 0,
-                "rank_ip": "127.0.0.1",
-                "rank_port": 9,
-                "page_size": ep.PAGE_SIZE,
-                "kv_cache_dtype": "bfloat16",
-                "kvhandoff_url": "http://127.0.0.1:9",
-            }
+            row = bootstrap_row(attn_tp_size=2, attn_tp_rank=tp_rank)
             body = json.dumps(row).encode()
             headers = {SIGNATURE_HEADER: sign(SECRET.encode(), "PUT", "/route", body)}
             reply = requests.put(
