@@ -380,13 +380,14 @@ def main() -> None:
                 at += n
                 poll(sender)
             final = until(sender, terminal, cmd.get("timeout_s", 20.0), seen)
-            metric = sender.get_transfer_metric()  # what prefill.py reads once a room is done
             error = None
             if pp_rank_i == 0:
                 error = failure(sender) if final == KVPoll.Failed else None
                 sender.clear()
             else:
                 held[room] = sender
+            # What prefill.py reads once a room is done: after `clear()` on PP rank 0, as there.
+            metric = sender.get_transfer_metric()
             answer(
                 {
                     "room": room,

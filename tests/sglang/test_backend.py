@@ -803,6 +803,10 @@ def test_an_mla_prefill_of_larger_tp_sends_from_one_rank_and_excuses_the_others(
             assert all(a["released"] for a in decode)
             moved = [a["transferred"] for a in prefill]
             assert moved[0] >= 1 and moved[2] >= 1 and moved[1] == moved[3] == 0, prefill
+            # SGLang's transfer metric (read after `clear()`): the senders' bytes; none of the
+            # dummies', so SGLang records no transfer speed for what they never sent.
+            sent = [a["metric"]["bytes"] for a in prefill]
+            assert sent[0] == sent[2] and sent[0] > 0 and sent[1] is sent[3] is None, prefill
             for k in (0, 1):
                 verify_whole_rank(
                     dumps[k], r, (src, dst), aux, (0, 0), 2 * k, mla=True, mamba_items=[]

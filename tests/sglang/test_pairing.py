@@ -11,7 +11,11 @@ from types import SimpleNamespace
 import pytest
 
 from service.integrations.sglang import excusal
-from service.integrations.sglang.backend import refuse_decode_prefix_reuse, tp_pairing_refusal
+from service.integrations.sglang.backend import (
+    refuse_decode_prefix_reuse,
+    refuse_rust_registry,
+    tp_pairing_refusal,
+)
 from service.integrations.sglang.layouts import Unsupported
 
 SECRET = b"peer-secret"
@@ -104,3 +108,15 @@ def test_a_decode_with_sglang_s_radix_cache_is_refused_at_start_up_by_name() -> 
         refuse_decode_prefix_reuse(SimpleNamespace(**{flag: True}), prefill=False)
     refuse_decode_prefix_reuse(SimpleNamespace(**{flag: False}), prefill=False)
     refuse_decode_prefix_reuse(SimpleNamespace(**{flag: True}), prefill=True)  # a decode flag
+
+
+def test_the_rust_registry_with_dp_attention_is_refused_at_start_up_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SGLANG_RUST_SERVER", "1")
+    with pytest.raises(Unsupported, match="SGLANG_RUST_SERVER with DP attention"):
+        refuse_rust_registry(prefill=True, attn_dp_size=2)
+    refuse_rust_registry(prefill=True, attn_dp_size=1)  # registers with kvhandoff's server
+    refuse_rust_registry(prefill=False, attn_dp_size=2)  # a decode registers nothing
+    monkeypatch.setenv("SGLANG_RUST_SERVER", "0")
+    refuse_rust_registry(prefill=True, attn_dp_size=2)

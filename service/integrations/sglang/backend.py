@@ -35,7 +35,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -125,6 +124,19 @@ def tp_pairing_refusal(
     return None
 
 
+def refuse_rust_registry(*, prefill: bool, attn_dp_size: int) -> None:
+    """With `SGLANG_RUST_SERVER` and DP attention, SGLang gathers every rank's registration and
+    has the rank that owns a Rust listener register them all, unsigned, with that listener:
+    each row would carry the wrong rank's kvhandoff URL, in a registry kvhandoff does not run.
+    Refused at start-up by name."""
+    if prefill and attn_dp_size > 1 and envs.SGLANG_RUST_SERVER.get():
+        raise Unsupported(
+            "SGLANG_RUST_SERVER with DP attention is not supported by kvhandoff: SGLang then "
+            "registers every rank's row from one rank with the Rust registry, not with "
+            "kvhandoff's signed bootstrap server"
+        )
+
+
 def refuse_decode_prefix_reuse(server_args: Any, *, prefill: bool) -> None:
     """A decode with SGLang's radix cache reuses a prefix it holds and has the prefill send the
     rest only (`decode_prefix_len`), which kvhandoff does not carry yet: refused at start-up by
@@ -180,6 +192,9 @@ def failure_reason(event: HandoffFailed | HandoffAborted) -> str:
 class KVHandoffManager(CommonKVManager):
     """One scheduler rank's side of the backend: its embedded service and the room table."""
 
+    # prefill: reads the excusals decode ranks send (SGLang's MLA dummy ranks).
+    _excusals: excusal.Listener | None
+
     def __init__(
         self,
         args: Any,
@@ -192,6 +207,7 @@ class KVHandoffManager(CommonKVManager):
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
         refuse_context_parallel(parallel, args, prefill=prefill)
         refuse_decode_prefix_reuse(server_args, prefill=prefill)
+        refuse_rust_registry(prefill=prefill, attn_dp_size=int(parallel.attn_dp_size))
         if parallel.attn_dcp_size > 1:
             raise Unsupported("decode context parallelism (--dcp-size > 1) with kvhandoff")
         if parallel.enable_kv_cache_sharding:
@@ -230,36 +246,15 @@ class KVHandoffManager(CommonKVManager):
         # The peer secrets: the current one signs; any of them verifies (a rotation).
         self.secrets = tuple(k.encode() for k in self.kv_config.secrets("peer"))
         self.secret = self.secrets[0]
-        # How long an excusal is kept for a room not seen yet (or cleared): a handoff's deadline
-        # and the signature's skew, after which no decode can still be waiting on the room.
-        self._excusal_ttl_s = self.kv_config.handoff.default_deadline_s + MAX_SKEW_S
-        self._rooms: dict[str, int] = {}  # handoff id -> room, of live senders / receivers
-        self._sent: dict[int, int] = {}  # prefill: pages signalled so far, per room
-        self._signalled: set[int] = set()  # prefill: rooms whose last page range was signalled
-        # prefill: rooms whose pages all came, by SGLang's count, before their state slots
-        self._ended: dict[int, int] = {}
-        # prefill: rooms a decode rank excused (SGLang's MLA dummy ranks: `excusal.py`): inf
-        # while the room's sender is open (until it clears), else when it came (monotonic),
-        # kept `_excusal_ttl_s` (it may come before the request does, or after it cleared).
-        self._excused: OrderedDict[int, float] = OrderedDict()
-        # Handoff ids whose pages are free again (HandoffReleased), kept past clear(): SGLang
-        # asks `is_abort_release_safe` after it cleared the receiver. Bounded, oldest first out.
-        self._released: OrderedDict[str, None] = OrderedDict()
-        # decode: rooms that failed because a prefill rank was unreachable (gone, or started
-        # again elsewhere): their receiver has SGLang forget the prefill's bootstrap rows.
-        self._unreachable: set[int] = set()
-        # prefill: per room, the bytes this rank's stage moved so far and when (perf_counter)
-        # its last segment was committed on the decode: what `get_transfer_metric` reports.
-        self._moved: dict[int, tuple[int, float | None]] = {}
-        # Re-entrant: a send refused under it fails its room, which reads `_excused` under it.
-        self._lock = threading.RLock()
-        # SGLang's update_status reads, then writes: two threads (the scheduler's and the
-        # service's) interleaving there could move a room backwards. One writer at a time.
-        self._status_lock = threading.Lock()
-        # prefill: reads the excusals decode ranks send (SGLang's MLA dummy ranks).
-        self._excusals: excusal.Listener | None = None
-        # One thread for the calls that wait on the service, so the scheduler never does.
-        self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvhandoff")
+        # An excusal that comes before its request is kept as long as a decode may still wait
+        # on the room: SGLang's bootstrap and waiting timeouts (the decode excuses at `init`,
+        # before its handoff's deadline starts), or the handoff deadline, and the skew.
+        wait_s = max(
+            envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
+            + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get(),
+            self.kv_config.handoff.default_deadline_s,
+        )
+        self._init_rooms(wait_s + MAX_SKEW_S)
         try:
             if self._service is not None:
                 self._service.add_listener(self._on_event)
@@ -296,6 +291,33 @@ class KVHandoffManager(CommonKVManager):
             raise RuntimeError("a dummy CP rank of the prefill runs no kvhandoff service")
         return self._service
 
+    def _init_rooms(self, excusal_ttl_s: float) -> None:
+        """The rank's room tables, locks and worker thread (all a room's bookkeeping reads)."""
+        self._rooms: dict[str, int] = {}  # handoff id -> room, of live senders / receivers
+        self._sent: dict[int, int] = {}  # prefill: pages signalled so far, per room
+        self._signalled: set[int] = set()  # prefill: rooms whose last page range was signalled
+        # prefill: rooms whose pages all came, by SGLang's count, before their state slots
+        self._ended: dict[int, int] = {}
+        # prefill: rooms a decode rank excused (SGLang's MLA dummy ranks: `excusal.py`)
+        self._excused = excusal.Excusals(excusal_ttl_s, RELEASED_KEPT)
+        # Handoff ids whose pages are free again (HandoffReleased), kept past clear(): SGLang
+        # asks `is_abort_release_safe` after it cleared the receiver. Bounded, oldest first out.
+        self._released: OrderedDict[str, None] = OrderedDict()
+        # decode: rooms that failed because a prefill rank was unreachable (gone, or started
+        # again elsewhere): their receiver has SGLang forget the prefill's bootstrap rows.
+        self._unreachable: set[int] = set()
+        # prefill: per room, the bytes this rank's stage moved so far and when (perf_counter)
+        # its last segment was committed on the decode: what `get_transfer_metric` reports.
+        self._moved: dict[int, tuple[int, float | None]] = {}
+        # Re-entrant: a send refused under it fails its room, which reads `_excused` under it.
+        self._lock = threading.RLock()
+        # SGLang's update_status reads, then writes: two threads (the scheduler's and the
+        # service's) interleaving there could move a room backwards. One writer at a time.
+        self._status_lock = threading.Lock()
+        self._excusals = None
+        # One thread for the calls that wait on the service, so the scheduler never does.
+        self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvhandoff")
+
     def update_status(self, bootstrap_room: int, status: int) -> None:
         with self._status_lock:
             super().update_status(bootstrap_room, status)
@@ -312,14 +334,8 @@ class KVHandoffManager(CommonKVManager):
         hid = hid or self.own_handoff(room)
         room = int(room)
         with self._lock:
-            at = self._excused.get(room)
-            if at is not None and at < time.monotonic() - self._excusal_ttl_s:
-                del self._excused[room]  # for an earlier request of this room number
-                at = None
-            if at is None:
+            if not self._excused.open(room):  # an excused room has no handoff to follow
                 self._rooms[hid] = room
-            else:
-                self._excused[room] = math.inf  # bound to this sender until it clears
             self._released.pop(hid, None)
         return hid
 
@@ -331,7 +347,7 @@ class KVHandoffManager(CommonKVManager):
             self._signalled.discard(int(room))
             self._unreachable.discard(int(room))
             self._moved.pop(int(room), None)
-            self._excused.pop(int(room), None)
+            self._excused.close(int(room))
 
     def released(self, hid: str) -> bool:
         with self._lock:
@@ -358,19 +374,9 @@ class KVHandoffManager(CommonKVManager):
         room = int(room)
         hid = self.own_handoff(room)
         with self._lock:
-            now = time.monotonic()
-            at = self._excused.pop(room, None)
-            if at is not None and at >= now - self._excusal_ttl_s:
-                self._excused[room] = at
+            if not self._excused.excuse(room, opened=hid in self._rooms):
                 return  # a repeat (a replay within the skew window)
-            # A room whose sender is open is bound to it until it clears; another is kept for
-            # `_excusal_ttl_s` (its request may not have reached this rank yet).
-            opened = self._rooms.pop(hid, None) is not None
-            self._excused[room] = math.inf if opened else now
-            while len(self._excused) > RELEASED_KEPT or (
-                next(iter(self._excused.values())) < now - self._excusal_ttl_s
-            ):
-                self._excused.popitem(last=False)
+            self._rooms.pop(hid, None)
             signalled = room in self._sent or room in self._ended or room in self._signalled
             last = room in self._signalled
             # Queued under the lock: in order with any stage signal `add_transfer_request`
@@ -381,16 +387,18 @@ class KVHandoffManager(CommonKVManager):
                 self._calls.submit(self.update_status, room, KVPoll.Success)
         log.info("room %d excused: the decode pairs with another prefill TP rank", room)
 
-    def fail(self, room: int, reason: str, *, unreachable: bool = False) -> None:
+    def fail(self, room: int, reason: str, *, unreachable: bool = False) -> bool:
         """Fail the room with `reason`; `unreachable`: a prefill rank could not be reached
-        (noted before the status moves, so a poll that sees Failed sees the note too)."""
+        (noted before the status moves, so a poll that sees Failed sees the note too). False,
+        changing nothing, for a room this rank is excused from: nothing of it can fail."""
         with self._lock:
             if int(room) in self._excused:
-                return  # an excused room moves nothing from this rank: nothing of it can fail
+                return False
             if unreachable:
                 self._unreachable.add(int(room))
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
+        return True
 
     def prefill_unreachable(self, room: int) -> bool:
         with self._lock:
@@ -426,8 +434,8 @@ class KVHandoffManager(CommonKVManager):
         """A prefill send this backend refuses: the request fails here, and its handoff is
         given up so the decode is told now (with the stage and the reason), not at its
         deadline; a destination that comes later is refused."""
-        self.fail(room, reason)
-        self._calls.submit(self._give_up, self.own_handoff(room), reason)
+        if self.fail(room, reason):
+            self._calls.submit(self._give_up, self.own_handoff(room), reason)
 
     def _withdraw(self, hid: str) -> None:
         """An excused room's signalled ranges: withdrawn (`aborted`, no failure anywhere); a
@@ -671,6 +679,9 @@ class KVHandoffSender(CommonKVSender):
         req_has_disagg_prefill_dp_rank: bool = False,
     ) -> None:
         mgr.open_room(bootstrap_room)
+        # What `get_transfer_metric` reports once `clear()` forgot the room (SGLang reads it
+        # after): (bytes moved and when the last commit was, or None; excused).
+        self._at_clear: tuple[tuple[int, float | None] | None, bool] | None = None
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
         if self.conclude_state is None and self.bootstrap_room in mgr.request_status:
             # kvhandoff takes a stage's signal before its destination: prefill may run now.
@@ -684,9 +695,12 @@ class KVHandoffSender(CommonKVSender):
         moved (what its segments carried, state and aux rows included), and the time from
         SGLang's first send to the stage's last segment committed on the decode."""
         metric = super().get_transfer_metric()
-        moved = self.kv_mgr.moved(self.bootstrap_room)
-        if moved is None and self.kv_mgr.excused(self.bootstrap_room):
-            moved = (0, None)  # SGLang would count the pages an excused rank never sent
+        room = self.bootstrap_room
+        # SGLang reads this after `clear()`, which forgets the room: then its snapshot.
+        moved, excused = self._at_clear or (self.kv_mgr.moved(room), self.kv_mgr.excused(room))
+        if excused:  # moved nothing: no sample of SGLang's transfer speed (it skips a None)
+            metric.transfer_total_bytes = metric.transfer_latency_s = None
+            return metric
         if moved is not None:
             nbytes, ended = moved
             metric.transfer_total_bytes = nbytes
@@ -712,8 +726,10 @@ class KVHandoffSender(CommonKVSender):
         stop.result()
 
     def clear(self) -> None:
+        room = self.bootstrap_room
+        self._at_clear = (self.kv_mgr.moved(room), self.kv_mgr.excused(room))
         super().clear()
-        self.kv_mgr.close_room(self.bootstrap_room)
+        self.kv_mgr.close_room(room)
 
 
 class KVHandoffReceiver(CommonKVReceiver):

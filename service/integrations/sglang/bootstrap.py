@@ -129,11 +129,10 @@ class KVHandoffBootstrapServer(BaseKVBootstrapServer):
     async def _handle_route_put(self, request: web.Request) -> web.StreamResponse:
         data = await request.json()
         url = data.get(URL_FIELD)
-        if url is None and int(data.get("attn_cp_rank") or 0) > 0:
-            # A prefill CP rank other than 0, SGLang's dummy participant: registered (SGLang
-            # counts every rank), never paired with a decode rank, so it runs no service.
-            return await self._handle_route_put_common(request)
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        dummy_cp = url is None and int(data.get("attn_cp_rank") or 0) > 0
+        if not dummy_cp and (
+            not isinstance(url, str) or not url.startswith(("http://", "https://"))
+        ):
             return web.Response(status=400, text=f"a registration must carry {URL_FIELD}")
         response = await self._handle_route_put_common(request)
         if response.status == 200:
@@ -145,7 +144,12 @@ class KVHandoffBootstrapServer(BaseKVBootstrapServer):
                 int(data["pp_rank"]),
             )
             async with self.lock:
-                self.service_urls[key] = url
+                if dummy_cp:
+                    # A prefill CP rank other than 0, SGLang's dummy participant: registered
+                    # (SGLang counts every rank), never paired, so it runs no service.
+                    self.service_urls.pop(key, None)
+                else:
+                    self.service_urls[key] = url
         return response
 
     async def _handle_route_get(self, request: web.Request) -> web.StreamResponse:

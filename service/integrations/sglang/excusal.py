@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import zmq
@@ -112,3 +114,51 @@ class Listener:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5 * POLL_MS / 1000)
+
+
+class Excusals:
+    """The rooms a prefill rank is excused from. Not thread-safe: the manager holds its lock.
+
+    An excusal for a room whose sender is open binds to it until it clears (`close`). One that
+    comes first (the decode pairs before the request reaches this rank) waits `ttl_s`, at most
+    `cap` of them, oldest out first; a sender that opens its room within that time takes it
+    (`open`), one that comes later does not (an earlier request of that room number)."""
+
+    def __init__(self, ttl_s: float, cap: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl_s, self._cap, self._clock = ttl_s, cap, clock
+        self._bound: set[int] = set()
+        self._early: OrderedDict[int, float] = OrderedDict()  # room -> when it came
+
+    def __contains__(self, room: int) -> bool:
+        """Whether the open room `room` is excused."""
+        return room in self._bound
+
+    def excuse(self, room: int, *, opened: bool) -> bool:
+        """Record an excusal for `room` (`opened`: its sender is open); False for a repeat."""
+        now = self._clock()
+        at = self._early.get(room)
+        if room in self._bound or (at is not None and at >= now - self._ttl_s):
+            return False
+        self._early.pop(room, None)
+        if opened:
+            self._bound.add(room)
+            return True
+        self._early[room] = now
+        while len(self._early) > self._cap or next(iter(self._early.values())) < now - self._ttl_s:
+            self._early.popitem(last=False)  # never the one just added: it is the newest
+        return True
+
+    def open(self, room: int) -> bool:
+        """A sender opened `room`: True when an excusal for it came first (it binds to it)."""
+        at = self._early.pop(room, None)
+        if at is None or at < self._clock() - self._ttl_s:
+            return False
+        self._bound.add(room)
+        return True
+
+    def close(self, room: int) -> None:
+        self._bound.discard(room)
+        self._early.pop(room, None)
+
+    def __len__(self) -> int:
+        return len(self._bound) + len(self._early)

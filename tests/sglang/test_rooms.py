@@ -1,0 +1,116 @@
+"""A prefill rank's room bookkeeping: its excusals (`excusal.Excusals`) and the manager's send
+path around them, on SGLang's own status table, without processes."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import KVPoll
+
+from service.integrations.sglang import excusal
+from service.integrations.sglang.backend import KVHandoffManager
+
+TTL = 100.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_excusal_for_an_open_room_holds_until_the_room_clears() -> None:
+    clock = Clock()
+    rooms = excusal.Excusals(TTL, cap=4, clock=clock)
+    assert rooms.excuse(7, opened=True)
+    clock.now += 10 * TTL  # no age ends it while its sender is open
+    assert 7 in rooms and not rooms.excuse(7, opened=True)  # a repeat
+    rooms.close(7)
+    assert 7 not in rooms and len(rooms) == 0
+
+
+def test_an_early_excusal_binds_to_a_sender_within_its_time_and_not_after() -> None:
+    clock = Clock()
+    rooms = excusal.Excusals(TTL, cap=4, clock=clock)
+    assert rooms.excuse(1, opened=False) and 1 not in rooms  # no sender yet
+    assert not rooms.excuse(1, opened=False)  # a repeat within its time
+    clock.now += TTL - 1
+    assert rooms.open(1) and 1 in rooms  # the request came: bound to its sender
+    assert rooms.excuse(2, opened=False)
+    clock.now += TTL + 1
+    assert not rooms.open(2) and 2 not in rooms  # too late: an earlier request's
+    assert not rooms.open(3)  # never excused
+
+
+def test_the_cap_and_the_time_evict_early_excusals_only() -> None:
+    clock = Clock()
+    rooms = excusal.Excusals(TTL, cap=2, clock=clock)
+    assert rooms.excuse(9, opened=True)  # bound: never evicted
+    for room in (1, 2, 3):
+        assert rooms.excuse(room, opened=False)
+        clock.now += 1
+    assert not rooms.open(1)  # the oldest early one went when a third came
+    assert rooms.open(2) and 9 in rooms
+    clock.now += TTL + 1
+    assert rooms.excuse(4, opened=False)  # evicts 3, now stale, from the front
+    assert len(rooms) == 3 and not rooms.open(3)  # 9 and 2 bound, 4 early
+
+
+def rank() -> KVHandoffManager:
+    """A prefill rank's manager with its room tables (`_init_rooms`, as every rank's) and
+    SGLang's status table, no service: what the send path, `excuse` and `open_room` use."""
+    mgr = object.__new__(KVHandoffManager)
+    mgr._init_rooms(TTL)
+    mgr.__dict__.update(
+        _service=None,
+        state_types=[],
+        rank=SimpleNamespace(layout=SimpleNamespace(components=()), has_aux=False),
+        tp_rank_for_handoffs=1,
+        stage_rank=0,
+        request_status={},
+        failure_records={},
+        failure_lock=threading.Lock(),
+        deferred_bootstrap=None,
+    )
+    return mgr
+
+
+def settled(mgr: KVHandoffManager) -> None:
+    mgr._calls.submit(lambda: None).result(timeout=5)
+
+
+def test_an_excused_room_moves_nothing_and_succeeds_at_its_last_send() -> None:
+    mgr = rank()
+    mgr.excuse(5)  # the decode paired before the request reached this rank
+    mgr.open_room(5)
+    mgr.request_status[5] = KVPoll.WaitingForInput
+    mgr.add_transfer_request(5, np.array([3, 4]), slice(0, 2), False)
+    assert mgr.request_status[5] == KVPoll.WaitingForInput
+    mgr.add_transfer_request(5, np.array([8]), slice(2, 3), True)
+    settled(mgr)
+    assert mgr.request_status[5] == KVPoll.Success
+    assert not mgr._rooms and not mgr._sent and not mgr._signalled  # no range was signalled
+    assert not mgr.fail(5, "a failure of this rank") and 5 not in mgr.failure_records
+
+
+def test_a_send_refused_under_the_rank_s_lock_fails_its_room_without_waiting_on_itself() -> None:
+    # A send after the room's last chunk is refused inside the send's critical section, and
+    # failing the room reads the excusals under the same lock: re-entered, not waited on.
+    mgr = rank()
+    mgr.open_room(6)
+    mgr.request_status[6] = KVPoll.WaitingForInput
+    mgr.add_transfer_request(6, np.array([1]), slice(0, 1), True)
+
+    sent = threading.Thread(
+        target=mgr.add_transfer_request, args=(6, np.array([2]), slice(1, 2), True)
+    )
+    sent.start()
+    sent.join(timeout=5)
+    assert not sent.is_alive(), "the refused send waits on its own lock"
+    assert mgr.request_status[6] == KVPoll.Failed
+    assert "1 pages sent after the last chunk" in mgr.failure_records[6]
+    settled(mgr)
