@@ -15,6 +15,9 @@ import msgspec
 from transport.blocks import Blocks
 from transport.regions import Region
 
+#: The memory every transport moves: host memory (`register`'s `devices`).
+HOST = frozenset({"cpu"})
+
 
 class TransportStats(msgspec.Struct, frozen=True, kw_only=True):
     """Cumulative counters since the transport started (`Transport.stats()`), for metrics.
@@ -64,8 +67,11 @@ class Transport(Protocol):
         """Cumulative counters (a snapshot, see `TransportStats`); cheap, any thread."""
         ...
 
-    def register(self, regions: Sequence[Region]) -> None:
-        """Make `regions` readable/writable by transfers, in one engine call.
+    def register(self, regions: Sequence[Region], *, devices: frozenset[str] = HOST) -> None:
+        """Make `regions` readable/writable by transfers, in one engine call. `devices`: the
+        torch device types the regions' memory lives on; a transport that cannot move one of
+        them raises `TransportError` naming it, before any address reaches the engine (which
+        would read a device address as host memory).
 
         Raises `TransportError` (with the engine's rc) if a region overlaps one already registered.
         """

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
-from transport.base import TransportStats
+from transport.base import HOST, TransportStats
 from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
 from transport.config import DEFAULT_MAX_BYTES_PER_BATCH
 from transport.errors import EngineCallError, TransportError, TransportTimeout
@@ -104,8 +104,13 @@ class LocalTransport:
         LOCAL_MIN_BYTES_PER_S`."""
         return LOCAL_CALL_BASE_S + self._max_bytes / LOCAL_MIN_BYTES_PER_S
 
-    def register(self, regions: Sequence[Region]) -> None:
+    def register(self, regions: Sequence[Region], *, devices: frozenset[str] = HOST) -> None:
         self._check_open()
+        if devices - HOST:
+            raise TransportError(
+                f"the local transport copies host memory only (memmove); these regions are "
+                f"{', '.join(sorted(devices - HOST))} memory"
+            )
         clash = self._regions.overlapping(regions)
         if clash is not None:
             raise TransportError(f"region {clash!r} overlaps a registered region")

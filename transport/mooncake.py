@@ -92,9 +92,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import itertools
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -102,7 +104,7 @@ from typing import Protocol
 
 import numpy as np
 
-from transport.base import TransportStats
+from transport.base import HOST, TransportStats
 from transport.blocks import U64, Blocks
 from transport.config import MooncakeConfig
 from transport.errors import EngineCallError, TransportError, TransportTimeout
@@ -143,6 +145,54 @@ WriteArrays = Callable[[str, U64, U64, U64], int]
 
 #: The name the array call has on engines that have it.
 WRITE_ARRAYS = "batch_transfer_sync_write_arrays"
+
+
+#: The distributions Mooncake is published as all install the same `mooncake` package, so only
+#: the distribution's name says which memory the build moves: `-non-cuda` builds (plain or
+#: `-efa-`) host memory only, `-npu` Ascend NPU memory too, `-musa` Moore Threads GPUs', and
+#: every other build (`mooncake-transfer-engine`, `-cuda13`, `-efa`, ...) CUDA memory.
+BUILD_PREFIX = "mooncake-transfer-engine"
+
+
+def build_memory(name: str) -> frozenset[str]:
+    """The torch device types a Mooncake distribution of this (normalised) name moves."""
+    if "non-cuda" in name:
+        return HOST
+    for device in ("npu", "musa"):
+        if device in name.split("-"):
+            return HOST | {device}
+    return HOST | {"cuda"}
+
+
+@functools.cache
+def installed_builds() -> frozenset[str]:
+    """The Mooncake distributions installed (normalised names; empty: a build from source)."""
+    names = importlib.metadata.packages_distributions().get("mooncake", ())
+    # Normalised as package indexes do (PEP 503): metadata may spell it with `_` or capitals.
+    normal = {re.sub(r"[-_.]+", "-", n).lower() for n in names}
+    return frozenset(n for n in normal if n.startswith(BUILD_PREFIX))
+
+
+def refuse_memory(devices: frozenset[str], builds: frozenset[str]) -> None:
+    """Device memory a build would read as host addresses: refused, naming the build to install.
+    With several builds installed, whichever one's files won is unknown: only memory all of them
+    move passes. A build from source (none installed by name) is trusted with what it is given."""
+    if not builds:
+        return
+    moves = frozenset.intersection(*(build_memory(b) for b in builds))
+    foreign = devices - moves
+    if foreign:
+        wanted = {
+            "cuda": "mooncake-transfer-engine (kvhandoff[cuda])",
+            "npu": "mooncake-transfer-engine-npu (kvhandoff[ascend])",
+        }
+        need = "; ".join(
+            f"{d} memory needs {wanted.get(d, 'a build for it')}" for d in sorted(foreign)
+        )
+        raise TransportError(
+            f"the installed Mooncake ({', '.join(sorted(builds))}) moves "
+            f"{', '.join(sorted(moves))} memory only: {need}"
+        )
 
 
 def start_engine(config: MooncakeConfig) -> Engine:
@@ -238,8 +288,9 @@ class MooncakeTransport:
 
     # -- memory ----------------------------------------------------------------------------
 
-    def register(self, regions: Sequence[Region]) -> None:
+    def register(self, regions: Sequence[Region], *, devices: frozenset[str] = HOST) -> None:
         engine = self._check_open()
+        refuse_memory(devices, installed_builds())
         clash = self._sources.overlapping(regions)
         if clash is not None:
             raise TransportError(f"region {clash!r} overlaps a registered region")

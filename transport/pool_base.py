@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from transport.base import Transport
+from transport.base import HOST, Transport
 from transport.errors import PoolError
 from transport.regions import Region
 
@@ -80,6 +80,11 @@ class Pool:
         return True
 
     @property
+    def devices(self) -> frozenset[str]:
+        """The torch device types of this pool's memory (what `register` tells the transport)."""
+        return HOST
+
+    @property
     def nbytes(self) -> int:
         return sum(r.length for r in self.registrations)
 
@@ -89,7 +94,7 @@ class Pool:
             raise PoolError(f"{self.kind} pool is closed")
         if self._transport is not None:
             raise PoolError(f"{self.kind} pool is already registered with a transport")
-        transport.register(self.registrations)
+        transport.register(self.registrations, devices=self.devices)
         self._transport = transport
 
     def view(self, index: int) -> Bytes:
@@ -162,6 +167,11 @@ class EmbeddedPool(Pool):
     @property
     def on_host(self) -> bool:
         return self._host
+
+    @property
+    def devices(self) -> frozenset[str]:
+        kinds = {str(t.device.type) for t in self._tensors}
+        return frozenset(kinds) | (HOST if len(self._tensors) < len(self.regions) else set())
 
     def view(self, index: int) -> Bytes:
         if not self._host:

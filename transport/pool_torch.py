@@ -93,6 +93,10 @@ class TorchPool(Pool):
     def on_host(self) -> bool:
         return bool(self._tensor.device.type == "cpu")
 
+    @property
+    def devices(self) -> frozenset[str]:
+        return frozenset({self.device.split(":", 1)[0]})
+
     def tensor(self, index: int) -> Any:
         """Region `index` as a uint8 tensor on the pool's device (a view, no copy)."""
         self._check_open()
