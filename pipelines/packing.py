@@ -14,7 +14,9 @@ in request order, a segment is `sum(item_len[row] * (end - start))` bytes.
   or bytes its destination does not have changes nothing.
 
 Copies run on the memory's own device, one call per piece, never one per page: numpy on host
-memory (CPU tensors included, see `HOST_TENSORS_VIA_NUMPY`), torch on a CUDA or NPU pool.
+memory (CPU tensors included, see `HOST_TENSORS_VIA_NUMPY`), torch on a CUDA or NPU pool. An
+entry may live on another device than the packed buffer (an engine's host aux rows beside its
+device KV): its pieces cross over. `gather` and `scatter` return once a device's copies ran.
 """
 
 from __future__ import annotations
@@ -228,26 +230,58 @@ def piece_views(
 
 def gather(pairing: Pairing, src: Side, pieces: Pieces, packed: Any) -> None:
     """Copy the pieces from the source entries into `packed` (1-D uint8, at least the
-    segment's bytes long), piece after piece."""
-    for rows, idx, out in piece_views(pairing, src, pieces, packed):
-        if _is_torch(rows):
-            import torch
+    segment's bytes long), piece after piece; on a device, returns once the copies are done
+    (also when a piece raised: no copy queued before it may still run)."""
+    try:
+        for rows, idx, out in piece_views(pairing, src, pieces, packed):
+            if _is_torch(rows):
+                import torch
 
-            torch.index_select(rows, 0, idx, out=out)
-        else:
-            # mode="clip": the pages were validated against every pool before any segment
-            # over them was cut (by page range: each range when it was signalled), and the
-            # default ("raise") buffers the output, copying every byte twice.
-            np.take(rows, idx, axis=0, out=out, mode="clip")
+                if rows.device == out.device:
+                    torch.index_select(rows, 0, idx, out=out)
+                else:  # an engine's host rows (SGLang's aux) into a device staging buffer
+                    out.copy_(torch.index_select(rows, 0, idx))
+            else:
+                # mode="clip": the pages were validated against every pool before any segment
+                # over them was cut (by page range: each range when it was signalled), and the
+                # default ("raise") buffers the output, copying every byte twice.
+                np.take(rows, idx, axis=0, out=out, mode="clip")
+    finally:
+        settle(packed)
 
 
 def scatter(pairing: Pairing, dst: Side, pieces: Pieces, packed: Any) -> None:
-    """Copy `packed` into the destination entries' pages and slot the pieces name."""
-    for rows, idx, data in piece_views(pairing, dst, pieces, packed):
-        if _is_torch(rows):
-            rows.index_copy_(0, idx, data)
-        else:
-            rows[idx] = data
+    """Copy `packed` into the destination entries' pages and slot the pieces name; on a
+    device, returns once the copies are done (also when a piece raised: a lease released after
+    a failed commit must find no copy still writing its pages)."""
+    touched: dict[str, Any] = {}
+    try:
+        for rows, idx, data in piece_views(pairing, dst, pieces, packed):
+            if _is_torch(rows):
+                touched.setdefault(str(rows.device), rows)
+                # A device snapshot into an engine's host rows (SGLang's aux) crosses devices.
+                moved = data if data.device == rows.device else data.to(rows.device)
+                rows.index_copy_(0, idx, moved)
+            else:
+                rows[idx] = data
+    finally:
+        for rows in touched.values():
+            settle(rows)
+
+
+def settle(tensor: Any) -> None:
+    """Wait until the copies this thread queued on `tensor`'s device have run.
+
+    Torch queues device copies on the thread's current stream and returns at once. The engine
+    reads the pages on streams of its own, and the transport reads a staging buffer through
+    its own engine: neither is ordered after this thread's stream. So a commit is only a
+    commit, and a staged segment only sendable, once its copies have run.
+    """
+    if not _is_torch(tensor) or tensor.device.type == "cpu":
+        return
+    import torch
+
+    torch.get_device_module(tensor.device).current_stream(tensor.device).synchronize()
 
 
 def copy_out(region: Any, offset: int, length: int, scratch: Any = None) -> Any:

@@ -235,6 +235,49 @@ def test_gather_then_scatter_moves_exactly_the_pieces(
     assert digest(packed, "xxh3_128") == digest(torch.from_numpy(packed), "xxh3_128")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_pages_and_host_slots_cross_a_device_segment_both_ways() -> None:
+    # SGLang on a GPU: KV pages on the device, the aux rows (here the state slots) in host
+    # memory, the staging buffer and the landing arena on the device.
+    p = pairing_of_stage()
+    rng = np.random.default_rng(2)
+    k = p.num_kv_pairs
+
+    class Regions:
+        def __init__(self, sizes: list[int], kv_regions: set[int]) -> None:
+            self.tensors = [
+                torch.from_numpy(rng.integers(0, 255, n, dtype=np.uint8)).to(
+                    "cuda:0" if i in kv_regions else "cpu"
+                )
+                for i, n in enumerate(sizes)
+            ]
+
+        def array(self, i: int):  # type: ignore[no-untyped-def]
+            return self.tensors[i]
+
+    src = Regions(p.src.region_sizes, set(p.kv_src_index.tolist()))
+    dst = Regions(p.dst.region_sizes, set(p.kv_dst_index.tolist()))
+    src_pages, dst_pages = np.array([3, 9, 4]), np.array([10, 2, 11])
+    rows = np.arange(k + p.num_state_pairs)
+    pieces = Pieces(rows, np.zeros_like(rows), np.where(rows < k, 3, 1))
+    packed = torch.zeros(int(piece_bytes(p, pieces).sum()), dtype=torch.uint8, device="cuda:0")
+    gather(p, source_side(p, src, src_pages, 1), pieces, packed)
+    assert torch.cuda.current_stream().query()  # returned once the device ran the copies
+    scatter(p, destination_side(p, dst, dst_pages, 2), pieces, packed)
+    assert torch.cuda.current_stream().query()
+    for row in range(k):
+        item = int(p.kv_item_len[row])
+        s = src.tensors[int(p.kv_src_index[row])].cpu().numpy().reshape(-1, item)
+        d = dst.tensors[int(p.kv_dst_index[row])].cpu().numpy().reshape(-1, item)
+        assert np.array_equal(s[src_pages], d[dst_pages])
+    for j in range(p.num_state_pairs):
+        item = int(p.slot_item_len[j])
+        s = src.tensors[int(p.slot_src_region[j])].numpy()[item : 2 * item]
+        d = dst.tensors[int(p.slot_dst_region[j])].numpy()[2 * item : 3 * item]
+        assert np.array_equal(s, d)
+    assert digest(packed, "wsum64") == digest(packed.cpu().numpy(), "wsum64")
+
+
 def test_both_digests_see_a_flipped_or_moved_byte() -> None:
     data = np.random.default_rng(0).integers(0, 255, 100_003, dtype=np.uint8)
     for algo in ("xxh3_128", "wsum64"):
