@@ -13,6 +13,7 @@ from pipelines.pairing import pair
 from service.integrations.sglang.layouts import (
     Unsupported,
     component_slots,
+    pool_device,
     rank_layout,
     refuse_unsupported,
 )
@@ -105,7 +106,8 @@ def test_a_positional_list_under_pp_takes_its_ids_from_the_stage_s_first_layer()
 @pytest.mark.parametrize(
     ("changes", "device", "named"),
     [
-        ({}, "cuda", "--device cuda"),
+        ({}, "npu", "--device npu is not supported by the kvhandoff backend: torch_npu"),
+        ({}, "xpu", "--device xpu is not supported by the kvhandoff backend"),
         ({"state_types": ["swa"], "state_data_ptrs": [[1]]}, "cpu", "components ['swa']"),
         ({"state_types": ["mamba", "dsa"], "state_data_ptrs": [[1], [2]]}, "cpu", "['dsa']"),
         ({"state_types": ["mamba"], "state_data_ptrs": [[1]]}, "cpu", "no state_layer_ids"),
@@ -118,7 +120,36 @@ def test_unsupported_features_are_refused_by_name(
     with pytest.raises(Unsupported) as err:
         refuse_unsupported(kv_args(**changes), device=device)
     assert named in str(err.value)
-    refuse_unsupported(kv_args(), device="cpu")  # and the supported case passes
+    refuse_unsupported(kv_args(), device="cpu")  # and the supported cases pass
+    refuse_unsupported(kv_args(), device="cuda")
+
+
+def test_mooncake_s_own_allocator_is_refused_by_name() -> None:
+    with pytest.raises(Unsupported) as err:
+        refuse_unsupported(kv_args(), device="cuda", custom_mem_pool="INTRA_NODE_NVLINK")
+    assert "SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK" in str(err.value)
+
+
+def test_kv_and_state_live_on_the_rank_s_gpu_and_aux_rows_in_host_memory() -> None:
+    assert pool_device("cuda", 3) == "cuda:3" and pool_device("cpu", 3) == "cpu"
+    rank = rank_layout(
+        mamba_args(), pp_rank=1, pp_size=2, is_mla=False, with_aux=True, device="cuda:3"
+    )
+    kv, state, aux = len(rank.layout.kv), len(rank.layout.state), len(rank.layout.aux)
+    assert (kv, state, aux) == (4, 4, 2)
+    assert rank.devices == ["cuda:3"] * (kv + state) + ["cpu"] * aux
+
+
+def test_a_rank_s_tensors_alias_sglang_s_buffers() -> None:
+    memory = [np.zeros(n, dtype=np.uint8) for n in (640, 640, 640, 640, 128, 64)]
+    ptrs = [int(m.ctypes.data) for m in memory]
+    args = kv_args(kv_data_ptrs=ptrs[:4], aux_data_ptrs=ptrs[4:], aux_data_lens=[128, 64])
+    rank = rank_layout(args, pp_rank=1, pp_size=2, is_mla=False, with_aux=True)
+    tensors = rank.tensors()
+    assert [t.data_ptr() for t in tensors] == ptrs
+    assert [t.numel() for t in tensors] == [m.size for m in memory]
+    tensors[4][3] = 5  # an aux row byte, written through the tensor
+    assert memory[4][3] == 5
 
 
 def mamba_args(**changes: Any) -> Any:

@@ -114,3 +114,29 @@ def test_a_send_refused_under_the_rank_s_lock_fails_its_room_without_waiting_on_
     assert mgr.request_status[6] == KVPoll.Failed
     assert "1 pages sent after the last chunk" in mgr.failure_records[6]
     settled(mgr)
+
+
+def test_an_early_sent_prefix_is_signalled_only_once_its_forward_has_run() -> None:
+    # SGLang's early cached-prefix send comes with an event on the forward stream that may
+    # still be writing those pages: the range reaches the service only after it completed.
+    mgr = rank()
+    order: list[str] = []
+    released = threading.Event()
+
+    class ForwardEvent:  # torch.cuda.Event's one method used here
+        def synchronize(self) -> None:
+            assert released.wait(5), "never released"
+            order.append("forward done")
+
+    class Service:
+        def stage_ready(self, hid: str, rank: int, pages: object, **kw: object) -> None:
+            order.append(f"signalled {hid} {np.asarray(pages).tolist()}")
+
+    mgr.__dict__["_service"] = Service()
+    mgr.open_room(7)
+    mgr.request_status[7] = KVPoll.WaitingForInput
+    mgr.add_transfer_request(7, np.array([3, 4]), slice(0, 2), False, wait_event=ForwardEvent())
+    assert order == []  # the scheduler went on; the worker waits, nothing was signalled
+    released.set()
+    settled(mgr)
+    assert order == ["forward done", "signalled sglang-7-tp1 [3, 4]"]

@@ -77,6 +77,7 @@ from service.integrations.sglang.layouts import (
     RankLayout,
     Unsupported,
     component_slots,
+    pool_device,
     rank_layout,
     refuse_unsupported,
     state_types,
@@ -203,7 +204,10 @@ class KVHandoffManager(CommonKVManager):
         is_mla_backend: bool | None = False,
     ) -> None:
         parallel = get_parallel()
-        refuse_unsupported(args, device=str(getattr(server_args, "device", "cpu")))
+        device = str(getattr(server_args, "device", "cpu"))
+        refuse_unsupported(
+            args, device=device, custom_mem_pool=envs.SGLANG_MOONCAKE_CUSTOM_MEM_POOL.get()
+        )
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
         refuse_context_parallel(parallel, args, prefill=prefill)
         refuse_decode_prefix_reuse(server_args, prefill=prefill)
@@ -223,6 +227,7 @@ class KVHandoffManager(CommonKVManager):
             pp_size=pp_size,
             is_mla=bool(is_mla_backend),
             with_aux=not prefill or pp_rank == pp_size - 1,
+            device=pool_device(device, int(getattr(args, "gpu_id", 0) or 0)),
         )
         role = "prefill" if prefill else "decode"
         rank_name = f"sglang-{role}-dp{parallel.attn_dp_rank}-pp{pp_rank}-tp{parallel.attn_tp_rank}"
@@ -240,7 +245,7 @@ class KVHandoffManager(CommonKVManager):
         if not self.dummy_cp:
             self._service = EmbeddedService(
                 self.kv_config,
-                buffers={pp_rank: EngineStage(self.rank.layout, self.rank.buffers)},
+                buffers={pp_rank: EngineStage(self.rank.layout, self.rank.tensors())},
             ).start()
             self.service_url = self._service.url
         # The peer secrets: the current one signs; any of them verifies (a rotation).
@@ -525,6 +530,8 @@ class KVHandoffManager(CommonKVManager):
         aux_index: int | None = None,
         state_indices: list[Any] | None = None,
         num_kv_tokens: int | None = None,
+        wait_event: Any = None,
+        indices_event: Any = None,
         **_: Any,
     ) -> None:
         """One prefill chunk's pages (from `CommonKVSender.send`), signalled at once as the
@@ -535,9 +542,18 @@ class KVHandoffManager(CommonKVManager):
         which may be an empty one after that: a stage with state ends its ranges only once its
         slots came. Signals go out in order on the rank's worker thread, so the ranges reach
         the service in SGLang's order. A room this rank is excused from moves nothing: it
-        reaches Success at SGLang's last chunk."""
+        reaches Success at SGLang's last chunk.
+
+        Two CUDA events may come with a chunk. `wait_event`: SGLang sends a cached prefix early,
+        while the previous forward may still be writing those pages on its own stream; the
+        worker waits for it before it signals the range, so no gather reads them sooner.
+        `indices_event`: the page indices are still being copied to the host (SGLang passes it
+        only to senders that declare `supports_host_tensor_indices`, which this one does not;
+        waited for here all the same, before the indices are read)."""
         room = int(bootstrap_room)
         slots, refused = component_slots(self.state_types, state_indices)
+        if indices_event is not None:
+            indices_event.synchronize()
         pages = np.array(kv_indices, dtype=np.int64)  # a copy: SGLang reuses its array
         waiting = set(self.rank.layout.components) - set(slots)
         last = bool(is_last_chunk) and not waiting
@@ -585,10 +601,11 @@ class KVHandoffManager(CommonKVManager):
                 # Excused since the bookkeeping above, which `excuse` saw: it queued the
                 # withdrawal of what was signalled, and Success if this send was the last.
                 return
-            self.submit(
-                room,
-                "stage ready",
-                lambda: self.service.stage_ready(
+
+            def signal() -> None:
+                if wait_event is not None:
+                    wait_event.synchronize()  # the forward that writes these pages has run
+                self.service.stage_ready(
                     hid,
                     rank,
                     pages,
@@ -596,9 +613,9 @@ class KVHandoffManager(CommonKVManager):
                     last_pages=last,
                     src_slots=slots if last else None,
                     src_aux=aux,
-                ),
-                give_up=hid,
-            )
+                )
+
+            self.submit(room, "stage ready", signal, give_up=hid)
 
     def register_prefill_dp_rank_signed(self, bootstrap_addr: str, room: int) -> None:
         """Tell the bootstrap server which DP rank prefills `room` (signed), on the rank's worker

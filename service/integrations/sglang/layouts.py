@@ -16,6 +16,11 @@ slot of component `mamba`. Components whose per-request indices are not one slot
 the other paged or ring components: a list of rows of their own pool, with window semantics
 kvhandoff does not carry) are refused here by name before anything is registered. Draft-model
 KV entries (speculative decoding) take their ids in SGLang's band above the target's layers.
+
+Memory: SGLang publishes raw pointers. On `--device cuda` its KV and state pools live on the
+rank's GPU (`gpu_id`) and its aux rows in host memory (`MetadataBuffers`); each buffer becomes a
+tensor over that memory on its own device (`transport.pointers.tensor_at`, no copy), so the
+decode's commits and the prefill's gathers run with torch where the pages are.
 """
 
 from __future__ import annotations
@@ -28,10 +33,14 @@ import numpy as np
 
 from pipelines.errors import LayoutError
 from pipelines.layout import StageLayout, group_layer_ids, layout_from_flat_lists
+from transport.pointers import tensor_at
 
 #: SGLang state components with one index per request (a slot of their own pool): what this
 #: backend moves, as the state component of that name.
 SLOT_COMPONENTS = frozenset({"mamba"})
+
+#: SGLang's `--device` values whose memory this backend can reach with torch.
+DEVICES = ("cpu", "cuda")
 
 
 class Unsupported(ValueError):
@@ -40,22 +49,46 @@ class Unsupported(ValueError):
 
 @dataclass(frozen=True)
 class RankLayout:
-    """One rank's layout and its raw buffers, KV, then state, then aux (region i is entry i)."""
+    """One rank's layout and its raw buffers, KV, then state, then aux (region i is entry i),
+    with the device each buffer lives on."""
 
     layout: StageLayout
     buffers: list[tuple[int, int]]
+    devices: list[str]
 
     @property
     def has_aux(self) -> bool:
         return bool(self.layout.aux)
 
+    def tensors(self) -> list[Any]:
+        """The buffers as flat uint8 tensors over SGLang's memory, each on its own device (no
+        copy; SGLang keeps the memory alive for the life of the scheduler)."""
+        return [tensor_at(a, n, d) for (a, n), d in zip(self.buffers, self.devices, strict=True)]
 
-def refuse_unsupported(kv_args: Any, *, device: str) -> None:
-    """Raise Unsupported naming the first feature of `kv_args` this backend cannot move."""
-    if device != "cpu":
+
+def pool_device(device: str, gpu_id: int) -> str:
+    """The torch device of a rank's KV and state pools under SGLang's `--device`."""
+    return f"cuda:{gpu_id}" if device == "cuda" else device
+
+
+def refuse_unsupported(kv_args: Any, *, device: str, custom_mem_pool: str | None = None) -> None:
+    """Raise Unsupported naming the first feature of `kv_args` this backend cannot move.
+
+    `custom_mem_pool` is SGLANG_MOONCAKE_CUSTOM_MEM_POOL: Mooncake's own allocator for the KV
+    pools (NVLink, Barex); one of its modes (INTRA_NODE_NVLINK) also puts SGLang's aux rows on
+    the GPU, where this backend expects them in host memory."""
+    if device not in DEVICES:
+        why = (
+            "torch_npu cannot wrap SGLang's NPU pointers as tensors, which the decode's "
+            "commits into the pages need"
+            if device == "npu"
+            else "kvhandoff reaches host and CUDA memory only"
+        )
+        raise Unsupported(f"--device {device} is not supported by the kvhandoff backend: {why}")
+    if custom_mem_pool:
         raise Unsupported(
-            f"the kvhandoff SGLang backend registers host memory only in this version; "
-            f"--device {device} buffers are not supported yet"
+            f"SGLANG_MOONCAKE_CUSTOM_MEM_POOL={custom_mem_pool} configures the Mooncake "
+            "backend's own allocator; unset it with kvhandoff"
         )
     kinds = state_types(kv_args)
     with_data = [k for i, k in enumerate(kinds) if _component_list(kv_args, "state_data_ptrs", i)]
@@ -162,8 +195,10 @@ def rank_layout(
     pp_size: int,
     is_mla: bool,
     with_aux: bool,
+    device: str = "cpu",
 ) -> RankLayout:
-    """The layout of one rank (a prefill PP stage, or the decode with `pp_size` 1)."""
+    """The layout of one rank (a prefill PP stage, or the decode with `pp_size` 1): KV and
+    state buffers on `device` (`pool_device`), aux rows in host memory."""
     kv = kv_lists(kv_args, is_mla=is_mla, pp_rank=pp_rank, pp_size=pp_size)
     state = state_lists(kv_args)
     aux: list[Sequence[int]] = (
@@ -195,8 +230,9 @@ def rank_layout(
         raise Unsupported(f"SGLang's KVArgs do not make a kvhandoff layout: {exc}") from exc
     buffers = list(zip(kv.ptrs, kv.lens))
     buffers += [(e.base, e.nbytes) for e in layout.state]
+    on_device = len(buffers)
     buffers += [(a.base, a.nbytes) for a in layout.aux]
-    return RankLayout(layout, buffers)
+    return RankLayout(layout, buffers, [device] * on_device + ["cpu"] * len(layout.aux))
 
 
 def state_types(kv_args: Any) -> list[str]:
