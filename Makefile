@@ -35,7 +35,7 @@ APT_UPDATE = waited=0; \
 	  sleep $(APT_RETRY_S); waited=$$((waited + $(APT_RETRY_S))); \
 	done; [ -z "$$out" ] || printf '%s\n' "$$out"
 
-.PHONY: setup apt-lists test-tools test test-unit lint fmt typecheck demo bench bench-setup \
+.PHONY: setup apt-lists test-tools test test-unit device-check lint fmt typecheck demo bench bench-setup \
 	bench-report soak bench-plan bench-transport bench-events bench-webhooks fuzz reliability \
 	clean image-setup image image-test sglang-env test-sglang
 
@@ -111,6 +111,10 @@ test: setup test-tools sglang-env
 # The fast loop: unit tests only (no real processes, no browser).
 test-unit: setup
 	$(PY) -m pytest tests/unit
+
+# On a machine with a GPU and Mooncake's CUDA build: the checks CI skips (it has no GPU).
+device-check:
+	$(PY) -m pytest -rs tests/device tests/unit/transport/test_pointers.py tests/unit/pipelines/test_packing.py
 
 lint: setup
 	$(VENV)/bin/ruff check .
