@@ -35,7 +35,7 @@ APT_UPDATE = waited=0; \
 	  sleep $(APT_RETRY_S); waited=$$((waited + $(APT_RETRY_S))); \
 	done; [ -z "$$out" ] || printf '%s\n' "$$out"
 
-.PHONY: setup apt-lists test-tools test test-unit device-check lint fmt typecheck demo bench bench-setup \
+.PHONY: setup apt-lists test-tools test test-unit device-check device-kit lint fmt typecheck demo bench bench-setup \
 	bench-report soak bench-plan bench-transport bench-events bench-webhooks fuzz reliability \
 	clean image-setup image image-test sglang-env test-sglang
 
@@ -115,6 +115,10 @@ test-unit: setup
 # On a machine with a GPU and Mooncake's CUDA build: the checks CI skips (it has no GPU).
 device-check:
 	$(PY) -m pytest -rs tests/device tests/unit/transport/test_pointers.py tests/unit/pipelines/test_packing.py
+
+# For a GPU machine without network: .devkit/ holds what it lacks (tests/device/run.sh there).
+device-kit:
+	bash tests/device/kit.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .
