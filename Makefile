@@ -117,7 +117,7 @@ device-check:
 	$(PY) -m pytest -rs tests/device tests/unit/transport/test_pointers.py tests/unit/pipelines/test_packing.py
 
 # For a GPU machine without network: .devkit/ holds what it lacks (tests/device/run.sh there).
-device-kit:
+device-kit: apt-lists
 	bash tests/device/kit.sh
 
 lint: setup

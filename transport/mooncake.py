@@ -150,7 +150,9 @@ WRITE_ARRAYS = "batch_transfer_sync_write_arrays"
 #: The distributions Mooncake is published as all install the same `mooncake` package, so only
 #: the distribution's name says which memory the build moves: `-non-cuda` builds (plain or
 #: `-efa-`) host memory only, `-npu` Ascend NPU memory too, `-musa` Moore Threads GPUs', and
-#: every other build (`mooncake-transfer-engine`, `-cuda13`, `-efa`, ...) CUDA memory.
+#: every other build (`mooncake-transfer-engine`, `-cuda13`, `-efa`, `-rocm`: torch names
+#: ROCm devices `cuda` too) CUDA memory. A wheel built from source under the plain name is taken
+#: for the CUDA build.
 BUILD_PREFIX = "mooncake-transfer-engine"
 
 
@@ -290,7 +292,8 @@ class MooncakeTransport:
 
     def register(self, regions: Sequence[Region], *, devices: frozenset[str] = HOST) -> None:
         engine = self._check_open()
-        refuse_memory(devices, installed_builds())
+        if devices - HOST:  # host memory every build moves: no need to read the metadata
+            refuse_memory(devices, installed_builds())
         clash = self._sources.overlapping(regions)
         if clash is not None:
             raise TransportError(f"region {clash!r} overlaps a registered region")

@@ -30,6 +30,7 @@ from tests.device.cuda_stage import (
 )
 from transport.mooncake import installed_builds
 
+pytest.importorskip("mooncake.engine", reason="needs a Mooncake build")
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(
@@ -45,7 +46,11 @@ def test_gpu_pages_and_host_aux_rows_land_byte_exact(tmp_path: Path) -> None:
     prefill = subprocess.Popen(
         [sys.executable, "-m", "tests.device.cuda_stage", str(tmp_path / "prefill"), SECRET],
         cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root)},
+        # The packages a GPU machine's kit brings (tests/device/run.sh) are on PYTHONPATH too.
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        },
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

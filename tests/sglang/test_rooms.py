@@ -140,3 +140,28 @@ def test_an_early_sent_prefix_is_signalled_only_once_its_forward_has_run() -> No
     released.set()
     settled(mgr)
     assert order == ["forward done", "signalled sglang-7-tp1 [3, 4]"]
+
+
+def test_a_device_error_while_waiting_for_the_forward_fails_the_room_and_gives_it_up() -> None:
+    mgr = rank()
+    given_up: list[tuple[str, str]] = []
+
+    class BrokenEvent:
+        def synchronize(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    class Service:
+        def stage_ready(self, *args: object, **kw: object) -> None:
+            raise AssertionError("signalled although its forward never completed")
+
+        def abort_prefill(self, hid: str, reason: str) -> None:
+            given_up.append((hid, reason))
+
+    mgr.__dict__["_service"] = Service()
+    mgr.open_room(8)
+    mgr.request_status[8] = KVPoll.WaitingForInput
+    mgr.add_transfer_request(8, np.array([1]), slice(0, 1), False, wait_event=BrokenEvent())
+    settled(mgr)
+    assert mgr.request_status[8] == KVPoll.Failed
+    assert "stage ready failed: CUDA error" in mgr.failure_records[8]
+    assert given_up == [("sglang-8-tp1", mgr.failure_records[8])]

@@ -419,15 +419,20 @@ class KVHandoffManager(CommonKVManager):
         self, room: int, what: str, call: Callable[[], Any], *, give_up: str | None = None
     ) -> concurrent.futures.Future[Any]:
         """Run `call` on the rank's worker thread; an error fails the room naming `what` and,
-        with `give_up` (a prefill's handoff id), gives that handoff up too."""
+        with `give_up` (a prefill's handoff id), gives that handoff up too. Nobody reads the
+        call's result, so any error counts: an unexpected one (a CUDA error while waiting for
+        SGLang's forward) is logged with its traceback and fails the room the same way."""
 
         def run() -> Any:
             try:
                 return call()
-            except (KVHandoffError, TimeoutError, ValueError) as exc:
+            except Exception as exc:
                 if self.excused(room):
                     return None  # the room moves nothing from this rank: no failure of it
-                reason = f"kvhandoff {what} refused: {exc}"
+                expected = isinstance(exc, (KVHandoffError, TimeoutError, ValueError))
+                if not expected:
+                    log.exception("kvhandoff %s of room %s failed", what, room)
+                reason = f"kvhandoff {what} {'refused' if expected else 'failed'}: {exc}"
                 self.fail(room, reason, unreachable=isinstance(exc, PeerUnreachable))
                 if give_up is not None:
                     self._give_up(give_up, reason)
