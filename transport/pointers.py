@@ -18,6 +18,7 @@ import ctypes
 from typing import Any
 
 from transport.errors import PoolError
+from transport.pool_torch import check_cuda
 
 
 class _CudaMemory:
@@ -53,12 +54,8 @@ def tensor_at(addr: int, length: int, device: str) -> Any:
             "memory only",
             field="buffers",
         )
-    if torch.version.cuda is None:
-        raise PoolError(
-            f"buffers on {device} need a CUDA build of torch; this is torch {torch.__version__}",
-            field="buffers",
-        )
     dev = torch.device(device)
+    check_cuda(torch, dev, what="buffers on", field="buffers")
     try:
         with dev:  # a default device set elsewhere would make torch copy to it
             tensor = torch.as_tensor(_CudaMemory(addr, length))

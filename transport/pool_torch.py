@@ -31,26 +31,27 @@ def _torch_device(device: str) -> Any:
     except RuntimeError as exc:
         raise PoolError(f"invalid torch device {device!r}: {exc}", field="pool") from exc
     if dev.type == "cuda":
-        _check_cuda(torch, dev)
+        check_cuda(torch, dev)
     return dev
 
 
-def _check_cuda(torch: Any, dev: Any) -> None:
+def check_cuda(torch: Any, dev: Any, *, what: str = "pool device", field: str = "pool") -> None:
     """Name the mistake before torch does: a CPU build raises a bare AssertionError on the
-    first allocation, which a start-up would print as a traceback."""
+    first allocation, which a start-up would print as a traceback. Also for memory wrapped by
+    address (`transport.pointers`), whose `what` and `field` name it instead."""
     if torch.version.cuda is None:
         raise PoolError(
-            f"pool device {str(dev)!r} needs a CUDA build of torch; this is torch "
+            f"{what} {str(dev)!r} needs a CUDA build of torch; this is torch "
             f"{torch.__version__}, a CPU build (use a torch:cpu or shm pool, or install a CUDA "
             "build of torch)",
-            field="pool",
+            field=field,
         )
     count = int(torch.cuda.device_count())
     if count == 0 or (dev.index or 0) >= count:
         raise PoolError(
-            f"pool device {str(dev)!r} is not visible: this process sees {count} CUDA "
+            f"{what} {str(dev)!r} is not visible: this process sees {count} CUDA "
             "device(s) (check CUDA_VISIBLE_DEVICES and the driver)",
-            field="pool",
+            field=field,
         )
 
 

@@ -57,7 +57,7 @@ def test_what_cannot_be_wrapped_is_named(addr: int, length: int, device: str, na
 def test_cuda_memory_on_a_cpu_build_of_torch_is_named() -> None:
     with pytest.raises(PoolError) as err:
         tensor_at(4096, 16, "cuda:0")
-    assert "need a CUDA build of torch" in err.value.message
+    assert "buffers on 'cuda:0' needs a CUDA build of torch" in err.value.message
 
 
 @needs_cuda
