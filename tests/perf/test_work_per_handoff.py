@@ -26,14 +26,18 @@ callback for a while), and the table holds the mean per handoff:
 A count belongs to the side whose context it ran in: each service is started in its own
 `contextvars` context, which its tasks, server connections and callbacks inherit.
 
-What keeps the counts deterministic: one handoff at a time (nothing coalesces by chance), every
-service on one loop (a sender's writes are all in the socket before the receiver reads), each
-handoff settled before the next (its release and confirmations are its own), the outcome
-asked for by long poll right after the stages are signalled, as a router does (the transfer
-takes a worker thread's round trip and a peer request, so the poll always waits), and no timer
-inside the window: heartbeats and the WAL checkpoint chore are moved out of reach (they are
-per second, not per handoff; their cost is not what this gate watches). Not counted: syscalls
-(no deterministic in-process count; `strace -c` on a bench run shows them).
+What keeps the counts deterministic: one handoff at a time (nothing coalesces by chance), and
+with PP > 1 one stage at a time, each stage's arrival settled before the next stage is signalled
+(the decode's records commit in groups, one per turn of its loop: concurrent arrivals would share
+a commit, and an encode of the progress, or not, by timing; one at a time, every arrival has a
+group of its own, the worst case, every run); every service on one loop (a sender's writes are
+all in the socket before the receiver reads); each handoff settled before the next (its release
+and confirmations are its own); the outcome asked for by long poll right after the last stage is
+signalled, as a router does (the transfer takes a worker thread's round trip and a peer request,
+so the poll always waits); and no timer inside the window: heartbeats and the WAL checkpoint
+chore are moved out of reach (they are per second, not per handoff; their cost is not what this
+gate watches). Not counted: syscalls (no deterministic in-process count; `strace -c` on a bench
+run shows them).
 
 Budgets live in `work_budgets.toml` beside this file. `pytest tests/perf -s` prints the table;
 the failure message carries it too; `pytest tests/perf --write-work-budgets` rewrites the
@@ -57,7 +61,7 @@ import threading
 import time
 import tomllib
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -352,8 +356,14 @@ _encoder = msgspec.json.Encoder()  # the driver's own: created here, never count
 class Driver:
     """The router and the engines: create, every stage ready, then the outcome (once terminal)."""
 
-    def __init__(self, http: aiohttp.ClientSession, services: list[Service]) -> None:
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        services: list[Service],
+        settle: Callable[[], Awaitable[object]],
+    ) -> None:
         self.http = http
+        self.settle = settle
         self.decode = services[-1]
         self.prefills = services[:-1]
         self.ids: list[str] = []
@@ -374,13 +384,14 @@ class Driver:
         body = {"id": hid, "prefill": [p.url for p in self.prefills], "dst_pages": [page]}
         status, reply = await self._post(f"{self.decode.url}/v1/handoffs", body, ROUTER)
         assert status in (200, 201), reply
-        ready = [
-            self._post(
+        for rank, p in enumerate(self.prefills):
+            if rank:
+                # The previous stage's segment has landed and its record write committed, so
+                # this arrival is a group commit of its own (see `work_budgets.toml`).
+                await self.settle()
+            status, reply = await self._post(
                 f"{p.url}/v1/handoffs/{hid}/stages/{rank}/ready", {"src_pages": [page]}, ENGINE
             )
-            for rank, p in enumerate(self.prefills)
-        ]
-        for status, reply in await asyncio.gather(*ready):
             assert status == 202, reply
         headers = {"Authorization": f"Bearer {ROUTER}"}
         url = f"{self.decode.url}/v1/handoffs/{hid}"
@@ -447,7 +458,7 @@ async def measure(
         # A module imported only once a service started would hold an encoder nobody counts.
         missed = [f"{m.__name__}.{a}" for m, a, _ in module_encoders()]
         assert not missed, f"encoders the gate does not count: {missed}"
-        driver = Driver(http, services)
+        driver = Driver(http, services, lambda: settled(tally, services))
         if case.webhooks:
             await driver.register_webhook(receiver.url)
         for i in range(warmup):
