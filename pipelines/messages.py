@@ -31,6 +31,10 @@ not speak instead of guessing. Change history:
   component it leaves out) and the request's aux row (`dst_aux`); layouts carry aux entries
   (`StageLayout.aux`) and each state entry's component. Segment pieces and arrival digests
   cover the aux rows (`aux:<i>`) after the state slots.
+- v6: a destination may skip a prefix (`prefix_pages`): the decode holds the request's first
+  pages already (a prefix it cached), its `dst_pages` are for the positions after them, and the
+  prefill sends those only. A v5 prefill would send every page into the wrong positions, so
+  the version changes.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from msgspec import Meta, Struct
 from pipelines.layout import StageLayout
 from pipelines.slots import RequestSlots
 
-PEER_PROTOCOL_VERSION = 5
+PEER_PROTOCOL_VERSION = 6
 
 NonNeg = Annotated[int, Meta(ge=0)]
 Seconds = Annotated[float, Meta(ge=0)]
@@ -107,6 +111,10 @@ class DestinationMsg(Struct, frozen=True, kw_only=True):
     decode_address_key: str
     pp_ranks: list[NonNeg]  # the stages of the receiving process this handoff expects
     dst_pages: Pages
+    # The request's first pages, which the decode holds already (a prefix it cached): source
+    # position `prefix_pages + i` goes to `dst_pages[i]`, and the positions before are not sent
+    # (v6).
+    prefix_pages: NonNeg = 0
     dst_slot: NonNeg | None = None
     dst_slots: dict[str, NonNeg] = {}  # per state component (v5)
     dst_aux: NonNeg | None = None  # the request's aux row (v5)

@@ -617,6 +617,7 @@ class DecodePipeline:
             decode_address_key=self.layout.address_key,
             pp_ranks=sorted(ranks),
             dst_pages=h.request.dst_pages,
+            prefix_pages=h.request.prefix_pages,
             dst_slot=h.request.dst_slot,
             dst_slots=dict(h.request.dst_slots),
             dst_aux=h.request.dst_aux,

@@ -33,6 +33,15 @@ class HandoffRequest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # once); empty: the decode service's configured `peers.prefill`.
     prefill: list[Annotated[str, Meta(pattern=r"^https?://")]] = []
     dst_pages: list[Annotated[int, Meta(ge=0)]]
+    prefix_pages: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="The request's first pages, which this decode holds already (a prefix "
+            "it cached): `dst_pages` are for the request's positions after them, and the "
+            "prefill sends those only. 0: every page.",
+        ),
+    ] = 0
     # The state slot of every component `dst_slots` leaves out (a model of one component: its
     # slot); `dst_slots` per component (`StateEntry.component`); `dst_aux` the request's aux row.
     dst_slot: (

@@ -8,13 +8,14 @@ beyond the legal changes of a stage's state.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from pipelines.arena import Arena
+from pipelines.errors import InvalidInput
 from pipelines.layout import StageLayout
 from pipelines.memory import EntryMemory
 from pipelines.messages import (
@@ -144,6 +145,86 @@ class StageInput:
             self.src_slots = slots
             self.ended = True
             self.ended_event.set()
+
+
+class _SkippedSignals:
+    """A stage's ready signals with page positions counted after the decode's prefix."""
+
+    def __init__(self, inner: asyncio.Queue[ReadySignal], prefix: int, pp_rank: int) -> None:
+        self._inner = inner
+        self._prefix = prefix
+        self._pp_rank = pp_rank
+
+    def empty(self) -> bool:
+        return self._inner.empty()
+
+    async def get(self) -> ReadySignal:
+        signal = await self._inner.get()
+        end = signal.pages_end
+        if end is None:
+            return signal
+        # `check_range` refuses such a range once the destination is known, and the worker
+        # reads signals only after that: a guard, should a signal ever come another way.
+        if signal.last and end < self._prefix:
+            raise InvalidInput(
+                f"the last page range ends at request position {end}, inside the "
+                f"{self._prefix}-page prefix the decode holds",
+                field="last_pages",
+                pp_rank=self._pp_rank,
+            )
+        # A range inside the prefix brings no page to send (it ends at position 0 here).
+        return replace(signal, pages_end=max(0, end - self._prefix))
+
+
+class PrefixSkipped:
+    """A stage's input as a destination that skips a prefix sees it (`prefix_pages`): the
+    request's positions `prefix..`, numbered from 0 as the destination's `dst_pages` are.
+    The pages before are never read; ranges still to come are counted the same way."""
+
+    def __init__(self, inner: StageInput, prefix: int, pp_rank: int) -> None:
+        self._inner = inner
+        self._prefix = prefix
+        self.signals = _SkippedSignals(inner.signals, prefix, pp_rank)
+
+    @property
+    def src_pages(self) -> I64:
+        return self._inner.src_pages[self._prefix :]
+
+    @property
+    def src_slots(self) -> RequestSlots:
+        return self._inner.src_slots
+
+    @property
+    def ranged(self) -> bool:
+        return self._inner.ranged
+
+    @property
+    def ended(self) -> bool:
+        return self._inner.ended
+
+    @property
+    def ended_event(self) -> asyncio.Event:
+        return self._inner.ended_event
+
+
+#: A stage's input as its worker reads it: whole, or after the decode's prefix.
+StageSource = StageInput | PrefixSkipped
+
+
+def stage_source(inp: StageInput, prefix: int, pp_rank: int) -> StageSource:
+    """`inp` after the decode's `prefix` pages; refused (InvalidInput naming `prefix_pages`)
+    when the stage's pages are all known and fewer than the prefix (a last range ending
+    inside it is refused as it is read: `_SkippedSignals`)."""
+    if not prefix:
+        return inp
+    if inp.ended and inp.src_pages.shape[0] < prefix:
+        raise InvalidInput(
+            f"the stage has {inp.src_pages.shape[0]} pages, fewer than the "
+            f"{prefix}-page prefix the decode holds",
+            field="prefix_pages",
+            pp_rank=pp_rank,
+        )
+    return PrefixSkipped(inp, prefix, pp_rank)
 
 
 @dataclass

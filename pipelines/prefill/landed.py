@@ -38,7 +38,7 @@ from pipelines.prefill.handoff import (
     HostedStage,
     PrefillHandoff,
     Sender,
-    StageInput,
+    StageSource,
     Staging,
 )
 from pipelines.prefill.writes import write_all
@@ -97,7 +97,7 @@ class LandedSender:
         h: PrefillHandoff,
         rank: int,
         stage: HostedStage,
-        inp: StageInput,
+        inp: StageSource,
         dest: DestinationMsg,
         pairing: Pairing,
     ) -> int:

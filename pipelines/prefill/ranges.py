@@ -79,11 +79,13 @@ def check_range(
     )
     end = at + int(pages.shape[0])
     if dest is not None and pp_rank in dest.pp_ranks:
-        n = len(dest.dst_pages)
+        # The decode's pages follow the prefix it holds: the request has that many more.
+        n = dest.prefix_pages + len(dest.dst_pages)
+        has = f"the decode has {n} pages" + (
+            f" ({dest.prefix_pages} of them its cached prefix)" if dest.prefix_pages else ""
+        )
         if end > n:
-            raise refuse("src_pages", f"the range ends at position {end}; the decode has {n} pages")
+            raise refuse("src_pages", f"the range ends at position {end}; {has}")
         if last_pages and end != n:
-            raise refuse(
-                "last_pages", f"the last range ends at position {end}; the decode has {n} pages"
-            )
+            raise refuse("last_pages", f"the last range ends at position {end}; {has}")
     return pages, at, end, last_pages

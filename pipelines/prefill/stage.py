@@ -47,8 +47,9 @@ from pipelines.prefill.handoff import (
     PrefillHandoff,
     Sender,
     StageFailed,
-    StageInput,
+    StageSource,
     Staging,
+    stage_source,
 )
 from pipelines.prefill.landed import LandedSender
 from pipelines.prefill.writes import write_all
@@ -132,14 +133,16 @@ class StageRunner:
             pairing = self.cache.get(stage.layout, dst_layout)
             # Wait for the engine's first signal: it carries the source pages.
             await h.input_seen.setdefault(rank, asyncio.Event()).wait()
-            inp = h.inputs[rank]
-            if inp.ranged:
+            given = h.inputs[rank]
+            if given.ranged:
                 # Each range's source pages were checked as it came; the destination once here.
                 validate_destination(pairing, dest.dst_pages, dest.slots)
                 if dest.mode != "landed":
                     # Direct mode plans a stage whole: its ranges are sent once the last one is
                     # in, as one stage (no overlap with chunked prefill; landed mode has it).
-                    await inp.ended_event.wait()
+                    await given.ended_event.wait()
+            # What the destination asks for: the positions after a prefix the decode holds.
+            inp = stage_source(given, dest.prefix_pages, rank)
             if not inp.ranged or dest.mode != "landed":
                 validate_request(pairing, inp.src_pages, dest.dst_pages, inp.src_slots, dest.slots)
             h.set_stage(rank, StageState.SENDING)
@@ -202,7 +205,7 @@ class StageRunner:
         h: PrefillHandoff,
         rank: int,
         stage: HostedStage,
-        inp: StageInput,
+        inp: StageSource,
         out: asyncio.Queue[Chunk | End],
     ) -> None:
         kv_layers = {e.layer_id for e in stage.layout.kv}
@@ -232,7 +235,7 @@ class StageRunner:
         h: PrefillHandoff,
         rank: int,
         pairing: Pairing,
-        inp: StageInput,
+        inp: StageSource,
         dest: DestinationMsg,
         chunks: asyncio.Queue[Chunk | End],
         out: asyncio.Queue[TransferPlan | End],

@@ -414,6 +414,7 @@ def main() -> None:
             np.array(pages, dtype=np.int32),
             aux_index,
             state_indices(cmd),
+            decode_prefix_len=cmd.get("prefix_len"),  # tokens its radix cache holds
             destination=destination,
         )
         if cmd.get("abort_after_s") is not None:

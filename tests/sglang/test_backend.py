@@ -306,6 +306,32 @@ def test_chunked_pp2_handoff_lands_every_byte(deployment: Deployment) -> None:
         verify(d, room, src, dst, sa, da, mamba)
 
 
+def test_a_decode_holding_a_cached_prefix_receives_the_pages_after_it_only(
+    deployment: Deployment,
+) -> None:
+    # SGLang's decode radix cache holds the request's first 3 pages (`decode_prefix_len`, in
+    # tokens) and gives pages for the other 3; the prefill, which never learns of it, sends
+    # all 6 in chunks, the first inside the prefix, the second across its end. Only the pages
+    # after the prefix move, into the decode's pages; nothing else of the decode changes.
+    d = deployment
+    room, src, dst, (sa, da) = 7011, [3, 4, 9, 10, 11, 20], [7, 8, 1], (2, 5)
+    extra = {"decode": {"prefix_len": 3 * ep.PAGE_SIZE}}
+    decode, prefill = run(d, room, src, dst, sa, da, [2, 3, 1], **extra)
+    assert decode["final"] == KVPoll.Success, decode
+    assert all(p["final"] == KVPoll.Success for p in prefill), prefill
+    for rank, p in enumerate(prefill):  # each stage moved the suffix's pages only
+        state = len(ep.mamba_layers("prefill", rank)) * sum(ep.MAMBA_ITEMS)
+        kv = len(ep.kv_entries("prefill", rank)) * len(dst) * ep.KV_ITEM
+        aux = sum(ep.AUX_ITEMS) if rank == 1 else 0
+        assert p["metric"]["bytes"] == kv + state + aux, (rank, p["metric"])
+    verify(d, room, src[3:], dst, sa, da)
+    # A prefix that ends inside a page: the request fails naming it, the scheduler goes on.
+    d.decode.ask({"op": "request", "room": 7012, "pages": [3], "aux": 1, "prefix_len": 5})
+    failed = d.decode.answer()
+    assert failed["final"] == KVPoll.Failed, failed
+    assert "decode_prefix_len = 5 is not a whole number of 4-token pages" in failed["error"]
+
+
 def test_each_send_moves_its_own_pages_before_the_last_chunk_is_sent(
     deployment: Deployment,
 ) -> None:

@@ -99,15 +99,22 @@ def test_a_stale_or_retargeted_excusal_is_refused() -> None:
     assert "bad signature" in str(excusal.read((SECRET,), moved, URL)[1])
 
 
-def test_a_decode_with_sglang_s_radix_cache_is_refused_at_start_up_by_name() -> None:
+def test_a_decode_radix_cache_is_refused_only_beside_sglang_s_kv_checksum() -> None:
+    # SGLang's checksum would digest the whole request on the prefill (which never learns the
+    # decode's prefix) and the suffix on the decode: every cache hit would fail.
     from sglang.srt.server_args import ServerArgs
 
-    flag = "disaggregation_decode_enable_radix_cache"
-    assert flag in ServerArgs.__struct_fields__  # SGLang's own field
-    with pytest.raises(Unsupported, match="--disaggregation-decode-enable-radix-cache"):
-        refuse_decode_prefix_reuse(SimpleNamespace(**{flag: True}), prefill=False)
-    refuse_decode_prefix_reuse(SimpleNamespace(**{flag: False}), prefill=False)
-    refuse_decode_prefix_reuse(SimpleNamespace(**{flag: True}), prefill=True)  # a decode flag
+    cache, checksum = (
+        "disaggregation_decode_enable_radix_cache",
+        "disaggregation_enable_kv_checksum",
+    )
+    assert {cache, checksum} <= set(ServerArgs.__struct_fields__)  # SGLang's own fields
+    both = SimpleNamespace(**{cache: True, checksum: True})
+    with pytest.raises(Unsupported, match="--disaggregation-enable-kv-checksum with"):
+        refuse_decode_prefix_reuse(both, prefill=False)
+    refuse_decode_prefix_reuse(SimpleNamespace(**{cache: True, checksum: False}), prefill=False)
+    refuse_decode_prefix_reuse(SimpleNamespace(**{cache: False, checksum: True}), prefill=False)
+    refuse_decode_prefix_reuse(both, prefill=True)  # the radix cache is a decode flag
 
 
 def test_the_rust_registry_with_dp_attention_is_refused_at_start_up_by_name(

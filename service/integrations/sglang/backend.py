@@ -17,7 +17,9 @@ the bootstrap look-ups and the timeouts. What moves bytes and decides outcomes i
   from the first of each decode rank's k prefill ranks; the decode rank excuses the other
   k - 1 per request, signed (`excusal.py`), and they reach Success at their last send;
 - decode `send_metadata` creates the handoff (destination pages, a slot per state component,
-  the aux row) on the decode service, naming the prefill stages' services; each prefill `send`
+  the aux row; with SGLang's decode radix cache, the pages of the prefix it holds, which the
+  prefill's service then skips) on the decode service, naming the prefill stages' services;
+  each prefill `send`
   signals its chunk's pages ready at once, as a page range of the stage (the slots and aux row
   with the last), so the chunk's segments travel while the next chunk is prefilled;
 - the service's events drive `update_status` / `record_failure` on its own thread, so `poll()`
@@ -139,14 +141,20 @@ def refuse_rust_registry(*, prefill: bool, attn_dp_size: int) -> None:
 
 
 def refuse_decode_prefix_reuse(server_args: Any, *, prefill: bool) -> None:
-    """A decode with SGLang's radix cache reuses a prefix it holds and has the prefill send the
-    rest only (`decode_prefix_len`), which kvhandoff does not carry yet: refused at start-up by
-    name, rather than failing each request that hits the cache."""
-    if not prefill and getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
+    """A decode with SGLang's radix cache holds a prefix of some requests and takes the rest
+    only (`decode_prefix_len`): kvhandoff skips the prefix on the prefill's side
+    (`HandoffRequest.prefix_pages`), which SGLang's prefill never learns (its sends start
+    before the decode's metadata comes). SGLang's own KV checksum would then digest the whole
+    request on the prefill and the suffix on the decode, failing every request that hits the
+    cache: that pair is refused at start-up by name (kvhandoff digests every segment itself)."""
+    if prefill or not getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
+        return
+    if getattr(server_args, "disaggregation_enable_kv_checksum", False):
         raise Unsupported(
-            "--disaggregation-decode-enable-radix-cache is not supported by kvhandoff yet: "
-            "decode prefix reuse needs the prefill to send a request's pages after the "
-            "decode's cached prefix only"
+            "--disaggregation-enable-kv-checksum with --disaggregation-decode-enable-radix-cache "
+            "is not supported by kvhandoff: SGLang's prefill would digest a request's whole KV, "
+            "its decode only the pages after the prefix it cached (kvhandoff checks each "
+            "segment's digest itself)"
         )
 
 
@@ -852,9 +860,14 @@ class KVHandoffReceiver(CommonKVReceiver):
                 "(device destinations only)",
             )
             return
-        if decode_prefix_len:
+        # Tokens the decode holds already (its radix cache): whole pages, which the prefill's
+        # service skips; `kv_indices` are the pages after them.
+        prefix_tokens, page_size = int(decode_prefix_len or 0), int(mgr.kv_args.page_size)
+        if prefix_tokens % page_size:
             mgr.fail(
-                room, "kvhandoff: decode prefix reuse (decode_prefix_len > 0) is not supported yet"
+                room,
+                f"kvhandoff: decode_prefix_len = {prefix_tokens} is not a whole number of "
+                f"{page_size}-token pages",
             )
             return
         slots, refused = component_slots(mgr.state_types, state_indices)
@@ -875,6 +888,7 @@ class KVHandoffReceiver(CommonKVReceiver):
             id=self._hid,
             prefill=urls,
             dst_pages=[int(p) for p in np.asarray(kv_indices).tolist()],
+            prefix_pages=prefix_tokens // page_size,
             dst_slots=slots,
             dst_aux=int(aux_index) if (mgr.rank.has_aux and aux_index is not None) else None,
         )

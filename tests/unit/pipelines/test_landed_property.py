@@ -44,7 +44,7 @@ from transport.pools import open_pool
 MODEL = hybrid_npu_mla(num_layers=4, scale=8, page_size=4)
 PART = partition_layers(4, 2)
 NUM_PAGES = 6
-SRC_PAGES = [1, 2, 3]
+SRC_PAGES = [1, 2, 3, 4]  # a prefix the decode holds (0 or 1 page), then up to 3 pages
 SRC_SLOT = 1
 ARENA_BYTES = 3 * 192 * 1024
 
@@ -209,8 +209,8 @@ def _check_completed(r: Rig, event: Any) -> None:
     if not isinstance(event, HandoffCompleted) or event.role != "decode":
         return
     h = r.decode._handoffs[event.handoff_id]
-    dst, n = h.dst_pages, int(h.dst_pages.shape[0])
-    src = np.asarray(SRC_PAGES[:n])
+    dst, n, skip = h.dst_pages, int(h.dst_pages.shape[0]), h.request.prefix_pages
+    src = np.asarray(SRC_PAGES[skip : skip + n])
     for m in r.stages.values():
         for i, e in enumerate(m.layout.kv):
             j = next(
@@ -243,6 +243,7 @@ actions = st.one_of(
         st.lists(st.integers(0, NUM_PAGES - 1), min_size=1, max_size=3, unique=True),
         st.integers(0, 2),
         st.sampled_from([0.05, 0.2, 2.0]),
+        st.integers(0, 1),  # pages of a prefix the decode holds
     ),
     st.tuples(st.just("ready"), handoff_ids, st.sampled_from([0, 1, None])),
     # Chunked prefill: the stage's pages in two ranges (the slot with the second), split here.
@@ -262,9 +263,14 @@ async def play(script: list[tuple[object, ...]], seed: int) -> Rig:
     tasks: list[asyncio.Future[object]] = []
     for action in script:
         match action:
-            case ("create", str(hid), list(pages), int(slot), float(deadline_s)):
+            case ("create", str(hid), list(pages), int(slot), float(deadline_s), int(prefix)):
                 req = HandoffRequest(
-                    id=hid, prefill=["p"], dst_pages=pages, dst_slot=slot, deadline_s=deadline_s
+                    id=hid,
+                    prefill=["p"],
+                    dst_pages=pages,
+                    prefix_pages=prefix,
+                    dst_slot=slot,
+                    deadline_s=deadline_s,
                 )
                 tasks.append(asyncio.ensure_future(r.decode.create(req)))
             case ("ready", str(hid), rank):
@@ -303,7 +309,7 @@ async def play(script: list[tuple[object, ...]], seed: int) -> Rig:
 async def _ready(r: Rig, hid: str, rank: int) -> None:
     await asyncio.sleep(0)
     h = r.decode._handoffs.get(hid)
-    n = 1 if h is None else int(h.dst_pages.shape[0])
+    n = 1 if h is None else h.request.prefix_pages + int(h.dst_pages.shape[0])
     # A refused signal (the handoff already ended here) is part of the game.
     with contextlib.suppress(KVHandoffError):
         r.prefill.ready(hid, rank, SRC_PAGES[:n], SRC_SLOT)
@@ -312,7 +318,7 @@ async def _ready(r: Rig, hid: str, rank: int) -> None:
 async def _ready_pages(r: Rig, hid: str, rank: int, cut: int) -> None:
     await asyncio.sleep(0)
     h = r.decode._handoffs.get(hid)
-    n = 1 if h is None else int(h.dst_pages.shape[0])
+    n = 1 if h is None else h.request.prefix_pages + int(h.dst_pages.shape[0])
     cut = min(cut, n)
     with contextlib.suppress(KVHandoffError):
         r.prefill.ready(hid, rank, SRC_PAGES[:cut], None, pages_from=0, last_pages=False)

@@ -128,6 +128,24 @@ async def test_handoff_lands_every_byte_in_its_layer_group_and_page(
         assert live_leases(d) == 0
 
 
+async def test_a_decode_holding_a_prefix_receives_the_pages_after_it_only(d: Deployment) -> None:
+    # The engine signals the request's every page; the decode holds the first two (a prefix it
+    # cached) and gives pages for the rest: only those are written, from their positions.
+    src, dst = [5, 6, *SRC], DST
+    before = snapshot(decode_memory(d))
+    created = await d.create("pre", dst, DST_SLOT, prefix_pages=2)
+    assert created.status == 201, created.body
+    for rank in (1, 0):
+        assert (await d.ready("pre", rank, src, SRC_SLOT)).status == 202
+    view = await d.finish("pre")
+    assert view["state"] == "completed", view.get("error")
+    assert_decode_is(d, expected_decode(d, before, Move(src[2:], dst, SRC_SLOT, DST_SLOT)))
+    assert view["bytes"] == sum(stage_bytes(d, rank, len(dst)) for rank in (0, 1))
+    url = f"{d.decode.url}/v1/handoffs"
+    bad = await d.request("POST", url, json={"id": "neg", "dst_pages": [1], "prefix_pages": -1})
+    assert_problem(bad, 422, "invalid_input", field="prefix_pages")
+
+
 async def test_layers_land_as_they_are_signalled_and_the_handoff_waits_for_the_rest(
     d: Deployment,
 ) -> None:
@@ -458,7 +476,7 @@ async def test_openapi_documents_the_handoff_routes_with_their_schemas(d: Deploy
         assert _schema_ref(doc["paths"]["/v1/layout"]["get"], "200").endswith("/LayoutInfo")
     request_schema = decode_doc["components"]["schemas"]["HandoffRequest"]
     assert {"id", "dst_pages"} <= set(request_schema["required"])
-    assert {"dst_slot", "dst_slots", "dst_aux"} <= set(request_schema["properties"])
+    assert {"dst_slot", "dst_slots", "dst_aux", "prefix_pages"} <= set(request_schema["properties"])
     assert "aux row" in json.dumps(request_schema["properties"]["dst_aux"])
     assert set(prefill_doc["components"]["schemas"]["StageReady"]["properties"]) == {
         "src_pages",

@@ -1,0 +1,168 @@
+"""A decode that holds a request's prefix (`prefix_pages`): the prefills send the pages after
+it only, into the decode's pages for those positions, and no byte reaches any other page.
+
+Real memory and the local transport, both pipelines in one loop (`test_landed.make_world`), in
+landed and direct mode, signalled by layer and by page range, before and after the destination.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from pipelines.decode.views import HandoffRequest
+from pipelines.errors import InvalidInput
+from pipelines.events import SegmentCommitted
+from pipelines.states import HandoffState
+from tests.fakes import eventually
+from tests.unit.pipelines.test_landed import (
+    World,
+    assert_landed,
+    close_world,
+    make_world,
+    open_handoff,
+    wait_released,
+)
+
+SRC = [3, 4, 9, 10, 11, 20, 21]
+PREFIX = 3
+DST = [10, 11, 2, 20]  # positions 3..6 of the request
+#: Range cuts whose first two ranges lie inside the prefix, the third across its end.
+CUTS = [0, 2, 3, 5, 7]
+
+
+def kv_rows(w: World) -> list[np.ndarray]:
+    return [
+        w.dec.region(i)[: e.nbytes].reshape(-1, e.item_len).copy()
+        for i, e in enumerate(w.dec.layout.kv)
+    ]
+
+
+def assert_only(w: World, dst: list[int], before: list[np.ndarray]) -> None:
+    """No KV page of the decode changed but `dst`."""
+    for i, (a, b) in enumerate(zip(before, kv_rows(w))):
+        keep = np.setdiff1d(np.arange(a.shape[0]), dst)
+        assert np.array_equal(a[keep], b[keep]), f"KV entry {i}: a page outside {dst} changed"
+
+
+def signal(w: World, hid: str, how: str, slot: int) -> None:
+    for rank in (0, 1):
+        if how == "layers":
+            w.prefill.ready(hid, rank, SRC, slot)
+            continue
+        for i, (a, b) in enumerate(itertools.pairwise(CUTS)):
+            last = i == len(CUTS) - 2
+            w.prefill.ready(
+                hid, rank, SRC[a:b], slot if last else None, pages_from=a, last_pages=last
+            )
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "direct"])
+@pytest.mark.parametrize("how", ["layers", "ranges"])
+@pytest.mark.parametrize("destination_first", [True, False], ids=["dest-first", "signals-first"])
+async def test_the_pages_after_the_prefix_land_in_the_decode_pages_and_nothing_else(
+    landed: bool, how: str, destination_first: bool
+) -> None:
+    w = await make_world(landed=landed)
+    try:
+        before = kv_rows(w)
+        commits: list[SegmentCommitted] = []
+        w.bus.add_listener(lambda e: commits.append(e) if isinstance(e, SegmentCommitted) else None)
+        request = HandoffRequest(
+            id="x", prefill=["p"], dst_pages=DST, prefix_pages=PREFIX, dst_slot=1
+        )
+        expected: dict[int, int] = {}
+        if destination_first:
+            await w.decode.create(request)
+            expected = {r: w.landing.expected("x", r) for r in (0, 1)} if landed else {}
+            await eventually(
+                lambda: (
+                    open_handoff(w, "x") is not None
+                    and open_handoff(w, "x").known_destination is not None
+                ),
+                what="the destination",
+            )
+            signal(w, "x", how, 2)
+        else:
+            signal(w, "x", how, 2)
+            await w.decode.create(request)
+            expected = {r: w.landing.expected("x", r) for r in (0, 1)} if landed else {}
+        assert await wait_released(w, "x") == HandoffState.COMPLETED
+        assert_landed(w, SRC[PREFIX:], DST, 2, 1)
+        assert_only(w, DST, before)
+        # The decode expected, and committed, the suffix's bytes only.
+        for rank, nbytes in expected.items():
+            assert sum(e.bytes for e in commits if e.pp_rank == rank) == nbytes
+            stage = w.stages[rank].layout
+            per_page = sum(e.item_len for e in stage.kv)
+            slot = sum(s.item_len for s in stage.state) + sum(a.item_len for a in stage.aux)
+            assert nbytes == len(DST) * per_page + slot
+    finally:
+        await close_world(w)
+
+
+async def test_a_prefix_of_every_page_sends_the_state_only() -> None:
+    w = await make_world()
+    try:
+        before = kv_rows(w)
+        await w.decode.create(
+            HandoffRequest(id="all", prefill=["p"], dst_pages=[], prefix_pages=len(SRC), dst_slot=3)
+        )
+        signal(w, "all", "ranges", 0)
+        assert await wait_released(w, "all") == HandoffState.COMPLETED
+        assert_landed(w, [], [], 0, 3)
+        assert_only(w, [], before)
+    finally:
+        await close_world(w)
+
+
+async def test_a_last_range_inside_the_prefix_is_refused_naming_last_pages() -> None:
+    # The destination known: the signal itself is refused and changes nothing.
+    w = await make_world()
+    try:
+        await w.decode.create(
+            HandoffRequest(id="s", prefill=["p"], dst_pages=DST, prefix_pages=PREFIX, dst_slot=0)
+        )
+        await eventually(
+            lambda: (
+                open_handoff(w, "s") is not None
+                and open_handoff(w, "s").known_destination is not None
+            ),
+            what="the destination",
+        )
+        w.prefill.ready("s", 0, SRC[:2], None, pages_from=0, last_pages=False)
+        with pytest.raises(InvalidInput) as err:
+            w.prefill.ready("s", 0, SRC[2:3], 0, pages_from=2, last_pages=True)
+        assert err.value.context["field"] == "last_pages"
+        assert "3 of them its cached prefix" in err.value.message
+        assert open_handoff(w, "s").inputs[0].src_pages.tolist() == SRC[:2]
+    finally:
+        await close_world(w)
+
+
+@pytest.mark.parametrize("how", ["layers", "ranges"])
+async def test_a_stage_shorter_than_the_prefix_fails_naming_the_field_and_writes_nothing(
+    how: str,
+) -> None:
+    # Signalled before the destination said how long the prefix is: the stage worker checks
+    # when it comes, and the handoff fails naming the field; no decode page changes.
+    w = await make_world()
+    try:
+        before = kv_rows(w)
+        for rank in (0, 1):
+            if how == "layers":
+                w.prefill.ready("short", rank, SRC[:2], 0)
+            else:
+                w.prefill.ready("short", rank, SRC[:2], 0, pages_from=0, last_pages=True)
+        await w.decode.create(
+            HandoffRequest(id="short", prefill=["p"], dst_pages=[], prefix_pages=PREFIX, dst_slot=0)
+        )
+        assert await wait_released(w, "short") == HandoffState.FAILED
+        error = w.decode.get("short").error
+        assert error is not None and error.context.get("field") == "prefix_pages", error
+        assert "has 2 pages, fewer than the 3-page prefix" in error.reason
+        assert_only(w, [], before)
+    finally:
+        await close_world(w)
