@@ -147,12 +147,22 @@ class StageInput:
             self.ended_event.set()
 
 
-class _SkippedSignals:
-    """A stage's ready signals with page positions counted after the decode's prefix."""
+def request_pages(prefix: int, num_dst: int) -> str:
+    """How many pages the decode's request has, said in errors about a prefix."""
+    return f"the decode has {prefix + num_dst} pages ({prefix} of them its cached prefix)"
 
-    def __init__(self, inner: asyncio.Queue[ReadySignal], prefix: int, pp_rank: int) -> None:
+
+class _SkippedSignals:
+    """A stage's ready signals with page positions counted after the decode's prefix. Ranges
+    queued before the destination came were not checked against its page count
+    (`check_range` checks those that come after): they are here, in request positions."""
+
+    def __init__(
+        self, inner: asyncio.Queue[ReadySignal], prefix: int, num_dst: int, pp_rank: int
+    ) -> None:
         self._inner = inner
         self._prefix = prefix
+        self._total = prefix + num_dst
         self._pp_rank = pp_rank
 
     def empty(self) -> bool:
@@ -163,12 +173,16 @@ class _SkippedSignals:
         end = signal.pages_end
         if end is None:
             return signal
-        # `check_range` refuses such a range once the destination is known, and the worker
-        # reads signals only after that: a guard, should a signal ever come another way.
-        if signal.last and end < self._prefix:
+        has = request_pages(self._prefix, self._total - self._prefix)
+        if end > self._total:
             raise InvalidInput(
-                f"the last page range ends at request position {end}, inside the "
-                f"{self._prefix}-page prefix the decode holds",
+                f"the range ends at position {end}; {has}",
+                field="src_pages",
+                pp_rank=self._pp_rank,
+            )
+        if signal.last and end != self._total:
+            raise InvalidInput(
+                f"the last range ends at position {end}; {has}",
                 field="last_pages",
                 pp_rank=self._pp_rank,
             )
@@ -181,10 +195,10 @@ class PrefixSkipped:
     request's positions `prefix..`, numbered from 0 as the destination's `dst_pages` are.
     The pages before are never read; ranges still to come are counted the same way."""
 
-    def __init__(self, inner: StageInput, prefix: int, pp_rank: int) -> None:
+    def __init__(self, inner: StageInput, prefix: int, num_dst: int, pp_rank: int) -> None:
         self._inner = inner
         self._prefix = prefix
-        self.signals = _SkippedSignals(inner.signals, prefix, pp_rank)
+        self.signals = _SkippedSignals(inner.signals, prefix, num_dst, pp_rank)
 
     @property
     def src_pages(self) -> I64:
@@ -211,20 +225,28 @@ class PrefixSkipped:
 StageSource = StageInput | PrefixSkipped
 
 
-def stage_source(inp: StageInput, prefix: int, pp_rank: int) -> StageSource:
-    """`inp` after the decode's `prefix` pages; refused (InvalidInput naming `prefix_pages`)
-    when the stage's pages are all known and fewer than the prefix (a last range ending
-    inside it is refused as it is read: `_SkippedSignals`)."""
+def stage_source(inp: StageInput, dest: DestinationMsg, pp_rank: int) -> StageSource:
+    """`inp` as `dest` asks for it: after the decode's `prefix_pages`. Once the stage's pages
+    are all known, refused (InvalidInput) when they are fewer than the prefix (naming
+    `prefix_pages`) or, signalled by layer, not the prefix and `dst_pages` together (naming
+    `dst_pages`, as without a prefix); ranges are checked as they are read (`_SkippedSignals`)."""
+    prefix, num_dst = dest.prefix_pages, len(dest.dst_pages)
     if not prefix:
         return inp
-    if inp.ended and inp.src_pages.shape[0] < prefix:
+    n = int(inp.src_pages.shape[0])
+    if inp.ended and n < prefix:
         raise InvalidInput(
-            f"the stage has {inp.src_pages.shape[0]} pages, fewer than the "
-            f"{prefix}-page prefix the decode holds",
+            f"the stage has {n} pages, fewer than the {prefix}-page prefix the decode holds",
             field="prefix_pages",
             pp_rank=pp_rank,
         )
-    return PrefixSkipped(inp, prefix, pp_rank)
+    if not inp.ranged and n != prefix + num_dst:
+        raise InvalidInput(
+            f"src_pages has {n} pages; {request_pages(prefix, num_dst)}",
+            field="dst_pages",
+            pp_rank=pp_rank,
+        )
+    return PrefixSkipped(inp, prefix, num_dst, pp_rank)
 
 
 @dataclass

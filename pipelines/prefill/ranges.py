@@ -19,7 +19,7 @@ import numpy as np
 from pipelines.errors import InvalidInput
 from pipelines.messages import DestinationMsg
 from pipelines.planning import validate_pages_for_layout
-from pipelines.prefill.handoff import I64, HostedStage, StageInput
+from pipelines.prefill.handoff import I64, HostedStage, StageInput, request_pages
 from pipelines.slots import RequestSlots
 
 
@@ -81,9 +81,9 @@ def check_range(
     if dest is not None and pp_rank in dest.pp_ranks:
         # The decode's pages follow the prefix it holds: the request has that many more.
         n = dest.prefix_pages + len(dest.dst_pages)
-        has = f"the decode has {n} pages" + (
-            f" ({dest.prefix_pages} of them its cached prefix)" if dest.prefix_pages else ""
-        )
+        has = f"the decode has {n} pages"
+        if dest.prefix_pages:
+            has = request_pages(dest.prefix_pages, len(dest.dst_pages))
         if end > n:
             raise refuse("src_pages", f"the range ends at position {end}; {has}")
         if last_pages and end != n:

@@ -142,7 +142,7 @@ class StageRunner:
                     # in, as one stage (no overlap with chunked prefill; landed mode has it).
                     await given.ended_event.wait()
             # What the destination asks for: the positions after a prefix the decode holds.
-            inp = stage_source(given, dest.prefix_pages, rank)
+            inp = stage_source(given, dest, rank)
             if not inp.ranged or dest.mode != "landed":
                 validate_request(pairing, inp.src_pages, dest.dst_pages, inp.src_slots, dest.slots)
             h.set_stage(rank, StageState.SENDING)

@@ -29,8 +29,8 @@ from tests.unit.pipelines.test_landed import (
 SRC = [3, 4, 9, 10, 11, 20, 21]
 PREFIX = 3
 DST = [10, 11, 2, 20]  # positions 3..6 of the request
-#: Range cuts whose first two ranges lie inside the prefix, the third across its end.
-CUTS = [0, 2, 3, 5, 7]
+#: Range cuts: the first range inside the prefix, the second across its end.
+CUTS = [0, 2, 4, 5, 7]
 
 
 def kv_rows(w: World) -> list[np.ndarray]:
@@ -70,8 +70,14 @@ async def test_the_pages_after_the_prefix_land_in_the_decode_pages_and_nothing_e
         before = kv_rows(w)
         commits: list[SegmentCommitted] = []
         w.bus.add_listener(lambda e: commits.append(e) if isinstance(e, SegmentCommitted) else None)
+        # Direct mode checks the decode's pages against the prefill's digests of the suffix.
         request = HandoffRequest(
-            id="x", prefill=["p"], dst_pages=DST, prefix_pages=PREFIX, dst_slot=1
+            id="x",
+            prefill=["p"],
+            dst_pages=DST,
+            prefix_pages=PREFIX,
+            dst_slot=1,
+            verify=not landed,
         )
         expected: dict[int, int] = {}
         if destination_first:
@@ -90,6 +96,7 @@ async def test_the_pages_after_the_prefix_land_in_the_decode_pages_and_nothing_e
             await w.decode.create(request)
             expected = {r: w.landing.expected("x", r) for r in (0, 1)} if landed else {}
         assert await wait_released(w, "x") == HandoffState.COMPLETED
+        assert w.decode.get("x").verification == "passed"
         assert_landed(w, SRC[PREFIX:], DST, 2, 1)
         assert_only(w, DST, before)
         # The decode expected, and committed, the suffix's bytes only.
@@ -142,13 +149,14 @@ async def test_a_last_range_inside_the_prefix_is_refused_naming_last_pages() -> 
         await close_world(w)
 
 
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "direct"])
 @pytest.mark.parametrize("how", ["layers", "ranges"])
 async def test_a_stage_shorter_than_the_prefix_fails_naming_the_field_and_writes_nothing(
-    how: str,
+    how: str, landed: bool
 ) -> None:
     # Signalled before the destination said how long the prefix is: the stage worker checks
     # when it comes, and the handoff fails naming the field; no decode page changes.
-    w = await make_world()
+    w = await make_world(landed=landed)
     try:
         before = kv_rows(w)
         for rank in (0, 1):
@@ -163,6 +171,40 @@ async def test_a_stage_shorter_than_the_prefix_fails_naming_the_field_and_writes
         error = w.decode.get("short").error
         assert error is not None and error.context.get("field") == "prefix_pages", error
         assert "has 2 pages, fewer than the 3-page prefix" in error.reason
+        assert_only(w, [], before)
+    finally:
+        await close_world(w)
+
+
+@pytest.mark.parametrize(
+    ("how", "pages", "field", "says"),
+    [
+        # Ranges queued before the destination: checked as the worker reads them.
+        ("ranges", [*SRC, 22], "src_pages", "the range ends at position 8; the decode has 7"),
+        ("layers", [*SRC, 22], "dst_pages", "src_pages has 8 pages; the decode has 7"),
+        ("ranges", SRC[:5], "last_pages", "the last range ends at position 5; the decode has 7"),
+        ("layers", SRC[:5], "dst_pages", "src_pages has 5 pages; the decode has 7"),
+    ],
+)
+async def test_pages_that_do_not_add_up_with_the_prefix_fail_in_request_positions(
+    how: str, pages: list[int], field: str, says: str
+) -> None:
+    w = await make_world()
+    try:
+        before = kv_rows(w)
+        for rank in (0, 1):
+            if how == "layers":
+                w.prefill.ready("n", rank, pages, 0)
+            else:
+                w.prefill.ready("n", rank, pages[:2], None, pages_from=0, last_pages=False)
+                w.prefill.ready("n", rank, pages[2:], 0, pages_from=2, last_pages=True)
+        await w.decode.create(
+            HandoffRequest(id="n", prefill=["p"], dst_pages=DST, prefix_pages=PREFIX, dst_slot=0)
+        )
+        assert await wait_released(w, "n") == HandoffState.FAILED
+        error = w.decode.get("n").error
+        assert error is not None and error.context.get("field") == field, error
+        assert says in error.reason and "(3 of them its cached prefix)" in error.reason, error
         assert_only(w, [], before)
     finally:
         await close_world(w)
