@@ -140,6 +140,7 @@ class DecodeHandoff:
             dst_slot=self.request.dst_slot,
             dst_slots=dict(self.request.dst_slots),
             dst_aux=self.request.dst_aux,
+            prefix_pages=self.request.prefix_pages,
             prefill=list(self.request.prefill),
             verify=self.verify,
             bytes=sum(s.bytes for s in self.stages.values()),

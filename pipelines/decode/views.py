@@ -117,6 +117,7 @@ class HandoffView(Struct, frozen=True, omit_defaults=True):
     released: bool
     dst_slots: dict[str, int] = {}
     dst_aux: int | None = None
+    prefix_pages: int = 0  # the request's first pages, which the decode held already
     finished_at: float | None = None
     released_at: float | None = None
     # "passed", or "skipped: <why>" when verification was asked for and could not run.

@@ -261,6 +261,7 @@ class HandoffRecords:
             dst_slot=request.dst_slot,
             dst_slots=dict(request.dst_slots),
             dst_aux=request.dst_aux,
+            prefix_pages=request.prefix_pages,
             prefill=list(request.prefill),
             verify=bool(request.verify),
             bytes=progress.bytes,

@@ -139,6 +139,7 @@ async def test_a_decode_holding_a_prefix_receives_the_pages_after_it_only(d: Dep
         assert (await d.ready("pre", rank, src, SRC_SLOT)).status == 202
     view = await d.finish("pre")
     assert view["state"] == "completed", view.get("error")
+    assert (view["prefix_pages"], view["num_pages"]) == (2, len(dst))
     assert_decode_is(d, expected_decode(d, before, Move(src[2:], dst, SRC_SLOT, DST_SLOT)))
     assert view["bytes"] == sum(stage_bytes(d, rank, len(dst)) for rank in (0, 1))
     url = f"{d.decode.url}/v1/handoffs"
