@@ -154,8 +154,9 @@ def request_pages(prefix: int, num_dst: int) -> str:
 
 class _SkippedSignals:
     """A stage's ready signals with page positions counted after the decode's prefix. Ranges
-    queued before the destination came were not checked against its page count
-    (`check_range` checks those that come after): they are here, in request positions."""
+    queued before the destination came were not checked against its page count (`check_range`
+    checks those that come after; `stage_source` a stage whose last range came before): their
+    ends are here, in request positions."""
 
     def __init__(
         self, inner: asyncio.Queue[ReadySignal], prefix: int, num_dst: int, pp_rank: int
@@ -173,17 +174,11 @@ class _SkippedSignals:
         end = signal.pages_end
         if end is None:
             return signal
-        has = request_pages(self._prefix, self._total - self._prefix)
         if end > self._total:
+            has = request_pages(self._prefix, self._total - self._prefix)
             raise InvalidInput(
                 f"the range ends at position {end}; {has}",
                 field="src_pages",
-                pp_rank=self._pp_rank,
-            )
-        if signal.last and end != self._total:
-            raise InvalidInput(
-                f"the last range ends at position {end}; {has}",
-                field="last_pages",
                 pp_rank=self._pp_rank,
             )
         # A range inside the prefix brings no page to send (it ends at position 0 here).
@@ -228,8 +223,9 @@ StageSource = StageInput | PrefixSkipped
 def stage_source(inp: StageInput, dest: DestinationMsg, pp_rank: int) -> StageSource:
     """`inp` as `dest` asks for it: after the decode's `prefix_pages`. Once the stage's pages
     are all known, refused (InvalidInput) when they are fewer than the prefix (naming
-    `prefix_pages`) or, signalled by layer, not the prefix and `dst_pages` together (naming
-    `dst_pages`, as without a prefix); ranges are checked as they are read (`_SkippedSignals`)."""
+    `prefix_pages`) or not the prefix and `dst_pages` together (naming the field a stage
+    without a prefix would be refused by), in request positions; ranges still to come are
+    checked as they are read (`_SkippedSignals`)."""
     prefix, num_dst = dest.prefix_pages, len(dest.dst_pages)
     if not prefix:
         return inp
@@ -240,10 +236,16 @@ def stage_source(inp: StageInput, dest: DestinationMsg, pp_rank: int) -> StageSo
             field="prefix_pages",
             pp_rank=pp_rank,
         )
-    if not inp.ranged and n != prefix + num_dst:
+    if inp.ended and n != prefix + num_dst:
+        has = request_pages(prefix, num_dst)
+        if not inp.ranged:
+            raise InvalidInput(
+                f"src_pages has {n} pages; {has}", field="dst_pages", pp_rank=pp_rank
+            )
+        # The fields `check_range` names for a range signalled after the destination.
         raise InvalidInput(
-            f"src_pages has {n} pages; {request_pages(prefix, num_dst)}",
-            field="dst_pages",
+            f"the last range ends at position {n}; {has}",
+            field="src_pages" if n > prefix + num_dst else "last_pages",
             pp_rank=pp_rank,
         )
     return PrefixSkipped(inp, prefix, num_dst, pp_rank)

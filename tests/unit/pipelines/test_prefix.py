@@ -179,17 +179,18 @@ async def test_a_stage_shorter_than_the_prefix_fails_naming_the_field_and_writes
 @pytest.mark.parametrize(
     ("how", "pages", "field", "says"),
     [
-        # Ranges queued before the destination: checked as the worker reads them.
-        ("ranges", [*SRC, 22], "src_pages", "the range ends at position 8; the decode has 7"),
+        ("ranges", [*SRC, 22], "src_pages", "the last range ends at position 8; the decode has 7"),
         ("layers", [*SRC, 22], "dst_pages", "src_pages has 8 pages; the decode has 7"),
         ("ranges", SRC[:5], "last_pages", "the last range ends at position 5; the decode has 7"),
         ("layers", SRC[:5], "dst_pages", "src_pages has 5 pages; the decode has 7"),
     ],
 )
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "direct"])
 async def test_pages_that_do_not_add_up_with_the_prefix_fail_in_request_positions(
-    how: str, pages: list[int], field: str, says: str
+    how: str, pages: list[int], field: str, says: str, landed: bool
 ) -> None:
-    w = await make_world()
+    # Every page signalled before the destination came: checked once it does.
+    w = await make_world(landed=landed)
     try:
         before = kv_rows(w)
         for rank in (0, 1):
@@ -205,6 +206,27 @@ async def test_pages_that_do_not_add_up_with_the_prefix_fail_in_request_position
         error = w.decode.get("n").error
         assert error is not None and error.context.get("field") == field, error
         assert says in error.reason and "(3 of them its cached prefix)" in error.reason, error
+        assert_only(w, [], before)
+    finally:
+        await close_world(w)
+
+
+async def test_a_range_queued_before_the_destination_past_its_pages_fails_naming_src_pages() -> (
+    None
+):
+    # Queued before the destination, not the last: the worker checks its end as it reads it.
+    w = await make_world()
+    try:
+        before = kv_rows(w)
+        for rank in (0, 1):
+            w.prefill.ready("q", rank, [*SRC, 22], None, pages_from=0, last_pages=False)
+        await w.decode.create(
+            HandoffRequest(id="q", prefill=["p"], dst_pages=DST, prefix_pages=PREFIX, dst_slot=0)
+        )
+        assert await wait_released(w, "q") == HandoffState.FAILED
+        error = w.decode.get("q").error
+        assert error is not None and error.context.get("field") == "src_pages", error
+        assert "the range ends at position 8; the decode has 7 pages (3 of them" in error.reason
         assert_only(w, [], before)
     finally:
         await close_world(w)
