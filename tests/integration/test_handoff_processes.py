@@ -73,6 +73,24 @@ async def test_pp4_hybrid_npu_mla_lands_every_byte(
     assert landed(fresh, [m]) == []
 
 
+async def test_a_decode_holding_a_prefix_receives_the_pages_after_it_only(
+    http: aiohttp.ClientSession, fresh: LocalDeployment
+) -> None:
+    # Each stage's engine signals the request's every page; the decode holds the first two and
+    # gives pages for the rest. Only those land; every other page keeps the sentinel.
+    m = Moved(src_pages=[3, 4, 5], dst_pages=[40, 41, 7], src_slot=2, dst_slot=5)
+    signalled = Moved([60, 61, *m.src_pages], m.dst_pages, m.src_slot, m.dst_slot)
+    status, body = await create(http, fresh, "prefix", m, prefix_pages=2, verify=True)
+    assert status == 201, body
+    for r in range(fresh.pp_size):
+        status, body = await ready(http, fresh, "prefix", r, signalled)
+        assert status == 202, body
+    view = await finished(http, fresh, "prefix")
+    assert view["state"] == "completed", view
+    assert (view["prefix_pages"], view["num_pages"]) == (2, 3)
+    assert landed(fresh, [m]) == []
+
+
 async def test_concurrent_handoffs_all_land(
     http: aiohttp.ClientSession, fresh: LocalDeployment
 ) -> None:
