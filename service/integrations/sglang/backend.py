@@ -19,9 +19,9 @@ the bootstrap look-ups and the timeouts. What moves bytes and decides outcomes i
 - decode `send_metadata` creates the handoff (destination pages, a slot per state component,
   the aux row; with SGLang's decode radix cache, the pages of the prefix it holds, which the
   prefill's service then skips) on the decode service, naming the prefill stages' services;
-  each prefill `send`
-  signals its chunk's pages ready at once, as a page range of the stage (the slots and aux row
-  with the last), so the chunk's segments travel while the next chunk is prefilled;
+  each prefill `send` signals its chunk's pages ready at once, as a page range of the stage
+  (the slots and aux row with the last), so the chunk's segments travel while the next chunk
+  is prefilled;
 - the service's events drive `update_status` / `record_failure` on its own thread, so `poll()`
   only reads SGLang's table (a snapshot) and never waits; engine-facing calls that wait
   (create, stage ready, abort) run on one worker thread per rank, in order.
