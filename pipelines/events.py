@@ -44,6 +44,18 @@ class StageReady(_Event, frozen=True, tag="stage.ready"):
     last_pages: bool | None = None
 
 
+class DestinationReceived(_Event, frozen=True, tag="stage.destination"):
+    """Prefill: a decode service said where stages `pp_ranks` of this handoff go. `fan_out`:
+    how many decode handoffs take the same bytes from these stages (an engine keeps its source
+    pages until every one has them)."""
+
+    pp_ranks: list[int]
+    decode_url: str
+    num_pages: int
+    prefix_pages: int = 0
+    fan_out: int = 1
+
+
 class ChunksEmitted(_Event, frozen=True, tag="stage.chunks_emitted"):
     pp_rank: int
     kv_layers: list[int]
@@ -130,6 +142,7 @@ class SegmentRejected(_Event, frozen=True, tag="stage.segment_rejected"):
 Event = (
     HandoffCreated
     | StageReady
+    | DestinationReceived
     | ChunksEmitted
     | StagePaired
     | StageTransferred

@@ -34,7 +34,8 @@ not speak instead of guessing. Change history:
 - v6: a destination may skip a prefix (`prefix_pages`): the decode holds the request's first
   pages already (a prefix it cached), its `dst_pages` are for the positions after them, and the
   prefill sends those only. A v5 prefill would send every page into the wrong positions, so
-  the version changes.
+  the version changes. A destination says how many decode handoffs take the same bytes from
+  the same stages (`fan_out`), for the prefill's engine to keep its pages until all have them.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ class DestinationMsg(Struct, frozen=True, kw_only=True):
     # position `prefix_pages + i` goes to `dst_pages[i]`, and the positions before are not sent
     # (v6).
     prefix_pages: NonNeg = 0
+    # How many decode handoffs take these same bytes from these stages, this one included (v6).
+    fan_out: Annotated[int, Meta(ge=1)] = 1
     dst_slot: NonNeg | None = None
     dst_slots: dict[str, NonNeg] = {}  # per state component (v5)
     dst_aux: NonNeg | None = None  # the request's aux row (v5)

@@ -618,6 +618,7 @@ class DecodePipeline:
             pp_ranks=sorted(ranks),
             dst_pages=h.request.dst_pages,
             prefix_pages=h.request.prefix_pages,
+            fan_out=h.request.fan_out,
             dst_slot=h.request.dst_slot,
             dst_slots=dict(h.request.dst_slots),
             dst_aux=h.request.dst_aux,

@@ -42,6 +42,18 @@ class HandoffRequest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             "prefill sends those only. 0: every page.",
         ),
     ] = 0
+    fan_out: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=256,
+            description="How many decode handoffs receive these same bytes from the same prefill "
+            "stages, this one included (an engine whose decode ranks each hold a whole copy, "
+            "as an MLA model's decode of larger TP does). Carried to the prefill with the "
+            "destination, so its engine releases the source pages only once every copy has "
+            "them. 1: this handoff alone.",
+        ),
+    ] = 1
     # The state slot of every component `dst_slots` leaves out (a model of one component: its
     # slot); `dst_slots` per component (`StateEntry.component`); `dst_aux` the request's aux row.
     dst_slot: (

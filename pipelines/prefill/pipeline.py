@@ -29,6 +29,7 @@ from pipelines.errors import (
     NotFoundError,
 )
 from pipelines.events import (
+    DestinationReceived,
     Event,
     EventBus,
     HandoffAborted,
@@ -357,6 +358,17 @@ class PrefillPipeline:
             )
         h.deadline_mono = time.monotonic() + msg.deadline_in_s
         h.destination.set_result(msg)
+        self._publish(
+            DestinationReceived(
+                handoff_id=msg.handoff_id,
+                role=ROLE,
+                pp_ranks=list(msg.pp_ranks),
+                decode_url=msg.decode_url,
+                num_pages=len(msg.dst_pages),
+                prefix_pages=msg.prefix_pages,
+                fan_out=msg.fan_out,
+            )
+        )
         self.on_peers([msg.decode_url])
 
     async def abort(

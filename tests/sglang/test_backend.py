@@ -740,6 +740,66 @@ def test_equal_tp_moves_one_handoff_per_request_and_tp_rank(tmp_path: Path) -> N
         verify_whole_rank(dumps[r], room, (src, dst), aux, mamba, r)
 
 
+def test_an_mla_decode_of_larger_tp_takes_a_copy_on_each_rank_once_all_have_it(
+    tmp_path: Path,
+) -> None:
+    # An MLA model without state, a prefill of attention TP 1 and a decode of TP 2: SGLang has
+    # both decode ranks take prefill rank 0's bytes. Each decode rank creates a handoff of its
+    # own (rank 1's `sglang-<room>-tp0-r1`) saying the bytes go to 2; the prefill rank signals
+    # its ranges to both (rank 1's replayed once it learns of it) and reports Success only once
+    # both copies are committed. Rank 1 asks a while after rank 0 (a TP rank slower to
+    # allocate): the prefill waits for it. Then rank 1 aborts another request: the prefill
+    # stops rank 0's copy first and fails the request, naming rank 1's.
+    mla = {"mla": True, "mamba_items": []}
+    prefills = [(0, {**mla, "tp_size": 1, "tp_rank": 0})]
+    decodes = [{**mla, "tp_size": 2, "tp_rank": r} for r in (0, 1)]
+    room, src, dst, aux = 7681, [5, 1, 12], [4, 20, 6], (3, 2)
+    dumps = [tmp_path / f"decode-tp{r}.npz" for r in (0, 1)]
+    late_s = 1.5
+
+    def ask(decode: Proc, r: int, dump: Path | None = None, **extra: Any) -> None:
+        body = {"op": "request", "room": r, "pages": dst, "aux": aux[1], "mamba": 0, **extra}
+        decode.ask({**body, "dump": str(dump)} if dump else body)
+
+    with deploy(tmp_path, prefills, decodes, 1) as d:
+        prefill_rank = d.prefill[0]
+        ask(d.decodes[0], room, dumps[0])
+        prefill_rank.ask(
+            {"op": "request", "room": room, "pages": src, "aux": aux[0], "chunks": [2, 1]}
+        )
+        time.sleep(late_s)
+        ask(d.decodes[1], room, dumps[1])
+        prefill = prefill_rank.answer()
+        decode = [p.answer() for p in d.decodes]
+        assert all(a["final"] == KVPoll.Success for a in [prefill, *decode]), (prefill, decode)
+        assert all(monotone(a["polls"]) for a in [prefill, *decode])
+        assert all(a["released"] for a in decode)
+        assert prefill["seconds"] > late_s, prefill  # it waited for rank 1's copy
+        one_copy = len(ep.kv_entries("prefill", 0, 1, mla=True)) * len(src) * ep.KV_ITEM
+        assert prefill["metric"]["bytes"] == 2 * (one_copy + sum(ep.AUX_ITEMS)), prefill
+        for k in (0, 1):  # both ranks hold prefill rank 0's bytes
+            verify_whole_rank(dumps[k], room, (src, dst), aux, (0, 0), 0, mla=True, mamba_items=[])
+
+        ask(d.decodes[0], room + 1)
+        ask(d.decodes[1], room + 1, abort_after_s=0.2)
+        prefill_rank.ask(
+            {
+                "op": "request",
+                "room": room + 1,
+                "pages": src,
+                "aux": aux[0],
+                "chunks": [2, 1],
+                "delay_s": 1.0,
+            }
+        )
+        prefill = prefill_rank.answer()
+        decode = [p.answer() for p in d.decodes]
+        assert prefill["final"] == KVPoll.Failed, prefill
+        assert f"sglang-{room + 1}-tp0-r1" in prefill["error"], prefill
+        assert all(a["final"] == KVPoll.Failed for a in decode), decode
+        assert all(a["released"] for a in decode), decode
+
+
 def test_attention_cp_sends_from_cp_rank_0_alone(tmp_path: Path) -> None:
     # A prefill of attention CP 2 (TP 1) and a decode: SGLang pairs the decode with CP rank 0,
     # which holds every page and sends; CP rank 1 is SGLang's dummy participant, reaching

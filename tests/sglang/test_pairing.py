@@ -27,10 +27,10 @@ def refusal(prefill: int, decode: int, **kw: bool) -> str | None:
     return tp_pairing_refusal(prefill, decode, **shape)
 
 
-@pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (2, 2), (2, 1), (8, 2), (4, 1)])
-def test_equal_tp_and_an_mla_prefill_of_k_times_the_decode_s_tp_pair(
-    prefill: int, decode: int
-) -> None:
+@pytest.mark.parametrize(
+    ("prefill", "decode"), [(1, 1), (2, 2), (2, 1), (8, 2), (4, 1), (1, 2), (2, 8), (1, 4)]
+)
+def test_equal_tp_and_mla_tp_of_k_times_the_other_side_s_pair(prefill: int, decode: int) -> None:
     assert refusal(prefill, decode) is None
 
 
@@ -44,9 +44,11 @@ def test_equal_tp_pairs_any_model() -> None:
     [
         (2, 1, {"mla": False}, "for MLA models only"),
         (2, 1, {"hybrid_mla": True}, "for MLA models only"),
-        (1, 2, {}, "send to 2 decode ranks"),
-        (3, 2, {}, "not a multiple"),
+        (1, 2, {"mla": False}, "for MLA models only"),
+        (3, 2, {}, "the prefill's attention TP is not a multiple"),
+        (2, 3, {}, "the decode's attention TP is not a multiple"),
         (2, 1, {"state": True}, "without state components"),
+        (1, 2, {"state": True}, "without state components"),
     ],
 )
 def test_other_unequal_tp_is_refused_naming_why_and_both_sizes(

@@ -15,7 +15,11 @@ the bootstrap look-ups and the timeouts. What moves bytes and decides outcomes i
   the other CP ranks, SGLang's dummy participants, move nothing (SGLang's `CommonKVSender.send`
   ends them at their last send). An MLA prefill of k times the decode's attention TP sends
   from the first of each decode rank's k prefill ranks; the decode rank excuses the other
-  k - 1 per request, signed (`excusal.py`), and they reach Success at their last send;
+  k - 1 per request, signed (`excusal.py`), and they reach Success at their last send. An MLA
+  decode of k times the prefill's attention TP takes a copy on each of the k decode ranks of a
+  prefill rank, a handoff each (`-r<i>` after the first: `handoff_id`) whose destination says
+  k (`fan_out`); the prefill rank signals every range to all of them and reaches Success once
+  all have their bytes;
 - decode `send_metadata` creates the handoff (destination pages, a slot per state component,
   the aux row; with SGLang's decode radix cache, the pages of the prefix it holds, which the
   prefill's service then skips) on the decode service, naming the prefill stages' services;
@@ -38,10 +42,12 @@ import concurrent.futures
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -63,6 +69,7 @@ from sglang.srt.runtime_context import get_parallel
 from pipelines.decode.views import HandoffRequest
 from pipelines.errors import KVHandoffError, PeerUnreachable
 from pipelines.events import (
+    DestinationReceived,
     Event,
     HandoffAborted,
     HandoffCompleted,
@@ -91,8 +98,20 @@ log = logging.getLogger("kvhandoff.sglang")
 RELEASED_KEPT = 65536
 
 
-def handoff_id(room: int, tp_rank: int) -> str:
-    return f"sglang-{int(room)}-tp{int(tp_rank)}"
+def handoff_id(room: int, tp_rank: int, copy: int = 0) -> str:
+    """The id of the handoff prefill TP rank `tp_rank` sends for `room`; `copy` > 0: to the
+    decode rank of that index among the ones it fans out to (an MLA decode of larger TP)."""
+    base = f"sglang-{int(room)}-tp{int(tp_rank)}"
+    return f"{base}-r{int(copy)}" if copy else base
+
+
+_COPY = re.compile(r"^(.*)-r([1-9][0-9]*)$")
+
+
+def own_of(hid: str) -> str:
+    """The id a fanned-out copy's id is a copy of (the id itself when it is none)."""
+    m = _COPY.match(hid)
+    return m.group(1) if m else hid
 
 
 def tp_pairing_refusal(
@@ -100,9 +119,11 @@ def tp_pairing_refusal(
 ) -> str | None:
     """Why a decode rank of attention TP `decode_tp` cannot pair with a prefill of `prefill_tp`
     as kvhandoff pairs them (one sending prefill rank per decode rank), or None. Equal TP pairs
-    rank with rank. A larger prefill TP pairs only an MLA model's KV, which every TP rank holds
-    whole, and only with no state component (its heads are split over TP ranks): the first of
-    the decode rank's prefill ranks sends, the others are excused (`excusal.py`)."""
+    rank with rank. Unequal TP pairs only an MLA model's KV, which every TP rank holds whole,
+    and only with no state component (its heads are split over TP ranks): with a larger
+    prefill TP, the first of the decode rank's prefill ranks sends and the others are excused
+    (`excusal.py`); with a larger decode TP, each prefill rank sends a copy to each of its
+    decode ranks, a handoff each (`handoff_id`'s `copy`)."""
     if prefill_tp == decode_tp:
         return None
     sizes = f"prefill attention TP {prefill_tp}, decode {decode_tp}"
@@ -111,13 +132,9 @@ def tp_pairing_refusal(
             f"kvhandoff pairs unequal TP for MLA models only ({sizes}): another model's KV "
             "heads are split over TP ranks, and kvhandoff does not slice them"
         )
-    if prefill_tp < decode_tp:
-        return (
-            f"kvhandoff pairs each decode rank with one prefill rank ({sizes}): a decode of "
-            f"larger attention TP would need each prefill rank to send to "
-            f"{decode_tp // max(prefill_tp, 1)} decode ranks, which is not supported yet"
-        )
-    if prefill_tp % decode_tp:
+    if prefill_tp < decode_tp and decode_tp % prefill_tp:
+        return f"the decode's attention TP is not a multiple of the prefill's ({sizes})"
+    if prefill_tp > decode_tp and prefill_tp % decode_tp:
         return f"the prefill's attention TP is not a multiple of the decode's ({sizes})"
     if state:
         return (
@@ -196,6 +213,18 @@ def failure_reason(event: HandoffFailed | HandoffAborted) -> str:
             where.append(f"{key.replace('_id', '')} {event.context[key]}")
     at = f" at {', '.join(where)}" if where else ""
     return f"kvhandoff handoff {event.handoff_id} failed ({event.code}){at}: {event.reason}"
+
+
+@dataclass(frozen=True)
+class _Range:
+    """One page range a prefill rank signalled for its own handoff, kept to replay to the
+    room's other copies (a fan-out learned later)."""
+
+    pages: Any  # the rank's own copy of SGLang's page indices
+    at: int
+    last: bool
+    slots: dict[str, int] | None
+    aux: int | None
 
 
 class KVHandoffManager(CommonKVManager):
@@ -322,6 +351,19 @@ class KVHandoffManager(CommonKVManager):
         # prefill: per room, the bytes this rank's stage moved so far and when (perf_counter)
         # its last segment was committed on the decode: what `get_transfer_metric` reports.
         self._moved: dict[int, tuple[int, float | None]] = {}
+        # prefill, a room whose bytes go to several decode ranks (an MLA decode of k times this
+        # TP: `DestinationReceived.fan_out`): k, the ranges signalled so far (replayed to each
+        # copy, `_flush`), how many of them each copy got, and the ids whose stage has all its
+        # bytes (Success once every one has). Ranges are kept only until k is known to be 1.
+        self._fan_out: dict[int, int] = {}
+        self._ranges: dict[int, list[_Range]] = {}
+        self._replayed: dict[int, dict[str, int]] = {}
+        self._finals: dict[int, set[str]] = {}
+        # prefill: a fan-out whose destination came before SGLang opened the room, by the
+        # room's own id (bounded, oldest first out); and the rooms that failed or were aborted
+        # (no copy is signalled after that).
+        self._early_fan_out: OrderedDict[str, int] = OrderedDict()
+        self._stopped: set[int] = set()
         # Re-entrant: a send refused under it fails its room, which reads `_excused` under it.
         self._lock = threading.RLock()
         # SGLang's update_status reads, then writes: two threads (the scheduler's and the
@@ -350,6 +392,9 @@ class KVHandoffManager(CommonKVManager):
             if not self._excused.open(room):  # an excused room has no handoff to follow
                 self._rooms[hid] = room
             self._released.pop(hid, None)
+            early = self._early_fan_out.pop(hid, None)
+        if early is not None:
+            self._learn_fan_out(room, hid, early)
         return hid
 
     def close_room(self, room: int, hid: str | None = None) -> None:
@@ -361,6 +406,11 @@ class KVHandoffManager(CommonKVManager):
             self._unreachable.discard(int(room))
             self._moved.pop(int(room), None)
             self._excused.close(int(room))
+            for copy in self._copies(int(room)):
+                self._rooms.pop(copy, None)
+            for table in (self._fan_out, self._ranges, self._replayed, self._finals):
+                table.pop(int(room), None)  # type: ignore[attr-defined]
+            self._stopped.discard(int(room))
 
     def released(self, hid: str) -> bool:
         with self._lock:
@@ -409,6 +459,7 @@ class KVHandoffManager(CommonKVManager):
                 return False
             if unreachable:
                 self._unreachable.add(int(room))
+            self._stopped.add(int(room))
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
         return True
@@ -441,7 +492,11 @@ class KVHandoffManager(CommonKVManager):
                 if not expected:
                     log.exception("kvhandoff %s of room %s failed", what, room)
                 reason = f"kvhandoff {what} {'refused' if expected else 'failed'}: {exc}"
-                self.fail(room, reason, unreachable=isinstance(exc, PeerUnreachable))
+                unreachable = isinstance(exc, PeerUnreachable)
+                if self.fanned_out(room):
+                    self._stop_then_fail(room, reason, unreachable=unreachable)
+                    return None
+                self.fail(room, reason, unreachable=unreachable)
                 if give_up is not None:
                     self._give_up(give_up, reason)
                 return None
@@ -454,6 +509,104 @@ class KVHandoffManager(CommonKVManager):
         deadline; a destination that comes later is refused."""
         if self.fail(room, reason):
             self._calls.submit(self._give_up, self.own_handoff(room), reason)
+
+    # ------------------------------------------------------------------ fan-out (prefill)
+
+    def _copies(self, room: int) -> list[str]:
+        """The ids of the room's copies beyond its own handoff (none until a fan-out is known)."""
+        k = self._fan_out.get(room, 1)
+        return [handoff_id(room, self.tp_rank_for_handoffs, i) for i in range(1, k)]
+
+    def fanned_out(self, room: int) -> bool:
+        with self._lock:
+            return self._fan_out.get(int(room), 1) > 1
+
+    def _destination(self, event: DestinationReceived) -> None:
+        """A decode said where a handoff of this rank's goes, and how many decode handoffs take
+        the same bytes: the room's fan-out (its own id's destination, or a copy's)."""
+        own = own_of(event.handoff_id)
+        with self._lock:
+            room = self._rooms.get(own)
+            if room is None:  # SGLang has not opened the room yet: kept for `open_room`
+                self._early_fan_out[own] = event.fan_out
+                while len(self._early_fan_out) > RELEASED_KEPT:
+                    self._early_fan_out.popitem(last=False)
+                return
+        self._learn_fan_out(room, own, event.fan_out)
+
+    def _learn_fan_out(self, room: int, own: str, k: int) -> None:
+        """The room's bytes go to `k` decode handoffs: its own and k - 1 copies, each signalled
+        every range the own one was (`_flush`, on the worker thread after what is queued). Two
+        decodes that disagree on k fail the room."""
+        with self._lock:
+            known = self._fan_out.get(room)
+            if known is None:
+                self._fan_out[room] = k
+                if k == 1:
+                    self._ranges.pop(room, None)  # nothing to replay: no copy will come
+                    return
+                for copy in self._copies(room):
+                    self._rooms[copy] = room
+                self._replayed[room] = dict.fromkeys(self._copies(room), 0)
+            elif known == k:
+                return
+        if known is not None:
+            why = f"kvhandoff: decode ranks disagree on the fan-out of {own} ({known} and {k})"
+            self._calls.submit(self._stop_then_fail, room, why)
+            return
+        self.submit(room, "stage ready", lambda: self._flush(room))
+
+    def _flush(self, room: int) -> None:
+        """On the worker thread: signal each copy the ranges its own handoff was signalled and
+        it was not yet, in their order; a stopped room's copies are given up instead."""
+        with self._lock:
+            cursors = self._replayed.get(room)
+            if cursors is None:
+                return
+            ranges = list(self._ranges.get(room, ()))
+            stopped = room in self._stopped
+            todo = [(copy, ranges[n:]) for copy, n in cursors.items()]
+            for copy in cursors:
+                cursors[copy] = len(ranges)
+        for copy, pending in todo:
+            if stopped:
+                self._give_up(copy, "the request failed or was aborted on the prefill")
+                continue
+            for r in pending:
+                self.service.stage_ready(
+                    copy,
+                    self.stage_rank,
+                    r.pages,
+                    pages_from=r.at,
+                    last_pages=r.last,
+                    src_slots=r.slots,
+                    src_aux=r.aux,
+                )
+
+    def _stop_then_fail(
+        self, room: int, reason: str, *, unreachable: bool = False, ended: str | None = None
+    ) -> None:
+        """On the worker thread: a fanned-out room fails only once none of its handoffs can
+        still read its source pages (each give-up returns then; `ended`: one that has already
+        ended). SGLang frees those pages once it sees Failed, and a copy still gathering from
+        them would land another request's bytes in its decode rank as a complete copy."""
+        with self._lock:
+            self._stopped.add(room)
+            ids = [self.own_handoff(room), *self._copies(room)]
+        for hid in ids:
+            if hid != ended:
+                self._give_up(hid, reason)
+        self.fail(room, reason, unreachable=unreachable)
+
+    def abort_room(self, room: int, reason: str) -> None:
+        """On the worker thread: stop every handoff of the room (its own, and its copies when a
+        fan-out is known); each returns once no write of it can land."""
+        with self._lock:
+            self._stopped.add(room)
+            copies = self._copies(room)
+        self.service.abort_prefill(self.own_handoff(room), reason)
+        for copy in copies:
+            self.service.abort_prefill(copy, reason)
 
     def _withdraw(self, hid: str) -> None:
         """An excused room's signalled ranges: withdrawn (`aborted`, no failure anywhere); a
@@ -476,6 +629,10 @@ class KVHandoffManager(CommonKVManager):
 
     def _on_event(self, event: Event) -> None:
         """On the service's thread: SGLang's status table follows the handoff (monotone)."""
+        if isinstance(event, DestinationReceived):
+            if event.role == "prefill":
+                self._destination(event)
+            return
         with self._lock:
             room = self._rooms.get(event.handoff_id)
             if isinstance(event, HandoffReleased):
@@ -487,15 +644,35 @@ class KVHandoffManager(CommonKVManager):
         match event:
             case HandoffFailed() | HandoffAborted():
                 gone = isinstance(event, HandoffFailed) and event.code == PeerUnreachable.code
-                self.fail(room, failure_reason(event), unreachable=gone)
+                if self.fanned_out(room):  # the other handoffs stop first (`_stop_then_fail`)
+                    with self._lock:
+                        if room in self._stopped:
+                            return  # failing already (the first reason stands): our give-ups
+                        self._stopped.add(room)
+                    self._calls.submit(
+                        self._stop_then_fail,
+                        room,
+                        failure_reason(event),
+                        unreachable=gone,
+                        ended=event.handoff_id,
+                    )
+                else:
+                    self.fail(room, failure_reason(event), unreachable=gone)
             case StageReady() if event.role == "prefill":
                 self.update_status(room, KVPoll.Transferring)
             case StageTransferred() if event.role == "prefill" and event.pp_rank == self.stage_rank:
                 with self._lock:  # noted before Success, which SGLang's metric read follows
                     nbytes, _ = self._moved.get(room, (0, None))
-                    ended = time.perf_counter() if event.final else None
-                    self._moved[room] = (nbytes + event.bytes, ended)
-                if event.final:
+                    done = False
+                    if event.final:  # a fanned-out room: once every copy has all its bytes
+                        finals = self._finals.setdefault(room, set())
+                        finals.add(event.handoff_id)
+                        done = len(finals) >= self._fan_out.get(room, 1)
+                    self._moved[room] = (
+                        nbytes + event.bytes,
+                        time.perf_counter() if done else None,
+                    )
+                if done:
                     self.update_status(room, KVPoll.Success)
             case HandoffCreated() if event.role == "decode":
                 self.update_status(room, KVPoll.Transferring)
@@ -629,6 +806,12 @@ class KVHandoffManager(CommonKVManager):
                 )
 
             self.submit(room, "stage ready", signal, give_up=hid)
+            if self._fan_out.get(room) != 1:  # kept for copies, until none can come
+                self._ranges.setdefault(room, []).append(
+                    _Range(pages, at, last, slots if last else None, aux)
+                )
+                if room in self._fan_out:
+                    self.submit(room, "stage ready", lambda: self._flush(room))
 
     def register_prefill_dp_rank_signed(self, bootstrap_addr: str, room: int) -> None:
         """Tell the bootstrap server which DP rank prefills `room` (signed), on the rank's worker
@@ -748,11 +931,9 @@ class KVHandoffSender(CommonKVSender):
             # pages next, so wait for the worker to have run it.
             mgr.submit(room, "abort", lambda: None).result()
             return
-        hid = mgr.own_handoff(room)
-        # Waited for (after any queued stage signal): SGLang frees the source pages next.
-        stop = mgr.submit(
-            room, "abort", lambda: mgr.service.abort_prefill(hid, "aborted by SGLang")
-        )
+        # Waited for (after any queued stage signal): SGLang frees the source pages next. Every
+        # copy of a fanned-out room is stopped too.
+        stop = mgr.submit(room, "abort", lambda: mgr.abort_room(room, "aborted by SGLang"))
         stop.result()
 
     def clear(self) -> None:
@@ -774,6 +955,9 @@ class KVHandoffReceiver(CommonKVReceiver):
         # The handoff this rank receives: named after the prefill TP rank that sends it, which
         # `init` learns (SGLang's `target_tp_rank`); this rank's own until then.
         self._hid = handoff_id(bootstrap_room or 0, mgr.tp_rank_for_handoffs)
+        # How many decode ranks take the sending prefill rank's bytes (`init`: an MLA decode of
+        # k times the prefill's attention TP), this one included.
+        self._fan_out = 1
         if bootstrap_room is not None:
             mgr.open_room(bootstrap_room, self._hid)
         self._forgot_prefill = False
@@ -805,9 +989,14 @@ class KVHandoffReceiver(CommonKVReceiver):
             self.conclude_state = KVPoll.Failed
             return
         sender = self.prefill_info.target_tp_rank
-        if sender is not None and handoff_id(room, sender) != self._hid:
+        # A decode of k times the prefill's attention TP (MLA): SGLang has decode ranks
+        # k*p .. k*p + k - 1 take prefill rank p's bytes, each a copy of its own.
+        prefill_tp, decode_tp = int(self.prefill_info.attn_tp_size), int(mgr.attn_tp_size)
+        self._fan_out = decode_tp // prefill_tp if decode_tp > prefill_tp else 1
+        copy = (int(mgr.kv_args.engine_rank) % decode_tp) % self._fan_out
+        if sender is not None and handoff_id(room, sender, copy) != self._hid:
             mgr.close_room(room, self._hid)
-            self._hid = mgr.open_room(room, handoff_id(room, sender))
+            self._hid = mgr.open_room(room, handoff_id(room, sender, copy))
         self._excuse_dummy_ranks()
 
     def _excuse_dummy_ranks(self) -> None:
@@ -889,6 +1078,7 @@ class KVHandoffReceiver(CommonKVReceiver):
             prefill=urls,
             dst_pages=[int(p) for p in np.asarray(kv_indices).tolist()],
             prefix_pages=prefix_tokens // page_size,
+            fan_out=self._fan_out,
             dst_slots=slots,
             dst_aux=int(aux_index) if (mgr.rank.has_aux and aux_index is not None) else None,
         )

@@ -1,5 +1,6 @@
 """A decode that holds a request's prefix (`prefix_pages`): the prefills send the pages after
-it only, into the decode's pages for those positions, and no byte reaches any other page.
+it only, into the decode's pages for those positions, and no byte reaches any other page. And
+what a prefill's engine learns of its destination (`stage.destination`).
 
 Real memory and the local transport, both pipelines in one loop (`test_landed.make_world`), in
 landed and direct mode, signalled by layer and by page range, before and after the destination.
@@ -14,7 +15,7 @@ import pytest
 
 from pipelines.decode.views import HandoffRequest
 from pipelines.errors import InvalidInput
-from pipelines.events import SegmentCommitted
+from pipelines.events import DestinationReceived, SegmentCommitted
 from pipelines.states import HandoffState
 from tests.fakes import eventually
 from tests.unit.pipelines.test_landed import (
@@ -228,5 +229,26 @@ async def test_a_range_queued_before_the_destination_past_its_pages_fails_naming
         assert error is not None and error.context.get("field") == "src_pages", error
         assert "the range ends at position 8; the decode has 7 pages (3 of them" in error.reason
         assert_only(w, [], before)
+    finally:
+        await close_world(w)
+
+
+async def test_the_prefill_publishes_each_destination_for_its_engine() -> None:
+    # What an engine adapter reads of a destination: where it goes, how many pages after which
+    # prefix, and how many decode handoffs take the same bytes (`fan_out`).
+    w = await make_world()
+    try:
+        seen: list[DestinationReceived] = []
+        w.bus.add_listener(lambda e: seen.append(e) if isinstance(e, DestinationReceived) else None)
+        await w.decode.create(
+            HandoffRequest(
+                id="f", prefill=["p"], dst_pages=DST, prefix_pages=PREFIX, fan_out=3, dst_slot=0
+            )
+        )
+        await eventually(lambda: bool(seen), what="the destination event")
+        (event,) = seen
+        assert (event.role, event.decode_url, event.pp_ranks) == ("prefill", "d", [0, 1])
+        assert (event.num_pages, event.prefix_pages, event.fan_out) == (len(DST), PREFIX, 3)
+        await w.decode.abort("f")
     finally:
         await close_world(w)

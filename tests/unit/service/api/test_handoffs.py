@@ -145,6 +145,8 @@ async def test_a_decode_holding_a_prefix_receives_the_pages_after_it_only(d: Dep
     url = f"{d.decode.url}/v1/handoffs"
     bad = await d.request("POST", url, json={"id": "neg", "dst_pages": [1], "prefix_pages": -1})
     assert_problem(bad, 422, "invalid_input", field="prefix_pages")
+    none = await d.request("POST", url, json={"id": "none", "dst_pages": [1], "fan_out": 0})
+    assert_problem(none, 422, "invalid_input", field="fan_out")
 
 
 async def test_layers_land_as_they_are_signalled_and_the_handoff_waits_for_the_rest(
