@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll
 
+from pipelines.events import DestinationReceived, HandoffAborted, StageTransferred
 from service.integrations.sglang import excusal
 from service.integrations.sglang.backend import KVHandoffManager
 
@@ -165,3 +166,122 @@ def test_a_device_error_while_waiting_for_the_forward_fails_the_room_and_gives_i
     assert mgr.request_status[8] == KVPoll.Failed
     assert "stage ready failed: CUDA error" in mgr.failure_records[8]
     assert given_up == [("sglang-8-tp1", mgr.failure_records[8])]
+
+
+# ------------------------------------------------------------ fan-out (an MLA decode of larger TP)
+
+
+class Recorder:
+    """The rank's service, as far as the send path uses it: what was signalled and given up,
+    with the room's SGLang status at that moment."""
+
+    def __init__(self, mgr: KVHandoffManager, room: int) -> None:
+        self.mgr, self.room = mgr, room
+        self.calls: list[str] = []
+
+    def stage_ready(self, hid: str, rank: int, pages: object, **kw: object) -> None:
+        self.calls.append(f"signalled {hid} {np.asarray(pages).tolist()} last={kw['last_pages']}")
+
+    def abort_prefill(self, hid: str, reason: str) -> None:
+        names = {int(v): k for k, v in vars(KVPoll).items() if k[0].isupper()}
+        status = names[int(self.mgr.request_status[self.room])]
+        self.calls.append(f"gave up {hid} while {status}")
+
+
+def fanned(room: int) -> tuple[KVHandoffManager, Recorder]:
+    mgr = rank()
+    mgr.__dict__["_prefill_role"] = True
+    service = Recorder(mgr, room)
+    mgr.__dict__["_service"] = service
+    mgr.open_room(room)
+    mgr.request_status[room] = KVPoll.WaitingForInput
+    return mgr, service
+
+
+def destination(hid: str, fan_out: int) -> DestinationReceived:
+    return DestinationReceived(
+        handoff_id=hid, role="prefill", pp_ranks=[0], decode_url="d", num_pages=3, fan_out=fan_out
+    )
+
+
+def transferred(hid: str) -> StageTransferred:
+    return StageTransferred(
+        handoff_id=hid,
+        role="prefill",
+        pp_rank=0,
+        blocks=1,
+        bytes=10,
+        batches=1,
+        seconds=0.0,
+        final=True,
+    )
+
+
+def test_a_copy_gets_a_range_only_once_the_own_handoff_did_after_its_forward() -> None:
+    mgr, service = fanned(9)
+    mgr._on_event(destination("sglang-9-tp1", 2))  # the fan-out is known before any send
+    released = threading.Event()
+
+    class ForwardEvent:
+        def synchronize(self) -> None:
+            assert released.wait(5), "never released"
+            service.calls.append("forward done")
+
+    mgr.add_transfer_request(9, np.array([3, 4]), slice(0, 2), False, wait_event=ForwardEvent())
+    mgr.add_transfer_request(9, np.array([5]), slice(2, 3), True)
+    assert service.calls == []  # both wait behind the forward: no copy went ahead of it
+    released.set()
+    settled(mgr)
+    assert service.calls == [
+        "forward done",
+        "signalled sglang-9-tp1 [3, 4] last=False",
+        "signalled sglang-9-tp1-r1 [3, 4] last=False",
+        "signalled sglang-9-tp1 [5] last=True",
+        "signalled sglang-9-tp1-r1 [5] last=True",
+    ]
+
+
+def test_a_fan_out_learned_late_replays_every_range_to_each_copy_in_order() -> None:
+    # A copy's destination (rank 2's) is the first this rank hears of the fan-out.
+    mgr, service = fanned(10)
+    mgr.add_transfer_request(10, np.array([1, 2]), slice(0, 2), False)
+    mgr.add_transfer_request(10, np.array([3]), slice(2, 3), True)
+    settled(mgr)
+    mgr._on_event(destination("sglang-10-tp1-r2", 3))
+    settled(mgr)
+    for hid in ("sglang-10-tp1", "sglang-10-tp1-r1", "sglang-10-tp1-r2"):
+        assert [c for c in service.calls if c.split()[1] == hid] == [
+            f"signalled {hid} [1, 2] last=False",
+            f"signalled {hid} [3] last=True",
+        ]
+    assert len(service.calls) == 6
+
+
+def test_a_fanned_out_room_succeeds_only_once_every_copy_has_all_its_bytes() -> None:
+    mgr, _ = fanned(11)
+    mgr._on_event(destination("sglang-11-tp1", 3))
+    mgr._on_event(transferred("sglang-11-tp1"))
+    mgr._on_event(transferred("sglang-11-tp1-r2"))
+    assert mgr.request_status[11] != KVPoll.Success
+    mgr._on_event(transferred("sglang-11-tp1-r1"))
+    assert mgr.request_status[11] == KVPoll.Success
+    assert mgr.moved(11) is not None and mgr.moved(11)[0] == 30  # every copy's bytes
+
+
+def test_a_failed_copy_stops_the_others_before_the_room_fails() -> None:
+    # SGLang frees the source pages once it sees Failed: every other handoff of the room is
+    # given up (each returns once none of its writes can land) while the room still waits.
+    mgr, service = fanned(12)
+    mgr._on_event(destination("sglang-12-tp1", 3))
+    mgr._on_event(HandoffAborted(handoff_id="sglang-12-tp1-r1", role="prefill", reason="gone"))
+    settled(mgr)
+    assert service.calls == [
+        "gave up sglang-12-tp1 while WaitingForInput",
+        "gave up sglang-12-tp1-r2 while WaitingForInput",
+    ]
+    assert mgr.request_status[12] == KVPoll.Failed
+    assert "sglang-12-tp1-r1 aborted: gone" in mgr.failure_records[12]
+    # The give-ups' own failure events change nothing: the first reason stands.
+    mgr._on_event(HandoffAborted(handoff_id="sglang-12-tp1", role="prefill", reason="given up"))
+    settled(mgr)
+    assert "sglang-12-tp1-r1 aborted: gone" in mgr.failure_records[12]

@@ -232,6 +232,7 @@ class KVHandoffManager(CommonKVManager):
 
     # prefill: reads the excusals decode ranks send (SGLang's MLA dummy ranks).
     _excusals: excusal.Listener | None
+    _prefill_role = False  # set by __init__
 
     def __init__(
         self,
@@ -296,6 +297,7 @@ class KVHandoffManager(CommonKVManager):
             + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get(),
             self.kv_config.handoff.default_deadline_s,
         )
+        self._prefill_role = prefill
         self._init_rooms(wait_s + MAX_SKEW_S)
         try:
             if self._service is not None:
@@ -313,8 +315,9 @@ class KVHandoffManager(CommonKVManager):
                     f"{parallel.attn_cp_rank} a dummy participant, which kvhandoff does not "
                     "expect of this layout"
                 )
-            # Each sending rank sends its own copy to one decode rank (equal TP, or an MLA
-            # prefill of larger TP), so SGLang's metric need not wait to learn the factor.
+            # SGLang's metric multiplies its byte count by this; kvhandoff reports the bytes
+            # its handoffs moved instead, every copy of a fanned-out room included
+            # (`get_transfer_metric`), so the factor stays 1 and SGLang need not learn it.
             self._kv_replica_factor = 1
             if prefill and self.service_url is not None:
                 self._excusals = excusal.Listener(
@@ -357,6 +360,9 @@ class KVHandoffManager(CommonKVManager):
         # bytes (Success once every one has). Ranges are kept only until k is known to be 1.
         self._fan_out: dict[int, int] = {}
         self._ranges: dict[int, list[_Range]] = {}
+        # ... and how many of them the own handoff was signalled (its `wait_event` waited for):
+        # only those are replayed, so no copy gathers pages a forward may still be writing.
+        self._own_signalled: dict[int, int] = {}
         self._replayed: dict[int, dict[str, int]] = {}
         self._finals: dict[int, set[str]] = {}
         # prefill: a fan-out whose destination came before SGLang opened the room, by the
@@ -408,7 +414,14 @@ class KVHandoffManager(CommonKVManager):
             self._excused.close(int(room))
             for copy in self._copies(int(room)):
                 self._rooms.pop(copy, None)
-            for table in (self._fan_out, self._ranges, self._replayed, self._finals):
+            tables = (
+                self._fan_out,
+                self._ranges,
+                self._own_signalled,
+                self._replayed,
+                self._finals,
+            )
+            for table in tables:
                 table.pop(int(room), None)  # type: ignore[attr-defined]
             self._stopped.discard(int(room))
 
@@ -459,7 +472,8 @@ class KVHandoffManager(CommonKVManager):
                 return False
             if unreachable:
                 self._unreachable.add(int(room))
-            self._stopped.add(int(room))
+            if self._prefill_role and self.own_handoff(room) in self._rooms:
+                self._stopped.add(int(room))  # no copy is signalled after this
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
         return True
@@ -488,6 +502,11 @@ class KVHandoffManager(CommonKVManager):
             except Exception as exc:
                 if self.excused(room):
                     return None  # the room moves nothing from this rank: no failure of it
+                if self.fanned_out(room) and self.stopped(room):
+                    # Refused because the room is being stopped already (its first reason
+                    # stands; `_stop_then_fail` fails it once every handoff of it stopped).
+                    log.info("kvhandoff %s of stopped room %s: %s", what, room, exc)
+                    return None
                 expected = isinstance(exc, (KVHandoffError, TimeoutError, ValueError))
                 if not expected:
                     log.exception("kvhandoff %s of room %s failed", what, room)
@@ -507,6 +526,11 @@ class KVHandoffManager(CommonKVManager):
         """A prefill send this backend refuses: the request fails here, and its handoff is
         given up so the decode is told now (with the stage and the reason), not at its
         deadline; a destination that comes later is refused."""
+        if self.fanned_out(room):  # every copy stops before SGLang sees Failed
+            with self._lock:
+                self._stopped.add(int(room))
+            self._calls.submit(self._stop_then_fail, int(room), reason)
+            return
         if self.fail(room, reason):
             self._calls.submit(self._give_up, self.own_handoff(room), reason)
 
@@ -520,6 +544,10 @@ class KVHandoffManager(CommonKVManager):
     def fanned_out(self, room: int) -> bool:
         with self._lock:
             return self._fan_out.get(int(room), 1) > 1
+
+    def stopped(self, room: int) -> bool:
+        with self._lock:
+            return int(room) in self._stopped
 
     def _destination(self, event: DestinationReceived) -> None:
         """A decode said where a handoff of this rank's goes, and how many decode handoffs take
@@ -557,13 +585,14 @@ class KVHandoffManager(CommonKVManager):
         self.submit(room, "stage ready", lambda: self._flush(room))
 
     def _flush(self, room: int) -> None:
-        """On the worker thread: signal each copy the ranges its own handoff was signalled and
-        it was not yet, in their order; a stopped room's copies are given up instead."""
+        """On the worker thread: signal each copy the ranges its own handoff was signalled (its
+        forward waited for) and it was not yet, in their order; a stopped room's copies are
+        given up instead."""
         with self._lock:
             cursors = self._replayed.get(room)
             if cursors is None:
                 return
-            ranges = list(self._ranges.get(room, ()))
+            ranges = self._ranges.get(room, [])[: self._own_signalled.get(room, 0)]
             stopped = room in self._stopped
             todo = [(copy, ranges[n:]) for copy, n in cursors.items()]
             for copy in cursors:
@@ -593,9 +622,12 @@ class KVHandoffManager(CommonKVManager):
         with self._lock:
             self._stopped.add(room)
             ids = [self.own_handoff(room), *self._copies(room)]
-        for hid in ids:
-            if hid != ended:
-                self._give_up(hid, reason)
+        try:
+            for hid in ids:
+                if hid != ended:
+                    self._give_up(hid, reason)
+        except Exception:  # a bug: logged, and the room fails all the same (never hangs)
+            log.exception("stopping the handoffs of room %s failed", room)
         self.fail(room, reason, unreachable=unreachable)
 
     def abort_room(self, room: int, reason: str) -> None:
@@ -804,14 +836,18 @@ class KVHandoffManager(CommonKVManager):
                     src_slots=slots if last else None,
                     src_aux=aux,
                 )
+                if kept:  # the room's copies (once known) get what the own handoff got
+                    with self._lock:
+                        self._own_signalled[room] = self._own_signalled.get(room, 0) + 1
+                    self._flush(room)
 
-            self.submit(room, "stage ready", signal, give_up=hid)
-            if self._fan_out.get(room) != 1:  # kept for copies, until none can come
+            # Kept for the room's copies, until it is known none will come (a fan-out of 1).
+            kept = self._fan_out.get(room) != 1
+            if kept:
                 self._ranges.setdefault(room, []).append(
                     _Range(pages, at, last, slots if last else None, aux)
                 )
-                if room in self._fan_out:
-                    self.submit(room, "stage ready", lambda: self._flush(room))
+            self.submit(room, "stage ready", signal, give_up=hid)
 
     def register_prefill_dp_rank_signed(self, bootstrap_addr: str, room: int) -> None:
         """Tell the bootstrap server which DP rank prefills `room` (signed), on the rank's worker
