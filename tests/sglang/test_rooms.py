@@ -7,6 +7,7 @@ import threading
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from pipelines.events import DestinationReceived, HandoffAborted, StageTransferred
@@ -285,3 +286,57 @@ def test_a_failed_copy_stops_the_others_before_the_room_fails() -> None:
     mgr._on_event(HandoffAborted(handoff_id="sglang-12-tp1", role="prefill", reason="given up"))
     settled(mgr)
     assert "sglang-12-tp1-r1 aborted: gone" in mgr.failure_records[12]
+
+
+def test_a_refused_send_in_a_fanned_out_room_stops_every_copy_before_it_fails() -> None:
+    # A send after the last chunk is refused: the own handoff and both copies are given up
+    # while SGLang still waits, and the refusal is the reason.
+    mgr, service = fanned(13)
+    mgr._on_event(destination("sglang-13-tp1", 3))
+    mgr.add_transfer_request(13, np.array([1]), slice(0, 1), True)
+    settled(mgr)
+    service.calls.clear()
+    mgr.add_transfer_request(13, np.array([2]), slice(1, 2), True)
+    settled(mgr)
+    assert service.calls == [
+        f"gave up {hid} while WaitingForInput"
+        for hid in ("sglang-13-tp1", "sglang-13-tp1-r1", "sglang-13-tp1-r2")
+    ]
+    assert mgr.request_status[13] == KVPoll.Failed
+    assert "1 pages sent after the last chunk" in mgr.failure_records[13]
+
+
+def test_a_signal_refused_once_the_room_stopped_keeps_the_first_reason() -> None:
+    mgr, service = fanned(14)
+    mgr._on_event(destination("sglang-14-tp1", 2))
+    mgr._on_event(HandoffAborted(handoff_id="sglang-14-tp1-r1", role="prefill", reason="gone"))
+
+    def refused(hid: str, rank: int, pages: object, **kw: object) -> None:
+        raise ValueError(f"handoff {hid!r} already failed")
+
+    service.stage_ready = refused  # type: ignore[method-assign]
+    mgr.add_transfer_request(14, np.array([1]), slice(0, 1), True)
+    settled(mgr)
+    assert mgr.request_status[14] == KVPoll.Failed
+    assert "sglang-14-tp1-r1 aborted: gone" in mgr.failure_records[14]
+    mgr.close_room(14)
+    assert not mgr._stopped and not mgr._rooms and not mgr._fan_out and not mgr._ranges
+    mgr.fail(14, "a late failure of a closed room")
+    assert not mgr._stopped  # nothing left behind
+
+
+def test_sglang_s_abort_stops_every_copy_even_when_one_abort_fails() -> None:
+    mgr, service = fanned(15)
+    mgr._on_event(destination("sglang-15-tp1", 3))
+    tried: list[str] = []
+
+    def abort_prefill(hid: str, reason: str) -> None:
+        tried.append(hid)
+        if hid == "sglang-15-tp1":
+            raise TimeoutError("the service did not answer")
+
+    service.abort_prefill = abort_prefill  # type: ignore[method-assign]
+    done = mgr._calls.submit(mgr.abort_room, 15, "aborted by SGLang")
+    with pytest.raises(TimeoutError, match="did not answer"):  # raised once all were tried
+        done.result(timeout=5)
+    assert tried == ["sglang-15-tp1", "sglang-15-tp1-r1", "sglang-15-tp1-r2"]

@@ -503,9 +503,9 @@ class KVHandoffManager(CommonKVManager):
                 if self.excused(room):
                     return None  # the room moves nothing from this rank: no failure of it
                 if self.fanned_out(room) and self.stopped(room):
-                    # Refused because the room is being stopped already (its first reason
-                    # stands; `_stop_then_fail` fails it once every handoff of it stopped).
-                    log.info("kvhandoff %s of stopped room %s: %s", what, room, exc)
+                    # The room is stopped already (failing, failed or aborted): its first
+                    # reason stands, and whoever stopped it fails it or SGLang aborted it.
+                    log.warning("kvhandoff %s of stopped room %s: %s", what, room, exc)
                     return None
                 expected = isinstance(exc, (KVHandoffError, TimeoutError, ValueError))
                 if not expected:
@@ -526,13 +526,13 @@ class KVHandoffManager(CommonKVManager):
         """A prefill send this backend refuses: the request fails here, and its handoff is
         given up so the decode is told now (with the stage and the reason), not at its
         deadline; a destination that comes later is refused."""
-        if self.fanned_out(room):  # every copy stops before SGLang sees Failed
-            with self._lock:
+        with self._lock:  # with the fan-out check: a fan-out learned meanwhile sees the stop
+            if self.fanned_out(room):  # every copy stops before SGLang sees Failed
                 self._stopped.add(int(room))
-            self._calls.submit(self._stop_then_fail, int(room), reason)
-            return
-        if self.fail(room, reason):
-            self._calls.submit(self._give_up, self.own_handoff(room), reason)
+                self._calls.submit(self._stop_then_fail, int(room), reason)
+                return
+            if self.fail(room, reason):
+                self._calls.submit(self._give_up, self.own_handoff(room), reason)
 
     # ------------------------------------------------------------------ fan-out (prefill)
 
@@ -620,14 +620,17 @@ class KVHandoffManager(CommonKVManager):
         ended). SGLang frees those pages once it sees Failed, and a copy still gathering from
         them would land another request's bytes in its decode rank as a complete copy."""
         with self._lock:
-            self._stopped.add(room)
-            ids = [self.own_handoff(room), *self._copies(room)]
-        try:
-            for hid in ids:
-                if hid != ended:
-                    self._give_up(hid, reason)
-        except Exception:  # a bug: logged, and the room fails all the same (never hangs)
-            log.exception("stopping the handoffs of room %s failed", room)
+            own = self.own_handoff(room)
+            if own in self._rooms:  # still open (no entry is left behind by a closed room)
+                self._stopped.add(room)
+            ids = [own, *self._copies(room)]
+        for hid in ids:
+            if hid == ended:
+                continue
+            try:
+                self._give_up(hid, reason)
+            except Exception:  # a bug: logged; the others are still stopped, the room fails
+                log.exception("giving up %s of room %s failed", hid, room)
         self.fail(room, reason, unreachable=unreachable)
 
     def abort_room(self, room: int, reason: str) -> None:
@@ -635,10 +638,15 @@ class KVHandoffManager(CommonKVManager):
         fan-out is known); each returns once no write of it can land."""
         with self._lock:
             self._stopped.add(room)
-            copies = self._copies(room)
-        self.service.abort_prefill(self.own_handoff(room), reason)
-        for copy in copies:
-            self.service.abort_prefill(copy, reason)
+            ids = [self.own_handoff(room), *self._copies(room)]
+        first: Exception | None = None
+        for hid in ids:  # each one tried, whatever another one raised
+            try:
+                self.service.abort_prefill(hid, reason)
+            except Exception as exc:  # noqa: BLE001 - raised once every other one was tried
+                first = first or exc
+        if first is not None:
+            raise first
 
     def _withdraw(self, hid: str) -> None:
         """An excused room's signalled ranges: withdrawn (`aborted`, no failure anywhere); a
@@ -838,7 +846,8 @@ class KVHandoffManager(CommonKVManager):
                 )
                 if kept:  # the room's copies (once known) get what the own handoff got
                     with self._lock:
-                        self._own_signalled[room] = self._own_signalled.get(room, 0) + 1
+                        if room in self._ranges:  # still kept (no fan-out of 1, not closed)
+                            self._own_signalled[room] = self._own_signalled.get(room, 0) + 1
                     self._flush(room)
 
             # Kept for the room's copies, until it is known none will come (a fan-out of 1).
