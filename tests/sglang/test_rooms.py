@@ -103,9 +103,17 @@ def test_a_send_refused_under_the_rank_s_lock_fails_its_room_without_waiting_on_
     # A send after the room's last chunk is refused inside the send's critical section, and
     # failing the room reads the excusals under the same lock: re-entered, not waited on.
     mgr = rank()
+    # A service that takes the first send (without one, its signal would fail the room on the
+    # worker thread, racing the refusal below for the room's reason).
+    given_up: list[str] = []
+    mgr.__dict__["_service"] = SimpleNamespace(
+        stage_ready=lambda *args, **kw: None,
+        abort_prefill=lambda hid, reason: given_up.append(hid),
+    )
     mgr.open_room(6)
     mgr.request_status[6] = KVPoll.WaitingForInput
     mgr.add_transfer_request(6, np.array([1]), slice(0, 1), True)
+    settled(mgr)
 
     sent = threading.Thread(
         target=mgr.add_transfer_request, args=(6, np.array([2]), slice(1, 2), True)
@@ -116,6 +124,7 @@ def test_a_send_refused_under_the_rank_s_lock_fails_its_room_without_waiting_on_
     assert mgr.request_status[6] == KVPoll.Failed
     assert "1 pages sent after the last chunk" in mgr.failure_records[6]
     settled(mgr)
+    assert given_up == ["sglang-6-tp1"]  # and its handoff was given up
 
 
 def test_an_early_sent_prefix_is_signalled_only_once_its_forward_has_run() -> None:
