@@ -9,6 +9,8 @@ landed and direct mode, signalled by layer and by page range, before and after t
 from __future__ import annotations
 
 import itertools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
@@ -32,6 +34,15 @@ PREFIX = 3
 DST = [10, 11, 2, 20]  # positions 3..6 of the request
 #: Range cuts: the first range inside the prefix, the second across its end.
 CUTS = [0, 2, 4, 5, 7]
+
+
+@asynccontextmanager
+async def opened(*, landed: bool = True) -> AsyncIterator[World]:
+    w = await make_world(landed=landed)
+    try:
+        yield w
+    finally:
+        await close_world(w)
 
 
 def kv_rows(w: World) -> list[np.ndarray]:
@@ -66,8 +77,7 @@ def signal(w: World, hid: str, how: str, slot: int) -> None:
 async def test_the_pages_after_the_prefix_land_in_the_decode_pages_and_nothing_else(
     landed: bool, how: str, destination_first: bool
 ) -> None:
-    w = await make_world(landed=landed)
-    try:
+    async with opened(landed=landed) as w:
         before = kv_rows(w)
         commits: list[SegmentCommitted] = []
         w.bus.add_listener(lambda e: commits.append(e) if isinstance(e, SegmentCommitted) else None)
@@ -107,13 +117,10 @@ async def test_the_pages_after_the_prefix_land_in_the_decode_pages_and_nothing_e
             per_page = sum(e.item_len for e in stage.kv)
             slot = sum(s.item_len for s in stage.state) + sum(a.item_len for a in stage.aux)
             assert nbytes == len(DST) * per_page + slot
-    finally:
-        await close_world(w)
 
 
 async def test_a_prefix_of_every_page_sends_the_state_only() -> None:
-    w = await make_world()
-    try:
+    async with opened() as w:
         before = kv_rows(w)
         await w.decode.create(
             HandoffRequest(id="all", prefill=["p"], dst_pages=[], prefix_pages=len(SRC), dst_slot=3)
@@ -122,14 +129,11 @@ async def test_a_prefix_of_every_page_sends_the_state_only() -> None:
         assert await wait_released(w, "all") == HandoffState.COMPLETED
         assert_landed(w, [], [], 0, 3)
         assert_only(w, [], before)
-    finally:
-        await close_world(w)
 
 
 async def test_a_last_range_inside_the_prefix_is_refused_naming_last_pages() -> None:
     # The destination known: the signal itself is refused and changes nothing.
-    w = await make_world()
-    try:
+    async with opened() as w:
         await w.decode.create(
             HandoffRequest(id="s", prefill=["p"], dst_pages=DST, prefix_pages=PREFIX, dst_slot=0)
         )
@@ -146,8 +150,6 @@ async def test_a_last_range_inside_the_prefix_is_refused_naming_last_pages() -> 
         assert err.value.context["field"] == "last_pages"
         assert "3 of them its cached prefix" in err.value.message
         assert open_handoff(w, "s").inputs[0].src_pages.tolist() == SRC[:2]
-    finally:
-        await close_world(w)
 
 
 @pytest.mark.parametrize("landed", [True, False], ids=["landed", "direct"])
@@ -157,8 +159,7 @@ async def test_a_stage_shorter_than_the_prefix_fails_naming_the_field_and_writes
 ) -> None:
     # Signalled before the destination said how long the prefix is: the stage worker checks
     # when it comes, and the handoff fails naming the field; no decode page changes.
-    w = await make_world(landed=landed)
-    try:
+    async with opened(landed=landed) as w:
         before = kv_rows(w)
         for rank in (0, 1):
             if how == "layers":
@@ -173,8 +174,6 @@ async def test_a_stage_shorter_than_the_prefix_fails_naming_the_field_and_writes
         assert error is not None and error.context.get("field") == "prefix_pages", error
         assert "has 2 pages, fewer than the 3-page prefix" in error.reason
         assert_only(w, [], before)
-    finally:
-        await close_world(w)
 
 
 @pytest.mark.parametrize(
@@ -191,8 +190,7 @@ async def test_pages_that_do_not_add_up_with_the_prefix_fail_in_request_position
     how: str, pages: list[int], field: str, says: str, landed: bool
 ) -> None:
     # Every page signalled before the destination came: checked once it does.
-    w = await make_world(landed=landed)
-    try:
+    async with opened(landed=landed) as w:
         before = kv_rows(w)
         for rank in (0, 1):
             if how == "layers":
@@ -208,16 +206,13 @@ async def test_pages_that_do_not_add_up_with_the_prefix_fail_in_request_position
         assert error is not None and error.context.get("field") == field, error
         assert says in error.reason and "(3 of them its cached prefix)" in error.reason, error
         assert_only(w, [], before)
-    finally:
-        await close_world(w)
 
 
 async def test_a_range_queued_before_the_destination_past_its_pages_fails_naming_src_pages() -> (
     None
 ):
     # Queued before the destination, not the last: the worker checks its end as it reads it.
-    w = await make_world()
-    try:
+    async with opened() as w:
         before = kv_rows(w)
         for rank in (0, 1):
             w.prefill.ready("q", rank, [*SRC, 22], None, pages_from=0, last_pages=False)
@@ -229,15 +224,12 @@ async def test_a_range_queued_before_the_destination_past_its_pages_fails_naming
         assert error is not None and error.context.get("field") == "src_pages", error
         assert "the range ends at position 8; the decode has 7 pages (3 of them" in error.reason
         assert_only(w, [], before)
-    finally:
-        await close_world(w)
 
 
 async def test_the_prefill_publishes_each_destination_for_its_engine() -> None:
     # What an engine adapter reads of a destination: where it goes, how many pages after which
     # prefix, and how many decode handoffs take the same bytes (`fan_out`).
-    w = await make_world()
-    try:
+    async with opened() as w:
         seen: list[DestinationReceived] = []
         w.bus.add_listener(lambda e: seen.append(e) if isinstance(e, DestinationReceived) else None)
         await w.decode.create(
@@ -250,5 +242,3 @@ async def test_the_prefill_publishes_each_destination_for_its_engine() -> None:
         assert (event.role, event.decode_url, event.pp_ranks) == ("prefill", "d", [0, 1])
         assert (event.num_pages, event.prefix_pages, event.fan_out) == (len(DST), PREFIX, 3)
         await w.decode.abort("f")
-    finally:
-        await close_world(w)
