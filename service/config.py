@@ -90,7 +90,7 @@ AUTH_ROLES = ("router", "engine", "peer")
 
 
 class AuthConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Credentials per role (see README, "Trust"); a role left unset falls back on
+    """Credentials per role (docs/operations/security.md); a role left unset falls back on
     `server.token`, and a role with neither is open. No secret may serve two roles."""
 
     #: Bearer tokens of routers: create/get/list/abort handoffs, validate, events, webhooks.
@@ -123,7 +123,7 @@ class TransportConfig(MooncakeConfig, frozen=True, forbid_unknown_fields=True, k
 
 
 class TransferConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """How bytes reach decode memory (`pipelines/SAFETY.md`).
+    """How bytes reach decode memory (`docs/concepts/safety.md`).
 
     `landed` (default): prefills write only into windows of the decode's landing arena; the
     decode copies each segment into its KV pages itself, once its digest matches, so no stale
@@ -138,6 +138,10 @@ class TransferConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     window_bytes: Positive = 16 * MiB
     #: Prefill: the staging buffer segments are packed into before they travel.
     staging_bytes: Positive = 64 * MiB
+    #: Decode: the share of the arena the windows of one prefill service may take, held or
+    #: quarantined (at least one window), so a hung prefill cannot starve the others; 1.0 where
+    #: a decode has a single prefill service.
+    peer_share: Annotated[float, Meta(gt=0, le=1)] = 0.5
 
 
 class ModelConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

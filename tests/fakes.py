@@ -7,8 +7,10 @@ import asyncio
 import ctypes
 import threading
 import time
+import types
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -172,6 +174,66 @@ def _binding_buffer(name: str, value: object) -> np.ndarray:
     if value.dtype.kind == "i" and value.size and int(value.min()) < 0:
         raise ValueError(f"{name} must not contain negative values")
     return value
+
+
+# -- torch_npu (no NPU runs here) -----------------------------------------------------------
+
+
+class NpuDevice(NamedTuple):
+    """A torch device of type `npu`, as torch parses one once torch_npu has registered it."""
+
+    type: str
+    index: int | None
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+class TorchWithNpu:
+    """The slice of `torch` that `transport.npu` calls, as torch_npu leaves it: `npu` devices
+    parse. CPU builds of torch cannot parse them, and the real registration (renaming torch's
+    private device type) cannot be undone in a test process."""
+
+    uint8 = "uint8"
+
+    @staticmethod
+    def device(spec: str, index: int | None = None) -> NpuDevice:
+        kind, _, tail = spec.partition(":")
+        if kind != "npu" or (tail and not tail.isdigit()):
+            raise RuntimeError(f"Expected one of cpu, cuda, npu device type: {spec}")
+        return NpuDevice(kind, int(tail) if tail else index)
+
+
+class StandInTorchNpu(types.ModuleType):
+    """A `torch_npu` module whose import succeeds, for the tests that need one: it reports
+    `devices` NPUs and records what its pointer-wrapping constructors were asked for (with
+    `constructors=False` it lacks them). The tensors it returns hold no memory; no byte moves.
+    `aliases=False`: a wrap that lands elsewhere than the address it was given."""
+
+    __version__ = "2.6.0.stand-in"
+
+    def __init__(self, *, devices: int = 1, constructors: bool = True, aliases: bool = True):
+        super().__init__("torch_npu")
+        self.calls: list[tuple[str, tuple[object, ...]]] = []
+        self.npu = types.SimpleNamespace(
+            device_count=lambda: devices,
+            set_device=lambda index: self.calls.append(("set_device", (index,))),
+        )
+        self._C = types.SimpleNamespace()
+        if constructors:
+            self._C._construct_storage_from_data_pointer = self._storage
+            self._C._construct_NPU_Tensor_From_Storage_And_Metadata = self._tensor
+        self._aliases = aliases
+
+    def _storage(self, addr: int, device: object, nbytes: int) -> tuple[int, object]:
+        self.calls.append(("storage", (addr, device, nbytes)))
+        return (addr, device)
+
+    def _tensor(self, metadata: dict[str, object], storage: tuple[int, object]) -> object:
+        self.calls.append(("tensor", (metadata, storage)))
+        addr, device = storage
+        at = addr if self._aliases else addr + 4096
+        return types.SimpleNamespace(data_ptr=lambda: at, device=device)
 
 
 def threads_named(prefix: str) -> int:

@@ -60,6 +60,10 @@ class MooncakeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metadata: str = "P2PHANDSHAKE"
     protocol: Protocol = "tcp"
     device_name: str = ""
+    #: Protocol `ascend` only: the NPU (this process's index, as torch numbers it) made current
+    #: in the thread that starts the engine, which Mooncake's Ascend Direct transport requires.
+    #: Unset: the service takes its stage pools' NPU; the SGLang backend sets the rank's.
+    npu: Annotated[int, Meta(ge=0)] | None = None
     #: Blocks per engine call. Mooncake TCP (default settings) rejects more than ~2,100 queued
     #: requests to one peer and then often cannot reach that peer again.
     max_blocks_per_batch: Annotated[int, Meta(ge=1, le=DEFAULT_MAX_BLOCKS_PER_BATCH)] = (
@@ -83,6 +87,11 @@ class MooncakeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: A peer's lane (queue, in-flight bound) and an idle worker thread are reclaimed after this
     #: long without a batch; a new write recreates them.
     peer_idle_s: Annotated[float, Meta(gt=0, le=86400)] = DEFAULT_PEER_IDLE_S
+    #: Protocol `ascend` only: the Ascend transports' own link set-up and transfer timeouts,
+    #: which the engine reads from ASCEND_CONNECT_TIMEOUT / ASCEND_TRANSFER_TIMEOUT (whole ms;
+    #: `engine_env` sets them). Mooncake's defaults, 3 s each. Both count in `max_call_s`.
+    ascend_connect_timeout_s: Annotated[float, Meta(ge=0.001, le=600)] = 3.0
+    ascend_transfer_timeout_s: Annotated[float, Meta(ge=0.001, le=600)] = 3.0
     #: Extra engine tuning, e.g. {"MC_TCP_SLICE_SIZE": "262144"}; only `MC_TCP_*` keys allowed.
     tcp_env: dict[str, str] = msgspec.field(default_factory=dict)
 
@@ -103,9 +112,14 @@ class MooncakeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         The engine gives up on a batch after `MC_TRANSFER_TIMEOUT` (whole seconds, floor 5; see
         `engine_env`) plus 1 ns per byte, and a batch holds at most `max_bytes_per_batch` bytes:
         `CALL_START_ALLOWANCE_S + max(5, ceil(transfer_timeout_s)) + max_bytes_per_batch /
-        ENGINE_MIN_BYTES_PER_S` (11.57 s with the defaults).
+        ENGINE_MIN_BYTES_PER_S` (11.57 s with the defaults). Under `ascend` the transport below
+        the engine's wait may still run until its own link set-up and transfer timeouts have
+        both passed (documented by Mooncake, not measured here): the longer bound is taken.
         """
-        engine_s = max(ENGINE_MIN_TIMEOUT_S, math.ceil(self.transfer_timeout_s))
+        engine_s: float = max(ENGINE_MIN_TIMEOUT_S, math.ceil(self.transfer_timeout_s))
+        if self.protocol == "ascend":
+            ascend_s = self.ascend_connect_timeout_s + self.ascend_transfer_timeout_s
+            engine_s = max(engine_s, ascend_s)
         return CALL_START_ALLOWANCE_S + engine_s + self.max_bytes_per_batch / ENGINE_MIN_BYTES_PER_S
 
     @property
@@ -127,7 +141,15 @@ class MooncakeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         host: in one run 39 of 40 writes failed). Admitted no later than the call's own timeout,
         a request enters the queue while its call still waits for it, as if the queue had held
         it from the start: `max_call_s` is unchanged.
+
+        Under `ascend`, `ASCEND_CONNECT_TIMEOUT` and `ASCEND_TRANSFER_TIMEOUT` follow
+        `ascend_connect_timeout_s` and `ascend_transfer_timeout_s` (whole milliseconds, rounded
+        up so a configured bound is never shortened), whatever the environment held.
         """
         timeout = max(ENGINE_MIN_TIMEOUT_S, math.ceil(self.transfer_timeout_s))
         admission = {"MC_TCP_ADMISSION_TIMEOUT_MS": str(timeout * 1000)}
-        return {**admission, **self.tcp_env, "MC_TRANSFER_TIMEOUT": str(timeout)}
+        env = {**admission, **self.tcp_env, "MC_TRANSFER_TIMEOUT": str(timeout)}
+        if self.protocol == "ascend":
+            env["ASCEND_CONNECT_TIMEOUT"] = str(math.ceil(self.ascend_connect_timeout_s * 1000))
+            env["ASCEND_TRANSFER_TIMEOUT"] = str(math.ceil(self.ascend_transfer_timeout_s * 1000))
+        return env

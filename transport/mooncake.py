@@ -104,11 +104,13 @@ from typing import Protocol
 
 import numpy as np
 
+from transport import ascend
 from transport.base import HOST, TransportStats
 from transport.blocks import U64, Blocks
 from transport.config import MooncakeConfig
 from transport.errors import EngineCallError, TransportError, TransportTimeout
 from transport.lanes import Batch, Counters, PeerLane, Write
+from transport.npu import use_npu
 from transport.regions import Region, RegionTable
 from transport.workers import Workers
 
@@ -199,6 +201,15 @@ def refuse_memory(devices: frozenset[str], builds: frozenset[str]) -> None:
 
 def start_engine(config: MooncakeConfig) -> Engine:
     """Construct and initialise a Transfer Engine as `config` says (imports mooncake lazily)."""
+    if config.protocol == "ascend" or ":npu_" in config.hostname:
+        # The service names the setting first (`service.runtime.transport`); checked here too
+        # for callers without it, before the engine (or its import) fails less clearly.
+        problems = [f"{key}: {why}" for key, why in ascend.settings_problems(config)]
+        host = ascend.host_problem() if config.protocol == "ascend" else None
+        if problems or host:
+            raise TransportError("; ".join([*problems, *([host] if host else [])]))
+    if config.protocol == "ascend" and config.npu is not None:
+        use_npu(config.npu)  # this thread constructs and initialises the engine
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
@@ -294,6 +305,13 @@ class MooncakeTransport:
         engine = self._check_open()
         if devices - HOST:  # host memory every build moves: no need to read the metadata
             refuse_memory(devices, installed_builds())
+        off = ascend.misaligned(regions) if self._config.protocol == "ascend" else None
+        if off is not None:  # kvhandoff's pools are aligned; an engine's buffers (direct mode)
+            raise TransportError(
+                "protocol ascend registers memory at 2 MiB-aligned addresses only; the region "
+                f"at {off.addr:#x} ({off.length} bytes) is not (transfer.mode = landed "
+                "registers only kvhandoff's aligned arena and staging buffer)"
+            )
         clash = self._sources.overlapping(regions)
         if clash is not None:
             raise TransportError(f"region {clash!r} overlaps a registered region")

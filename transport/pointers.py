@@ -9,7 +9,8 @@ engine's memory, and the engine keeps that memory alive (an `EmbeddedPool` never
   the driver and would copy to another (default) device, so the import runs with the expected
   device as the default and the result is checked to alias the address there (host memory
   pinned for that device passes too: the device reaches it);
-- NPU memory cannot be wrapped: torch_npu imports no foreign device memory.
+- NPU memory: torch_npu's constructors for memory it did not allocate (`transport.npu`, the one
+  module that imports torch_npu, and only when an `npu` device is named).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import ctypes
 from typing import Any
 
 from transport.errors import PoolError
-from transport.pool_torch import check_cuda
+from transport.npu import npu_tensor_at
+from transport.pool_torch import check_cuda, npu_device
 
 
 class _CudaMemory:
@@ -36,8 +38,8 @@ class _CudaMemory:
 
 
 def tensor_at(addr: int, length: int, device: str) -> Any:
-    """A flat uint8 tensor over `length` bytes at `addr` on `device` ("cpu" or "cuda:N"), no
-    copy. PoolError naming the device when the memory cannot be wrapped there."""
+    """A flat uint8 tensor over `length` bytes at `addr` on `device` ("cpu", "cuda:N" or
+    "npu:N"), no copy. PoolError naming the device when the memory cannot be wrapped there."""
     import torch
 
     if addr <= 0 or length <= 0:
@@ -48,12 +50,15 @@ def tensor_at(addr: int, length: int, device: str) -> Any:
     kind = device.split(":", 1)[0]
     if kind == "cpu":
         return torch.frombuffer((ctypes.c_uint8 * length).from_address(addr), dtype=torch.uint8)
-    if kind != "cuda":
+    if kind not in ("cuda", "npu"):
         raise PoolError(
-            f"buffers on {device} cannot be wrapped as tensors: kvhandoff imports host and CUDA "
-            "memory only",
+            f"buffers on {device} cannot be wrapped as tensors: kvhandoff imports host, CUDA "
+            "and NPU memory only",
             field="buffers",
         )
+    if kind == "npu":  # before torch.device: torch knows the npu type once torch_npu is loaded
+        dev = npu_device(torch, device, what="buffers on", field="buffers")
+        return npu_tensor_at(torch, addr, length, dev)
     dev = torch.device(device)
     check_cuda(torch, dev, what="buffers on", field="buffers")
     try:

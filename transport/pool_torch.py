@@ -1,19 +1,19 @@
 """`torch:<device>` pools: one backing uint8 tensor kvhandoff allocates, regions packed in it.
 
 Devices: `cpu` (optionally pinned, which needs a CUDA build of torch), `cuda:N`, and `npu:N`.
-`npu` needs `torch_npu`, imported only here and only when an npu device is configured: importing
-it registers the `npu` device type with torch; nothing else in kvhandoff touches it.
+`npu` needs `torch_npu`, imported (by `transport.npu`) only when an npu device is configured:
+importing it registers the `npu` device type with torch.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from transport.errors import PoolError
+from transport.npu import import_torch_npu
 from transport.pool_base import Bytes, Pool, align_up, pack_offsets
 from transport.regions import Region
 
@@ -21,11 +21,8 @@ from transport.regions import Region
 def _torch_device(device: str) -> Any:
     import torch
 
-    if device.startswith("npu"):
-        try:
-            importlib.import_module("torch_npu")
-        except ImportError as exc:
-            raise PoolError(f"pool device {device!r} needs torch_npu", field="pool") from exc
+    if device.split(":", 1)[0] == "npu":
+        return npu_device(torch, device)
     try:
         dev = torch.device(device)
     except RuntimeError as exc:
@@ -47,10 +44,29 @@ def check_cuda(torch: Any, dev: Any, *, what: str = "pool device", field: str = 
             field=field,
         )
     count = int(torch.cuda.device_count())
+    _check_visible(dev, count, "CUDA_VISIBLE_DEVICES", what=what, field=field)
+
+
+def npu_device(torch: Any, device: str, *, what: str = "pool device", field: str = "pool") -> Any:
+    """`device` ("npu" or "npu:N") as a torch device this process can use, torch_npu loaded
+    first (it registers the `npu` type). PoolError naming `what`, the device and `field`
+    otherwise: before torch_npu fails on it with a bare ACL error code."""
+    torch_npu = import_torch_npu(f"{what} {device!r}", field=field)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise PoolError(f"invalid torch device {device!r}: {exc}", field=field) from exc
+    count = int(torch_npu.npu.device_count())
+    _check_visible(dev, count, "ASCEND_RT_VISIBLE_DEVICES", what=what, field=field)
+    return dev
+
+
+def _check_visible(dev: Any, count: int, variable: str, *, what: str, field: str) -> None:
+    """`dev` must be one of the `count` devices of its type this process sees."""
     if count == 0 or (dev.index or 0) >= count:
         raise PoolError(
-            f"{what} {str(dev)!r} is not visible: this process sees {count} CUDA "
-            "device(s) (check CUDA_VISIBLE_DEVICES and the driver)",
+            f"{what} {str(dev)!r} is not visible: this process sees {count} {dev.type} "
+            f"device(s) (check {variable} and the driver)",
             field=field,
         )
 

@@ -20,6 +20,7 @@ digest refuses it).
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import threading
 import time
@@ -33,10 +34,10 @@ import numpy.typing as npt
 from pipelines.arena import Arena, Extent
 from pipelines.awaiting import finish
 from pipelines.decode.handoff import DecodeHandoff
-from pipelines.digest import Algorithm, digest
+from pipelines.digest import Algorithm, digest, segment_seed
 from pipelines.errors import ConflictError, InvalidInput
 from pipelines.layout import StageLayout
-from pipelines.messages import Grant, SegmentMsg
+from pipelines.messages import RESENDS_PER_SEGMENT, Grant, SegmentMsg
 from pipelines.packing import (
     ByteRegions,
     Pieces,
@@ -62,6 +63,14 @@ MAX_WINDOWS_PER_STAGE = 3
 WINDOW_WAIT_S = 1.0
 
 
+class Verdict(enum.Enum):
+    """What `Landing.commit` made of one segment."""
+
+    COMMITTED = "committed"
+    REFUSED = "refused"  # its digest did not match; it may be sent once more
+    SPENT = "spent"  # refused again: its resends are spent, the handoff fails
+
+
 @dataclass
 class StageLanding:
     """What one stage of a handoff has landed and committed."""
@@ -69,9 +78,13 @@ class StageLanding:
     pairing: Pairing
     expected: int  # bytes the stage moves in all
     covered: npt.NDArray[np.bool_]  # [row, page position]: committed, or being committed
+    refused: npt.NDArray[np.uint8]  # [row, page position]: refusals of the pieces covering it
+    peer: str  # the prefill service that sends it
     committed: int = 0
+    # Its prefill named it (a window request or a notice): it has the destination, and may
+    # write any window granted to it until it says it stopped.
+    heard: bool = False
     grants: dict[int, Extent] = field(default_factory=dict)  # grant id -> its window
-    rejected: int = 0  # segments whose window did not match its digest
 
 
 @dataclass
@@ -93,6 +106,7 @@ class Landing:
         *,
         window_bytes: int,
         algorithm: Algorithm = "xxh3_128",
+        peer_share: float = 1.0,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.arena = arena
@@ -101,18 +115,35 @@ class Landing:
         self._layout = layout
         self.window_bytes = min(window_bytes, arena.capacity_bytes)
         self.algorithm: Algorithm = algorithm
+        # The share of the arena one prefill peer's windows may take, held or quarantined (at
+        # least one window): a peer that hangs with windows granted cannot starve the others.
+        self.peer_share = peer_share
         self._monotonic = monotonic
         self._handoffs: dict[str, HandoffLanding] = {}
         self._grants: dict[int, tuple[str, int]] = {}  # grant id -> (handoff id, pp_rank)
+        self._peer_of: dict[int, tuple[str, str]] = {}  # extent offset -> (owner, prefill peer)
+        # Bytes each prefill peer's requests wait for in `arena.take`: counted in its share
+        # when they queue, since the arena serves its queue without asking whose they are.
+        self._queued: dict[str, int] = {}
+        # (handoff id, rank) -> windows of a stage whose destination was in flight as its
+        # handoff ended: `delivery_ended` decides whether they were used.
+        self._in_flight: dict[tuple[str, int], list[Extent]] = {}
         self._next_grant_id = 0
         self._local = threading.local()  # per-thread snapshot buffers (`_scratch`)
 
     # ----------------------------------------------------------------- handoffs
 
-    def open(self, handoff_id: str, dst_pages: I64, pairings: dict[int, Pairing]) -> None:
+    def open(
+        self,
+        handoff_id: str,
+        dst_pages: I64,
+        pairings: dict[int, Pairing],
+        peers: dict[int, str],
+    ) -> None:
         """Start landing a new handoff's stages (its slots were validated against the layout:
-        every slot row has its index); raises InvalidInput (changing nothing) when a page, slot
-        or aux row of a stage cannot fit one window."""
+        every slot row has its index), each sent by its prefill `peers[rank]`; raises
+        InvalidInput (changing nothing) when a page, slot or aux row of a stage cannot fit one
+        window."""
         n = int(dst_pages.shape[0])
         stages = {}
         for rank, pairing in pairings.items():
@@ -132,7 +163,8 @@ class Landing:
                     field="window_bytes",
                     pp_rank=rank,
                 )
-            stages[rank] = StageLanding(pairing, expected, covered)
+            refused = np.zeros(covered.shape, dtype=np.uint8)
+            stages[rank] = StageLanding(pairing, expected, covered, refused, peers[rank])
         hl = HandoffLanding(stages)
         hl.idle.set()
         self._handoffs[handoff_id] = hl
@@ -148,7 +180,7 @@ class Landing:
         """A first window for each of `ranks` if the arena has room now (else they ask)."""
         out = []
         for rank in ranks:
-            g = self._try_grant(h.id, rank, self._remaining(h.id, rank))
+            g = self._try_grant(h.id, rank)
             if g is not None:
                 out.append(g)
         return out
@@ -157,25 +189,48 @@ class Landing:
         """A window of up to `nbytes` for stage `rank`, waiting up to `WINDOW_WAIT_S` for room
         (bounded by the handoff's deadline); None when there was none."""
         stage = self._stage(h.id, rank)
+        stage.heard = True  # its prefill has the destination
         if len(stage.grants) >= MAX_WINDOWS_PER_STAGE:
             return None  # a sender keeps IN_FLIGHT (2) windows, plus one to resend into
         want = min(nbytes, self.window_bytes, max(stage.expected - stage.committed, 1))
         until = min(h.deadline_mono, self._monotonic() + WINDOW_WAIT_S)
+        while not self._within_share(stage.peer, want):
+            # Its peer holds its share: wait as for a full arena, then it asks again.
+            if not await self.arena.freed(until) or h.state.terminal:
+                return None
+        # Counted from the share check on, with no await between: a request queued for a full
+        # arena is part of what its peer may hold.
+        queued = self.arena.rounded(want)
+        self._queued[stage.peer] = self._queued.get(stage.peer, 0) + queued
         try:
             extent = await self.arena.take(want, h.id, until_mono=until)
         except TimeoutError:
             return None
-        if h.state.terminal or len(stage.grants) >= MAX_WINDOWS_PER_STAGE:
-            # It ended, or another request of the stage was granted, while we waited.
+        finally:
+            left = self._queued[stage.peer] - queued
+            if left:
+                self._queued[stage.peer] = left
+            else:
+                del self._queued[stage.peer]
+        if (
+            h.state.terminal
+            or len(stage.grants) >= MAX_WINDOWS_PER_STAGE
+            or not self.arena.holds(extent)
+        ):
+            # It ended, or another request of the stage was granted, while we waited; or its
+            # windows were given back (settled, or the quarantine lifted) as this one was served.
             self.arena.give_back(extent)
             return None
         return self._issue(h.id, rank, extent, want)
 
-    async def commit(self, h: DecodeHandoff, rank: int, msg: SegmentMsg) -> bool:
+    async def commit(self, h: DecodeHandoff, rank: int, msg: SegmentMsg) -> Verdict:
         """Commit the segment `msg` names into `h`'s pages (see the module docstring). Returns
-        False when the window did not hash to the digest (nothing committed). Raises
-        InvalidInput / ConflictError, changing nothing, for a notice this grant cannot hold."""
+        COMMITTED, or, when the window did not hash to the digest (nothing committed), REFUSED
+        while the segment may be sent again (`RESENDS_PER_SEGMENT`, counted per piece of the
+        stage, so two segments are each allowed theirs) and SPENT after. Raises InvalidInput /
+        ConflictError, changing nothing, for a notice this grant cannot hold."""
         stage = self._stage(h.id, rank)
+        stage.heard = True
         extent = stage.grants.get(msg.grant_id)
         if extent is None or self._grants.get(msg.grant_id) != (h.id, rank):
             raise ConflictError(
@@ -207,14 +262,22 @@ class Landing:
                 pp_rank=rank,
             )
         # From here to the end of the copy the pages are written: the lease waits for `idle`.
-        # Nothing was awaited since the terminal check above.
+        # Nothing was awaited since the terminal check above. The grant is claimed before the
+        # copy's await: a second notice naming it (other pieces, same window) is refused.
+        self._close_grant(msg.grant_id, stage)
         stage.covered[cells] = True
         hl = self._handoffs[h.id]
         hl.running += 1
         hl.idle.clear()
         ok = False
         try:
-            args = (stage.pairing, pieces, h, extent.offset, nbytes, msg.digest)
+            # What the digest must have been computed under: this life (the pipeline checked
+            # the notice names it), this handoff and stage, this grant and these pieces (an
+            # earlier owner's bytes do not match).
+            seed = segment_seed(
+                msg.decode_incarnation, h.id, rank, msg.grant_id, msg.rows, msg.starts, msg.ends
+            )
+            args = (stage.pairing, pieces, h, extent.offset, nbytes, msg.digest, seed)
             if nbytes <= INLINE_COMMIT_BYTES:
                 ok = self._copy_check_commit(*args)
             else:
@@ -226,29 +289,25 @@ class Landing:
                 hl.idle.set()
             if not ok:
                 stage.covered[cells] = False
-        self._close_grant(msg.grant_id, stage)
         if ok:
             stage.committed += nbytes
             self.arena.give_back(extent)
-        else:
-            stage.rejected += 1
-            # A writer may still be writing this window: out of use until the handoff ends.
-            self.arena.quarantine(extent, float("inf"))
-        return ok
+            return Verdict.COMMITTED
+        # A writer may still be writing this window: out of use until the handoff ends.
+        self.arena.quarantine(extent, float("inf"))
+        stage.refused[cells] += 1
+        spent = int(stage.refused[cells].max()) > RESENDS_PER_SEGMENT
+        return Verdict.SPENT if spent else Verdict.REFUSED
 
     def next_grant(self, h: DecodeHandoff, rank: int) -> Grant | None:
         """Another window for the stage now, if it has bytes left without one and there is room."""
         if h.state.terminal:
             return None
-        return self._try_grant(h.id, rank, self._remaining(h.id, rank))
+        return self._try_grant(h.id, rank)
 
     def complete(self, h: DecodeHandoff, rank: int) -> bool:
         stage = self._stage(h.id, rank)
         return stage.committed == stage.expected and bool(stage.covered.all())
-
-    def rejections(self, handoff_id: str, rank: int) -> int:
-        hl = self._handoffs.get(handoff_id)
-        return hl.stages[rank].rejected if hl is not None and rank in hl.stages else 0
 
     def committed(self, handoff_id: str, rank: int) -> int:
         hl = self._handoffs.get(handoff_id)
@@ -260,21 +319,59 @@ class Landing:
         if hl is not None:
             await hl.idle.wait()
 
-    def settle(self, h: DecodeHandoff, *, writers_done: bool, until_mono: float) -> None:
+    def settle(
+        self,
+        h: DecodeHandoff,
+        *,
+        writers_done: bool,
+        until_mono: float,
+        undelivered: frozenset[int] = frozenset(),
+        in_flight: frozenset[int] = frozenset(),
+    ) -> None:
         """`h` ended: its windows go back now when every writer is done (it completed), or are
-        quarantined until `until_mono` (its bound) when a writer may still write them."""
+        quarantined until `until_mono` (its bound) when a writer may still write them. A window
+        of a stage in `undelivered` (its destination was never sent, or its delivery ended
+        unaccepted) whose prefill never named it goes back at once: unused, and were that
+        prefill to write it after all, a later owner's digest (seeded by its own grant) refuses
+        the bytes (S3). A stage in `in_flight` (its delivery call has not ended: a hung prefill
+        may read it once it runs again) keeps its windows quarantined until `delivery_ended`
+        says how that call ended."""
         hl = self._handoffs.pop(h.id, None)
         if hl is None:
             return
-        for stage in hl.stages.values():
-            for gid in list(stage.grants):
+        for rank, stage in hl.stages.items():
+            unused = rank in undelivered and not stage.heard
+            if rank in in_flight and not stage.heard and not writers_done and stage.grants:
+                self._in_flight[(h.id, rank)] = list(stage.grants.values())
+            for gid, extent in stage.grants.items():
                 self._grants.pop(gid, None)
+                if unused and not writers_done:
+                    self.arena.give_back(extent)
             stage.grants.clear()
         if writers_done:
             # Quarantined windows of rejected segments too: their writer reported again since.
             self.arena.give_back_owner(h.id)
         else:
             self.arena.quarantine_owner(h.id, until_mono)
+
+    def lift(self, handoff_id: str) -> None:
+        """Every writer of an ended handoff confirmed it stopped (its prefill life's abort ack,
+        or a heartbeat answer without it): its quarantined windows go back now."""
+        if handoff_id not in self._handoffs:
+            self.arena.give_back_owner(handoff_id)
+            for key in [k for k in self._in_flight if k[0] == handoff_id]:
+                del self._in_flight[key]
+
+    def delivery_ended(self, handoff_id: str, ranks: list[int], *, accepted: bool) -> None:
+        """The delivery of `ranks`' destination, in flight when the handoff ended, ended: not
+        accepted, their windows were never used and go back now; accepted, their prefill may
+        write them, and they stay quarantined (until their bound, or `lift`)."""
+        if not self._in_flight:
+            return
+        for rank in ranks:
+            for extent in self._in_flight.pop((handoff_id, rank), ()):
+                if not accepted:
+                    self.arena.give_back(extent)  # a no-op when lifted and taken again since
 
     async def drain(self) -> None:
         """Returns once no commit of any handoff runs. Not bounded by time, and need not be: a
@@ -311,9 +408,10 @@ class Landing:
         offset: int,
         nbytes: int,
         expected_digest: str,
+        seed: int,
     ) -> bool:
         snapshot = copy_out(self._window, offset, nbytes, self._scratch())
-        if digest(snapshot, self.algorithm) != expected_digest:
+        if digest(snapshot, self.algorithm, seed=seed) != expected_digest:
             return False
         side = destination_side(pairing, self._memory, h.dst_pages, h.request.slots)
         scatter(pairing, side, pieces, snapshot)
@@ -349,8 +447,8 @@ class Landing:
         outstanding = sum(e.length for e in stage.grants.values())
         return max(0, stage.expected - stage.committed - outstanding)
 
-    def _try_grant(self, handoff_id: str, rank: int, remaining: int) -> Grant | None:
-        if remaining <= 0:
+    def _try_grant(self, handoff_id: str, rank: int) -> Grant | None:
+        if self._remaining(handoff_id, rank) <= 0:
             return None
         stage = self._stage(handoff_id, rank)
         if len(stage.grants) >= MAX_WINDOWS_PER_STAGE:
@@ -358,14 +456,31 @@ class Landing:
         # Sized by the uncommitted bytes, not by `remaining`: an open window's slack would
         # otherwise make this one too small for the sender's next page.
         want = min(stage.expected - stage.committed, self.window_bytes)
+        if not self._within_share(stage.peer, want):
+            return None
         extent = self.arena.try_take(want, handoff_id)
         return None if extent is None else self._issue(handoff_id, rank, extent, want)
+
+    def _within_share(self, peer: str, want: int) -> bool:
+        """Whether `peer` may take `want` more bytes of windows (`peer_share`), counting what
+        it holds (quarantine included) and what its requests wait for."""
+        share = max(
+            self.arena.rounded(self.window_bytes), int(self.arena.capacity_bytes * self.peer_share)
+        )
+        held = sum(
+            e.length for e in self.arena.taken() if self._peer_of.get(e.offset) == (e.owner, peer)
+        )
+        return held + self._queued.get(peer, 0) + self.arena.rounded(want) <= share
 
     def _issue(self, handoff_id: str, rank: int, extent: Extent, want: int) -> Grant:
         self._next_grant_id += 1
         gid = self._next_grant_id
-        self._stage(handoff_id, rank).grants[gid] = extent
+        stage = self._stage(handoff_id, rank)
+        stage.grants[gid] = extent
         self._grants[gid] = (handoff_id, rank)
+        # Whose it is while taken, quarantine included (an extent freed and taken again is
+        # recorded anew: the owner tells a stale entry apart).
+        self._peer_of[extent.offset] = (extent.owner, stage.peer)
         return Grant(grant_id=gid, pp_rank=rank, addr=self.arena.addr(extent), length=want)
 
     def _close_grant(self, gid: int, stage: StageLanding) -> None:

@@ -26,7 +26,7 @@ import msgspec
 
 from pipelines.decode.handoff import I64, ROLE, DecodeHandoff, DecodeStage, publish
 from pipelines.decode.heartbeats import PrefillWatch
-from pipelines.decode.landing import Landing
+from pipelines.decode.landing import WINDOW_WAIT_S, Landing, Verdict
 from pipelines.decode.leases import Leases, slot_claims
 from pipelines.decode.notices import check_accounting, check_sender, first_mismatch
 from pipelines.decode.outcomes import Outcomes
@@ -61,6 +61,7 @@ from pipelines.memory import EntryMemory
 from pipelines.messages import (
     AbortAck,
     AbortMsg,
+    ArenaSpan,
     ArrivalMsg,
     DestinationMsg,
     HeartbeatAck,
@@ -68,6 +69,7 @@ from pipelines.messages import (
     SegmentAck,
     SegmentMsg,
     StageFailedMsg,
+    TransferMode,
     WindowAnswer,
     WindowRequest,
 )
@@ -123,6 +125,11 @@ class DecodePipeline:
         # Landed mode when present: prefills write only into its windows; pages change only
         # by its commits (SAFETY.md S1). Direct mode (None): prefills write into the pages.
         self._landing = landing
+        # What peers learn of this decode's memory (`GET /v1/layout`, destinations): its pages'
+        # addresses only in direct mode, where prefills write into them.
+        self.peer_layout = layout if landing is None else layout.unplaced()
+        # When each destination call to a prefill peer still unanswered began (by peer).
+        self._delivering: dict[str, list[float]] = {}
         self.cache = cache or PairingCache()
         self._default_prefill = list(default_prefill or [])
         self._max_live = settings.max_live
@@ -200,7 +207,8 @@ class DecodePipeline:
             )
         if self._landing is not None:  # raises (changing nothing) if a page cannot fit a window
             pairings = {r: self.cache.get(lay, self.layout) for r, (_, _, lay) in stages.items()}
-            self._landing.open(req.id, dst_pages, pairings)
+            peers = {r: url for r, (url, _, _) in stages.items()}
+            self._landing.open(req.id, dst_pages, pairings, peers)
         # I1: leased before anything is sent; nothing awaited from here on.
         try:
             self.leases.acquire(req.id, dst_pages, slot_claims(self.layout, req.slots))
@@ -408,12 +416,12 @@ class DecodePipeline:
         t0 = time.perf_counter()
         # A stage with nothing to send (no pages, no slot) arrives with an empty last notice.
         empty = not msg.rows and msg.bytes == 0 and msg.last
-        ok = True if empty else await landing.commit(h, msg.pp_rank, msg)
+        verdict = Verdict.COMMITTED if empty else await landing.commit(h, msg.pp_rank, msg)
         rank = msg.pp_rank
         pairing = self.cache.get(stage.layout, self.layout)
-        if not ok:
+        if verdict is not Verdict.COMMITTED:
             layers = layer_range(pairing, msg.rows)
-            resend = landing.rejections(h.id, rank) <= 1 and not h.state.terminal
+            resend = verdict is Verdict.REFUSED and not h.state.terminal
             self._publish(
                 h,
                 SegmentRejected(
@@ -463,6 +471,19 @@ class DecodePipeline:
         if not h.state.terminal and not stage.state.final:
             self._arrive(h, rank, stage, expected, None)
         return SegmentAck(committed=True)
+
+    @property
+    def mode(self) -> TransferMode:
+        """The one transfer mode this decode serves (a landing arena: landed)."""
+        return "direct" if self._landing is None else "landed"
+
+    def arena_span(self) -> ArenaSpan | None:
+        """The landing arena peers may write into (None in direct mode): published in the
+        layout, where a prefill checks every grant lies."""
+        if self._landing is None:
+            return None
+        arena = self._landing.arena
+        return ArenaSpan(addr=arena.base_addr, length=arena.capacity_bytes)
 
     def _need_landing(self) -> Landing:
         if self._landing is None:
@@ -614,7 +635,7 @@ class DecodePipeline:
             prefill_incarnation=h.stages[ranks[0]].incarnation,
             decode_target=self.target,
             decode_fingerprint=self.layout.fingerprint,
-            decode_address_key=self.layout.address_key,
+            decode_address_key=self.peer_layout.address_key,
             pp_ranks=sorted(ranks),
             dst_pages=h.request.dst_pages,
             prefix_pages=h.request.prefix_pages,
@@ -624,12 +645,14 @@ class DecodePipeline:
             dst_aux=h.request.dst_aux,
             deadline_in_s=remaining_s,
             verify=h.verify,
-            **self._landed_fields(h, ranks),
+            **self._landed_fields(h, peer, ranks),
         )
         what = f"handoff {h.id!r} destination to {peer}"
         for rank in ranks:
             h.stages[rank].sending(what)
         accepted = False
+        started = self._monotonic()
+        self._delivering.setdefault(peer, []).append(started)
         try:
             await self._prefill.deliver(peer, msg)
             accepted = True
@@ -638,22 +661,38 @@ class DecodePipeline:
             exc.context.setdefault("pp_ranks", sorted(ranks))
             raise
         finally:
+            pending = self._delivering[peer]
+            pending.remove(started)
+            if not pending:
+                del self._delivering[peer]
             # The prefill counts `remaining_s` from its receipt, so queueing and transit make
             # its deadline later than ours: by at most until now (SAFETY.md I5). A call that
             # failed or was cancelled may still have reached it: the same bound, the best known.
             until = self._monotonic() + remaining_s
             for rank in ranks:
                 h.stages[rank].delivery_ended(accepted=accepted, writable_until=until, what=what)
+            if self._landing is not None:
+                self._landing.delivery_ended(h.id, ranks, accepted=accepted)
 
-    def _landed_fields(self, h: DecodeHandoff, ranks: list[int]) -> dict[str, Any]:
+    def _landed_fields(self, h: DecodeHandoff, peer: str, ranks: list[int]) -> dict[str, Any]:
         if self._landing is None:
             return {}
+        # No first window to a peer that is lost or has left a destination unanswered (a hung
+        # process): its stages ask for windows once it speaks, so none sits granted to a peer
+        # that cannot use it.
+        withhold = self._peers.is_lost(peer) or self._unanswered(peer)
         return {
             "mode": "landed",
             "digest": self._landing.algorithm,
             "window_bytes": self._landing.window_bytes,
-            "grants": self._landing.first_grants(h, sorted(ranks)),
+            "grants": [] if withhold else self._landing.first_grants(h, sorted(ranks)),
         }
+
+    def _unanswered(self, peer: str) -> bool:
+        """Whether a destination sent to `peer` has waited for its answer longer than a window
+        request may (`WINDOW_WAIT_S`): a peer that answers at all answers within it."""
+        started = self._delivering.get(peer)
+        return started is not None and self._monotonic() - min(started) > WINDOW_WAIT_S
 
     async def _verify_then_complete(self, h: DecodeHandoff) -> None:
         problem = await asyncio.to_thread(self._verify, h)

@@ -36,7 +36,14 @@ from pipelines.events import EventBus, HandoffReleased
 from pipelines.layout import StageLayout
 from pipelines.messages import AbortAck, AbortMsg
 from pipelines.planning import validate_pages_for_layout
-from pipelines.states import HandoffState, ReleaseState, StageState, advance
+from pipelines.states import (
+    DeliveryState,
+    HandoffState,
+    ReleaseState,
+    StageState,
+    WriterState,
+    advance,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +114,9 @@ class Releases:
         ack or heartbeat answer) came after the destination and settles it."""
         if stage.confirm_stopped(overtaking=overtaking, what=f"handoff {h.id!r} stage writers"):
             h.progress.set()
+        if self._landing is not None and h.release == ReleaseState.RELEASED and _all_stopped(h):
+            # No writer of it can write its windows any more: none stays quarantined.
+            self._landing.lift(h.id)
 
     def release(self, h: DecodeHandoff, *, confirmed: bool) -> None:
         """The one place a lease is given back (I2): after the outcome, once no write can land."""
@@ -124,8 +134,16 @@ class Releases:
             # Otherwise a writer may still write its windows: out of use until its bound.
             self._landing.settle(
                 h,
-                writers_done=h.state == HandoffState.COMPLETED,
+                writers_done=h.state == HandoffState.COMPLETED or _all_stopped(h),
                 until_mono=self._window_bound(h),
+                undelivered=frozenset(
+                    r
+                    for r, s in h.stages.items()
+                    if s.delivery in (DeliveryState.UNSENT, DeliveryState.UNCERTAIN)
+                ),
+                in_flight=frozenset(
+                    r for r, s in h.stages.items() if s.delivery == DeliveryState.SENDING
+                ),
             )
         publish(
             self._bus,
@@ -351,6 +369,12 @@ class Releases:
         """Stop the restored fences' timers (the service is stopping: see I8)."""
         for timer in self._fence_timers:
             timer.cancel()
+
+
+def _all_stopped(h: DecodeHandoff) -> bool:
+    """Every stage's own prefill life confirmed no write of it can land (an ack that overtook
+    its destination does not count: that destination may still arrive)."""
+    return all(s.writers == WriterState.STOPPED for s in h.stages.values())
 
 
 def _entry_within(layout: StageLayout, base: int, nbytes: int) -> str | None:

@@ -19,11 +19,13 @@ from pipelines.errors import InvalidInput
 from pipelines.layout import StageLayout
 from pipelines.memory import EntryMemory
 from pipelines.messages import (
+    ArenaSpan,
     ArrivalMsg,
     DestinationMsg,
     SegmentAck,
     SegmentMsg,
     StageFailedMsg,
+    TransferMode,
     WindowAnswer,
     WindowRequest,
 )
@@ -49,11 +51,26 @@ class BlockWriter(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class DecodeSide:
+    """What a decode published of itself, in its (signed) layout of the life a destination
+    names: the layout to pair against (placed in direct mode only), the one transfer mode it
+    serves, its landing arena (landed mode), where every grant must lie, and the transport
+    target its memory is registered on: every write goes there, never to a target a
+    destination names (another endpoint may hold memory at the same addresses)."""
+
+    layout: StageLayout
+    mode: TransferMode
+    arena: ArenaSpan | None
+    target: str
+
+
 class DecodePeer(Protocol):
     """Prefill → decode calls, implemented by the service over HTTP (or in-process)."""
 
-    async def decode_layout(self, dest: DestinationMsg) -> StageLayout:
-        """The decode layout `dest` names (its fingerprint and address key), placed."""
+    async def decode_side(self, dest: DestinationMsg) -> DecodeSide:
+        """What the decode life `dest` names published (the layout of its fingerprint and
+        address key, its mode and arena)."""
         ...
 
     async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None: ...

@@ -3,13 +3,19 @@
 Called by the stage worker (`stage.py`) for a destination in landed mode. Per segment:
 
     ready layers -> a window (granted with the destination, with the last segment's answer, or
-    asked for) -> gather the pieces that fit it into this process's staging buffer (one local
-    copy) and digest them -> a few large transfers into the window -> the segment's notice;
-    the decode commits it once the digest matches (the last notice is the stage's arrival)
+    asked for) -> gather the pieces that fit it into a private scratch buffer and digest them
+    there -> copy them into this process's staging buffer -> a few large transfers into the
+    window -> the segment's notice; the decode commits it once the digest matches (the last
+    notice is the stage's arrival)
+
+The digest is taken of the scratch, never of the staging buffer: that buffer is registered, and
+the Mooncake handshake hands its address to any client of the port. A client writing over it
+can only make the bytes sent differ from the digest (a refused segment), never choose both.
 
 Per-request work (validation, pairing) was done once per stage by the caller; a segment costs
 in proportion to its own pieces. A rejected segment (its window did not match its digest) is
-sent once more into a fresh window; a second rejection fails the stage. The staging extent of a
+sent again into a fresh window, `RESENDS_PER_SEGMENT` times (the decode counts the same, per
+segment); one more rejection fails the stage. The staging extent of a
 segment is given back only once its transfer ended (drained on cancellation), so a copy or an
 engine call never reads memory another segment already took.
 """
@@ -17,6 +23,7 @@ engine call never reads memory another segment already took.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,16 +32,40 @@ from typing import Any
 import numpy as np
 
 from pipelines.awaiting import drain, finish
-from pipelines.digest import digest
-from pipelines.errors import DeadlineExceeded, DigestMismatch, InternalError, InvalidInput
+from pipelines.digest import digest, segment_seed
+from pipelines.errors import (
+    ConflictError,
+    DeadlineExceeded,
+    DigestMismatch,
+    InternalError,
+    InvalidInput,
+)
 from pipelines.events import ChunksEmitted, EventBus, StagePaired, StageTransferred
-from pipelines.messages import DestinationMsg, Grant, SegmentAck, SegmentMsg, WindowRequest
-from pipelines.packing import Pieces, Side, StagePacker, gather, piece_bytes, source_side
+from pipelines.messages import (
+    RESENDS_PER_SEGMENT,
+    ArenaSpan,
+    DestinationMsg,
+    Grant,
+    SegmentAck,
+    SegmentMsg,
+    WindowRequest,
+)
+from pipelines.packing import (
+    Pieces,
+    Side,
+    StagePacker,
+    copy_out,
+    gather,
+    piece_bytes,
+    settle,
+    source_side,
+)
 from pipelines.pairing import Pairing
 from pipelines.prefill.handoff import (
     ROLE,
     BlockWriter,
     DecodePeer,
+    DecodeSide,
     HostedStage,
     PrefillHandoff,
     Sender,
@@ -64,6 +95,8 @@ class _Segment:
     last: bool
     src: Side  # the stage's memory, pages and slot as of this segment's cut
     after: set[asyncio.Task[int]]  # the last segment's notice waits for these (earlier ones)
+    arena: ArenaSpan  # the decode's published landing arena: every grant must lie inside
+    target: str  # the transport target that decode life published: every write goes there
 
 
 class LandedSender:
@@ -85,6 +118,7 @@ class LandedSender:
         self._bus = bus
         self._sender = sender
         self._max_blocks = max_blocks_per_batch
+        self._local = threading.local()  # per-thread scratch buffers (`_scratch`)
 
     def close(self) -> None:
         """The pipeline closed: drop the staging buffer (the service frees its pool next)."""
@@ -100,10 +134,14 @@ class LandedSender:
         inp: StageSource,
         dest: DestinationMsg,
         pairing: Pairing,
+        side: DecodeSide,
     ) -> int:
-        """Send every byte of stage `rank` as segments; returns the stage's byte count once its
-        last segment was committed (that notice was its arrival)."""
-        staging = self._staging
+        """Send every byte of stage `rank` as segments into windows inside `side.arena` (the
+        decode's published landing arena) on `side.target`; returns the stage's byte count once
+        its last segment was committed (that notice was its arrival)."""
+        staging, arena = self._staging, side.arena
+        if arena is None:
+            raise InternalError("a landed destination without an arena passed its checks")
         if staging is None:
             raise InvalidInput(
                 "the decode asks for landed transfers, but this prefill has no staging buffer "
@@ -160,7 +198,7 @@ class LandedSender:
                     )
                 if packer.ready_bytes == 0:
                     break  # done, and the last signal brought nothing more (a zero-page end)
-                grant = grants.popleft() if grants else await self._window(h, rank, dest, packer)
+                grant = await self._window(h, rank, dest, packer, queued=grants)
                 pieces = packer.next_segment(grant.length)
                 if pieces is None:
                     raise InternalError(
@@ -173,7 +211,7 @@ class LandedSender:
                 # learns its slot with the last range) while earlier segments travel.
                 src = source_side(pairing, regions, inp.src_pages, inp.src_slots)
                 after = set(flight) if last_cut else set()
-                segment = _Segment(rank, pieces, grant, last_cut, src, after)
+                segment = _Segment(rank, pieces, grant, last_cut, src, after, arena, side.target)
                 flight.append(
                     asyncio.ensure_future(
                         self._segment(h, dest, pairing, staging, segment, grants, packer)
@@ -228,14 +266,17 @@ class LandedSender:
         earlier one to be committed: the decode takes it as the stage's arrival."""
         rank = seg.rank
         ack = await self._land(h, rank, dest, pairing, staging, seg, seg.grant)
-        if not ack.committed:
+        for _ in range(RESENDS_PER_SEGMENT):
+            if ack.committed:
+                break
             retry = ack.next_grant or await self._window(h, rank, dest, packer, seg.pieces)
             ack = await self._land(h, rank, dest, pairing, staging, seg, retry)
-            if not ack.committed:
-                raise DigestMismatch(
-                    f"stage {rank}: a segment was refused twice by its digest ({ack.reason})",
-                    pp_rank=rank,
-                )
+        if not ack.committed:
+            raise DigestMismatch(
+                f"stage {rank}: a segment was refused {1 + RESENDS_PER_SEGMENT} times by its "
+                f"digest ({ack.reason})",
+                pp_rank=rank,
+            )
         if ack.next_grant is not None:
             grants.append(ack.next_grant)
         return int(piece_bytes(pairing, seg.pieces).sum())
@@ -262,9 +303,13 @@ class LandedSender:
         dest: DestinationMsg,
         packer: StagePacker,
         pieces: Pieces | None = None,
+        queued: deque[Grant] | None = None,
     ) -> Grant:
-        """Ask the decode for a window until it grants one (a full arena answers none: this is
-        the backpressure), bounded by the handoff's deadline."""
+        """A window for the next segment: one `queued` (granted with an earlier segment's ack),
+        else asked for until the decode grants one (a full arena answers none: this is the
+        backpressure), bounded by the handoff's deadline. A grant that comes with an ack while
+        asking is taken at once: the decode counts it against this peer's share, and may grant
+        nothing more until it is used."""
         assert h.deadline_mono is not None
         want = (int(piece_bytes(packer.pairing, pieces).sum()) if pieces is not None else 0) or min(
             max(packer.ready_bytes, packer.largest_item), dest.window_bytes
@@ -279,12 +324,17 @@ class LandedSender:
             bytes=max(1, want),
         )
         while True:
+            if queued:
+                return queued.popleft()
             if time.monotonic() >= h.deadline_mono:
                 raise DeadlineExceeded(
                     f"stage {rank} waited for a landing window until its deadline"
                 )
             answer = await self._decode.window(dest.decode_url, msg)
             if answer.grant is not None:
+                if queued:  # both came: the other is used by the next segment
+                    queued.append(answer.grant)
+                    return queued.popleft()
                 return answer.grant
 
     async def _land(
@@ -302,18 +352,30 @@ class LandedSender:
         assert h.deadline_mono is not None
         pieces, last, src = seg.pieces, seg.last, seg.src
         nbytes = int(piece_bytes(pairing, pieces).sum())
+        # Every write goes through here: none lands outside the arena the decode published.
+        check_grant(grant, seg.arena, rank, nbytes)
         t0 = time.perf_counter()
         extent = await staging.arena.take(nbytes, h.handoff_id, until_mono=h.deadline_mono)
         try:
             packed = staging.buffer[extent.offset : extent.offset + nbytes]
+            # The grant, the handoff and the pieces are bound into the digest: bytes of this
+            # segment cannot pass for another grant's.
+            seed = segment_seed(
+                dest.decode_incarnation,
+                h.handoff_id,
+                rank,
+                grant.grant_id,
+                pieces.rows,
+                pieces.starts,
+                pieces.ends,
+            )
+            args = (pairing, src, pieces, packed, dest.digest, seed)
             if nbytes <= INLINE_BYTES:
-                seg_digest = _gather_digest(pairing, src, pieces, packed, dest.digest)
+                seg_digest = self._gather_digest(*args)
             else:
-                seg_digest = await finish(
-                    asyncio.to_thread(_gather_digest, pairing, src, pieces, packed, dest.digest)
-                )
+                seg_digest = await finish(asyncio.to_thread(self._gather_digest, *args))
             blocks = staged_blocks(staging.arena.addr(extent), grant.addr, nbytes)
-            await write_all(self._writer, dest.decode_target, blocks, h.deadline_mono)
+            await write_all(self._writer, seg.target, blocks, h.deadline_mono)
         finally:
             staging.arena.give_back(extent)  # the copy and the transfer have ended
         if seg.after:
@@ -347,6 +409,35 @@ class LandedSender:
             )
         return ack
 
+    def _gather_digest(
+        self, pairing: Pairing, src: Side, pieces: Pieces, packed: Any, algo: Any, seed: int
+    ) -> str:
+        """Gather the pieces into this thread's scratch, digest them there, then copy them into
+        `packed` (their staging extent): what was digested is what this process read from its
+        own pages, whatever a Mooncake client writes into the registered staging buffer."""
+        nbytes = int(packed.shape[0])
+        scratch = self._scratch(packed, nbytes)[:nbytes]
+        gather(pairing, src, pieces, scratch)
+        seg_digest = digest(scratch, algo, seed=seed)
+        copy_out(scratch, 0, nbytes, packed)
+        settle(packed)  # the transport reads the extent through its own engine
+        return seg_digest
+
+    def _scratch(self, like: Any, nbytes: int) -> Any:
+        """This thread's scratch buffer (unregistered, on the staging buffer's device), at
+        least `nbytes` long, reused by every segment the thread gathers: one gather runs start
+        to end in one thread, and a fresh buffer per segment costs a page fault per page."""
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.shape[0] < nbytes:
+            size = max(nbytes, BLOCK_BYTES)
+            buf = (
+                np.empty(size, dtype=np.uint8)
+                if isinstance(like, np.ndarray)
+                else like.new_empty(size)
+            )
+            self._local.scratch = buf
+        return buf
+
     def _notice(
         self,
         h: PrefillHandoff,
@@ -378,9 +469,30 @@ class LandedSender:
         )
 
 
-def _gather_digest(pairing: Pairing, src: Side, pieces: Pieces, packed: Any, algo: Any) -> str:
-    gather(pairing, src, pieces, packed)
-    return digest(packed, algo)
+def check_grant(grant: Grant, arena: ArenaSpan, rank: int, nbytes: int = 0) -> None:
+    """Refuse (naming the grant) a window of another stage, or one not wholly inside the landing
+    arena its decode published, or too small for `nbytes`: no destination or answer can make
+    this prefill write elsewhere in the decode's memory."""
+    end = arena.addr + arena.length
+    if grant.pp_rank != rank:
+        raise ConflictError(
+            f"grant {grant.grant_id} is for stage {grant.pp_rank}, not {rank}",
+            field="grants",
+            pp_rank=rank,
+        )
+    if not (arena.addr <= grant.addr and grant.addr + max(grant.length, nbytes) <= end):
+        raise ConflictError(
+            f"grant {grant.grant_id} ({grant.length} bytes at {grant.addr:#x}) does not lie "
+            f"inside the decode's landing arena ({arena.length} bytes at {arena.addr:#x})",
+            field="grants",
+            pp_rank=rank,
+        )
+    if nbytes > grant.length:
+        raise ConflictError(
+            f"grant {grant.grant_id} holds {grant.length} bytes, the segment {nbytes}",
+            field="grants",
+            pp_rank=rank,
+        )
 
 
 def staged_blocks(src_addr: int, dst_addr: int, nbytes: int) -> Blocks:

@@ -39,6 +39,7 @@ from pipelines.messages import (
     AbortAck,
     DestinationMsg,
     HeartbeatAck,
+    TransferMode,
 )
 from pipelines.pairing import PairingCache
 from pipelines.peercache import new_incarnation
@@ -48,6 +49,7 @@ from pipelines.prefill.handoff import (
     ROLE,
     BlockWriter,
     DecodePeer,
+    DecodeSide,
     HostedStage,
     PrefillHandoff,
     ReadySignal,
@@ -55,6 +57,7 @@ from pipelines.prefill.handoff import (
     StageInput,
     Staging,
 )
+from pipelines.prefill.landed import check_grant
 from pipelines.prefill.queries import PrefillQueries
 from pipelines.prefill.ranges import check_range
 from pipelines.prefill.scopes import Finished, OpenHandoffs
@@ -89,6 +92,10 @@ class PrefillPipeline:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.stages = dict(stages)
+        # The one transfer mode this prefill serves, by its configuration: landed with a
+        # staging buffer (the only memory it registers then), else direct. A destination
+        # naming the other mode is refused: no decode (nor a forged destination) chooses it.
+        self.mode: TransferMode = "landed" if staging is not None else "direct"
         self.url = url  # this service's public URL: the sender of its notices
         self.incarnation = incarnation or new_incarnation()
         # The longest one engine call of this process can still write once started (the
@@ -320,6 +327,12 @@ class PrefillPipeline:
                 f"the destination of {msg.handoff_id!r} was issued for prefill incarnation "
                 f"{msg.prefill_incarnation}, this is {self.incarnation} (did it restart?)",
                 field="prefill_incarnation",
+            )
+        if msg.mode != self.mode:
+            raise ConflictError(
+                f"the destination of {msg.handoff_id!r} asks for {msg.mode} transfers; this "
+                f"prefill serves {self.mode} mode only (transfer.mode, set on both sides)",
+                field="mode",
             )
         scope = canonical_url(msg.decode_url)
         outcome = self._finished.claim(scope, msg.handoff_id)
@@ -572,10 +585,11 @@ class PrefillPipeline:
                 assert h.deadline_mono is not None
                 # loop.time() is the monotonic clock the deadline was measured on.
                 scope.reschedule(loop.time() + max(0.0, h.deadline_mono - time.monotonic()))
-                dst_layout = await self._decode.decode_layout(dest)
+                side = await self._decode.decode_side(dest)
+                check_decode_side(dest, side)
                 async with asyncio.TaskGroup() as tg:
                     for rank in dest.pp_ranks:
-                        tg.create_task(self._runner.run(h, rank, dest, dst_layout))
+                        tg.create_task(self._runner.run(h, rank, dest, side))
             outcome = "completed"
         except* StageFailed:
             pass  # the failing stage already told the decode side
@@ -597,3 +611,37 @@ class PrefillPipeline:
         for rank in dest.pp_ranks if dest else sorted(h.inputs):
             if not h.stage_state.get(rank, StageState.WAITING).final:
                 await self._runner.report_failure(h, dest, rank, error)
+
+
+def check_decode_side(dest: DestinationMsg, side: DecodeSide) -> None:
+    """A destination must name the mode its decode published, and in landed mode grant only
+    windows inside the arena that decode life published (signed): otherwise a destination could
+    make this prefill write into any memory of the decode's. The destination's transport target
+    must be the one that decode life published: the writes go to `side.target` whatever the
+    destination says. Raises naming the field."""
+    if dest.decode_target != side.target:
+        raise ConflictError(
+            f"the destination of {dest.handoff_id!r} names transport target "
+            f"{dest.decode_target!r}, but its decode published {side.target!r}",
+            field="decode_target",
+        )
+    if dest.mode != side.mode:
+        raise ConflictError(
+            f"the destination of {dest.handoff_id!r} names {dest.mode} mode, but its decode "
+            f"serves {side.mode} mode",
+            field="mode",
+        )
+    if dest.mode != "landed":
+        return
+    if side.arena is None:
+        raise ConflictError(
+            f"the decode of {dest.handoff_id!r} published no landing arena", field="arena"
+        )
+    for grant in dest.grants:
+        if grant.pp_rank not in dest.pp_ranks:
+            raise ConflictError(
+                f"grant {grant.grant_id} is for stage {grant.pp_rank}, which the destination "
+                f"does not name (pp_ranks {dest.pp_ranks})",
+                field="grants",
+            )
+        check_grant(grant, side.arena, grant.pp_rank)

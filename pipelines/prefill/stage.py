@@ -31,7 +31,6 @@ from pipelines.events import (
     StagePaired,
     StageTransferred,
 )
-from pipelines.layout import StageLayout
 from pipelines.memory import source_digests
 from pipelines.messages import ArrivalMsg, DestinationMsg, StageFailedMsg
 from pipelines.pairing import Pairing, PairingCache
@@ -42,6 +41,7 @@ from pipelines.prefill.handoff import (
     BlockWriter,
     Chunk,
     DecodePeer,
+    DecodeSide,
     End,
     HostedStage,
     PrefillHandoff,
@@ -126,11 +126,11 @@ class StageRunner:
             log.warning("could not report failure of %s stage %d: %s", h.handoff_id, rank, exc)
 
     async def run(
-        self, h: PrefillHandoff, rank: int, dest: DestinationMsg, dst_layout: StageLayout
+        self, h: PrefillHandoff, rank: int, dest: DestinationMsg, side: DecodeSide
     ) -> None:
         stage = self.stages[rank]
         try:
-            pairing = self.cache.get(stage.layout, dst_layout)
+            pairing = self.cache.get(stage.layout, side.layout)
             # Wait for the engine's first signal: it carries the source pages.
             await h.input_seen.setdefault(rank, asyncio.Event()).wait()
             given = h.inputs[rank]
@@ -147,7 +147,7 @@ class StageRunner:
                 validate_request(pairing, inp.src_pages, dest.dst_pages, inp.src_slots, dest.slots)
             h.set_stage(rank, StageState.SENDING)
             if dest.mode == "landed":
-                await self._landed.send(h, rank, stage, inp, dest, pairing)
+                await self._landed.send(h, rank, stage, inp, dest, pairing, side)
                 # Its last segment's notice was its arrival, and the decode committed it.
                 h.set_stage(rank, StageState.NOTIFYING)
                 h.set_stage(rank, StageState.ARRIVED)
@@ -157,7 +157,7 @@ class StageRunner:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._emit(h, rank, stage, inp, chunks))
                 tg.create_task(self._pair(h, rank, pairing, inp, dest, chunks, plans))
-                sent = tg.create_task(self._send(h, rank, dest, plans))
+                sent = tg.create_task(self._send(h, rank, dest, side.target, plans))
             total_bytes, total_blocks = sent.result()
             h.set_stage(rank, StageState.NOTIFYING)
             digests = None
@@ -274,6 +274,7 @@ class StageRunner:
         h: PrefillHandoff,
         rank: int,
         dest: DestinationMsg,
+        target: str,  # the signed layout's (`DecodeSide.target`), not the destination's
         plans: asyncio.Queue[TransferPlan | End],
     ) -> tuple[int, int]:
         total_bytes = total_blocks = 0
@@ -288,7 +289,7 @@ class StageRunner:
             if isinstance(p, TransferPlan) and len(p):
                 t0 = time.perf_counter()
                 assert h.deadline_mono is not None
-                await write_all(self._writer, dest.decode_target, p.blocks, h.deadline_mono)
+                await write_all(self._writer, target, p.blocks, h.deadline_mono)
                 batches = -(-len(p) // self._max_blocks)
                 total_bytes += p.total_bytes
                 total_blocks += len(p)

@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import msgspec
 from aiohttp import web
 
 from pipelines.decode.views import HANDOFF_ID_PATTERN
@@ -38,7 +39,7 @@ from pipelines.messages import (
     check_version,
 )
 from pipelines.urls import canonical_url
-from service.http.app import decode_body, json_response
+from service.http.app import decode_body, decode_items, json_response
 from service.http.auth import signed_sender
 from service.http.problems import Forbidden, error_problem
 from service.http.routing import RouteTable
@@ -104,11 +105,13 @@ async def _each(
     """Handle a batch of notices (see service.peers.coalesce): one outcome per notice, in order;
     `check_sender(msg, sender)` refuses a notice its signed sender may not send."""
     outcomes = []
-    batch: list[M] = await decode_body(request, list[type_])  # type: ignore[valid-type]
+    batch = decode_items(await decode_body(request, list[msgspec.Raw]), type_)
     sender = signed_sender(request)
     _heard(request, sender)
     for msg in batch:
         try:
+            if isinstance(msg, InvalidInput):
+                raise msg
             check_version(msg.version)
             if sender is not None:
                 check_sender(msg, sender)
@@ -283,14 +286,16 @@ async def windows(request: web.Request) -> web.StreamResponse:
     role="peer",
 )
 async def segments(request: web.Request) -> web.StreamResponse:
-    batch = await decode_body(request, list[SegmentMsg])
+    batch = decode_items(await decode_body(request, list[msgspec.Raw]), SegmentMsg)
     sender = signed_sender(request)
     _heard(request, sender)
     pipeline = decode_of(request)
     check = _from_stage_peer(request, "segment")
 
-    async def one(msg: SegmentMsg) -> SegmentOutcome:
+    async def one(msg: SegmentMsg | InvalidInput) -> SegmentOutcome:
         try:
+            if isinstance(msg, InvalidInput):
+                raise msg  # this item's wrong field; the batch's others are answered
             check_version(msg.version)
             if sender is not None:
                 check(msg, sender)

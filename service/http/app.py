@@ -31,7 +31,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from msgspec import Struct
 
-from pipelines.errors import KVHandoffError
+from pipelines.errors import InvalidInput, KVHandoffError
 from pipelines.peercache import new_incarnation
 from service.config import Config
 from service.http.auth import Credentials, answer_middleware, auth_middleware, signer_for
@@ -170,6 +170,20 @@ async def decode_body(request: web.Request, type_: type[T]) -> T:
         raise MalformedBody(f"request body is not valid JSON: {exc}", field="$") from None
 
 
+def decode_items(raw_items: list[msgspec.Raw], type_: type[T]) -> list[T | InvalidInput]:
+    """Each item of a batch body (decoded as `list[msgspec.Raw]` by `decode_body`) as `type_`,
+    or the InvalidInput naming its wrong field (`rows[0]`): one bad item is answered alone,
+    and the batch's other items still are."""
+    decoder = _decoder(cast(Any, type_))
+    out: list[T | InvalidInput] = []
+    for raw in raw_items:
+        try:
+            out.append(decoder.decode(raw))
+        except msgspec.ValidationError as exc:
+            out.append(invalid_value(exc))
+    return out
+
+
 # A whole string (escapes included) or one bracket: strings are skipped by the regex engine.
 _JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.S)
 
@@ -290,6 +304,9 @@ class Ready(Struct, frozen=True, omit_defaults=True):
     status: str
     checks: list[str]
     peers: list[PeerReady] = []
+    #: `transfer.mode`: `direct` on a decode means its KV pages are registered with the
+    #: transport, so any client of that port can write them (README, SAFETY.md).
+    transfer_mode: str = ""
 
 
 _started = web.AppKey("started_monotonic", float)
@@ -311,24 +328,31 @@ async def readyz(request: web.Request) -> web.Response:
         if peers:
             context["peers"] = msgspec.to_builtins(peers)
         raise NotReady(f"not ready: {', '.join(failed)}", **context)
-    return json_response(Ready("ready", readiness.names, peers))
+    mode = request.app[CONFIG].transfer.mode
+    return json_response(Ready("ready", readiness.names, peers, transfer_mode=mode))
 
 
-async def openapi_json(request: web.Request) -> web.Response:
-    cache = request.app[_OPENAPI]
+def openapi_document(app: web.Application) -> dict[str, Any]:
+    """The OpenAPI document of `app`'s routes, built once (its route table is final by then);
+    `GET /openapi.json` serves it and the documentation site's API reference is made from it."""
+    cache = app[_OPENAPI]
     if not cache:
-        config = request.app[CONFIG]
-        routes: RouteTable = request.app[ROUTES]
+        config = app[CONFIG]
+        routes: RouteTable = app[ROUTES]
         cache.update(
             build_openapi(
                 list(routes),
                 title=f"kvhandoff ({config.role})",
                 version=VERSION,
                 server_url=config.server.public_url,
-                secured=request.app[_CREDENTIALS].secured,
+                secured=app[_CREDENTIALS].secured,
             )
         )
-    return json_response(cache)
+    return cache
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    return json_response(openapi_document(request.app))
 
 
 def _builtin_routes() -> RouteTable:

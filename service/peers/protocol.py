@@ -14,7 +14,6 @@ import aiohttp
 import msgspec
 
 from pipelines.errors import KVHandoffError, NotFoundError
-from pipelines.layout import StageLayout
 from pipelines.messages import (
     AbortAck,
     AbortMsg,
@@ -30,6 +29,7 @@ from pipelines.messages import (
     WindowRequest,
 )
 from pipelines.peercache import MAX_PEERS, PeerCache
+from pipelines.prefill.handoff import DecodeSide
 from service.http.client import PeerClient
 from service.http.problems import PeerError, encode_problem, error_from_problem
 from service.peers.coalesce import Coalescer, SendBatch
@@ -80,8 +80,9 @@ class HttpPeers:
         # Watches hold one idle connection per live peer: their own session, so they never take
         # the pool slots of the calls that move handoffs along.
         self._watch_session: aiohttp.ClientSession | None = None
-        # Placed decode layouts by (url, fingerprint, address key): bounded, oldest out.
-        self._decode_layouts: PeerCache[StageLayout] = PeerCache(MAX_PEERS)
+        # What decodes published, by (url, incarnation, fingerprint, address key): bounded,
+        # oldest out.
+        self._decode_sides: PeerCache[DecodeSide] = PeerCache(MAX_PEERS)
         # Destinations, arrivals and failures are coalesced per peer (see service.peers.coalesce).
         self._destinations = Coalescer(self._batch_sender(DESTINATIONS_PATH))
         self._arrivals = Coalescer(self._batch_sender(ARRIVALS_PATH))
@@ -150,33 +151,35 @@ class HttpPeers:
         )
 
     # prefill -> decode
-    async def decode_layout(self, dest: DestinationMsg) -> StageLayout:
+    async def decode_side(self, dest: DestinationMsg) -> DecodeSide:
         key = _layout_key(
             dest.decode_url,
             dest.decode_incarnation,
             dest.decode_fingerprint,
             dest.decode_address_key,
         )
-        layout = self._decode_layouts.get(key)
-        if layout is None:
+        side = self._decode_sides.get(key)
+        if side is None:
+            # Signed by the decode life it names (`PeerClient` checks the answer): its arena
+            # is the one this life registered.
             info = await self._client.get(dest.decode_url, LAYOUT_PATH, LayoutInfo)
             for stage in info.stages:
                 lay = stage.layout
-                self._decode_layouts.put(
+                self._decode_sides.put(
                     _layout_key(
                         dest.decode_url, info.incarnation, lay.fingerprint, lay.address_key
                     ),
-                    lay,
+                    DecodeSide(lay, info.mode, info.arena, info.target),
                 )
-            layout = self._decode_layouts.get(key)
-            if layout is None:
+            side = self._decode_sides.get(key)
+            if side is None:
                 raise NotFoundError(
                     f"decode layout {dest.decode_fingerprint} of incarnation "
                     f"{dest.decode_incarnation} is not the one {dest.decode_url} serves now "
                     f"(incarnation {info.incarnation}: did it restart?)",
                     field="decode_incarnation",
                 )
-        return layout
+        return side
 
     async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None:
         await self._arrivals.submit(decode_url, msg)

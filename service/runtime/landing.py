@@ -3,8 +3,9 @@
 Opened with the stages (`service.runtime.stages`) and closed after the pipeline, before the
 transport: each is one `torch:<device>` pool of one region, on the device of the stage memory it
 serves (a device pool keeps its copies and digests on the device), registered with the
-transport. In `direct` mode the decode opens no arena; a prefill always has its staging buffer,
-since the decode chooses the mode of each handoff.
+transport: in landed mode it is the only memory a service registers (`service.runtime.stages`).
+In `direct` mode neither role opens one: the mode is chosen by configuration on both sides, and
+a prefill refuses a destination naming another mode than its own.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from transport.pools import open_pool
 
 @dataclass
 class TransferMemory:
-    """The one pool of this service's landed transfers (None in direct mode on decode)."""
+    """The one pool of this service's landed transfers (None in direct mode)."""
 
     pool: Pool
     device: str
 
     def landing(self, config: Config, stage: HostedMemory) -> Landing:
-        algorithm: Algorithm = "xxh3_128" if self.pool.on_host else "wsum64"
+        algorithm: Algorithm = "xxh3_128" if self.pool.on_host else "mix64"
         return Landing(
             Arena(self.pool.bases[0], self.pool.regions[0].length),
             pool_array(self.pool, 0),
@@ -40,6 +41,7 @@ class TransferMemory:
             stage.layout,
             window_bytes=config.transfer.window_bytes,
             algorithm=algorithm,
+            peer_share=config.transfer.peer_share,
         )
 
     def staging(self) -> Staging:
@@ -54,8 +56,9 @@ class TransferMemory:
 def open_transfer_memory(
     config: Config, transport: Transport, hosted: list[HostedMemory]
 ) -> TransferMemory | None:
-    """Allocate and register the arena (decode, landed mode) or staging buffer (prefill)."""
-    if config.role == "decode" and config.transfer.mode == "direct":
+    """Allocate and register the arena (decode) or staging buffer (prefill); None in direct
+    mode."""
+    if config.transfer.mode == "direct":
         return None
     key = "transfer.landing_bytes" if config.role == "decode" else "transfer.staging_bytes"
     size = (

@@ -29,7 +29,7 @@ from pipelines.arena import ArenaUse
 from pipelines.decode import DecodePipeline
 from pipelines.decode.views import HandoffRequest, HandoffView
 from pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag, life_first_seq
-from pipelines.messages import PEER_PROTOCOL_VERSION, HeartbeatAck, LayoutInfo
+from pipelines.messages import PEER_PROTOCOL_VERSION, ArenaSpan, HeartbeatAck, LayoutInfo
 from pipelines.prefill import HostedStage, PrefillPipeline
 from service.config import Config, ConfigError
 from service.http.app import CONFIG, INCARNATION, PEERS, READINESS, PeerReady
@@ -68,15 +68,27 @@ class RuntimeBase:
         return self.config.role
 
     def layout_info(self) -> LayoutInfo:
+        """`GET /v1/layout`: stage addresses only where peers write into them (a direct-mode
+        decode), and the landing arena on a landed one (DESIGN: what is registered is reachable)."""
+        mode = self.config.transfer.mode
         return LayoutInfo(
             version=PEER_PROTOCOL_VERSION,
             role=self.role,
             url=self.url,
             target=self.target,
-            stages=[h.info() for h in self.hosted],
+            stages=[h.info(addresses=self.publishes_addresses) for h in self.hosted],
             incarnation=self.incarnation,
             max_call_s=self.max_call_s,
+            mode=mode,
+            arena=self.arena_span(),
         )
+
+    @property
+    def publishes_addresses(self) -> bool:
+        return False
+
+    def arena_span(self) -> ArenaSpan | None:
+        return None
 
 
 @dataclass(kw_only=True)
@@ -84,6 +96,14 @@ class DecodeRuntime(RuntimeBase):
     pipeline: DecodePipeline
     #: Records and webhooks; None with `records.persist = false`.
     persistence: Persistence | None = None
+
+    @property
+    def publishes_addresses(self) -> bool:
+        # Direct mode: its prefills plan writes into these pages (and the pool is registered).
+        return self.config.transfer.mode == "direct"
+
+    def arena_span(self) -> ArenaSpan | None:
+        return self.pipeline.arena_span()
 
     async def create(self, request: HandoffRequest) -> tuple[HandoffView, bool]:
         """Admit and create a handoff: every door's one path (`service.runtime.admission`)."""

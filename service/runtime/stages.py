@@ -1,4 +1,5 @@
-"""The stages a service hosts: each one's layout, placed in a pool registered with the transport.
+"""The stages a service hosts: each one's layout, placed in a pool; registered with the transport
+only in direct mode.
 
 One `HostedMemory` per `[[stages]]` table. Its layout comes from the model and the partition
 (`pipelines.models`); its memory from the table's `pool` spec:
@@ -12,6 +13,12 @@ One `HostedMemory` per `[[stages]]` table. Its layout comes from the model and t
   from the flat lists it publishes), so no `[model]` describes it.
 
 Region i of a pool is entry i of the layout (KV entries first, then state entries).
+
+What is registered is reachable: the transfer engine authenticates nobody, and any process that
+reaches its port may write any registered byte. So stage pools are registered only where a
+transport must move them, in direct mode (a decode's pages are written, a prefill's are read);
+in landed mode only the landing arena or staging buffer is (`service.runtime.landing`), and the
+stages' addresses are not published either (`HostedMemory.info`).
 """
 
 from __future__ import annotations
@@ -62,12 +69,15 @@ class HostedMemory:
     def pool(self) -> Pool:
         return self.memory.pool
 
-    def info(self) -> StageInfo:
+    def info(self, *, addresses: bool) -> StageInfo:
+        """What `GET /v1/layout` says of this stage; its entries' addresses only with
+        `addresses` (a direct-mode decode, whose prefills plan writes into its pages)."""
         pool = self.pool
         shm = None
         if isinstance(pool, ShmPool):
             shm = ShmPlacement(name=pool.name, offsets=list(pool.offsets), size=pool.nbytes)
-        return StageInfo(layout=self.layout, fingerprint=self.layout.fingerprint, shm=shm)
+        layout = self.layout if addresses else self.layout.unplaced()
+        return StageInfo(layout=layout, fingerprint=layout.fingerprint, shm=shm)
 
 
 def unplaced_layout(config: Config, spec: ModelSpec, stage: StageConfig) -> StageLayout:
@@ -97,10 +107,12 @@ def engine_layout(given: EngineStage, stage: StageConfig, key: str) -> StageLayo
 def open_stages(
     config: Config, transport: Transport, buffers: Buffers | None = None
 ) -> list[HostedMemory]:
-    """Allocate or attach every stage's pool and register it; blocking (engine calls).
+    """Allocate or attach every stage's pool, registered with `transport` in direct mode only
+    (module docstring); blocking (engine calls).
 
     On any failure the pools opened so far are closed (unregistered) before the error leaves.
     """
+    register = config.transfer.mode == "direct"
     opened: list[HostedMemory] = []
     try:
         for i, stage in enumerate(config.stages):
@@ -111,7 +123,8 @@ def open_stages(
                 layout = unplaced_layout(config, config.model_spec(), stage)
             pool = _open_pool(config, i, stage, layout, buffers)
             try:
-                pool.register(transport)
+                if register:
+                    pool.register(transport)
             except BaseException:
                 pool.close()
                 raise

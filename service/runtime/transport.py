@@ -12,18 +12,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import msgspec
 from aiohttp import web
 
-from service.config import TransportConfig
+from service.config import Config, ConfigError, TransportConfig
 from service.http.app import CONFIG, LOCAL_TARGET, READINESS
+from transport import ascend
 from transport.base import Transport
 
 TRANSPORT = web.AppKey("transport", Transport)
 
 
 def open_transport(config: TransportConfig) -> Transport:
-    """Build the transport `config` names; blocking (the engine starts its listener)."""
+    """Build the transport `config` names; blocking (the engine starts its listener). What
+    Mooncake's protocol `ascend` needs is checked first (`check_ascend`)."""
     if config.backend == "local":
         from transport.local import LocalTransport
 
@@ -31,16 +35,43 @@ def open_transport(config: TransportConfig) -> Transport:
             max_blocks_per_batch=config.max_blocks_per_batch,
             max_bytes_per_batch=config.max_bytes_per_batch,
         )
+    check_ascend(config)
     from transport.mooncake import MooncakeTransport  # imports the engine only when used
 
     return MooncakeTransport.start(config)
+
+
+def with_stage_npu(config: Config) -> TransportConfig:
+    """`config.transport`, under protocol `ascend` with `npu` unset taken from the first stage
+    pool on an NPU (`torch:npu[:N]`): the engine starts on the NPU whose memory it moves."""
+    transport = config.transport
+    if transport.protocol != "ascend" or transport.npu is not None:
+        return transport
+    for stage in config.stages:
+        kind, _, index = stage.pool.removeprefix("torch:").partition(":")
+        if stage.pool.startswith("torch:") and kind == "npu":
+            return msgspec.structs.replace(transport, npu=int(index or 0))
+    return transport
+
+
+def check_ascend(config: TransportConfig, hccn_conf: Path = ascend.HCCN_CONF) -> None:
+    """ConfigError naming the first `transport` setting protocol `ascend` cannot start with
+    (the hostname's form; under another protocol, a hostname in that form), then the host
+    (`hccn_conf`, under `ascend`). At start-up, not when the file is loaded: an engine adapter
+    completes each rank's hostname after loading it (`service.integrations.sglang.settings`)."""
+    for key, why in ascend.settings_problems(config):
+        raise ConfigError(f"transport.{key}", why)
+    problem = ascend.host_problem(hccn_conf) if config.protocol == "ascend" else None
+    if problem is not None:
+        raise ConfigError("transport.protocol", problem)
 
 
 @contextlib.asynccontextmanager
 async def transport_opened(app: web.Application) -> AsyncIterator[Transport]:
     """The app's transport (also under `TRANSPORT`), open until the `async with` ends."""
     # Engine start-up blocks for a while (socket set-up, metadata handshake): not on the loop.
-    transport = await asyncio.to_thread(open_transport, app[CONFIG].transport)
+    config = app[CONFIG]
+    transport = await asyncio.to_thread(open_transport, with_stage_npu(config))
     app[TRANSPORT] = transport
     app[LOCAL_TARGET] = transport.local_target
     try:

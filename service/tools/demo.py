@@ -53,6 +53,7 @@ from service.config import HandoffConfig, TransferConfig
 from service.tools.bench.common import StageProcesses
 from service.tools.deployment import DeploymentError, LocalDeployment
 from service.tools.router_client import TERMINAL, WAIT_S, Outcome, RouterClient
+from transport.blocks import Blocks
 from transport.config import MooncakeConfig
 from transport.local import LocalTransport
 from transport.mooncake import MooncakeTransport
@@ -434,13 +435,20 @@ async def _baseline(
     http: aiohttp.ClientSession, dep: LocalDeployment, work: _Workload
 ) -> dict[str, float] | None:
     """Raw Mooncake writing the completed handoffs' blocks (one per page, layer and group, as
-    direct mode plans them) into the decode service's memory: one engine per stage, each in a
-    process of its own with its stage's blocks, all at once (best of two) — the same process
-    topology, no kvhandoff."""
+    direct mode plans them) into the decode service's registered memory: one engine per stage,
+    each in a process of its own with its stage's blocks, all at once (best of two) — the same
+    process topology, no kvhandoff. A landed decode registers only its landing arena (its KV
+    pools are unreachable by design), so there the same blocks go into the arena, each stage
+    its own slice of it."""
     async with http.get(f"{dep.decode_url}/v1/layout") as resp:
         info = msgspec.json.decode(await resp.read(), type=LayoutInfo)
     moves = [(j.src_pages, j.dst_pages, j.src_slot, j.dst_slot) for j in work.completed]
     per_stage = dep.stage_blocks(info.stages[0].layout, moves)
+    if info.arena is not None:
+        part = info.arena.length // len(per_stage)
+        per_stage = [
+            into_span(b, info.arena.addr + r * part, part) for r, b in enumerate(per_stage)
+        ]
     blocks = sum(len(b) for b in per_stage)
     if not blocks:
         return None  # nothing completed: nothing to compare with
@@ -453,6 +461,19 @@ async def _baseline(
     finally:
         engines.close()
     return {"raw_blocks": float(blocks), "raw_gb_per_s": total / min(runs) / 1e9}
+
+
+def into_span(blocks: Blocks, addr: int, length: int) -> Blocks:
+    """`blocks` with their destinations laid end to end from `addr`, starting over at `addr`
+    where the next would run past `addr + length` (same sources and lengths)."""
+    if not len(blocks):
+        return blocks
+    longest = int(blocks.length.max())
+    if longest > length:
+        raise ValueError(f"a block of {longest} bytes does not fit a span of {length}")
+    starts = np.cumsum(blocks.length, dtype=np.uint64) - blocks.length
+    dst = np.uint64(addr) + starts % np.uint64(length - longest + 1)
+    return Blocks.of(blocks.src_addr, dst, blocks.length)
 
 
 def _serve_info(dep: LocalDeployment) -> dict[str, Any]:

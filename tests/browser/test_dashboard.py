@@ -6,14 +6,16 @@ requires a token: the page asks for it. The test then starts handoffs over the A
 for the page to show them in flight and then completed, without a reload, and the landing
 arena (staging buffer on the prefill's page) given back; kills a stage's
 process and waits for the failure (with its reason and stage) and the lost peer. A screenshot
-is saved under `tests/artifacts/`. Every wait is for something to appear on the page, bounded
-by `WAIT_MS` only so that a broken page fails instead of hanging.
+is saved under `tests/artifacts/`, and into the documentation site when
+`KVHANDOFF_DOCS_SCREENSHOT` names the file (`make docs`). Every wait is for something to appear
+on the page, bounded by `WAIT_MS` only so that a broken page fails instead of hanging.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import socket
@@ -195,6 +197,8 @@ def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, 
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+    if docs_png := os.environ.get("KVHANDOFF_DOCS_SCREENSHOT"):
+        page.screenshot(path=docs_png, full_page=True)
 
     # A prefill service's page shows its own stages: dash-1's part there is done.
     prefill = page.context.new_page()

@@ -6,31 +6,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 [ -d .devkit ] || { echo "no .devkit/: run tests/device/kit.sh first, then bring it along"; exit 3; }
-root=/tmp/kvhandoff-devroot
-site=/tmp/kvhandoff-site
-mkdir -p "$root/use" "$site"
-for deb in .devkit/deb/*.deb; do dpkg -x "$deb" "$root"; done
-# A kit library only where the machine has none of that soname (the packages' links by soname):
-# a newer one of its own wins.
-have=$(ldconfig -p | awk '{print $1}')
-for lib in "$root"/usr/lib/x86_64-linux-gnu/*.so.* "$root"/lib/x86_64-linux-gnu/*.so.*; do
-  [ -L "$lib" ] || continue
-  grep -qxF "$(basename "$lib")" <<<"$have" || ln -sf "$lib" "$root/use/"
-done
-if python3 -m pip --version >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$site" .devkit/whl/*.whl || exit 3
-else  # an environment made without pip: a wheel is a zip of the files to install
-  for whl in .devkit/whl/*.whl; do python3 -m zipfile -e "$whl" "$site" || exit 3; done
-fi
+. tests/device/unpack.sh
+unpack_kit .devkit
 prefix=$(python3 -c 'import sys; print(sys.prefix)')
 cudart=$(find "$prefix" /usr/local/cuda* -name 'libcudart.so.13*' 2>/dev/null | head -n 1)
-export LD_LIBRARY_PATH="$root/use${cudart:+:$(dirname "$cudart")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
+export LD_LIBRARY_PATH="${cudart:+$(dirname "$cudart"):}$LD_LIBRARY_PATH"
 nvidia-smi -L || true
 python3 -c 'import torch, pytest; print("torch", torch.__version__, "cuda", torch.version.cuda,
   torch.cuda.is_available(), "pytest", pytest.__version__)'
-missing=$(ldd "$site/mooncake/engine.so" | grep 'not found' || true)
+missing=$(ldd "$KIT_SITE/mooncake/engine.so" | grep 'not found' || true)
 [ -z "$missing" ] || echo "mooncake's engine lacks: $missing"
 log=${OUT:-/tmp}/device-check.log
 # Not the repo's pytest settings: they need pytest-asyncio, which these (synchronous) tests do not.

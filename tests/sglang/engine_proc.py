@@ -324,6 +324,11 @@ def main() -> None:
     # Segments of this rank's stage the decode committed, per handoff id: the prefill publishes
     # `stage.transferred` only once the decode's commit answered (landed mode).
     committed: dict[str, int] = {}
+    # Prefill: the handoffs whose stage was stopped (given up or aborted: the prefill publishes
+    # that once no segment of it runs), and per room, whether its own was when SGLang's status
+    # table first said Failed (what SGLang frees the source pages at).
+    stopped: set[str] = set()
+    stopped_first: dict[int, bool] = {}
     if role == "prefill" and manager.service_url is not None:  # a dummy CP rank runs none
         said = logging.getLogger("engine_proc")
         said.setLevel(logging.INFO)
@@ -333,15 +338,41 @@ def main() -> None:
                 committed[event.handoff_id] = committed.get(event.handoff_id, 0) + 1
             elif event_tag(event) == "stage.ready":  # what a test can wait for in the log
                 said.info("signalled %s last=%s", event.handoff_id, event.last_pages)
+            elif event_tag(event) == "handoff.aborted" or (
+                event_tag(event) == "handoff.failed" and event.code == "engine_aborted"
+            ):
+                stopped.add(event.handoff_id)
 
         manager.service.add_listener(on_event)
+        sglang_update_status = manager.update_status
+
+        def update_status(room: int, status: int) -> None:
+            if status == KVPoll.Failed and room not in stopped_first:
+                stopped_first[room] = manager.own_handoff(room) in stopped
+            sglang_update_status(room, status)
+
+        manager.update_status = update_status
     held: dict[int, Any] = {}  # PP ranks > 0: senders kept until PP rank 0's consensus decided
+    boundary = None  # decode: SGLang's transfer queue (`transfer_queue.py`), once asked for
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "exit":
             manager.close()
             answer({"bye": True})
             return
+        if cmd["op"] == "boundary":  # a request fails; SGLang's own queue frees its pages
+            from tests.sglang.transfer_queue import Boundary
+
+            boundary = boundary or Boundary(manager, DECODE_PAGES, PAGE_SIZE)
+            while not manager.try_ensure_parallel_info(bootstrap_addr):
+                time.sleep(0.05)
+            receiver = get_kv_class(backend, KVClassType.RECEIVER)(
+                manager, bootstrap_addr, int(cmd["room"])
+            )
+            receiver.init(prefill_dp_rank(manager.prefill_info_table[bootstrap_addr], "", 0))
+            cmd["state"] = state_indices(cmd)
+            answer(boundary.run(receiver, cmd, kv, KV_ITEM))
+            continue
         if cmd["op"] == "clear":  # every rank acts on PP rank 0's consensus, then releases
             sender = held.pop(int(cmd["room"]))
             error = failure(sender) if cmd.get("failed") else None
@@ -397,6 +428,7 @@ def main() -> None:
                     "seconds": time.monotonic() - start,
                     "committed_before_last": before_last,
                     "transferred": committed.get(hid, 0),  # this stage's segments committed
+                    "stopped_first": stopped_first.get(room),
                     "metric": {
                         "bytes": metric.transfer_total_bytes,
                         "latency_s": metric.transfer_latency_s,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,6 +18,7 @@ from service.integrations.sglang.layouts import (
     rank_layout,
     refuse_unsupported,
 )
+from transport.errors import PoolError
 
 
 def kv_args(**changes: Any) -> Any:
@@ -94,20 +96,41 @@ def test_a_torn_aux_buffer_is_refused_naming_it() -> None:
     assert "aux entry 1" in str(err.value) and "row size 8" in str(err.value)
 
 
-def test_a_positional_list_under_pp_takes_its_ids_from_the_stage_s_first_layer() -> None:
+def test_a_positional_list_takes_its_ids_from_the_rank_s_first_layer_and_pairs_by_id() -> None:
+    # SGLang 0.5.23 publishes no ids for a plain model: a PP 2 prefill's second stage (layers
+    # 4, 5) and a PP 1 decode (layers 0..5) must still pair by global id, not refuse the mix.
     rank = rank_layout(kv_args(kv_layer_ids=[]), pp_rank=1, pp_size=2, is_mla=False, with_aux=False)
     assert [(e.layer_id, e.group) for e in rank.layout.kv] == [(4, 0), (5, 0), (4, 1), (5, 1)]
-    legacy = rank_layout(
-        kv_args(kv_layer_ids=[]), pp_rank=0, pp_size=1, is_mla=False, with_aux=False
+    decode_args = kv_args(
+        kv_layer_ids=[],
+        kv_data_ptrs=[4096 * k for k in range(1, 13)],
+        kv_data_lens=[640] * 12,
+        kv_item_lens=[64] * 12,
     )
-    assert not legacy.layout.layer_ids_published
+    del decode_args.prefill_start_layer  # a decode's KVArgs has none
+    decode = rank_layout(
+        decode_args,
+        pp_rank=0,
+        pp_size=1,
+        is_mla=False,
+        with_aux=False,
+    )
+    assert [e.layer_id for e in decode.layout.kv] == list(range(6)) * 2
+    assert decode.layout.layer_ids_published
+    pairs = pair(rank.layout, decode.layout)
+    paired = zip(pairs.kv_layer.tolist(), pairs.kv_group.tolist(), pairs.kv_dst_base.tolist())
+    assert sorted(paired) == [  # the decode's K of layers 4, 5 are its buffers 4, 5, V 10, 11
+        (4, 0, 4096 * 5),
+        (4, 1, 4096 * 11),
+        (5, 0, 4096 * 6),
+        (5, 1, 4096 * 12),
+    ]
 
 
 @pytest.mark.parametrize(
     ("changes", "device", "named"),
     [
-        ({}, "npu", "--device npu is not supported by the kvhandoff backend: torch_npu"),
-        ({}, "xpu", "--device xpu is not supported by the kvhandoff backend"),
+        ({}, "xpu", "--device xpu is not supported by the kvhandoff backend: it reaches host"),
         ({"state_types": ["swa"], "state_data_ptrs": [[1]]}, "cpu", "components ['swa']"),
         ({"state_types": ["mamba", "dsa"], "state_data_ptrs": [[1], [2]]}, "cpu", "['dsa']"),
         ({"state_types": ["mamba"], "state_data_ptrs": [[1]]}, "cpu", "no state_layer_ids"),
@@ -122,6 +145,7 @@ def test_unsupported_features_are_refused_by_name(
     assert named in str(err.value)
     refuse_unsupported(kv_args(), device="cpu")  # and the supported cases pass
     refuse_unsupported(kv_args(), device="cuda")
+    refuse_unsupported(kv_args(), device="npu")
 
 
 def test_mooncake_s_own_allocator_is_refused_by_name() -> None:
@@ -138,6 +162,24 @@ def test_kv_and_state_live_on_the_rank_s_gpu_and_aux_rows_in_host_memory() -> No
     kv, state, aux = len(rank.layout.kv), len(rank.layout.state), len(rank.layout.aux)
     assert (kv, state, aux) == (4, 4, 2)
     assert rank.devices == ["cuda:3"] * (kv + state) + ["cpu"] * aux
+
+
+def test_on_npu_kv_and_state_live_on_the_rank_s_npu_and_aux_rows_in_host_memory() -> None:
+    assert pool_device("npu", 5) == "npu:5"
+    rank = rank_layout(
+        mamba_args(), pp_rank=1, pp_size=2, is_mla=False, with_aux=True, device="npu:5"
+    )
+    assert rank.devices == ["npu:5"] * 8 + ["cpu"] * 2
+
+
+def test_npu_buffers_without_torch_npu_are_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # not installed, whatever this machine has
+    rank = rank_layout(kv_args(), pp_rank=1, pp_size=2, is_mla=False, with_aux=True, device="npu:0")
+    with pytest.raises(PoolError) as err:
+        rank.tensors()  # what the manager hands its embedded service
+    assert "buffers on 'npu:0' needs torch_npu, which is not installed" in err.value.message
 
 
 def test_a_rank_s_tensors_alias_sglang_s_buffers() -> None:

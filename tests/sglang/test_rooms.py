@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 from sglang.srt.disaggregation.base.conn import KVPoll
 
-from pipelines.events import DestinationReceived, HandoffAborted, StageTransferred
+from pipelines.events import (
+    DestinationReceived,
+    HandoffAborted,
+    HandoffFailed,
+    StageTransferred,
+)
 from service.integrations.sglang import excusal
 from service.integrations.sglang.backend import KVHandoffManager
 
@@ -73,6 +78,7 @@ def rank() -> KVHandoffManager:
         rank=SimpleNamespace(layout=SimpleNamespace(components=()), has_aux=False),
         tp_rank_for_handoffs=1,
         stage_rank=0,
+        _prefill_role=True,
         request_status={},
         failure_records={},
         failure_lock=threading.Lock(),
@@ -108,7 +114,8 @@ def test_a_send_refused_under_the_rank_s_lock_fails_its_room_without_waiting_on_
     given_up: list[str] = []
     mgr.__dict__["_service"] = SimpleNamespace(
         stage_ready=lambda *args, **kw: None,
-        abort_prefill=lambda hid, reason: given_up.append(hid),
+        # SGLang's status when the handoff is given up: the room fails only once it stopped.
+        abort_prefill=lambda hid, reason: given_up.append(f"{hid} {mgr.request_status[6]}"),
     )
     mgr.open_room(6)
     mgr.request_status[6] = KVPoll.WaitingForInput
@@ -121,10 +128,11 @@ def test_a_send_refused_under_the_rank_s_lock_fails_its_room_without_waiting_on_
     sent.start()
     sent.join(timeout=5)
     assert not sent.is_alive(), "the refused send waits on its own lock"
+    settled(mgr)
     assert mgr.request_status[6] == KVPoll.Failed
     assert "1 pages sent after the last chunk" in mgr.failure_records[6]
-    settled(mgr)
-    assert given_up == ["sglang-6-tp1"]  # and its handoff was given up
+    # Its handoff was given up first, while SGLang still saw the room waiting.
+    assert given_up == [f"sglang-6-tp1 {KVPoll.WaitingForInput}"]
 
 
 def test_an_early_sent_prefix_is_signalled_only_once_its_forward_has_run() -> None:
@@ -349,3 +357,33 @@ def test_sglang_s_abort_stops_every_copy_even_when_one_abort_fails() -> None:
     with pytest.raises(TimeoutError, match="did not answer"):  # raised once all were tried
         done.result(timeout=5)
     assert tried == ["sglang-15-tp1", "sglang-15-tp1-r1", "sglang-15-tp1-r2"]
+
+
+def test_a_handoff_that_failed_on_the_prefill_is_stopped_before_sglang_hears_failed() -> None:
+    # kvhandoff's own failure (here a lost decode) may be published while a segment of the
+    # stage still gathers: the handoff is given up (which returns once none does) first.
+    mgr, service = fanned(16)
+    failed = HandoffFailed(
+        handoff_id="sglang-16-tp1", role="prefill", code="peer_unreachable", reason="silent"
+    )
+    mgr._on_event(failed)
+    settled(mgr)
+    assert service.calls == ["gave up sglang-16-tp1 while WaitingForInput"]
+    assert mgr.request_status[16] == KVPoll.Failed and mgr.prefill_unreachable(16)
+    assert "failed (peer_unreachable): silent" in mgr.failure_records[16]
+    mgr._on_event(failed)  # the give-up's own failure event: the first reason stands
+    settled(mgr)
+    assert len(service.calls) == 1
+
+
+def test_a_room_that_failed_already_keeps_its_first_reason() -> None:
+    # SGLang's abort records its reason and fails the room; the handoff's abort event that
+    # follows it (on the service's thread) must not replace that reason.
+    mgr = rank()
+    mgr.__dict__["_prefill_role"] = False  # a decode rank
+    mgr.request_status[17] = KVPoll.Transferring
+    mgr.record_failure(17, "Aborted by AbortReq.")
+    mgr.update_status(17, KVPoll.Failed)
+    assert mgr.fail(17, "kvhandoff handoff sglang-17-tp0 aborted: aborted by request")
+    assert mgr.failure_records[17] == "Aborted by AbortReq."
+    assert mgr.request_status[17] == KVPoll.Failed

@@ -28,12 +28,18 @@ the bootstrap look-ups and the timeouts. What moves bytes and decides outcomes i
   is prefilled;
 - the service's events drive `update_status` / `record_failure` on its own thread, so `poll()`
   only reads SGLang's table (a snapshot) and never waits; engine-facing calls that wait
-  (create, stage ready, abort) run on one worker thread per rank, in order.
+  (create, stage ready, a prefill's abort) run on one worker thread per rank, in order, and a
+  decode's aborts on threads of their own, never behind a create;
+- the boundary (DESIGN.md): the decode declares SGLang's deferred release, so SGLang frees a
+  failed request's pages only once `is_abort_release_safe` says every handoff of the room is
+  released (`service.integrations.rooms.decode`); the prefill stops every handoff of a room
+  before SGLang's table says Failed (`_stop_then_fail`).
 
 Called by: SGLang's prefill scheduler (`prefill.py`: sender `__init__`, `init`, `send` per
 chunk, `poll` / `poll_pp_consensus`, `failure_exception`, `abort`, `clear`) and decode scheduler
 (`decode.py`: `try_ensure_parallel_info`, receiver `__init__`, `init`, `send_metadata`, `poll`,
-`failure_exception`, `abort`, `clear`, `is_abort_release_safe`).
+`failure_exception`, `abort` / `ensure_abort_notified` (every Failed), `clear`, then the
+manager's `is_abort_release_safe(room, required_acks)` each pass until it frees the pages).
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ from pipelines.events import (
     StageTransferred,
 )
 from service.embedded import EmbeddedService
+from service.integrations.rooms.decode import DecodeRooms
 from service.integrations.sglang import excusal
 from service.integrations.sglang.bootstrap import MAX_SKEW_S, SIGNATURE_HEADER, URL_FIELD, sign
 from service.integrations.sglang.layouts import (
@@ -96,6 +103,7 @@ from service.runtime.stages import EngineStage
 
 log = logging.getLogger("kvhandoff.sglang")
 RELEASED_KEPT = 65536
+ABORT_THREADS = 4
 
 
 def handoff_id(room: int, tp_rank: int, copy: int = 0) -> str:
@@ -154,6 +162,31 @@ def refuse_rust_registry(*, prefill: bool, attn_dp_size: int) -> None:
             "SGLANG_RUST_SERVER with DP attention is not supported by kvhandoff: SGLang then "
             "registers every rank's row from one rank with the Rust registry, not with "
             "kvhandoff's signed bootstrap server"
+        )
+
+
+def refuse_early_release(handoff: Any) -> None:
+    """SGLang frees a failed request's decode pages when kvhandoff says they are released
+    (`is_abort_release_safe`), or when its own release timeout passes, whichever comes first.
+    kvhandoff releases a handoff's pages at the latest its deadline plus `max_grace_s` after
+    the create (the longest a prefill writer it cannot hear from may still write); SGLang's
+    clock starts later, at Failed. A timeout shorter than that bound, or SGLang's deferred
+    release turned off (it then frees the pages at Failed), could free pages a commit still
+    writes: refused at start-up by name."""
+    if not envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get():
+        raise Unsupported(
+            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0 with kvhandoff: SGLang would "
+            "free a failed request's decode pages before kvhandoff released them"
+        )
+    bound_s = float(handoff.default_deadline_s) + float(handoff.max_grace_s)
+    timeout_s = float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get())
+    if timeout_s < bound_s:
+        raise Unsupported(
+            f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT = {timeout_s:g} s is "
+            f"shorter than the longest kvhandoff may hold a failed request's pages "
+            f"(handoff.default_deadline_s {handoff.default_deadline_s:g} s + "
+            f"handoff.max_grace_s {handoff.max_grace_s:g} s = {bound_s:g} s): raise it, or "
+            "lower those"
         )
 
 
@@ -230,6 +263,10 @@ class _Range:
 class KVHandoffManager(CommonKVManager):
     """One scheduler rank's side of the backend: its embedded service and the room table."""
 
+    # SGLang holds a failed request's decode pages until `is_abort_release_safe` says kvhandoff
+    # released them (its deferred release), instead of freeing them at Failed.
+    supports_deferred_decode_kv_release = True
+
     # prefill: reads the excusals decode ranks send (SGLang's MLA dummy ranks).
     _excusals: excusal.Listener | None
     _prefill_role = False  # set by __init__
@@ -273,7 +310,12 @@ class KVHandoffManager(CommonKVManager):
             rank_name += f"-cp{parallel.attn_cp_rank}"
         num_pages = min((e.num_items for e in self.rank.layout.kv), default=1)
         stage = {"pp_rank": pp_rank, "pp_size": pp_size, "num_pages": num_pages}
-        self.kv_config = rank_config(os.environ, role=role, stage=stage, rank_name=rank_name)
+        npu = int(getattr(args, "gpu_id", 0) or 0) if device == "npu" else None
+        self.kv_config = rank_config(
+            os.environ, role=role, stage=stage, rank_name=rank_name, npu=npu
+        )
+        if not prefill:
+            refuse_early_release(self.kv_config.handoff)
         # A prefill CP rank other than 0 is SGLang's dummy participant (the modes where every CP
         # rank sends are refused above): it moves nothing, so it runs no service (no Mooncake
         # engine, no port) and registers no URL.
@@ -325,6 +367,7 @@ class KVHandoffManager(CommonKVManager):
                 ).start()
         except BaseException:
             self._calls.shutdown(wait=False)
+            self._aborts.shutdown(wait=False)
             if self._service is not None:
                 self._service.stop()  # a rank that did not come up leaves nothing registered
             raise
@@ -345,9 +388,9 @@ class KVHandoffManager(CommonKVManager):
         self._ended: dict[int, int] = {}
         # prefill: rooms a decode rank excused (SGLang's MLA dummy ranks: `excusal.py`)
         self._excused = excusal.Excusals(excusal_ttl_s, RELEASED_KEPT)
-        # Handoff ids whose pages are free again (HandoffReleased), kept past clear(): SGLang
-        # asks `is_abort_release_safe` after it cleared the receiver. Bounded, oldest first out.
-        self._released: OrderedDict[str, None] = OrderedDict()
+        # decode: each handoff's record, until released (SGLang asks `is_abort_release_safe`
+        # after it cleared the receiver): what SGLang's deferred release waits for.
+        self.decode_rooms = DecodeRooms()
         # decode: rooms that failed because a prefill rank was unreachable (gone, or started
         # again elsewhere): their receiver has SGLang forget the prefill's bootstrap rows.
         self._unreachable: set[int] = set()
@@ -374,10 +417,15 @@ class KVHandoffManager(CommonKVManager):
         self._lock = threading.RLock()
         # SGLang's update_status reads, then writes: two threads (the scheduler's and the
         # service's) interleaving there could move a room backwards. One writer at a time.
-        self._status_lock = threading.Lock()
+        self._status_lock = threading.RLock()
         self._excusals = None
         # One thread for the calls that wait on the service, so the scheduler never does.
         self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvhandoff")
+        # decode: aborts on their own threads, never queued behind a create (each returns once
+        # its handoff is released; a few at once, so one slow release holds up no other abort).
+        self._aborts = concurrent.futures.ThreadPoolExecutor(
+            ABORT_THREADS, thread_name_prefix="kvhandoff-abort"
+        )
 
     def update_status(self, bootstrap_room: int, status: int) -> None:
         with self._status_lock:
@@ -397,7 +445,6 @@ class KVHandoffManager(CommonKVManager):
         with self._lock:
             if not self._excused.open(room):  # an excused room has no handoff to follow
                 self._rooms[hid] = room
-            self._released.pop(hid, None)
             early = self._early_fan_out.pop(hid, None)
         if early is not None:
             self._learn_fan_out(room, hid, early)
@@ -425,17 +472,26 @@ class KVHandoffManager(CommonKVManager):
                 table.pop(int(room), None)  # type: ignore[attr-defined]
             self._stopped.discard(int(room))
 
-    def released(self, hid: str) -> bool:
-        with self._lock:
-            return hid in self._released
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+        """SGLang's deferred release (decode.py `resolve_deferred_releases`): True once no
+        handoff of the room may still write its pages, from `handoff.released` alone; SGLang's
+        prefill acks (`required_acks`) are not kvhandoff's and are not counted."""
+        return self.decode_rooms.release_safe(bootstrap_room)
 
-    def never_leased(self, hid: str) -> None:
-        """The handoff was refused at create: no page of it was ever leased, so no write of it
-        can land (SGLang may free the pages: `is_abort_release_safe`)."""
-        with self._lock:
-            self._released[hid] = None
-            while len(self._released) > RELEASED_KEPT:
-                self._released.popitem(last=False)
+    def abort_decode(self, room: int, hid: str) -> None:
+        """SGLang gave up the room's handoff `hid`: stopped on the abort threads (a create still
+        queued or running is cancelled instead: `DecodeRooms.cancel`). SGLang holds the pages
+        until `handoff.released`, so nothing here waits or fails the room again."""
+        if not self.decode_rooms.cancel(hid):
+            return
+
+        def stop() -> None:
+            try:
+                self.service.abort(hid)
+            except (KVHandoffError, TimeoutError) as exc:  # ended already: released by itself
+                log.info("abort of %s (room %s): %s", hid, room, exc)
+
+        self._aborts.submit(stop)
 
     def excused(self, room: int) -> bool:
         with self._lock:
@@ -464,9 +520,11 @@ class KVHandoffManager(CommonKVManager):
         log.info("room %d excused: the decode pairs with another prefill TP rank", room)
 
     def fail(self, room: int, reason: str, *, unreachable: bool = False) -> bool:
-        """Fail the room with `reason`; `unreachable`: a prefill rank could not be reached
-        (noted before the status moves, so a poll that sees Failed sees the note too). False,
-        changing nothing, for a room this rank is excused from: nothing of it can fail."""
+        """Fail the room with `reason`, unless it failed already (SGLang's abort, say: its
+        reason stands, not that of the handoff's abort event that follows it); `unreachable`:
+        a prefill rank could not be reached (noted before the status moves, so a poll that sees
+        Failed sees the note too). False, changing nothing, for a room this rank is excused
+        from: nothing of it can fail."""
         with self._lock:
             if int(room) in self._excused:
                 return False
@@ -474,8 +532,11 @@ class KVHandoffManager(CommonKVManager):
                 self._unreachable.add(int(room))
             if self._prefill_role and self.own_handoff(room) in self._rooms:
                 self._stopped.add(int(room))  # no copy is signalled after this
-        self.record_failure(room, reason)
-        self.update_status(room, KVPoll.Failed)
+        with self._status_lock:  # checked and written as one: the first reason stands
+            if self.request_status.get(int(room)) == KVPoll.Failed:
+                return True  # failed already (SGLang's abort, or an earlier failure of ours)
+            self.record_failure(room, reason)
+            self.update_status(room, KVPoll.Failed)
         return True
 
     def prefill_unreachable(self, room: int) -> bool:
@@ -489,10 +550,10 @@ class KVHandoffManager(CommonKVManager):
             return self._moved.get(int(room))
 
     def submit(
-        self, room: int, what: str, call: Callable[[], Any], *, give_up: str | None = None
+        self, room: int, what: str, call: Callable[[], Any]
     ) -> concurrent.futures.Future[Any]:
-        """Run `call` on the rank's worker thread; an error fails the room naming `what` and,
-        with `give_up` (a prefill's handoff id), gives that handoff up too. Nobody reads the
+        """Run `call` on the rank's worker thread; an error fails the room naming `what` (a
+        prefill's once every handoff of it is stopped: `_stop_then_fail`). Nobody reads the
         call's result, so any error counts: an unexpected one (a CUDA error while waiting for
         SGLang's forward) is logged with its traceback and fails the room the same way."""
 
@@ -500,39 +561,54 @@ class KVHandoffManager(CommonKVManager):
             try:
                 return call()
             except Exception as exc:
-                if self.excused(room):
-                    return None  # the room moves nothing from this rank: no failure of it
-                if self.fanned_out(room) and self.stopped(room):
-                    # The room is stopped already (failing, failed or aborted): its first
-                    # reason stands, and whoever stopped it fails it or SGLang aborted it.
-                    log.warning("kvhandoff %s of stopped room %s: %s", what, room, exc)
-                    return None
                 expected = isinstance(exc, (KVHandoffError, TimeoutError, ValueError))
-                if not expected:
-                    log.exception("kvhandoff %s of room %s failed", what, room)
                 reason = f"kvhandoff {what} {'refused' if expected else 'failed'}: {exc}"
                 unreachable = isinstance(exc, PeerUnreachable)
-                if self.fanned_out(room):
+                if not self._prefill_role:
+                    if not expected:
+                        log.exception("kvhandoff %s of room %s failed", what, room)
+                    self.fail(room, reason, unreachable=unreachable)
+                elif not self._claim_stop(room):
+                    # Excused (nothing of it can fail), or stopped already (failing, failed or
+                    # aborted): its first reason stands.
+                    log.warning("kvhandoff %s of stopped room %s: %s", what, room, exc)
+                else:
+                    if not expected:
+                        log.exception("kvhandoff %s of room %s failed", what, room)
                     self._stop_then_fail(room, reason, unreachable=unreachable)
-                    return None
-                self.fail(room, reason, unreachable=unreachable)
-                if give_up is not None:
-                    self._give_up(give_up, reason)
                 return None
 
         return self._calls.submit(run)
 
     def refuse_send(self, room: int, reason: str) -> None:
-        """A prefill send this backend refuses: the request fails here, and its handoff is
-        given up so the decode is told now (with the stage and the reason), not at its
-        deadline; a destination that comes later is refused."""
-        with self._lock:  # with the fan-out check: a fan-out learned meanwhile sees the stop
-            if self.fanned_out(room):  # every copy stops before SGLang sees Failed
-                self._stopped.add(int(room))
-                self._calls.submit(self._stop_then_fail, int(room), reason)
-                return
-            if self.fail(room, reason):
-                self._calls.submit(self._give_up, self.own_handoff(room), reason)
+        """A prefill send this backend refuses: the request fails, once every handoff of it
+        is stopped (on the worker thread, after what is queued there), so the decode is told
+        now (with the stage and the reason), not at its deadline, and SGLang frees the source
+        pages only once no segment gathers from them; a destination that comes later is
+        refused."""
+        self.stop_room(room, reason)
+
+    def stop_room(
+        self, room: int, reason: str, *, unreachable: bool = False, ended: str | None = None
+    ) -> None:
+        """Prefill: stop every handoff of the room, then fail it (`_stop_then_fail`, queued on
+        the worker thread). Once per room: a room stopped already keeps its first reason; an
+        excused one moves nothing and never fails."""
+        if self._claim_stop(room):
+            self._calls.submit(
+                self._stop_then_fail, int(room), reason, unreachable=unreachable, ended=ended
+            )
+
+    def _claim_stop(self, room: int) -> bool:
+        """Mark a prefill room stopped (no copy or range is signalled after this); False when
+        it was stopped already or is excused."""
+        room = int(room)
+        with self._lock:
+            if room in self._excused or room in self._stopped:
+                return False
+            if self.own_handoff(room) in self._rooms:  # no entry outlives a closed room
+                self._stopped.add(room)
+            return True
 
     # ------------------------------------------------------------------ fan-out (prefill)
 
@@ -580,7 +656,7 @@ class KVHandoffManager(CommonKVManager):
                 return
         if known is not None:
             why = f"kvhandoff: decode ranks disagree on the fan-out of {own} ({known} and {k})"
-            self._calls.submit(self._stop_then_fail, room, why)
+            self.stop_room(room, why)
             return
         self.submit(room, "stage ready", lambda: self._flush(room))
 
@@ -615,15 +691,12 @@ class KVHandoffManager(CommonKVManager):
     def _stop_then_fail(
         self, room: int, reason: str, *, unreachable: bool = False, ended: str | None = None
     ) -> None:
-        """On the worker thread: a fanned-out room fails only once none of its handoffs can
-        still read its source pages (each give-up returns then; `ended`: one that has already
-        ended). SGLang frees those pages once it sees Failed, and a copy still gathering from
-        them would land another request's bytes in its decode rank as a complete copy."""
+        """On the worker thread, for a room `_claim_stop` marked: it fails only once none of
+        its handoffs can still read its source pages (each give-up returns then; `ended`: one
+        that has stopped already, aborted). SGLang frees those pages once it sees Failed, and a
+        segment still gathering from them would send another request's bytes as this one's."""
         with self._lock:
-            own = self.own_handoff(room)
-            if own in self._rooms:  # still open (no entry is left behind by a closed room)
-                self._stopped.add(room)
-            ids = [own, *self._copies(room)]
+            ids = [self.own_handoff(room), *self._copies(room)]
         for hid in ids:
             if hid == ended:
                 continue
@@ -673,30 +746,21 @@ class KVHandoffManager(CommonKVManager):
             if event.role == "prefill":
                 self._destination(event)
             return
+        if isinstance(event, HandoffReleased) and event.role == "decode":
+            self.decode_rooms.released(event.handoff_id)
+            return
         with self._lock:
             room = self._rooms.get(event.handoff_id)
-            if isinstance(event, HandoffReleased):
-                self._released[event.handoff_id] = None
-                while len(self._released) > RELEASED_KEPT:
-                    self._released.popitem(last=False)
         if room is None:
             return
         match event:
             case HandoffFailed() | HandoffAborted():
                 gone = isinstance(event, HandoffFailed) and event.code == PeerUnreachable.code
-                if self.fanned_out(room):  # the other handoffs stop first (`_stop_then_fail`)
-                    with self._lock:
-                        if room in self._stopped:
-                            return  # failing already (the first reason stands): our give-ups
-                        self._stopped.add(room)
-                    self._calls.submit(
-                        self._stop_then_fail,
-                        room,
-                        failure_reason(event),
-                        unreachable=gone,
-                        ended=event.handoff_id,
-                    )
-                else:
+                if event.role == "prefill":  # every handoff of it stops before SGLang hears
+                    # (an aborted one has: the prefill publishes that once it stopped)
+                    ended = event.handoff_id if isinstance(event, HandoffAborted) else None
+                    self.stop_room(room, failure_reason(event), unreachable=gone, ended=ended)
+                else:  # SGLang holds the decode's pages until `handoff.released`
                     self.fail(room, failure_reason(event), unreachable=gone)
             case StageReady() if event.role == "prefill":
                 self.update_status(room, KVPoll.Transferring)
@@ -794,6 +858,8 @@ class KVHandoffManager(CommonKVManager):
                 if is_last_chunk:  # queued after any withdrawal `excuse` queued
                     self._calls.submit(self.update_status, room, KVPoll.Success)
                 return
+            if room in self._stopped:
+                return  # failing or failed: nothing more is signalled, the first reason stands
             if refused:
                 self.refuse_send(room, f"kvhandoff: {refused}")
                 return
@@ -856,7 +922,7 @@ class KVHandoffManager(CommonKVManager):
                 self._ranges.setdefault(room, []).append(
                     _Range(pages, at, last, slots if last else None, aux)
                 )
-            self.submit(room, "stage ready", signal, give_up=hid)
+            self.submit(room, "stage ready", signal)
 
     def register_prefill_dp_rank_signed(self, bootstrap_addr: str, room: int) -> None:
         """Tell the bootstrap server which DP rank prefills `room` (signed), on the rank's worker
@@ -868,7 +934,7 @@ class KVHandoffManager(CommonKVManager):
         def register() -> None:
             why = self._signed("POST", url, body)
             if why is not None:
-                self.fail(
+                self.stop_room(
                     room,
                     f"kvhandoff could not register DP rank {body['dp_rank']} of "
                     f"room {room} with the bootstrap server at {bootstrap_addr}: {why}",
@@ -920,6 +986,7 @@ class KVHandoffManager(CommonKVManager):
         if self._excusals is not None:
             self._excusals.stop()
         self._calls.shutdown(wait=True)
+        self._aborts.shutdown(wait=True)
         if self._service is not None:
             self._service.stop()
 
@@ -1005,6 +1072,7 @@ class KVHandoffReceiver(CommonKVReceiver):
         self._fan_out = 1
         if bootstrap_room is not None:
             mgr.open_room(bootstrap_room, self._hid)
+            mgr.decode_rooms.open(bootstrap_room, self._hid)
         self._forgot_prefill = False
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
 
@@ -1041,7 +1109,9 @@ class KVHandoffReceiver(CommonKVReceiver):
         copy = (int(mgr.kv_args.engine_rank) % decode_tp) % self._fan_out
         if sender is not None and handoff_id(room, sender, copy) != self._hid:
             mgr.close_room(room, self._hid)
+            mgr.decode_rooms.close(self._hid)  # never asked for: nothing leased
             self._hid = mgr.open_room(room, handoff_id(room, sender, copy))
+            mgr.decode_rooms.open(room, self._hid)
         self._excuse_dummy_ranks()
 
     def _excuse_dummy_ranks(self) -> None:
@@ -1128,24 +1198,34 @@ class KVHandoffReceiver(CommonKVReceiver):
             dst_aux=int(aux_index) if (mgr.rank.has_aux and aux_index is not None) else None,
         )
 
+        hid, rooms = self._hid, mgr.decode_rooms
+        if not rooms.creating(hid):
+            return  # SGLang gave the request up already: nothing to create
+
         def create() -> None:
             try:
                 mgr.service.expect_handoff(request)
-            except (KVHandoffError, ValueError):
-                mgr.never_leased(self._hid)  # refused before anything was leased
+            except (KVHandoffError, ValueError, TimeoutError) as exc:
+                rooms.refused(hid)  # refused or cut short before anything was leased
+                log.info("create of %s (room %s) refused: %s", hid, room, exc)
                 raise
+            if rooms.created(hid):  # given up while the create was queued or ran: stopped now
+                mgr.abort_decode(room, hid)
 
         mgr.submit(room, "create", create)
         self.init_time = time.time()
 
     def _send_abort_notification(self, *, force_arm: bool = False) -> None:
-        mgr, room, hid = self.kv_mgr, self.bootstrap_room, self._hid
-        mgr.submit(room, "abort", lambda: mgr.service.abort(hid))  # released: see below
+        """SGLang's abort, its waiting timeout, and (with its deferred release) every Failed
+        it sees, kvhandoff's own failures included: the handoff is stopped on the abort
+        threads, and SGLang holds the pages until `is_abort_release_safe` says released."""
+        self.kv_mgr.abort_decode(self.bootstrap_room, self._hid)
 
     def is_abort_release_safe(self) -> bool:
-        """True once the handoff's pages are released: no write of it can land any more."""
-        return self.kv_mgr.released(self._hid)
+        """True once the room's handoffs are released: no write of them can land any more."""
+        return self.kv_mgr.is_abort_release_safe(self.bootstrap_room)
 
     def clear(self) -> None:
         super().clear()
         self.kv_mgr.close_room(self.bootstrap_room, self._hid)
+        self.kv_mgr.decode_rooms.close(self._hid)

@@ -3,10 +3,12 @@
 Called once per scheduler rank by the manager (`backend.py`). The KV buffers follow the
 layer-id contract as SGLang publishes it: `kv_data_ptrs` group-major, `kv_layer_ids` the global
 ids (one per buffer, or the distinct ids; `[]` means SGLang's positional list, whose ids start
-at `prefill_start_layer`). SGLang's aux (metadata) buffers hold one row per request, indexed by
-the request's `aux_index`: they become the layout's aux entries (paired by position, their row
-sizes checked), sent at the request's aux row from the last PP stage only, where SGLang
-computes them.
+at `prefill_start_layer`). SGLang 0.5.23 publishes ids only for hybrid pools, so a plain model's
+ranks all send positional lists: each gets its ids from its first layer, on a PP 1 decode too
+(0), so a PP prefill's stages pair with it by global id. SGLang's aux (metadata) buffers hold
+one row per request, indexed by the request's `aux_index`: they become the layout's aux entries
+(paired by position, their row sizes checked), sent at the request's aux row from the last PP
+stage only, where SGLang computes them.
 
 SGLang's state components (`state_types`, each with its own buffers, `state_layer_ids` and one
 index list per request) become state entries of that component: a MAMBA component's buffers
@@ -17,10 +19,12 @@ the other paged or ring components: a list of rows of their own pool, with windo
 kvhandoff does not carry) are refused here by name before anything is registered. Draft-model
 KV entries (speculative decoding) take their ids in SGLang's band above the target's layers.
 
-Memory: SGLang publishes raw pointers. On `--device cuda` its KV and state pools live on the
-rank's GPU (`gpu_id`) and its aux rows in host memory (`MetadataBuffers`); each buffer becomes a
-tensor over that memory on its own device (`transport.pointers.tensor_at`, no copy), so the
-decode's commits and the prefill's gathers run with torch where the pages are.
+Memory: SGLang publishes raw pointers. On `--device cuda` (`npu`) its KV and state pools live on
+the rank's GPU (NPU), `gpu_id`, and its aux rows in host memory (`MetadataBuffers`); each buffer
+becomes a tensor over that memory on its own device (`transport.pointers.tensor_at`, no copy;
+NPU memory through torch_npu, `transport.npu`), so the decode's commits and the prefill's
+gathers run with torch where the pages are. The NPU path is CPU-tested only: it has not run on
+Ascend hardware.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ from transport.pointers import tensor_at
 #: backend moves, as the state component of that name.
 SLOT_COMPONENTS = frozenset({"mamba"})
 
-#: SGLang's `--device` values whose memory this backend can reach with torch.
-DEVICES = ("cpu", "cuda")
+#: SGLang's `--device` values whose memory this backend can reach with torch (npu: torch_npu).
+DEVICES = ("cpu", "cuda", "npu")
 
 
 class Unsupported(ValueError):
@@ -68,7 +72,7 @@ class RankLayout:
 
 def pool_device(device: str, gpu_id: int) -> str:
     """The torch device of a rank's KV and state pools under SGLang's `--device`."""
-    return f"cuda:{gpu_id}" if device == "cuda" else device
+    return f"{device}:{gpu_id}" if device in ("cuda", "npu") else device
 
 
 def refuse_unsupported(kv_args: Any, *, device: str, custom_mem_pool: str | None = None) -> None:
@@ -78,13 +82,10 @@ def refuse_unsupported(kv_args: Any, *, device: str, custom_mem_pool: str | None
     pools (NVLink, Barex); one of its modes (INTRA_NODE_NVLINK) also puts SGLang's aux rows on
     the GPU, where this backend expects them in host memory."""
     if device not in DEVICES:
-        why = (
-            "torch_npu cannot wrap SGLang's NPU pointers as tensors, which the decode's "
-            "commits into the pages need"
-            if device == "npu"
-            else "kvhandoff reaches host and CUDA memory only"
+        raise Unsupported(
+            f"--device {device} is not supported by the kvhandoff backend: it reaches host, "
+            "CUDA and NPU memory only"
         )
-        raise Unsupported(f"--device {device} is not supported by the kvhandoff backend: {why}")
     if custom_mem_pool:
         raise Unsupported(
             f"SGLANG_MOONCAKE_CUSTOM_MEM_POOL={custom_mem_pool} configures the Mooncake "
@@ -114,12 +115,12 @@ def refuse_unsupported(kv_args: Any, *, device: str, custom_mem_pool: str | None
 @dataclass(frozen=True)
 class KVLists:
     """A rank's KV buffers in the layer-id contract's order, with their global ids (one per
-    buffer; None: SGLang's positional PP=1 list, paired by position)."""
+    buffer)."""
 
     ptrs: list[int]
     lens: list[int]
     items: list[int]
-    ids: list[int] | None
+    ids: list[int]
 
 
 def kv_lists(kv_args: Any, *, is_mla: bool, pp_rank: int, pp_size: int) -> KVLists:
@@ -141,8 +142,6 @@ def kv_lists(kv_args: Any, *, is_mla: bool, pp_rank: int, pp_size: int) -> KVLis
             "them (another stage's copy would write the same decode entries)"
         )
     published = [int(i) for i in (kv_args.kv_layer_ids or [])]
-    if not published and pp_size == 1:
-        return KVLists(ptrs, lens, items, None)
     t = n - d
     groups = 1 if is_mla else 2  # SGLang's MHA lists K buffers, then V buffers
     if published:
@@ -156,7 +155,8 @@ def kv_lists(kv_args: Any, *, is_mla: bool, pp_rank: int, pp_size: int) -> KVLis
             raise Unsupported(
                 f"{t} target and {d} draft KV buffers do not split into {groups} groups (K, V)"
             )
-        start = int(kv_args.prefill_start_layer or 0)
+        # A decode's KVArgs has no prefill_start_layer: it holds every layer, from 0.
+        start = int(getattr(kv_args, "prefill_start_layer", None) or 0)
         end = int(getattr(kv_args, "prefill_end_layer", None) or start + t // groups)
         target_ids = list(range(start, start + t // groups)) * groups
         draft_ids = list(range(end, end + d // groups)) * groups

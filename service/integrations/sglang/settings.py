@@ -10,6 +10,10 @@ is required: it signs the peer protocol and the bootstrap registrations), `[tran
 `[transfer]`, `[handoff]`, `[server]` (`host` reachable by the peers; `state_dir` the parent of
 each rank's own, locked, state directory) — and never `role`, `[model]` or `[[stages]]`: each
 rank's service takes those from SGLang's `KVArgs`.
+
+Under `transport.protocol = "ascend"` every rank's engine needs its own hostname,
+`ip:port:npu_<physical id>`, while one file serves all ranks: the file gives `ip:port` and each
+rank adds its NPU (`gpu_id`, mapped to its physical id by ASCEND_RT_VISIBLE_DEVICES).
 """
 
 from __future__ import annotations
@@ -19,15 +23,23 @@ from pathlib import Path
 from typing import Any
 
 from service.config import Config, ConfigError, load_config
+from transport.ascend import HOSTNAME, physical_npu
 
 CONFIG_ENV = "SGLANG_KVHANDOFF_CONFIG"
 
 
 def rank_config(
-    env: Mapping[str, str], *, role: str, stage: dict[str, Any], rank_name: str
+    env: Mapping[str, str],
+    *,
+    role: str,
+    stage: dict[str, Any],
+    rank_name: str,
+    npu: int | None = None,
 ) -> Config:
     """The configuration of one rank's embedded service: the file, then this rank's role, stage
-    table, a free port and its own state directory (`<server.state_dir>/<rank_name>`)."""
+    table, a free port and its own state directory (`<server.state_dir>/<rank_name>`); under
+    protocol `ascend`, the hostname of the rank's NPU (`npu`: SGLang's `gpu_id` on `--device
+    npu`; `ascend_hostname`)."""
     path = env.get(CONFIG_ENV) or None
     overrides: dict[str, Any] = {"role": role, "stages": [stage], "server.port": 0}
     base = load_config(path, env, overrides)
@@ -40,7 +52,42 @@ def rank_config(
             "authenticates the bootstrap registrations and the peer protocol",
         )
     state_dir = Path(base.server.state_dir) / rank_name
-    return load_config(path, env, {**overrides, "server.state_dir": str(state_dir)})
+    overrides["server.state_dir"] = str(state_dir)
+    if base.transport.protocol == "ascend":
+        overrides["transport.hostname"] = ascend_hostname(base.transport.hostname, npu, env)
+        overrides["transport.npu"] = npu  # current where the rank's engine starts
+    return load_config(path, env, overrides)
+
+
+def ascend_hostname(hostname: str, npu: int | None, env: Mapping[str, str]) -> str:
+    """`hostname` (the file's `ip:port`) with `:npu_<physical id>` of logical NPU `npu` added.
+    A hostname that names an NPU already is kept if it is this one (a single rank). ConfigError
+    naming `transport.hostname` otherwise, or when the rank is not on an NPU."""
+    if npu is None:
+        raise ConfigError(
+            "transport.protocol",
+            "'ascend' moves NPU memory: start SGLang with --device npu, or use tcp or rdma",
+        )
+    try:
+        physical = physical_npu(npu, env.get("ASCEND_RT_VISIBLE_DEVICES"))
+    except ValueError as exc:
+        raise ConfigError("transport.hostname", str(exc)) from None
+    full = HOSTNAME.match(hostname)
+    if full is not None:
+        if int(full["npu"]) != physical:
+            raise ConfigError(
+                "transport.hostname",
+                f"{hostname!r} names npu_{full['npu']}, but this rank runs on NPU {npu} "
+                f"(physical id {physical}); give ip:port and each rank adds its own NPU",
+            )
+        return hostname
+    if HOSTNAME.match(f"{hostname}:npu_{physical}") is None:
+        raise ConfigError(
+            "transport.hostname",
+            f"{hostname!r} is not ip:port, to which each rank adds :npu_<physical id> under "
+            "protocol 'ascend' (e.g. '10.0.0.5:15000')",
+        )
+    return f"{hostname}:npu_{physical}"
 
 
 def peer_secrets(env: Mapping[str, str]) -> tuple[bytes, ...]:

@@ -362,7 +362,8 @@ def commit_case(args: argparse.Namespace) -> dict[str, Any]:
     digests = []
     for pieces, off, size in zip(segs, offsets, sizes):
         gather(pairing, src_side, pieces, arena[off : off + size])
-        digests.append(digest(arena[off : off + size], "xxh3_128"))
+        # Each segment under its own seed, as a prefill digests it for its grant.
+        digests.append(digest(arena[off : off + size], "xxh3_128", seed=off))
 
     parts = {"copy_out": 0.0, "digest": 0.0, "scatter": 0.0}
 
@@ -371,7 +372,7 @@ def commit_case(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             snap = copy_out(arena, off, size)
             t1 = time.perf_counter()
-            if digest(snap, "xxh3_128") != want:
+            if digest(snap, "xxh3_128", seed=off) != want:
                 raise AssertionError("a landed segment did not match its digest")
             t2 = time.perf_counter()
             scatter(pairing, dst_side, pieces, snap)

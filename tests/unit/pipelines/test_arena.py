@@ -90,3 +90,26 @@ async def test_each_owner_s_extents_are_found_without_the_others_in_the_order_ta
             assert [e.offset for e in a.owned_by(name)] == offsets, step
     a.give_back_owner("h0")
     assert a.owned_by("h0") == [] and a.owned_by("nobody") == []
+
+
+async def test_a_stale_extent_frees_or_quarantines_nothing_of_its_offset_s_next_owner() -> None:
+    """An extent given back and taken again at its offset (by another owner, or the same one)
+    is a new extent: giving back or quarantining the old one leaves the new one taken."""
+    a = Arena(0, 4096)
+    old = a.try_take(4096, "h")
+    assert old is not None
+    a.give_back(old)
+    new = a.try_take(4096, "h2")
+    assert new is not None and new.offset == old.offset
+    a.give_back(old)
+    a.quarantine(old, time.monotonic() + 0.01)
+    assert a.taken() == [new] and a.stats.used_bytes == 4096
+    assert a.stats.quarantined_bytes == 0
+    same = Arena(0, 4096)  # the same owner taking it again: equal fields, not the same extent
+    first = same.try_take(4096, "h")
+    assert first is not None
+    same.give_back(first)
+    again = same.try_take(4096, "h")
+    assert again is not None and again == first
+    same.give_back(first)
+    assert same.taken() == [again]

@@ -21,9 +21,11 @@ from pipelines.arena import Arena
 from pipelines.decode import DecodePipeline
 from pipelines.decode.landing import MAX_WINDOWS_PER_STAGE, Landing
 from pipelines.decode.views import HandoffRequest
+from pipelines.digest import digest, segment_seed
 from pipelines.errors import ConflictError, InvalidInput, KVHandoffError, PlanError
 from pipelines.events import (
     EventBus,
+    HandoffFailed,
     SegmentCommitted,
     SegmentRejected,
     StageTransferred,
@@ -31,6 +33,7 @@ from pipelines.events import (
 )
 from pipelines.inprocess import InProcessLink
 from pipelines.memory import PoolMemory, pool_array
+from pipelines.messages import DestinationMsg, Grant, SegmentMsg
 from pipelines.models import (
     ModelSpec,
     Partition,
@@ -112,7 +115,8 @@ async def make_world(
         t,
         link,
         bus,
-        staging=staging,
+        # A prefill serves the mode of its configuration: landed with a staging buffer.
+        staging=staging if landed else None,
     )
     link.decode = decode
     link.add_prefill("p", prefill, t.local_target)
@@ -351,6 +355,51 @@ async def test_two_segments_of_a_stage_fly_at_once_in_windows_their_pages_do_not
         await close_world(w)
 
 
+async def test_window_requests_queued_for_a_full_arena_count_against_the_peer_share() -> None:
+    """`transfer.peer_share` holds for requests that queued while the arena was full: a peer
+    holding one of 4 windows (share 0.5) that queued 3 more requests gets at most 2 windows in
+    all once the arena frees (it got all 4: the share was checked before queueing only)."""
+    import time
+    from types import SimpleNamespace
+
+    window = 64 * 1024
+    w = await make_world(arena_bytes=4 * window, window_bytes=window)
+    try:
+        landing, arena = w.landing, w.landing.arena
+        landing.peer_share = 0.5
+        await w.decode.create(HandoffRequest(id="src", prefill=["p"], dst_pages=[1], dst_slot=0))
+        pairing = landing._stage("src", 0).pairing
+        await w.decode.abort("src")
+        await eventually(lambda: arena.stats.used_bytes == 0, what="src's windows back")
+        until = time.monotonic() + 30
+        fillers = [await arena.take(window, "filler", until_mono=until) for _ in range(3)]
+        handoffs = []
+        for i in range(4):
+            hid = f"a{i}"
+            landing.open(hid, np.arange(NUM_PAGES, dtype=np.int64), {0: pairing}, {0: "A"})
+            handoffs.append(
+                SimpleNamespace(
+                    id=hid,
+                    deadline_mono=until,
+                    state=HandoffState.PENDING,  # type: ignore[attr-defined]
+                )
+            )
+        first = await landing.grant(handoffs[0], 0, window)  # type: ignore[arg-type]
+        assert first is not None  # the last free window
+        queued = [
+            asyncio.ensure_future(landing.grant(h, 0, window))  # type: ignore[arg-type]
+            for h in handoffs[1:]
+        ]
+        await asyncio.sleep(0.05)  # all three wait for the full arena
+        for extent in fillers:
+            arena.give_back(extent)
+        grants = [g for g in await asyncio.gather(*queued) if g is not None]
+        held = sum(e.length for e in arena.taken())
+        assert grants and held <= 2 * window, (len(grants), held)
+    finally:
+        await close_world(w)
+
+
 async def test_a_stage_holding_its_windows_is_granted_no_more(world: World) -> None:
     w = world
     await w.decode.create(HandoffRequest(id="hog", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
@@ -362,9 +411,9 @@ async def test_a_stage_holding_its_windows_is_granted_no_more(world: World) -> N
 
 
 async def test_the_device_path_commits_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    # What a GPU/NPU pool runs: wsum64 and torch's own copy kernels, here on CPU tensors.
+    # What a GPU/NPU pool runs: mix64 and torch's own copy kernels, here on CPU tensors.
     monkeypatch.setattr(packing, "HOST_TENSORS_VIA_NUMPY", False)
-    w = await make_world(algorithm="wsum64")
+    w = await make_world(algorithm="mix64")
     try:
         src, dst = [5, 6, 7], [1, 2, 3]
         await w.decode.create(HandoffRequest(id="g", prefill=["p"], dst_pages=dst, dst_slot=2))
@@ -418,6 +467,53 @@ async def test_a_byte_flipped_in_a_window_is_refused_and_the_segment_sent_again(
         await close_world(w)
 
 
+class FlipWrites(FlipAfterLanding):
+    """Corrupts the writes numbered in `which` (1 = the first), after they land."""
+
+    def __init__(self, inner: LocalTransport, which: set[int]) -> None:
+        super().__init__(inner, 0)
+        self.which = which
+        self.count = 0
+
+    async def write(self, peer, blocks, *, start_by=None):  # type: ignore[no-untyped-def]
+        await self.inner.write(peer, blocks, start_by=start_by)
+        self.count += 1
+        if self.count in self.which:
+            host_array(int(blocks.dst_addr[0]), 1)[0] ^= 0xFF
+
+
+async def test_two_segments_of_one_stage_each_refused_once_are_each_sent_again() -> None:
+    """The resend budget is per segment on both sides (`RESENDS_PER_SEGMENT`): a stage whose two
+    segments are each refused once completes (the decode used to count per stage and failed
+    it with digest_mismatch)."""
+    w = await make_world()
+    w.prefill._runner._landed._writer = FlipWrites(w.transport, {1, 3})
+    try:
+        rejected: list[SegmentRejected] = []
+        committed: list[SegmentCommitted] = []
+        w.bus.add_listener(lambda e: rejected.append(e) if isinstance(e, SegmentRejected) else None)
+        w.bus.add_listener(
+            lambda e: committed.append(e) if isinstance(e, SegmentCommitted) else None
+        )
+        src, dst = [1, 2], [3, 4]
+        layout = w.stages[0].layout
+        own = sorted({e.layer_id for e in layout.kv} | {x.layer_id for x in layout.state})
+        await w.decode.create(HandoffRequest(id="g", prefill=["p"], dst_pages=dst, dst_slot=0))
+        # One segment at a time, so the writes are numbered in order: the first of each is
+        # corrupted (writes 1 and 3), its resend is not (2 and 4).
+        w.prefill.ready("g", 0, src, 0, layers=own[:2])
+        await eventually(lambda: len(committed) == 1, what="the first segment committed")
+        w.prefill.ready("g", 0, src, 0, layers=own[2:])
+        await eventually(lambda: len(committed) == 2, what="the second segment committed")
+        w.prefill.ready("g", 1, src, 0)
+        assert await wait_released(w, "g") == HandoffState.COMPLETED
+        assert [(e.pp_rank, e.resend) for e in rejected] == [(0, True), (0, True)]
+        assert rejected[0].layers != rejected[1].layers  # two segments, not one sent thrice
+        assert_landed(w, src, dst, 0, 0)
+    finally:
+        await close_world(w)
+
+
 async def test_a_segment_refused_twice_fails_the_handoff_and_touches_no_page() -> None:
     w = await flip_world(100)
     try:
@@ -431,6 +527,50 @@ async def test_a_segment_refused_twice_fails_the_handoff_and_touches_no_page() -
         assert "layer" in view.error.reason
         # Nothing of a refused segment reached the pages (what other stages committed before
         # the failure is this handoff's own pages; here both stages' windows were flipped).
+        after = [w.dec.region(i) for i in range(len(w.dec.layout.kv))]
+        assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    finally:
+        await close_world(w)
+
+
+class ScribbleStaging(FlipAfterLanding):
+    """A Mooncake client that keeps writing one pattern over the prefill's registered staging
+    buffer (the address the handshake hands it): before every transfer out of it, and, through
+    `scribbling_digest`, before every digest the sender takes."""
+
+    async def write(self, peer, blocks, *, start_by=None):  # type: ignore[no-untyped-def]
+        for src, n in zip(blocks.src_addr, blocks.length):
+            host_array(int(src), int(n))[:] = 0xAB
+        await self.inner.write(peer, blocks, start_by=start_by)
+
+
+async def test_bytes_written_into_the_staging_buffer_are_never_committed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The prefill digests what it read from its own pages (a private scratch), not its
+    registered staging buffer: a client scribbling that buffer gets every segment refused (the
+    handoff fails, no page changes), never its bytes committed as the handoff's (issue 31)."""
+    from pipelines.prefill import landed
+
+    w = await make_world()
+    staging = w.prefill._runner._landed._staging
+    assert staging is not None
+    real_digest = landed.digest
+
+    def scribbling_digest(buf, algo, *, seed):  # type: ignore[no-untyped-def]
+        staging.buffer[:] = 0xAB
+        return real_digest(buf, algo, seed=seed)
+
+    monkeypatch.setattr(landed, "digest", scribbling_digest)
+    w.prefill._runner._landed._writer = ScribbleStaging(w.transport, 0)
+    try:
+        before = [w.dec.region(i).copy() for i in range(len(w.dec.layout.kv))]
+        await w.decode.create(HandoffRequest(id="z", prefill=["p"], dst_pages=[3, 4], dst_slot=0))
+        w.prefill.ready("z", 0, [1, 2], 0)
+        w.prefill.ready("z", 1, [1, 2], 0)
+        assert await wait_released(w, "z") == HandoffState.FAILED
+        view = w.decode.get("z")
+        assert view.error is not None and view.error.code == "digest_mismatch"
         after = [w.dec.region(i) for i in range(len(w.dec.layout.kv))]
         assert all(np.array_equal(a, b) for a, b in zip(before, after))
     finally:
@@ -463,6 +603,253 @@ async def test_a_forged_segment_changes_nothing(world: World) -> None:
             await w.decode.segment(SegmentMsg(**base, **fields))  # type: ignore[arg-type]
     after = [w.dec.region(i) for i in range(len(w.dec.layout.kv))]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def _forged_destination(w: World, hid: str, **fields: Any) -> DestinationMsg:
+    """A destination as a forger (or a holder of the peer secret) could send it: the decode's
+    real lives and layout keys, its own choice of mode and windows."""
+    layout = w.decode.peer_layout
+    base: dict[str, Any] = dict(
+        handoff_id=hid,
+        decode_url=w.decode.url,
+        decode_incarnation=w.decode.incarnation,
+        prefill_incarnation=w.prefill.incarnation,
+        decode_target=w.decode.target,
+        decode_fingerprint=layout.fingerprint,
+        decode_address_key=layout.address_key,
+        pp_ranks=[0],
+        dst_pages=[1, 2],
+        dst_slot=0,
+        deadline_in_s=5.0,
+        mode="landed",
+        window_bytes=1 << 20,
+    )
+    return DestinationMsg(**{**base, **fields})
+
+
+async def test_a_destination_naming_kv_memory_changes_no_byte(world: World) -> None:
+    """Deliverable 2 of issue 31: a prefill writes only inside the arena its decode published
+    (in its layout of this life), whatever a destination names; direct mode is refused to a
+    prefill configured for landed mode. Every decode byte is compared."""
+    w = world
+    failures: list[HandoffFailed] = []
+    w.bus.add_listener(
+        lambda e: (
+            failures.append(e) if isinstance(e, HandoffFailed) and e.role == "prefill" else None
+        )
+    )
+    before = [w.dec.region(i).copy() for i in range(len(w.dec.layout.region_sizes))]
+    kv = w.dec.layout.kv[0]
+    arena = w.decode.arena_span()
+    assert arena is not None
+    page = kv.base + kv.item_len  # a KV page's real address: what the old layout published
+    with pytest.raises(ConflictError) as refused:
+        w.prefill.deliver(_forged_destination(w, "d", mode="direct"))
+    assert refused.value.context["field"] == "mode"
+    grants = {
+        "kv": Grant(grant_id=1, pp_rank=0, addr=page, length=1 << 16),
+        "straddles": Grant(grant_id=2, pp_rank=0, addr=arena.addr + arena.length - 64, length=4096),
+        "other stage": Grant(grant_id=3, pp_rank=1, addr=arena.addr, length=4096),
+    }
+    for hid, grant in grants.items():
+        hid = hid.replace(" ", "-")
+        w.prefill.deliver(_forged_destination(w, hid, grants=[grant]))
+        w.prefill.ready(hid, 0, [3, 4], 0)
+        await eventually(lambda hid=hid: open_handoff(w, hid) is None, what=f"{hid} ended")
+    assert [f.context.get("field") for f in failures] == ["grants"] * len(grants)
+    after = [w.dec.region(i) for i in range(len(w.dec.layout.region_sizes))]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+class RecordPeers(FlipAfterLanding):
+    """Records the transport target of every write."""
+
+    def __init__(self, inner: LocalTransport) -> None:
+        super().__init__(inner, 0)
+        self.peers: list[str] = []
+
+    async def write(self, peer, blocks, *, start_by=None):  # type: ignore[no-untyped-def]
+        self.peers.append(peer)
+        await self.inner.write(peer, blocks, start_by=start_by)
+
+
+async def test_a_destination_naming_another_transport_target_is_refused(world: World) -> None:
+    """The prefill writes to the target its decode published (signed layout), never to the one
+    a destination names: another endpoint may hold registered memory at the arena's very
+    addresses (device virtual addresses repeat across processes). Here a second transport has
+    the arena registered; a destination naming it, with a grant inside the arena, is refused by
+    `decode_target` and nothing is written there."""
+    w = world
+    other = LocalTransport()
+    arena_pool = w._pools[1]  # type: ignore[attr-defined]
+    other.register(arena_pool.registrations, devices=arena_pool.devices)  # the same addresses
+    recorder = RecordPeers(w.transport)
+    w.prefill._runner._landed._writer = recorder
+    failures: list[HandoffFailed] = []
+    w.bus.add_listener(
+        lambda e: (
+            failures.append(e) if isinstance(e, HandoffFailed) and e.role == "prefill" else None
+        )
+    )
+    try:
+        arena = w.decode.arena_span()
+        assert arena is not None
+        grant = Grant(grant_id=1, pp_rank=0, addr=arena.addr, length=1 << 16)
+        forged = _forged_destination(w, "t", grants=[grant], decode_target=other.local_target)
+        w.prefill.deliver(forged)
+        w.prefill.ready("t", 0, [3, 4], 0)
+        await eventually(lambda: open_handoff(w, "t") is None, what="t ended")
+        assert other.local_target not in recorder.peers
+        assert [f.context.get("field") for f in failures] == ["decode_target"]
+    finally:
+        other.close()
+
+
+async def test_a_notice_sent_again_for_another_grant_is_refused(world: World) -> None:
+    """The digest binds the grant, not just the bytes: a notice of handoff `a`, named again for
+    handoff `b`'s grant whose window holds `a`'s very bytes (a stale write, or a replay), does
+    not commit them into `b`'s pages (it did when the digest was of the bytes alone)."""
+    w = world
+    data = np.random.default_rng(7).integers(0, 255, 1 << 16, dtype=np.uint8)
+
+    async def first_grant(hid: str) -> tuple[int, int]:
+        """The handoff's stage-0 grant (id, window offset), issued with its destination."""
+        await eventually(lambda: bool(w.landing._handoffs[hid].stages[0].grants))
+        ((gid, extent),) = w.landing._handoffs[hid].stages[0].grants.items()
+        return gid, extent.offset
+
+    def notice(hid: str, gid: str | int, digest_hex: str, n: int) -> SegmentMsg:
+        return SegmentMsg(
+            handoff_id=hid,
+            sender_url="p",
+            sender_incarnation=w.prefill.incarnation,
+            decode_incarnation=w.decode.incarnation,
+            pp_rank=0,
+            grant_id=int(gid),
+            rows=[0],
+            starts=[0],
+            ends=[1],
+            bytes=n,
+            blocks=1,
+            digest=digest_hex,
+        )
+
+    await w.decode.create(HandoffRequest(id="a", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
+    gid_a, off_a = await first_grant("a")
+    n = int(w.decode.cache.get(w.stages[0].layout, w.decode.layout).kv_item_len[0])
+    base = w.landing.arena.base_addr
+    host_array(base + off_a, n)[:] = data[:n]
+    seed = segment_seed(w.decode.incarnation, "a", 0, gid_a, [0], [0], [1])
+    sent = notice("a", gid_a, digest(data[:n], "xxh3_128", seed=seed), n)
+    assert (await w.decode.segment(sent)).committed  # the notice is well formed
+
+    await w.decode.create(HandoffRequest(id="b", prefill=["p"], dst_pages=[5, 6], dst_slot=1))
+    gid_b, off_b = await first_grant("b")
+    host_array(base + off_b, n)[:] = data[:n]  # `a`'s bytes, in `b`'s window
+    before = [w.dec.region(i).copy() for i in range(len(w.dec.layout.region_sizes))]
+    again = msgspec.structs.replace(sent, handoff_id="b", grant_id=gid_b)
+    ack = await w.decode.segment(again)
+    assert not ack.committed and "digest" in ack.reason
+    after = [w.dec.region(i) for i in range(len(w.dec.layout.region_sizes))]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+async def test_two_notices_naming_one_grant_commit_at_most_one(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grant is claimed by the first notice naming it, before its commit's copy is awaited: a
+    second notice naming the same grant with other pieces (the window's bytes digested under
+    their own seed) is refused, not committed into other pages from the same window."""
+    from pipelines.decode import landing as landing_module
+
+    monkeypatch.setattr(landing_module, "INLINE_COMMIT_BYTES", 0)  # every commit awaits a thread
+    w = world
+    await w.decode.create(HandoffRequest(id="two", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
+    await eventually(lambda: bool(w.landing._handoffs["two"].stages[0].grants))
+    ((gid, extent),) = w.landing._handoffs["two"].stages[0].grants.items()
+    n = int(w.decode.cache.get(w.stages[0].layout, w.decode.layout).kv_item_len[0])
+    data = np.random.default_rng(3).integers(0, 255, n, dtype=np.uint8)
+    host_array(w.landing.arena.base_addr + extent.offset, n)[:] = data
+
+    def notice(start: int) -> SegmentMsg:
+        seed = segment_seed(w.decode.incarnation, "two", 0, gid, [0], [start], [start + 1])
+        return SegmentMsg(
+            handoff_id="two",
+            sender_url="p",
+            sender_incarnation=w.prefill.incarnation,
+            decode_incarnation=w.decode.incarnation,
+            pp_rank=0,
+            grant_id=gid,
+            rows=[0],
+            starts=[start],
+            ends=[start + 1],
+            bytes=n,
+            blocks=1,
+            digest=digest(data, "xxh3_128", seed=seed),
+        )
+
+    answers = await asyncio.gather(
+        w.decode.segment(notice(0)), w.decode.segment(notice(1)), return_exceptions=True
+    )
+    committed = [a for a in answers if not isinstance(a, BaseException) and a.committed]
+    assert len(committed) == 1, answers
+    refused = [a for a in answers if isinstance(a, ConflictError)]
+    assert len(refused) == 1 and refused[0].context["field"] == "grant_id", answers
+
+
+@pytest.mark.parametrize("accepted", [False, True])
+async def test_windows_of_a_destination_in_flight_stay_out_of_use_until_its_delivery_ends(
+    world: World, accepted: bool
+) -> None:
+    """A handoff that ends while its destination is still on its way (a hung prefill: the call
+    neither answered nor failed) keeps that destination's windows: the prefill may read it once
+    it runs again and write them. They go back once the call ended unaccepted; accepted, they
+    stay quarantined (they went back at once, to be granted again while it could write)."""
+    w = world
+    release = asyncio.Event()
+    link = w.decode._prefill
+    deliver = link.deliver
+
+    async def hung(url: str, msg: DestinationMsg) -> None:
+        await release.wait()
+        if not accepted:
+            raise ConflictError("the call failed")
+        await deliver(url, msg)
+
+    link.deliver = hung  # type: ignore[method-assign]
+    await w.decode.create(HandoffRequest(id="h", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
+    h = w.decode._handoffs["h"]
+    await eventually(lambda: all(s.delivery == "sending" for s in h.stages.values()))
+    held = w.landing.arena.stats.used_bytes
+    assert held > 0  # its first windows, granted with the destination
+    h.state = HandoffState.FAILED  # as its deadline would, with its prefill unreachable
+    w.decode._releases.release(h, confirmed=False)
+    assert w.landing.arena.stats.used_bytes == held
+    release.set()
+    await eventually(lambda: all(s.delivery != "sending" for s in h.stages.values()))
+    await asyncio.sleep(0.05)
+    assert w.landing.arena.stats.used_bytes == (held if accepted else 0)
+
+
+async def test_an_aborted_handoff_s_windows_go_back_once_its_prefill_confirms(
+    world: World,
+) -> None:
+    """Issue 31: the quarantine of an ended handoff's windows is lifted once every writer's own
+    prefill life confirmed it stopped (here its abort ack), not held until deadline + grace."""
+    w = world
+    await w.decode.create(
+        HandoffRequest(id="q", prefill=["p"], dst_pages=[1, 2], dst_slot=0, deadline_s=60.0)
+    )
+
+    def delivered() -> bool:
+        h = open_handoff(w, "q")
+        return h is not None and h.known_destination is not None
+
+    await eventually(delivered, what="the destination with its first windows")
+    assert w.landing.arena.stats.used_bytes > 0
+    await w.decode.abort("q")  # returns once the prefill acknowledged
+    await eventually(lambda: w.landing.arena.stats.used_bytes == 0, what="the windows back")
+    assert w.landing.arena.stats.quarantined_bytes == 0
 
 
 # ------------------------------------------------------------------ page-range readiness

@@ -43,8 +43,7 @@ def test_a_host_buffer_is_aliased_not_copied() -> None:
     [
         (4096, 0, "cpu", "0x1000 of 0 bytes: address and length must be positive"),
         (0, 16, "cpu", "must be positive"),
-        (4096, 16, "npu:0", "npu:0 cannot be wrapped"),
-        (4096, 16, "meta", "imports host and CUDA memory only"),
+        (4096, 16, "meta", "imports host, CUDA and NPU memory only"),
     ],
 )
 def test_what_cannot_be_wrapped_is_named(addr: int, length: int, device: str, named: str) -> None:

@@ -369,22 +369,25 @@ def test_a_frame_is_encoded_once_and_the_cache_is_bounded() -> None:
     assert frames(events[0]) is not first and frames(events[0]) == first
 
 
-def readme_block(marker: str) -> str:
-    """The README's ```python block that contains `marker`, as printed."""
-    text = (Path(__file__).resolve().parents[4] / "README.md").read_text()
-    for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+#: Where the SSE loop a reader copies is printed (it was the README's before the docs site).
+EVENTS_PAGE = Path(__file__).resolve().parents[4] / "docs" / "operations" / "events.md"
+
+
+def docs_block(marker: str) -> str:
+    """The events page's ```python block that contains `marker`, as printed."""
+    for block in re.findall(r"```python\n(.*?)```", EVENTS_PAGE.read_text(), flags=re.S):
         if marker in block:
             return str(block)
-    raise AssertionError(f"no python block with {marker!r} in README.md")
+    raise AssertionError(f"no python block with {marker!r} in {EVENTS_PAGE}")
 
 
 async def test_the_readme_sse_loop_runs_through_keep_alives_as_printed() -> None:
     """Issue 18 C: httpx-sse 0.4 keeps the last id across messages, so a keep-alive comment
     followed by a blank line read as an empty message and the README's `sse.json()` raised
-    JSONDecodeError at the first keep-alive. The snippet runs here exactly as printed (wrapped
-    in a coroutine, with its `decode` and a `print` that records), across several keep-alives
-    between events."""
-    snippet = readme_block("aconnect_sse")
+    JSONDecodeError at the first keep-alive. The snippet (now on docs/operations/events.md)
+    runs here exactly as printed (wrapped in a coroutine, with its `decode` and a `print` that
+    records), across several keep-alives between events."""
+    snippet = docs_block("aconnect_sse")
     printed: list[tuple[Any, ...]] = []
     async with decode_service({"handoff.sse_keepalive_s": 0.02}) as server:
         bus, stats = bus_of(server), stats_of(server)

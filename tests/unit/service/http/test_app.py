@@ -258,7 +258,8 @@ async def test_readyz_ready(make_client: ClientFactory) -> None:
     response = await client.get("/readyz")
     assert (response.status, await response.json()) == (
         200,
-        {"status": "ready", "checks": ["transport"]},
+        # The mode says whether the decode's pages are registered (reachable): landed, they are not.
+        {"status": "ready", "checks": ["transport"], "transfer_mode": "landed"},
     )
 
 

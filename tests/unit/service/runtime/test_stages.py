@@ -2,13 +2,17 @@
 
 import os
 
+import numpy as np
 import pytest
 
 from service.config import ConfigError
 from service.runtime.stages import open_stages, unplaced_layout
 from tests.unit.service.conftest import make_config
+from transport.blocks import Blocks
+from transport.errors import TransportError
 from transport.local import LocalTransport
 from transport.pool_shm import ShmPool
+from transport.regions import Region
 
 
 def test_a_missing_shm_file_is_a_config_error_naming_the_stage() -> None:
@@ -31,7 +35,7 @@ def test_an_engine_created_shm_file_is_attached_and_its_offsets_published() -> N
     t = LocalTransport()
     try:
         (hosted,) = open_stages(config, t)
-        info = hosted.info()
+        info = hosted.info(addresses=False)
         assert info.shm is not None and info.shm.name == name
         assert info.shm.offsets == engine_side.offsets
         engine_side.view(0)[:4] = [1, 2, 3, 4]  # the same memory, seen from both sides
@@ -41,3 +45,33 @@ def test_an_engine_created_shm_file_is_attached_and_its_offsets_published() -> N
     finally:
         engine_side.close()
         t.close()
+
+
+@pytest.mark.parametrize("mode", ["landed", "direct"])
+async def test_stage_memory_is_registered_and_published_in_direct_mode_only(mode: str) -> None:
+    """What is registered is reachable: a landed service's KV, state and aux pools are not, so
+    a transport write into them is refused, and their addresses are not published."""
+    config = make_config(transfer__mode=mode)
+    t, writer = LocalTransport(), LocalTransport()
+    src = np.ones(64, dtype=np.uint8)
+    writer.register([Region(src.ctypes.data, 64)])  # the writer's own source bytes
+    (hosted,) = open_stages(config, t)
+    try:
+        base = hosted.pool.bases[0]
+        u64 = np.uint64
+        blocks = Blocks(
+            np.array([src.ctypes.data], u64), np.array([base], u64), np.array([64], u64)
+        )
+        if mode == "landed":
+            with pytest.raises(TransportError):
+                await writer.write(t.local_target, blocks)
+            assert hosted.memory.region(0)[:64].tolist() == [0] * 64
+            assert {e.base for e in hosted.info(addresses=False).layout.kv} == {0}
+        else:
+            await writer.write(t.local_target, blocks)
+            assert hosted.memory.region(0)[:64].tolist() == [1] * 64
+            assert hosted.info(addresses=True).layout.kv[0].base == base
+    finally:
+        hosted.pool.close()
+        t.close()
+        writer.close()

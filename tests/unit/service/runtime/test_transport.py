@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from service.config import ConfigError
 from service.http.app import LOCAL_TARGET, READINESS
-from service.runtime.transport import TRANSPORT, install_transport
+from service.runtime.transport import TRANSPORT, check_ascend, install_transport, with_stage_npu
 from service.serve import serve
 from tests.unit.service.conftest import ClientFactory, make_config
 from transport.errors import TransportError
@@ -39,3 +42,61 @@ async def test_mooncake_transport_starts_on_loopback() -> None:
     async with serve(config, [install_transport]) as server:
         assert server.app[LOCAL_TARGET].startswith("127.0.0.1:")
         assert await server.app[READINESS].failing() == []
+
+
+@pytest.mark.parametrize(
+    ("settings", "field", "named"),
+    [
+        ({"transport.hostname": "10.0.0.5:15000"}, "transport.hostname", "ip:port:npu_"),
+        ({"transport.hostname": "10.0.0.5:1:npu_0"}, "transport.protocol", "needs "),
+    ],
+)
+def test_an_ascend_transport_that_cannot_start_is_a_config_error_naming_the_key(
+    tmp_path: Path, settings: dict[str, str], field: str, named: str
+) -> None:
+    config = make_config(**{"transport.protocol": "ascend", **settings})
+    with pytest.raises(ConfigError) as err:
+        check_ascend(config.transport, tmp_path / "hccn.conf")  # a host without it
+    assert err.value.context["field"] == field and named in err.value.message
+    (tmp_path / "hccn.conf").write_text("address_0=192.168.100.100\n")
+    if field == "transport.protocol":
+        check_ascend(config.transport, tmp_path / "hccn.conf")  # the same config, starts
+
+
+async def test_the_service_does_not_start_an_ascend_engine_it_cannot_start(
+    make_client: ClientFactory,
+) -> None:
+    config = make_config(**{"transport.protocol": "ascend", "transport.hostname": "10.0.0.5"})
+    with pytest.raises(ConfigError, match=r"^transport\.hostname: '10\.0\.0\.5' is not"):
+        await make_client(config, [install_transport])
+
+
+def test_the_ascend_timeouts_are_settings_of_their_own() -> None:
+    config = make_config(**{"transport.ascend_transfer_timeout_s": 12.5})
+    assert config.transport.ascend_transfer_timeout_s == 12.5
+    with pytest.raises(ConfigError) as err:
+        make_config(**{"transport.ascend_connect_timeout_s": 0})
+    assert err.value.context["field"] == "transport.ascend_connect_timeout_s"
+
+
+@pytest.mark.parametrize(
+    ("settings", "npu"),
+    [
+        ({"transport.protocol": "ascend", "stages": [{"num_pages": 4, "pool": "torch:npu:3"}]}, 3),
+        ({"transport.protocol": "ascend", "stages": [{"num_pages": 4, "pool": "torch:npu"}]}, 0),
+        (
+            {
+                "transport.protocol": "ascend",
+                "transport.npu": 1,
+                "stages": [{"num_pages": 4, "pool": "torch:npu:3"}],
+            },
+            1,
+        ),
+        ({"transport.protocol": "ascend"}, None),  # host pools: the engine's own choice
+        ({"stages": [{"num_pages": 4, "pool": "torch:npu:3"}]}, None),  # tcp sets no NPU
+    ],
+)
+def test_an_ascend_engine_starts_on_the_npu_of_its_stage_pools(
+    settings: dict[str, object], npu: int | None
+) -> None:
+    assert with_stage_npu(make_config(**settings)).npu == npu

@@ -1,0 +1,93 @@
+"""docs/reference/config.md: every key of `service.config.Config`, its type, default, environment
+variable and the comment that documents it, walked from the Structs themselves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import msgspec.inspect as mi
+
+from service.config import ENV_PREFIX, Config
+from service.tools.docs.fields import field_comments, own_doc
+from service.tools.docs.types import type_name
+
+_INTRO = f"""# Configuration keys
+
+Generated from `service/config.py` (and `transport/` for the Mooncake keys) by
+`python -m service.tools.docs`; do not edit by hand. How the file, the environment and the
+command line combine: [Configuration](../operations/configuration.md).
+
+A key is set in the TOML file under its section, or by the environment variable
+`{ENV_PREFIX}<SECTION>__<KEY>` (a value starting with `[` or `{{` is read as JSON, which is how a
+list or a table such as `stages` is given there).
+"""
+
+
+def config_page() -> str:
+    out = [_INTRO]
+    top = _struct(Config)
+    out += _table("Top level", Config, [f for f in top.fields if not _section(f.type)], [])
+    for f in top.fields:
+        out += _sections(f, [])
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _struct(cls: type) -> mi.StructType:
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType)
+    return info
+
+
+def _section(t: mi.Type) -> mi.StructType | None:
+    """The Struct a field opens as a section (`X`, `X | None`, or `list[X]`), else None."""
+    if isinstance(t, mi.UnionType):
+        structs = [u for u in t.types if not isinstance(u, mi.NoneType)]
+        t = structs[0] if len(structs) == 1 else t
+    if isinstance(t, mi.ListType):
+        t = t.item_type
+    return t if isinstance(t, mi.StructType) else None
+
+
+def _sections(f: mi.Field, path: list[str]) -> list[str]:
+    inner = _section(f.type)
+    if inner is None:
+        return []
+    here = [*path, f.name]
+    keys = [g for g in inner.fields if not _section(g.type)]
+    out = _table(".".join(here), inner.cls, keys, here, many=isinstance(f.type, mi.ListType))
+    for g in inner.fields:
+        out += _sections(g, here)
+    return out
+
+
+def _table(
+    title: str, cls: type, keys: list[mi.Field], path: list[str], *, many: bool = False
+) -> list[str]:
+    header = f"[[{title}]]" if many else (f"[{title}]" if path else title)
+    out = [f"## `{header}`" if path else f"## {header}", ""]
+    if doc := own_doc(cls):
+        out += [doc, ""]
+    if many:
+        out += [
+            f"A list of tables; from the environment, `{ENV_PREFIX}{path[0].upper()}` as JSON.",
+            "",
+        ]
+    out += ["| key | type | default | environment | |", "|---|---|---|---|---|"]
+    comments = field_comments(cls)
+    for f in keys:
+        env = "" if many else f"`{ENV_PREFIX}{'__'.join(p.upper() for p in [*path, f.name])}`"
+        text = comments.get(f.name, "").replace("|", "\\|")
+        out.append(f"| `{f.name}` | {_cell(type_name(f.type))} | {_default(f)} | {env} | {text} |")
+    return [*out, ""]
+
+
+def _default(f: mi.Field) -> str:
+    if f.required:
+        return "required"
+    value: Any = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+    return _cell(msgspec.json.encode(value).decode())
+
+
+def _cell(text: str) -> str:
+    return f"`{text}`"

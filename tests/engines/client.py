@@ -1,0 +1,121 @@
+"""A client that drives SGLang servers as SGLang's router does, and the prompts it sends.
+
+A PD request is one `/generate` body sent to the prefill and to the decode at once, with the
+same `bootstrap_host`, `bootstrap_port` (the prefill's bootstrap server) and `bootstrap_room`;
+the decode's answer is the request's. Prompts are token ids (`--skip-tokenizer-init`), decoding
+is greedy with `ignore_eos`, so a PD pair that moved every byte right answers the single
+server's tokens exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from tests.engines.model import VOCAB
+
+NEW_TOKENS = 16
+#: Bootstrap rooms whose first committed page the decode's fault hook corrupts
+#: (`tests/engines/faults`); `next_room` never hands one out.
+CORRUPT_ROOMS = range(1 << 60, (1 << 60) + (1 << 20))
+_rooms = itertools.count(random.Random().randrange(1 << 40) << 8)
+
+
+def next_room() -> int:
+    """A bootstrap room no request of this session used (SGLang keys transfers by it)."""
+    return next(_rooms)
+
+
+def prompts(n: int, *, seed: int, min_len: int = 8, max_len: int = 60) -> list[list[int]]:
+    """`n` distinct prompts of random token ids (3.. avoids the model's special ids)."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, VOCAB) for _ in range(rng.randrange(min_len, max_len + 1))]
+        for _ in range(n)
+    ]
+
+
+def body(input_ids: list[int], **extra: Any) -> dict[str, Any]:
+    return {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+        **extra,
+    }
+
+
+class Failed(Exception):
+    """A request the server answered with an error (HTTP status and its body)."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"HTTP {status}: {text}")
+        self.status = status
+        self.text = text
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, payload: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    async with session.post(
+        f"{url}/generate", json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as r:
+        text = await r.text()
+        if r.status != 200:
+            raise Failed(r.status, text)
+        out: dict[str, Any] = await r.json(content_type=None)
+        finish = out.get("meta_info", {}).get("finish_reason") or {}
+        if finish.get("type") == "abort":
+            raise Failed(r.status, text)
+        return out
+
+
+async def single(
+    session: aiohttp.ClientSession, url: str, input_ids: list[int], timeout_s: float = 300.0
+) -> list[int]:
+    """A plain server's output token ids for one prompt."""
+    return list((await _post(session, url, body(input_ids), timeout_s))["output_ids"])
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A prefill (its URL and bootstrap port) and the decode it sends to."""
+
+    prefill: str
+    bootstrap_port: int
+    decode: str
+
+
+def bootstrap(pair: Pair, room: int | None = None) -> dict[str, Any]:
+    """The fields the router adds to both sides' body (a fresh room unless given)."""
+    return {
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": pair.bootstrap_port,
+        "bootstrap_room": next_room() if room is None else room,
+    }
+
+
+async def pd(
+    session: aiohttp.ClientSession,
+    pair: Pair,
+    input_ids: list[int],
+    *,
+    room: int | None = None,
+    timeout_s: float = 300.0,
+) -> list[int]:
+    """The PD pair's output token ids for one prompt, sent as the router sends it. Raises
+    Failed naming the side whose answer was an error (the decode's first)."""
+    payload = body(input_ids, **bootstrap(pair, room))
+    prefill, decode = await asyncio.gather(
+        _post(session, pair.prefill, payload, timeout_s),
+        _post(session, pair.decode, payload, timeout_s),
+        return_exceptions=True,
+    )
+    if isinstance(decode, BaseException):
+        raise decode
+    if isinstance(prefill, BaseException):
+        raise prefill
+    return list(decode["output_ids"])

