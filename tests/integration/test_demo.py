@@ -35,27 +35,55 @@ def _demo(*flags: str) -> dict[str, Any]:
     return summary
 
 
+def _large_and_small(summary: dict[str, Any], bulk: int, small: int) -> dict[str, Any]:
+    """The data plane's figures, after checking both workloads verified every handoff and the
+    large ones are the large ones."""
+    data: dict[str, Any] = summary["data_plane"]
+    assert summary["completed"] == summary["verified"] == small
+    assert data["completed"] == data["verified"] == bulk
+    assert summary["failed"] == data["failed"] == 0 and not summary["errors"] + data["errors"]
+    # --bulk-scale 4 against --scale 64: each large handoff moves many times a small one's bytes.
+    assert data["bytes_per_handoff"] > 4 * summary["bytes_per_handoff"] > 0
+    assert data["gb_per_s"] > 0 and summary["handoffs_per_s"] > 0
+    return data
+
+
 @pytest.mark.parametrize("transport", ["local", "mooncake"])
 def test_inprocess_demo_completes_and_verifies_every_byte(transport: str) -> None:
-    flags = ["--requests", "12", "--concurrency", "4", "--verify-digests", "--json"]
+    flags = ["--requests", "12", "--concurrency", "4", "--bulk", "2", "--verify-digests", "--json"]
     summary = _demo("--inprocess", "--transport", transport, *flags)
     assert summary["mode"] == "inprocess"
-    assert summary["completed"] == summary["verified"] == 12
-    assert summary["failed"] == 0 and summary["bytes"] > 0
+    _large_and_small(summary, bulk=2, small=12)
 
 
 def test_multiprocess_demo_completes_and_verifies_every_byte() -> None:
     summary = _demo(
-        "--requests", "12", "--concurrency", "4", "--verify-digests", "--baseline", "--json"
-    )
+        "--requests", "12", "--concurrency", "4", "--bulk", "3", "--verify-digests",
+        "--baseline", "--json",
+    )  # fmt: skip
     assert summary["mode"] == "multiprocess" and summary["transport"] == "mooncake"
-    assert summary["completed"] == summary["verified"] == 12
-    assert summary["failed"] == 0 and summary["bytes"] > 0 and not summary["errors"]
-    # The raw engine rewrote exactly the completed handoffs' blocks and was timed.
-    assert summary["raw_blocks"] > 0 and summary["raw_mooncake_gb_per_s"] > 0
-    assert summary["vs_raw"] == pytest.approx(
-        summary["gb_per_s"] / summary["raw_mooncake_gb_per_s"]
-    )
+    data = _large_and_small(summary, bulk=3, small=12)
+    # The raw engine rewrote exactly the large handoffs' blocks and was timed; direct mode moved
+    # the same requests.
+    assert data["raw_blocks"] > 0 and data["raw_mooncake_gb_per_s"] > 0
+    assert data["vs_raw"] == pytest.approx(data["gb_per_s"] / data["raw_mooncake_gb_per_s"])
+    assert data["vs_direct"] == pytest.approx(data["gb_per_s"] / data["direct_gb_per_s"])
+
+
+def test_the_summary_leads_with_the_data_plane_and_the_control_plane() -> None:
+    out = subprocess.run(
+        [*DEMO, "--inprocess", "--transport", "local", "--requests", "6", "--bulk", "2"],
+        capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("kvhandoff demo: PP=4 hybrid NPU-MLA -> decode over local")
+    assert lines[1].split()[:4] == ["data", "plane", lines[1].split()[2], "GB/s"]
+    assert "2 handoffs of" in lines[1] and "(model bytes / 4)" in lines[1]
+    assert lines[2].split()[:4] == ["control", "plane", lines[2].split()[2], "handoffs/s"]
+    assert "6 handoffs of" in lines[2] and "p50" in lines[2] and "p99" in lines[2]
+    assert lines[3].split()[:4] == ["verified", "8", "of", "8"]
+    assert "make bench" in lines[-1]
 
 
 def test_handoff_benchmark_runs_both_cases() -> None:
@@ -91,7 +119,7 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_serve_prints_its_urls_and_cleans_up_on_a_signal(sig: int) -> None:
     proc = subprocess.Popen(
-        [*DEMO, "--requests", "4", "--concurrency", "2", "--serve", "--json"],
+        [*DEMO, "--requests", "4", "--concurrency", "2", "--bulk", "0", "--serve", "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -1,10 +1,14 @@
-"""The demo's raw-Mooncake baseline into a landed decode: blocks laid into the arena's slice."""
+"""The demo's arguments, and its raw-Mooncake baseline into a landed decode: blocks laid into
+the arena's slice."""
 
 from __future__ import annotations
+
+import argparse
 
 import numpy as np
 import pytest
 
+from service.tools import demo
 from service.tools.demo import into_span
 from transport.blocks import Blocks
 
@@ -24,3 +28,22 @@ def test_a_block_longer_than_the_span_is_refused() -> None:
     blocks = Blocks.of([0], [0], [200])
     with pytest.raises(ValueError, match="200 bytes"):
         into_span(blocks, 0, 100)
+
+
+def _args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_the_baseline_without_a_data_plane_is_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert demo.run(_args("--baseline", "--bulk", "0")) == 2
+    assert "--baseline compares the data plane's bytes" in capsys.readouterr().err
+
+
+def test_the_data_plane_runs_at_its_own_scale_and_at_most_four_in_flight() -> None:
+    bulk = demo.bulk_args(_args("--bulk", "5", "--bulk-scale", "2", "--concurrency", "16"))
+    assert (bulk.requests, bulk.scale, bulk.concurrency) == (5, 2, 4)
+    assert demo.bulk_args(_args("--concurrency", "2")).concurrency == 2
