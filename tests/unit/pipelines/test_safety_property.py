@@ -208,6 +208,8 @@ def test_no_byte_lands_after_release_and_every_handoff_ends_released(
         outcome = next(i for i, t in enumerate(tags) if t in _TERMINAL)
         assert tags.count("handoff.released") == 1 and tags.index("handoff.released") > outcome
         assert sum(t in _TERMINAL for t in tags) == 1  # one outcome, never changed
+        # Injected failures end handoffs; a crash in kvhandoff or in the rig never is the game.
+        assert view.error is None or view.error.code != "internal_error", (h.id, view.error)
     assert len(r.decode.leases) == 0
 
 
