@@ -1,7 +1,9 @@
 """The one admission path of a decode create, whichever door it comes through.
 
-`create(runtime, request)` is what `POST /v1/handoffs` (`service.api.handoffs`) and the embedded
-`expect_handoff` (`service.embedded`) both call, after each decoded its request into a
+`Admission` is a component of the decode's runtime, built by its assembly
+(`service.runtime.roles.build_decode`) over the pipeline; the records are given to it once they
+are open. `Admission.create(request)` is what `POST /v1/handoffs` (`service.api.handoffs`) and the
+embedded `expect_handoff` (`service.embedded`) both reach, after each decoded its request into a
 `HandoffRequest` (the body types' own constraints: ids, non-negative integers). It runs every
 check the body types cannot express, in this order, each refusing before anything changes:
 
@@ -21,70 +23,80 @@ accepted.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import msgspec
 
+from pipelines.decode import DecodePipeline
 from pipelines.decode.views import HandoffRequest, HandoffView
 from pipelines.errors import ConflictError, InvalidInput
 from service.http.problems import NotReady
 from service.runtime import inputs
-
-if TYPE_CHECKING:
-    from service.runtime.roles import DecodeRuntime
+from service.runtime.persistence import Persistence
 
 #: The reason an unrecorded create is aborted with.
 UNRECORDED = "its record could not be written"
 
 
-def check(runtime: DecodeRuntime, request: HandoffRequest) -> HandoffRequest:
-    """Steps 1 to 3 (no await): what a create is refused for before anything is looked up.
-    Returns the request with its prefill URLs in canonical form (a trailing "/" once made every
-    arrival of a stage not count: URLs are compared in that form)."""
-    request = msgspec.structs.replace(request, prefill=inputs.peer_urls(request.prefill, "prefill"))
-    inputs.pages(request.dst_pages, "dst_pages")
-    inputs.slots(request.dst_slot, request.dst_slots, request.dst_aux, "dst")
-    inputs.metadata(request.metadata, runtime.config.handoff.max_metadata_bytes, "metadata")
-    layout = runtime.pipeline.layout
-    if not request.dst_pages and not layout.state and not layout.aux:
-        # Empty pages are a state-only handoff (README); without state there is nothing to move.
-        raise InvalidInput(
-            "dst_pages is empty and the model has no state or aux rows to move",
-            field="dst_pages",
+@dataclass
+class Admission:
+    """Admits a decode's creates into `pipeline` (see the module docstring)."""
+
+    pipeline: DecodePipeline
+    #: `handoff.max_metadata_bytes`.
+    max_metadata_bytes: int
+    #: The records and webhooks once open; None while records are off (`records.persist`).
+    persistence: Persistence | None = None
+
+    def check(self, request: HandoffRequest) -> HandoffRequest:
+        """Steps 1 to 3 (no await): what a create is refused for before anything is looked
+        up. Returns the request with its prefill URLs in canonical form (a trailing "/" once
+        made every arrival of a stage not count: URLs are compared in that form)."""
+        request = msgspec.structs.replace(
+            request, prefill=inputs.peer_urls(request.prefill, "prefill")
         )
-    _records_writable(runtime)
-    return request
-
-
-async def create(runtime: DecodeRuntime, request: HandoffRequest) -> tuple[HandoffView, bool]:
-    """Admit and create a handoff: (view, created), as `DecodePipeline.create` answers."""
-    request = check(runtime, request)
-    if request.callback_url is not None:
-        persistence = runtime.persistence
-        if persistence is None:
-            raise ConflictError(
-                "records and webhooks are off on this service (records.persist = false)",
-                field="records.persist",
+        inputs.pages(request.dst_pages, "dst_pages")
+        inputs.slots(request.dst_slot, request.dst_slots, request.dst_aux, "dst")
+        inputs.metadata(request.metadata, self.max_metadata_bytes, "metadata")
+        layout = self.pipeline.layout
+        if not request.dst_pages and not layout.state and not layout.aux:
+            # Empty pages are a state-only handoff (README); without state there is nothing to
+            # move.
+            raise InvalidInput(
+                "dst_pages is empty and the model has no state or aux rows to move",
+                field="dst_pages",
             )
-        await persistence.check_callback(request.callback_url)
-    view, created = await runtime.pipeline.create(request)
-    if created and runtime.persistence is not None:
-        await runtime.persistence.db.committed()  # the group commit of this turn of the loop
-    if created and runtime.persistence is not None and runtime.persistence.broken is not None:
-        # Its `handoff.created` was published, and the record of it (or one just before) did
-        # not reach the disk: undo it rather than promise what a crash would forget.
-        await runtime.pipeline.abort(view.id, UNRECORDED)
-        _records_writable(runtime)
-    return view, created
+        self._records_writable()
+        return request
 
+    async def create(self, request: HandoffRequest) -> tuple[HandoffView, bool]:
+        """Admit and create a handoff: (view, created), as `DecodePipeline.create` answers."""
+        request = self.check(request)
+        persistence = self.persistence
+        if request.callback_url is not None:
+            if persistence is None:
+                raise ConflictError(
+                    "records and webhooks are off on this service (records.persist = false)",
+                    field="records.persist",
+                )
+            await persistence.check_callback(request.callback_url)
+        view, created = await self.pipeline.create(request)
+        if created and persistence is not None:
+            await persistence.db.committed()  # the group commit of this turn of the loop
+        if created and persistence is not None and persistence.broken is not None:
+            # Its `handoff.created` was published, and the record of it (or one just before)
+            # did not reach the disk: undo it rather than promise what a crash would forget.
+            await self.pipeline.abort(view.id, UNRECORDED)
+            self._records_writable()
+        return view, created
 
-def _records_writable(runtime: DecodeRuntime) -> None:
-    persistence = runtime.persistence
-    if persistence is not None and persistence.broken is not None:
-        # Refuse new work once a write failed (readiness says the same) until the service is
-        # restarted.
-        raise NotReady(
-            f"handoff records cannot be written ({persistence.broken}); use another decode "
-            "service until this one is restarted",
-            not_ready=["records"],
-        )
+    def _records_writable(self) -> None:
+        persistence = self.persistence
+        if persistence is not None and persistence.broken is not None:
+            # Refuse new work once a write failed (readiness says the same) until the service
+            # is restarted.
+            raise NotReady(
+                f"handoff records cannot be written ({persistence.broken}); use another decode "
+                "service until this one is restarted",
+                not_ready=["records"],
+            )

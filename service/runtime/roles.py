@@ -37,7 +37,7 @@ from service.http.client import PeerClient
 from service.http.egress import EGRESS, Egress
 from service.peers.heartbeat import Heartbeats, HeartbeatSettings
 from service.peers.protocol import HttpPeers
-from service.runtime import admission
+from service.runtime.admission import Admission
 from service.runtime.landing import TransferMemory, open_transfer_memory
 from service.runtime.persistence import PERSISTENCE, Persistence, open_persistence
 from service.runtime.stages import Buffers, HostedMemory, open_stages
@@ -94,8 +94,13 @@ class RuntimeBase:
 @dataclass(kw_only=True)
 class DecodeRuntime(RuntimeBase):
     pipeline: DecodePipeline
-    #: Records and webhooks; None with `records.persist = false`.
-    persistence: Persistence | None = None
+    #: Every door's one path to a create (`service.runtime.admission`).
+    admission: Admission
+
+    @property
+    def persistence(self) -> Persistence | None:
+        """Records and webhooks once open; None with `records.persist = false`."""
+        return self.admission.persistence
 
     @property
     def publishes_addresses(self) -> bool:
@@ -107,7 +112,7 @@ class DecodeRuntime(RuntimeBase):
 
     async def create(self, request: HandoffRequest) -> tuple[HandoffView, bool]:
         """Admit and create a handoff: every door's one path (`service.runtime.admission`)."""
-        return await admission.create(self, request)
+        return await self.admission.create(request)
 
     def arenas(self) -> list[ArenaUse]:
         """The landing arena in use (none in direct mode)."""
@@ -285,6 +290,7 @@ def build_decode(
         incarnation=s.incarnation,
         max_call_s=s.max_call_s,
         pipeline=pipeline,
+        admission=Admission(pipeline, handoff.max_metadata_bytes),
     )
 
 
@@ -372,7 +378,7 @@ async def open_runtime(
             stack.push_async_callback(_cancel, beat)
             if isinstance(runtime, DecodeRuntime):
                 if config.records.persist:
-                    runtime.persistence = await stack.enter_async_context(
+                    runtime.admission.persistence = await stack.enter_async_context(
                         open_persistence(config, runtime.pipeline, runtime.bus, egress)
                     )
                 stack.push_async_callback(runtime.pipeline.close, config.handoff.shutdown_grace_s)

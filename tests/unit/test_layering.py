@@ -7,7 +7,8 @@ other; only `pipelines/inprocess.py`, which links the two in one process, import
 embedded) → api → runtime → peers → http → config`; a module may import its own layer or any
 layer below it, never above. Walks every module's `import` statements with `ast` (function-local
 imports included), so a lazy import cannot hide a backwards edge; the command line's modules,
-imported by name when their command runs, are checked from its tables.
+imported by name when their command runs, are checked from its tables. No two modules import
+each other, directly or around a longer circle (type-only imports included).
 """
 
 from __future__ import annotations
@@ -45,10 +46,7 @@ PACKAGE_RANKS = {"transport": 0, "pipelines": 1, "service": 2}
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+    return _module_name_in(ROOT, path)
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -157,6 +155,94 @@ def test_the_checker_catches_a_backwards_import(
     (fake_root / target).write_text(source)
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", fake_root)
     assert any(expect in v for v in _violations())
+
+
+# ---------------------------------------------------------------------------------------------
+# No import circle, of any length, anywhere (type-only imports count: a circle of types is still
+# two modules that cannot be read, changed or tested one without the other)
+
+
+def _graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of this tree it imports (`from a.b import c` names `a.b.c` when that
+    is a module, else `a.b`)."""
+    paths = {
+        _module_name_in(root, p): p for package in PACKAGES for p in (root / package).rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {m: set() for m in paths}
+    for module, path in paths.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [
+                    f"{node.module}.{alias.name}"
+                    if f"{node.module}.{alias.name}" in paths
+                    else node.module
+                    for alias in node.names
+                ]
+            else:
+                continue
+            graph[module] |= {t for t in targets if t in paths and t != module}
+    return graph
+
+
+def _module_name_in(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of two or more modules (Tarjan's algorithm), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    assert _circles(_graph(ROOT)) == []
+
+
+def test_the_circle_check_can_fail(tmp_path: Path) -> None:
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "service" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from service.b import B\n"
+    )
+    (tmp_path / "service" / "b.py").write_text("from service import c\n")
+    (tmp_path / "service" / "c.py").write_text("import service.a\n")
+    (tmp_path / "service" / "d.py").write_text("from service.a import x\n")
+    assert _circles(_graph(tmp_path)) == [["service.a", "service.b", "service.c"]]
 
 
 #: Top-level packages whose modules' private names (`_x`) are theirs alone.

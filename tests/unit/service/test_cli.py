@@ -21,7 +21,8 @@ def test_version_prints_the_installed_version_and_exits_0(
 def test_help_shows_the_defaults_options_have() -> None:
     demo = build_parser(["demo"])._subparsers._group_actions[0].choices["demo"]  # type: ignore[union-attr]
     text = " ".join(demo.format_help().split())
-    assert "handoffs to run (default: 200)" in text
+    assert "small handoffs to run (control plane) (default: 200)" in text
+    assert "large handoffs to run first (data plane; 0: none) (default: 16)" in text
     assert "prefill pipeline-parallel stages (default: 4)" in text
     assert "(default: False)" not in text  # a flag that is off says nothing
     serve = build_parser(["serve"])._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
