@@ -17,7 +17,7 @@ from pipelines.events import (
     StageTransferred,
 )
 from service.integrations.sglang import excusal
-from service.integrations.sglang.backend import KVHandoffManager
+from service.integrations.sglang.manager import KVHandoffManager
 
 TTL = 100.0
 
@@ -68,8 +68,8 @@ def test_the_cap_and_the_time_evict_early_excusals_only() -> None:
 
 
 def rank() -> KVHandoffManager:
-    """A prefill rank's manager with its room tables (`_init_rooms`, as every rank's) and
-    SGLang's status table, no service: what the send path, `excuse` and `open_room` use."""
+    """A prefill rank's manager with its rooms (`_init_rooms`, as every rank's) and SGLang's
+    status table, no service: what the send path, `excuse` and `open_room` use."""
     mgr = object.__new__(KVHandoffManager)
     mgr._init_rooms(TTL)
     mgr.__dict__.update(
@@ -93,7 +93,7 @@ def settled(mgr: KVHandoffManager) -> None:
 
 def test_an_excused_room_moves_nothing_and_succeeds_at_its_last_send() -> None:
     mgr = rank()
-    mgr.excuse(5)  # the decode paired before the request reached this rank
+    mgr.prefill.excuse(5)  # the decode paired before the request reached this rank
     mgr.open_room(5)
     mgr.request_status[5] = KVPoll.WaitingForInput
     mgr.add_transfer_request(5, np.array([3, 4]), slice(0, 2), False)
@@ -101,7 +101,9 @@ def test_an_excused_room_moves_nothing_and_succeeds_at_its_last_send() -> None:
     mgr.add_transfer_request(5, np.array([8]), slice(2, 3), True)
     settled(mgr)
     assert mgr.request_status[5] == KVPoll.Success
-    assert not mgr._rooms and not mgr._sent and not mgr._signalled  # no range was signalled
+    rec = mgr.prefill.rooms.get(5)  # no range was signalled, no event routes to it
+    assert rec is not None and rec.excused and rec.sent == 0
+    assert mgr.prefill.room_of("sglang-5-tp1") is None
     assert not mgr.fail(5, "a failure of this rank") and 5 not in mgr.failure_records
 
 
@@ -337,9 +339,11 @@ def test_a_signal_refused_once_the_room_stopped_keeps_the_first_reason() -> None
     assert mgr.request_status[14] == KVPoll.Failed
     assert "sglang-14-tp1-r1 aborted: gone" in mgr.failure_records[14]
     mgr.close_room(14)
-    assert not mgr._stopped and not mgr._rooms and not mgr._fan_out and not mgr._ranges
+    assert len(mgr.prefill.rooms) == 0  # the room, its fan-out and its ranges are gone
+    assert mgr.prefill.room_of("sglang-14-tp1") is None
+    assert mgr.prefill.room_of("sglang-14-tp1-r1") is None
     mgr.fail(14, "a late failure of a closed room")
-    assert not mgr._stopped  # nothing left behind
+    assert len(mgr.prefill.rooms) == 0  # nothing left behind
 
 
 def test_sglang_s_abort_stops_every_copy_even_when_one_abort_fails() -> None:
@@ -353,7 +357,7 @@ def test_sglang_s_abort_stops_every_copy_even_when_one_abort_fails() -> None:
             raise TimeoutError("the service did not answer")
 
     service.abort_prefill = abort_prefill  # type: ignore[method-assign]
-    done = mgr._calls.submit(mgr.abort_room, 15, "aborted by SGLang")
+    done = mgr._calls.submit(mgr.prefill.abort_room, 15, "aborted by SGLang")
     with pytest.raises(TimeoutError, match="did not answer"):  # raised once all were tried
         done.result(timeout=5)
     assert tried == ["sglang-15-tp1", "sglang-15-tp1-r1", "sglang-15-tp1-r2"]

@@ -57,6 +57,7 @@ class PrefillRoom:
     own_signalled: int = 0  # of `ranges`, how many the own handoff was signalled (replayable)
     replayed: dict[str, int] = field(default_factory=dict)  # per copy, ranges it was given
     finals: set[str] = field(default_factory=set)  # handoffs whose stage has all its bytes
+    unreachable: bool = False  # it failed because a peer could not be reached
 
     def move(self, new: PrefillState) -> None:
         self.state = advance(self.state, new, f"prefill room {self.room}")
@@ -64,6 +65,14 @@ class PrefillRoom:
     @property
     def ids(self) -> list[str]:
         return [self.own, *self.copies]
+
+    @property
+    def excused(self) -> bool:
+        return self.state == _P.EXCUSED
+
+    @property
+    def stopped(self) -> bool:
+        return self.state == _P.STOPPED
 
     @property
     def moved(self) -> tuple[int, float | None] | None:
@@ -147,6 +156,12 @@ class PrefillRooms:
             self._by_id[hid] = rec.room
         rec.replayed = dict.fromkeys(copies, 0)
         return True
+
+    def own_signalled_one(self, rec: PrefillRoom) -> None:
+        """The own handoff was signalled its next kept range (its forward had run): one more
+        range its copies may be given. Nothing when none is kept (a fan-out of 1 learned since)."""
+        if rec.ranges:
+            rec.own_signalled += 1
 
     def learn_early(self, own: str, k: int) -> None:
         """A destination's fan-out for a room the engine has not opened yet."""
