@@ -65,7 +65,6 @@ from service.integrations.rooms.decode import DecodeRooms
 from service.integrations.rooms.outcomes import Outcome, outcome
 from service.integrations.sglang import excusal
 from service.integrations.sglang.bootstrap import MAX_SKEW_S, SIGNATURE_HEADER, URL_FIELD, sign
-from service.integrations.sglang.ids import handoff_id
 from service.integrations.sglang.layouts import (
     RankLayout,
     Unsupported,
@@ -243,7 +242,7 @@ class KVHandoffManager(CommonKVManager):
 
     def own_handoff(self, room: int) -> str:
         """The id of the handoff this rank's own TP rank sends (a prefill's)."""
-        return handoff_id(room, self.tp_rank_for_handoffs)
+        return self.prefill.own(room)
 
     def fail(self, room: int, reason: str, *, unreachable: bool = False) -> bool:
         """Fail the room with `reason`, unless it failed already (SGLang's abort, say: its
