@@ -23,7 +23,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 
 from pipelines.errors import KVHandoffError
 from pipelines.events import DestinationReceived
-from service.integrations.rooms.prefill import PrefillRoom, PrefillRooms, Range
+from service.integrations.rooms.prefill import PrefillRooms, Range
 from service.integrations.sglang import excusal
 from service.integrations.sglang.ids import handoff_id, own_of
 from service.integrations.sglang.layouts import component_slots
@@ -61,8 +61,9 @@ class PrefillRank:
         room, hid = int(room), self.own(room)
         with self.lock:
             early = self.rooms.open(room, hid)
-            if self._excusals.open(room):  # an excused room has no handoff to follow
-                self.rooms.excuse(self._get(room))
+            rec = self.rooms.get(room)
+            if self._excusals.open(room) and rec is not None:  # it has no handoff to follow
+                self.rooms.excuse(rec)
                 return hid
         if early is not None:
             self.learn_fan_out(room, hid, early)
@@ -95,11 +96,6 @@ class PrefillRank:
         with self.lock:
             rec = self.rooms.get(int(room))
             return None if rec is None else rec.moved
-
-    def _get(self, room: int) -> PrefillRoom:
-        rec = self.rooms.get(room)
-        assert rec is not None, f"room {room} is not open"  # opened under the same lock
-        return rec
 
     # ------------------------------------------------------------------ excusals
 
