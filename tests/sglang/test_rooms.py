@@ -13,7 +13,9 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from pipelines.events import (
     DestinationReceived,
     HandoffAborted,
+    HandoffCreated,
     HandoffFailed,
+    HandoffReleased,
     StageTransferred,
 )
 from service.integrations.sglang import excusal
@@ -391,3 +393,34 @@ def test_a_room_that_failed_already_keeps_its_first_reason() -> None:
     assert mgr.fail(17, "kvhandoff handoff sglang-17-tp0 aborted: aborted by request")
     assert mgr.failure_records[17] == "Aborted by AbortReq."
     assert mgr.request_status[17] == KVPoll.Failed
+
+
+def test_a_decode_room_follows_its_handoff_s_outcome_and_is_freed_only_at_its_release() -> None:
+    # The neutral outcomes on SGLang's table: created -> Transferring, a lost prefill ->
+    # Failed with the note that has the receiver fetch the prefill's rows again; and the pages
+    # are safe to free only at `handoff.released`, after the receiver was cleared.
+    mgr = rank()
+    mgr.__dict__["_prefill_role"] = False
+    mgr.decode_rooms.open(18, "sglang-18-tp0")
+    mgr.request_status[18] = KVPoll.WaitingForInput
+    assert mgr.decode_rooms.creating("sglang-18-tp0")
+    assert not mgr.decode_rooms.created("sglang-18-tp0")
+    mgr._on_event(HandoffCreated(handoff_id="sglang-18-tp0", role="decode", num_pages=1, pp_size=1))
+    assert mgr.request_status[18] == KVPoll.Transferring
+    failed = HandoffFailed(
+        handoff_id="sglang-18-tp0", role="decode", code="peer_unreachable", reason="silent"
+    )
+    mgr._on_event(failed)
+    assert mgr.request_status[18] == KVPoll.Failed and mgr.prefill_unreachable(18)
+    assert "failed (peer_unreachable): silent" in mgr.failure_records[18]
+    mgr.decode_rooms.close("sglang-18-tp0")  # SGLang clears the receiver, then asks
+    assert not mgr.is_abort_release_safe(18)
+    released = HandoffReleased(
+        handoff_id="sglang-18-tp0",
+        role="decode",
+        outcome="failed",
+        confirmed=True,
+        seconds_after_outcome=0.1,
+    )
+    mgr._on_event(released)
+    assert mgr.is_abort_release_safe(18) and len(mgr.decode_rooms) == 0
