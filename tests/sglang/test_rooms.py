@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import KVTransferError
+from sglang.srt.observability.trace import TraceNullContext
 
 from pipelines.events import (
     DestinationReceived,
@@ -20,6 +22,7 @@ from pipelines.events import (
 )
 from service.integrations.sglang import excusal
 from service.integrations.sglang.manager import KVHandoffManager
+from service.integrations.sglang.sender import KVHandoffSender
 
 TTL = 100.0
 
@@ -424,3 +427,131 @@ def test_a_decode_room_follows_its_handoff_s_outcome_and_is_freed_only_at_its_re
     )
     mgr._on_event(released)
     assert mgr.is_abort_release_safe(18) and len(mgr.decode_rooms) == 0
+
+
+# ------------------------------------------------------------ a room SGLang opens twice or fails
+
+
+def test_a_second_open_of_a_live_room_keeps_its_position_fan_out_and_copies() -> None:
+    # SGLang opens a sender per request before its deferred bootstrap refuses a duplicate room:
+    # the live room's record stands, so its next chunk goes on at its position, to its copy,
+    # and a failure still gives up every handoff of it before SGLang hears Failed.
+    mgr, service = fanned(19)
+    mgr._on_event(destination("sglang-19-tp1", 2))
+    mgr.add_transfer_request(19, np.array([1, 2]), slice(0, 2), False)
+    settled(mgr)
+    mgr.open_room(19)
+    mgr.add_transfer_request(19, np.array([3]), slice(2, 3), False)
+    settled(mgr)
+    failed = HandoffFailed(handoff_id="sglang-19-tp1", role="prefill", code="x", reason="y")
+    mgr._on_event(failed)
+    settled(mgr)
+    assert service.calls == [
+        "signalled sglang-19-tp1 [1, 2] last=False",
+        "signalled sglang-19-tp1-r1 [1, 2] last=False",
+        "signalled sglang-19-tp1 [3] last=False",
+        "signalled sglang-19-tp1-r1 [3] last=False",
+        "gave up sglang-19-tp1 while WaitingForInput",
+        "gave up sglang-19-tp1-r1 while WaitingForInput",
+    ]
+    assert mgr.request_status[19] == KVPoll.Failed
+
+
+def test_a_stopped_room_opened_again_signals_nothing() -> None:
+    mgr, service = fanned(20)
+    mgr._on_event(HandoffFailed(handoff_id="sglang-20-tp1", role="prefill", code="x", reason="y"))
+    settled(mgr)
+    service.calls.clear()
+    mgr.open_room(20)
+    mgr.add_transfer_request(20, np.array([7]), slice(0, 1), True)
+    settled(mgr)
+    assert service.calls == [] and mgr.request_status[20] == KVPoll.Failed
+
+
+def sender_of(mgr: KVHandoffManager, room: int, *, owns: bool = True) -> KVHandoffSender:
+    """SGLang's sender of `room` as its `__init__` leaves it, over the manager's tables that
+    SGLang's `clear` reads (`owns`: False for a duplicate its deferred bootstrap refused)."""
+    mgr.__dict__.update(
+        is_dummy_cp_rank=False,
+        req_to_decode_prefix_len={},
+        transfer_infos={},
+        _staging_outstanding={},
+        _deferred_ack_poisoned_rooms=set(),
+        _deferred_ack_targets={},
+        _staging_ctx=None,
+    )
+    if not owns:
+        mgr.__dict__["deferred_bootstrap"] = SimpleNamespace()  # SGLang's, never reached
+    sender = object.__new__(KVHandoffSender)
+    sender.__dict__.update(
+        kv_mgr=mgr,
+        bootstrap_room=room,
+        conclude_state=None,
+        _owns_bootstrap_room=owns,
+        trace_ctx=TraceNullContext(),
+        _at_clear=None,
+    )
+    return sender
+
+
+def test_a_duplicate_sender_s_clear_and_abort_leave_the_live_room_alone() -> None:
+    mgr, service = fanned(23)
+    mgr.add_transfer_request(23, np.array([1]), slice(0, 1), False)
+    settled(mgr)
+    duplicate = sender_of(mgr, 23, owns=False)
+    duplicate.abort()  # SGLang's abort of a sender that does not own the room: nothing
+    duplicate.clear()
+    mgr.add_transfer_request(23, np.array([2]), slice(1, 2), True)
+    settled(mgr)
+    assert service.calls == [
+        "signalled sglang-23-tp1 [1] last=False",
+        "signalled sglang-23-tp1 [2] last=True",
+    ]
+
+
+def test_sglang_s_own_failure_stops_every_handoff_before_it_frees_the_source_pages() -> None:
+    # Another rank failed the request (SGLang's MIN consensus), so this rank's table never said
+    # Failed: SGLang's `failure_exception` clears the sender, then frees the source pages. Each
+    # handoff of the room is given up before `failure_exception` returns.
+    mgr, service = fanned(22)
+    mgr._on_event(destination("sglang-22-tp1", 2))
+    mgr.add_transfer_request(22, np.array([1]), slice(0, 1), False)
+    settled(mgr)
+    service.calls.clear()
+    with pytest.raises(KVTransferError, match="another rank"):
+        sender_of(mgr, 22).failure_exception()
+    assert service.calls == [
+        "gave up sglang-22-tp1 while WaitingForInput",
+        "gave up sglang-22-tp1-r1 while WaitingForInput",
+    ]
+    assert len(mgr.prefill.rooms) == 0
+
+
+def test_a_room_that_succeeded_is_cleared_without_a_stop() -> None:
+    mgr, service = fanned(24)
+    mgr.add_transfer_request(24, np.array([1]), slice(0, 1), True)
+    mgr._on_event(transferred("sglang-24-tp1"))
+    settled(mgr)
+    assert mgr.request_status[24] == KVPoll.Success
+    sender = sender_of(mgr, 24)
+    sender.conclude_state = KVPoll.Success
+    sender.clear()
+    assert service.calls == ["signalled sglang-24-tp1 [1] last=True"]  # nothing given up
+    assert len(mgr.prefill.rooms) == 0
+
+
+def test_a_zero_byte_segment_still_counts_as_moved() -> None:
+    mgr, _ = fanned(21)
+    mgr._on_event(
+        StageTransferred(
+            handoff_id="sglang-21-tp1",
+            role="prefill",
+            pp_rank=0,
+            blocks=0,
+            bytes=0,
+            batches=1,
+            seconds=0.0,
+            final=False,
+        )
+    )
+    assert mgr.moved(21) == (0, None)

@@ -23,7 +23,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 
 from pipelines.errors import KVHandoffError
 from pipelines.events import DestinationReceived
-from service.integrations.rooms.prefill import PrefillRooms, Range
+from service.integrations.rooms.prefill import PrefillRoom, PrefillRooms, Range
 from service.integrations.sglang import excusal
 from service.integrations.sglang.ids import handoff_id, own_of
 from service.integrations.sglang.layouts import component_slots
@@ -57,13 +57,14 @@ class PrefillRank:
 
     def open(self, room: int) -> str:
         """SGLang opened `room` (its sender): a room record, excused at once when a decode
-        excused this rank from it first, given the fan-out a destination said first."""
+        excused this rank from it first, given the fan-out a destination said first. A room
+        open already keeps its record (`PrefillRooms.open`)."""
         room, hid = int(room), self.own(room)
         with self.lock:
             early = self.rooms.open(room, hid)
             rec = self.rooms.get(room)
-            if self._excusals.open(room) and rec is not None:  # it has no handoff to follow
-                self.rooms.excuse(rec)
+            if self._excusals.open(room) and rec is not None and self._excusable(rec):
+                self.rooms.excuse(rec)  # nothing was signalled: nothing to withdraw
                 return hid
         if early is not None:
             self.learn_fan_out(room, hid, early)
@@ -111,7 +112,7 @@ class PrefillRank:
             if rec is None:
                 if not self._excusals.excuse(room, opened=False):
                     return  # a repeat (a replay within the skew window)
-            elif rec.excused or rec.stopped:
+            elif not self._excusable(rec):
                 return
             else:
                 signalled, last = self.rooms.excuse(rec)
@@ -122,6 +123,13 @@ class PrefillRank:
                 if last:
                     mgr._calls.submit(mgr.update_status, room, KVPoll.Success)
         log.info("room %d excused: the decode pairs with another prefill TP rank", room)
+
+    @staticmethod
+    def _excusable(rec: PrefillRoom) -> bool:
+        """Whether an excusal changes the room. Not once it was stopped: its handoffs are being
+        given up and its failure stands (STOPPED is final), should the decode's excusal come
+        only after this rank failed the room."""
+        return not (rec.excused or rec.stopped)
 
     def _withdraw(self, hid: str) -> None:
         """An excused room's signalled ranges: withdrawn (`aborted`, no failure anywhere); a
@@ -343,6 +351,27 @@ class PrefillRank:
                 first = first or exc
         if first is not None:
             raise first
+
+    def before_release(self, room: int, reason: str) -> None:
+        """On the scheduler thread, before SGLang frees the source pages of a room that did not
+        succeed (its clear after a Failed of its own: another rank's, a bootstrap timeout, or
+        ours): every handoff of it is stopped, waited for, after what is queued on the worker.
+        A room stopped or excused already only waits for what it queued there (its give-ups,
+        its withdrawal)."""
+        room = int(room)
+        with self.lock:
+            rec = self.rooms.get(room)
+            live = rec is not None and not (rec.stopped or rec.excused)
+
+        def stop() -> None:
+            if not live:
+                return
+            try:
+                self.abort_room(room, reason)
+            except Exception:  # logged: SGLang releases the pages whatever this raised
+                log.exception("stopping room %s before SGLang releases it failed", room)
+
+        self._mgr._calls.submit(stop).result()
 
     def _give_up(self, hid: str, reason: str) -> None:
         try:

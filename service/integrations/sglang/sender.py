@@ -55,11 +55,18 @@ class KVHandoffSender(CommonKVSender):
                 metric.transfer_latency_s = max(0.0, ended - self._transfer_start_time)
         return metric
 
+    def _owns_room(self) -> bool:
+        """False for a second sender of a room SGLang's deferred bootstrap refused (a duplicate
+        request id): the room, its handoffs and its record are the first sender's."""
+        return getattr(self.kv_mgr, "deferred_bootstrap", None) is None or bool(
+            self._owns_bootstrap_room
+        )
+
     def abort(self) -> None:
         super().abort()
         mgr, room = self.kv_mgr, self.bootstrap_room
-        if mgr.is_dummy_cp_rank:
-            return  # a CP rank that sends nothing has no handoff to give up
+        if mgr.is_dummy_cp_rank or not self._owns_room():
+            return  # a CP rank that sends nothing, or a duplicate: no handoff to give up
         if mgr.excused(room):
             # Nothing to give up, but a withdrawal may still be queued: SGLang frees the source
             # pages next, so wait for the worker to have run it.
@@ -71,7 +78,17 @@ class KVHandoffSender(CommonKVSender):
         stop.result()
 
     def clear(self) -> None:
-        room = self.bootstrap_room
-        self._at_clear = (self.kv_mgr.moved(room), self.kv_mgr.excused(room))
+        """SGLang is done with the request. Without a Success it frees the source pages next
+        (`failure_exception` clears, then SGLang releases them), whoever failed it: every
+        handoff of the room is stopped first (`PrefillRank.before_release`)."""
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        if not self._owns_room():
+            self._at_clear = (None, False)
+            super().clear()
+            return
+        succeeded = KVPoll.Success in (self.conclude_state, mgr.request_status.get(room))
+        if not succeeded and not mgr.is_dummy_cp_rank:
+            mgr.prefill.before_release(room, "the request failed or was cleared by SGLang")
+        self._at_clear = (mgr.moved(room), mgr.excused(room))
         super().clear()
-        self.kv_mgr.close_room(room)
+        mgr.close_room(room)

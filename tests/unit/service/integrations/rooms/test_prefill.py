@@ -114,3 +114,21 @@ def test_a_room_says_whether_it_is_excused_or_stopped() -> None:
     assert other is not None and other is not rec
     rooms.excuse(other)
     assert other.excused and not other.stopped
+
+
+def test_opening_a_live_room_again_keeps_its_record_and_an_excused_one_routes_nothing() -> None:
+    rooms, rec = opened()
+    rooms.chunk(rec, 2, is_last=False, waiting=[])
+    rooms.learn_fan_out(rec, 2, ["c1"])
+    assert rooms.open(1, "own") is None
+    assert rooms.get(1) is rec and rec.sent == 2 and rooms.room_of("c1") == 1
+    rooms.excuse(rec)
+    rooms.open(1, "own")
+    assert rec.excused and rooms.room_of("own") is None
+
+
+def test_a_room_has_moved_once_any_segment_was_committed_even_an_empty_one() -> None:
+    rooms, rec = opened()
+    assert rec.moved is None
+    assert not rooms.transferred(rec, "own", 0, final=False, now=1.0)
+    assert rec.moved == (0, None)
