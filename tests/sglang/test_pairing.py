@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 
 from service.integrations.sglang import excusal
-from service.integrations.sglang.backend import (
+from service.integrations.sglang.layouts import Unsupported
+from service.integrations.sglang.refusals import (
     refuse_decode_prefix_reuse,
     refuse_rust_registry,
     tp_pairing_refusal,
 )
-from service.integrations.sglang.layouts import Unsupported
 
 SECRET = b"peer-secret"
 URL = "http://10.0.0.7:43001"

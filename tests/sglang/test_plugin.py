@@ -21,12 +21,10 @@ def test_load_plugins_makes_kvhandoff_a_backend_and_leaves_mooncake_alone() -> N
     from sglang.srt.disaggregation import utils
     from sglang.srt.disaggregation.mooncake import MooncakeKVManager
 
-    from service.integrations.sglang.backend import (
-        KVHandoffManager,
-        KVHandoffReceiver,
-        KVHandoffSender,
-    )
     from service.integrations.sglang.bootstrap import KVHandoffBootstrapServer
+    from service.integrations.sglang.manager import KVHandoffManager
+    from service.integrations.sglang.receiver import KVHandoffReceiver
+    from service.integrations.sglang.sender import KVHandoffSender
 
     assert "kvhandoff" in DISAGG_TRANSFER_BACKEND_CHOICES
     backend = TransferBackend("kvhandoff")

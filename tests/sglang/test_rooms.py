@@ -9,15 +9,20 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import KVTransferError
+from sglang.srt.observability.trace import TraceNullContext
 
 from pipelines.events import (
     DestinationReceived,
     HandoffAborted,
+    HandoffCreated,
     HandoffFailed,
+    HandoffReleased,
     StageTransferred,
 )
 from service.integrations.sglang import excusal
-from service.integrations.sglang.backend import KVHandoffManager
+from service.integrations.sglang.manager import KVHandoffManager
+from service.integrations.sglang.sender import KVHandoffSender
 
 TTL = 100.0
 
@@ -68,8 +73,8 @@ def test_the_cap_and_the_time_evict_early_excusals_only() -> None:
 
 
 def rank() -> KVHandoffManager:
-    """A prefill rank's manager with its room tables (`_init_rooms`, as every rank's) and
-    SGLang's status table, no service: what the send path, `excuse` and `open_room` use."""
+    """A prefill rank's manager with its rooms (`_init_rooms`, as every rank's) and SGLang's
+    status table, no service: what the send path, `excuse` and `open_room` use."""
     mgr = object.__new__(KVHandoffManager)
     mgr._init_rooms(TTL)
     mgr.__dict__.update(
@@ -93,7 +98,7 @@ def settled(mgr: KVHandoffManager) -> None:
 
 def test_an_excused_room_moves_nothing_and_succeeds_at_its_last_send() -> None:
     mgr = rank()
-    mgr.excuse(5)  # the decode paired before the request reached this rank
+    mgr.prefill.excuse(5)  # the decode paired before the request reached this rank
     mgr.open_room(5)
     mgr.request_status[5] = KVPoll.WaitingForInput
     mgr.add_transfer_request(5, np.array([3, 4]), slice(0, 2), False)
@@ -101,7 +106,9 @@ def test_an_excused_room_moves_nothing_and_succeeds_at_its_last_send() -> None:
     mgr.add_transfer_request(5, np.array([8]), slice(2, 3), True)
     settled(mgr)
     assert mgr.request_status[5] == KVPoll.Success
-    assert not mgr._rooms and not mgr._sent and not mgr._signalled  # no range was signalled
+    rec = mgr.prefill.rooms.get(5)  # no range was signalled, no event routes to it
+    assert rec is not None and rec.excused and rec.sent == 0
+    assert mgr.prefill.room_of("sglang-5-tp1") is None
     assert not mgr.fail(5, "a failure of this rank") and 5 not in mgr.failure_records
 
 
@@ -337,9 +344,11 @@ def test_a_signal_refused_once_the_room_stopped_keeps_the_first_reason() -> None
     assert mgr.request_status[14] == KVPoll.Failed
     assert "sglang-14-tp1-r1 aborted: gone" in mgr.failure_records[14]
     mgr.close_room(14)
-    assert not mgr._stopped and not mgr._rooms and not mgr._fan_out and not mgr._ranges
+    assert len(mgr.prefill.rooms) == 0  # the room, its fan-out and its ranges are gone
+    assert mgr.prefill.room_of("sglang-14-tp1") is None
+    assert mgr.prefill.room_of("sglang-14-tp1-r1") is None
     mgr.fail(14, "a late failure of a closed room")
-    assert not mgr._stopped  # nothing left behind
+    assert len(mgr.prefill.rooms) == 0  # nothing left behind
 
 
 def test_sglang_s_abort_stops_every_copy_even_when_one_abort_fails() -> None:
@@ -353,7 +362,7 @@ def test_sglang_s_abort_stops_every_copy_even_when_one_abort_fails() -> None:
             raise TimeoutError("the service did not answer")
 
     service.abort_prefill = abort_prefill  # type: ignore[method-assign]
-    done = mgr._calls.submit(mgr.abort_room, 15, "aborted by SGLang")
+    done = mgr._calls.submit(mgr.prefill.abort_room, 15, "aborted by SGLang")
     with pytest.raises(TimeoutError, match="did not answer"):  # raised once all were tried
         done.result(timeout=5)
     assert tried == ["sglang-15-tp1", "sglang-15-tp1-r1", "sglang-15-tp1-r2"]
@@ -387,3 +396,162 @@ def test_a_room_that_failed_already_keeps_its_first_reason() -> None:
     assert mgr.fail(17, "kvhandoff handoff sglang-17-tp0 aborted: aborted by request")
     assert mgr.failure_records[17] == "Aborted by AbortReq."
     assert mgr.request_status[17] == KVPoll.Failed
+
+
+def test_a_decode_room_follows_its_handoff_s_outcome_and_is_freed_only_at_its_release() -> None:
+    # The neutral outcomes on SGLang's table: created -> Transferring, a lost prefill ->
+    # Failed with the note that has the receiver fetch the prefill's rows again; and the pages
+    # are safe to free only at `handoff.released`, after the receiver was cleared.
+    mgr = rank()
+    mgr.__dict__["_prefill_role"] = False
+    mgr.decode_rooms.open(18, "sglang-18-tp0")
+    mgr.request_status[18] = KVPoll.WaitingForInput
+    assert mgr.decode_rooms.creating("sglang-18-tp0")
+    assert not mgr.decode_rooms.created("sglang-18-tp0")
+    mgr._on_event(HandoffCreated(handoff_id="sglang-18-tp0", role="decode", num_pages=1, pp_size=1))
+    assert mgr.request_status[18] == KVPoll.Transferring
+    failed = HandoffFailed(
+        handoff_id="sglang-18-tp0", role="decode", code="peer_unreachable", reason="silent"
+    )
+    mgr._on_event(failed)
+    assert mgr.request_status[18] == KVPoll.Failed and mgr.prefill_unreachable(18)
+    assert "failed (peer_unreachable): silent" in mgr.failure_records[18]
+    mgr.decode_rooms.close("sglang-18-tp0")  # SGLang clears the receiver, then asks
+    assert not mgr.is_abort_release_safe(18)
+    released = HandoffReleased(
+        handoff_id="sglang-18-tp0",
+        role="decode",
+        outcome="failed",
+        confirmed=True,
+        seconds_after_outcome=0.1,
+    )
+    mgr._on_event(released)
+    assert mgr.is_abort_release_safe(18) and len(mgr.decode_rooms) == 0
+
+
+# ------------------------------------------------------------ a room SGLang opens twice or fails
+
+
+def test_a_second_open_of_a_live_room_keeps_its_position_fan_out_and_copies() -> None:
+    # SGLang opens a sender per request before its deferred bootstrap refuses a duplicate room:
+    # the live room's record stands, so its next chunk goes on at its position, to its copy,
+    # and a failure still gives up every handoff of it before SGLang hears Failed.
+    mgr, service = fanned(19)
+    mgr._on_event(destination("sglang-19-tp1", 2))
+    mgr.add_transfer_request(19, np.array([1, 2]), slice(0, 2), False)
+    settled(mgr)
+    mgr.open_room(19)
+    mgr.add_transfer_request(19, np.array([3]), slice(2, 3), False)
+    settled(mgr)
+    failed = HandoffFailed(handoff_id="sglang-19-tp1", role="prefill", code="x", reason="y")
+    mgr._on_event(failed)
+    settled(mgr)
+    assert service.calls == [
+        "signalled sglang-19-tp1 [1, 2] last=False",
+        "signalled sglang-19-tp1-r1 [1, 2] last=False",
+        "signalled sglang-19-tp1 [3] last=False",
+        "signalled sglang-19-tp1-r1 [3] last=False",
+        "gave up sglang-19-tp1 while WaitingForInput",
+        "gave up sglang-19-tp1-r1 while WaitingForInput",
+    ]
+    assert mgr.request_status[19] == KVPoll.Failed
+
+
+def test_a_stopped_room_opened_again_signals_nothing() -> None:
+    mgr, service = fanned(20)
+    mgr._on_event(HandoffFailed(handoff_id="sglang-20-tp1", role="prefill", code="x", reason="y"))
+    settled(mgr)
+    service.calls.clear()
+    mgr.open_room(20)
+    mgr.add_transfer_request(20, np.array([7]), slice(0, 1), True)
+    settled(mgr)
+    assert service.calls == [] and mgr.request_status[20] == KVPoll.Failed
+
+
+def sender_of(mgr: KVHandoffManager, room: int, *, owns: bool = True) -> KVHandoffSender:
+    """SGLang's sender of `room` as its `__init__` leaves it, over the manager's tables that
+    SGLang's `clear` reads (`owns`: False for a duplicate its deferred bootstrap refused)."""
+    mgr.__dict__.update(
+        is_dummy_cp_rank=False,
+        req_to_decode_prefix_len={},
+        transfer_infos={},
+        _staging_outstanding={},
+        _deferred_ack_poisoned_rooms=set(),
+        _deferred_ack_targets={},
+        _staging_ctx=None,
+    )
+    if not owns:
+        mgr.__dict__["deferred_bootstrap"] = SimpleNamespace()  # SGLang's, never reached
+    sender = object.__new__(KVHandoffSender)
+    sender.__dict__.update(
+        kv_mgr=mgr,
+        bootstrap_room=room,
+        conclude_state=None,
+        _owns_bootstrap_room=owns,
+        trace_ctx=TraceNullContext(),
+        _at_clear=None,
+    )
+    return sender
+
+
+def test_a_duplicate_sender_s_clear_and_abort_leave_the_live_room_alone() -> None:
+    mgr, service = fanned(23)
+    mgr.add_transfer_request(23, np.array([1]), slice(0, 1), False)
+    settled(mgr)
+    duplicate = sender_of(mgr, 23, owns=False)
+    duplicate.abort()  # SGLang's abort of a sender that does not own the room: nothing
+    duplicate.clear()
+    mgr.add_transfer_request(23, np.array([2]), slice(1, 2), True)
+    settled(mgr)
+    assert service.calls == [
+        "signalled sglang-23-tp1 [1] last=False",
+        "signalled sglang-23-tp1 [2] last=True",
+    ]
+
+
+def test_sglang_s_own_failure_stops_every_handoff_before_it_frees_the_source_pages() -> None:
+    # Another rank failed the request (SGLang's MIN consensus), so this rank's table never said
+    # Failed: SGLang's `failure_exception` clears the sender, then frees the source pages. Each
+    # handoff of the room is given up before `failure_exception` returns.
+    mgr, service = fanned(22)
+    mgr._on_event(destination("sglang-22-tp1", 2))
+    mgr.add_transfer_request(22, np.array([1]), slice(0, 1), False)
+    settled(mgr)
+    service.calls.clear()
+    with pytest.raises(KVTransferError, match="another rank"):
+        sender_of(mgr, 22).failure_exception()
+    assert service.calls == [
+        "gave up sglang-22-tp1 while WaitingForInput",
+        "gave up sglang-22-tp1-r1 while WaitingForInput",
+    ]
+    assert len(mgr.prefill.rooms) == 0
+
+
+def test_a_room_that_succeeded_is_cleared_without_a_stop() -> None:
+    mgr, service = fanned(24)
+    mgr.add_transfer_request(24, np.array([1]), slice(0, 1), True)
+    mgr._on_event(transferred("sglang-24-tp1"))
+    settled(mgr)
+    assert mgr.request_status[24] == KVPoll.Success
+    sender = sender_of(mgr, 24)
+    sender.conclude_state = KVPoll.Success
+    sender.clear()
+    assert service.calls == ["signalled sglang-24-tp1 [1] last=True"]  # nothing given up
+    assert len(mgr.prefill.rooms) == 0
+
+
+def test_a_zero_byte_segment_still_counts_as_moved() -> None:
+    mgr, _ = fanned(21)
+    mgr._on_event(
+        StageTransferred(
+            handoff_id="sglang-21-tp1",
+            role="prefill",
+            pp_rank=0,
+            blocks=0,
+            bytes=0,
+            batches=1,
+            seconds=0.0,
+            final=False,
+        )
+    )
+    assert mgr.moved(21) == (0, None)

@@ -23,6 +23,9 @@ class _Record:
     room: int
     state: DecodeState = DecodeState.OPEN
     closed: bool = False  # the engine is done with the request (it may still ask if safe)
+    # The request failed because a prefill could not be reached (it may be gone, or started
+    # again elsewhere): the engine forgets what it cached of that prefill.
+    unreachable: bool = False
 
 
 class DecodeRooms:
@@ -38,7 +41,8 @@ class DecodeRooms:
         with self._lock:
             old = self._records.get(hid)
             if old is not None and old.state != DecodeState.RELEASED:
-                return  # the same handoff, still leased: its record stands
+                old.closed = False  # the same handoff, still leased: its record stands
+                return
             self._records[hid] = _Record(int(room))
             self._by_room.setdefault(int(room), set()).add(hid)
 
@@ -108,6 +112,26 @@ class DecodeRooms:
         with self._lock:
             hids = self._by_room.get(int(room), ())
             return all(self._records[h].state == DecodeState.RELEASED for h in hids)
+
+    def room_of(self, hid: str) -> int | None:
+        """The room whose request the engine follows `hid` for (None once it closed it): where
+        the handoff's events go."""
+        with self._lock:
+            rec = self._records.get(hid)
+            return None if rec is None or rec.closed else rec.room
+
+    def note_unreachable(self, room: int) -> None:
+        """The room fails because a prefill could not be reached (noted before the engine is
+        told, so whoever sees the failure sees the note too)."""
+        with self._lock:
+            for hid in self._by_room.get(int(room), ()):
+                self._records[hid].unreachable = True
+
+    def unreachable(self, room: int) -> bool:
+        """Whether the room failed because a prefill could not be reached."""
+        with self._lock:
+            hids = self._by_room.get(int(room), ())
+            return any(self._records[h].unreachable for h in hids)
 
     def state(self, hid: str) -> DecodeState | None:
         with self._lock:

@@ -50,6 +50,7 @@ class PrefillRoom:
     state: PrefillState = _P.OPEN
     sent: int = 0  # pages signalled so far, in the engine's positions
     moved_bytes: int = 0
+    transfers: int = 0  # stage-transferred events of its handoffs so far
     last_commit: float | None = None  # when the last segment was committed, once all were
     fan_out: int | None = None  # decode handoffs taking these bytes, once a destination said
     copies: list[str] = field(default_factory=list)
@@ -57,6 +58,7 @@ class PrefillRoom:
     own_signalled: int = 0  # of `ranges`, how many the own handoff was signalled (replayable)
     replayed: dict[str, int] = field(default_factory=dict)  # per copy, ranges it was given
     finals: set[str] = field(default_factory=set)  # handoffs whose stage has all its bytes
+    unreachable: bool = False  # it failed because a peer could not be reached
 
     def move(self, new: PrefillState) -> None:
         self.state = advance(self.state, new, f"prefill room {self.room}")
@@ -66,9 +68,17 @@ class PrefillRoom:
         return [self.own, *self.copies]
 
     @property
+    def excused(self) -> bool:
+        return self.state == _P.EXCUSED
+
+    @property
+    def stopped(self) -> bool:
+        return self.state == _P.STOPPED
+
+    @property
     def moved(self) -> tuple[int, float | None] | None:
         """(bytes moved, when the last segment was committed once all were), or None."""
-        return (self.moved_bytes, self.last_commit) if self.finals or self.moved_bytes else None
+        return (self.moved_bytes, self.last_commit) if self.transfers else None
 
 
 class PrefillRooms:
@@ -84,9 +94,14 @@ class PrefillRooms:
 
     def open(self, room: int, own: str) -> int | None:
         """The engine opened `room`, this rank sending handoff `own`; returns a fan-out its
-        destination said before (`learn_fan_out` it), if any."""
-        self._rooms[room] = PrefillRoom(room, own)
-        self._by_id[own] = room
+        destination said before (`learn_fan_out` it), if any. A room open already (the engine
+        opened it twice: a duplicate request id) keeps its record, whatever its state: its
+        position, fan-out and copies stand, and a stopped room stays stopped."""
+        rec = self._rooms.get(room)
+        if rec is None:
+            self._rooms[room] = PrefillRoom(room, own)
+        if rec is None or rec.state != _P.EXCUSED:  # an excused room routes no event
+            self._by_id[own] = room
         return self._early.pop(own, None)
 
     def close(self, room: int) -> PrefillRoom | None:
@@ -148,6 +163,12 @@ class PrefillRooms:
         rec.replayed = dict.fromkeys(copies, 0)
         return True
 
+    def own_signalled_one(self, rec: PrefillRoom) -> None:
+        """The own handoff was signalled its next kept range (its forward had run): one more
+        range its copies may be given. Nothing when none is kept (a fan-out of 1 learned since)."""
+        if rec.ranges:
+            rec.own_signalled += 1
+
     def learn_early(self, own: str, k: int) -> None:
         """A destination's fan-out for a room the engine has not opened yet."""
         self._early[own] = k
@@ -171,6 +192,7 @@ class PrefillRooms:
         if final:
             rec.finals.add(hid)
         done = final and len(rec.finals) >= (rec.fan_out or 1)
+        rec.transfers += 1
         rec.moved_bytes += nbytes
         rec.last_commit = now if done else None
         return done

@@ -16,8 +16,9 @@ message signed for another rank, another life, without a secret or stale is refu
 changes nothing. (A replay within the skew window can only excuse the same rank for the same
 room again.)
 
-Called by: `backend.py` (the decode receiver's `init` sends; a prefill manager's listener
-thread reads its `server_socket`).
+Called by: `receiver.py` (the decode receiver's `init` sends) and `manager.py` (a prefill
+manager's listener thread reads its `server_socket` and hands each excusal to
+`PrefillRank.excuse`, which keeps one that comes before its room in `Excusals`).
 """
 
 from __future__ import annotations

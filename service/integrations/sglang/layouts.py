@@ -1,6 +1,6 @@
 """SGLang's `KVArgs` as kvhandoff stage layouts, and what this backend refuses.
 
-Called once per scheduler rank by the manager (`backend.py`). The KV buffers follow the
+Called once per scheduler rank by the manager (`manager.py`). The KV buffers follow the
 layer-id contract as SGLang publishes it: `kv_data_ptrs` group-major, `kv_layer_ids` the global
 ids (one per buffer, or the distinct ids; `[]` means SGLang's positional list, whose ids start
 at `prefill_start_layer`). SGLang 0.5.23 publishes ids only for hybrid pools, so a plain model's

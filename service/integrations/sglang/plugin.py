@@ -25,9 +25,9 @@ TARGET = "sglang.srt.disaggregation.utils.get_kv_class"
 
 #: KVClassType member name -> "module:class" of ours (KVARGS stays SGLang's shared container).
 CLASSES = {
-    "MANAGER": "service.integrations.sglang.backend:KVHandoffManager",
-    "SENDER": "service.integrations.sglang.backend:KVHandoffSender",
-    "RECEIVER": "service.integrations.sglang.backend:KVHandoffReceiver",
+    "MANAGER": "service.integrations.sglang.manager:KVHandoffManager",
+    "SENDER": "service.integrations.sglang.sender:KVHandoffSender",
+    "RECEIVER": "service.integrations.sglang.receiver:KVHandoffReceiver",
     "BOOTSTRAP_SERVER": "service.integrations.sglang.bootstrap:KVHandoffBootstrapServer",
 }
 

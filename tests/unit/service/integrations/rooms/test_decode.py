@@ -59,3 +59,22 @@ def test_a_room_is_safe_only_when_every_handoff_of_it_is_released() -> None:
     assert not rooms.release_safe(5) and rooms.release_safe(6)
     rooms.released("b")
     assert rooms.release_safe(5)
+
+
+def test_events_route_to_an_open_handoff_only_and_a_reopened_one_routes_again() -> None:
+    rooms = opened(3, "h")
+    assert rooms.room_of("h") == 3 and rooms.room_of("other") is None
+    assert rooms.creating("h") and not rooms.created("h")
+    rooms.close("h")  # still leased: kept for `release_safe`, but no event routes to it
+    assert rooms.room_of("h") is None and not rooms.release_safe(3)
+    rooms.open(3, "h")  # the engine follows it again: its record stands, leased
+    assert rooms.room_of("h") == 3 and rooms.state("h") == DecodeState.HELD
+
+
+def test_an_unreachable_prefill_is_noted_on_the_room_until_its_records_go() -> None:
+    rooms = opened(4, "h")
+    assert not rooms.unreachable(4)
+    rooms.note_unreachable(4)
+    assert rooms.unreachable(4) and not rooms.unreachable(5)
+    rooms.close("h")  # never asked for: released and forgotten, the note with it
+    assert not rooms.unreachable(4)

@@ -91,3 +91,44 @@ def test_an_excused_room_says_what_to_withdraw_and_routes_no_event() -> None:
     assert rooms.excuse(rec) == (True, True)
     assert rec.state == PrefillState.EXCUSED and rooms.room_of("own") is None
     assert not rooms.stop(rec)  # it moves nothing: nothing of it fails
+
+
+def test_only_a_kept_range_counts_as_signalled_to_the_own_handoff() -> None:
+    rooms, rec = opened()
+    rooms.own_signalled_one(rec)  # nothing kept: nothing for a copy to be given
+    assert rec.own_signalled == 0
+    rooms.keep(rec, Range([0], 0, True, None, None))
+    rooms.own_signalled_one(rec)
+    assert rec.own_signalled == 1
+    rooms.learn_fan_out(rec, 1, [])  # no copy will come: the ranges go
+    rooms.own_signalled_one(rec)
+    assert rec.own_signalled == 1
+
+
+def test_a_room_says_whether_it_is_excused_or_stopped() -> None:
+    rooms, rec = opened()
+    assert not rec.excused and not rec.stopped
+    assert rooms.stop(rec) and rec.stopped
+    assert rooms.open(2, "two") is None
+    other = rooms.get(2)
+    assert other is not None and other is not rec
+    rooms.excuse(other)
+    assert other.excused and not other.stopped
+
+
+def test_opening_a_live_room_again_keeps_its_record_and_an_excused_one_routes_nothing() -> None:
+    rooms, rec = opened()
+    rooms.chunk(rec, 2, is_last=False, waiting=[])
+    rooms.learn_fan_out(rec, 2, ["c1"])
+    assert rooms.open(1, "own") is None
+    assert rooms.get(1) is rec and rec.sent == 2 and rooms.room_of("c1") == 1
+    rooms.excuse(rec)
+    rooms.open(1, "own")
+    assert rec.excused and rooms.room_of("own") is None
+
+
+def test_a_room_has_moved_once_any_segment_was_committed_even_an_empty_one() -> None:
+    rooms, rec = opened()
+    assert rec.moved is None
+    assert not rooms.transferred(rec, "own", 0, final=False, now=1.0)
+    assert rec.moved == (0, None)
