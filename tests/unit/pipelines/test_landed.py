@@ -831,6 +831,42 @@ async def test_windows_of_a_destination_in_flight_stay_out_of_use_until_its_deli
     assert w.landing.arena.stats.used_bytes == (held if accepted else 0)
 
 
+async def test_a_peer_that_left_a_destination_unanswered_is_granted_no_first_window(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31: once a destination to a prefill has waited longer than a window request may
+    (a hung process), that peer's next destinations carry no first window; its stages ask
+    once it speaks. (tests/integration/test_hung_prefill.py passes without this rule: the
+    windows also come back when the hung deliveries end.)"""
+    from pipelines.decode import pipeline as decode_pipeline
+
+    monkeypatch.setattr(decode_pipeline, "WINDOW_WAIT_S", 0.05)
+    w = world
+    release = asyncio.Event()
+    link = w.decode._prefill
+    deliver = link.deliver
+    sent: list[DestinationMsg] = []
+
+    async def hung(url: str, msg: DestinationMsg) -> None:
+        sent.append(msg)
+        await release.wait()
+        await deliver(url, msg)
+
+    link.deliver = hung  # type: ignore[method-assign]
+    try:
+        await w.decode.create(HandoffRequest(id="h0", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
+        await eventually(lambda: len(sent) == 1, what="the first destination sent")
+        assert sent[0].grants  # a peer not known to hang gets its first windows
+        held = w.landing.arena.stats.used_bytes
+        await asyncio.sleep(0.2)  # unanswered for longer than a window request may wait
+        await w.decode.create(HandoffRequest(id="h1", prefill=["p"], dst_pages=[3, 4], dst_slot=1))
+        await eventually(lambda: len(sent) == 2, what="the second destination sent")
+        assert sent[1].grants == []
+        assert w.landing.arena.stats.used_bytes == held
+    finally:
+        release.set()
+
+
 async def test_an_aborted_handoff_s_windows_go_back_once_its_prefill_confirms(
     world: World,
 ) -> None:
