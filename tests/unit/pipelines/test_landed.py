@@ -867,6 +867,41 @@ async def test_a_peer_that_left_a_destination_unanswered_is_granted_no_first_win
         release.set()
 
 
+async def test_windows_of_a_destination_that_never_reached_its_prefill_go_back_at_once(
+    world: World,
+) -> None:
+    """A destination whose delivery failed, to a prefill that then answers nothing (not even
+    the abort), leaves its first windows unused: they go back as its handoff fails, not held
+    until deadline + grace (`Landing.settle`, `undelivered`). The abort is held, so no ack can
+    lift them instead."""
+    w = world
+    link = w.decode._prefill
+    deliver, abort = link.deliver, link.abort
+    sent: list[DestinationMsg] = []
+    answer = asyncio.Event()
+
+    async def unreachable(url: str, msg: DestinationMsg) -> None:
+        sent.append(msg)
+        raise ConflictError("the destination did not reach it", field="handoff_id")
+
+    async def silent(url: str, msg: Any) -> Any:
+        await answer.wait()
+        return await abort(url, msg)
+
+    link.deliver = unreachable  # type: ignore[method-assign]
+    link.abort = silent  # type: ignore[method-assign]
+    try:
+        await w.decode.create(
+            HandoffRequest(id="u", prefill=["p"], dst_pages=[1, 2], dst_slot=0, deadline_s=60.0)
+        )
+        assert await wait_released(w, "u") == HandoffState.FAILED
+        assert sent and sent[0].grants  # it was sent with first windows
+        assert w.landing.arena.stats.used_bytes == 0
+    finally:
+        link.deliver = deliver  # type: ignore[method-assign]
+        answer.set()
+
+
 async def test_an_aborted_handoff_s_windows_go_back_once_its_prefill_confirms(
     world: World,
 ) -> None:
