@@ -906,8 +906,19 @@ async def test_an_aborted_handoff_s_windows_go_back_once_its_prefill_confirms(
     world: World,
 ) -> None:
     """Issue 31: the quarantine of an ended handoff's windows is lifted once every writer's own
-    prefill life confirmed it stopped (here its abort ack), not held until deadline + grace."""
+    prefill life confirmed it stopped (here its abort ack), not held until deadline + grace;
+    and not before: while the ack is held back, the released handoff's windows stay
+    quarantined (a writer may still write them)."""
     w = world
+    link = w.decode._prefill
+    abort = link.abort
+    answer = asyncio.Event()
+
+    async def held(url: str, msg: Any) -> Any:
+        await answer.wait()
+        return await abort(url, msg)
+
+    link.abort = held  # type: ignore[method-assign]
     await w.decode.create(
         HandoffRequest(id="q", prefill=["p"], dst_pages=[1, 2], dst_slot=0, deadline_s=60.0)
     )
@@ -917,8 +928,16 @@ async def test_an_aborted_handoff_s_windows_go_back_once_its_prefill_confirms(
         return h is not None and h.known_destination is not None
 
     await eventually(delivered, what="the destination with its first windows")
-    assert w.landing.arena.stats.used_bytes > 0
-    await w.decode.abort("q")  # returns once the prefill acknowledged
+    held_bytes = w.landing.arena.stats.used_bytes
+    assert held_bytes > 0
+    aborting = asyncio.ensure_future(w.decode.abort("q"))  # returns once the prefill acked
+    try:
+        assert await wait_released(w, "q") == HandoffState.ABORTED  # the lease: at once
+        await asyncio.sleep(0.05)
+        assert w.landing.arena.stats.quarantined_bytes == held_bytes  # the windows: not yet
+    finally:
+        answer.set()
+    await aborting
     await eventually(lambda: w.landing.arena.stats.used_bytes == 0, what="the windows back")
     assert w.landing.arena.stats.quarantined_bytes == 0
 
