@@ -82,14 +82,21 @@ class Deployment:
     #: Another rank process: (role, pp_rank, variant of engine_proc's memory, its state dir).
     start: Callable[[str, int, dict[str, Any], str], Proc]
     decodes: list[Proc]  # every decode rank (`decode` is the first)
+    mode: str  # transfer.mode of every rank
 
 
 @contextlib.contextmanager
 def deploy(
-    tmp: Path, prefill: list[tuple[int, dict[str, Any]]], decode: list[dict[str, Any]], pp_size: int
+    tmp: Path,
+    prefill: list[tuple[int, dict[str, Any]]],
+    decode: list[dict[str, Any]],
+    pp_size: int,
+    *,
+    mode: str = "landed",
 ) -> Iterator[Deployment]:
     """A bootstrap server of its own and one process per rank: the prefill ranks `(pp_rank,
-    variant)` of a prefill of `pp_size` stages, then the decode ranks (their variants)."""
+    variant)` of a prefill of `pp_size` stages, then the decode ranks (their variants), all in
+    transfer `mode`."""
     (tmp / "model").mkdir()
     (tmp / "model" / "config.json").write_text(
         json.dumps(
@@ -111,7 +118,7 @@ def deploy(
         path = tmp / f"kvhandoff-{state}.toml"
         path.write_text(
             f'[server]\nstate_dir = "{tmp / state}"\n[auth]\npeer = "{SECRET}"\n'
-            "[transfer]\nlanding_bytes = 4194304\nwindow_bytes = 1048576\n"
+            f'[transfer]\nmode = "{mode}"\nlanding_bytes = 4194304\nwindow_bytes = 1048576\n'
             "staging_bytes = 4194304\n[handoff]\ndefault_deadline_s = 10.0\n"
             # Deadline + grace within SGLang's deferred release timeout (30 s by default).
             "max_grace_s = 20.0\nheartbeat_interval_s = 0.5\npeer_timeout_s = 2.0\n"
@@ -167,7 +174,7 @@ def deploy(
         for p in [*prefills, *decodes]:
             p.hello = p.answer()
             assert p.hello["ready"] and p.hello["manager"] == "KVHandoffManager", p.hello
-        yield Deployment(port, server, prefills, decodes[0], tmp, start, decodes)
+        yield Deployment(port, server, prefills, decodes[0], tmp, start, decodes, mode)
     finally:
         for p in started:
             if p.popen.poll() is None:

@@ -2,8 +2,8 @@
 on their way gets its pages back from SGLang's `DecodeTransferQueue` (`pop_transferred`, then
 `resolve_deferred_releases`, as its scheduler runs them) only once kvhandoff released them, so
 the next request given those pages by SGLang's allocator keeps its bytes. A prefill of two PP
-stages and a decode, each in its own process, real Mooncake over TCP (`test_backend.deploy`);
-the decode drives SGLang's queue (`transfer_queue.py`)."""
+stages and a decode, each in its own process, real Mooncake over TCP (`test_backend.deploy`),
+in both transfer modes; the decode drives SGLang's queue (`transfer_queue.py`)."""
 
 from __future__ import annotations
 
@@ -22,16 +22,25 @@ from tests.sglang.test_backend import Deployment, deploy, logged
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    with deploy(tmp_path_factory.mktemp("release"), [(0, {}), (1, {})], [{}], 2) as d:
+@pytest.fixture(scope="module", params=["landed", "direct"])
+def pair(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Deployment]:
+    tmp = tmp_path_factory.mktemp(f"release-{request.param}")
+    with deploy(tmp, [(0, {}), (1, {})], [{}], 2, mode=request.param) as d:
         yield d
+
+
+#: How long the prefill processes are stopped from the failure on: SGLang sees the request
+#: Failed at once; kvhandoff's release waits for them where it must (their abort ack).
+PAUSE_S = 1.0
 
 
 def fail_while_sending(d: Deployment, room: int, fail: str) -> dict[str, Any]:
     """Both stages signal room's pages first (they wait for the destination), then the decode
     asks for the handoff and SGLang aborts the request: at once (`at_once`: its create still
-    queued) or once the handoff exists and its bytes are landing (`transferring`)."""
+    queued) or once the handoff exists and its bytes are landing (`transferring`). The prefill
+    processes stop at the failure for `PAUSE_S`."""
     src = list(range(1, 9))
     for p in d.prefill:
         p.ask(
@@ -40,7 +49,10 @@ def fail_while_sending(d: Deployment, room: int, fail: str) -> dict[str, Any]:
         )
     for p in d.prefill:
         logged(p, d.tmp, f"signalled sglang-{room}-tp0 last=True")
-    d.decode.ask({"op": "boundary", "room": room, "pages": src, "aux": 2, "fail": fail})
+    pause = {"pids": [p.popen.pid for p in d.prefill], "s": PAUSE_S}
+    d.decode.ask(
+        {"op": "boundary", "room": room, "pages": src, "aux": 2, "fail": fail, "pause": pause}
+    )
     decode = d.decode.answer()
     prefill = [p.answer() for p in d.prefill]
     d.prefill[1].ask({"op": "clear", "room": room, "failed": True})
@@ -57,6 +69,15 @@ def test_sglang_reuses_a_failed_request_s_pages_only_after_kvhandoff_released_th
     # SGLang's allocator gave the next request the failed one's pages (the pool was full).
     assert sorted(decode["reused"]) == sorted(decode["pages"]), decode
     assert decode["released_s"] is not None, json.dumps(decode)  # kvhandoff released it
+    assert decode["failed_seen_s"] is not None, decode
+    if pair.mode == "direct" or fail == "at_once":
+        # The premise: SGLang saw the request Failed while kvhandoff still held its pages,
+        # waiting for the stopped prefills (direct mode: their writes reach the pages; a create
+        # still queued: it waits for them), so a queue that freed the pages at Failed, without
+        # asking `is_abort_release_safe`, would have freed them before the release.
+        assert decode["released_s"] > decode["failed_seen_s"] + PAUSE_S / 2, decode
+    # Landed mode releases a transferring handoff once no commit of it runs (its prefills
+    # write only landing windows): there the release rule guards a running commit only.
     # ... only after kvhandoff released them, and no write of the failed handoff landed there.
     assert decode["freed_s"] >= decode["released_s"], decode
     assert decode["intact"], decode

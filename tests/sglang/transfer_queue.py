@@ -14,6 +14,8 @@ tree and token pool; when it runs is SGLang's decision, which is what the tests 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -91,7 +93,12 @@ class Boundary:
         says while its prefill's bytes are on their way; the rest of the pool is taken, so
         the next request's pages are A's, once SGLang gives them back. The next request's KV
         is written into them at once, and read again once kvhandoff released A (and a while
-        after): intact only if no write of A landed after SGLang reused its pages."""
+        after): intact only if no write of A landed after SGLang reused its pages.
+
+        `cmd["pause"]` (`{"pids": [...], "s": ...}`) stops those (prefill) processes from A's
+        failure for that long: kvhandoff cannot confirm A stopped, nor release it, until they
+        run again, while SGLang sees A Failed at once. Without it a quick abort ack may release
+        A before SGLang's first pass, and a queue that freed the pages at Failed would pass."""
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.decode import DecodeRequest
 
@@ -114,28 +121,49 @@ class Boundary:
         if cmd["fail"] == "transferring":  # the handoff exists: its bytes are on their way
             while receiver.poll() != KVPoll.Transferring and time.monotonic() < end:
                 time.sleep(0.001)
+        pause = cmd.get("pause") or {}
+        pids = [int(pid) for pid in pause.get("pids", ())]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
         failed_at = time.monotonic()
+        resume_at = failed_at + float(pause.get("s", 0.0))
         receiver.abort()  # the scheduler's abort of a transfer-queue request (AbortReq)
         hid = receiver._hid
         b: torch.Tensor | None = None
         reused_at = 0.0
+        seen_failed_at: float | None = None  # SGLang's first pass that saw A Failed
         settle_s = float(cmd.get("settle_s", 1.0))
-        while time.monotonic() < end:
-            self.queue.resolve_deferred_releases()  # process_decode_queue's order
-            self.queue.pop_transferred()
-            if b is None:
-                b = self.allocator.alloc(n * self.page_size)
-                reused_at = time.monotonic()
-                if b is not None:  # the next request's KV, in the pages it was given
-                    for p in self.pages_of(b):
-                        for t in kv:
-                            t[p * item : (p + 1) * item] = MARK
-            # Read again a while after the later of the reuse and kvhandoff's release: a write
-            # of the failed handoff that was still on its way has landed by then.
-            released = self.released_at.get(hid)
-            if b is not None and time.monotonic() > max(released or 0.0, reused_at) + settle_s:
-                break
-            time.sleep(0.005)
+        try:
+            while time.monotonic() < end:
+                if pids and time.monotonic() >= resume_at:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGCONT)
+                    pids = []
+                if seen_failed_at is None and receiver.poll() == KVPoll.Failed:
+                    seen_failed_at = time.monotonic()
+                self.queue.resolve_deferred_releases()  # process_decode_queue's order
+                self.queue.pop_transferred()
+                if b is None:
+                    b = self.allocator.alloc(n * self.page_size)
+                    reused_at = time.monotonic()
+                    if b is not None:  # the next request's KV, in the pages it was given
+                        for p in self.pages_of(b):
+                            for t in kv:
+                                t[p * item : (p + 1) * item] = MARK
+                # Read again a while after the later of the reuse and kvhandoff's release (not
+                # before it: until then a write of the failed handoff may still land, and one
+                # that lands in the next request's pages is what `intact` catches).
+                released = self.released_at.get(hid)
+                if (
+                    b is not None
+                    and released is not None
+                    and time.monotonic() > max(released, reused_at) + settle_s
+                ):
+                    break
+                time.sleep(0.005)
+        finally:
+            for pid in pids:  # never leave a prefill stopped
+                os.kill(pid, signal.SIGCONT)
         reused = self.pages_of(b) if b is not None else []
         intact = all(bool((t[p * item : (p + 1) * item] == MARK).all()) for p in reused for t in kv)
         self.allocator.free(filler)
@@ -146,6 +174,7 @@ class Boundary:
             "pages": pages,
             "reused": reused,
             "intact": intact,
+            "failed_seen_s": _since(seen_failed_at, failed_at),
             "freed_s": _since(self.freed_at.get(room), failed_at),
             "released_s": _since(self.released_at.get(hid), failed_at),
             "held": self.queue.num_pending_deferred_releases(),

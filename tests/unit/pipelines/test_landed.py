@@ -831,12 +831,94 @@ async def test_windows_of_a_destination_in_flight_stay_out_of_use_until_its_deli
     assert w.landing.arena.stats.used_bytes == (held if accepted else 0)
 
 
+async def test_a_peer_that_left_a_destination_unanswered_is_granted_no_first_window(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31: once a destination to a prefill has waited longer than a window request may
+    (a hung process), that peer's next destinations carry no first window; its stages ask
+    once it speaks. (tests/integration/test_hung_prefill.py passes without this rule: the
+    windows also come back when the hung deliveries end.)"""
+    from pipelines.decode import pipeline as decode_pipeline
+
+    monkeypatch.setattr(decode_pipeline, "WINDOW_WAIT_S", 0.05)
+    w = world
+    release = asyncio.Event()
+    link = w.decode._prefill
+    deliver = link.deliver
+    sent: list[DestinationMsg] = []
+
+    async def hung(url: str, msg: DestinationMsg) -> None:
+        sent.append(msg)
+        await release.wait()
+        await deliver(url, msg)
+
+    link.deliver = hung  # type: ignore[method-assign]
+    try:
+        await w.decode.create(HandoffRequest(id="h0", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
+        await eventually(lambda: len(sent) == 1, what="the first destination sent")
+        assert sent[0].grants  # a peer not known to hang gets its first windows
+        held = w.landing.arena.stats.used_bytes
+        await asyncio.sleep(0.2)  # unanswered for longer than a window request may wait
+        await w.decode.create(HandoffRequest(id="h1", prefill=["p"], dst_pages=[3, 4], dst_slot=1))
+        await eventually(lambda: len(sent) == 2, what="the second destination sent")
+        assert sent[1].grants == []
+        assert w.landing.arena.stats.used_bytes == held
+    finally:
+        release.set()
+
+
+async def test_windows_of_a_destination_that_never_reached_its_prefill_go_back_at_once(
+    world: World,
+) -> None:
+    """A destination whose delivery failed, to a prefill that then answers nothing (not even
+    the abort), leaves its first windows unused: they go back as its handoff fails, not held
+    until deadline + grace (`Landing.settle`, `undelivered`). The abort is held, so no ack can
+    lift them instead."""
+    w = world
+    link = w.decode._prefill
+    deliver, abort = link.deliver, link.abort
+    sent: list[DestinationMsg] = []
+    answer = asyncio.Event()
+
+    async def unreachable(url: str, msg: DestinationMsg) -> None:
+        sent.append(msg)
+        raise ConflictError("the destination did not reach it", field="handoff_id")
+
+    async def silent(url: str, msg: Any) -> Any:
+        await answer.wait()
+        return await abort(url, msg)
+
+    link.deliver = unreachable  # type: ignore[method-assign]
+    link.abort = silent  # type: ignore[method-assign]
+    try:
+        await w.decode.create(
+            HandoffRequest(id="u", prefill=["p"], dst_pages=[1, 2], dst_slot=0, deadline_s=60.0)
+        )
+        assert await wait_released(w, "u") == HandoffState.FAILED
+        assert sent and sent[0].grants  # it was sent with first windows
+        assert w.landing.arena.stats.used_bytes == 0
+    finally:
+        link.deliver = deliver  # type: ignore[method-assign]
+        answer.set()
+
+
 async def test_an_aborted_handoff_s_windows_go_back_once_its_prefill_confirms(
     world: World,
 ) -> None:
     """Issue 31: the quarantine of an ended handoff's windows is lifted once every writer's own
-    prefill life confirmed it stopped (here its abort ack), not held until deadline + grace."""
+    prefill life confirmed it stopped (here its abort ack), not held until deadline + grace;
+    and not before: while the ack is held back, the released handoff's windows stay
+    quarantined (a writer may still write them)."""
     w = world
+    link = w.decode._prefill
+    abort = link.abort
+    answer = asyncio.Event()
+
+    async def held(url: str, msg: Any) -> Any:
+        await answer.wait()
+        return await abort(url, msg)
+
+    link.abort = held  # type: ignore[method-assign]
     await w.decode.create(
         HandoffRequest(id="q", prefill=["p"], dst_pages=[1, 2], dst_slot=0, deadline_s=60.0)
     )
@@ -846,8 +928,16 @@ async def test_an_aborted_handoff_s_windows_go_back_once_its_prefill_confirms(
         return h is not None and h.known_destination is not None
 
     await eventually(delivered, what="the destination with its first windows")
-    assert w.landing.arena.stats.used_bytes > 0
-    await w.decode.abort("q")  # returns once the prefill acknowledged
+    held_bytes = w.landing.arena.stats.used_bytes
+    assert held_bytes > 0
+    aborting = asyncio.ensure_future(w.decode.abort("q"))  # returns once the prefill acked
+    try:
+        assert await wait_released(w, "q") == HandoffState.ABORTED  # the lease: at once
+        await asyncio.sleep(0.05)
+        assert w.landing.arena.stats.quarantined_bytes == held_bytes  # the windows: not yet
+    finally:
+        answer.set()
+    await aborting
     await eventually(lambda: w.landing.arena.stats.used_bytes == 0, what="the windows back")
     assert w.landing.arena.stats.quarantined_bytes == 0
 

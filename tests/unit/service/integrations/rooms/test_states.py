@@ -35,6 +35,21 @@ def test_every_state_has_a_row_and_every_room_can_end(kind: type[StrEnum]) -> No
         assert table[final] == frozenset()
 
 
+@pytest.mark.parametrize("kind", [DecodeState, PrefillState])
+def test_no_room_goes_back_and_a_leased_handoff_leaves_only_by_its_release(
+    kind: type[StrEnum],
+) -> None:
+    # The states are declared in the order a room goes through them: every change is forward
+    # (a room never returns to before its create, or to sending after it stopped).
+    order = list(kind)
+    for state, nexts in TRANSITIONS[kind].items():
+        for nxt in nexts:
+            assert order.index(nxt) > order.index(state), (state, nxt)
+    if kind is DecodeState:
+        # Pages leased to a handoff are safe to free by kvhandoff's release only.
+        assert TRANSITIONS[kind][DecodeState.HELD] == {DecodeState.RELEASED}
+
+
 CASES = [
     *itertools.product(DecodeState, DecodeState),
     *itertools.product(PrefillState, PrefillState),
