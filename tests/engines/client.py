@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.engines.model import VOCAB
+from tests.engines.model import VOCAB, min_margin
 
 NEW_TOKENS = 16
 #: Bootstrap rooms whose first committed page the decode's fault hook corrupts
@@ -54,13 +54,27 @@ def handoff_id(room: int) -> str:
 MARKERS = range(3, 10)
 
 
-def prompts(n: int, *, seed: int, min_len: int = 8, max_len: int = 60) -> list[list[int]]:
-    """`n` distinct prompts of random token ids."""
+#: Greedy steps whose top two logits are closer than this are ties that float rounding decides
+#: (`model.min_margin`): prompts with one are not used.
+MIN_MARGIN = 1e-2
+
+
+def prompts(
+    n: int, *, seed: int, min_len: int = 8, max_len: int = 60, prefix: list[int] | None = None
+) -> list[list[int]]:
+    """`n` distinct prompts of random token ids (after `prefix`) whose greedy continuation has
+    no near-tie, so a single server and a PD pair that moved every byte right answer the same
+    tokens whatever their batch shapes."""
     rng = random.Random(seed)
-    return [
-        [rng.randrange(MARKERS.stop, VOCAB) for _ in range(rng.randrange(min_len, max_len + 1))]
-        for _ in range(n)
-    ]
+    out: list[list[int]] = []
+    while len(out) < n:
+        tail = [
+            rng.randrange(MARKERS.stop, VOCAB) for _ in range(rng.randrange(min_len, max_len + 1))
+        ]
+        prompt = [*(prefix or []), *tail]
+        if min_margin(prompt, NEW_TOKENS) >= MIN_MARGIN:
+            out.append(prompt)
+    return out
 
 
 def body(input_ids: list[int], **extra: Any) -> dict[str, Any]:

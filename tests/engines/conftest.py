@@ -24,8 +24,8 @@ from tests.engines.client import Pair, prompts, single
 from tests.engines.handoffs import Records, service_urls
 from tests.engines.model import write_model
 from tests.engines.servers import (
-    DECODE,
-    PD,
+    CHUNK_TOKENS,
+    SERVERS,
     Server,
     kvhandoff_env,
     write_kvhandoff_config,
@@ -37,13 +37,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import sglang  # noqa: F401  -- fails the run (not skips it) outside `make sglang-env`
 
 FAULTS = Path(__file__).resolve().parent / "faults"
-#: Prompts longer than this are prefilled in chunks by the PP 1 prefill.
-CHUNK_TOKENS = 32
-#: The decode's KV pool in tokens: 32 requests of up to 96 tokens fit at once (a request the
-#: decode cannot give pages waits in its queue while the prefill's handoff deadline runs);
-#: pages of finished and failed requests are reused by the next ones.
-DECODE_TOKENS = 4096
-RADIX = ["--disaggregation-decode-enable-radix-cache"]
 T = TypeVar("T")
 
 
@@ -90,8 +83,10 @@ class Servers:
         self.workdir, self.model, self.config = workdir, model, config
         self.started: list[Server] = []
 
-    def start(self, name: str, args: list[str], **kw: Any) -> Server:
-        env = {**kvhandoff_env(self.config), **kw.pop("env", {})}
+    def start(self, name: str, **kw: Any) -> Server:
+        """Start the server `name` of `SERVERS` (its arguments and environment there)."""
+        args, env = SERVERS[name]
+        env = {**kvhandoff_env(self.config), **env, **kw.pop("env", {})}
         server = Server(name, self.model, self.workdir, args, env=env, **kw)
         self.started.append(server)
         STARTED.append(server)
@@ -121,22 +116,12 @@ def servers(workdir: Path, model: Path, kvhandoff_config: Path) -> Iterator[Serv
 @pytest.fixture(scope="session")
 def single_server(servers: Servers) -> Server:
     """The reference: one plain server, no disaggregation."""
-    return servers.start("single", ["--max-total-tokens", "4096"])
+    return servers.start("single")
 
 
 @pytest.fixture(scope="session")
 def decode(servers: Servers) -> Server:
-    return servers.start(
-        "decode",
-        [
-            *PD,
-            *DECODE,
-            "--disaggregation-decode-enable-radix-cache",
-            "--max-total-tokens",
-            str(DECODE_TOKENS),
-        ],
-        extra_path=[FAULTS],
-    )
+    return servers.start("decode", extra_path=[FAULTS])
 
 
 @pytest.fixture(scope="session")
@@ -151,26 +136,14 @@ def decode_records(decode: Server, workdir: Path) -> Records:
     return Records(workdir / "state" / "sglang-decode-dp0-pp0-tp0")
 
 
-def prefill_args(*extra: str) -> list[str]:
-    return [*PD, "--disaggregation-mode", "prefill", "--max-total-tokens", "4096", *extra]
-
-
-#: The PP 1 prefill: chunked (SGLang's early send of a computed prefix creates a CUDA event,
-#: which its CPU scheduler cannot: off, chunks are still sent one by one).
-CHUNKED = {
-    "args": prefill_args("--chunked-prefill-size", str(CHUNK_TOKENS)),
-    "env": {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"},
-}
-
-
 @pytest.fixture(scope="session")
 def prefill(servers: Servers) -> Server:
-    return servers.start("prefill", CHUNKED["args"], env=dict(CHUNKED["env"]))
+    return servers.start("prefill")
 
 
 @pytest.fixture(scope="session")
 def prefill_pp2(servers: Servers) -> Server:
-    return servers.start("prefill-pp2", prefill_args("--pp-size", "2"))
+    return servers.start("prefill-pp2")
 
 
 @pytest.fixture(scope="session")

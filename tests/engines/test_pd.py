@@ -65,8 +65,7 @@ def test_the_decode_radix_cache_receives_only_the_pages_after_a_held_prefix(
     first when the next arrive (through both prefills: the PP 2 one's stages start mid-prefix
     too)."""
     prefix = prompts(1, seed=7, min_len=3 * CHUNK_TOKENS, max_len=3 * CHUNK_TOKENS)[0]
-    tails = prompts(4, seed=8, min_len=5, max_len=20)
-    batch = [prefix + t for t in tails]
+    batch = prompts(4, seed=8, min_len=5, max_len=20, prefix=prefix)
     expected = reference.of(batch)
     for i, (p, e) in enumerate(zip(batch, expected, strict=True)):
         assert pd_tokens(pair if i % 2 == 0 else pair_pp2, [p]) == [e], i

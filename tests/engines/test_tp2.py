@@ -13,31 +13,19 @@ import os
 import pytest
 
 from tests.engines.client import Pair
-from tests.engines.conftest import (
-    DECODE_TOKENS,
-    Reference,
-    Servers,
-    prefill_args,
-)
-from tests.engines.servers import DECODE, PD, Server
+from tests.engines.conftest import Reference, Servers
 from tests.engines.test_pd import pd_tokens
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("KVHANDOFF_ENGINE_TP2") != "1",
     reason="TP 2 servers are opt-in: KVHANDOFF_ENGINE_TP2=1 (make test-engines-tp2)",
 )
-TP2 = ["--tp-size", "2"]
 
 
 @pytest.fixture(scope="module")
 def pair_tp2(servers: Servers) -> Pair:
-    decode = servers.start(
-        "decode-tp2",
-        [*PD, *DECODE, *TP2, "--max-total-tokens", str(DECODE_TOKENS)],
-        # Its ranks' state directories apart from the TP 1 decode's (same rank names).
-        env={"KVHANDOFF_SERVER__STATE_DIR": str(servers.workdir / "state-tp2")},
-    )
-    prefill: Server = servers.start("prefill-tp2", prefill_args(*TP2))
+    decode = servers.start("decode-tp2")
+    prefill = servers.start("prefill-tp2")
     return Pair(prefill.url, prefill.bootstrap_port, decode.url)
 
 
