@@ -6,7 +6,7 @@ driven as SGLang's router drives it) with two PD pairs up at once on one machine
 decode over kvhandoff, and prefill and decode over SGLang's `mooncake` backend (Mooncake TCP on
 loopback, `MC_FORCE_TCP=1`; `bench/native_hook` turns off the pinned-memory page indices a CPU
 torch refuses). Both pairs first answer the same prompts with the same tokens. Then, in rounds
-that alternate which backend goes first, each pair serves `--requests` requests at concurrency
+that alternate which backend goes first, each pair serves `REQUESTS` at concurrency
 1 and 16 (a closed loop: each worker sends its next request when the last one ends), streamed
 from the decode: a request's latency is send -> last token, its TTFT send -> first token out of
 the decode. Writes bench/engines.json and regenerates BENCHMARKS.md, whose section it feeds.
@@ -37,7 +37,9 @@ from tests.engines.servers import DECODE, PEER_SECRET, Server, kvhandoff_env
 ROOT = Path(__file__).resolve().parents[1]
 HOOK = Path(__file__).resolve().parent / "native_hook"
 BACKENDS = ("kvhandoff", "mooncake")
-CONCURRENCY = (1, 16)
+#: Requests per backend and round at each concurrency: two full waves at 16.
+REQUESTS = {1: 16, 16: 32}
+CONCURRENCY = tuple(REQUESTS)
 PROMPT_TOKENS = 64
 POOL = ["--max-total-tokens", "4096"]
 
@@ -170,7 +172,7 @@ def start_pairs(work: Path, servers: list[Server]) -> dict[str, Pair]:
     return pairs
 
 
-def measure(pairs: dict[str, Pair], requests: int, rounds: int) -> list[dict[str, Any]]:
+def measure(pairs: dict[str, Pair], rounds: int) -> list[dict[str, Any]]:
     """Every backend at every concurrency, `rounds` times, alternating which goes first; the
     same prompts for both backends in a round, fresh ones each round."""
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -179,7 +181,7 @@ def measure(pairs: dict[str, Pair], requests: int, rounds: int) -> list[dict[str
         order = BACKENDS if rnd % 2 == 0 else tuple(reversed(BACKENDS))
         for c in CONCURRENCY:
             seed += 1
-            batch = prompts(requests, seed=seed, min_len=PROMPT_TOKENS, max_len=PROMPT_TOKENS)
+            batch = prompts(REQUESTS[c], seed=seed, min_len=PROMPT_TOKENS, max_len=PROMPT_TOKENS)
             for backend in order:
                 r = asyncio.run(closed_loop(pairs[backend], batch, c))
                 runs.setdefault((backend, c), []).append(r)
@@ -193,7 +195,6 @@ def measure(pairs: dict[str, Pair], requests: int, rounds: int) -> list[dict[str
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=32, help="per backend, concurrency, round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "bench" / "engines.json"))
     parser.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         check = prompts(8, seed=40, min_len=8, max_len=PROMPT_TOKENS)
         equal = asyncio.run(same_tokens(pairs, check))
         print(f"same tokens from both backends: {equal}", flush=True)
-        rows = measure(pairs, args.requests, args.rounds)
+        rows = measure(pairs, args.rounds)
     finally:
         for s in reversed(servers):
             s.stop()
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": "the engine tests' seeded tiny Llama (tests/engines/model.py), float32",
         "prompt_tokens": PROMPT_TOKENS,
         "new_tokens": NEW_TOKENS,
-        "requests": args.requests,
+        "requests": {str(c): n for c, n in REQUESTS.items()},
         "rounds": args.rounds,
         "same_tokens": equal,
         "start_s": {s.name: s.start_s[-1] for s in servers},

@@ -280,7 +280,11 @@ def _engines(r: Mapping[str, Any]) -> str:
             ("TTFT p50 ms (decode's first token)", "ttft_p50_ms", 1),
             ("TTFT p99 ms", "ttft_p99_ms", 1),
             ("requests/s", "req_per_s", 2),
+            ("requests", "requests", 0),
         ):
+            if not digits:  # a count, not compared
+                body.append([num(c), label, num(int(k[key])), num(int(n[key])), ""])
+                continue
             body.append(
                 [num(c), label, num(float(k[key]), digits), num(float(n[key]), digits),
                  ratio(_div(float(k[key]), float(n[key])))]
@@ -296,11 +300,12 @@ def _engines(r: Mapping[str, Any]) -> str:
         "backend (Mooncake TCP on loopback; a bench-only hook turns off its pinned page "
         "indices, which a CPU torch refuses). Both answered the same prompts with "
         + ("the same tokens" if r["same_tokens"] else "**different tokens**")
-        + f". {num(r['requests'])} requests of {num(r['prompt_tokens'])} prompt tokens and "
-        f"{num(r['new_tokens'])} new tokens (greedy, `ignore_eos`) per backend, concurrency "
-        f"and round, {num(r['rounds'])} rounds alternating which backend goes first, each "
-        "concurrency a closed loop; streamed from the decode. p99 of so few requests is close "
-        "to their maximum. On a model this small a request's KV is a few tens of KiB: the "
+        + f". Requests of {num(r['prompt_tokens'])} prompt tokens and "
+        f"{num(r['new_tokens'])} new tokens (greedy, `ignore_eos`), {num(r['rounds'])} "
+        "rounds alternating which backend goes first, each concurrency a closed loop (the "
+        "table's `requests` per backend over all rounds); streamed from the decode. p99 of so "
+        "few requests is close to their maximum. On a model this small a request's KV is "
+        f"{num(r['prompt_tokens'])} KiB (1 KiB a token): the "
         "figures compare each backend's per-request control path (bootstrap, handoff "
         f"creation, notices, commit) far more than its data path. Start-up: {starts}.\n\n"
         + table(["concurrency", "", "kvhandoff", "mooncake", "kvhandoff ÷ mooncake"], body)

@@ -93,13 +93,13 @@ def test_the_engines_run_beside_the_results_is_its_last_section(doc: dict, tmp_p
     results = tmp_path / "bench" / "results.json"
     results.write_text(json.dumps(doc))
     assert f"## {report.ENGINES_TITLE}" not in report.regenerate(results, tmp_path)
-    row = {"requests": 32, "p50_ms": 400.0, "p99_ms": 900.0, "ttft_p50_ms": 300.0}
+    row = {"requests": 64, "p50_ms": 400.0, "p99_ms": 900.0, "ttft_p50_ms": 300.0}
     engines = {
         "machine": {"commit": "fedcba", "at": "2026-12-07T11:00:00Z"},
         "model": "a tiny model",
         "prompt_tokens": 64,
         "new_tokens": 16,
-        "requests": 32,
+        "requests": {"1": 32},
         "rounds": 2,
         "same_tokens": True,
         "start_s": {"kvhandoff-decode": 80.0},
@@ -118,3 +118,4 @@ def test_the_engines_run_beside_the_results_is_its_last_section(doc: dict, tmp_p
     assert "`fedcba`" in section and "the same tokens" in section
     assert "| 1 | requests/s | 2.50 | 2.00 | 1.25x |" in section
     assert "| 1 | TTFT p99 ms | 500 | 400 | 1.25x |" in section
+    assert "| 1 | requests | 64 | 64 |  |" in section
