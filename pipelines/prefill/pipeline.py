@@ -490,9 +490,7 @@ class PrefillPipeline:
                 continue
             if dest.decode_incarnation != ack.incarnation:
                 victims.append((h, f"decode {decode_url} restarted"))
-            elif (
-                h.handoff_id in sent and h.handoff_id not in theirs and not h.told(dest.pp_ranks)
-            ):
+            elif h.handoff_id in sent and h.handoff_id not in theirs and not h.told(dest.pp_ranks):
                 victims.append((h, f"decode {decode_url} no longer has it"))
         for h, why in victims:
             await self._abort(h, why)
