@@ -28,6 +28,9 @@ from tests.engines.servers import Server
 
 _SERVING = re.compile(r"kvhandoff (decode|prefill) serving at (\S+)")
 TERMINAL = frozenset({"completed", "failed", "aborted"})
+#: Each API call's bound, connecting included: a service thread inside a busy engine process on
+#: a loaded 2-core machine was seen taking over 30 s (aiohttp's default) to accept.
+API_TIMEOUT = aiohttp.ClientTimeout(total=120)
 
 
 def service_urls(server: Server, role: str) -> list[str]:
@@ -42,7 +45,7 @@ def service_urls(server: Server, role: str) -> list[str]:
 
 async def view(session: aiohttp.ClientSession, url: str, room: int) -> dict[str, Any] | None:
     """The decode's view of the room's handoff, or None while it has none."""
-    async with session.get(f"{url}/v1/handoffs/{handoff_id(room)}") as r:
+    async with session.get(f"{url}/v1/handoffs/{handoff_id(room)}", timeout=API_TIMEOUT) as r:
         if r.status == 404:
             return None
         r.raise_for_status()
@@ -80,7 +83,7 @@ async def views(session: aiohttp.ClientSession, url: str) -> list[dict[str, Any]
     cursor = 0
     while True:
         params = {"limit": "1000", "cursor": str(cursor)}
-        async with session.get(f"{url}/v1/handoffs", params=params) as r:
+        async with session.get(f"{url}/v1/handoffs", params=params, timeout=API_TIMEOUT) as r:
             r.raise_for_status()
             page = await r.json()
         out += page["items"]
@@ -92,7 +95,7 @@ async def views(session: aiohttp.ClientSession, url: str) -> list[dict[str, Any]
 async def in_flight(session: aiohttp.ClientSession, url: str) -> float:
     """`kvhandoff_handoffs_in_flight` from the service's /metrics (decode: not terminal;
     prefill: holding a destination and not ended)."""
-    async with session.get(f"{url}/metrics") as r:
+    async with session.get(f"{url}/metrics", timeout=API_TIMEOUT) as r:
         r.raise_for_status()
         text = await r.text()
     for line in text.splitlines():
