@@ -61,10 +61,13 @@ def write_config(work: Path) -> Path:
     return path
 
 
-def env_of(backend: str, config: Path) -> dict[str, str]:
+def env_of(backend: str, mode: str, config: Path) -> dict[str, str]:
+    # On CPU SGLang's early send of a prefix its radix cache holds creates a CUDA event, which
+    # ends a prefill's scheduler at the first prompt sharing a prefix with an earlier one.
+    env = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"} if mode == "prefill" else {}
     if backend == "kvhandoff":
-        return kvhandoff_env(config)
-    return {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}
+        return {**env, **kvhandoff_env(config)}
+    return {**env, "MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}
 
 
 async def timed(
@@ -159,7 +162,7 @@ def start_pairs(work: Path, servers: list[Server]) -> dict[str, Pair]:
                 model,
                 work,
                 pd_args(backend, mode),
-                env=env_of(backend, config),
+                env=env_of(backend, mode, config),
                 extra_path=[HOOK] if backend == "mooncake" else [],
             )
             servers.append(s)
