@@ -32,7 +32,7 @@ from service.tools.bench.report import regenerate
 from service.tools.bench.suite import machine
 from tests.engines.client import NEW_TOKENS, Pair, body, bootstrap, pd, prompts
 from tests.engines.model import write_model
-from tests.engines.servers import DECODE, PEER_SECRET, Server, kvhandoff_env
+from tests.engines.servers import DECODE, EARLY_SEND_OFF, PEER_SECRET, Server, kvhandoff_env
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOK = Path(__file__).resolve().parent / "native_hook"
@@ -62,9 +62,9 @@ def write_config(work: Path) -> Path:
 
 
 def env_of(backend: str, mode: str, config: Path) -> dict[str, str]:
-    # On CPU SGLang's early send of a prefix its radix cache holds creates a CUDA event, which
-    # ends a prefill's scheduler at the first prompt sharing a prefix with an earlier one.
-    env = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"} if mode == "prefill" else {}
+    # Else SGLang's early send of a prefix its radix cache holds ends the prefill's scheduler at
+    # the first prompt sharing a prefix with an earlier one (a CUDA event on CPU).
+    env = dict(EARLY_SEND_OFF) if mode == "prefill" else {}
     if backend == "kvhandoff":
         return {**env, **kvhandoff_env(config)}
     return {**env, "MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}

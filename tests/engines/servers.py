@@ -61,23 +61,23 @@ def decode_args(*extra: str) -> list[str]:
     return [*PD, *DECODE, *extra, "--max-total-tokens", str(DECODE_TOKENS)]
 
 
+#: SGLang's early send of a computed or cached prefix creates a CUDA event, which ends a CPU
+#: prefill's scheduler under overlap scheduling (a PP 1 prefill; PP turns overlap off): off,
+#: chunks are still sent one by one.
+EARLY_SEND_OFF = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}
 #: What each of the tests' servers adds to `LAUNCH`, and to its environment, by name: the
 #: launch lines docs/guides/sglang/support.md shows (tests/unit/test_docs.py compares them).
-#: The PP 1 prefill is chunked (SGLang's early send of a computed prefix creates a CUDA event,
-#: which its CPU scheduler cannot: off, chunks are still sent one by one); the decode keeps a
-#: radix cache; the TP 2 pair is opt-in (`test_tp2.py`).
+#: The PP 1 prefill is chunked; the decode keeps a radix cache; the TP 2 pair is opt-in
+#: (`test_tp2.py`).
 SERVERS: dict[str, tuple[list[str], dict[str, str]]] = {
     "single": (["--max-total-tokens", "4096"], {}),
     "decode": (decode_args("--disaggregation-decode-enable-radix-cache"), {}),
-    "prefill": (
-        prefill_args("--chunked-prefill-size", str(CHUNK_TOKENS)),
-        {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"},
-    ),
+    "prefill": (prefill_args("--chunked-prefill-size", str(CHUNK_TOKENS)), {**EARLY_SEND_OFF}),
     "prefill-pp2": (prefill_args("--pp-size", "2"), {}),
     # Its ranks' state directories apart from the TP 1 decode's (same rank names), below the
     # server's working directory.
     "decode-tp2": (decode_args("--tp-size", "2"), {"KVHANDOFF_SERVER__STATE_DIR": "state-tp2"}),
-    "prefill-tp2": (prefill_args("--tp-size", "2"), {}),
+    "prefill-tp2": (prefill_args("--tp-size", "2"), {**EARLY_SEND_OFF}),
 }
 START_TIMEOUT_S = 1200.0
 PEER_SECRET = "engine-tests-peer-secret"
