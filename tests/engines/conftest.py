@@ -3,9 +3,10 @@
 Each server configuration is a session fixture, started once (sequentially: the servers share
 a 2-core machine) when a test first needs it and stopped at the session's end. One decode
 serves every prefill (SGLang's decode finds each request's prefill by its bootstrap
-address): a PP 1 prefill with chunked prefill, and a PP 2 prefill. The decode has the radix
-cache on and the negative control's fault hook on its PYTHONPATH (active only for the rooms
-it names).
+address): a PP 1 prefill with chunked prefill, and a PP 2 prefill (their command lines:
+`servers.SERVERS`). The decode has the radix cache on and the fault hook on its PYTHONPATH
+(active only for the rooms it names). A failure case kills the PP 1 prefill and starts it again
+on its own ports (`Servers.restart`); the session's summary prints each server's start-up time.
 """
 
 from __future__ import annotations
