@@ -72,6 +72,13 @@ async def wait_view(
     raise AssertionError(f"handoff {handoff_id(room)} after {timeout_s:.0f} s: {last}")
 
 
+def cut_off(state: str, code: str | None) -> bool:
+    """How a request whose client went away ends: aborted by the decode's engine, or failed by
+    the prefill's engine aborting its side first (`engine_aborted`): SGLang notices the gone
+    client on each side on its own."""
+    return state == "aborted" or (state == "failed" and code == "engine_aborted")
+
+
 def ended(v: dict[str, Any]) -> bool:
     """Terminal and its pages given back: no lease left."""
     return v["state"] in TERMINAL and bool(v["released"])
@@ -123,6 +130,7 @@ class Record:
     dst_pages: frozenset[int]
     created_at: float
     released_at: float | None
+    error_code: str | None
 
 
 class Records:
@@ -142,7 +150,8 @@ class Records:
         out = {}
         for hid, state, pages, created_at, raw_view in rows:
             v = json.loads(raw_view) if raw_view else {}
+            code = (v.get("error") or {}).get("code")
             out[hid] = Record(
-                hid, state, frozenset(json.loads(pages)), created_at, v.get("released_at")
+                hid, state, frozenset(json.loads(pages)), created_at, v.get("released_at"), code
             )
         return out
