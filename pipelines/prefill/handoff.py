@@ -286,6 +286,9 @@ class PrefillHandoff:
     bytes_sent: int = 0
     # The deadline on this host's monotonic clock, measured when the destination arrived.
     deadline_mono: float | None = None
+    # Landed stages whose last segment's notice went to the decode: it may complete the handoff
+    # on that notice and answer a heartbeat without it before the notice's answer is back here.
+    last_notice_sent: set[int] = field(default_factory=set)
 
     def set_stage(self, rank: int, state: StageState) -> None:
         current = self.stage_state.get(rank, StageState.WAITING)
@@ -302,6 +305,11 @@ class PrefillHandoff:
             or self.stage_state.get(r, StageState.WAITING).final
             for r in ranks
         )
+
+    def told(self, ranks: list[int]) -> bool:
+        """Every stage of `ranks` is settled or has its last segment's notice with the decode,
+        whose answer, not a heartbeat, then says how the stage ended."""
+        return all(self.settled([r]) or r in self.last_notice_sent for r in ranks)
 
     @property
     def known_destination(self) -> DestinationMsg | None:

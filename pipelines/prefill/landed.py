@@ -236,6 +236,7 @@ class LandedSender:
             # page range of no pages after the others were committed): the stage still arrives,
             # and says so as a final transfer of no bytes (an engine adapter waits for `final`).
             t0 = time.perf_counter()
+            h.last_notice_sent.add(rank)
             await self._decode.segment(dest.decode_url, self._notice(h, rank, dest, last=True))
             self._bus.publish(
                 StageTransferred(
@@ -391,6 +392,8 @@ class LandedSender:
             blocks=len(blocks),
             seg_digest=seg_digest,
         )
+        if last:
+            h.last_notice_sent.add(rank)
         ack = await self._decode.segment(dest.decode_url, notice)
         if ack.committed:
             # Published once the decode committed it: "transferred" means in its pages.

@@ -479,7 +479,9 @@ class PrefillPipeline:
     async def reconcile(self, decode_url: str, ack: HeartbeatAck, sent: list[str]) -> list[str]:
         """A heartbeat answer from `decode_url`: stop every handoff bound to another life of it
         (it restarted: the pages we would write are no longer that handoff's), and every handoff
-        in `sent` that it no longer runs while a stage here may still write. Returns their ids."""
+        in `sent` that it no longer runs while a stage here may still write and has not sent
+        its last notice (the decode completes a handoff on that notice, and may answer this
+        heartbeat before the notice's own answer is back). Returns their ids."""
         theirs = set(ack.live)
         victims = []
         for h in self._handoffs:
@@ -488,9 +490,7 @@ class PrefillPipeline:
                 continue
             if dest.decode_incarnation != ack.incarnation:
                 victims.append((h, f"decode {decode_url} restarted"))
-            elif (
-                h.handoff_id in sent and h.handoff_id not in theirs and not h.settled(dest.pp_ranks)
-            ):
+            elif h.handoff_id in sent and h.handoff_id not in theirs and not h.told(dest.pp_ranks):
                 victims.append((h, f"decode {decode_url} no longer has it"))
         for h, why in victims:
             await self._abort(h, why)

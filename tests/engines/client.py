@@ -17,13 +17,20 @@ from typing import Any
 
 import aiohttp
 
-from tests.engines.model import VOCAB
+from tests.engines.model import VOCAB, min_margin
 
 NEW_TOKENS = 16
 #: Bootstrap rooms whose first committed page the decode's fault hook corrupts
 #: (`tests/engines/faults`); `next_room` never hands one out.
 CORRUPT_ROOMS = range(1 << 60, (1 << 60) + (1 << 20))
+#: Bootstrap rooms whose every landed segment the decode's fault hook holds for `SLOW_COMMIT_S`
+#: before committing it, so a request's transfer is still under way when a test disconnects its
+#: client or kills its prefill (`next_slow_room`).
+SLOW_ROOMS = range(1 << 61, (1 << 61) + (1 << 20))
+#: Below the prefill's peer request timeout (5 s), which the held segment notice must not reach.
+SLOW_COMMIT_S = 3.0
 _rooms = itertools.count(random.Random().randrange(1 << 40) << 8)
+_slow_rooms = itertools.count(SLOW_ROOMS.start + random.Random().randrange(1 << 19))
 
 
 def next_room() -> int:
@@ -31,13 +38,43 @@ def next_room() -> int:
     return next(_rooms)
 
 
-def prompts(n: int, *, seed: int, min_len: int = 8, max_len: int = 60) -> list[list[int]]:
-    """`n` distinct prompts of random token ids (3.. avoids the model's special ids)."""
+def next_slow_room() -> int:
+    """A fresh room in `SLOW_ROOMS`."""
+    return next(_slow_rooms)
+
+
+def handoff_id(room: int) -> str:
+    """The decode's handoff of a room (the SGLang backend's id, prefill TP rank 0)."""
+    return f"sglang-{room}-tp0"
+
+
+#: First tokens no prompt of `prompts` has (the ids below avoid the model's special ids): the
+#: negative control's prompts start with these, so the corrupted KV the decode's radix cache
+#: keeps of them is never the prefix of another request.
+MARKERS = range(3, 10)
+
+
+#: Greedy steps whose top two logits are closer than this are ties that float rounding decides
+#: (`model.min_margin`): prompts with one are not used.
+MIN_MARGIN = 1e-2
+
+
+def prompts(
+    n: int, *, seed: int, min_len: int = 8, max_len: int = 60, prefix: list[int] | None = None
+) -> list[list[int]]:
+    """`n` distinct prompts of random token ids (after `prefix`) whose greedy continuation has
+    no near-tie, so a single server and a PD pair that moved every byte right answer the same
+    tokens whatever their batch shapes."""
     rng = random.Random(seed)
-    return [
-        [rng.randrange(3, VOCAB) for _ in range(rng.randrange(min_len, max_len + 1))]
-        for _ in range(n)
-    ]
+    out: list[list[int]] = []
+    while len(out) < n:
+        tail = [
+            rng.randrange(MARKERS.stop, VOCAB) for _ in range(rng.randrange(min_len, max_len + 1))
+        ]
+        prompt = [*(prefix or []), *tail]
+        if min_margin(prompt, NEW_TOKENS) >= MIN_MARGIN:
+            out.append(prompt)
+    return out
 
 
 def body(input_ids: list[int], **extra: Any) -> dict[str, Any]:
@@ -105,17 +142,24 @@ async def pd(
     *,
     room: int | None = None,
     timeout_s: float = 300.0,
+    decode_only: bool = False,
+    prefill_may_fail: bool = False,
 ) -> list[int]:
     """The PD pair's output token ids for one prompt, sent as the router sends it. Raises
-    Failed naming the side whose answer was an error (the decode's first)."""
+    Failed naming the side whose answer was an error (the decode's first). `decode_only`: the
+    prefill never hears of the request (its handoff can only reach its deadline);
+    `prefill_may_fail`: the decode's answer is taken whatever the prefill's was (a test that
+    kills the prefill)."""
     payload = body(input_ids, **bootstrap(pair, room))
-    prefill, decode = await asyncio.gather(
-        _post(session, pair.prefill, payload, timeout_s),
+    sides = [] if decode_only else [_post(session, pair.prefill, payload, timeout_s)]
+    *prefills, decode = await asyncio.gather(
+        *sides,
         _post(session, pair.decode, payload, timeout_s),
         return_exceptions=True,
     )
+    prefill = prefills[0] if prefills else None
     if isinstance(decode, BaseException):
         raise decode
-    if isinstance(prefill, BaseException):
+    if isinstance(prefill, BaseException) and not prefill_may_fail:
         raise prefill
     return list(decode["output_ids"])

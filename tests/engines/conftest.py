@@ -3,9 +3,10 @@
 Each server configuration is a session fixture, started once (sequentially: the servers share
 a 2-core machine) when a test first needs it and stopped at the session's end. One decode
 serves every prefill (SGLang's decode finds each request's prefill by its bootstrap
-address): a PP 1 prefill with chunked prefill, and a PP 2 prefill. The decode has the radix
-cache on and the negative control's fault hook on its PYTHONPATH (active only for the rooms
-it names).
+address): a PP 1 prefill with chunked prefill, and a PP 2 prefill (their command lines:
+`servers.SERVERS`). The decode has the radix cache on and the fault hook on its PYTHONPATH
+(active only for the rooms it names). A failure case kills the PP 1 prefill and starts it again
+on its own ports (`Servers.restart`); the session's summary prints each server's start-up time.
 """
 
 from __future__ import annotations
@@ -21,8 +22,15 @@ import aiohttp
 import pytest
 
 from tests.engines.client import Pair, prompts, single
+from tests.engines.handoffs import Records, service_urls
 from tests.engines.model import write_model
-from tests.engines.servers import DECODE, PD, Server
+from tests.engines.servers import (
+    CHUNK_TOKENS,
+    SERVERS,
+    Server,
+    kvhandoff_env,
+    write_kvhandoff_config,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sglang" / "stubs"))
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -30,20 +38,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import sglang  # noqa: F401  -- fails the run (not skips it) outside `make sglang-env`
 
 FAULTS = Path(__file__).resolve().parent / "faults"
-SECRET = "engine-tests-peer-secret"
-#: Prompts longer than this are prefilled in chunks by the PP 1 prefill.
-CHUNK_TOKENS = 32
-#: The decode's KV pool in tokens: 32 requests of up to 96 tokens fit at once (a request the
-#: decode cannot give pages waits in its queue while the prefill's handoff deadline runs);
-#: pages of finished and failed requests are reused by the next ones.
-DECODE_TOKENS = 4096
-#: kvhandoff's deadline for a handoff (a decode-only request fails at it).
-DEADLINE_S = 90.0
-#: `handoff.max_grace_s`: how long past the deadline a release may take.
-MAX_GRACE_S = 60.0
-#: SGLang's deferred-release timeout for the decode: the longest kvhandoff may hold the pages.
-RELEASE_S = DEADLINE_S + MAX_GRACE_S
-RADIX = ["--disaggregation-decode-enable-radix-cache"]
 T = TypeVar("T")
 
 
@@ -70,18 +64,17 @@ def model(workdir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def kvhandoff_config(workdir: Path) -> Path:
-    """The SGLang backend's kvhandoff settings (`SGLANG_KVHANDOFF_CONFIG`) for every server: a
-    peer silent for 15 s is lost (a scheduler starved on a loaded 2-core machine went silent for
-    3 s and failed live handoffs as unreachable)."""
-    path = workdir / "kvhandoff.toml"
-    path.write_text(
-        f'[server]\nstate_dir = "{workdir / "state"}"\n[auth]\npeer = "{SECRET}"\n'
-        "[transfer]\nlanding_bytes = 16777216\nwindow_bytes = 1048576\n"
-        f"staging_bytes = 16777216\n[handoff]\ndefault_deadline_s = {DEADLINE_S}\n"
-        "heartbeat_interval_s = 1.0\npeer_timeout_s = 15.0\n"
-        f"max_grace_s = {MAX_GRACE_S}\n"
-    )
-    return path
+    return write_kvhandoff_config(workdir)
+
+
+#: Every server the session started, for the start-up times its summary reports.
+STARTED: list[Server] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for server in STARTED:
+        times = ", ".join(f"{t:.0f} s" for t in server.start_s) or "never healthy"
+        terminalreporter.write_line(f"engine server {server.name}: healthy after {times}")
 
 
 class Servers:
@@ -91,19 +84,21 @@ class Servers:
         self.workdir, self.model, self.config = workdir, model, config
         self.started: list[Server] = []
 
-    def start(self, name: str, args: list[str], **kw: Any) -> Server:
-        env = {
-            "SGLANG_KVHANDOFF_CONFIG": str(self.config),
-            # SGLang holds a failed request's decode pages until kvhandoff released them or this
-            # passes; a decode refuses to start where it is below deadline + max_grace_s.
-            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(int(RELEASE_S)),
-            **kw.pop("env", {}),
-        }
+    def start(self, name: str, **kw: Any) -> Server:
+        """Start the server `name` of `SERVERS` (its arguments and environment there)."""
+        args, env = SERVERS[name]
+        env = {**kvhandoff_env(self.config), **env, **kw.pop("env", {})}
         server = Server(name, self.model, self.workdir, args, env=env, **kw)
         self.started.append(server)
+        STARTED.append(server)
         server.start()
         server.wait_healthy()
         return server
+
+    def restart(self, server: Server) -> None:
+        """Start a killed server again on its own ports (its clients' addresses hold)."""
+        server.start()
+        server.wait_healthy()
 
     def stop_all(self) -> None:
         for server in reversed(self.started):
@@ -122,44 +117,34 @@ def servers(workdir: Path, model: Path, kvhandoff_config: Path) -> Iterator[Serv
 @pytest.fixture(scope="session")
 def single_server(servers: Servers) -> Server:
     """The reference: one plain server, no disaggregation."""
-    return servers.start("single", ["--max-total-tokens", "4096"])
+    return servers.start("single")
 
 
 @pytest.fixture(scope="session")
 def decode(servers: Servers) -> Server:
-    return servers.start(
-        "decode",
-        [
-            *PD,
-            *DECODE,
-            "--disaggregation-decode-enable-radix-cache",
-            "--max-total-tokens",
-            str(DECODE_TOKENS),
-        ],
-        extra_path=[FAULTS],
-    )
+    return servers.start("decode", extra_path=[FAULTS])
 
 
-def prefill_args(*extra: str) -> list[str]:
-    return [*PD, "--disaggregation-mode", "prefill", "--max-total-tokens", "4096", *extra]
+@pytest.fixture(scope="session")
+def decode_api(decode: Server) -> str:
+    """The decode rank's kvhandoff service (its API and metrics)."""
+    return service_urls(decode, "decode")[0]
 
 
-#: The PP 1 prefill: chunked (SGLang's early send of a computed prefix creates a CUDA event,
-#: which its CPU scheduler cannot: off, chunks are still sent one by one).
-CHUNKED = {
-    "args": prefill_args("--chunked-prefill-size", str(CHUNK_TOKENS)),
-    "env": {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"},
-}
+@pytest.fixture(scope="session")
+def decode_records(decode: Server, workdir: Path) -> Records:
+    """The decode rank's handoff records (its state directory below the file's `state_dir`)."""
+    return Records(workdir / "state" / "sglang-decode-dp0-pp0-tp0")
 
 
 @pytest.fixture(scope="session")
 def prefill(servers: Servers) -> Server:
-    return servers.start("prefill", CHUNKED["args"], env=dict(CHUNKED["env"]))
+    return servers.start("prefill")
 
 
 @pytest.fixture(scope="session")
 def prefill_pp2(servers: Servers) -> Server:
-    return servers.start("prefill-pp2", prefill_args("--pp-size", "2"))
+    return servers.start("prefill-pp2")
 
 
 @pytest.fixture(scope="session")

@@ -45,8 +45,76 @@ DECODE = [
     "--disaggregation-decode-retraction-backup",
     "cpu_tensor",
 ]
+#: Prompts longer than this are prefilled in chunks by the PP 1 prefill.
+CHUNK_TOKENS = 32
+#: The decode's KV pool in tokens: 32 requests of up to 96 tokens fit at once (a request the
+#: decode cannot give pages waits in its queue while the prefill's handoff deadline runs);
+#: pages of finished and failed requests are reused by the next ones.
+DECODE_TOKENS = 4096
+
+
+def prefill_args(*extra: str) -> list[str]:
+    return [*PD, "--disaggregation-mode", "prefill", "--max-total-tokens", "4096", *extra]
+
+
+def decode_args(*extra: str) -> list[str]:
+    return [*PD, *DECODE, *extra, "--max-total-tokens", str(DECODE_TOKENS)]
+
+
+#: SGLang's early send of a computed or cached prefix creates a CUDA event, which ends a CPU
+#: prefill's scheduler under overlap scheduling (a PP 1 prefill; PP turns overlap off): off,
+#: chunks are still sent one by one.
+EARLY_SEND_OFF = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}
+#: What each of the tests' servers adds to `LAUNCH`, and to its environment, by name: the
+#: launch lines docs/guides/sglang/support.md shows (tests/unit/test_docs.py compares them).
+#: The PP 1 prefill is chunked; the decode keeps a radix cache; the TP 2 pair is opt-in
+#: (`test_tp2.py`).
+SERVERS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "single": (["--max-total-tokens", "4096"], {}),
+    "decode": (decode_args("--disaggregation-decode-enable-radix-cache"), {}),
+    "prefill": (prefill_args("--chunked-prefill-size", str(CHUNK_TOKENS)), {**EARLY_SEND_OFF}),
+    "prefill-pp2": (prefill_args("--pp-size", "2"), {}),
+    # Its ranks' state directories apart from the TP 1 decode's (same rank names), below the
+    # server's working directory.
+    "decode-tp2": (decode_args("--tp-size", "2"), {"KVHANDOFF_SERVER__STATE_DIR": "state-tp2"}),
+    "prefill-tp2": (prefill_args("--tp-size", "2"), {**EARLY_SEND_OFF}),
+}
 START_TIMEOUT_S = 1200.0
+PEER_SECRET = "engine-tests-peer-secret"
+#: kvhandoff's deadline for a handoff (a decode-only request fails at it).
+DEADLINE_S = 90.0
+#: `handoff.max_grace_s`: how long past the deadline a release may take.
+MAX_GRACE_S = 60.0
+#: SGLang's deferred-release timeout for the decode: the longest kvhandoff may hold the pages.
+RELEASE_S = DEADLINE_S + MAX_GRACE_S
 _used_ports: set[int] = set()
+
+
+def write_kvhandoff_config(workdir: Path) -> Path:
+    """The SGLang backend's kvhandoff settings (`SGLANG_KVHANDOFF_CONFIG`) for every server, in
+    `workdir`: a peer silent for 15 s is lost (a scheduler starved on a loaded 2-core machine
+    went silent for 3 s and failed live handoffs as unreachable); 32 KiB landing windows, so a
+    request's KV (1 KiB a token for the tests' model) moves as several segments when its
+    prompt is long, whether or not it was prefilled in chunks."""
+    path = workdir / "kvhandoff.toml"
+    path.write_text(
+        f'[server]\nstate_dir = "{workdir / "state"}"\n[auth]\npeer = "{PEER_SECRET}"\n'
+        "[transfer]\nlanding_bytes = 16777216\nwindow_bytes = 32768\n"
+        f"staging_bytes = 16777216\n[handoff]\ndefault_deadline_s = {DEADLINE_S}\n"
+        "heartbeat_interval_s = 1.0\npeer_timeout_s = 15.0\n"
+        f"max_grace_s = {MAX_GRACE_S}\n"
+    )
+    return path
+
+
+def kvhandoff_env(config: Path) -> dict[str, str]:
+    """What a server over kvhandoff adds to its environment."""
+    return {
+        "SGLANG_KVHANDOFF_CONFIG": str(config),
+        # SGLang holds a failed request's decode pages until kvhandoff released them or this
+        # passes; a decode refuses to start where it is below deadline + max_grace_s.
+        "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(int(RELEASE_S)),
+    }
 
 
 def free_port(span: int = 1) -> int:
@@ -87,6 +155,8 @@ class Server:
     port: int = 0
     bootstrap_port: int = 0
     proc: subprocess.Popen[bytes] | None = None
+    #: Seconds each start took until healthy (reported at the session's end).
+    start_s: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.port = self.port or free_port(span=8)
@@ -146,13 +216,15 @@ class Server:
         """Returns once `/health` answers 200 (SGLang's warm-up done); raises with the log's
         tail if the process exits or the bound passes first."""
         assert self.proc is not None
-        until = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        until = t0 + timeout_s
         while time.monotonic() < until:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
+                        self.start_s.append(time.monotonic() - t0)
                         return
             except (urllib.error.URLError, OSError):
                 pass

@@ -11,7 +11,7 @@ import asyncio
 
 import aiohttp
 
-from tests.engines.client import CORRUPT_ROOMS, Pair, pd, prompts
+from tests.engines.client import CORRUPT_ROOMS, MARKERS, Pair, pd, prompts
 from tests.engines.conftest import CHUNK_TOKENS, Reference, run
 
 
@@ -35,8 +35,11 @@ def test_pp1_prefill_with_chunks_answers_the_single_server_s_tokens(
 def test_a_corrupted_page_changes_the_tokens(pair: Pair, reference: Reference) -> None:
     """The negative control: the decode's fault hook flips one committed page of these rooms
     (and no other), so the comparison every other case relies on must fail here. Fresh
-    prompts: a prefix the decode's radix cache holds would not be sent at all."""
-    batch = prompts(3, seed=2, min_len=8, max_len=3 * CHUNK_TOKENS)
+    prompts (a prefix the decode's radix cache holds would not be sent at all), each starting
+    with a marker no other prompt has (the radix cache keeps the corrupted page, and would
+    hand it to a later request sharing the prefix)."""
+    plain = prompts(3, seed=2, min_len=8, max_len=3 * CHUNK_TOKENS)
+    batch = [[m, *p] for m, p in zip(MARKERS, plain)]
     expected = reference.of(batch)
 
     async def go(session: aiohttp.ClientSession) -> list[list[int]]:
@@ -62,8 +65,16 @@ def test_the_decode_radix_cache_receives_only_the_pages_after_a_held_prefix(
     first when the next arrive (through both prefills: the PP 2 one's stages start mid-prefix
     too)."""
     prefix = prompts(1, seed=7, min_len=3 * CHUNK_TOKENS, max_len=3 * CHUNK_TOKENS)[0]
-    tails = prompts(4, seed=8, min_len=5, max_len=20)
-    batch = [prefix + t for t in tails]
+    batch = prompts(4, seed=8, min_len=5, max_len=20, prefix=prefix)
     expected = reference.of(batch)
     for i, (p, e) in enumerate(zip(batch, expected, strict=True)):
         assert pd_tokens(pair if i % 2 == 0 else pair_pp2, [p]) == [e], i
+
+
+def test_32_requests_in_flight_at_once_each_answer_the_single_server_s_tokens(
+    pair: Pair, reference: Reference
+) -> None:
+    """Concurrent load: 32 requests sent together (chunked and not), all in the decode's pool
+    at once (`DECODE_TOKENS`)."""
+    batch = prompts(32, seed=3, min_len=8, max_len=3 * CHUNK_TOKENS)
+    assert pd_tokens(pair, batch) == reference.of(batch)

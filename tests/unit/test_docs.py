@@ -5,6 +5,7 @@ why it cannot run here. (`make lint` builds the site with `mkdocs build --strict
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from service.tools.docs.config import config_page
 from service.tools.docs.events import events_page
 from service.tools.docs.metrics import metrics_page
 from service.tools.docs.openapi import openapi_documents
+from tests.engines import servers as engine_servers
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -115,3 +117,44 @@ def test_every_link_of_the_readme_resolves() -> None:
     for link in links:
         assert "://" not in link and not link.startswith("#"), link
         assert (ROOT / link).exists(), f"README links to {link}, which does not exist"
+
+
+ENGINE_PAGE = DOCS / "guides" / "sglang" / "support.md"
+
+
+def engine_launch_lines() -> tuple[list[str], list[tuple[dict[str, str], list[str]]]]:
+    """From the engine tests' block of the SGLang support page: `$COMMON`'s words, and each
+    `launch_server` line's environment and the words after its `--port`."""
+    text = ENGINE_PAGE.read_text()
+    block = text.split("<!-- runs in: tests/engines/conftest.py -->\n```bash\n", 1)[1]
+    block = block.split("\n```", 1)[0].replace("\\\n", " ")
+    common: list[str] = []
+    launches = []
+    for line in block.splitlines():
+        words = shlex.split(line, comments=True)
+        if words and words[0].startswith("COMMON="):
+            common = shlex.split(words[0].removeprefix("COMMON="))
+        if "sglang.launch_server" not in words:
+            continue
+        env = dict(w.split("=", 1) for w in words[: words.index("python")])
+        args = words[words.index("--port") + 2 :]
+        launches.append((env, args))
+    return common, launches
+
+
+def test_the_engine_tests_launch_lines_are_what_the_tests_run() -> None:
+    common, launches = engine_launch_lines()
+    assert common[common.index("--host") + 2 :] == engine_servers.LAUNCH
+    shown = sorted(
+        args[: args.index("--disaggregation-bootstrap-port")]
+        if "--disaggregation-bootstrap-port" in args
+        else args
+        for _, args in launches
+    )
+    assert shown == sorted(args for args, _ in engine_servers.SERVERS.values())
+    for args, env in engine_servers.SERVERS.values():
+        (line_env,) = [e for e, a in launches if a[: len(args)] == args]
+        assert env.items() <= line_env.items(), (args, line_env)
+        if "decode" in args:  # a decode refuses to start below kvhandoff's longest release
+            release = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
+            assert line_env[release] == str(int(engine_servers.RELEASE_S))

@@ -261,6 +261,57 @@ def _load(r: Mapping[str, Any]) -> str:
     )
 
 
+ENGINES_TITLE = "Real SGLang servers: kvhandoff against SGLang's mooncake backend"
+
+
+def _engines(r: Mapping[str, Any]) -> str:
+    """`bench/engines.json` (`make bench-engines`, `bench/engines.py`): its own run."""
+    m = r["machine"]
+    load = m.get("load_avg_at_start")
+    rows = {(x["backend"], x["concurrency"]): x for x in r["rows"]}
+    body = []
+    for c in sorted({c for _, c in rows}):
+        k, n = rows.get(("kvhandoff", c)), rows.get(("mooncake", c))
+        if k is None or n is None:
+            continue
+        for label, key, digits in (
+            ("latency p50 ms (send → last token)", "p50_ms", 1),
+            ("latency p99 ms", "p99_ms", 1),
+            ("TTFT p50 ms (decode's first token)", "ttft_p50_ms", 1),
+            ("TTFT p99 ms", "ttft_p99_ms", 1),
+            ("requests/s", "req_per_s", 2),
+            ("requests", "requests", 0),
+        ):
+            if not digits:  # a count, not compared
+                body.append([num(c), label, num(int(k[key])), num(int(n[key])), ""])
+                continue
+            body.append(
+                [num(c), label, num(float(k[key]), digits), num(float(n[key]), digits),
+                 ratio(_div(float(k[key]), float(n[key])))]
+            )  # fmt: skip
+    starts = ", ".join(f"{name} {num(float(s))} s" for name, s in r["start_s"].items())
+    return (
+        f"Measured at commit `{m.get('commit')}` on {m.get('at')}, in a run of its own "
+        f"(`make bench-engines`, {num(float(r['wall_s']))} s"
+        + (f"; load average {', '.join(num(x) for x in load)} at the start" if load else "")
+        + "). SGLang 0.5.23 `launch_server` on CPU (the engine tests' flags), "
+        f"{r['model']}; two PD pairs up at once on the same machine: prefill and decode over "
+        "kvhandoff (landed mode, Mooncake TCP on loopback) and over SGLang's own `mooncake` "
+        "backend (Mooncake TCP on loopback; a bench-only hook turns off its pinned page "
+        "indices, which a CPU torch refuses). Both answered the same prompts with "
+        + ("the same tokens" if r["same_tokens"] else "**different tokens**")
+        + f". Requests of {num(r['prompt_tokens'])} prompt tokens and "
+        f"{num(r['new_tokens'])} new tokens (greedy, `ignore_eos`), {num(r['rounds'])} "
+        "rounds alternating which backend goes first, each concurrency a closed loop (the "
+        "table's `requests` per backend over all rounds); streamed from the decode. p99 of so "
+        "few requests is close to their maximum. On a model this small a request's KV is "
+        f"{num(r['prompt_tokens'])} KiB (1 KiB a token): the "
+        "figures compare each backend's per-request control path (bootstrap, handoff "
+        f"creation, notices, commit) far more than its data path. Start-up: {starts}.\n\n"
+        + table(["concurrency", "", "kvhandoff", "mooncake", "kvhandoff ÷ mooncake"], body)
+    )
+
+
 SECTION_TEXT: dict[str, tuple[str, Callable[[Mapping[str, Any]], str]]] = {
     "planning": ("Planning time against pages x layers", _planning),
     "transport": ("Transport throughput against block size", _transport),
@@ -343,9 +394,16 @@ LIMITS = (
 )
 
 
-def render(doc: Mapping[str, Any], plots: Mapping[str, str], *, base: Path) -> str:
+def render(
+    doc: Mapping[str, Any],
+    plots: Mapping[str, str],
+    *,
+    base: Path,
+    engines: Mapping[str, Any] | None = None,
+) -> str:
     """BENCHMARKS.md for `doc`; `plots` maps a section to its PNG, linked relative to `base`
-    (the directory the report is written to)."""
+    (the directory the report is written to); `engines`, the real-server comparison's own
+    results (`engines_beside`), is its last section."""
     m = doc["machine"]
     software = ", ".join(
         str(v) for v in (f"Python {m.get('python')}", m.get("torch"), m.get("numpy"),
@@ -388,6 +446,8 @@ def render(doc: Mapping[str, Any], plots: Mapping[str, str], *, base: Path) -> s
             rel = os.path.relpath(plots[name], base)
             parts += ["", f"![{title}]({rel})"]
         parts += ["", f"<sub>{num(float(section['wall_s']))} s</sub>"]
+    if engines is not None:
+        parts += ["", f"## {ENGINES_TITLE}", "", _engines(engines)]
     return "\n".join(parts) + "\n"
 
 
@@ -445,7 +505,17 @@ def regenerate(results: Path, base: Path) -> str:
     """The report of a results file, linking the plots found beside it, for a report written
     in `base`."""
     doc = json.loads(results.read_text())
-    return render(doc, plots_beside(results, doc), base=base.resolve())
+    engines = engines_beside(results.parent)
+    return render(doc, plots_beside(results, doc), base=base.resolve(), engines=engines)
+
+
+def engines_beside(out_dir: Path) -> dict[str, Any] | None:
+    """The results of `make bench-engines` in `out_dir` (`engines.json`), if it ran."""
+    path = out_dir / "engines.json"
+    if not path.exists():
+        return None
+    doc: dict[str, Any] = json.loads(path.read_text())
+    return doc
 
 
 def plots_beside(results: Path, doc: Mapping[str, Any]) -> dict[str, str]:

@@ -272,7 +272,8 @@ def run(args: argparse.Namespace) -> int:
 
         plots = p.render_all(doc, out)
     markdown = Path(args.markdown)
-    markdown.write_text(report.render(doc, plots, base=markdown.parent.resolve()))
+    engines = report.engines_beside(out)  # `make bench-engines` runs on its own
+    markdown.write_text(report.render(doc, plots, base=markdown.parent.resolve(), engines=engines))
     failed = [n for n, s in doc["sections"].items() if not s["ok"]]
     print(f"bench: {doc['wall_s']:.0f} s; wrote {results}, {out / 'results.csv'}, {markdown}")
     for name in failed:

@@ -33,7 +33,7 @@ from pipelines.events import (
 )
 from pipelines.inprocess import InProcessLink
 from pipelines.memory import PoolMemory, pool_array
-from pipelines.messages import DestinationMsg, Grant, SegmentMsg
+from pipelines.messages import DestinationMsg, Grant, HeartbeatAck, SegmentMsg
 from pipelines.models import (
     ModelSpec,
     Partition,
@@ -1158,3 +1158,35 @@ async def test_a_stopping_decode_returns_only_once_no_commit_copies(
     finally:
         let_go.set()
         await close_world(w)
+
+
+async def test_a_heartbeat_answered_before_the_last_notice_s_ack_stops_nothing(
+    world: World,
+) -> None:
+    """The decode completes a handoff on its stages' last segments and may answer a heartbeat
+    without it before those notices' answers are back at the prefill (seen between real SGLang
+    servers): the prefill must not stop the stages as a handoff its decode "no longer has"."""
+    w = world
+    link = w.decode._prefill
+    assert isinstance(link, InProcessLink)
+    real, release = link.segment, asyncio.Event()
+    held: list[int] = []
+
+    async def ack_held(url: str, msg: SegmentMsg) -> Any:
+        ack = await real(url, msg)
+        if msg.last:
+            held.append(msg.pp_rank)
+            await release.wait()
+        return ack
+
+    link.segment = ack_held  # type: ignore[method-assign]
+    await w.decode.create(HandoffRequest(id="t", prefill=["p"], dst_pages=[5, 6], dst_slot=1))
+    for rank in (0, 1):
+        w.prefill.ready("t", rank, [1, 2], 0)
+    await eventually(lambda: len(held) == 2, what="both last notices committed, answers held")
+    assert w.decode.get("t").state == HandoffState.COMPLETED
+    gone = HeartbeatAck(role="decode", url="d", incarnation=w.decode.incarnation, live=[])
+    assert await w.prefill.reconcile("d", gone, ["t"]) == []
+    release.set()
+    await eventually(lambda: open_handoff(w, "t") is None, what="the prefill's stages ended")
+    assert_landed(w, [1, 2], [5, 6], 0, 1)

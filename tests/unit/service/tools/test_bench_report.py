@@ -86,3 +86,36 @@ def test_the_committed_report_is_what_the_committed_results_generate() -> None:
         "BENCHMARKS.md differs from what bench/results.json generates: run `make bench` "
         "(or `make bench-report`), never edit it by hand"
     )
+
+
+def test_the_engines_run_beside_the_results_is_its_last_section(doc: dict, tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    results = tmp_path / "bench" / "results.json"
+    results.write_text(json.dumps(doc))
+    assert f"## {report.ENGINES_TITLE}" not in report.regenerate(results, tmp_path)
+    row = {"requests": 64, "p50_ms": 400.0, "p99_ms": 900.0, "ttft_p50_ms": 300.0}
+    engines = {
+        "machine": {"commit": "fedcba", "at": "2026-12-07T11:00:00Z"},
+        "model": "a tiny model",
+        "prompt_tokens": 64,
+        "new_tokens": 16,
+        "requests": {"1": 32},
+        "rounds": 2,
+        "same_tokens": True,
+        "start_s": {"kvhandoff-decode": 80.0},
+        "wall_s": 300.0,
+        "rows": [
+            {"backend": "kvhandoff", "concurrency": 1, **row, "ttft_p99_ms": 500.0,
+             "req_per_s": 2.5},
+            {"backend": "mooncake", "concurrency": 1, **row, "ttft_p99_ms": 400.0,
+             "req_per_s": 2.0},
+        ],
+    }  # fmt: skip
+    (tmp_path / "bench" / "engines.json").write_text(json.dumps(engines))
+    text = report.regenerate(results, tmp_path)
+    section = text.split(f"\n## {report.ENGINES_TITLE}\n", 1)[1]
+    assert "\n## " not in section  # the last one
+    assert "`fedcba`" in section and "the same tokens" in section
+    assert "| 1 | requests/s | 2.50 | 2.00 | 1.25x |" in section
+    assert "| 1 | TTFT p99 ms | 500 | 400 | 1.25x |" in section
+    assert "| 1 | requests | 64 | 64 |  |" in section

@@ -1,0 +1,242 @@
+"""Real SGLang servers: kvhandoff against SGLang's own `mooncake` transfer backend.
+
+`make bench-engines` (in the SGLang environment; not part of `make test` or `make bench`): the
+engine tests' harness (`tests/engines`: the tiny seeded Llama, SGLang 0.5.23 on CPU, a PD pair
+driven as SGLang's router drives it) with two PD pairs up at once on one machine — prefill and
+decode over kvhandoff, and prefill and decode over SGLang's `mooncake` backend (Mooncake TCP on
+loopback, `MC_FORCE_TCP=1`; `bench/native_hook` turns off the pinned-memory page indices a CPU
+torch refuses). Both pairs first answer the same prompts with the same tokens. Then, in rounds
+that alternate which backend goes first, each pair serves `REQUESTS` at concurrency
+1 and 16 (a closed loop: each worker sends its next request when the last one ends), streamed
+from the decode: a request's latency is send -> last token, its TTFT send -> first token out of
+the decode. Writes bench/engines.json and regenerates BENCHMARKS.md, whose section it feeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from service.tools.bench.report import regenerate
+from service.tools.bench.suite import machine
+from tests.engines.client import NEW_TOKENS, Pair, body, bootstrap, pd, prompts
+from tests.engines.model import write_model
+from tests.engines.servers import DECODE, EARLY_SEND_OFF, PEER_SECRET, Server, kvhandoff_env
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOK = Path(__file__).resolve().parent / "native_hook"
+BACKENDS = ("kvhandoff", "mooncake")
+#: Requests per backend and round at each concurrency: two full waves at 16.
+REQUESTS = {1: 16, 16: 32}
+CONCURRENCY = tuple(REQUESTS)
+PROMPT_TOKENS = 64
+POOL = ["--max-total-tokens", "4096"]
+
+
+def pd_args(backend: str, mode: str) -> list[str]:
+    role = ["--disaggregation-mode", "prefill"] if mode == "prefill" else DECODE
+    return ["--disaggregation-transfer-backend", backend, *role, *POOL]
+
+
+def write_config(work: Path) -> Path:
+    """kvhandoff's settings for the bench: its defaults (landed mode, 30 s deadline, 128 MiB
+    landing arena, 16 MiB windows) but for the state directory, the peer secret and a 15 s
+    peer timeout (a scheduler starved on a shared 2-core machine can go silent for seconds)."""
+    path = work / "kvhandoff.toml"
+    path.write_text(
+        f'[server]\nstate_dir = "{work / "state"}"\n[auth]\npeer = "{PEER_SECRET}"\n'
+        "[handoff]\npeer_timeout_s = 15.0\n"
+    )
+    return path
+
+
+def env_of(backend: str, mode: str, config: Path) -> dict[str, str]:
+    # Else SGLang's early send of a prefix its radix cache holds ends the prefill's scheduler at
+    # the first prompt sharing a prefix with an earlier one (a CUDA event on CPU).
+    env = dict(EARLY_SEND_OFF) if mode == "prefill" else {}
+    if backend == "kvhandoff":
+        return {**env, **kvhandoff_env(config)}
+    return {**env, "MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}
+
+
+async def timed(
+    session: aiohttp.ClientSession, pair: Pair, input_ids: list[int]
+) -> tuple[float, float]:
+    """One PD request streamed from the decode: (TTFT, latency) in seconds from the send."""
+    payload = body(input_ids, stream=True, **bootstrap(pair))
+    timeout = aiohttp.ClientTimeout(total=300)
+
+    async def to_prefill() -> None:
+        async with session.post(f"{pair.prefill}/generate", json=payload, timeout=timeout) as r:
+            await r.read()
+
+    t0 = time.perf_counter()
+    first = None
+    prefill = asyncio.create_task(to_prefill())
+    try:
+        async with session.post(f"{pair.decode}/generate", json=payload, timeout=timeout) as r:
+            if r.status != 200:
+                raise RuntimeError(f"decode answered {r.status}: {await r.text()}")
+            async for line in r.content:
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                finish = chunk.get("meta_info", {}).get("finish_reason") or {}
+                if finish.get("type") == "abort":
+                    raise RuntimeError(f"aborted: {finish}")
+                if first is None and chunk.get("output_ids"):
+                    first = time.perf_counter()
+        end = time.perf_counter()
+    finally:
+        await prefill
+    if first is None:
+        raise RuntimeError("the decode streamed no token")
+    return first - t0, end - t0
+
+
+async def closed_loop(pair: Pair, batch: list[list[int]], concurrency: int) -> dict[str, Any]:
+    """`batch` through the pair, `concurrency` requests in flight at a time."""
+    queue = list(reversed(batch))
+    ttft: list[float] = []
+    latency: list[float] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def worker() -> None:
+            while queue:
+                t, lat = await timed(session, pair, queue.pop())
+                ttft.append(t)
+                latency.append(lat)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return {"ttft_s": ttft, "latency_s": latency, "wall_s": wall}
+
+
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ttft = [x for r in runs for x in r["ttft_s"]]
+    lat = [x for r in runs for x in r["latency_s"]]
+    return {
+        "requests": len(lat),
+        "p50_ms": 1e3 * statistics.median(lat),
+        "p99_ms": 1e3 * quantile(lat, 0.99),
+        "ttft_p50_ms": 1e3 * statistics.median(ttft),
+        "ttft_p99_ms": 1e3 * quantile(ttft, 0.99),
+        "req_per_s": len(lat) / sum(r["wall_s"] for r in runs),
+    }
+
+
+async def same_tokens(pairs: dict[str, Pair], batch: list[list[int]]) -> bool:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        outs = [await asyncio.gather(*(pd(session, pairs[b], p) for p in batch)) for b in BACKENDS]
+    return all(o == outs[0] for o in outs)
+
+
+def start_pairs(work: Path, servers: list[Server]) -> dict[str, Pair]:
+    """Both backends' decode and prefill, one server at a time (appended to `servers`)."""
+    model = write_model(work / "model")
+    config = write_config(work)
+    pairs = {}
+    for backend in BACKENDS:
+        ends = {}
+        for mode in ("decode", "prefill"):
+            s = Server(
+                f"{backend}-{mode}",
+                model,
+                work,
+                pd_args(backend, mode),
+                env=env_of(backend, mode, config),
+                extra_path=[HOOK] if backend == "mooncake" else [],
+            )
+            servers.append(s)
+            s.start()
+            s.wait_healthy()
+            print(f"{s.name} healthy after {s.start_s[-1]:.0f} s", flush=True)
+            ends[mode] = s
+        prefill = ends["prefill"]
+        pairs[backend] = Pair(prefill.url, prefill.bootstrap_port, ends["decode"].url)
+    return pairs
+
+
+def measure(pairs: dict[str, Pair], rounds: int) -> list[dict[str, Any]]:
+    """Every backend at every concurrency, `rounds` times, alternating which goes first; the
+    same prompts for both backends in a round, fresh ones each round."""
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    seed = 1000
+    for rnd in range(rounds):
+        order = BACKENDS if rnd % 2 == 0 else tuple(reversed(BACKENDS))
+        for c in CONCURRENCY:
+            seed += 1
+            batch = prompts(REQUESTS[c], seed=seed, min_len=PROMPT_TOKENS, max_len=PROMPT_TOKENS)
+            for backend in order:
+                r = asyncio.run(closed_loop(pairs[backend], batch, c))
+                runs.setdefault((backend, c), []).append(r)
+                print(f"round {rnd} {backend} c={c}: {summary([r])}", flush=True)
+    return [
+        {"backend": b, "concurrency": c, **summary(runs[(b, c)])}
+        for c in CONCURRENCY
+        for b in BACKENDS
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "engines.json"))
+    parser.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
+    args = parser.parse_args(argv)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    t_start = time.perf_counter()
+    info = machine()
+    work = Path(tempfile.mkdtemp(prefix="bench-engines-"))
+    print(f"the servers' logs: {work} (removed after a run that completes)", flush=True)
+    servers: list[Server] = []
+    try:
+        pairs = start_pairs(work, servers)
+        check = prompts(8, seed=40, min_len=8, max_len=PROMPT_TOKENS)
+        equal = asyncio.run(same_tokens(pairs, check))
+        print(f"same tokens from both backends: {equal}", flush=True)
+        rows = measure(pairs, args.rounds)
+    finally:
+        for s in reversed(servers):
+            s.stop()
+    doc = {
+        "machine": info,
+        "model": "the engine tests' seeded tiny Llama (tests/engines/model.py), float32",
+        "prompt_tokens": PROMPT_TOKENS,
+        "new_tokens": NEW_TOKENS,
+        "requests": {str(c): n for c, n in REQUESTS.items()},
+        "rounds": args.rounds,
+        "same_tokens": equal,
+        "start_s": {s.name: s.start_s[-1] for s in servers},
+        "rows": rows,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    shutil.rmtree(work)
+    out = Path(args.out)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    md = Path(args.markdown)
+    md.write_text(regenerate(out.parent / "results.json", md.parent))
+    print(f"wrote {out} and {md}")
+    return 0 if equal else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
