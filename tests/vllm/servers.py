@@ -176,12 +176,22 @@ def generate(server: Server, prompt: list[int], max_tokens: int) -> list[int]:
     return tokens_of(server, post(server, "/v1/completions", completion_body(prompt, max_tokens)))
 
 
-def generate_pd(prefill: Server, decode: Server, prompt: list[int], max_tokens: int) -> list[int]:
+def generate_pd(
+    prefill: Server,
+    decode: Server,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    request_id: str | None = None,
+) -> list[int]:
     """A PD pair's tokens, driven as vLLM's PD example proxy drives it: the prefill computes
     the prompt with `do_remote_decode` and one token, and its `kv_transfer_params` (its
     blocks, engine and side channel) go with the same request to the decode, which loads the
-    KV and generates every token."""
+    KV and generates every token. `request_id`: the id the prefill names the request with
+    (vLLM adds its own prefix and suffix)."""
     first = completion_body(prompt, 1)
+    if request_id is not None:
+        first["request_id"] = request_id
     first["kv_transfer_params"] = {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None,
