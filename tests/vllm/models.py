@@ -12,6 +12,11 @@ from typing import Any
 
 VOCAB = 256
 SEED = 1234
+#: The servers' block size (tokens per KV page), and what one page of one Llama layer holds:
+#: K and V of its 2 KV heads of 32 bfloat16 values per token.
+BLOCK = 32
+LLAMA_LAYERS = 4
+LLAMA_PAGE_BYTES = BLOCK * 2 * (2 * 32) * 2
 
 
 def _tokenizer(folder: Path) -> None:
@@ -53,7 +58,7 @@ def write_llama(folder: Path) -> Path:
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=4,
+        num_hidden_layers=LLAMA_LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.vllm import models
+
 ROOT = Path(__file__).resolve().parents[2]
 #: Bounds a server's start: loading the model and profiling the CPU KV cache (about a minute
 #: on a quiet 2-core machine; several minutes while other work holds the cores).
@@ -112,7 +114,7 @@ def start_server(
         "nice", "-n", "19", sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", "tiny", "--host", "127.0.0.1",
         "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "512",
-        "--max-num-seqs", "16", "--block-size", "32", "--seed", "0", "--enforce-eager",
+        "--max-num-seqs", "16", "--block-size", str(models.BLOCK), "--seed", "0", "--enforce-eager",
         *extra_args,
     ]  # fmt: skip
     t0 = time.monotonic()
@@ -176,19 +178,19 @@ def generate(server: Server, prompt: list[int], max_tokens: int) -> list[int]:
     return tokens_of(server, post(server, "/v1/completions", completion_body(prompt, max_tokens)))
 
 
-def generate_pd(
+def pd_request(
     prefill: Server,
     decode: Server,
     prompt: list[int],
     max_tokens: int,
     *,
     request_id: str | None = None,
-) -> list[int]:
+) -> tuple[list[int], dict[str, Any]]:
     """A PD pair's tokens, driven as vLLM's PD example proxy drives it: the prefill computes
     the prompt with `do_remote_decode` and one token, and its `kv_transfer_params` (its
     blocks, engine and side channel) go with the same request to the decode, which loads the
-    KV and generates every token. `request_id`: the id the prefill names the request with
-    (vLLM adds its own prefix and suffix)."""
+    KV and generates every token. Returns the tokens and the params the prefill answered.
+    `request_id`: the id the prefill names the request with (vLLM adds a prefix and suffix)."""
     first = completion_body(prompt, 1)
     if request_id is not None:
         first["request_id"] = request_id
@@ -202,4 +204,9 @@ def generate_pd(
         raise prefill.fail(f"no kv_transfer_params in the prefill's answer: {answer}")
     second = completion_body(prompt, max_tokens)
     second["kv_transfer_params"] = params
-    return tokens_of(decode, post(decode, "/v1/completions", second))
+    return tokens_of(decode, post(decode, "/v1/completions", second)), params
+
+
+def generate_pd(prefill: Server, decode: Server, prompt: list[int], max_tokens: int) -> list[int]:
+    """A PD pair's tokens for `prompt` (`pd_request`)."""
+    return pd_request(prefill, decode, prompt, max_tokens)[0]

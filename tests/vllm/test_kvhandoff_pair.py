@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.vllm import models
 from tests.vllm.conftest import MAX_TOKENS, prompts, started
 from tests.vllm.faults.sitecustomize import CORRUPT_MARK
-from tests.vllm.servers import ROOT, Server, engine_env, generate_pd, start_server
+from tests.vllm.servers import ROOT, Server, engine_env, pd_request, start_server
 
 pytestmark = pytest.mark.engine
 
@@ -87,15 +89,33 @@ def pair(
             server.stop()
 
 
+def sent_bytes(service: str) -> float:
+    """What the prefill worker's kvhandoff service says its stage wrote (its /metrics)."""
+    with urllib.request.urlopen(f"{service}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvhandoff_stage_sent_bytes_total")
+    )
+
+
 def test_kvhandoff_pair_equals_single_engine(
     pair: tuple[Server, Server], llama_reference: dict[tuple[int, ...], list[int]]
 ) -> None:
+    """Every prompt's tokens equal the single engine's, and its KV came through kvhandoff:
+    the prefill's service wrote at least the prompt's pages of every layer (a decode that
+    computed the prompt itself would give the same tokens)."""
     prefill, decode = pair
+    moved = 0
     for prompt in prompts():
         expected = llama_reference[tuple(prompt)]
         assert len(expected) == MAX_TOKENS
-        got = generate_pd(prefill, decode, prompt, MAX_TOKENS)
+        got, params = pd_request(prefill, decode, prompt, MAX_TOKENS)
         assert got == expected, f"prompt of {len(prompt)} tokens"
+        [[service]] = params["kvhandoff"]["services"]  # TP 1, PP 1: one prefill worker
+        moved += -(-len(prompt) // models.BLOCK) * models.LLAMA_PAGE_BYTES * models.LLAMA_LAYERS
+        assert sent_bytes(service) >= moved, f"prompt of {len(prompt)} tokens"
 
 
 def test_a_corrupted_page_changes_the_tokens(
@@ -106,5 +126,5 @@ def test_a_corrupted_page_changes_the_tokens(
     prefill, decode = pair
     for n, prompt in enumerate(prompts()):
         expected = llama_reference[tuple(prompt)]
-        got = generate_pd(prefill, decode, prompt, MAX_TOKENS, request_id=f"{CORRUPT_MARK}-{n}")
+        got, _ = pd_request(prefill, decode, prompt, MAX_TOKENS, request_id=f"{CORRUPT_MARK}-{n}")
         assert got != expected, f"prompt of {len(prompt)} tokens: corruption went unseen"
