@@ -69,3 +69,42 @@ def write_llama(folder: Path) -> Path:
         torch_dtype="bfloat16",
     )
     return _write(folder, config, LlamaForCausalLM)
+
+
+#: The hybrid model's layer kinds: Mamba2 layers around one attention layer (vLLM groups them
+#: into one attention and several Mamba KV cache groups).
+HYBRID_LAYERS = ["mamba", "attention", "mamba", "mamba"]
+
+
+def write_hybrid(folder: Path) -> Path:
+    """A 4-layer GraniteMoeHybrid: three Mamba2 layers and one attention layer, dense MLPs
+    (no experts)."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    config = GraniteMoeHybridConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        shared_intermediate_size=256,
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        num_hidden_layers=len(HYBRID_LAYERS),
+        layer_types=HYBRID_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        mamba_chunk_size=64,
+        position_embedding_type="rope",
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    return _write(folder, config, GraniteMoeHybridForCausalLM)

@@ -38,7 +38,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from service.integrations.vllm.connector import KVHandoffConnector
-from service.integrations.vllm.layouts import Unsupported
+from service.integrations.vllm.layouts import Unsupported, state_component
 from service.integrations.vllm.metadata import PARAMS_KEY, ServiceHandshake, StepMeta
 from tests.vllm import models
 
@@ -270,14 +270,55 @@ def test_a_pp_decode_is_refused(llama: Path) -> None:
         construct(vllm_config(llama, "kv_consumer", pp=2))
 
 
-def test_mamba_groups_are_refused_by_name(llama: Path) -> None:
+HYBRID_ATTN = ["model.layers.1.self_attn.attn"]
+HYBRID_MAMBA = ["model.layers.0.mixer"]
+
+
+def hybrid_scheduler(llama: Path, kv_role: str) -> Scheduler:
+    """vLLM's scheduler over a hybrid allocator's groups: one attention layer, one Mamba
+    layer, each group its own blocks per request."""
     mamba = MambaSpec(
         block_size=models.BLOCK, shapes=((3, 96),), dtypes=(torch.bfloat16,),
         page_size_padded=SPEC.page_size_bytes,
     )  # fmt: skip
-    groups = [
-        KVCacheGroupSpec(NAMES[:2], SPEC),
-        KVCacheGroupSpec(["model.layers.5.mixer"], mamba),
-    ]
-    with pytest.raises(Unsupported, match=r"\['MambaSpec'\]"):
+    kv = kv_cache_config(
+        [KVCacheGroupSpec(HYBRID_ATTN, SPEC), KVCacheGroupSpec(HYBRID_MAMBA, mamba)]
+    )
+    config = vllm_config(llama, kv_role)
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    sched = Scheduler(config, kv, StructuredOutputManager(config), block_size=models.BLOCK)
+    sched.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): ServiceHandshake(PREFILL_URL)})
+    return sched
+
+
+def test_a_hybrid_prefill_stops_a_token_short_and_sends_the_mamba_state(llama: Path) -> None:
+    sched = hybrid_scheduler(llama, "kv_producer")
+    req = request("p-h", PROMPT, 4, dict(REMOTE_DECODE))
+    sched.add_request(req)
+    out, _ = run(sched)
+    assert out.num_scheduled_tokens["p-h"] == len(PROMPT) - 1  # the decode computes token N
+    attn, state = sched.kv_cache_manager.get_block_ids("p-h")
+    out, _ = run(sched)
+    [send] = out.kv_connector_metadata.sends
+    assert send.pages == attn[:2]
+    assert send.slots == {state_component(1): [b for b in state if b][-1]}
+
+
+def test_a_hybrid_decode_loads_all_but_the_last_token_into_both_groups(llama: Path) -> None:
+    params = prefilled(hybrid_scheduler(llama, "kv_producer"), "p-h")
+    assert params[PARAMS_KEY]["tokens"] == len(PROMPT) - 1
+    sched = hybrid_scheduler(llama, "kv_consumer")
+    recv, req = loading(sched, params)
+    attn, state = sched.kv_cache_manager.get_block_ids("d-1")
+    assert recv.pages == attn[:2] and recv.prefix_pages == 0
+    assert recv.slots == {state_component(1): [b for b in state if b][-1]}
+    run(sched, KVConnectorOutput(finished_recving={"d-1"}))
+    out, _ = run(sched)
+    assert out.num_scheduled_tokens["d-1"] == 1  # token N, on the loaded state
+    assert req.num_computed_tokens == len(PROMPT)
+
+
+def test_two_attention_groups_are_refused_by_name(llama: Path) -> None:
+    groups = [KVCacheGroupSpec(NAMES[:2], SPEC), KVCacheGroupSpec(NAMES[2:], SPEC)]
+    with pytest.raises(Unsupported, match=r"groups \[0, 1\] all hold attention"):
         construct(vllm_config(llama, "kv_producer"), kv_cache_config(groups))

@@ -2,22 +2,38 @@
 each running the connector (one embedded kvhandoff service per worker, Mooncake TCP on
 loopback, landed and verified), driven as vLLM's PD proxy drives them, give the single
 engine's greedy tokens for every prompt; the negative control shows the comparison fails when
-one committed KV page is corrupted (a test-only fault in the decode, `faults/`)."""
+one committed KV page is corrupted (a test-only fault in the decode, `faults/`); a prefill
+killed between its answer and the decode's load fails that request on the decode (vLLM's
+`kv_load_failure_policy` "fail"), which then serves the next requests with the right tokens
+on the blocks the failed load held."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.vllm import models
 from tests.vllm.conftest import MAX_TOKENS, prompts, started
 from tests.vllm.faults.sitecustomize import CORRUPT_MARK
-from tests.vllm.servers import ROOT, Server, engine_env, pd_request, start_server
+from tests.vllm.servers import (
+    REQUEST_TIMEOUT_S,
+    ROOT,
+    Server,
+    completion_body,
+    engine_env,
+    pd_request,
+    post,
+    start_server,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -59,34 +75,26 @@ def pair(
     kvhandoff_toml: Path,
     llama_reference: dict[tuple[int, ...], list[int]],
 ) -> Iterator[tuple[Server, Server]]:
-    """A kvhandoff prefill and decode (the decode with the test-only fault on its path),
-    started after the single engine stopped."""
+    """A kvhandoff prefill and decode, started after the single engine stopped."""
     running: list[Server] = []
     try:
-        running.append(
-            started(
-                start_server(
-                    "llama-kvhandoff-prefill", llama, logs,
-                    extra_args=["--kv-transfer-config",
-                                connector_config("kv_producer", kvhandoff_toml)],
-                )
-            )
-        )  # fmt: skip
-        faulty = engine_env(PYTHONPATH=os.pathsep.join((str(FAULTS), str(ROOT))))
-        running.append(
-            started(
-                start_server(
-                    "llama-kvhandoff-decode", llama, logs,
-                    extra_args=["--kv-transfer-config",
-                                connector_config("kv_consumer", kvhandoff_toml)],
-                    env=faulty,
-                )
-            )
-        )  # fmt: skip
+        running.append(kvhandoff_server("llama-kvh-prefill", "kv_producer", llama, logs,
+                                        kvhandoff_toml))  # fmt: skip
+        running.append(kvhandoff_server("llama-kvh-decode", "kv_consumer", llama, logs,
+                                        kvhandoff_toml))  # fmt: skip
         yield running[0], running[1]
     finally:
         for server in running:
             server.stop()
+
+
+def kvhandoff_server(name: str, kv_role: str, llama: Path, logs: Path, toml: Path) -> Server:
+    """A server running the connector; a decode with the test-only fault on its path."""
+    env = None
+    if kv_role == "kv_consumer":
+        env = engine_env(PYTHONPATH=os.pathsep.join((str(FAULTS), str(ROOT))))
+    args = ["--kv-transfer-config", connector_config(kv_role, toml)]
+    return started(start_server(name, llama, logs, extra_args=args, env=env))
 
 
 def sent_bytes(service: str) -> float:
@@ -128,3 +136,49 @@ def test_a_corrupted_page_changes_the_tokens(
         expected = llama_reference[tuple(prompt)]
         got, _ = pd_request(prefill, decode, prompt, MAX_TOKENS, request_id=f"{CORRUPT_MARK}-{n}")
         assert got != expected, f"prompt of {len(prompt)} tokens: corruption went unseen"
+
+
+def raw_completion(server: Server, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, answer) of a completion, an error status included."""
+    req = urllib.request.Request(
+        f"{server.url}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"}, method="POST",
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {"error": exc.read()[:2000].decode(errors="replace")}
+
+
+def test_a_killed_prefill_fails_its_request_and_the_decode_serves_the_next(
+    pair: tuple[Server, Server],
+    llama: Path,
+    logs: Path,
+    kvhandoff_toml: Path,
+    llama_reference: dict[tuple[int, ...], list[int]],
+    servers: list[Server],
+) -> None:
+    prefill, decode = pair
+    servers.append(kvhandoff_server("llama-kvh-prefill-killed", "kv_producer", llama, logs,
+                                    kvhandoff_toml))  # fmt: skip
+    doomed = servers[0]
+    prompt = prompts()[2]
+    first = completion_body(prompt, 1)
+    first["kv_transfer_params"] = {"do_remote_decode": True}
+    params = post(doomed, "/v1/completions", first)["kv_transfer_params"]
+    # Killed between its answer and the decode's load: nothing of it says goodbye.
+    os.killpg(doomed.proc.pid, signal.SIGKILL)
+    doomed.stop()
+    second = completion_body(prompt, MAX_TOKENS)
+    second["kv_transfer_params"] = params
+    t0 = time.monotonic()
+    status, answer = raw_completion(decode, second)
+    waited_s = time.monotonic() - t0
+    failed = status >= 400 or answer["choices"][0].get("finish_reason") == "error"
+    assert failed, f"the decode answered {status} {answer} for a dead prefill's request"
+    assert waited_s < DEADLINE_S + 15.0, f"the failure took {waited_s:.1f} s"
+    # The decode goes on: the next requests, on blocks the failed load held, are right.
+    for other in prompts():
+        got, _ = pd_request(prefill, decode, other, MAX_TOKENS)
+        assert got == llama_reference[tuple(other)], f"prompt of {len(other)} tokens"

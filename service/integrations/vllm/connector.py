@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from service.integrations.vllm.metadata import StepMeta
@@ -37,7 +38,7 @@ from service.integrations.vllm.worker import WorkerHalf
 log = logging.getLogger("kvhandoff.vllm")
 
 
-class KVHandoffConnector(KVConnectorBase_V1):
+class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
@@ -52,6 +53,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
                 block_size=block_size,
                 producer=self.service_role == "prefill",
                 consumer=self.service_role == "decode",
+                kv_cache_config=kv_cache_config,
             )
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
@@ -93,10 +95,23 @@ class KVHandoffConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched().sent(connector_output.finished_sending)
 
+    def on_new_request(self, request: Any) -> None:
+        self._sched().new_request(request)
+
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator: the request's blocks of every KV cache group."""
+        return self._sched().finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """A load restores every transfer group (attention pages and Mamba state)."""
+        return tuple(self._kv_cache_config.transfer_group_ids)
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.holding()

@@ -71,6 +71,7 @@ class Send:
     req_id: str
     handoff: str  # base id
     pages: list[int]
+    slots: dict[str, int] = field(default_factory=dict)  # per Mamba component, its block
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Recv:
     params: HandoffParams
     pages: list[int]
     prefix_pages: int
+    slots: dict[str, int] = field(default_factory=dict)  # per Mamba component, its block
 
 
 @dataclass

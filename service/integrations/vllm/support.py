@@ -49,15 +49,12 @@ def refuse_unsupported(vllm_config: Any, kv_cache_config: Any, *, role: str) -> 
             "layers and lookahead tokens are not carried)"
         )
     page_size = check_groups(kv_cache_config)
-    state = [
-        type(g.kv_cache_spec).__name__
-        for g in transfer_groups(kv_cache_config)
-        if type(g.kv_cache_spec).__name__ in STATE_SPECS
-    ]
-    if state:
-        raise Unsupported(
-            f"KV cache groups of {sorted(set(state))} (a hybrid model) are not supported by "
-            "the kvhandoff vLLM connector yet: their state moves at the prompt's next-to-last "
-            "token, which it does not arrange"
-        )
+    for group in transfer_groups(kv_cache_config):
+        spec = group.kv_cache_spec
+        if type(spec).__name__ in STATE_SPECS and int(getattr(spec, "num_speculative_blocks", 0)):
+            raise Unsupported(
+                f"Mamba group of layers {list(group.layer_names)[:3]}... keeps "
+                f"{spec.num_speculative_blocks} speculative state blocks per request, which "
+                "the kvhandoff connector does not carry"
+            )
     return page_size

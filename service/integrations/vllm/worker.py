@@ -184,7 +184,7 @@ class WorkerHalf:
 
         def ready() -> None:
             try:
-                self.service.stage_ready(hid, self.pp_rank, send.pages)
+                self.service.stage_ready(hid, self.pp_rank, send.pages, src_slots=send.slots)
             except (KVHandoffError, ValueError, TimeoutError) as exc:
                 log.warning("stage ready of %s refused: %s", hid, exc)
                 self._stop_send(hid, f"stage ready refused: {exc}")
@@ -238,6 +238,7 @@ class WorkerHalf:
             prefill=list(services[self.tp_rank]),
             dst_pages=recv.pages,
             prefix_pages=recv.prefix_pages,
+            dst_slots=recv.slots,
         )
 
         def create() -> None:
