@@ -58,6 +58,21 @@ def llama_reference(llama: Path, logs: Path) -> dict[tuple[int, ...], list[int]]
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.write_hybrid(tmp_path_factory.mktemp("models") / "hybrid")
+
+
+@pytest.fixture(scope="session")
+def hybrid_reference(hybrid: Path, logs: Path) -> dict[tuple[int, ...], list[int]]:
+    """The single engine's greedy tokens for the hybrid model (stopped before pairs start)."""
+    server = started(start_server("hybrid-single", hybrid, logs))
+    try:
+        return {tuple(p): generate(server, p, MAX_TOKENS) for p in prompts()}
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def servers() -> Iterator[list[Server]]:
     """Servers a test starts, stopped at its end whatever happened."""

@@ -182,3 +182,32 @@ def test_a_killed_prefill_fails_its_request_and_the_decode_serves_the_next(
     for other in prompts():
         got, _ = pd_request(prefill, decode, other, MAX_TOKENS)
         assert got == llama_reference[tuple(other)], f"prompt of {len(other)} tokens"
+
+
+def test_kvhandoff_hybrid_pair_equals_single_engine(
+    hybrid: Path,
+    logs: Path,
+    kvhandoff_toml: Path,
+    hybrid_reference: dict[tuple[int, ...], list[int]],
+    servers: list[Server],
+) -> None:
+    """GraniteMoeHybrid (Mamba2 and attention layers): the attention pages and every Mamba
+    group's state move at vLLM's N - 1 convention; the tokens equal the single engine's, and
+    the negative control fails them."""
+    servers.append(kvhandoff_server("hybrid-kvh-prefill", "kv_producer", hybrid, logs,
+                                    kvhandoff_toml))  # fmt: skip
+    servers.append(kvhandoff_server("hybrid-kvh-decode", "kv_consumer", hybrid, logs,
+                                    kvhandoff_toml))  # fmt: skip
+    prefill, decode = servers
+    for n, prompt in enumerate(prompts()):
+        expected = hybrid_reference[tuple(prompt)]
+        got, params = pd_request(prefill, decode, prompt, MAX_TOKENS)
+        assert got == expected, f"prompt of {len(prompt)} tokens"
+        assert params["kvhandoff"]["tokens"] == len(prompt) - 1
+        [[service]] = params["kvhandoff"]["services"]
+        assert sent_bytes(service) > 0
+        if len(prompt) > 1:
+            got, _ = pd_request(
+                prefill, decode, prompt, MAX_TOKENS, request_id=f"{CORRUPT_MARK}-h{n}"
+            )
+            assert got != expected, f"prompt of {len(prompt)} tokens: corruption went unseen"
