@@ -50,24 +50,21 @@ def _write(folder: Path, config: Any, model_cls: Any) -> Path:
     return folder
 
 
+#: What both models share: the vocabulary and special tokens, the width, the attention heads
+#: (GQA: 4 query heads, 2 KV heads of 32).
+COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
 def write_llama(folder: Path) -> Path:
-    """A 4-layer Llama (GQA: 4 query heads, 2 KV heads of 32)."""
+    """A 4-layer Llama."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=LLAMA_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    )
+    config = LlamaConfig(num_hidden_layers=LLAMA_LAYERS, **COMMON)
     return _write(folder, config, LlamaForCausalLM)
 
 
@@ -82,16 +79,11 @@ def write_hybrid(folder: Path) -> Path:
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     config = GraniteMoeHybridConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
         shared_intermediate_size=256,
         num_local_experts=0,
         num_experts_per_tok=0,
         num_hidden_layers=len(HYBRID_LAYERS),
         layer_types=HYBRID_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         mamba_n_heads=4,
         mamba_d_head=32,
         mamba_n_groups=1,
@@ -100,11 +92,6 @@ def write_hybrid(folder: Path) -> Path:
         mamba_expand=1,
         mamba_chunk_size=64,
         position_embedding_type="rope",
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        **COMMON,
     )
     return _write(folder, config, GraniteMoeHybridForCausalLM)

@@ -144,17 +144,24 @@ def start_server(
     return server
 
 
-def post(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+def post_status(server: Server, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, answer) of a POST, an error status included (its body as `error`)."""
     req = urllib.request.Request(
         f"{server.url}{path}", data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"}, method="POST",
     )  # fmt: skip
     try:
         with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-            out: dict[str, Any] = json.loads(r.read())
-            return out
+            return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
-        raise server.fail(f"{path} answered {exc.code}: {exc.read()[:2000]!r}") from exc
+        return exc.code, {"error": exc.read()[:2000].decode(errors="replace")}
+
+
+def post(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    status, answer = post_status(server, path, body)
+    if status >= 400:
+        raise server.fail(f"{path} answered {status}: {answer['error']}")
+    return answer
 
 
 def completion_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:

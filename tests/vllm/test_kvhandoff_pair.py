@@ -17,7 +17,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,13 +24,13 @@ from tests.vllm import models
 from tests.vllm.conftest import MAX_TOKENS, prompts, started
 from tests.vllm.faults.sitecustomize import CORRUPT_MARK
 from tests.vllm.servers import (
-    REQUEST_TIMEOUT_S,
     ROOT,
     Server,
     completion_body,
     engine_env,
     pd_request,
     post,
+    post_status,
     start_server,
 )
 
@@ -138,19 +137,6 @@ def test_a_corrupted_page_changes_the_tokens(
         assert got != expected, f"prompt of {len(prompt)} tokens: corruption went unseen"
 
 
-def raw_completion(server: Server, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, answer) of a completion, an error status included."""
-    req = urllib.request.Request(
-        f"{server.url}/v1/completions", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
-    )  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, {"error": exc.read()[:2000].decode(errors="replace")}
-
-
 def test_a_killed_prefill_fails_its_request_and_the_decode_serves_the_next(
     pair: tuple[Server, Server],
     llama: Path,
@@ -173,7 +159,7 @@ def test_a_killed_prefill_fails_its_request_and_the_decode_serves_the_next(
     second = completion_body(prompt, MAX_TOKENS)
     second["kv_transfer_params"] = params
     t0 = time.monotonic()
-    status, answer = raw_completion(decode, second)
+    status, answer = post_status(decode, "/v1/completions", second)
     waited_s = time.monotonic() - t0
     failed = status >= 400 or answer["choices"][0].get("finish_reason") == "error"
     assert failed, f"the decode answered {status} {answer} for a dead prefill's request"
