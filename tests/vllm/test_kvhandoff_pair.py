@@ -170,6 +170,38 @@ def test_a_killed_prefill_fails_its_request_and_the_decode_serves_the_next(
         assert got == llama_reference[tuple(other)], f"prompt of {len(other)} tokens"
 
 
+def kv_cache_usage(server: Server) -> float:
+    """vLLM's own gauge of the share of its KV blocks in use (its /metrics)."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:kv_cache_usage_perc")
+    )
+
+
+def test_a_prefill_no_decode_asks_for_keeps_its_blocks_until_the_deadline(
+    pair: tuple[Server, Server],
+) -> None:
+    """The prefill holds a finished request's blocks for its decode; when none comes, the
+    handoff fails at its deadline and only then does vLLM get the blocks back."""
+    prefill, _ = pair
+    baseline = kv_cache_usage(prefill)
+    body = completion_body([3 + (i * 7) % 250 for i in range(200)], 1)  # a prompt of its own
+    body["kv_transfer_params"] = {"do_remote_decode": True}
+    t0 = time.monotonic()
+    post(prefill, "/v1/completions", body)
+    held = kv_cache_usage(prefill)
+    assert held > baseline, (held, baseline)
+    time.sleep(DEADLINE_S / 2)
+    assert kv_cache_usage(prefill) == held  # no decode came: still held
+    while kv_cache_usage(prefill) > baseline:
+        assert time.monotonic() - t0 < DEADLINE_S + 30.0, "the blocks were never freed"
+        time.sleep(0.5)
+    assert time.monotonic() - t0 >= DEADLINE_S / 2
+
+
 def test_kvhandoff_hybrid_pair_equals_single_engine(
     hybrid: Path,
     logs: Path,
