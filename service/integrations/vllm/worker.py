@@ -123,13 +123,19 @@ class WorkerHalf:
             config, buffers={self.pp_rank: EngineStage(rank.layout, rank.tensors())}
         ).start()
         try:
-            service.add_listener(self._on_event)
+            self.attach(service)
         except BaseException:
             service.stop()  # a worker that did not come up leaves nothing registered
             raise
-        self.rank, self._service = rank, service
+        self.rank = rank
         log.info("kvhandoff %s service of worker pp%d tp%d at %s", self.role,
                  self.pp_rank, self.tp_rank, service.url)  # fmt: skip
+
+    def attach(self, service: EmbeddedService) -> None:
+        """Run this worker's handoffs on `service` (started; `register` builds it over vLLM's
+        caches) and follow its events."""
+        service.add_listener(self._on_event)
+        self._service = service
 
     @property
     def service(self) -> EmbeddedService:
