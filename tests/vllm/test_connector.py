@@ -322,3 +322,18 @@ def test_two_attention_groups_are_refused_by_name(llama: Path) -> None:
     groups = [KVCacheGroupSpec(NAMES[:2], SPEC), KVCacheGroupSpec(NAMES[2:], SPEC)]
     with pytest.raises(Unsupported, match=r"groups \[0, 1\] all hold attention"):
         construct(vllm_config(llama, "kv_producer"), kv_cache_config(groups))
+
+
+def test_the_entry_point_names_the_connector_for_vllm() -> None:
+    """vLLM's own plugin loader finds the entry point (the vLLM environment installs this
+    package editable), and its factory then builds the connector by name alone."""
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.plugins import load_general_plugins
+
+    [entry] = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvhandoff"]
+    assert entry.value == "service.integrations.vllm.plugin:register"
+    load_general_plugins()
+    load_general_plugins()  # every vLLM process may call it again: no error
+    assert KVConnectorFactory._registry["KVHandoffConnector"]() is KVHandoffConnector
