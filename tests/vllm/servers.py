@@ -192,15 +192,19 @@ def pd_request(
     max_tokens: int,
     *,
     request_id: str | None = None,
+    cache_salt: str | None = None,
 ) -> tuple[list[int], dict[str, Any]]:
     """A PD pair's tokens, driven as vLLM's PD example proxy drives it: the prefill computes
     the prompt with `do_remote_decode` and one token, and its `kv_transfer_params` (its
     blocks, engine and side channel) go with the same request to the decode, which loads the
     KV and generates every token. Returns the tokens and the params the prefill answered.
-    `request_id`: the id the prefill names the request with (vLLM adds a prefix and suffix)."""
+    `request_id`: the id the prefill names the request with (vLLM adds a prefix and suffix);
+    `cache_salt`: both engines' prefix caches keep its blocks apart from every other's."""
     first = completion_body(prompt, 1)
     if request_id is not None:
         first["request_id"] = request_id
+    if cache_salt is not None:
+        first["cache_salt"] = cache_salt
     first["kv_transfer_params"] = {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None,
@@ -211,6 +215,8 @@ def pd_request(
         raise prefill.fail(f"no kv_transfer_params in the prefill's answer: {answer}")
     second = completion_body(prompt, max_tokens)
     second["kv_transfer_params"] = params
+    if cache_salt is not None:
+        second["cache_salt"] = cache_salt
     return tokens_of(decode, post(decode, "/v1/completions", second)), params
 
 

@@ -9,7 +9,6 @@ on the blocks the failed load held."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -21,50 +20,23 @@ from pathlib import Path
 import pytest
 
 from tests.vllm import models
-from tests.vllm.conftest import MAX_TOKENS, prompts, started
+from tests.vllm.conftest import (
+    DEADLINE_S,
+    MAX_TOKENS,
+    kvhandoff_server,
+    prompts,
+    sent_bytes,
+)
 from tests.vllm.faults.sitecustomize import CORRUPT_MARK
 from tests.vllm.servers import (
-    ROOT,
     Server,
     completion_body,
-    engine_env,
     pd_request,
     post,
     post_status,
-    start_server,
 )
 
 pytestmark = pytest.mark.engine
-
-FAULTS = Path(__file__).resolve().parent / "faults"
-SECRET = "vllm-engine-tests-peer-secret-0123456789"
-DEADLINE_S = 20.0
-
-
-def connector_config(kv_role: str, config: Path) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "KVHandoffConnector",
-            "kv_connector_module_path": "service.integrations.vllm.connector",
-            "kv_role": kv_role,
-            "kv_connector_extra_config": {"config": str(config)},
-        }
-    )
-
-
-@pytest.fixture(scope="module")
-def kvhandoff_toml(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every server's kvhandoff settings: loopback, a peer silent for 15 s is lost (a
-    loaded 2-core machine starves an engine for seconds)."""
-    workdir = tmp_path_factory.mktemp("kvhandoff")
-    path = workdir / "kvhandoff.toml"
-    path.write_text(
-        f'[server]\nhost = "127.0.0.1"\nstate_dir = "{workdir / "state"}"\n'
-        f'[auth]\npeer = "{SECRET}"\n[transport]\nhostname = "127.0.0.1"\n'
-        f"[handoff]\ndefault_deadline_s = {DEADLINE_S}\nheartbeat_interval_s = 1.0\n"
-        "peer_timeout_s = 15.0\n"
-    )
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -85,26 +57,6 @@ def pair(
     finally:
         for server in running:
             server.stop()
-
-
-def kvhandoff_server(name: str, kv_role: str, llama: Path, logs: Path, toml: Path) -> Server:
-    """A server running the connector; a decode with the test-only fault on its path."""
-    env = None
-    if kv_role == "kv_consumer":
-        env = engine_env(PYTHONPATH=os.pathsep.join((str(FAULTS), str(ROOT))))
-    args = ["--kv-transfer-config", connector_config(kv_role, toml)]
-    return started(start_server(name, llama, logs, extra_args=args, env=env))
-
-
-def sent_bytes(service: str) -> float:
-    """What the prefill worker's kvhandoff service says its stage wrote (its /metrics)."""
-    with urllib.request.urlopen(f"{service}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("kvhandoff_stage_sent_bytes_total")
-    )
 
 
 def test_kvhandoff_pair_equals_single_engine(
@@ -133,7 +85,10 @@ def test_a_corrupted_page_changes_the_tokens(
     prefill, decode = pair
     for n, prompt in enumerate(prompts()):
         expected = llama_reference[tuple(prompt)]
-        got, _ = pd_request(prefill, decode, prompt, MAX_TOKENS, request_id=f"{CORRUPT_MARK}-{n}")
+        got, _ = pd_request(
+            prefill, decode, prompt, MAX_TOKENS, request_id=f"{CORRUPT_MARK}-{n}",
+            cache_salt=f"{CORRUPT_MARK}-{n}",
+        )  # fmt: skip
         assert got != expected, f"prompt of {len(prompt)} tokens: corruption went unseen"
 
 
@@ -200,32 +155,3 @@ def test_a_prefill_no_decode_asks_for_keeps_its_blocks_until_the_deadline(
         assert time.monotonic() - t0 < DEADLINE_S + 30.0, "the blocks were never freed"
         time.sleep(0.5)
     assert time.monotonic() - t0 >= DEADLINE_S / 2
-
-
-def test_kvhandoff_hybrid_pair_equals_single_engine(
-    hybrid: Path,
-    logs: Path,
-    kvhandoff_toml: Path,
-    hybrid_reference: dict[tuple[int, ...], list[int]],
-    servers: list[Server],
-) -> None:
-    """GraniteMoeHybrid (Mamba2 and attention layers): the attention pages and every Mamba
-    group's state move at vLLM's N - 1 convention; the tokens equal the single engine's, and
-    the negative control fails them."""
-    servers.append(kvhandoff_server("hybrid-kvh-prefill", "kv_producer", hybrid, logs,
-                                    kvhandoff_toml))  # fmt: skip
-    servers.append(kvhandoff_server("hybrid-kvh-decode", "kv_consumer", hybrid, logs,
-                                    kvhandoff_toml))  # fmt: skip
-    prefill, decode = servers
-    for n, prompt in enumerate(prompts()):
-        expected = hybrid_reference[tuple(prompt)]
-        got, params = pd_request(prefill, decode, prompt, MAX_TOKENS)
-        assert got == expected, f"prompt of {len(prompt)} tokens"
-        assert params["kvhandoff"]["tokens"] == len(prompt) - 1
-        [[service]] = params["kvhandoff"]["services"]
-        assert sent_bytes(service) > 0
-        if len(prompt) > 1:
-            got, _ = pd_request(
-                prefill, decode, prompt, MAX_TOKENS, request_id=f"{CORRUPT_MARK}-h{n}"
-            )
-            assert got != expected, f"prompt of {len(prompt)} tokens: corruption went unseen"
