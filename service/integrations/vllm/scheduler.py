@@ -23,6 +23,8 @@ import logging
 import re
 from typing import Any
 
+import msgspec
+
 from service.integrations.vllm.layouts import attention_group, state_component, state_groups
 from service.integrations.vllm.metadata import (
     PARAMS_KEY,
@@ -94,8 +96,9 @@ class SchedulerHalf:
     # ------------------------------------------------------------------ decode
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens the prefill holds beyond the decode's own prefix: the whole prompt (vLLM
-        recomputes its last token), loaded asynchronously."""
+        """Tokens the prefill holds beyond the decode's own prefix, loaded asynchronously: the
+        whole prompt (vLLM recomputes its last token), or all but its last (a hybrid model's
+        decode computes that one on the loaded state)."""
         params = self._remote_prefill(request)
         if params is None:
             return 0, False
@@ -188,16 +191,8 @@ class SchedulerHalf:
         params = HandoffParams(
             version=PARAMS_VERSION, id=base, services=self._services, tokens=tokens
         )
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            PARAMS_KEY: {
-                "version": params.version,
-                "id": params.id,
-                "services": params.services,
-                "tokens": params.tokens,
-            },
-        }
+        answer = {"do_remote_prefill": True, "do_remote_decode": False}
+        return True, {**answer, PARAMS_KEY: msgspec.to_builtins(params)}
 
     def sent(self, finished_sending: set[str] | None) -> None:
         """Every worker reported these requests' handoffs ended: vLLM frees their blocks."""
