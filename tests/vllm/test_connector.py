@@ -337,3 +337,22 @@ def test_the_entry_point_names_the_connector_for_vllm() -> None:
     load_general_plugins()
     load_general_plugins()  # every vLLM process may call it again: no error
     assert KVConnectorFactory._registry["KVHandoffConnector"]() is KVHandoffConnector
+
+
+def test_params_name_every_prefill_worker_by_tp_rank_then_pp_stage(llama: Path) -> None:
+    """What vLLM's engine core gathers from a TP 2 x PP 2 prefill's workers, keyed (pp, tp):
+    the decode's TP rank r takes `services[r]`, every PP stage of it."""
+    sched = scheduler(llama, "kv_producer")
+    urls = {(p, t): f"http://w{p}{t}:1" for p in (0, 1) for t in (0, 1)}
+    sched.connector.set_xfer_handshake_metadata_pp_aware(
+        {key: ServiceHandshake(url) for key, url in urls.items()}
+    )
+    params = prefilled(sched)
+    assert params[PARAMS_KEY]["services"] == [
+        ["http://w00:1", "http://w10:1"],
+        ["http://w01:1", "http://w11:1"],
+    ]
+    with pytest.raises(RuntimeError, match=r"\(pp, tp\) \[\(1, 0\)\]"):
+        sched.connector.set_xfer_handshake_metadata_pp_aware(
+            {key: ServiceHandshake(u) for key, u in urls.items() if key != (1, 0)}
+        )
