@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.conftest import MAX_TOKENS, kvhandoff_server, prompts, sent_bytes
+from tests.vllm.conftest import HYBRID_ARGS, MAX_TOKENS, kvhandoff_server, prompts, sent_bytes
 from tests.vllm.faults.sitecustomize import CORRUPT_MARK
 from tests.vllm.servers import Server, pd_request
 
@@ -26,10 +26,8 @@ def test_kvhandoff_hybrid_pair_equals_single_engine(
     """GraniteMoeHybrid (Mamba2 and attention layers): the attention pages and every Mamba
     group's state move at vLLM's N - 1 convention; the tokens equal the single engine's, and
     the negative control fails them."""
-    servers.append(kvhandoff_server("hybrid-kvh-prefill", "kv_producer", hybrid, logs,
-                                    kvhandoff_toml))  # fmt: skip
-    servers.append(kvhandoff_server("hybrid-kvh-decode", "kv_consumer", hybrid, logs,
-                                    kvhandoff_toml))  # fmt: skip
+    for name, role in (("hybrid-kvh-prefill", "kv_producer"), ("hybrid-kvh-decode", "kv_consumer")):
+        servers.append(kvhandoff_server(name, role, hybrid, logs, kvhandoff_toml, HYBRID_ARGS))
     prefill, decode = servers
     for n, prompt in enumerate(prompts()):
         expected = hybrid_reference[tuple(prompt)]
