@@ -35,10 +35,12 @@ BASE = "vllm-engine-req"
 SERVICES = [["http://p0:1"], ["http://p1:1"]]  # [tp][pp]
 
 
-def worker(role: str, *, tp_rank: int = 0, tp_size: int = 1) -> tuple[WorkerHalf, RecordingService]:
+def worker(
+    role: str, *, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1
+) -> tuple[WorkerHalf, RecordingService]:
     half = WorkerHalf(
-        ConnectorSettings(), None, role=role, tp_rank=tp_rank, tp_size=tp_size, pp_rank=0,
-        pp_size=1, env={},
+        ConnectorSettings(), None, role=role, tp_rank=tp_rank, tp_size=tp_size,
+        pp_rank=pp_rank, pp_size=pp_size, env={},
     )  # fmt: skip
     service = RecordingService()
     half.attach(service)  # type: ignore[arg-type]
@@ -120,10 +122,10 @@ def test_a_prefill_of_another_tp_size_fails_the_load_without_a_create() -> None:
     assert service.named("expect_handoff") == []
 
 
-def transferred(hid: str, final: bool = True) -> StageTransferred:
+def transferred(hid: str, final: bool = True, pp_rank: int = 0) -> StageTransferred:
     return StageTransferred(
-        handoff_id=hid, role="prefill", pp_rank=0, blocks=1, bytes=8, batches=1, seconds=0.1,
-        final=final,
+        handoff_id=hid, role="prefill", pp_rank=pp_rank, blocks=1, bytes=8, batches=1,
+        seconds=0.1, final=final,
     )  # fmt: skip
 
 
@@ -131,8 +133,9 @@ def sent(half: WorkerHalf, service: RecordingService) -> str:
     half.step(StepMeta(sends=[Send("p-1", BASE, [3, 4], {"mamba.g1": 2})]))
     wait_until(lambda: bool(service.named("stage_ready")), what="the ready signal")
     [(args, kw)] = service.named("stage_ready")
-    assert args == (f"{BASE}-tp0", 0, [3, 4]) and kw == {"src_slots": {"mamba.g1": 2}}
-    return f"{BASE}-tp0"
+    hid = f"{BASE}-tp{half.tp_rank}"
+    assert args == (hid, half.pp_rank, [3, 4]) and kw == {"src_slots": {"mamba.g1": 2}}
+    return hid
 
 
 def test_prefill_frees_the_blocks_once_the_stage_has_all_its_bytes() -> None:
@@ -141,6 +144,18 @@ def test_prefill_frees_the_blocks_once_the_stage_has_all_its_bytes() -> None:
     service.emit(transferred(hid, final=False))
     assert half.results({"p-1"}) == (set(), set(), set())
     service.emit(transferred(hid))
+    assert half.results(set()) == ({"p-1"}, set(), set())
+
+
+def test_a_pp_stage_signals_and_reports_its_own_stage() -> None:
+    """A PP prefill: each stage's worker signals its own stage of the rank's handoff (its
+    layers, paired with the decode's by global id) and frees on its own stage's bytes."""
+    half, service = worker("prefill", tp_rank=1, tp_size=2, pp_rank=1, pp_size=2)
+    hid = sent(half, service)
+    assert hid == f"{BASE}-tp1"
+    service.emit(transferred(hid, pp_rank=0))  # another stage's (another process's) event
+    assert half.results({"p-1"}) == (set(), set(), set())
+    service.emit(transferred(hid, pp_rank=1))
     assert half.results(set()) == ({"p-1"}, set(), set())
 
 
