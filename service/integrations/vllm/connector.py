@@ -20,6 +20,7 @@ reports the request done only once kvhandoff is done with its blocks.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -67,6 +68,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=int(parallel.tensor_parallel_size),
                 pp_rank=int(get_pp_group().rank_in_group),
                 pp_size=int(parallel.pipeline_parallel_size),
+                env=os.environ,  # read once, here: the service's `KVHANDOFF_*` overrides
             )
 
     @classmethod

@@ -29,7 +29,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -70,14 +69,14 @@ class WorkerHalf:
         tp_size: int,
         pp_rank: int,
         pp_size: int,
-        env: Mapping[str, str] | None = None,
+        env: Mapping[str, str],
     ) -> None:
         self.settings = settings
         self.kv_cache_config = kv_cache_config
         self.role = role  # "prefill" or "decode"
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.pp_rank, self.pp_size = pp_rank, pp_size
-        self.env = dict(os.environ if env is None else env)
+        self.env = dict(env)  # what the service's settings read (`KVHANDOFF_*`)
         self.rank: RankLayout | None = None
         self._service: EmbeddedService | None = None
         self._lock = threading.Lock()
@@ -90,7 +89,8 @@ class WorkerHalf:
         self.prefill_rooms = PrefillRooms(early_kept=0)
         self._sending: dict[str, tuple[str, int]] = {}
         self._sent: set[str] = set()
-        self._finished_seen: set[str] = set()  # vLLM's finished requests, not yet reported
+        self._sending_reqs: set[str] = set()  # requests signalled here, until reported
+        self._finished_seen: set[str] = set()  # of those, the ones vLLM said finished
         # decode: handoff id -> (request, room); request -> handoff id while it loads
         self.decode_rooms = DecodeRooms()
         self._loading: dict[str, tuple[str, int]] = {}
@@ -161,7 +161,7 @@ class WorkerHalf:
         released)."""
         aborts: list[str] = []
         with self._lock:
-            self._finished_seen |= finished_req_ids
+            self._finished_seen |= finished_req_ids & self._sending_reqs
             for req_id in finished_req_ids:
                 hid = self._hid_of.get(req_id)
                 if hid is not None and self.decode_rooms.cancel(hid):
@@ -170,6 +170,7 @@ class WorkerHalf:
             sending = self._sent & self._finished_seen
             self._sent -= sending
             self._finished_seen -= sending
+            self._sending_reqs -= sending
             received, failed = self._received, self._failed
             self._received, self._failed = set(), set()
         for hid in aborts:
@@ -187,6 +188,7 @@ class WorkerHalf:
             assert rec is not None
             self.prefill_rooms.chunk(rec, len(send.pages), is_last=True, waiting=[])
             self._sending[hid] = (send.req_id, room)
+            self._sending_reqs.add(send.req_id)
 
         def ready() -> None:
             try:
