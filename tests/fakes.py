@@ -263,6 +263,60 @@ async def eventually(
         await asyncio.sleep(0.001)
 
 
+# -- engine adapters ------------------------------------------------------------------------
+
+
+class RecordingService:
+    """An engine adapter's embedded service (`service.embedded.EmbeddedService`) as the adapter
+    sees it: it records the engine-facing calls, raises what a test queues for one (`fail`),
+    and hands the adapter the events a test `emit`s, on the test's thread. For the adapter's
+    own bookkeeping only: what the service does with the calls is the real service's tests."""
+
+    url = "http://127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[object, ...], dict[str, object]]] = []
+        self.failures: dict[str, BaseException] = {}
+        self._listeners: list[Callable[[object], None]] = []
+        self._lock = threading.Lock()
+
+    def add_listener(self, listener: Callable[[object], None]) -> None:
+        self._listeners.append(listener)
+
+    def emit(self, event: object) -> None:
+        for listener in self._listeners:
+            listener(event)
+
+    def fail(self, call: str, error: BaseException) -> None:
+        self.failures[call] = error
+
+    def named(self, call: str) -> list[tuple[tuple[object, ...], dict[str, object]]]:
+        with self._lock:
+            return [(a, k) for c, a, k in self.calls if c == call]
+
+    def _record(self, call: str, *args: object, **kw: object) -> None:
+        with self._lock:
+            self.calls.append((call, args, kw))
+        if call in self.failures:
+            raise self.failures[call]
+
+    def stage_ready(self, *args: object, **kw: object) -> None:
+        self._record("stage_ready", *args, **kw)
+
+    def abort_prefill(self, *args: object, **kw: object) -> None:
+        self._record("abort_prefill", *args, **kw)
+
+    def expect_handoff(self, request: object) -> object:
+        self._record("expect_handoff", request)
+        return request
+
+    def abort(self, handoff_id: str) -> None:
+        self._record("abort", handoff_id)
+
+    def stop(self) -> None:
+        self._record("stop")
+
+
 # -- peers ----------------------------------------------------------------------------------
 
 

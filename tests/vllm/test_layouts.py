@@ -21,11 +21,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from service.integrations.vllm.layouts import (
-    MAMBA_COMPONENT,
     Unsupported,
     check_groups,
     layer_index,
     rank_layout,
+    state_component,
 )
 
 BLOCKS, BLOCK, HEADS, HEAD = 8, 32, 2, 32
@@ -117,8 +117,8 @@ def test_hybrid_mamba_pages_overlay_attention_memory() -> None:
     layout = rank.layout
     assert layout.kv_layer_ids == [2]
     assert [(s.layer_id, s.component) for s in layout.state] == [
-        (0, MAMBA_COMPONENT),
-        (1, MAMBA_COMPONENT),
+        (0, state_component(1)),
+        (1, state_component(1)),
     ]
     second = layout.state[1]
     assert second.base == m[ssm[1]].data_ptr() and second.item_len == spec.page_size_bytes

@@ -17,8 +17,10 @@ What vLLM gives, and what it becomes:
 - a Mamba layer (a `MambaSpec` group) has its page's bytes (or, given state by state, views
   with one row per block inside the page): `page_size_bytes` is padded to the attention page
   in a hybrid model, whose groups overlay the same memory. The whole page is one state entry
-  of component `mamba`, its slot the request's Mamba block id: a block of the pool belongs to
-  one group at a time, so the page holds nothing of another layer while the request owns it.
+  of kind `mamba` and of its group's component (`state_component`: each Mamba group gives a
+  request a block of its own), its slot the request's block id in that group: a block of the
+  pool belongs to one group at a time, so the page holds nothing of another layer while the
+  request owns it. One attention group only: a kvhandoff request has one page list.
 
 The global id of a layer is the one integer in its name (`model.layers.7.self_attn.attn`), as
 vLLM's own `extract_layer_index` reads it; with pipeline parallelism every stage names its
@@ -38,8 +40,14 @@ from service.integrations.sglang.layouts import RankLayout
 ATTENTION_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
 #: Spec classes whose blocks hold a request's recurrent state (one page per layer).
 STATE_SPECS = frozenset({"MambaSpec"})
-#: The state component Mamba pages are moved as (their slot: the request's Mamba block).
+#: The state kind of Mamba pages (pairing is by layer id and kind).
 MAMBA_COMPONENT = "mamba"
+
+
+def state_component(group: int) -> str:
+    """The state component of the Mamba layers of transfer group `group`: their slot is the
+    request's block in that group."""
+    return f"{MAMBA_COMPONENT}.g{int(group)}"
 
 
 class Unsupported(ValueError):
@@ -96,7 +104,32 @@ def check_groups(kv_cache_config: Any) -> int:
         )
     if not sizes:
         raise Unsupported("no attention group: the kvhandoff connector needs one page size")
+    attention = [
+        g for g, group in enumerate(groups) if type(group.kv_cache_spec).__name__ in ATTENTION_SPECS
+    ]
+    if len(attention) > 1:
+        raise Unsupported(
+            f"KV cache groups {attention} all hold attention layers, each with blocks of its "
+            "own per request: a kvhandoff request has one page list"
+        )
     return sizes.pop()
+
+
+def attention_group(kv_cache_config: Any) -> int:
+    """The index (among the transfer groups) of the one attention group."""
+    for g, group in enumerate(transfer_groups(kv_cache_config)):
+        if type(group.kv_cache_spec).__name__ in ATTENTION_SPECS:
+            return g
+    raise Unsupported("no attention group")
+
+
+def state_groups(kv_cache_config: Any) -> list[int]:
+    """The indices (among the transfer groups) of the Mamba groups."""
+    return [
+        g
+        for g, group in enumerate(transfer_groups(kv_cache_config))
+        if type(group.kv_cache_spec).__name__ in STATE_SPECS
+    ]
 
 
 def rank_layout(
@@ -117,11 +150,17 @@ def rank_layout(
         for group in transfer_groups(kv_cache_config)
         for name in group.layer_names
     }
+    group_of = {
+        name: g
+        for g, group in enumerate(transfer_groups(kv_cache_config))
+        for name in group.layer_names
+    }
     missing = sorted(set(spec_of) - set(kv_caches))
     if missing:
         raise Unsupported(f"register_kv_caches gave no cache for layer {missing[0]!r}")
     kv: dict[int, tuple[int, int, int]] = {}  # layer -> (ptr, nbytes, item_len)
     state: list[tuple[int, int, int, int]] = []  # (layer, ptr, nbytes, item_len)
+    components: list[str] = []
     dtypes: set[str] = set()
     for name in sorted(spec_of, key=layer_index):
         spec, cache = spec_of[name], kv_caches[name]
@@ -131,6 +170,7 @@ def rank_layout(
             dtypes.add(str(spec.dtype))
         else:
             state.append((layer_index(name), *pages))
+            components.append(state_component(group_of[name]))
     if len(dtypes) > 1:
         raise Unsupported(f"attention layers of dtypes {sorted(dtypes)}: a layout has one dtype")
     layers = list(kv)
@@ -150,7 +190,7 @@ def rank_layout(
             state_item_lens=[i for _, _, _, i in state],
             state_layer_ids=[layer for layer, _, _, _ in state],
             state_kinds=[MAMBA_COMPONENT] * len(state),
-            state_components=[MAMBA_COMPONENT] * len(state),
+            state_components=components,
         )
     except LayoutError as exc:
         raise Unsupported(f"vLLM's KV caches do not make a kvhandoff layout: {exc}") from exc

@@ -1,0 +1,165 @@
+"""`KVHandoffConnector`: kvhandoff as a vLLM KV connector (V1 API, vLLM 0.32).
+
+Loaded by vLLM from `--kv-transfer-config '{"kv_connector": "KVHandoffConnector",
+"kv_connector_module_path": "service.integrations.vllm.connector", "kv_role":
+"kv_producer" | "kv_consumer", "kv_connector_extra_config": {"config": "kvhandoff.toml"}}'`
+(settings: `settings.py`). vLLM constructs it once per role: in the scheduler (`SchedulerHalf`,
+`scheduler.py`) and in every worker (`WorkerHalf`, `worker.py`, which runs the worker's
+kvhandoff service); this class only routes vLLM's hooks to the half of its role. What it does
+not support is refused here, at construction, by name (`support.py`).
+
+vLLM's PD flow over it: the proxy sends the request to the prefill with
+`kv_transfer_params.do_remote_decode`; the prefill's scheduler keeps the finished request's
+blocks and answers params naming its workers' services and the handoff (`metadata.py`); the
+prefill's workers signal the blocks ready; the proxy passes the params to the decode, whose
+scheduler asks for the prompt's KV and allocates blocks, and whose workers create the handoff
+into them; the prefill's services push the bytes (landed and verified by default). Each side
+reports the request done only once kvhandoff is done with its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from service.integrations.vllm.metadata import StepMeta
+from service.integrations.vllm.scheduler import SchedulerHalf
+from service.integrations.vllm.settings import connector_settings
+from service.integrations.vllm.support import refuse_unsupported, service_role
+from service.integrations.vllm.worker import WorkerHalf
+
+log = logging.getLogger("kvhandoff.vllm")
+
+
+class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.service_role = service_role(transfer.kv_role)
+        block_size = refuse_unsupported(vllm_config, kv_cache_config, role=self.service_role)
+        settings = connector_settings(transfer.kv_connector_extra_config)
+        self.scheduler: SchedulerHalf | None = None
+        self.worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerHalf(
+                engine_id=str(transfer.engine_id),
+                block_size=block_size,
+                producer=self.service_role == "prefill",
+                consumer=self.service_role == "decode",
+                kv_cache_config=kv_cache_config,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            parallel = vllm_config.parallel_config
+            self.worker = WorkerHalf(
+                settings,
+                kv_cache_config,
+                role=self.service_role,
+                tp_rank=int(get_tp_group().rank_in_group),
+                tp_size=int(parallel.tensor_parallel_size),
+                pp_rank=int(get_pp_group().rank_in_group),
+                pp_size=int(parallel.pipeline_parallel_size),
+                env=os.environ,  # read once, here: the service's `KVHANDOFF_*` overrides
+            )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """A layer-compact layout: each layer's blocks one contiguous pool (`layouts.py`)."""
+        model = vllm_config.model_config
+        return None if model is None or model.use_mla else "LBHNC"
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def _sched(self) -> SchedulerHalf:
+        assert self.scheduler is not None, "a scheduler-side hook called on a worker"
+        return self.scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched().after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepMeta:
+        return self._sched().build_meta()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched().sent(connector_output.finished_sending)
+
+    def on_new_request(self, request: Any) -> None:
+        self._sched().new_request(request)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator: the request's blocks of every KV cache group."""
+        return self._sched().finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """A load restores every transfer group (attention pages and Mamba state)."""
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.holding()
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        self._sched().set_services(metadata)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._sched().set_services({(0, t): m for t, m in metadata.items()})
+
+    # ------------------------------------------------------------------ worker side
+
+    def _work(self) -> WorkerHalf:
+        assert self.worker is not None, "a worker-side hook called in the scheduler"
+        return self.worker
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._work().register(kv_caches)
+
+    def get_handshake_metadata(self) -> Any:
+        return self._work().handshake()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, StepMeta):
+            self._work().step(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete between steps (vLLM waits on `finished_recving`)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+        return  # a request's blocks are signalled whole once it finished (`request_finished`)
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, received, failed = self._work().results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=received, failed_recving=failed
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, received, _ = self._work().results(finished_req_ids)
+        return sending, received
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
