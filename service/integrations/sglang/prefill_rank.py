@@ -14,22 +14,46 @@ reads the room under it) orders the bookkeeping with what is queued on the worke
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from pipelines.errors import KVHandoffError
 from pipelines.events import DestinationReceived
+from service.embedded import EmbeddedService
 from service.integrations.rooms.prefill import PrefillRoom, PrefillRooms, Range
 from service.integrations.sglang import excusal
 from service.integrations.sglang.ids import handoff_id, own_of
-from service.integrations.sglang.layouts import component_slots
+from service.integrations.sglang.layouts import RankLayout, component_slots
 
-if TYPE_CHECKING:
-    from service.integrations.sglang.manager import KVHandoffManager
+
+class RankHost(Protocol):
+    """What a prefill rank reads from its manager (`manager.KVHandoffManager`), when used: its
+    ids, SGLang's status table, the service and the rank's worker. A protocol, not an import of
+    the manager, which builds the rank: the two modules stay one-way."""
+
+    stage_rank: int
+    tp_rank_for_handoffs: int
+    state_types: Any
+    rank: RankLayout
+    _calls: concurrent.futures.ThreadPoolExecutor
+
+    @property
+    def service(self) -> EmbeddedService: ...
+
+    def update_status(self, bootstrap_room: int, status: int) -> None: ...
+
+    def fail(self, room: int, reason: str, *, unreachable: bool = False) -> bool: ...
+
+    def submit(
+        self, room: int, what: str, call: Callable[[], Any]
+    ) -> concurrent.futures.Future[Any]: ...
+
 
 log = logging.getLogger("kvhandoff.sglang")
 #: How many rooms' early facts (an excusal, a fan-out that came before SGLang opened the room)
@@ -41,7 +65,7 @@ class PrefillRank:
     """The rooms of one prefill rank, over its manager's service, worker thread and SGLang's
     status table (all read from the manager when used)."""
 
-    def __init__(self, mgr: KVHandoffManager, excusal_ttl_s: float) -> None:
+    def __init__(self, mgr: RankHost, excusal_ttl_s: float) -> None:
         self._mgr = mgr
         self.rooms = PrefillRooms(early_kept=EARLY_KEPT)
         self.lock = self.rooms.lock
