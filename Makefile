@@ -229,10 +229,11 @@ reliability: setup
 
 # Every benchmark in one bounded run (10 minutes at most on the 2-core development machine):
 # bench/results.json and .csv (with the machine and the commit), bench/*.png and BENCHMARKS.md,
-# regenerated from them (service/tools/bench/suite.py says what each section measures). The
-# planning section runs SGLang's own path in its environment, hence sglang-env.
+# regenerated from them (bench/suite.py says what each section measures). The
+# planning section runs SGLang's own path in its environment, hence sglang-env. The comparison
+# suites and report generators live in bench/, outside the package: run from the repository.
 bench: bench-setup sglang-env
-	$(VENV)/bin/kvhandoff bench suite --out-dir bench --markdown BENCHMARKS.md
+	$(PY) -m bench.suite --out-dir bench --markdown BENCHMARKS.md
 
 # matplotlib for the plots: the `bench` extra, which neither the service nor the tests need.
 BENCH_STAMP := $(VENV)/.bench-installed
@@ -244,8 +245,8 @@ $(BENCH_STAMP): $(STAMP)
 
 # The plots and BENCHMARKS.md again from the committed bench/results.json, running nothing.
 bench-report: bench-setup
-	$(PY) -m service.tools.bench.plots bench/results.json
-	$(PY) -m service.tools.bench.report bench/results.json --out BENCHMARKS.md
+	$(PY) -m bench.plots bench/results.json
+	$(PY) -m bench.report bench/results.json --out BENCHMARKS.md
 
 # 1,000 handoffs in flight for ten minutes through the multi-process deployment; fails if one is
 # lost, a peer is declared lost or any process's memory grows (not in CI: see `kvhandoff load`).
@@ -257,7 +258,7 @@ soak: setup
 	  --out bench/soak.json
 
 bench-plan: setup
-	$(VENV)/bin/kvhandoff bench plan
+	$(PY) -m bench.plan
 
 bench-transport: setup
 	$(VENV)/bin/kvhandoff bench transport
@@ -278,10 +279,10 @@ image-test: image
 	KVHANDOFF_TEST_IMAGE=$(IMAGE) $(PY) -m pytest tests/container -q
 
 bench-events: setup
-	$(VENV)/bin/kvhandoff bench events
+	$(PY) -m bench.events
 
 bench-webhooks: setup
-	$(VENV)/bin/kvhandoff bench webhooks
+	$(PY) -m bench.webhooks
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info build

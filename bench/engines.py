@@ -28,8 +28,8 @@ from typing import Any
 
 import aiohttp
 
-from service.tools.bench.report import regenerate
-from service.tools.bench.suite import machine
+from bench.report import regenerate
+from bench.suite import machine
 from tests.engines.client import NEW_TOKENS, Pair, body, bootstrap, pd, prompts
 from tests.engines.model import write_model
 from tests.engines.servers import DECODE, EARLY_SEND_OFF, PEER_SECRET, Server, kvhandoff_env

@@ -18,7 +18,7 @@ not speak instead of guessing. Change history:
   or on a `WindowRequest`); each segment's notice (`SegmentMsg`) names its window, its pieces,
   its byte count and the digest (`digest`) of its packed bytes, and the last one is the stage's
   arrival; the decode commits a segment into its pages only once the digest matches.
-- v4: messages are bound to both ends over HTTP (`service/http/signing.py`): a signed request
+- v4: messages are bound to both ends over HTTP (`service/http/peer_signing.py`): a signed request
   names its recipient (URL, and incarnation once known), which refuses one meant for another
   service or life; every answer to a signed request is signed by its responder, bound to the
   request's nonce, and checked by the caller before any field of it (a layout's incarnation, an

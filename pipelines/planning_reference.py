@@ -1,6 +1,6 @@
 """A deliberately plain planner: a Python loop over entries and runs building per-block tuples.
 
-It exists as the oracle for property tests and as the baseline of `kvhandoff bench plan`; the
+It exists as the oracle for property tests and as the baseline of `python -m bench.plan`; the
 service never calls it. It assumes the request was validated by `planning.validate_request`.
 """
 

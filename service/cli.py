@@ -25,24 +25,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "many handoffs in flight through a local deployment; fails on loss or memory growth",
     ),
 }
+#: What an operator measures on their own machines. The comparison suites, report generators and
+#: plots of `make bench` live outside the package, in the repository's `bench/`.
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "plan": ("service.tools.bench.plan", "transfer planning vs. a per-entry reference planner"),
     "transport": ("service.tools.bench.transport", "transports vs. memcpy and raw Mooncake calls"),
     "handoff": (
         "service.tools.bench.handoff",
         "handoffs through the HTTP services vs. raw baselines",
-    ),
-    "events": (
-        "service.tools.bench.events",
-        "SSE fan-out to many readers vs. the bus publishing alone",
-    ),
-    "webhooks": (
-        "service.tools.bench.webhooks",
-        "webhook deliveries from the outbox vs. plain POSTs; the outbox's cost on handoffs",
-    ),
-    "suite": (
-        "service.tools.bench.suite",
-        "every benchmark (make bench): results, plots and BENCHMARKS.md",
     ),
 }
 

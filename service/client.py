@@ -2,7 +2,7 @@
 
 Used by routers integrating with a decode service, and by kvhandoff's own tools and tests. It
 depends on aiohttp, msgspec, the API's public schemas (`pipelines.decode`) and the Standard
-Webhooks signature code (`service.http.signatures`) — nothing of the running service.
+Webhooks signature code (`service.webhooks.signatures`) — nothing of the running service.
 
     async with KVHandoffClient("http://decode:8100", token=TOKEN) as kv:
         await kv.create("req-1", dst_pages=[7, 8], dst_slot=3)
@@ -28,7 +28,7 @@ import aiohttp
 import msgspec
 
 from pipelines.decode.views import HandoffPage, HandoffView
-from service.http.signatures import SignatureError, verify
+from service.webhooks.signatures import SignatureError, verify
 
 __all__ = [
     "ApiError",

@@ -10,7 +10,8 @@ import time
 import types
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -18,6 +19,40 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from pipelines.messages import HeartbeatAck, HeartbeatMsg
+from service.config import Config, load_config
+
+# -- time -----------------------------------------------------------------------------------
+
+
+class Clock:
+    """A clock only the test moves: calling it returns `now`, which the test sets (for the
+    `clock=` of the event bus, metrics, activity, signers, the dispatcher, heartbeats)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+def local_config(
+    role: str, stages: list[dict[str, Any]], state_dir: str | Path, **settings: Any
+) -> Config:
+    """A valid config of `role` hosting `stages`, over the local transport on a free port, its
+    records and outbox under `state_dir`; `settings` are dotted keys or whole tables, e.g.
+    `**{"handoff.max_concurrent": 2}` or `model={...}`."""
+    base = {
+        "role": role,
+        "stages": stages,
+        "server.port": 0,
+        "server.state_dir": str(state_dir),
+        "transport.backend": "local",
+    }
+    return load_config(None, {}, {**base, **settings})
+
 
 # -- transport ------------------------------------------------------------------------------
 

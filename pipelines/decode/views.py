@@ -189,7 +189,7 @@ class ArchivedHandoff(Struct, frozen=True):
 
 
 class HandoffArchive(Protocol):
-    """Where the service keeps finished handoffs (`service.runtime.records`)."""
+    """Where the service keeps finished handoffs (`service.records.handoffs`)."""
 
     def find(self, handoff_id: str) -> ArchivedHandoff | None: ...
 

@@ -24,9 +24,7 @@ from pipelines.decode.views import PageUse
 from pipelines.errors import KVHandoffError
 from service.http.app import CONFIG, ROUTES, VERSION, json_response
 from service.http.routing import RouteTable
-from service.peers.heartbeat import PeerHealth
-from service.peers.protocol import HttpPeers
-from service.runtime.activity import (
+from service.observability.activity import (
     BUCKET_S,
     RECENT,
     Activity,
@@ -34,6 +32,8 @@ from service.runtime.activity import (
     HandoffActivity,
     Latency,
 )
+from service.peers.heartbeat import PeerHealth
+from service.peers.protocol import HttpPeers
 from service.runtime.roles import DECODE, PREFILL, RUNTIME, DecodeRuntime, Runtime, on_runtime
 
 #: A configured prefill whose layout could not be read is asked again after this long.

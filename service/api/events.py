@@ -4,8 +4,8 @@
 Each frame is `id: <bus seq>`, `event: <stable tag>`, `data: <the event as JSON>`. A reader
 resumes with `Last-Event-ID` (header, or `?last_event_id=` where a client cannot set headers)
 from the bus's bounded replay buffer; ids it can no longer get are announced with a
-`stream.gap` frame, never skipped silently (`service.runtime.streams`). Every stream has its own
-bounded queue on the bus: the bus never waits for a reader, and a reader that falls
+`stream.gap` frame, never skipped silently (`service.observability.streams`). Every stream
+has its own bounded queue on the bus: the bus never waits for a reader, and a reader that falls
 `handoff.sse_queue` events behind gets a final `stream.overflow` frame and is disconnected (and
 counted), so a slow reader costs neither the pipeline nor the other readers anything.
 """
@@ -31,14 +31,14 @@ from pipelines.events import (
 from service.http.app import CONFIG, ROUTES
 from service.http.egress import EGRESS
 from service.http.routing import RouteTable
-from service.runtime.roles import DECODE, RUNTIME
-from service.runtime.streams import (
+from service.observability.streams import (
     STREAMS,
     StreamGap,
     StreamOverflow,
     StreamStats,
     stream_encoder,
 )
+from service.runtime.roles import DECODE, RUNTIME
 
 _ID = re.compile(HANDOFF_ID_PATTERN)
 #: Every tag a `?types=` prefix may select (a prefix that selects none is a typo: 422).

@@ -28,8 +28,8 @@ from pipelines.urls import ServiceUrl
 from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
+from service.records.listing import handoff_page
 from service.runtime import inputs
-from service.runtime.listing import handoff_page
 from service.runtime.persistence import PERSISTENCE
 from service.runtime.roles import DECODE, decode_of, prefill_of
 
@@ -41,7 +41,7 @@ MAX_WAIT_S = 60.0
 #: Items of one `GET /v1/handoffs` page: by default, and at most.
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
-#: Cursors are `seq`s (`service.runtime.database.LIFE_SHIFT`), below this.
+#: Cursors are `seq`s (`service.storage.LIFE_SHIFT`), below this.
 MAX_CURSOR = 2**62
 #: Handoffs a prefill holds that were signalled ready and have no destination yet (README).
 MAX_AWAITING_DESTINATION = 4096

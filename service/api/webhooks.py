@@ -15,10 +15,10 @@ from msgspec import Meta, Struct
 from pipelines.errors import ConflictError, InvalidInput
 from service.http.app import CONFIG, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
-from service.http.signatures import secret_key
 from service.runtime import inputs
 from service.runtime.persistence import persistence_of
-from service.runtime.webhook_views import (
+from service.webhooks.signatures import secret_key
+from service.webhooks.views import (
     DeliveryPage,
     DeliveryState,
     DeliveryView,

@@ -35,9 +35,9 @@ from pipelines.errors import InvalidInput, KVHandoffError
 from pipelines.peercache import new_incarnation
 from service.config import Config
 from service.http.auth import Credentials, answer_middleware, auth_middleware, signer_for
-from service.http.client import PeerClient
 from service.http.egress import EGRESS, Egress
 from service.http.openapi import build_openapi
+from service.http.peer_client import PeerClient
 from service.http.problems import (
     PROBLEM_CONTENT_TYPE,
     MalformedBody,

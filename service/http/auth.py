@@ -7,14 +7,14 @@ route takes (service.http.routing). The rules:
 - router and engine routes take `Authorization: Bearer <token>` (scheme case-insensitive, RFC
   9110) with one of that role's secrets; no or an unknown token is 401, a token of another role
   is 403 (a router cannot act as an engine or a peer, nor the reverse);
-- peer routes take a request signed with a peer secret (service.http.signing), never a bearer
+- peer routes take a request signed with a peer secret (service.http.peer_signing), never a bearer
   token, addressed to this service: unsigned, badly signed or signed for another service is
   401, a replay 409, one signed for another life of this service 409 `stale_incarnation`,
   another role's bearer token 403; the verified sender URL is then `signed_sender(request)`,
   which handlers compare with the URL a message claims (service.api.peer);
 - the answer to a signed peer request (whatever its status, a refusal of a stale one too) is
   signed in turn by `answer_middleware`, bound to the request's nonce, so the caller can tell
-  it came from the service it addressed (`service.http.client`);
+  it came from the service it addressed (`service.http.peer_client`);
 - a role without any secret configured is open, as are routes outside `/v1`.
 """
 
@@ -29,9 +29,7 @@ from aiohttp import web
 
 from service.config import AUTH_ROLES, Config
 from service.http.egress import EGRESS
-from service.http.problems import Forbidden, Replayed, StaleIncarnation, Unauthorized
-from service.http.routing import API_PREFIX, AuthRole, Route
-from service.http.signing import (
+from service.http.peer_signing import (
     NONCE_HEADER,
     RECIPIENT_INCARNATION_HEADER,
     SIGNATURE_HEADER,
@@ -41,6 +39,8 @@ from service.http.signing import (
     Signer,
     Verifier,
 )
+from service.http.problems import Forbidden, Replayed, StaleIncarnation, Unauthorized
+from service.http.routing import API_PREFIX, AuthRole, Route
 
 #: The peer URL a request was signed by, once verified (absent when peer auth is off).
 SENDER = web.RequestKey("signed_sender", str)

@@ -13,9 +13,9 @@ from typing import Any
 
 import msgspec
 
+from service.http.peer_signing import SIGNATURE_HEADER
 from service.http.problems import PROBLEM_CONTENT_TYPE, TITLES, ProblemDetails
 from service.http.routing import AuthRole, Route
-from service.http.signing import SIGNATURE_HEADER
 
 OPENAPI_VERSION = "3.1.0"
 REF_TEMPLATE = "#/components/schemas/{name}"
@@ -39,7 +39,7 @@ SECURITY_SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {
             "name": SIGNATURE_HEADER,
             "description": "HMAC-SHA256 with a peer secret over method, path, timestamp, nonce, "
             "sender and body, with KVHandoff-Sender, -Timestamp and -Nonce headers (see "
-            "service/http/signing.py)",
+            "service/http/peer_signing.py)",
         },
     ),
 }

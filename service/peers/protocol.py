@@ -30,7 +30,7 @@ from pipelines.messages import (
 )
 from pipelines.peercache import MAX_PEERS, PeerCache
 from pipelines.prefill.handoff import DecodeSide
-from service.http.client import PeerClient
+from service.http.peer_client import PeerClient
 from service.http.problems import PeerError, encode_problem, error_from_problem
 from service.peers.coalesce import Coalescer, SendBatch
 

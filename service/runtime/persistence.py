@@ -3,13 +3,13 @@
 `open_persistence(config, decode, bus, egress)` (entered by the decode role's assembly,
 `service.runtime.roles`, when `records.persist` is on), once the decode pipeline exists:
 
-1. opens `server.state_dir/decode.sqlite3` (`service.runtime.database`);
+1. opens `server.state_dir/decode.sqlite3` (`service.storage`);
 2. adds one synchronous bus listener that, for each event, writes its handoff record
-   (`service.runtime.records`) and its webhook deliveries (`service.runtime.outbox`) inside
+   (`service.records.handoffs`) and its webhook deliveries (`service.webhooks.outbox`) inside
    `EventBus.publish`, into the group commit (`Database.grouped`): committed on the loop's
    next turn or, sooner, before any answer, peer request, SSE frame or webhook leaves the
    process (`service.http.egress`), so no one learns of a state before it is on disk — then
-   hands the deliveries to the dispatcher (`service.runtime.webhooks`), which sends them once
+   hands the deliveries to the dispatcher (`service.webhooks.dispatch`), which sends them once
    committed;
 3. ends what an earlier process left in flight: each such handoff fails with
    `service_restarted` (a published event: its record, its webhooks), and every page a handoff
@@ -49,11 +49,11 @@ from pipelines.events import (
 )
 from service.config import Config, ConfigError
 from service.http.egress import Egress
-from service.runtime.database import FILE_NAME, Database
-from service.runtime.outbox import Outbox
-from service.runtime.records import HandoffRecords
-from service.runtime.webhooks import Dispatcher
+from service.records.handoffs import HandoffRecords
+from service.storage import FILE_NAME, Database
 from service.tasks import TaskOwner
+from service.webhooks.dispatch import Dispatcher
+from service.webhooks.outbox import Outbox
 
 log = logging.getLogger("kvhandoff.records")
 

@@ -3,7 +3,7 @@
 `open_runtime(config, transport, client, incarnation, buffers)` is the one entry every door uses
 (the HTTP app through `install_runtime`, the embedded service through the same app, and next an
 engine backend). It opens the configured stages' pools (`service.runtime.stages`) and the landed
-transfer's memory (`service.runtime.landing`), builds the role's
+transfer's memory (`service.runtime.transfer_memory`), builds the role's
 runtime — `build_decode` or `build_prefill`, the only functions that wire a role — and, on the
 decode role with records on, opens the records and webhooks (`service.runtime.persistence`);
 then it runs the heartbeats (`service.peers.heartbeat`) until the `async with` ends. On exit it
@@ -33,14 +33,14 @@ from pipelines.messages import PEER_PROTOCOL_VERSION, ArenaSpan, HeartbeatAck, L
 from pipelines.prefill import HostedStage, PrefillPipeline
 from service.config import Config, ConfigError
 from service.http.app import CONFIG, INCARNATION, PEERS, READINESS, PeerReady
-from service.http.client import PeerClient
 from service.http.egress import EGRESS, Egress
+from service.http.peer_client import PeerClient
 from service.peers.heartbeat import Heartbeats, HeartbeatSettings
 from service.peers.protocol import HttpPeers
 from service.runtime.admission import Admission
-from service.runtime.landing import TransferMemory, open_transfer_memory
 from service.runtime.persistence import PERSISTENCE, Persistence, open_persistence
 from service.runtime.stages import Buffers, HostedMemory, open_stages
+from service.runtime.transfer_memory import TransferMemory, open_transfer_memory
 from service.runtime.transport import TRANSPORT, transport_opened
 from transport.base import Transport
 

@@ -15,10 +15,10 @@ One `HostedMemory` per `[[stages]]` table. Its layout comes from the model and t
 Region i of a pool is entry i of the layout (KV entries first, then state entries).
 
 What is registered is reachable: the transfer engine authenticates nobody, and any process that
-reaches its port may write any registered byte. So stage pools are registered only where a
-transport must move them, in direct mode (a decode's pages are written, a prefill's are read);
-in landed mode only the landing arena or staging buffer is (`service.runtime.landing`), and the
-stages' addresses are not published either (`HostedMemory.info`).
+reaches its port may write any registered byte. So stage pools are registered only where a transport
+must move them, in direct mode (a decode's pages are written, a prefill's are read); in landed mode
+only the landing arena or staging buffer is (`service.runtime.transfer_memory`), and the stages'
+addresses are not published either (`HostedMemory.info`).
 """
 
 from __future__ import annotations

@@ -58,8 +58,8 @@ from pipelines.messages import LayoutInfo
 from pipelines.models import decode_layout, partition_layers, preset, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
 from service.config import HandoffConfig, TransferConfig
-from service.tools.bench.common import StageProcesses
-from service.tools.deployment import DeploymentError, LocalDeployment
+from service.testing.deployment import DeploymentError, LocalDeployment
+from service.testing.raw_engines import StageProcesses
 from service.tools.router_client import TERMINAL, WAIT_S, Outcome, RouterClient
 from transport.blocks import Blocks
 from transport.config import MooncakeConfig

@@ -240,7 +240,7 @@ async def load(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]
     import aiohttp
 
     from service.config import HandoffConfig
-    from service.tools.deployment import LocalDeployment
+    from service.testing.deployment import LocalDeployment
     from service.tools.router_client import RouterClient
 
     inflight = args.inflight

@@ -32,7 +32,7 @@ from pipelines.events import EventBus, HandoffCompleted, HandoffCreated
 from service.config import HandoffConfig
 from service.runtime.roles import RUNTIME
 from service.serve import serve
-from service.tools.deployment import LocalDeployment
+from service.testing.deployment import LocalDeployment
 from tests.unit.service.handoff_fixtures import decode_config, extensions
 
 pytestmark = pytest.mark.integration

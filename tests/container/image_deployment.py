@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from service.tools.deployment import LocalDeployment, ServiceProcess
+from service.testing.deployment import LocalDeployment, ServiceProcess
 from transport.pool_shm import SHM_DIR
 
 _PR_SET_PDEATHSIG = 1

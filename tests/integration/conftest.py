@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from service.tools.deployment import LocalDeployment
+from service.testing.deployment import LocalDeployment
 
 DeploymentFactory = Callable[..., LocalDeployment]
 

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from service.tools.deployment import LocalDeployment
+from service.testing.deployment import LocalDeployment
 
 SENTINEL = 0xEE
 

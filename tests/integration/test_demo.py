@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from service.config import HandoffConfig
-from service.tools.deployment import DeploymentError, LocalDeployment
+from service.testing.deployment import DeploymentError, LocalDeployment
 
 DeploymentFactory = Callable[..., LocalDeployment]  # the `deployment` fixture (conftest.py)
 
@@ -278,7 +278,7 @@ def test_close_stops_every_process_and_removes_the_pools(deployment: DeploymentF
 
 _HARNESS = """\
 import json, sys, time
-from service.tools.deployment import LocalDeployment
+from service.testing.deployment import LocalDeployment
 model = {"scale": 64, "num_layers": 8}
 dep = LocalDeployment(model=model, pp_size=2, num_pages=16, num_slots=2, work_dir=sys.argv[1])
 dep.start()

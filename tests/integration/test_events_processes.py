@@ -13,7 +13,7 @@ import httpx
 import pytest
 from httpx_sse import aconnect_sse
 
-from service.tools.deployment import LocalDeployment
+from service.testing.deployment import LocalDeployment
 from service.tools.router_client import RouterClient
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,7 @@ import pytest
 from httpx_sse import ServerSentEvent, aconnect_sse
 
 from service.config import HandoffConfig
-from service.tools.deployment import LocalDeployment
+from service.testing.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     Moved,
     complete,

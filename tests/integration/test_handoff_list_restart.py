@@ -17,7 +17,7 @@ import pytest
 from pipelines.decode.views import HandoffPage, HandoffView
 from service.client import KVHandoffClient
 from service.config import HandoffConfig
-from service.tools.deployment import LocalDeployment
+from service.testing.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     Moved,
     complete,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from service.config import HandoffConfig, TransferConfig
-from service.tools.deployment import LocalDeployment
+from service.testing.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     SENTINEL,
     Moved,

@@ -35,7 +35,7 @@ import pytest
 
 from pipelines.prefill.landed import BLOCK_BYTES
 from service.config import HandoffConfig, TransferConfig, TransportConfig
-from service.tools.deployment import LocalDeployment
+from service.testing.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     Moved,
     fill_sources,

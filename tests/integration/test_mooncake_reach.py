@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from service.config import TransferConfig
-from service.tools.deployment import LocalDeployment, ServiceProcess
+from service.testing.deployment import LocalDeployment, ServiceProcess
 from tests.integration.conftest import DeploymentFactory
 from transport.pool_shm import ShmPool, shm_path
 

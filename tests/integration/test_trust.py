@@ -19,8 +19,8 @@ import msgspec
 import pytest
 
 from pipelines.messages import LayoutInfo
-from service.http.signing import Signer
-from service.tools.deployment import LocalDeployment
+from service.http.peer_signing import Signer
+from service.testing.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     Moved,
     create,

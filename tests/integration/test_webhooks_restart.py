@@ -16,7 +16,7 @@ import pytest
 
 from service.client import ApiError, KVHandoffClient
 from service.config import HandoffConfig, TransferConfig, WebhooksConfig
-from service.tools.deployment import LocalDeployment
+from service.testing.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     Moved,
     complete,

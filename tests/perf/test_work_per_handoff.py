@@ -74,10 +74,10 @@ from yarl import URL
 
 import service.runtime.persistence
 from service.config import Config, load_config
-from service.runtime.records import HandoffRecords
-from service.runtime.sender import Sender
+from service.records.handoffs import HandoffRecords
 from service.runtime.transport import TRANSPORT
 from service.serve import Server, install_service, serve
+from service.webhooks.sender import Sender
 from tests.receivers import WebhookReceiver
 
 pytest.importorskip("mooncake.engine")

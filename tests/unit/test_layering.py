@@ -3,9 +3,9 @@
 Across packages: `service → pipelines → transport`. Inside `pipelines/`, the two sides
 (`pipelines/decode/`, `pipelines/prefill/`) import the shared modules beside them, never each
 other; only `pipelines/inprocess.py`, which links the two in one process, imports both. Inside
-`service/`: `cli → tools → (serve,
-embedded) → api → runtime → peers → http → config`; a module may import its own layer or any
-layer below it, never above. Walks every module's `import` statements with `ast` (function-local
+`service/`: `cli → (tools, testing) → (serve, embedded) → api → runtime → observability →
+peers → (http, records, webhooks) → (config, storage)`; a module may import its own layer or
+any layer below it, never above. Walks every module's `import` statements with `ast` (function-local
 imports included), so a lazy import cannot hide a backwards edge; the command line's modules,
 imported by name when their command runs, are checked from its tables. No two modules import
 each other, directly or around a longer circle (type-only imports included).
@@ -27,22 +27,36 @@ SERVICE_RANKS = {
     "config": 0,
     # The owner of background tasks (spawn, close with a bound): plain asyncio, used by all.
     "tasks": 0,
+    # The one SQLite file under the decode's state directory, for records and the outbox alike.
+    "storage": 0,
     "http": 1,
+    # Handoff records and the webhook outbox and dispatcher, each over `storage`; the webhook
+    # signature code is usable by the router client beside them.
+    "records": 1,
+    "webhooks": 1,
     # The router client: an HTTP library over the API's public schemas and the webhook
-    # signature code (service/http), usable by anything above; it knows no running service.
+    # signature code (service/webhooks), usable by anything above; it knows no running service.
     "client": 1,
     "peers": 2,
-    "runtime": 3,
-    "api": 4,
-    "serve": 5,
-    "embedded": 5,
-    "tools": 6,
+    # Metrics, the dashboard's activity and the event stream's readers: they read peers and
+    # webhooks, and the runtime and the API read them.
+    "observability": 3,
+    "runtime": 4,
+    "api": 5,
+    "serve": 6,
+    "embedded": 6,
+    # The multi-process deployment harness for tests, the demo and integrators' CI.
+    "testing": 7,
+    "tools": 7,
     # Engine adapters (the SGLang transfer backend): they run the embedded service.
-    "integrations": 6,
+    "integrations": 7,
     # The entry point: it imports each command's module by name, only when that command runs.
-    "cli": 7,
+    "cli": 8,
 }
 PACKAGE_RANKS = {"transport": 0, "pipelines": 1, "service": 2}
+#: Top-level folders of the repository that the wheel does not install: a package module that
+#: imported one would work from a checkout and fail where kvhandoff is installed.
+NOT_INSTALLED = ("bench", "tests")
 
 
 def _module_name(path: Path) -> str:
@@ -85,6 +99,9 @@ def _violations() -> list[str]:
             for line, target in _imports(path):
                 target_pkg = target.split(".")[0]
                 where = f"{path.relative_to(ROOT)}:{line} imports {target}"
+                if target_pkg in NOT_INSTALLED:
+                    bad.append(f"{where} ({target_pkg}/ is not installed with the package)")
+                    continue
                 if target_pkg in PACKAGE_RANKS:
                     if PACKAGE_RANKS[target_pkg] > PACKAGE_RANKS[here_pkg]:
                         bad.append(f"{where} ({here_pkg} may not import {target_pkg})")
@@ -119,6 +136,12 @@ def test_the_command_line_imports_only_what_sits_below_it() -> None:
         assert SERVICE_RANKS[part] < SERVICE_RANKS["cli"], module
 
 
+def test_the_demo_imports_no_benchmark() -> None:
+    """The demo is what a new user runs first; a benchmark's helpers are free to change."""
+    demo = ROOT / "service" / "tools" / "demo.py"
+    assert [t for _, t in _imports(demo) if t.startswith("service.tools.bench")] == []
+
+
 def test_every_service_part_has_a_rank() -> None:
     parts = {p.stem if p.is_file() else p.name for p in (ROOT / "service").iterdir()}
     parts = {p for p in parts if not p.startswith(("_", ".")) and p not in ("py",)}
@@ -131,6 +154,7 @@ def test_every_service_part_has_a_rank() -> None:
     [
         ("from service.api.handoffs import x\n", "service/http may not import service/api"),
         ("import pipelines.decode\n", "transport may not import pipelines"),
+        ("from bench.report import x\n", "bench/ is not installed with the package"),
         (
             "from pipelines.prefill.handoff import x\n",
             "pipelines/decode may not import pipelines/prefill",

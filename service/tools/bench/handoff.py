@@ -45,14 +45,10 @@ from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
 from pipelines.prefill.landed import BLOCK_BYTES
 from service.config import TransferConfig
+from service.testing.deployment import LocalDeployment
+from service.testing.raw_engines import StageEngines, StageProcesses
 from service.tools.bench import landed as landed_cases
-from service.tools.bench.common import (
-    StageEngines,
-    StageProcesses,
-    fragmented_pages,
-    large_blocks,
-)
-from service.tools.deployment import LocalDeployment
+from service.tools.bench.common import fragmented_pages, large_blocks
 from service.tools.router_client import RouterClient
 
 

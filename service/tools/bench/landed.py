@@ -21,12 +21,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
-import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -63,16 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--copy-pages", type=int, default=192, help="pages of the gather and commit cases"
     )
     parser.add_argument(
-        "--sglang-python",
-        help="planning: the SGLang environment's interpreter, for SGLang's path "
-        "(default: .venv-sglang/bin/python if present, or $KVHANDOFF_SGLANG_PYTHON)",
-    )
-    parser.add_argument(
         "--copy-scale", type=int, default=8, help="divide the copy cases' page bytes by this"
     )
 
 
-def _model(layers: int, scale: int = 1) -> ModelSpec:
+def dense_model(layers: int, scale: int = 1) -> ModelSpec:
     return msgspec.structs.replace(dense_mla(num_layers=layers, scale=scale), num_draft_layers=0)
 
 
@@ -83,7 +74,7 @@ def _placed(layout: StageLayout, base: int) -> StageLayout:
     return layout.with_bases(bases[:n].tolist(), bases[n:].tolist())
 
 
-def _pairing(model: ModelSpec, pool_pages: int) -> Pairing:
+def placed_pairing(model: ModelSpec, pool_pages: int) -> Pairing:
     part = partition_layers(model.num_layers, 1)
     src = _placed(stage_layout(model, part, 0, num_pages=pool_pages, num_slots=1), 1 << 36)
     dst = _placed(decode_layout(model, num_pages=pool_pages, num_slots=1), 1 << 40)
@@ -126,9 +117,9 @@ def _segment_bookkeeping(pairing: Pairing, n: int, layers: list[list[int]] | Non
 
 
 def segments(args: argparse.Namespace) -> dict[str, Any]:
-    model = _model(args.plan_layers)
+    model = dense_model(args.plan_layers)
     pool = args.plan_pages * 4
-    pairing = _pairing(model, pool)
+    pairing = placed_pairing(model, pool)
     n = args.plan_pages
     one_layer = [[int(layer)] for layer in sorted(set(pairing.kv_layer.tolist()))]
     reps = max(5, args.repeat * 5)
@@ -150,7 +141,7 @@ def segments(args: argparse.Namespace) -> dict[str, Any]:
 # -- planning -----------------------------------------------------------------------------------
 
 
-def _landed_plan(pairing: Pairing, src: Any, dst: Any, segments: int | None = None) -> int:
+def landed_plan(pairing: Pairing, src: Any, dst: Any, segments: int | None = None) -> int:
     """What a landed prefill stage does per request before its engine calls, minus the
     copies: validation, then per segment its pieces, size, 1 MiB blocks (as the engine takes
     them) and notice lists. `segments`: stop after that many (the first engine call waits
@@ -173,7 +164,7 @@ def _landed_plan(pairing: Pairing, src: Any, dst: Any, segments: int | None = No
     return blocks
 
 
-def _direct_plan(pairing: Pairing, src: Any, dst: Any) -> int:
+def direct_plan(pairing: Pairing, src: Any, dst: Any) -> int:
     """What a direct stage does per request before its engine calls: the plan, as lists."""
     p = plan(pairing, src, dst)
     b = p.blocks
@@ -182,92 +173,32 @@ def _direct_plan(pairing: Pairing, src: Any, dst: Any) -> int:
 
 
 def planning(args: argparse.Namespace) -> dict[str, Any]:
-    model = _model(args.plan_layers)
+    model = dense_model(args.plan_layers)
     pool = args.plan_pages * 4
-    pairing = _pairing(model, pool)
+    pairing = placed_pairing(model, pool)
     out: dict[str, Any] = {"case": "planning", "layers": args.plan_layers, "by_pages": []}
     for pages in sorted({64, args.plan_pages}):
         rng = np.random.default_rng(args.seed)
         src = fragmented_pages(pages, pool, rng)
         dst = fragmented_pages(pages, pool, rng)
         reps = max(5, args.repeat * 5)
-        landed_s = median(
-            time_call(functools.partial(_landed_plan, pairing, src, dst), repeat=reps)
-        )
-        direct_s = median(
-            time_call(functools.partial(_direct_plan, pairing, src, dst), repeat=reps)
-        )
+        landed_s = median(time_call(functools.partial(landed_plan, pairing, src, dst), repeat=reps))
+        direct_s = median(time_call(functools.partial(direct_plan, pairing, src, dst), repeat=reps))
         first_s = median(
-            time_call(functools.partial(_landed_plan, pairing, src, dst, 1), repeat=reps)
+            time_call(functools.partial(landed_plan, pairing, src, dst, 1), repeat=reps)
         )
         row: dict[str, Any] = {
             "pages": pages,
             "bytes": StagePacker(pairing, pages, False).total_bytes,
             "landed_ms": landed_s * 1e3,
             "landed_first_segment_ms": first_s * 1e3,
-            "landed_blocks": _landed_plan(pairing, src, dst),
+            "landed_blocks": landed_plan(pairing, src, dst),
             "direct_ms": direct_s * 1e3,
-            "direct_blocks": _direct_plan(pairing, src, dst),
+            "direct_blocks": direct_plan(pairing, src, dst),
             "direct_over_landed": direct_s / landed_s,
         }
-        sglang = _sglang_path(args, pairing, src, dst, reps)
-        if "ms" in sglang:
-            row |= {
-                "sglang_ms": sglang["ms"],
-                "sglang_blocks": sglang["blocks"],
-                "sglang_over_landed": sglang["ms"] / (landed_s * 1e3),
-                # SGLang builds every block before its one engine call; a landed stage makes
-                # its first call after one segment's plan.
-                "sglang_over_landed_first_call": sglang["ms"] / (first_s * 1e3),
-                "sglang_over_direct": sglang["ms"] / (direct_s * 1e3),
-            }
-            out["sglang"] = sglang["sglang"]
-        else:
-            out["sglang"] = sglang["error"]
         out["by_pages"].append(row)
-    out["targets"] = "sglang_over_landed >= 20 at 4096 pages, >= 3 at 64 pages"
     return out
-
-
-def _sglang_python(args: argparse.Namespace) -> str | None:
-    given = args.sglang_python or os.environ.get("KVHANDOFF_SGLANG_PYTHON")
-    if given:
-        return str(given)
-    default = Path(".venv-sglang/bin/python")
-    return str(default) if default.exists() else None
-
-
-def _sglang_path(
-    args: argparse.Namespace, pairing: Pairing, src: Any, dst: Any, reps: int
-) -> dict[str, Any]:
-    """SGLang's planning of the same request, in its own environment (`sglang_path.py`)."""
-    python = _sglang_python(args)
-    if python is None:
-        return {"error": "not measured: no SGLang environment (make sglang-env)"}
-    done = _run_sglang(python, _sglang_request(pairing, src, dst, reps=reps))
-    result: dict[str, Any] = json.loads(done.strip().splitlines()[-1])
-    return result
-
-
-def _run_sglang(python: str, request: dict[str, Any]) -> str:
-    """`sglang_path.py` under the SGLang environment's `python`: its stdout."""
-    script = Path(__file__).with_name("sglang_path.py")
-    # SGLang's config modules import torchvision, whose wheel fails against a CPU torch: the
-    # SGLang tests' stand-in (tests/sglang/stubs) goes first on the path, as in those tests.
-    stubs = Path(__file__).resolve().parents[3] / "tests" / "sglang" / "stubs"
-    path = os.pathsep.join(p for p in (str(stubs), os.environ.get("PYTHONPATH", "")) if p)
-    done = subprocess.run(
-        [python, str(script)],
-        env={**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"},
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"SGLang's planning path failed in {python}: {done.stderr[-2000:]}")
-    return done.stdout
 
 
 # -- gather and commit ------------------------------------------------------------------------
@@ -286,9 +217,9 @@ class _Regions:
 
 
 def _copy_setup(args: argparse.Namespace) -> tuple[Pairing, _Regions, Any, Any, list[Pieces]]:
-    model = _model(args.plan_layers, args.copy_scale)
+    model = dense_model(args.plan_layers, args.copy_scale)
     pool = args.copy_pages * 4
-    pairing = _pairing(model, pool)
+    pairing = placed_pairing(model, pool)
     rng = np.random.default_rng(args.seed)
     src_pages = fragmented_pages(args.copy_pages, pool, rng)
     dst_pages = fragmented_pages(args.copy_pages, pool, rng)
@@ -396,101 +327,3 @@ def commit_case(args: argparse.Namespace) -> dict[str, Any]:
         "digest_gb_s": total / parts["digest"] / 1e9,
         "scatter_gb_s": total / parts["scatter"] / 1e9,
     }
-
-
-# -- planning grid (make bench) ---------------------------------------------------------------
-
-
-def _adaptive_median(fn: Callable[[], object], budget_s: float = 0.25) -> float:
-    """Median wall time of `fn` over as many calls as fit in about `budget_s` (3 to 50)."""
-    t0 = time.perf_counter()
-    fn()  # warm-up, and the estimate
-    once = max(time.perf_counter() - t0, 1e-6)
-    return median(time_call(fn, repeat=int(min(50, max(3, budget_s / once))), warmup=0))
-
-
-def planning_grid(
-    args: argparse.Namespace,
-    layers_list: list[int],
-    pages_list: list[int],
-    on_step: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Per-request planning before the engine call against pages x layers, four ways over the
-    same fragmented request: a landed stage (whole plan, and up to its first engine call), a
-    direct stage, the per-entry Python reference (`pipelines.planning_reference`) and SGLang's
-    own path (its installed functions, in its environment: `sglang_path.py`, one interpreter
-    for the whole grid)."""
-    from pipelines.planning_reference import reference_plan
-
-    rows: list[dict[str, Any]] = []
-    requests: list[dict[str, Any]] = []
-    for layers in layers_list:
-        model = _model(layers)
-        pool = max(pages_list) * 4
-        pairing = _pairing(model, pool)
-        for pages in pages_list:
-            if on_step is not None:
-                on_step(f"{layers} layers x {pages} pages")
-            rng = np.random.default_rng(args.seed)
-            src = fragmented_pages(pages, pool, rng)
-            dst = fragmented_pages(pages, pool, rng)
-            src_list, dst_list = src.tolist(), dst.tolist()
-            landed_s = _adaptive_median(functools.partial(_landed_plan, pairing, src, dst))
-            first_s = _adaptive_median(functools.partial(_landed_plan, pairing, src, dst, 1))
-            direct_s = _adaptive_median(functools.partial(_direct_plan, pairing, src, dst))
-            ref_s = _adaptive_median(functools.partial(reference_plan, pairing, src_list, dst_list))
-            rows.append(
-                {
-                    "layers": layers,
-                    "pages": pages,
-                    "bytes": StagePacker(pairing, pages, False).total_bytes,
-                    "landed_ms": landed_s * 1e3,
-                    "landed_first_segment_ms": first_s * 1e3,
-                    "direct_ms": direct_s * 1e3,
-                    "reference_ms": ref_s * 1e3,
-                    "direct_blocks": _direct_plan(pairing, src, dst),
-                    "landed_blocks": _landed_plan(pairing, src, dst),
-                    "reference_over_direct": ref_s / direct_s,
-                    "reference_over_landed": ref_s / landed_s,
-                }
-            )
-            requests.append(_sglang_request(pairing, src, dst, reps=max(5, args.repeat * 5)))
-    out: dict[str, Any] = {"case": "planning_grid", "rows": rows}
-    if on_step is not None:
-        on_step("SGLang's path, in its environment")
-    sglang = _sglang_many(args, requests)
-    if isinstance(sglang, str):
-        out["sglang"] = sglang
-        return out
-    for row, got in zip(rows, sglang):
-        row["sglang_ms"] = got["ms"]
-        row["sglang_blocks"] = got["blocks"]
-        row["sglang_over_landed"] = got["ms"] / row["landed_ms"]
-        row["sglang_over_landed_first_call"] = got["ms"] / row["landed_first_segment_ms"]
-        row["sglang_over_direct"] = got["ms"] / row["direct_ms"]
-        out["sglang"] = got["sglang"]
-    return out
-
-
-def _sglang_request(pairing: Pairing, src: Any, dst: Any, *, reps: int) -> dict[str, Any]:
-    return {
-        "src_pages": np.asarray(src).tolist(),
-        "dst_pages": np.asarray(dst).tolist(),
-        "src_ptrs": [e.base for e in pairing.src.kv],
-        "dst_ptrs": [e.base for e in pairing.dst.kv],
-        "item_lens": [e.item_len for e in pairing.src.kv],
-        "dst_item_lens": [e.item_len for e in pairing.dst.kv],
-        "src_layer_ids": [e.layer_id for e in pairing.src.kv],
-        "dst_layer_ids": [e.layer_id for e in pairing.dst.kv],
-        "repeat": reps,
-    }
-
-
-def _sglang_many(args: argparse.Namespace, requests: list[dict[str, Any]]) -> list[Any] | str:
-    """SGLang's planning of each request (one subprocess); a reason string if not measured."""
-    python = _sglang_python(args)
-    if python is None:
-        return "not measured: no SGLang environment (make sglang-env)"
-    done = _run_sglang(python, {"requests": requests})
-    result: list[Any] = json.loads(done.strip().splitlines()[-1])
-    return result

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from service.tools.bench.common import fragmented_pages, raw_write
+from service.testing.raw_engines import raw_write
+from service.tools.bench.common import fragmented_pages
 from transport.blocks import Blocks
 from transport.config import MooncakeConfig
 from transport.local import LocalTransport

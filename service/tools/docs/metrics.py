@@ -1,6 +1,6 @@
 """docs/reference/metrics.md: every metric a service exposes on `/metrics`, its type, labels and
 help. Names, types and help come from the objects the scrape reads: the `Metrics` registry and
-each collector of `service.runtime.metrics`, built over empty inputs (a collector's families
+each collector of `service.observability.metrics`, built over empty inputs (a collector's families
 exist whatever its numbers); the label names from the calls that declare them."""
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from service.http.app import VERSION
-from service.runtime import metrics as source
+from service.observability import metrics as source
 
 
 def metrics_page() -> str:
     out = [
         "# Metrics",
         "",
-        "Generated from `service/runtime/metrics.py` by `python -m service.tools.docs`; do not "
-        "edit by hand. What to watch and the Grafana dashboard: "
+        "Generated from `service/observability/metrics.py` by `python -m service.tools.docs`; "
+        "do not edit by hand. What to watch and the Grafana dashboard: "
         "[Metrics](../operations/metrics.md). A counter is exposed with `_total` appended, a "
         "histogram as `_bucket`, `_sum` and `_count`.",
         "",

@@ -25,9 +25,10 @@ import numpy.typing as npt
 
 from pipelines.events import Event, Subscription, event_tag
 from pipelines.memory import PoolMemory
-from service.config import Config, load_config
+from service.config import Config
 from service.runtime.roles import DECODE, RUNTIME
 from service.serve import Server, install_service, serve
+from tests.fakes import local_config
 
 U8 = npt.NDArray[np.uint8]
 
@@ -57,14 +58,7 @@ def make_config(
     and outbox); `settings` maps dotted keys to values, e.g. `{"handoff.max_concurrent": 2}`."""
     state_dir = tempfile.mkdtemp(prefix="kvh-state-")
     atexit.register(shutil.rmtree, state_dir, ignore_errors=True)
-    base = {
-        "role": role,
-        "server": {"port": 0, "state_dir": state_dir},
-        "transport": {"backend": "local"},
-        "model": model or MODEL,
-        "stages": stages,
-    }
-    return load_config(None, {}, {**base, **(settings or {})})
+    return local_config(role, stages, state_dir, model=model or MODEL, **(settings or {}))
 
 
 def decode_config(settings: Mapping[str, Any] | None = None) -> Config:

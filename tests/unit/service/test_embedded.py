@@ -31,6 +31,7 @@ from service.config import Config, ConfigError, load_config
 from service.embedded import EmbeddedService, WrongRole, embedded_layout
 from service.http.problems import NotReady, error_problem
 from service.runtime.persistence import PERSISTENCE
+from tests.fakes import local_config
 
 MODEL = {"preset": "hybrid-npu-mla", "scale": 64, "num_layers": 8, "page_size": 4}
 Tensors = dict[int, list[torch.Tensor]]
@@ -42,16 +43,8 @@ def make_config(tmp_path: Path, role: str, **overrides: Any) -> Config:
         if role == "decode"
         else [{"pp_rank": r, "pp_size": 2, "num_pages": 16, "num_slots": 4} for r in (0, 1)]
     )
-    base = {
-        "role": role,
-        "model": MODEL,
-        "stages": stages,
-        "server.port": 0,
-        "server.state_dir": str(tmp_path),
-        "transport.backend": "local",
-        "handoff.default_deadline_s": 10.0,
-    }
-    return load_config(None, {}, {**base, **overrides})
+    settings = {"model": MODEL, "handoff.default_deadline_s": 10.0, **overrides}
+    return local_config(role, stages, tmp_path, **settings)
 
 
 def allocate(config: Config, *, seed: int | None = None) -> Tensors:
@@ -480,8 +473,8 @@ def test_released_waits_for_an_earlier_lifes_fence_after_a_restart(tmp_path: Pat
     lift (False if its timeout comes first), then True."""
     import time
 
-    from service.runtime.database import FILE_NAME, Database
-    from service.runtime.records import HandoffRecords
+    from service.records.handoffs import HandoffRecords
+    from service.storage import FILE_NAME, Database
 
     # The fence must still hold once the service answers: start-up takes well under a second
     # idle, several on a busy machine.

@@ -22,9 +22,10 @@ from pipelines.events import (
 )
 from pipelines.layout import layout_from_flat_lists
 from pipelines.states import HandoffState
-from service.config import Config, ConfigError, load_config
+from service.config import Config, ConfigError
 from service.embedded import EmbeddedService
 from service.runtime.stages import EngineStage
+from tests.fakes import local_config
 
 ITEM = 64  # bytes of one page of one buffer
 
@@ -35,14 +36,7 @@ def config(tmp_path: Path, role: str, **overrides: Any) -> Config:
         if role == "decode"
         else [{"pp_rank": r, "pp_size": 2, "num_pages": 8} for r in (0, 1)]
     )
-    base = {
-        "role": role,
-        "stages": stages,
-        "server.port": 0,
-        "server.state_dir": str(tmp_path / role),
-        "transport.backend": "local",
-    }
-    return load_config(None, {}, {**base, **overrides})
+    return local_config(role, stages, tmp_path / role, **overrides)
 
 
 def engine_stage(

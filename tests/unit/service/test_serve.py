@@ -148,7 +148,7 @@ async def test_a_second_decode_on_the_same_state_dir_refuses_to_start(tmp_path: 
 def test_start_up_mistakes_print_one_line_and_exit_2(tmp_path: Path) -> None:
     """Issue 18 D: a port in use or a state_dir another decode holds is one line naming the
     key, status 2 — not a traceback."""
-    from service.runtime.database import FILE_NAME, Database
+    from service.storage import FILE_NAME, Database
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

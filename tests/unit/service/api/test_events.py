@@ -22,8 +22,8 @@ from httpx_sse import ServerSentEvent, aconnect_sse
 
 from pipelines.events import EventBus, HandoffCompleted, HandoffCreated, StageArrived
 from service.api.events import Frames
+from service.observability.streams import STREAMS, StreamStats
 from service.runtime.roles import RUNTIME
-from service.runtime.streams import STREAMS, StreamStats
 from service.serve import Server, serve
 from tests.unit.service.api.test_handoffs import MOVE, ready_all
 from tests.unit.service.handoff_fixtures import (

@@ -15,10 +15,10 @@ import pytest
 
 from pipelines.decode.views import HandoffRequest
 from service.config import Config
-from service.runtime.database import FILE_NAME, Database
+from service.records.handoffs import HandoffRecords
 from service.runtime.persistence import PERSISTENCE, RESTARTED, purge_once
-from service.runtime.records import HandoffRecords
 from service.serve import serve
+from service.storage import FILE_NAME, Database
 from tests.unit.service.handoff_fixtures import (
     WAIT_S,
     Deployment,

@@ -17,8 +17,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.observability.metrics import Metrics, PeerCollector, TransportCollector
 from service.peers.heartbeat import PeerHealth
-from service.runtime.metrics import Metrics, PeerCollector, TransportCollector
 from service.runtime.roles import DECODE, PREFILL
 from tests.unit.service.api.test_handoffs import MOVE, Move, ready_all
 from tests.unit.service.handoff_fixtures import (

@@ -8,11 +8,11 @@ import logging
 import aiohttp
 import pytest
 
-from service.http.signatures import new_secret
-from service.http.signing import Signer
+from service.http.peer_signing import Signer
 from service.peers.protocol import WATCH_PATH
 from service.runtime.roles import RUNTIME
 from service.serve import serve
+from service.webhooks.signatures import new_secret
 from tests.unit.service.handoff_fixtures import WAIT_S, decode_config, extensions, prefill_config
 
 

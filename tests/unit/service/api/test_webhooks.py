@@ -16,12 +16,12 @@ import pytest
 from pipelines.decode.views import HandoffRequest
 from service.config import ConfigError
 from service.http.app import READINESS
-from service.http.signatures import new_secret
-from service.runtime.database import FILE_NAME, Database
+from service.records.handoffs import HandoffRecords
 from service.runtime.persistence import PERSISTENCE, RESTARTED, Persistence, purge_once
-from service.runtime.records import HandoffRecords
 from service.runtime.roles import DECODE
 from service.serve import Server, serve
+from service.storage import FILE_NAME, Database
+from service.webhooks.signatures import new_secret
 from tests.receivers import WAIT_S, Answer, WebhookReceiver
 from tests.unit.service.handoff_fixtures import (
     Deployment,

@@ -21,7 +21,7 @@ from pipelines.errors import (
 )
 from pipelines.pairing import Problem
 from service.http.app import CONFIG, PEERS, READINESS, ROUTES, decode_body, json_response
-from service.http.client import PeerClient
+from service.http.peer_client import PeerClient
 from service.http.problems import PROBLEM_CONTENT_TYPE, TYPE_PREFIX
 from service.http.routing import RouteTable
 from tests.unit.service.conftest import ClientFactory, make_config

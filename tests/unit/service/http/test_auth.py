@@ -9,8 +9,8 @@ from aiohttp import web
 
 from service.http.app import ROUTES, create_app, json_response
 from service.http.auth import signed_sender, signer_for
+from service.http.peer_signing import Signer
 from service.http.routing import RouteTable
-from service.http.signing import Signer
 from service.serve import install_service
 from tests.unit.service.conftest import ClientFactory, make_config
 

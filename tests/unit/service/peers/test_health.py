@@ -7,9 +7,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pipelines.messages import HeartbeatMsg
+from service.observability.metrics import PeerCollector
 from service.peers.health import HealthTable
-from service.runtime.metrics import PeerCollector
-from tests.unit.service.peers.test_heartbeat import PEER, Beats, FakeClock
+from tests.fakes import Clock
+from tests.unit.service.peers.test_heartbeat import PEER, Beats
 
 CONFIGURED = "http://prefill:9"
 
@@ -80,7 +81,7 @@ async def test_a_flood_of_senders_never_grows_the_table_past_its_cap() -> None:
 
 
 def test_pinned_rows_are_never_evicted_even_beyond_the_cap() -> None:
-    clock = FakeClock()
+    clock = Clock(0.0)
     table = HealthTable(clock=clock, forget_after_s=1.0, max_peers=2)
     live = [f"http://p:{i}" for i in range(3)]
     table.pin(live)

@@ -12,21 +12,13 @@ import aiohttp
 
 from pipelines.errors import InternalError, PeerUnreachable
 from pipelines.messages import HeartbeatAck, HeartbeatMsg
-from service.http.client import PeerClient
+from service.http.peer_client import PeerClient
 from service.http.problems import PeerTimeout
 from service.peers.heartbeat import Heartbeats, HeartbeatSettings
 from service.peers.protocol import HttpPeers
-from tests.fakes import PeerServer, eventually
+from tests.fakes import Clock, PeerServer, eventually
 
 PEER = "http://prefill:1"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakePeers:
@@ -104,7 +96,7 @@ class Beats:
     handoff on PEER. Declaring a peer lost ends its handoffs, as the pipelines do."""
 
     def __init__(self, **options: Any) -> None:
-        self.clock = FakeClock()
+        self.clock = Clock(0.0)
         self.peers = FakePeers()
         self.live: dict[str, list[str]] = {PEER: ["h1"]}
         self.lost: list[tuple[str, str]] = []
@@ -329,7 +321,7 @@ async def test_a_hung_peer_and_the_slow_failing_of_its_handoffs_never_hold_up_th
     a, b = PeerServer(), PeerServer()
     url_a, url_b = await a.start(), await b.start()
     a.hold_heartbeats = True
-    clock = FakeClock()
+    clock = Clock(0.0)
     failing = asyncio.Event()  # the pipeline's failing of A's handoffs, until the test ends
     lost: list[str] = []
 

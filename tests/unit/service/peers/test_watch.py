@@ -13,11 +13,11 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from service.http.client import PeerClient
+from service.http.peer_client import PeerClient
+from service.observability.metrics import PeerCollector
 from service.peers.heartbeat import Heartbeats, HeartbeatSettings
 from service.peers.protocol import HttpPeers
 from service.peers.watch import Backoff
-from service.runtime.metrics import PeerCollector
 from tests.fakes import PeerServer, SteppedTime
 from tests.unit.service.peers.test_heartbeat import Side
 

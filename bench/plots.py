@@ -1,0 +1,188 @@
+"""The PNG plots BENCHMARKS.md shows, from the results of `make bench` (matplotlib: the
+`bench` extra). One figure per section, small (about 100 dpi), written beside results.json."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from bench.report import PLOTS
+
+DPI = 100
+SIZE = (7.0, 3.6)
+
+
+def _planning(plt: Any, r: Mapping[str, Any]) -> Any:
+    fig, axes = plt.subplots(1, 2, figsize=SIZE, sharey=True)
+    layers = sorted({x["layers"] for x in r["rows"]})
+    for ax, n in zip(axes if len(layers) > 1 else [axes[0]], layers):
+        rows = [x for x in r["rows"] if x["layers"] == n]
+        pages = [x["pages"] for x in rows]
+        for key, label in (
+            ("landed_ms", "landed (whole plan)"),
+            ("landed_first_segment_ms", "landed (to 1st call)"),
+            ("direct_ms", "direct"),
+            ("reference_ms", "reference"),
+            ("sglang_ms", "SGLang"),
+        ):
+            if all(key in x for x in rows):
+                ax.plot(pages, [x[key] for x in rows], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{n} layers")
+        ax.set_xlabel("pages per request")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("ms per request")
+    axes[0].legend(fontsize=7)
+    if len(layers) < 2:
+        axes[1].set_visible(False)
+    return fig
+
+
+def _transport(plt: Any, r: Mapping[str, Any]) -> Any:
+    fig, ax = plt.subplots(figsize=SIZE)
+    methods = list(dict.fromkeys(x["method"] for x in r["rows"]))
+    labels = {"mooncake-raw": "raw Mooncake", "mooncake": "kvhandoff Mooncake"}
+    for m in methods:
+        rows = sorted((x for x in r["rows"] if x["method"] == m), key=lambda x: x["block_bytes"])
+        ax.plot(
+            [x["block_bytes"] >> 10 for x in rows],
+            [x["best_gbps"] for x in rows],
+            marker="o",
+            label=labels.get(m, m),
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("block size (KiB)")
+    ax.set_ylabel("GB/s")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def _e2e(plt: Any, r: Mapping[str, Any]) -> Any:
+    fig, (ax, lat) = plt.subplots(1, 2, figsize=SIZE)
+    for i, pp in enumerate(sorted({x["pp"] for x in r["rows"]})):
+        rows = [x for x in r["rows"] if x["pp"] == pp]
+        mb = [x["bytes_per_request"] / 1e6 for x in rows]
+        c = f"C{i}"
+        for key, label, style in (
+            ("landed_gb_s", "landed", "-"),
+            ("direct_gb_s", "direct", "--"),
+            ("raw_large_gb_s", "raw 1 MiB", ":"),
+        ):
+            ys = [x[key] for x in rows]
+            ax.plot(mb, ys, style, color=c, marker="o", label=f"{label}, PP={pp}")
+        for key, label, style in (
+            ("landed_p50_ms", "landed", "-"),
+            ("direct_p50_ms", "direct", "--"),
+        ):
+            ys = [x[key] for x in rows]
+            lat.plot(mb, ys, style, color=c, marker="o", label=f"{label}, PP={pp}")
+    sizes = sorted({x["bytes_per_request"] / 1e6 for x in r["rows"]})
+    for a, ylabel in ((ax, "GB/s"), (lat, "p50 ms per handoff")):
+        a.set_xscale("log")
+        a.set_xticks(sizes, [f"{x:.0f}" for x in sizes])
+        a.minorticks_off()
+        a.set_xlabel("MB per request")
+        a.set_ylabel(ylabel)
+        a.set_ylim(bottom=0)
+        a.grid(True, alpha=0.3)
+    ax.legend(fontsize=6)
+    lat.legend(fontsize=6)
+    return fig
+
+
+def _segments(plt: Any, r: Mapping[str, Any]) -> Any:
+    fig, ax = plt.subplots(figsize=(5.0, 3.0))
+    ways = list(r["handoffs_per_s"])
+    ax.bar(ways, [r["handoffs_per_s"][w] for w in ways], color=["C0", "C1", "C2"][: len(ways)])
+    ax.set_ylabel("handoffs/s")
+    ax.set_title(f"{r['pages']} pages per request, PP={len(r['layers_per_stage'])}", fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    return fig
+
+
+def _control(plt: Any, r: Mapping[str, Any]) -> Any:
+    fig, (ax, lat) = plt.subplots(1, 2, figsize=SIZE)
+    for i, pp in enumerate(sorted({x["pp"] for x in r["rows"]})):
+        rows = [x for x in r["rows"] if x["pp"] == pp]
+        conc = [x["concurrency"] for x in rows]
+        c = f"C{i}"
+        for a, key, style, label in (
+            (ax, "handoffs_per_s", "-", "handoffs"),
+            (ax, "healthz_per_s", ":", "healthz"),
+            (lat, "p50_ms", "-", "p50"),
+            (lat, "p99_ms", "--", "p99"),
+        ):
+            ys = [x[key] for x in rows]
+            a.plot(conc, ys, style, color=c, marker="o", label=f"{label}, PP={pp}")
+    for a, ylabel in ((ax, "per second"), (lat, "ms create → completed")):
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+        a.set_xlabel("concurrency")
+        a.set_ylabel(ylabel)
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=6)
+    return fig
+
+
+def _load(plt: Any, r: Mapping[str, Any]) -> Any:
+    fig, ax = plt.subplots(figsize=SIZE)
+    for i, (name, s) in enumerate(r["rss_series"].items()):
+        ax.plot(s["t_s"], s["rss_mib"], color=f"C{i}", label=f"{name} VmRSS")
+        ax.plot(s["t_s"], s["anon_mib"], ":", color=f"C{i}", label=f"{name} RssAnon")
+    ax.axvline(r["warmup_s"], color="grey", lw=0.8)
+    ax.axvline(r["duration_s"], color="grey", lw=0.8)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("MiB")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    return fig
+
+
+FIGURES: dict[str, Callable[[Any, Mapping[str, Any]], Any]] = {
+    "planning": _planning,
+    "transport": _transport,
+    "e2e": _e2e,
+    "segments": _segments,
+    "control": _control,
+    "load": _load,
+}
+
+
+def render_all(doc: Mapping[str, Any], out_dir: Path) -> dict[str, str]:
+    """Write the plot of every section that has results; {section: path}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = {}
+    for name, section in doc["sections"].items():
+        if name not in FIGURES or "result" not in section:
+            continue
+        fig = FIGURES[name](plt, section["result"])
+        fig.tight_layout()
+        path = out_dir / PLOTS[name]
+        fig.savefig(path, dpi=DPI)
+        plt.close(fig)
+        written[name] = str(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.plots [bench/results.json]`: the plots again, beside it."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    results = Path(args[0] if args else "bench/results.json")
+    render_all(json.loads(results.read_text()), results.parent)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,530 @@
+"""BENCHMARKS.md and results.csv from the results of `make bench` (`suite.py`): nothing in the
+report is typed by hand, so it says what the last run measured and nothing else.
+
+`python -m bench.report bench/results.json` regenerates BENCHMARKS.md from a
+results file (with the plots already beside it) without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+#: The plot of each section (`plots.render_all` writes them under these names).
+PLOTS = {
+    "planning": "planning.png",
+    "transport": "transport.png",
+    "e2e": "e2e.png",
+    "segments": "segments.png",
+    "control": "control.png",
+    "load": "load_rss.png",
+}
+
+
+# -- formatting ---------------------------------------------------------------------------------
+
+
+def num(value: Any, digits: int = 2) -> str:
+    """A figure for a table: `-` when absent, thousands separated when large."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def ratio(value: Any) -> str:
+    return "-" if value is None else f"{num(value)}x"
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _kib(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+# -- sections -----------------------------------------------------------------------------------
+
+
+def _planning(r: Mapping[str, Any]) -> str:
+    rows = r["rows"]
+    sglang = r.get("sglang", "")
+    measured = bool(rows) and "sglang_ms" in rows[0]
+    body = table(
+        ["layers", "pages", "landed ms", "landed to 1st call ms", "direct ms", "reference ms",
+         "SGLang ms", "SGLang ÷ landed", "SGLang ÷ landed 1st call", "SGLang ÷ direct",
+         "reference ÷ direct"],
+        (
+            [num(x["layers"]), num(x["pages"]), num(x["landed_ms"], 3),
+             num(x["landed_first_segment_ms"], 3), num(x["direct_ms"], 3),
+             num(x["reference_ms"], 3), num(x.get("sglang_ms"), 3),
+             ratio(x.get("sglang_over_landed")), ratio(x.get("sglang_over_landed_first_call")),
+             ratio(x.get("sglang_over_direct")), ratio(x["reference_over_direct"])]
+            for x in rows
+        ),
+    )  # fmt: skip
+    source = (
+        f"SGLang's column runs SGLang {sglang}'s own functions from its installed sources "
+        "(`group_concurrent_contiguous`, `build_transfer_entry_pairs` and its block loop, in "
+        "`.venv-sglang`)"
+        if measured
+        else f"SGLang's path: {sglang or 'not measured'}"
+    )
+    return (
+        "Per-request work on a prefill stage before its engine call, over the same fragmented "
+        "request (runs of 1 to 32 pages): a landed stage's whole plan and its plan up to the first "
+        "engine call (one window-sized segment; the rest is planned while earlier segments "
+        "move), a direct stage's plan, the per-entry Python reference planner "
+        f"(`pipelines.planning_reference`). {source}. Medians; gc on.\n\n{body}"
+    )
+
+
+def _transport(r: Mapping[str, Any]) -> str:
+    by_block: dict[int, dict[str, float]] = {}
+    for row in r["rows"]:
+        by_block.setdefault(row["block_bytes"], {})[row["method"]] = row["best_gbps"]
+    rows = []
+    for block, m in sorted(by_block.items()):
+        rows.append(
+            [_kib(block), num(m.get("memcpy")), num(m.get("local")), num(m.get("mooncake-raw")),
+             num(m.get("mooncake")), ratio(_div(m.get("local"), m.get("memcpy"))),
+             ratio(_div(m.get("mooncake"), m.get("mooncake-raw")))]
+        )  # fmt: skip
+    body = table(
+        ["block", "memcpy GB/s", "local GB/s", "raw Mooncake GB/s", "kvhandoff Mooncake GB/s",
+         "local ÷ memcpy", "kvhandoff ÷ raw"],
+        rows,
+    )  # fmt: skip
+    return (
+        f"{r['total_mib']} MiB moved as blocks of each size into a receiver process's shm pool "
+        "(loopback TCP for Mooncake), best of the runs: memcpy of the block list in this process, "
+        "the local transport, the engine's `batch_transfer_sync_write` called in a loop, and "
+        f"kvhandoff's `MooncakeTransport.write`.\n\n{body}"
+    )
+
+
+def _e2e(r: Mapping[str, Any]) -> str:
+    rows = r["rows"]
+    conc = rows[0]["concurrency"] if rows else "-"
+    body = table(
+        ["PP", "pages", "MB / request", "landed GB/s", "direct GB/s", "raw 1 MiB GB/s",
+         "raw per-page GB/s", "landed ÷ direct", "landed ÷ raw", "direct ÷ raw",
+         "direct ÷ raw per-page", "landed p50 ms", "direct p50 ms"],
+        (
+            [num(x["pp"]), num(x["pages"]), num(x["bytes_per_request"] / 1e6),
+             num(x["landed_gb_s"]), num(x["direct_gb_s"]), num(x["raw_large_gb_s"]),
+             num(x["raw_pages_gb_s"]), ratio(x["landed_vs_direct"]), ratio(x["landed_vs_raw"]),
+             ratio(x["direct_vs_raw"]), ratio(x["direct_vs_raw_pages"]),
+             num(x["landed_p50_ms"]), num(x["direct_p50_ms"])]
+            for x in rows
+        ),
+    )  # fmt: skip
+    return (
+        "Whole handoffs of a hybrid NPU-MLA model at full size (128-token pages, fragmented "
+        f"pages), {conc} at a time, router → decode → every stage → Mooncake over loopback TCP "
+        "(→ digest-checked commit when landed), one prefill process per stage and a PP=1 decode; "
+        "a landed and a direct deployment of the same shape up at once. Raw Mooncake runs in the "
+        "same topology: one engine per stage, each in a process of its own with only its stage's "
+        "pool registered, all writing at once into the direct decode's KV memory, the same "
+        "bytes — as 1 MiB blocks (how a landed stage packs them) and as the per-page blocks "
+        "direct mode plans. Runs interleaved, best of the rounds; p50 is create → completed "
+        "as the router sees it.\n\n"
+        f"{body}"
+    )
+
+
+def _segments(r: Mapping[str, Any]) -> str:
+    rate, gbs, ratios = r["handoffs_per_s"], r["gb_s"], r["ratios"]
+    chunks = r["chunks"]
+    label = {"one": "one signal per stage", "layers": "one signal per layer",
+             f"pages:{chunks}": f"{chunks} page ranges per stage"}  # fmt: skip
+    body = table(
+        ["signals", "handoffs/s", "GB/s", "÷ one signal"],
+        ([label.get(w, w), num(rate[w]), num(gbs[w]), ratio(ratios.get(w, 1.0))] for w in rate),
+    )
+    text = (
+        f"{r['model']}, {r['pages']} pages per request ({num(r['bytes_per_request'] / 1e6)} MB), "
+        f"{r['concurrency']} at a time: each stage signalled ready once, once per layer "
+        f"({', '.join(str(n) for n in r['layers_per_stage'])} layers per stage; the pages with "
+        f"the first), or in {chunks} page ranges (the slot with the last), each signal an HTTP "
+        f"request in order as an engine sends them.\n\n{body}"
+    )
+    book = r.get("bookkeeping")
+    if book:
+        text += (
+            f"\n\nIn one process, without moving bytes (the planning and bookkeeping a segment "
+            f"costs on both sides, {book['layers']} layers x {book['pages']} pages): "
+            f"{book['one_layer_segments']} one-layer segments take "
+            f"{num(book['one_layer_segments_ms'])} ms against "
+            f"{num(book['one_segment_ms'])} ms for one segment of all layers "
+            f"({ratio(book['ratio'])})."
+        )  # fmt: skip
+    return text
+
+
+def _control(r: Mapping[str, Any]) -> str:
+    body = table(
+        ["PP", "concurrency", "handoffs/s", "GET /healthz/s", "handoffs ÷ healthz",
+         "p50 ms", "p99 ms", "healthz p50 ms", "not completed"],
+        (
+            [num(x["pp"]), num(x["concurrency"]), num(x["handoffs_per_s"]),
+             num(x["healthz_per_s"]), ratio(x["ratio"]), num(x["p50_ms"]), num(x["p99_ms"]),
+             num(x["healthz_p50_ms"]), num(x.get("failed", 0))]
+            for x in r["rows"]
+        ),
+    )  # fmt: skip
+    failed = [x for x in r["rows"] if x.get("failed")]
+    if failed:
+        body += "\n\nHandoffs that did not complete:\n\n" + "\n".join(
+            f"- PP={x['pp']}, concurrency {x['concurrency']}: "
+            + "; ".join(f"{n} x `{e}`" for e, n in x["errors"].items())
+            for x in failed
+        )
+    return (
+        "One-page handoffs of a small dense model (4 layers), every step over HTTP as a router "
+        "and engines drive them (create on the decode, ready on every stage, long-poll to the "
+        "end), with records, the webhook outbox and signed peer messages on; beside plain "
+        "`GET /healthz` round trips to the same decode from the same client at the same "
+        f"concurrency, interleaved, best of the rounds.\n\n{body}"
+    )
+
+
+def _events(r: Mapping[str, Any]) -> str:
+    return table(
+        ["readers", "events", "delivered events/s (all readers)", "bus alone events/s",
+         "fan-out ÷ bus alone", "dropped"],
+        [[num(r["subscribers"]), num(r["events"]), num(float(r["fanout_events_per_s_total"])),
+          num(float(r["bus_only_events_per_s"])), ratio(r["fanout_vs_bus_only"]),
+          num(r["dropped"])]],
+    )  # fmt: skip
+
+
+def _webhooks(r: Mapping[str, Any]) -> str:
+    return table(
+        ["events", "handoffs", "in flight", "signed deliveries/s (outbox on disk)",
+         "plain POSTs/s (no outbox)", "deliveries ÷ POSTs", "publish µs/event"],
+        [[num(r["events"]), num(r["handoffs"]), num(r["concurrency"]),
+          num(r["deliveries_per_s"]), num(r["raw_posts_per_s"]), ratio(r["ratio"]),
+          num(r["publish_us_per_event"])]],
+    )  # fmt: skip
+
+
+def _load(r: Mapping[str, Any]) -> str:
+    rss = table(
+        ["process", "first quarter MiB", "last quarter MiB", "last ÷ first (VmRSS)",
+         "last ÷ first (RssAnon)", "peak MiB", "flat"],
+        (
+            [v["process"], num(v["first_mib"]), num(v["last_mib"]), ratio(v["ratio"]),
+             ratio(v["anon_ratio"]), num(v["peak_mib"]), "yes" if v["ok"] else "**no**"]
+            for v in r["rss"]
+        ),
+    )  # fmt: skip
+    lost = r["peer_lost"]
+    verdict = "passed" if r["ok"] else "**failed**: " + "; ".join(r["failures"])
+    errors = ""
+    if r.get("errors"):
+        errors = "\n\nHandoffs that did not complete, by error:\n\n" + "\n".join(
+            f"- {count} x `{err}`" for err, count in r["errors"].items()
+        )
+    return (
+        f"{r['model']}: {num(r['inflight'])} handoffs kept in flight for "
+        f"{num(float(r['duration_s']))} s (each lane starts its next handoff when the last "
+        f"ends). {num(r['completed'])} of {num(r['started'])} completed ({num(r['lost'])} lost), "
+        f"{num(r['handoffs_per_s'])} handoffs/s, p50 {num(r['p50_ms'])} ms, p99 "
+        f"{num(r['p99_ms'])} ms; peers declared lost: "
+        f"{', '.join(f'{k} {num(v)}' for k, v in lost.items())}. RSS of every process sampled "
+        f"each second (VmRSS, and RssAnon: the private heap); the first and last quarters "
+        f"after a {num(float(r['warmup_s']))} s warm-up compared, bound "
+        f"{ratio(r['max_rss_growth'])}. Verdict: {verdict}.\n\n{rss}{errors}"
+    )
+
+
+ENGINES_TITLE = "Real SGLang servers: kvhandoff against SGLang's mooncake backend"
+
+
+def _engines(r: Mapping[str, Any]) -> str:
+    """`bench/engines.json` (`make bench-engines`, `bench/engines.py`): its own run."""
+    m = r["machine"]
+    load = m.get("load_avg_at_start")
+    rows = {(x["backend"], x["concurrency"]): x for x in r["rows"]}
+    body = []
+    for c in sorted({c for _, c in rows}):
+        k, n = rows.get(("kvhandoff", c)), rows.get(("mooncake", c))
+        if k is None or n is None:
+            continue
+        for label, key, digits in (
+            ("latency p50 ms (send → last token)", "p50_ms", 1),
+            ("latency p99 ms", "p99_ms", 1),
+            ("TTFT p50 ms (decode's first token)", "ttft_p50_ms", 1),
+            ("TTFT p99 ms", "ttft_p99_ms", 1),
+            ("requests/s", "req_per_s", 2),
+            ("requests", "requests", 0),
+        ):
+            if not digits:  # a count, not compared
+                body.append([num(c), label, num(int(k[key])), num(int(n[key])), ""])
+                continue
+            body.append(
+                [num(c), label, num(float(k[key]), digits), num(float(n[key]), digits),
+                 ratio(_div(float(k[key]), float(n[key])))]
+            )  # fmt: skip
+    starts = ", ".join(f"{name} {num(float(s))} s" for name, s in r["start_s"].items())
+    return (
+        f"Measured at commit `{m.get('commit')}` on {m.get('at')}, in a run of its own "
+        f"(`make bench-engines`, {num(float(r['wall_s']))} s"
+        + (f"; load average {', '.join(num(x) for x in load)} at the start" if load else "")
+        + "). SGLang 0.5.23 `launch_server` on CPU (the engine tests' flags), "
+        f"{r['model']}; two PD pairs up at once on the same machine: prefill and decode over "
+        "kvhandoff (landed mode, Mooncake TCP on loopback) and over SGLang's own `mooncake` "
+        "backend (Mooncake TCP on loopback; a bench-only hook turns off its pinned page "
+        "indices, which a CPU torch refuses). Both answered the same prompts with "
+        + ("the same tokens" if r["same_tokens"] else "**different tokens**")
+        + f". Requests of {num(r['prompt_tokens'])} prompt tokens and "
+        f"{num(r['new_tokens'])} new tokens (greedy, `ignore_eos`), {num(r['rounds'])} "
+        "rounds alternating which backend goes first, each concurrency a closed loop (the "
+        "table's `requests` per backend over all rounds); streamed from the decode. p99 of so "
+        "few requests is close to their maximum. On a model this small a request's KV is "
+        f"{num(r['prompt_tokens'])} KiB (1 KiB a token): the "
+        "figures compare each backend's per-request control path (bootstrap, handoff "
+        f"creation, notices, commit) far more than its data path. Start-up: {starts}.\n\n"
+        + table(["concurrency", "", "kvhandoff", "mooncake", "kvhandoff ÷ mooncake"], body)
+    )
+
+
+SECTION_TEXT: dict[str, tuple[str, Callable[[Mapping[str, Any]], str]]] = {
+    "planning": ("Planning time against pages x layers", _planning),
+    "transport": ("Transport throughput against block size", _transport),
+    "e2e": ("End to end against request size and PP stages", _e2e),
+    "segments": ("Layer-by-layer and page-chunk segments against one", _segments),
+    "control": ("Control plane against concurrency", _control),
+    "events": ("SSE events", _events),
+    "webhooks": ("Webhook deliveries", _webhooks),
+    "load": ("Load run: handoffs in flight, memory over time", _load),
+}
+
+
+# -- targets ------------------------------------------------------------------------------------
+
+
+def _find(rows: Sequence[Mapping[str, Any]], **where: Any) -> Mapping[str, Any] | None:
+    for row in rows:
+        if all(row.get(k) == v for k, v in where.items()):
+            return row
+    return None
+
+
+def targets(doc: Mapping[str, Any]) -> list[list[str]]:
+    """Issue #20's targets against this run: [target, measured, met]."""
+    out: list[list[str]] = []
+    sections = doc.get("sections", {})
+    control = sections.get("control", {}).get("result", {}).get("rows", [])
+    for pp, want in ((1, 2500.0), (4, 1500.0)):
+        row = _find(control, pp=pp, concurrency=64)
+        if row is not None:
+            got = row["handoffs_per_s"]
+            out.append(
+                [f"≥ {want:,.0f} one-page handoffs/s, PP={pp}, concurrency 64",
+                 f"{num(got)}/s ({ratio(row['ratio'])} healthz)", _met(got >= want)]
+            )  # fmt: skip
+    row = _find(control, pp=1, concurrency=1)
+    if row is not None:
+        out.append(
+            ["p50 ≤ 1.5 ms create → completed, one page, concurrency 1",
+             f"{num(row['p50_ms'])} ms", _met(row["p50_ms"] <= 1.5)]
+        )  # fmt: skip
+    load = sections.get("load", {}).get("result")
+    if load:
+        out.append(["load: 0 lost", f"{num(load['lost'])} lost", _met(load["lost"] == 0)])
+        lost = sum(load["peer_lost"].values())
+        out.append(["load: no peer declared lost", f"{num(lost)} declared", _met(lost == 0)])
+        worst = max((max(v["ratio"], v["anon_ratio"]) for v in load["rss"]), default=0.0)
+        out.append(
+            [f"load: RSS flat (last ÷ first quarter ≤ {num(load['max_rss_growth'])})",
+             f"worst {ratio(worst)}", _met(all(v["ok"] for v in load["rss"]))]
+        )  # fmt: skip
+    return out
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+# -- the document -------------------------------------------------------------------------------
+
+#: What holds the control-plane targets back, as profiled (py-spy on the decode and a prefill
+#: under the PP=1 concurrency-64 case, and `tests/perf`'s counts per handoff); shown when a
+#: target is missed.
+LIMITS = (
+    "What limits the control-plane figures, as profiled on this machine: each one-page "
+    "handoff is three router requests (create, ready, a long poll) and, per stage, a "
+    "destination and a segment notice (batched per peer under load): about 40% of the "
+    "decode's event loop is aiohttp and socket I/O (parsing requests, writing answers), the "
+    "handoff's own work (checks, its segment's commit, events, records) most of the rest. "
+    "Records commit in groups (one per turn of the loop), so SQLite is no longer the "
+    "largest cost. With PP=4 every stage is its own prefill process: four destinations and "
+    "four segment notices per handoff, which nothing can batch across processes. At "
+    "concurrency 1 the figure is the sum of those hops' latencies on two shared cores, where "
+    "each loopback message is a context switch between busy processes (the loop's own "
+    "polling and socket writes are half the decode's time there)."
+)
+
+
+def render(
+    doc: Mapping[str, Any],
+    plots: Mapping[str, str],
+    *,
+    base: Path,
+    engines: Mapping[str, Any] | None = None,
+) -> str:
+    """BENCHMARKS.md for `doc`; `plots` maps a section to its PNG, linked relative to `base`
+    (the directory the report is written to); `engines`, the real-server comparison's own
+    results (`engines_beside`), is its last section."""
+    m = doc["machine"]
+    software = ", ".join(
+        str(v) for v in (f"Python {m.get('python')}", m.get("torch"), m.get("numpy"),
+                         m.get("aiohttp"), m.get("mooncake"),
+                         f"SGLang {m['sglang']}" if m.get("sglang") else None) if v
+    )  # fmt: skip
+    load = m.get("load_avg_at_start")
+    parts = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by `make bench` (bench/report.py) from "
+        "bench/results.json; edit the generator, not this file. -->",
+        "",
+        f"Measured at commit `{m.get('commit')}` on {m.get('at')}: {m.get('cpus')} CPUs "
+        f"({m.get('cpu_model') or 'unknown CPU'}), {software}"
+        + (f"; load average {', '.join(num(x) for x in load)} at the start" if load else "")
+        + f". `make bench` took {num(float(doc['wall_s']))} s (bound {num(doc['budget_s'])} s)"
+        + (" — a `--quick` smoke run: sizes are tiny" if doc.get("quick") else "")
+        + ".",
+        "",
+        "Every figure stands beside a baseline measured in the same run, in the same process "
+        "topology, and is compared only as a ratio to it: the development machine is shared by "
+        "several engineers and its absolute numbers move by ±30% from run to run. Raw results: "
+        "[bench/results.json](bench/results.json) and [bench/results.csv](bench/results.csv). "
+        "Reproduce with `make bench` (`make soak` runs the load check for ten minutes).",
+    ]
+    rows = targets(doc)
+    if rows:
+        parts += ["", "## Targets (issue #20)", "", table(["target", "this run", ""], rows)]
+        if any("missed" in str(r[-1]) for r in rows):
+            parts += ["", LIMITS]
+    for name, section in doc["sections"].items():
+        title, fn = SECTION_TEXT[name]
+        parts += ["", f"## {title}", ""]
+        if "error" in section:
+            parts.append(f"**Not measured**: the section failed: `{section['error']}`.")
+        else:
+            parts.append(fn(section["result"]))
+        if name in plots:
+            rel = os.path.relpath(plots[name], base)
+            parts += ["", f"![{title}]({rel})"]
+        parts += ["", f"<sub>{num(float(section['wall_s']))} s</sub>"]
+    if engines is not None:
+        parts += ["", f"## {ENGINES_TITLE}", "", _engines(engines)]
+    return "\n".join(parts) + "\n"
+
+
+# -- CSV ----------------------------------------------------------------------------------------
+
+
+def flat_rows(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every numeric figure as (section, params, metric, value): params are the row's
+    identifying fields (pp, pages, concurrency, ...), `k=v` joined by `;`."""
+    keys = ("pp", "pages", "layers", "concurrency", "block_bytes", "method", "process")
+    out: list[dict[str, Any]] = []
+    for name, section in doc["sections"].items():
+        result = section.get("result")
+        if not result:
+            continue
+        rows = result.get("rows") or result.get("rss") or [result]
+        for row in rows:
+            params = ";".join(f"{k}={row[k]}" for k in keys if k in row)
+            for metric, value in row.items():
+                if metric in keys or isinstance(value, bool):
+                    continue
+                if isinstance(value, int | float):
+                    out.append(
+                        {"section": name, "params": params, "metric": metric, "value": value}
+                    )
+                elif isinstance(value, dict) and all(
+                    isinstance(v, int | float) for v in value.values()
+                ):
+                    out += [
+                        {"section": name, "params": params, "metric": f"{metric}.{k}", "value": v}
+                        for k, v in value.items()
+                    ]
+    return out
+
+
+def to_csv(doc: Mapping[str, Any]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, ["section", "params", "metric", "value"], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(flat_rows(doc))
+    return buf.getvalue()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="?", default="bench/results.json")
+    parser.add_argument("--out", default="BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.write_text(regenerate(Path(args.results), out.parent))
+    return 0
+
+
+def regenerate(results: Path, base: Path) -> str:
+    """The report of a results file, linking the plots found beside it, for a report written
+    in `base`."""
+    doc = json.loads(results.read_text())
+    engines = engines_beside(results.parent)
+    return render(doc, plots_beside(results, doc), base=base.resolve(), engines=engines)
+
+
+def engines_beside(out_dir: Path) -> dict[str, Any] | None:
+    """The results of `make bench-engines` in `out_dir` (`engines.json`), if it ran."""
+    path = out_dir / "engines.json"
+    if not path.exists():
+        return None
+    doc: dict[str, Any] = json.loads(path.read_text())
+    return doc
+
+
+def plots_beside(results: Path, doc: Mapping[str, Any]) -> dict[str, str]:
+    return {
+        name: str(results.parent.resolve() / png)
+        for name, png in PLOTS.items()
+        if name in doc["sections"] and (results.parent / png).exists()
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""BENCHMARKS.md is generated, never typed: the generator against a small fixture results file
+(every section, a failed one, the targets), and the committed report against the committed
+results it was generated from."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import report
+
+FIXTURE = Path(__file__).with_name("fixtures") / "bench_results.json"
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def doc() -> dict:
+    return json.loads(FIXTURE.read_text())
+
+
+def test_report_has_every_section_the_machine_and_the_commit(doc: dict, tmp_path: Path) -> None:
+    text = report.render(doc, {}, base=tmp_path)
+    assert text.startswith("# Benchmarks\n")
+    assert "0123456789abcdef0123456789abcdef01234567" in text
+    assert "mooncake-transfer-engine-non-cuda 0.3.13.post1" in text and "SGLang 0.5.23" in text
+    for title, _ in report.SECTION_TEXT.values():
+        assert f"\n## {title}\n" in text
+    assert "a `--quick` smoke run" in text
+
+
+def test_a_failed_section_says_so_and_the_others_still_report(doc: dict, tmp_path: Path) -> None:
+    text = report.render(doc, {}, base=tmp_path)
+    webhooks = text.split("## Webhook deliveries", 1)[1].split("\n## ", 1)[0]
+    assert "**Not measured**" in webhooks and "the receiver did not start" in webhooks
+    assert "| 10 | 2,000 |" in text  # the events section's row still there
+
+
+def test_figures_and_ratios_come_from_the_results(doc: dict, tmp_path: Path) -> None:
+    text = report.render(doc, {}, base=tmp_path)
+    row = doc["sections"]["e2e"]["result"]["rows"][0]
+    assert f"| {report.num(row['landed_vs_direct'])}x |" in text
+    ctl = doc["sections"]["control"]["result"]["rows"][0]
+    assert f"| {report.num(ctl['handoffs_per_s'])} | {report.num(ctl['healthz_per_s'])} |" in text
+
+
+def test_targets_are_judged_from_the_rows(doc: dict) -> None:
+    rows = {target: met for target, _, met in report.targets(doc)}
+    assert (
+        rows["≥ 2,500 one-page handoffs/s, PP=1, concurrency 64"] == "met"
+    )  # 2,600 in the fixture
+    assert rows["≥ 1,500 one-page handoffs/s, PP=4, concurrency 64"] == "**missed**"  # 1,200
+    assert rows["p50 ≤ 1.5 ms create → completed, one page, concurrency 1"] == "**missed**"
+    assert rows["load: 0 lost"] == "met"
+    assert rows["load: no peer declared lost"] == "met"  # 2 before the run do not count
+
+
+def test_plots_are_linked_relative_to_the_report(doc: dict, tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    png = tmp_path / "bench" / "planning.png"
+    png.write_bytes(b"\x89PNG")
+    results = tmp_path / "bench" / "results.json"
+    results.write_text(json.dumps(doc))
+    text = report.regenerate(results, tmp_path)
+    assert "](bench/planning.png)" in text
+    assert "](bench/transport.png)" not in text  # not there: not linked
+
+
+def test_csv_has_one_row_per_figure(doc: dict) -> None:
+    rows = list(csv.DictReader(io.StringIO(report.to_csv(doc))))
+    assert {"section", "params", "metric", "value"} <= set(rows[0])
+    e2e = [r for r in rows if r["section"] == "e2e" and r["metric"] == "landed_gb_s"]
+    assert len(e2e) == len(doc["sections"]["e2e"]["result"]["rows"])
+    assert e2e[0]["params"].startswith("pp=")
+    assert not [r for r in rows if r["section"] == "webhooks"]  # failed: no figures
+    float(e2e[0]["value"])
+
+
+def test_the_committed_report_is_what_the_committed_results_generate() -> None:
+    results = ROOT / "bench" / "results.json"
+    assert results.exists(), "bench/results.json is committed with BENCHMARKS.md (make bench)"
+    assert (ROOT / "BENCHMARKS.md").read_text() == report.regenerate(results, ROOT), (
+        "BENCHMARKS.md differs from what bench/results.json generates: run `make bench` "
+        "(or `make bench-report`), never edit it by hand"
+    )
+
+
+def test_the_engines_run_beside_the_results_is_its_last_section(doc: dict, tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    results = tmp_path / "bench" / "results.json"
+    results.write_text(json.dumps(doc))
+    assert f"## {report.ENGINES_TITLE}" not in report.regenerate(results, tmp_path)
+    row = {"requests": 64, "p50_ms": 400.0, "p99_ms": 900.0, "ttft_p50_ms": 300.0}
+    engines = {
+        "machine": {"commit": "fedcba", "at": "2026-12-07T11:00:00Z"},
+        "model": "a tiny model",
+        "prompt_tokens": 64,
+        "new_tokens": 16,
+        "requests": {"1": 32},
+        "rounds": 2,
+        "same_tokens": True,
+        "start_s": {"kvhandoff-decode": 80.0},
+        "wall_s": 300.0,
+        "rows": [
+            {"backend": "kvhandoff", "concurrency": 1, **row, "ttft_p99_ms": 500.0,
+             "req_per_s": 2.5},
+            {"backend": "mooncake", "concurrency": 1, **row, "ttft_p99_ms": 400.0,
+             "req_per_s": 2.0},
+        ],
+    }  # fmt: skip
+    (tmp_path / "bench" / "engines.json").write_text(json.dumps(engines))
+    text = report.regenerate(results, tmp_path)
+    section = text.split(f"\n## {report.ENGINES_TITLE}\n", 1)[1]
+    assert "\n## " not in section  # the last one
+    assert "`fedcba`" in section and "the same tokens" in section
+    assert "| 1 | requests/s | 2.50 | 2.00 | 1.25x |" in section
+    assert "| 1 | TTFT p99 ms | 500 | 400 | 1.25x |" in section
+    assert "| 1 | requests | 64 | 64 |  |" in section
