@@ -23,16 +23,9 @@ from pipelines.events import (
 from service.integrations.sglang import excusal
 from service.integrations.sglang.manager import KVHandoffManager
 from service.integrations.sglang.sender import KVHandoffSender
+from tests.fakes import Clock
 
 TTL = 100.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_an_excusal_for_an_open_room_holds_until_the_room_clears() -> None:
