@@ -6,7 +6,8 @@ routes (`arrived`, `stage_failed`), its heartbeat task (`peer_lost`, `peer_back`
 `live_by_prefill`, `live_with`) and its start-up and shutdown (`adopt`, `close`). A handoff is
 created here with its destination; every check that can fail (pages, fencing, prefill layouts,
 pairing: `prefill_peers.py`) runs before the destination is sent, so a rejected handoff never
-moves a byte. The outcome is announced as soon as it is known; what happens to the pages after it
+moves a byte. Destinations are sent by `delivery.py`, landed segments taken in by `segments.py`. The outcome
+is announced as soon as it is known; what happens to the pages after it
 (stopping the writers, the lease's release, `handoff.released`) is `release.py`'s. The handoff as
 held: `handoff.py`; states and their legal changes: `states.py`; the safety argument:
 SAFETY.md.
@@ -20,19 +21,21 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
+from pipelines.decode.delivery import Delivery, PrefillPeer
 from pipelines.decode.handoff import I64, ROLE, DecodeHandoff, DecodeStage, publish
 from pipelines.decode.heartbeats import PrefillWatch
-from pipelines.decode.landing import WINDOW_WAIT_S, Landing, Verdict
+from pipelines.decode.landing import Landing
 from pipelines.decode.leases import Leases, slot_claims
 from pipelines.decode.notices import check_accounting, check_sender, first_mismatch
 from pipelines.decode.outcomes import Outcomes
 from pipelines.decode.prefill_peers import PrefillDirectory, Stages
 from pipelines.decode.queries import DecodeQueries
 from pipelines.decode.release import Releases
+from pipelines.decode.segments import SegmentExchange
 from pipelines.decode.views import (
     ArchivedHandoff,
     FencedPages,
@@ -45,27 +48,20 @@ from pipelines.errors import (
     CapacityExceeded,
     ConflictError,
     InvalidInput,
-    KVHandoffError,
     NotFoundError,
 )
 from pipelines.events import (
     Event,
     EventBus,
     HandoffCreated,
-    SegmentCommitted,
-    SegmentRejected,
     StageArrived,
 )
 from pipelines.layout import StageLayout
 from pipelines.memory import EntryMemory
 from pipelines.messages import (
-    AbortAck,
-    AbortMsg,
     ArenaSpan,
     ArrivalMsg,
-    DestinationMsg,
     HeartbeatAck,
-    LayoutInfo,
     SegmentAck,
     SegmentMsg,
     StageFailedMsg,
@@ -73,7 +69,6 @@ from pipelines.messages import (
     WindowAnswer,
     WindowRequest,
 )
-from pipelines.packing import layer_range
 from pipelines.pairing import PairingCache
 from pipelines.peercache import new_incarnation
 from pipelines.planning import validate_pages_for_layout
@@ -85,16 +80,6 @@ from pipelines.states import HandoffState, ReleaseState, StageState, advance
 __all__ = ["DecodeHandoff", "DecodePipeline", "HandoffState", "PrefillPeer"]
 
 log = logging.getLogger(__name__)
-
-
-class PrefillPeer(Protocol):
-    """Decode → prefill calls, implemented by the service over HTTP."""
-
-    async def layout(self, url: str) -> LayoutInfo: ...
-
-    async def deliver(self, url: str, msg: DestinationMsg) -> None: ...
-
-    async def abort(self, url: str, msg: AbortMsg) -> AbortAck: ...
 
 
 class DecodePipeline:
@@ -125,18 +110,12 @@ class DecodePipeline:
         # Landed mode when present: prefills write only into its windows; pages change only
         # by its commits (SAFETY.md S1). Direct mode (None): prefills write into the pages.
         self._landing = landing
-        # What peers learn of this decode's memory (`GET /v1/layout`, destinations): its pages'
-        # addresses only in direct mode, where prefills write into them.
-        self.peer_layout = layout if landing is None else layout.unplaced()
-        # When each destination call to a prefill peer still unanswered began (by peer).
-        self._delivering: dict[str, list[float]] = {}
         self.cache = cache or PairingCache()
         self._default_prefill = list(default_prefill or [])
         self._max_live = settings.max_live
         self._default_deadline_s = settings.default_deadline_s
         self._verify_default = settings.verify_default
         self._history = settings.history
-        max_grace_s = settings.max_grace_s
         self._clock = clock  # unix time of views, events and records
         self._monotonic = monotonic  # what bounds are measured on
         num_pages = min((e.num_items for e in layout.kv), default=0)
@@ -147,8 +126,21 @@ class DecodePipeline:
         self._tasks: set[asyncio.Task[None]] = set()
         self._archive: HandoffArchive | None = None
         self._evicted = 0  # handoffs forgotten so far (`_evict`): held only in the archive now
+        self._assemble(settings.max_grace_s)
+        self._watch = PrefillWatch(self._handoffs, self._peers, self._outcomes, self._releases)
+        #: What the service reads of the handoffs held here (`queries.py`): snapshots only.
+        self.query = DecodeQueries(
+            self._handoffs, self.leases, self._peers, landing, archived=self._archived
+        )
+        # Told the peers of every new handoff (the heartbeats start watching them at once).
+        self.on_peers: Callable[[list[str]], None] = lambda peers: None
+
+    def _assemble(self, max_grace_s: float) -> None:
+        """The parts a handoff passes through, each given what it may touch."""
+        prefill, bus, landing = self._prefill, self._bus, self._landing
+        clock, monotonic = self._clock, self._monotonic
         self._peers = PrefillDirectory(
-            layout, prefill, self.cache, max_grace_s=max_grace_s, clock=clock
+            self.layout, prefill, self.cache, max_grace_s=max_grace_s, clock=clock
         )
         # Everything about a lease after its handoff's outcome.
         self._releases = Releases(
@@ -164,13 +156,24 @@ class DecodePipeline:
             monotonic=monotonic,
         )
         self._outcomes = Outcomes(bus, self._releases, clock=clock, monotonic=monotonic)
-        self._watch = PrefillWatch(self._handoffs, self._peers, self._outcomes, self._releases)
-        #: What the service reads of the handoffs held here (`queries.py`): snapshots only.
-        self.query = DecodeQueries(
-            self._handoffs, self.leases, self._peers, landing, archived=self._archived
+        self._delivery = Delivery(
+            url=self.url,
+            incarnation=self.incarnation,
+            target=self.target,
+            layout=self.layout,
+            prefill=prefill,
+            peers=self._peers,
+            outcomes=self._outcomes,
+            landing=landing,
+            monotonic=monotonic,
         )
-        # Told the peers of every new handoff (the heartbeats start watching them at once).
-        self.on_peers: Callable[[list[str]], None] = lambda peers: None
+        self._segments = (
+            None
+            if landing is None
+            else SegmentExchange(
+                landing, self.layout, self.cache, bus, self._outcomes, self._releases, self._arrive
+            )
+        )
 
     # ----------------------------------------------------------------- router-facing
 
@@ -230,7 +233,7 @@ class DecodePipeline:
                 metadata=req.metadata,
             ),
         )
-        h.delivery = self._spawn(self._deliver(h))
+        h.delivery = self._spawn(self._delivery.deliver(h))
         self.on_peers(h.peers)
         return h.view(), True
 
@@ -370,7 +373,7 @@ class DecodePipeline:
         rank: int,
         stage: DecodeStage,
         nbytes: int,
-        digests: dict[str, str] | None,
+        digests: dict[str, str] | None = None,
     ) -> None:
         """Stage `rank` has every byte in place: count it, and complete `h` with the last."""
         stage.state = advance(stage.state, StageState.ARRIVED, f"handoff {h.id!r} stage")
@@ -403,74 +406,19 @@ class DecodePipeline:
         """Stage `msg.pp_rank` asks for a window for its next segment (landed mode): granted
         when the arena has room within a short wait, else none (it asks again)."""
         h, _ = self._landed_stage(msg)
-        grant = await self._need_landing().grant(h, msg.pp_rank, msg.bytes)
-        return WindowAnswer(grant=grant)
+        return await self._need_segments().window(h, msg)
 
     async def segment(self, msg: SegmentMsg) -> SegmentAck:
-        """A segment of stage `msg.pp_rank` landed in its window: commit it into the pages once
-        its digest matches (`Landing.commit`). A mismatch is sent again once while the stage is
-        live, else the handoff fails naming the stage and its layers; the last segment is the
-        stage's arrival."""
+        """A segment of stage `msg.pp_rank` landed in its window: committed into the pages once
+        its digest matches (`segments.py`); the last one is the stage's arrival."""
         h, stage = self._landed_stage(msg)
-        landing = self._need_landing()
-        t0 = time.perf_counter()
-        # A stage with nothing to send (no pages, no slot) arrives with an empty last notice.
-        empty = not msg.rows and msg.bytes == 0 and msg.last
-        verdict = Verdict.COMMITTED if empty else await landing.commit(h, msg.pp_rank, msg)
-        rank = msg.pp_rank
-        pairing = self.cache.get(stage.layout, self.layout)
-        if verdict is not Verdict.COMMITTED:
-            layers = layer_range(pairing, msg.rows)
-            resend = verdict is Verdict.REFUSED and not h.state.terminal
-            self._publish(
-                h,
-                SegmentRejected(
-                    handoff_id=h.id,
-                    role=ROLE,
-                    pp_rank=rank,
-                    bytes=msg.bytes,
-                    layers=layers,
-                    resend=resend,
-                ),
-            )
-            reason = f"the window of stage {rank} ({layers}) did not match its digest"
-            if not resend:
-                if not h.state.terminal:
-                    self._outcomes.mark_failed(h, [rank])
-                    self._fail(
-                        h, "digest_mismatch", reason, rank, {"layers": layers, "pp_rank": rank}
-                    )
-                return SegmentAck(committed=False, reason=reason)
-            return SegmentAck(
-                committed=False, reason=reason, next_grant=landing.next_grant(h, rank)
-            )
-        expected = landing.expected(h.id, rank)
-        if not empty:
-            self._publish(
-                h,
-                SegmentCommitted(
-                    handoff_id=h.id,
-                    role=ROLE,
-                    pp_rank=rank,
-                    bytes=msg.bytes,
-                    committed=landing.committed(h.id, rank),
-                    expected=expected,
-                    commit_s=time.perf_counter() - t0,
-                ),
-            )
-        if not msg.last:
-            return SegmentAck(committed=True, next_grant=landing.next_grant(h, rank))
-        if not landing.complete(h, rank):
-            raise InvalidInput(
-                f"stage {rank} says its last segment landed, but {landing.committed(h.id, rank)} "
-                f"of {expected} bytes are committed",
-                field="last",
-                pp_rank=rank,
-            )
-        self._releases.confirm_stopped(h, stage)  # its sender has finished writing
-        if not h.state.terminal and not stage.state.final:
-            self._arrive(h, rank, stage, expected, None)
-        return SegmentAck(committed=True)
+        return await self._need_segments().segment(h, stage, msg)
+
+    @property
+    def peer_layout(self) -> StageLayout:
+        """What peers learn of this decode's memory (`GET /v1/layout`, destinations): its
+        pages' addresses only in direct mode, where prefills write into them."""
+        return self._delivery.peer_layout
 
     @property
     def mode(self) -> TransferMode:
@@ -485,13 +433,13 @@ class DecodePipeline:
         arena = self._landing.arena
         return ArenaSpan(addr=arena.base_addr, length=arena.capacity_bytes)
 
-    def _need_landing(self) -> Landing:
-        if self._landing is None:
+    def _need_segments(self) -> SegmentExchange:
+        if self._segments is None:
             raise ConflictError(
                 "this decode service runs direct mode (transfer.mode): it grants no windows",
                 field="mode",
             )
-        return self._landing
+        return self._segments
 
     def _landed_stage(self, msg: SegmentMsg | WindowRequest) -> tuple[DecodeHandoff, DecodeStage]:
         h = self._get(msg.handoff_id)
@@ -594,105 +542,6 @@ class DecodePipeline:
             self._landing.close()
 
     # ----------------------------------------------------------------- the lifecycle
-
-    async def _deliver(self, h: DecodeHandoff) -> None:
-        """Send each prefill service the destination of its stages; a failure fails `h`."""
-        by_peer: dict[str, list[int]] = {}
-        for rank, st in h.stages.items():
-            by_peer.setdefault(st.peer, []).append(rank)
-        failure: KVHandoffError | None = None
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for peer, ranks in by_peer.items():
-                    tg.create_task(self._deliver_to(h, peer, ranks))
-        except* KVHandoffError as group:
-            failure = group.exceptions[0]  # type: ignore[assignment]
-        if failure is not None:
-            peer = str(failure.context.get("peer"))
-            ranks = sorted(by_peer.get(peer, []))
-            # The peer may have restarted with other stages: fetch its layouts afresh next time.
-            for url in by_peer:
-                self._peers.forget(url)
-            self._outcomes.mark_failed(h, ranks)
-            self._fail(
-                h,
-                failure.code,
-                f"delivering the destination to {peer} (stage{'s' if len(ranks) > 1 else ''} "
-                f"{', '.join(map(str, ranks))}) failed: {failure.message}",
-                ranks[0] if ranks else None,
-                failure.context,
-            )
-        elif h.state == HandoffState.PENDING:
-            h.state = advance(h.state, HandoffState.TRANSFERRING, f"handoff {h.id!r}")
-
-    async def _deliver_to(self, h: DecodeHandoff, peer: str, ranks: list[int]) -> None:
-        """Send prefill `peer` the destination of stages `ranks`, and bound when it received it."""
-        remaining_s = max(0.0, h.deadline_mono - self._monotonic())
-        msg = DestinationMsg(
-            handoff_id=h.id,
-            decode_url=self.url,
-            decode_incarnation=self.incarnation,
-            prefill_incarnation=h.stages[ranks[0]].incarnation,
-            decode_target=self.target,
-            decode_fingerprint=self.layout.fingerprint,
-            decode_address_key=self.peer_layout.address_key,
-            pp_ranks=sorted(ranks),
-            dst_pages=h.request.dst_pages,
-            prefix_pages=h.request.prefix_pages,
-            fan_out=h.request.fan_out,
-            dst_slot=h.request.dst_slot,
-            dst_slots=dict(h.request.dst_slots),
-            dst_aux=h.request.dst_aux,
-            deadline_in_s=remaining_s,
-            verify=h.verify,
-            **self._landed_fields(h, peer, ranks),
-        )
-        what = f"handoff {h.id!r} destination to {peer}"
-        for rank in ranks:
-            h.stages[rank].sending(what)
-        accepted = False
-        started = self._monotonic()
-        self._delivering.setdefault(peer, []).append(started)
-        try:
-            await self._prefill.deliver(peer, msg)
-            accepted = True
-        except KVHandoffError as exc:
-            exc.context.setdefault("peer", peer)
-            exc.context.setdefault("pp_ranks", sorted(ranks))
-            raise
-        finally:
-            pending = self._delivering[peer]
-            pending.remove(started)
-            if not pending:
-                del self._delivering[peer]
-            # The prefill counts `remaining_s` from its receipt, so queueing and transit make
-            # its deadline later than ours: by at most until now (SAFETY.md I5). A call that
-            # failed or was cancelled may still have reached it: the same bound, the best known.
-            until = self._monotonic() + remaining_s
-            for rank in ranks:
-                h.stages[rank].delivery_ended(accepted=accepted, writable_until=until, what=what)
-            if self._landing is not None:
-                self._landing.delivery_ended(h.id, ranks, accepted=accepted)
-
-    def _landed_fields(self, h: DecodeHandoff, peer: str, ranks: list[int]) -> dict[str, Any]:
-        if self._landing is None:
-            return {}
-        # No first window to a peer that is lost or has left a destination unanswered (a hung
-        # process): its stages ask for windows once it speaks, so none sits granted to a peer
-        # that cannot use it.
-        withhold = self._peers.is_lost(peer) or self._unanswered(peer)
-        return {
-            "mode": "landed",
-            "digest": self._landing.algorithm,
-            "window_bytes": self._landing.window_bytes,
-            "grants": [] if withhold else self._landing.first_grants(h, sorted(ranks)),
-        }
-
-    def _unanswered(self, peer: str) -> bool:
-        """Whether a destination sent to `peer` has waited for its answer longer than a window
-        request may (`WINDOW_WAIT_S`): a peer that answers at all answers within it."""
-        started = self._delivering.get(peer)
-        return started is not None and self._monotonic() - min(started) > WINDOW_WAIT_S
 
     async def _verify_then_complete(self, h: DecodeHandoff) -> None:
         problem = await asyncio.to_thread(self._verify, h)

@@ -838,9 +838,9 @@ async def test_a_peer_that_left_a_destination_unanswered_is_granted_no_first_win
     (a hung process), that peer's next destinations carry no first window; its stages ask
     once it speaks. (tests/integration/test_hung_prefill.py passes without this rule: the
     windows also come back when the hung deliveries end.)"""
-    from pipelines.decode import pipeline as decode_pipeline
+    from pipelines.decode import delivery
 
-    monkeypatch.setattr(decode_pipeline, "WINDOW_WAIT_S", 0.05)
+    monkeypatch.setattr(delivery, "WINDOW_WAIT_S", 0.05)
     w = world
     release = asyncio.Event()
     link = w.decode._prefill
