@@ -2,7 +2,9 @@
 
 Used when an engine embeds kvhandoff and hosts both roles' pipelines in one process (and by the
 demo's single-process mode and the tests): each peer call is a direct method call instead of an
-HTTP request, with the same messages and the same error tree.
+HTTP request, with the same messages and the same error tree. Its methods are the calls of
+`pipelines.peer_calls` that the link carries (`PeerCall.in_process`), by the same names;
+`tests/unit/pipelines/test_peer_calls.py` fails when one is missing.
 """
 
 from __future__ import annotations

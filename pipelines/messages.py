@@ -291,6 +291,21 @@ class SegmentAck(Struct, frozen=True, kw_only=True):
     next_grant: Grant | None = None
 
 
+class Outcome(Struct, frozen=True, omit_defaults=True):
+    """The receiver's answer for one notice of a batch: its status, and a problem if it failed."""
+
+    status: int
+    problem: dict[str, Any] | None = None
+
+
+class SegmentOutcome(Struct, frozen=True, omit_defaults=True):
+    """The decode's answer for one segment notice of a batch: its ack, or a problem."""
+
+    status: int
+    ack: SegmentAck | None = None
+    problem: dict[str, Any] | None = None
+
+
 def check_version(version: int) -> None:
     """Refuse a peer message of another protocol version instead of guessing at it."""
     from pipelines.errors import InvalidInput  # here, so this check stays one block at the end

@@ -6,9 +6,9 @@ routes (`arrived`, `stage_failed`), its heartbeat task (`peer_lost`, `peer_back`
 `live_by_prefill`, `live_with`) and its start-up and shutdown (`adopt`, `close`). A handoff is
 created here with its destination; every check that can fail (pages, fencing, prefill layouts,
 pairing: `prefill_peers.py`) runs before the destination is sent, so a rejected handoff never
-moves a byte. Destinations are sent by `delivery.py`, landed segments taken in by `segments.py`. The outcome
-is announced as soon as it is known; what happens to the pages after it
-(stopping the writers, the lease's release, `handoff.released`) is `release.py`'s. The handoff as
+moves a byte. Destinations are sent by `delivery.py`, landed segments taken in by
+`segments.py`. The outcome is announced as soon as it is known; what happens to the pages after
+it (stopping the writers, the lease's release, `handoff.released`) is `release.py`'s. The handoff as
 held: `handoff.py`; states and their legal changes: `states.py`; the safety argument:
 SAFETY.md.
 """
