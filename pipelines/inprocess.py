@@ -26,7 +26,6 @@ from pipelines.messages import (
     WindowRequest,
 )
 from pipelines.prefill import PrefillPipeline
-from pipelines.prefill.handoff import DecodeSide
 
 
 class InProcessLink:
@@ -76,19 +75,6 @@ class InProcessLink:
         return await self._prefill(url)[0].abort(msg.handoff_id, msg.reason, msg.decode_incarnation)
 
     # prefill -> decode
-    async def decode_side(self, dest: DestinationMsg) -> DecodeSide:
-        decode = self._decode(dest.decode_url)
-        layout = decode.peer_layout
-        if (layout.fingerprint, layout.address_key) != (
-            dest.decode_fingerprint,
-            dest.decode_address_key,
-        ):
-            raise NotFoundError(
-                f"decode layout {dest.decode_fingerprint} is not the one {dest.decode_url} serves",
-                field="decode_fingerprint",
-            )
-        return DecodeSide(layout, decode.mode, decode.arena_span(), decode.target)
-
     async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None:
         self._decode(decode_url).arrived(msg)
 

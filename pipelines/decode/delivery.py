@@ -18,7 +18,7 @@ from pipelines.decode.outcomes import Outcomes
 from pipelines.decode.prefill_peers import PrefillDirectory
 from pipelines.errors import KVHandoffError
 from pipelines.layout import StageLayout
-from pipelines.messages import AbortAck, AbortMsg, DestinationMsg, LayoutInfo
+from pipelines.messages import AbortAck, AbortMsg, ArenaSpan, DestinationMsg, LayoutInfo
 from pipelines.states import HandoffState, advance
 
 
@@ -60,6 +60,13 @@ class Delivery:
         # What peers learn of this decode's memory: its pages' addresses only in direct mode,
         # where prefills write into them.
         self.peer_layout = layout if landing is None else layout.unplaced()
+        #: The landing arena peers may write into (None in direct mode): in every destination,
+        #: where a prefill checks every grant lies.
+        self.arena = (
+            None
+            if landing is None
+            else ArenaSpan(addr=landing.arena.base_addr, length=landing.arena.capacity_bytes)
+        )
         # When each destination call to a prefill peer still unanswered began (by peer).
         self._delivering: dict[str, list[float]] = {}
 
@@ -108,8 +115,7 @@ class Delivery:
             decode_incarnation=self._incarnation,
             prefill_incarnation=h.stages[ranks[0]].incarnation,
             decode_target=self._target,
-            decode_fingerprint=self._layout.fingerprint,
-            decode_address_key=self.peer_layout.address_key,
+            decode_layout=self.peer_layout,
             pp_ranks=sorted(ranks),
             dst_pages=h.request.dst_pages,
             prefix_pages=h.request.prefix_pages,
@@ -165,6 +171,7 @@ class Delivery:
             "digest": self._landing.algorithm,
             "window_bytes": self._landing.window_bytes,
             "grants": [] if withhold else self._landing.first_grants(h, sorted(ranks)),
+            "arena": self.arena,
         }
 
     def _unanswered(self, peer: str) -> bool:

@@ -427,11 +427,8 @@ class DecodePipeline:
 
     def arena_span(self) -> ArenaSpan | None:
         """The landing arena peers may write into (None in direct mode): published in the
-        layout, where a prefill checks every grant lies."""
-        if self._landing is None:
-            return None
-        arena = self._landing.arena
-        return ArenaSpan(addr=arena.base_addr, length=arena.capacity_bytes)
+        layout and in every destination, where a prefill checks every grant lies."""
+        return self._delivery.arena
 
     def _need_segments(self) -> SegmentExchange:
         if self._segments is None:

@@ -44,12 +44,12 @@ from pipelines.messages import (
 from pipelines.pairing import PairingCache
 from pipelines.peercache import new_incarnation
 from pipelines.planning import validate_pages_for_layout
+from pipelines.prefill.destinations import DecodeLives, check_decode_side, check_destination
 from pipelines.prefill.handoff import (
     I64,
     ROLE,
     BlockWriter,
     DecodePeer,
-    DecodeSide,
     HostedStage,
     PrefillHandoff,
     ReadySignal,
@@ -57,7 +57,6 @@ from pipelines.prefill.handoff import (
     StageInput,
     Staging,
 )
-from pipelines.prefill.landed import check_grant
 from pipelines.prefill.queries import PrefillQueries
 from pipelines.prefill.ranges import check_range
 from pipelines.prefill.scopes import Finished, OpenHandoffs
@@ -124,6 +123,8 @@ class PrefillPipeline:
         # Recently finished handoffs, so a late or repeated signal is refused rather than
         # waiting for a destination that will never come.
         self._finished = Finished()
+        # What each decode life named in its first destination: later ones are held to it.
+        self._lives = DecodeLives()
         # Told the decode service of every delivered destination (the heartbeats watch it).
         self.on_peers: Callable[[list[str]], None] = lambda peers: None
 
@@ -348,6 +349,7 @@ class PrefillPipeline:
                 field="pp_ranks",
                 pp_rank=missing[0],
             )
+        check_destination(msg)
         h = self._handoffs.get(scope, msg.handoff_id)
         if h is None:
             h = self._handoffs.get(None, msg.handoff_id)  # signalled ready before, unscoped
@@ -370,6 +372,7 @@ class PrefillPipeline:
                 f"handoff {msg.handoff_id!r} already has another destination", field="handoff_id"
             )
         h.deadline_mono = time.monotonic() + msg.deadline_in_s
+        self._lives.pin(msg)
         h.destination.set_result(msg)
         self._publish(
             DestinationReceived(
@@ -585,7 +588,7 @@ class PrefillPipeline:
                 assert h.deadline_mono is not None
                 # loop.time() is the monotonic clock the deadline was measured on.
                 scope.reschedule(loop.time() + max(0.0, h.deadline_mono - time.monotonic()))
-                side = await self._decode.decode_side(dest)
+                side = self._lives.side(dest)
                 check_decode_side(dest, side)
                 async with asyncio.TaskGroup() as tg:
                     for rank in dest.pp_ranks:
@@ -611,37 +614,3 @@ class PrefillPipeline:
         for rank in dest.pp_ranks if dest else sorted(h.inputs):
             if not h.stage_state.get(rank, StageState.WAITING).final:
                 await self._runner.report_failure(h, dest, rank, error)
-
-
-def check_decode_side(dest: DestinationMsg, side: DecodeSide) -> None:
-    """A destination must name the mode its decode published, and in landed mode grant only
-    windows inside the arena that decode life published (signed): otherwise a destination could
-    make this prefill write into any memory of the decode's. The destination's transport target
-    must be the one that decode life published: the writes go to `side.target` whatever the
-    destination says. Raises naming the field."""
-    if dest.decode_target != side.target:
-        raise ConflictError(
-            f"the destination of {dest.handoff_id!r} names transport target "
-            f"{dest.decode_target!r}, but its decode published {side.target!r}",
-            field="decode_target",
-        )
-    if dest.mode != side.mode:
-        raise ConflictError(
-            f"the destination of {dest.handoff_id!r} names {dest.mode} mode, but its decode "
-            f"serves {side.mode} mode",
-            field="mode",
-        )
-    if dest.mode != "landed":
-        return
-    if side.arena is None:
-        raise ConflictError(
-            f"the decode of {dest.handoff_id!r} published no landing arena", field="arena"
-        )
-    for grant in dest.grants:
-        if grant.pp_rank not in dest.pp_ranks:
-            raise ConflictError(
-                f"grant {grant.grant_id} is for stage {grant.pp_rank}, which the destination "
-                f"does not name (pp_ranks {dest.pp_ranks})",
-                field="grants",
-            )
-        check_grant(grant, side.arena, grant.pp_rank)

@@ -69,6 +69,7 @@ def _serves(table: RouteTable, call: PeerCall, **contract: Any) -> Callable[[Han
         contract["response"] = call.reply
     return table.route(call.method, call.path, tags=("peer",), role="peer", **contract)
 
+
 _NO_CONTENT = 204
 M = TypeVar("M", DestinationMsg, ArrivalMsg, StageFailedMsg)
 

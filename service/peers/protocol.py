@@ -13,7 +13,7 @@ from collections.abc import Callable
 import aiohttp
 import msgspec
 
-from pipelines.errors import KVHandoffError, NotFoundError
+from pipelines.errors import KVHandoffError
 from pipelines.messages import (
     AbortAck,
     AbortMsg,
@@ -42,8 +42,6 @@ from pipelines.peer_calls import (
     WINDOWS,
     PeerCall,
 )
-from pipelines.peercache import MAX_PEERS, PeerCache
-from pipelines.prefill.handoff import DecodeSide
 from service.http.client import PeerClient
 from service.http.problems import PeerError, encode_problem, error_from_problem
 from service.peers.coalesce import Coalescer, SendBatch
@@ -68,9 +66,6 @@ class HttpPeers:
         # Watches hold one idle connection per live peer: their own session, so they never take
         # the pool slots of the calls that move handoffs along.
         self._watch_session: aiohttp.ClientSession | None = None
-        # What decodes published, by (url, incarnation, fingerprint, address key): bounded,
-        # oldest out.
-        self._decode_sides: PeerCache[DecodeSide] = PeerCache(MAX_PEERS)
         # Destinations, arrivals and failures are coalesced per peer (see service.peers.coalesce).
         self._destinations = Coalescer(self._batch_sender(DESTINATIONS))
         self._arrivals = Coalescer(self._batch_sender(ARRIVALS))
@@ -139,36 +134,6 @@ class HttpPeers:
         )
 
     # prefill -> decode
-    async def decode_side(self, dest: DestinationMsg) -> DecodeSide:
-        key = _layout_key(
-            dest.decode_url,
-            dest.decode_incarnation,
-            dest.decode_fingerprint,
-            dest.decode_address_key,
-        )
-        side = self._decode_sides.get(key)
-        if side is None:
-            # Signed by the decode life it names (`PeerClient` checks the answer): its arena
-            # is the one this life registered.
-            info = await self._client.get(dest.decode_url, LAYOUT.path, LayoutInfo)
-            for stage in info.stages:
-                lay = stage.layout
-                self._decode_sides.put(
-                    _layout_key(
-                        dest.decode_url, info.incarnation, lay.fingerprint, lay.address_key
-                    ),
-                    DecodeSide(lay, info.mode, info.arena, info.target),
-                )
-            side = self._decode_sides.get(key)
-            if side is None:
-                raise NotFoundError(
-                    f"decode layout {dest.decode_fingerprint} of incarnation "
-                    f"{dest.decode_incarnation} is not the one {dest.decode_url} serves now "
-                    f"(incarnation {info.incarnation}: did it restart?)",
-                    field="decode_incarnation",
-                )
-        return side
-
     async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None:
         await self._arrivals.submit(decode_url, msg)
 
@@ -198,9 +163,7 @@ class HttpPeers:
         )
 
     async def heartbeat(self, url: str, msg: HeartbeatMsg, timeout_s: float) -> HeartbeatAck:
-        return await self._client.post(
-            url, HEARTBEATS.path, msg, HeartbeatAck, timeout_s=timeout_s
-        )
+        return await self._client.post(url, HEARTBEATS.path, msg, HeartbeatAck, timeout_s=timeout_s)
 
 
 _encode = msgspec.json.Encoder().encode
@@ -209,7 +172,3 @@ _encode = msgspec.json.Encoder().encode
 def _joined(notices: list[msgspec.Raw]) -> bytes:
     """The JSON array of notices already encoded, without encoding them again."""
     return b"[" + b",".join(bytes(n) for n in notices) + b"]"
-
-
-def _layout_key(url: str, incarnation: str, fingerprint: str, address_key: str) -> str:
-    return "|".join((url, incarnation, fingerprint, address_key))
