@@ -24,7 +24,6 @@ from pipelines.errors import (
     DeadlineExceeded,
     EngineAborted,
     InternalError,
-    InvalidInput,
     KVHandoffError,
     NotFoundError,
 )
@@ -43,7 +42,6 @@ from pipelines.messages import (
 )
 from pipelines.pairing import PairingCache
 from pipelines.peercache import new_incarnation
-from pipelines.planning import validate_pages_for_layout
 from pipelines.prefill.destinations import DecodeLives, check_decode_side, check_destination
 from pipelines.prefill.handoff import (
     I64,
@@ -60,6 +58,13 @@ from pipelines.prefill.handoff import (
 from pipelines.prefill.queries import PrefillQueries
 from pipelines.prefill.ranges import check_range
 from pipelines.prefill.scopes import Finished, OpenHandoffs
+from pipelines.prefill.signals import (
+    hosted_stage,
+    layer_pages,
+    queue_signal,
+    stage_input,
+    stage_layers,
+)
 from pipelines.prefill.stage import StageRunner
 from pipelines.settings import PREFILL_DEFAULTS, PrefillSettings
 from pipelines.slots import NO_SLOTS, RequestSlots, SlotsLike, as_slots
@@ -159,92 +164,29 @@ class PrefillPipeline:
         and a ready whose id two of them use now is refused. Raises InvalidInput /
         NotFoundError / ConflictError before anything changes.
         """
-        stage = self.stages.get(pp_rank)
-        if stage is None:
-            raise NotFoundError(
-                f"stage {pp_rank} is not hosted here (hosted: {sorted(self.stages)})",
-                field="pp_rank",
-                pp_rank=pp_rank,
-            )
+        stage = hosted_stage(self.stages, pp_rank)
         scope = None if decode_url is None else canonical_url(decode_url)
         slots = as_slots(src_slots)
         if pages_from is not None or last_pages is not None:
             self._ready_range(
-                scope,
-                handoff_id,
-                pp_rank,
-                stage,
-                src_pages,
-                slots,
-                layers,
-                pages_from,
-                last_pages,
+                scope, handoff_id, pp_rank, stage, src_pages, slots, layers, pages_from, last_pages
             )
             return
-        layer_set = None if layers is None else frozenset(int(x) for x in layers)
-        if layer_set is not None:
-            own = {e.layer_id for e in stage.layout.kv} | {s.layer_id for s in stage.layout.state}
-            foreign = sorted(layer_set - own)
-            if foreign:
-                raise InvalidInput(
-                    f"layer {foreign[0]} is not a layer of stage {pp_rank}",
-                    field="layers",
-                    layer_id=foreign[0],
-                    pp_rank=pp_rank,
-                )
+        layer_set = stage_layers(stage, pp_rank, layers)
         h = self._for_ready(scope, handoff_id)
         if h is None:  # an open handoff of this id is not the ended one
             self._refuse_finished(scope, handoff_id)
         current = h.inputs.get(pp_rank) if h else None
-        if current is not None and current.ranged:
-            raise InvalidInput(
-                f"stage {pp_rank} of handoff {handoff_id!r} is signalled by page range: "
-                "give pages_from",
-                field="pages_from",
-                pp_rank=pp_rank,
-            )
-        if current is None:
-            if src_pages is None:
-                raise InvalidInput(
-                    "src_pages is required on a stage's first ready signal", field="src_pages"
-                )
-            pages = validate_pages_for_layout(
-                stage.layout, np.asarray(src_pages), slots, side="source", unique=False
-            )
-        else:
-            if src_pages is not None and not np.array_equal(
-                np.asarray(src_pages), current.src_pages
-            ):
-                raise ConflictError(
-                    f"stage {pp_rank} of handoff {handoff_id!r} already reported other src_pages",
-                    field="src_pages",
-                    pp_rank=pp_rank,
-                )
-            if not slots.empty and slots != current.src_slots:
-                raise ConflictError(
-                    f"stage {pp_rank} of handoff {handoff_id!r} already reported other slots "
-                    f"({current.src_slots})",
-                    field="src_slot",
-                    pp_rank=pp_rank,
-                )
-            pages = current.src_pages
-        if h is None:
-            h = self._open(scope, handoff_id)
-        elif h.scope is None and scope is not None:
-            self._handoffs.rescope(h, scope)
-        if current is None:
-            current = StageInput(pages, slots, asyncio.Queue(len(stage.layout.kv) + 64))
-            h.inputs[pp_rank] = current
-            if h.stage_state.get(pp_rank, StageState.WAITING) == StageState.WAITING:
-                h.set_stage(pp_rank, StageState.READY)
-            h.input_seen.setdefault(pp_rank, asyncio.Event()).set()
-        try:
-            current.signals.put_nowait(ReadySignal(layer_set))
-        except asyncio.QueueFull:
-            raise ConflictError(
-                f"stage {pp_rank} of handoff {handoff_id!r} has too many pending ready signals",
-                field="layers",
-            ) from None
+        pages = layer_pages(handoff_id, pp_rank, stage, current, src_pages, slots)
+        # Checked: from here on the signal changes the handoff.
+        h = self._opened(h, scope, handoff_id)
+        current = stage_input(
+            h,
+            pp_rank,
+            current,
+            lambda: StageInput(pages, slots, asyncio.Queue(len(stage.layout.kv) + 64)),
+        )
+        queue_signal(handoff_id, pp_rank, current, ReadySignal(layer_set), "layers")
         self._publish(
             StageReady(
                 handoff_id=handoff_id,
@@ -273,12 +215,13 @@ class PrefillPipeline:
         if h is None:  # an open handoff of this id is not the ended one
             self._refuse_finished(scope, handoff_id)
         current = h.inputs.get(pp_rank) if h else None
+        known = h.known_destination if h is not None else None
         pages, at, end, last_pages = check_range(
             handoff_id,
             pp_rank,
             stage,
             current,
-            h.known_destination if h is not None else None,
+            known,
             src_pages,
             src_slots,
             layers,
@@ -291,22 +234,8 @@ class PrefillPipeline:
                 field="pages_from",
                 pp_rank=pp_rank,
             )
-        if h is None:
-            h = self._open(scope, handoff_id)
-        elif h.scope is None and scope is not None:
-            self._handoffs.rescope(h, scope)
-        if current is None:
-            current = StageInput(
-                np.zeros(0, dtype=np.int64),
-                NO_SLOTS,
-                asyncio.Queue(RANGED_QUEUE_DEPTH),
-                ranged=True,
-                ended=False,
-            )
-            h.inputs[pp_rank] = current
-            if h.stage_state.get(pp_rank, StageState.WAITING) == StageState.WAITING:
-                h.set_stage(pp_rank, StageState.READY)
-            h.input_seen.setdefault(pp_rank, asyncio.Event()).set()
+        h = self._opened(h, scope, handoff_id)
+        current = stage_input(h, pp_rank, current, _ranged_input)
         current.add_range(pages, src_slots, last=last_pages)
         current.signals.put_nowait(ReadySignal(None, pages_end=end, last=last_pages))
         self._publish(
@@ -319,6 +248,17 @@ class PrefillPipeline:
                 last_pages=last_pages,
             )
         )
+
+    def _opened(
+        self, h: PrefillHandoff | None, scope: str | None, handoff_id: str
+    ) -> PrefillHandoff:
+        """The handoff a checked signal is for: opened by the first, bound to its decode by the
+        first that names it."""
+        if h is None:
+            return self._open(scope, handoff_id)
+        if h.scope is None and scope is not None:
+            self._handoffs.rescope(h, scope)
+        return h
 
     def deliver(self, msg: DestinationMsg) -> None:
         """The decode service says where this handoff's bytes go. Refused (changing nothing)
@@ -614,3 +554,14 @@ class PrefillPipeline:
         for rank in dest.pp_ranks if dest else sorted(h.inputs):
             if not h.stage_state.get(rank, StageState.WAITING).final:
                 await self._runner.report_failure(h, dest, rank, error)
+
+
+def _ranged_input() -> StageInput:
+    """A stage signalled by page range: its pages grow with each range, its slots come last."""
+    return StageInput(
+        np.zeros(0, dtype=np.int64),
+        NO_SLOTS,
+        asyncio.Queue(RANGED_QUEUE_DEPTH),
+        ranged=True,
+        ended=False,
+    )
