@@ -25,12 +25,12 @@ from typing import Any
 
 import msgspec
 
+from pipelines.decode.arrivals import StageNotices
 from pipelines.decode.delivery import Delivery, PrefillPeer
 from pipelines.decode.handoff import I64, ROLE, DecodeHandoff, DecodeStage, publish
 from pipelines.decode.heartbeats import PrefillWatch
 from pipelines.decode.landing import Landing
 from pipelines.decode.leases import Leases, slot_claims
-from pipelines.decode.notices import check_accounting, check_sender, first_mismatch
 from pipelines.decode.outcomes import Outcomes
 from pipelines.decode.prefill_peers import PrefillDirectory, Stages
 from pipelines.decode.queries import DecodeQueries
@@ -54,7 +54,6 @@ from pipelines.events import (
     Event,
     EventBus,
     HandoffCreated,
-    StageArrived,
 )
 from pipelines.layout import StageLayout
 from pipelines.memory import EntryMemory
@@ -73,7 +72,7 @@ from pipelines.pairing import PairingCache
 from pipelines.peercache import new_incarnation
 from pipelines.planning import validate_pages_for_layout
 from pipelines.settings import DECODE_DEFAULTS, DecodeSettings
-from pipelines.states import HandoffState, ReleaseState, StageState, advance
+from pipelines.states import HandoffState, ReleaseState
 
 # What the service, routers' clients and tests import from here (the handoff record moved to
 # `handoff`, the states to `states`).
@@ -167,11 +166,29 @@ class DecodePipeline:
             landing=landing,
             monotonic=monotonic,
         )
+        self._notices = StageNotices(
+            self._handoffs,
+            self.layout,
+            self.incarnation,
+            self.cache,
+            bus,
+            self._outcomes,
+            self._releases,
+            landed=landing is not None,
+            memory=self._memory,
+            spawn=self._spawn,
+        )
         self._segments = (
             None
             if landing is None
             else SegmentExchange(
-                landing, self.layout, self.cache, bus, self._outcomes, self._releases, self._arrive
+                landing,
+                self.layout,
+                self.cache,
+                bus,
+                self._outcomes,
+                self._releases,
+                self._notices.arrive,
             )
         )
 
@@ -340,78 +357,25 @@ class DecodePipeline:
     # ----------------------------------------------------------------- peer-facing
 
     def arrived(self, msg: ArrivalMsg) -> None:
-        """Stage `msg.pp_rank` says every byte landed. Refused (changing nothing) unless it comes
-        from the stage's own prefill life to this decode life and accounts for exactly the bytes
-        this destination expects; a replay is a ConflictError."""
-        h = self._get(msg.handoff_id)
-        stage = self._stage(h, msg.pp_rank)
-        self._check_sender(h, msg.pp_rank, stage, msg)
-        self._refuse_replay(h, msg.pp_rank, stage)
-        if self._landing is not None:
-            raise ConflictError(
-                f"handoff {h.id!r} is landed: a stage arrives with its last segment",
-                field="pp_rank",
-                pp_rank=msg.pp_rank,
-            )
-        self._check_accounting(h, msg)
-        self._releases.confirm_stopped(h, stage)  # its sender has finished writing either way
-        if h.state.terminal or stage.state.final:
-            return  # a late notice: an outcome never changes
-        self._arrive(h, msg.pp_rank, stage, msg.bytes, msg.digests)
+        """Stage `msg.pp_rank` says every byte landed (`arrivals.py`: refused, changing nothing,
+        unless from the stage's own prefill life and accounting for exactly its bytes)."""
+        self._notices.arrived(msg)
 
-    def _refuse_replay(self, h: DecodeHandoff, rank: int, stage: DecodeStage) -> None:
-        if stage.state == StageState.ARRIVED:
-            raise ConflictError(
-                f"stage {rank} of handoff {h.id!r} has already arrived (replay refused)",
-                field="pp_rank",
-                pp_rank=rank,
-            )
-
-    def _arrive(
-        self,
-        h: DecodeHandoff,
-        rank: int,
-        stage: DecodeStage,
-        nbytes: int,
-        digests: dict[str, str] | None = None,
-    ) -> None:
-        """Stage `rank` has every byte in place: count it, and complete `h` with the last."""
-        stage.state = advance(stage.state, StageState.ARRIVED, f"handoff {h.id!r} stage")
-        stage.bytes, stage.digests = nbytes, digests
-        if h.state == HandoffState.PENDING:
-            h.state = advance(h.state, HandoffState.TRANSFERRING, f"handoff {h.id!r}")
-        arrived = sum(1 for s in h.stages.values() if s.state == StageState.ARRIVED)
-        self._publish(
-            h,
-            StageArrived(
-                handoff_id=h.id,
-                role=ROLE,
-                pp_rank=rank,
-                bytes=nbytes,
-                arrived=arrived,
-                expected=len(h.stages),
-            ),
-        )
-        if arrived == len(h.stages):
-            if self._landing is not None:
-                # Every byte was committed by `Landing.commit` only after its digest matched.
-                h.verification = "passed"
-                self._outcomes.complete(h, verified=True)
-            elif h.verify and self._memory is not None:
-                self._spawn(self._verify_then_complete(h))  # digests off the event loop
-            else:
-                self._outcomes.complete(h)
+    def stage_failed(self, msg: StageFailedMsg) -> None:
+        """Stage `msg.pp_rank` failed and says no write of it can still land (from its own
+        prefill life only)."""
+        self._notices.stage_failed(msg)
 
     async def window(self, msg: WindowRequest) -> WindowAnswer:
         """Stage `msg.pp_rank` asks for a window for its next segment (landed mode): granted
         when the arena has room within a short wait, else none (it asks again)."""
-        h, _ = self._landed_stage(msg)
+        h, _ = self._notices.landed_stage(msg)
         return await self._need_segments().window(h, msg)
 
     async def segment(self, msg: SegmentMsg) -> SegmentAck:
         """A segment of stage `msg.pp_rank` landed in its window: committed into the pages once
         its digest matches (`segments.py`); the last one is the stage's arrival."""
-        h, stage = self._landed_stage(msg)
+        h, stage = self._notices.landed_stage(msg)
         return await self._need_segments().segment(h, stage, msg)
 
     @property
@@ -437,31 +401,6 @@ class DecodePipeline:
                 field="mode",
             )
         return self._segments
-
-    def _landed_stage(self, msg: SegmentMsg | WindowRequest) -> tuple[DecodeHandoff, DecodeStage]:
-        h = self._get(msg.handoff_id)
-        stage = self._stage(h, msg.pp_rank)
-        self._check_sender(h, msg.pp_rank, stage, msg)
-        self._refuse_replay(h, msg.pp_rank, stage)
-        if h.state.terminal or stage.state.final:
-            raise ConflictError(
-                f"handoff {h.id!r} is already {h.state.value}: nothing more lands",
-                field="handoff_id",
-                pp_rank=msg.pp_rank,
-            )
-        return h, stage
-
-    def stage_failed(self, msg: StageFailedMsg) -> None:
-        """Stage `msg.pp_rank` failed and says no write of it can still land (from its own
-        prefill life only)."""
-        h = self._get(msg.handoff_id)
-        stage = self._stage(h, msg.pp_rank)
-        self._check_sender(h, msg.pp_rank, stage, msg)
-        self._releases.confirm_stopped(h, stage)
-        if stage.state.final:
-            return
-        stage.state = advance(stage.state, StageState.FAILED, f"handoff {h.id!r} stage")
-        self._fail(h, msg.code, f"stage {msg.pp_rank}: {msg.reason}", msg.pp_rank, msg.context)
 
     # ----------------------------------------------------------------- heartbeat-facing
 
@@ -538,25 +477,6 @@ class DecodePipeline:
             await self._landing.drain()  # a cancelled caller's commit may still be copying
             self._landing.close()
 
-    # ----------------------------------------------------------------- the lifecycle
-
-    async def _verify_then_complete(self, h: DecodeHandoff) -> None:
-        problem = await asyncio.to_thread(self._verify, h)
-        if h.state.terminal:
-            return  # a deadline or an abort came first
-        if problem is not None:
-            reason, rank, ctx = problem
-            self._outcomes.mark_failed(h, [rank])
-            self._fail(h, "verification_failed", reason, rank, ctx)
-            return
-        h.verification = "passed"
-        self._outcomes.complete(h, verified=True)
-
-    def _verify(self, h: DecodeHandoff) -> tuple[str, int, dict[str, Any]] | None:
-        assert self._memory is not None
-        digests = {rank: st.digests for rank, st in h.stages.items()}
-        return first_mismatch(self.layout, self._memory, digests, h.dst_pages, h.request.slots)
-
     def _fail(
         self,
         h: DecodeHandoff,
@@ -568,20 +488,6 @@ class DecodePipeline:
         self._outcomes.fail(h, code, reason, pp_rank, context)
 
     # ----------------------------------------------------------------- lookups and checks
-
-    def _check_sender(
-        self,
-        h: DecodeHandoff,
-        rank: int,
-        stage: DecodeStage,
-        msg: ArrivalMsg | StageFailedMsg | SegmentMsg | WindowRequest,
-    ) -> None:
-        check_sender(h.id, rank, stage.peer, stage.incarnation, self.incarnation, msg)
-        stage.max_call_s = max(stage.max_call_s, msg.max_call_s)
-
-    def _check_accounting(self, h: DecodeHandoff, msg: ArrivalMsg) -> None:
-        pairing = self.cache.get(h.stages[msg.pp_rank].layout, self.layout)
-        check_accounting(pairing, h.dst_pages, msg)
 
     def _existing(self, req: HandoffRequest, *, archive: bool = True) -> HandoffView | None:
         h = self._handoffs.get(req.id)
@@ -610,14 +516,6 @@ class DecodePipeline:
         if h is None:
             raise NotFoundError(f"no handoff {handoff_id!r}", field="id")
         return h
-
-    def _stage(self, h: DecodeHandoff, rank: int) -> DecodeStage:
-        stage = h.stages.get(rank)
-        if stage is None:
-            raise InvalidInput(
-                f"handoff {h.id!r} has no stage {rank}", field="pp_rank", pp_rank=rank
-            )
-        return stage
 
     # ----------------------------------------------------------------- housekeeping
 
