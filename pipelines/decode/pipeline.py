@@ -16,11 +16,9 @@ SAFETY.md.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 import msgspec
@@ -29,6 +27,7 @@ from pipelines.decode.arrivals import StageNotices
 from pipelines.decode.delivery import Delivery, PrefillPeer
 from pipelines.decode.handoff import I64, ROLE, DecodeHandoff, DecodeStage, publish
 from pipelines.decode.heartbeats import PrefillWatch
+from pipelines.decode.history import HandoffHistory
 from pipelines.decode.landing import Landing
 from pipelines.decode.leases import Leases, slot_claims
 from pipelines.decode.outcomes import Outcomes
@@ -37,7 +36,6 @@ from pipelines.decode.queries import DecodeQueries
 from pipelines.decode.release import Releases
 from pipelines.decode.segments import SegmentExchange
 from pipelines.decode.views import (
-    ArchivedHandoff,
     FencedPages,
     HandoffArchive,
     HandoffPage,
@@ -48,10 +46,8 @@ from pipelines.errors import (
     CapacityExceeded,
     ConflictError,
     InvalidInput,
-    NotFoundError,
 )
 from pipelines.events import (
-    Event,
     EventBus,
     HandoffCreated,
 )
@@ -123,13 +119,11 @@ class DecodePipeline:
         self._handoffs: dict[str, DecodeHandoff] = {}
         self._seq = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._archive: HandoffArchive | None = None
-        self._evicted = 0  # handoffs forgotten so far (`_evict`): held only in the archive now
         self._assemble(settings.max_grace_s)
         self._watch = PrefillWatch(self._handoffs, self._peers, self._outcomes, self._releases)
         #: What the service reads of the handoffs held here (`queries.py`): snapshots only.
         self.query = DecodeQueries(
-            self._handoffs, self.leases, self._peers, landing, archived=self._archived
+            self._handoffs, self.leases, self._peers, landing, archived=self._past.archived
         )
         # Told the peers of every new handoff (the heartbeats start watching them at once).
         self.on_peers: Callable[[list[str]], None] = lambda peers: None
@@ -155,6 +149,7 @@ class DecodePipeline:
             monotonic=monotonic,
         )
         self._outcomes = Outcomes(bus, self._releases, clock=clock, monotonic=monotonic)
+        self._past = HandoffHistory(self._handoffs, self._releases)
         self._delivery = Delivery(
             url=self.url,
             incarnation=self.incarnation,
@@ -206,17 +201,17 @@ class DecodePipeline:
                     "name the prefill services (no peers.prefill is configured)", field="prefill"
                 )
             req = msgspec.structs.replace(req, prefill=self._default_prefill)
-        existing = self._existing(req)
+        existing = self._past.existing(req)
         if existing is not None:
             return existing, False
         dst_pages = validate_pages_for_layout(
             self.layout, req.dst_pages, req.slots, side="destination", unique=True
         )
-        evicted = self._evicted
+        evicted = self._past.evicted
         stages = await self._peers.stages_of(req.prefill)
         # Another create of this id may have won meanwhile: it is held here, or it was evicted
         # to the archive since (only then is the archive read again).
-        existing = self._existing(req, archive=self._evicted != evicted)
+        existing = self._past.existing(req, archive=self._past.evicted != evicted)
         if existing is not None:
             return existing, False
         live = self._outcomes.live
@@ -239,8 +234,9 @@ class DecodePipeline:
         h = self._new_handoff(req, dst_pages, stages)
         self._handoffs[req.id] = h
         self._outcomes.open(h)  # counted live, its deadline armed
-        self._evict()
-        self._publish(
+        self._past.evict(self._history)
+        publish(
+            self._bus,
             h,
             HandoffCreated(
                 handoff_id=h.id,
@@ -255,71 +251,34 @@ class DecodePipeline:
         return h.view(), True
 
     def _new_handoff(self, req: HandoffRequest, dst_pages: I64, stages: Stages) -> DecodeHandoff:
-        now, mono = self._clock(), self._monotonic()
-        deadline_s = req.deadline_s or self._default_deadline_s
-        verify = self._verify_default if req.verify is None else req.verify
         self._seq += 1
-        return DecodeHandoff(
-            request=req,
-            seq=self._seq,
-            dst_pages=dst_pages,
-            created_at=now,
-            deadline_at=now + deadline_s,
-            deadline_mono=mono + deadline_s,
-            created_mono=mono,
-            verify=verify,
-            stages={
-                rank: DecodeStage(url, info.incarnation, layout, info.max_call_s)
-                for rank, (url, info, layout) in stages.items()
-            },
-            verification=(
-                "skipped: the decode pool is not host-readable"
-                if verify and self._memory is None and self._landing is None
-                else None
-            ),
+        return DecodeHandoff.admitted(
+            req,
+            self._seq,
+            dst_pages,
+            {r: DecodeStage(u, i.incarnation, y, i.max_call_s) for r, (u, i, y) in stages.items()},
+            now=self._clock(),
+            mono=self._monotonic(),
+            deadline_s=req.deadline_s or self._default_deadline_s,
+            verify=self._verify_default if req.verify is None else req.verify,
+            host_readable=self._memory is not None or self._landing is not None,
         )
 
     def get(self, handoff_id: str, *, timeline: bool = True) -> HandoffView:
-        h = self._handoffs.get(handoff_id)
-        if h is not None:
-            return h.view(timeline=timeline)
-        view = self._archived(handoff_id)
-        return view if timeline else msgspec.structs.replace(view, timeline=[])
+        return self._past.get(handoff_id, timeline=timeline)
 
     async def wait(
         self, handoff_id: str, timeout_s: float, *, released: bool = False
     ) -> HandoffView:
         """The handoff once it has an outcome (or, with `released`, once its pages are free),
-        or as it is after `timeout_s` (a router's long poll). A handoff of an earlier life of
-        this service is answered from the archive as it was recorded."""
-        if handoff_id not in self._handoffs:
-            view = self._archived(handoff_id)
-            if released and not view.released:  # its restored fence: wait for it to lift
-                await self._releases.wait_restored(handoff_id, timeout_s)
-                view = self._archived(handoff_id)
-            return view
-        h = self._get(handoff_id)
-        event = h.released if released else h.done
-        if not event.is_set() and timeout_s > 0:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout_s):
-                    await event.wait()
-        return h.view()
+        or as it is after `timeout_s` (a router's long poll; `history.py`)."""
+        return await self._past.wait(handoff_id, timeout_s, released=released)
 
     def page(
         self, state: HandoffState | None = None, limit: int = 100, cursor: int = 0
     ) -> HandoffPage:
         """Handoffs in creation order after `cursor`, optionally of one state."""
-        items: list[HandoffView] = []
-        next_cursor = None
-        for h in self._handoffs.values():
-            if h.seq <= cursor or (state is not None and h.state != state):
-                continue
-            if len(items) == limit:
-                next_cursor = self._handoffs[items[-1].id].seq
-                break
-            items.append(h.view(timeline=False))
-        return HandoffPage(items=items, next_cursor=next_cursor)
+        return self._past.page(state, limit, cursor)
 
     async def abort(self, handoff_id: str, reason: str = "aborted by request") -> HandoffView:
         """Abort a handoff; returns once its pages are released (no write of it can land).
@@ -331,7 +290,7 @@ class DecodePipeline:
         """
         h = self._handoffs.get(handoff_id)
         if h is None:
-            view = self._archived(handoff_id)
+            view = self._past.archived(handoff_id)
             if view.state == HandoffState.ABORTED:
                 return view
             raise ConflictError(
@@ -429,7 +388,7 @@ class DecodePipeline:
         """After a restart (call before serving): answer for ids this process does not hold from
         `archive`, and keep each `fenced` handoff's pages leased until its `release_at`, so no
         new handoff gets pages an earlier process's prefill stages may still write."""
-        self._archive = archive
+        self._past.archive = archive
         self._releases.restore(self.layout, archive, fenced)
 
     async def close(self, timeout_s: float | None = None) -> None:
@@ -477,67 +436,8 @@ class DecodePipeline:
             await self._landing.drain()  # a cancelled caller's commit may still be copying
             self._landing.close()
 
-    def _fail(
-        self,
-        h: DecodeHandoff,
-        code: str,
-        reason: str,
-        pp_rank: int | None,
-        context: dict[str, Any],
-    ) -> None:
-        self._outcomes.fail(h, code, reason, pp_rank, context)
-
-    # ----------------------------------------------------------------- lookups and checks
-
-    def _existing(self, req: HandoffRequest, *, archive: bool = True) -> HandoffView | None:
-        h = self._handoffs.get(req.id)
-        if h is not None:
-            found: ArchivedHandoff | None = ArchivedHandoff(h.request, h.view())
-        elif archive and self._archive is not None:
-            found = self._archive.find(req.id)
-        else:
-            found = None
-        if found is None:
-            return None
-        if found.request != req:
-            raise ConflictError(
-                f"handoff {req.id!r} exists with a different request body", field="id"
-            )
-        return found.view
-
-    def _archived(self, handoff_id: str) -> HandoffView:
-        old = self._archive.find(handoff_id) if self._archive is not None else None
-        if old is None:
-            raise NotFoundError(f"no handoff {handoff_id!r}", field="id")
-        return self._releases.restored_view(old.view)
-
-    def _get(self, handoff_id: str) -> DecodeHandoff:
-        h = self._handoffs.get(handoff_id)
-        if h is None:
-            raise NotFoundError(f"no handoff {handoff_id!r}", field="id")
-        return h
-
-    # ----------------------------------------------------------------- housekeeping
-
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    def _publish(self, h: DecodeHandoff, event: Event) -> None:
-        publish(self._bus, h, event)
-
-    def _evict(self) -> None:
-        """Forget the oldest released handoffs beyond the history limit."""
-        excess = len(self._handoffs) - self._history
-        if excess > 0:
-            # islice: stop at the few needed (dicts keep creation order, oldest first).
-            for handoff_id in list(itertools.islice(self._oldest_released(), excess)):
-                del self._handoffs[handoff_id]
-                self._evicted += 1
-
-    def _oldest_released(self) -> Iterator[str]:
-        for h in self._handoffs.values():
-            if h.release == ReleaseState.RELEASED:
-                yield h.id

@@ -24,7 +24,7 @@ from pipelines.packing import layer_range
 from pipelines.pairing import PairingCache
 
 #: A stage all of whose bytes are in place: (handoff, rank, stage, bytes) -> counted, and the
-#: handoff completed with its last stage (`DecodePipeline._arrive`).
+#: handoff completed with its last stage (`StageNotices.arrive`).
 Arrive = Callable[[DecodeHandoff, int, DecodeStage, int], None]
 
 

@@ -182,7 +182,7 @@ async def test_delete_of_a_failed_unreleased_handoff_hurries_its_release(w: Worl
     req = HandoffRequest(id="h", prefill=["p"], dst_pages=[8], dst_slot=0, deadline_s=60)
     await w.decode.create(req)
     await asyncio.sleep(0)
-    w.decode._fail(w.decode._handoffs["h"], "x", "injected", 0, {})
+    w.decode._outcomes.fail(w.decode._handoffs["h"], "x", "injected", 0, {})
     for _ in range(5):
         await asyncio.sleep(0.06)  # the quiesce backs off between refused aborts
     assert not w.decode.get("h").released
