@@ -13,13 +13,41 @@ them against its own at create): the stages do not validate the destination agai
 
 from __future__ import annotations
 
-from pipelines.errors import ConflictError, InvalidInput
-from pipelines.messages import DestinationMsg
+from collections.abc import Collection
+
+from pipelines.errors import ConflictError, InvalidInput, NotFoundError
+from pipelines.messages import DestinationMsg, TransferMode
 from pipelines.peercache import MAX_PEERS, PeerCache
 from pipelines.planning import validate_pages_for_layout
 from pipelines.prefill.handoff import DecodeSide
 from pipelines.prefill.landed import check_grant
 from pipelines.urls import canonical_url
+
+
+def check_addressed(
+    dest: DestinationMsg, incarnation: str, mode: TransferMode, hosted: Collection[int]
+) -> None:
+    """Refuse a destination issued for another life of this prefill, naming the other transfer
+    mode than the one it serves, or a stage it does not host."""
+    if dest.prefill_incarnation != incarnation:
+        raise ConflictError(
+            f"the destination of {dest.handoff_id!r} was issued for prefill incarnation "
+            f"{dest.prefill_incarnation}, this is {incarnation} (did it restart?)",
+            field="prefill_incarnation",
+        )
+    if dest.mode != mode:
+        raise ConflictError(
+            f"the destination of {dest.handoff_id!r} asks for {dest.mode} transfers; this "
+            f"prefill serves {mode} mode only (transfer.mode, set on both sides)",
+            field="mode",
+        )
+    missing = [r for r in dest.pp_ranks if r not in hosted]
+    if missing:
+        raise NotFoundError(
+            f"stage {missing[0]} is not hosted here (hosted: {sorted(hosted)})",
+            field="pp_ranks",
+            pp_rank=missing[0],
+        )
 
 
 def check_destination(dest: DestinationMsg) -> None:

@@ -21,11 +21,7 @@ import numpy as np
 
 from pipelines.errors import (
     ConflictError,
-    DeadlineExceeded,
     EngineAborted,
-    InternalError,
-    KVHandoffError,
-    NotFoundError,
 )
 from pipelines.events import (
     DestinationReceived,
@@ -42,7 +38,7 @@ from pipelines.messages import (
 )
 from pipelines.pairing import PairingCache
 from pipelines.peercache import new_incarnation
-from pipelines.prefill.destinations import DecodeLives, check_decode_side, check_destination
+from pipelines.prefill.destinations import DecodeLives, check_addressed, check_destination
 from pipelines.prefill.handoff import (
     I64,
     ROLE,
@@ -51,7 +47,6 @@ from pipelines.prefill.handoff import (
     HostedStage,
     PrefillHandoff,
     ReadySignal,
-    StageFailed,
     StageInput,
     Staging,
 )
@@ -66,6 +61,7 @@ from pipelines.prefill.signals import (
     stage_layers,
 )
 from pipelines.prefill.stage import StageRunner
+from pipelines.prefill.task import fail_all, run_handoff
 from pipelines.settings import PREFILL_DEFAULTS, PrefillSettings
 from pipelines.slots import NO_SLOTS, RequestSlots, SlotsLike, as_slots
 from pipelines.states import StageState
@@ -173,9 +169,9 @@ class PrefillPipeline:
             )
             return
         layer_set = stage_layers(stage, pp_rank, layers)
-        h = self._for_ready(scope, handoff_id)
+        h = self._handoffs.for_ready(scope, handoff_id)
         if h is None:  # an open handoff of this id is not the ended one
-            self._refuse_finished(scope, handoff_id)
+            self._finished.refuse(scope, handoff_id)
         current = h.inputs.get(pp_rank) if h else None
         pages = layer_pages(handoff_id, pp_rank, stage, current, src_pages, slots)
         # Checked: from here on the signal changes the handoff.
@@ -211,9 +207,9 @@ class PrefillPipeline:
     ) -> None:
         """A page-range signal (see `ready`), checked by `check_range` before anything
         changes."""
-        h = self._for_ready(scope, handoff_id)
+        h = self._handoffs.for_ready(scope, handoff_id)
         if h is None:  # an open handoff of this id is not the ended one
-            self._refuse_finished(scope, handoff_id)
+            self._finished.refuse(scope, handoff_id)
         current = h.inputs.get(pp_rank) if h else None
         known = h.known_destination if h is not None else None
         pages, at, end, last_pages = check_range(
@@ -263,18 +259,8 @@ class PrefillPipeline:
     def deliver(self, msg: DestinationMsg) -> None:
         """The decode service says where this handoff's bytes go. Refused (changing nothing)
         when it was issued for another life of this service."""
-        if msg.prefill_incarnation != self.incarnation:
-            raise ConflictError(
-                f"the destination of {msg.handoff_id!r} was issued for prefill incarnation "
-                f"{msg.prefill_incarnation}, this is {self.incarnation} (did it restart?)",
-                field="prefill_incarnation",
-            )
-        if msg.mode != self.mode:
-            raise ConflictError(
-                f"the destination of {msg.handoff_id!r} asks for {msg.mode} transfers; this "
-                f"prefill serves {self.mode} mode only (transfer.mode, set on both sides)",
-                field="mode",
-            )
+        check_addressed(msg, self.incarnation, self.mode, self.stages)
+        check_destination(msg)
         scope = canonical_url(msg.decode_url)
         outcome = self._finished.claim(scope, msg.handoff_id)
         if outcome is not None:
@@ -282,21 +268,11 @@ class PrefillPipeline:
                 f"handoff {msg.handoff_id!r} already {outcome} on this prefill service",
                 field="handoff_id",
             )
-        missing = [r for r in msg.pp_ranks if r not in self.stages]
-        if missing:
-            raise NotFoundError(
-                f"stage {missing[0]} is not hosted here (hosted: {sorted(self.stages)})",
-                field="pp_ranks",
-                pp_rank=missing[0],
-            )
-        check_destination(msg)
-        h = self._handoffs.get(scope, msg.handoff_id)
-        if h is None:
-            h = self._handoffs.get(None, msg.handoff_id)  # signalled ready before, unscoped
-            if h is not None:
-                self._handoffs.rescope(h, scope)
-            else:
-                h = self._open(scope, msg.handoff_id)
+        # Its own, or one signalled ready before naming no decode, or a new one.
+        found = self._handoffs.get(scope, msg.handoff_id) or self._handoffs.get(
+            None, msg.handoff_id
+        )
+        h = self._opened(found, scope, msg.handoff_id)
         if h.destination.cancelled():
             # Its task was cancelled (an abort or the engine giving up is stopping it, not
             # closed yet): `result()` would raise CancelledError out of the HTTP handler, and
@@ -340,7 +316,7 @@ class PrefillPipeline:
         `decode_incarnation`, a handoff bound to another decode life is refused. A handoff not
         open here is remembered as aborted, so a later ready signal for it is refused."""
         scope = None if decode_url is None else canonical_url(decode_url)
-        h = self._for_abort(scope, handoff_id, decode_incarnation)
+        h = self._handoffs.for_abort(scope, handoff_id, decode_incarnation)
         if h is None:
             self._finished.remember(scope, handoff_id, "aborted")
             return self._ack(handoff_id, [])
@@ -379,14 +355,14 @@ class PrefillPipeline:
         destination delivered later is refused (the handoff is finished here). `decode_url`
         names the request's decode, as for `ready`."""
         scope = None if decode_url is None else canonical_url(decode_url)
-        h = self._for_ready(scope, handoff_id)
+        h = self._handoffs.for_ready(scope, handoff_id)
         if h is None:
             self._finished.remember(scope, handoff_id, "failed")
             return
         if h.task is not None:
             h.task.cancel()
             await asyncio.wait([h.task])
-        await self._fail_all(h, h.known_destination, EngineAborted(reason))
+        await fail_all(self._runner, h, h.known_destination, EngineAborted(reason))
         self._close(h, "failed")
 
     async def withdraw(self, handoff_id: str, reason: str) -> bool:
@@ -394,7 +370,7 @@ class PrefillPipeline:
         stop its stages and end it here `aborted` with `reason`, telling no decode, as none
         holds it yet. Returns False, changing nothing, once it has a destination: a decode
         waits for it then, and `give_up` is the call that tells it."""
-        h = self._for_ready(None, handoff_id)
+        h = self._handoffs.for_ready(None, handoff_id)
         if h is None:
             self._finished.remember(None, handoff_id, "aborted")
             return True
@@ -425,16 +401,7 @@ class PrefillPipeline:
         in `sent` that it no longer runs while a stage here may still write and has not sent
         its last notice (the decode completes a handoff on that notice, and may answer this
         heartbeat before the notice's own answer is back). Returns their ids."""
-        theirs = set(ack.live)
-        victims = []
-        for h in self._handoffs:
-            dest = h.known_destination
-            if dest is None or dest.decode_url != decode_url:
-                continue
-            if dest.decode_incarnation != ack.incarnation:
-                victims.append((h, f"decode {decode_url} restarted"))
-            elif h.handoff_id in sent and h.handoff_id not in theirs and not h.told(dest.pp_ranks):
-                victims.append((h, f"decode {decode_url} no longer has it"))
+        victims = self._handoffs.outdated(decode_url, ack, sent)
         for h, why in victims:
             await self._abort(h, why)
         return [h.handoff_id for h, _ in victims]
@@ -445,12 +412,7 @@ class PrefillPipeline:
 
     def live_by_decode(self) -> dict[str, list[str]]:
         """Live handoff ids per decode URL: whom the heartbeat task must keep pinging."""
-        out: dict[str, list[str]] = {}
-        for h in self._handoffs:
-            url = h.decode_url
-            if url is not None:
-                out.setdefault(url, []).append(h.handoff_id)
-        return out
+        return self._handoffs.live_by_decode()
 
     async def close(self) -> None:
         for h in self._handoffs:
@@ -459,54 +421,14 @@ class PrefillPipeline:
 
     # ----------------------------------------------------------------- internals
 
-    def _for_ready(self, scope: str | None, handoff_id: str) -> PrefillHandoff | None:
-        """The open handoff a ready signal is for. Naming its decode, the handoff of that decode
-        (or one not bound to a decode yet); naming none, the only open handoff of that id — two
-        decodes' requests under one id are told apart only by the engine naming the decode."""
-        if scope is not None:
-            return self._handoffs.get(scope, handoff_id) or self._handoffs.get(None, handoff_id)
-        same = self._handoffs.with_id(handoff_id)
-        if len(same) > 1:
-            raise ConflictError(
-                f"handoff id {handoff_id!r} is in use by {len(same)} decode services here; "
-                "name the request's decode service (decode_url) in the ready signal",
-                field="decode_url",
-            )
-        return same[0] if same else None
-
-    def _for_abort(
-        self, scope: str | None, handoff_id: str, decode_incarnation: str | None
-    ) -> PrefillHandoff | None:
-        if scope is not None:
-            return self._handoffs.get(scope, handoff_id) or self._handoffs.get(None, handoff_id)
-        same = self._handoffs.with_id(handoff_id)
-        if len(same) > 1 and decode_incarnation is not None:
-            # Unsigned (no peer secret): the destination's decode life tells them apart.
-            same = [
-                h
-                for h in same
-                if (d := h.known_destination) is None or d.decode_incarnation == decode_incarnation
-            ]
-        if len(same) > 1:
-            raise ConflictError(
-                f"handoff id {handoff_id!r} is in use by {len(same)} decode services here",
-                field="handoff_id",
-            )
-        return same[0] if same else None
-
-    def _refuse_finished(self, scope: str | None, handoff_id: str) -> None:
-        outcome = self._finished.outcome(scope, handoff_id)
-        if outcome is not None:
-            raise ConflictError(
-                f"handoff {handoff_id!r} already {outcome} on this prefill service",
-                field="handoff_id",
-            )
-
     def _open(self, scope: str | None, handoff_id: str) -> PrefillHandoff:
         loop = asyncio.get_running_loop()
         h = PrefillHandoff(handoff_id, self._clock(), loop.create_future(), scope=scope)
         self._handoffs.add(h)
-        h.task = loop.create_task(self._run(h), name=f"prefill:{handoff_id}")
+        h.task = loop.create_task(
+            run_handoff(h, self._runner, self._lives, self._default_deadline_s, self._close),
+            name=f"prefill:{handoff_id}",
+        )
         return h
 
     def _close(self, h: PrefillHandoff, outcome: str) -> None:
@@ -515,45 +437,6 @@ class PrefillPipeline:
 
     def _publish(self, event: Event) -> None:
         self._bus.publish(event)
-
-    async def _run(self, h: PrefillHandoff) -> None:
-        loop = asyncio.get_running_loop()
-        # Until the destination names a deadline, the default one bounds the wait for it.
-        fallback = loop.time() + self._default_deadline_s
-        dest: DestinationMsg | None = None
-        outcome = "failed"
-        try:
-            async with asyncio.timeout_at(fallback) as scope:
-                dest = await h.destination
-                assert h.deadline_mono is not None
-                # loop.time() is the monotonic clock the deadline was measured on.
-                scope.reschedule(loop.time() + max(0.0, h.deadline_mono - time.monotonic()))
-                side = self._lives.side(dest)
-                check_decode_side(dest, side)
-                async with asyncio.TaskGroup() as tg:
-                    for rank in dest.pp_ranks:
-                        tg.create_task(self._runner.run(h, rank, dest, side))
-            outcome = "completed"
-        except* StageFailed:
-            pass  # the failing stage already told the decode side
-        except* TimeoutError:
-            await self._fail_all(h, dest, DeadlineExceeded("handoff deadline passed on prefill"))
-        except* KVHandoffError as group:
-            await self._fail_all(h, dest, group.exceptions[0])  # type: ignore[arg-type]
-        except* Exception as group:
-            # must still fail the handoff on both sides instead of leaving it to the deadline.
-            log.error("handoff %s crashed", h.handoff_id, exc_info=group.exceptions[0])
-            await self._fail_all(h, dest, InternalError(f"prefill pipeline crashed: {group!r}"))
-        finally:
-            if not asyncio.current_task().cancelling():  # type: ignore[union-attr]
-                self._close(h, outcome)
-
-    async def _fail_all(
-        self, h: PrefillHandoff, dest: DestinationMsg | None, error: KVHandoffError
-    ) -> None:
-        for rank in dest.pp_ranks if dest else sorted(h.inputs):
-            if not h.stage_state.get(rank, StageState.WAITING).final:
-                await self._runner.report_failure(h, dest, rank, error)
 
 
 def _ranged_input() -> StageInput:
