@@ -158,8 +158,7 @@ class PrefillPipeline:
         `decode_url` names the decode service the request's id belongs to (ids are unique per
         decode only); without it the id must be unique across the decodes using this prefill,
         and a ready whose id two of them use now is refused. Raises InvalidInput /
-        NotFoundError / ConflictError before anything changes.
-        """
+        NotFoundError / ConflictError before anything changes (the steps: `signals.py`)."""
         stage = hosted_stage(self.stages, pp_rank)
         scope = None if decode_url is None else canonical_url(decode_url)
         slots = as_slots(src_slots)

@@ -33,7 +33,6 @@ KNOWN_FUNCTIONS = {
     "pipelines/planning.py::plan": 67,
     "pipelines/prefill/ranges.py::check_range": 66,
     "pipelines/pairing.py::_bind": 65,
-    "pipelines/prefill/pipeline.py::PrefillPipeline.ready": 61,
 }
 
 
