@@ -61,7 +61,10 @@ def check_destination(dest: DestinationMsg) -> None:
                 f"the landed destination of {dest.handoff_id!r} names no landing arena",
                 field="arena",
             )
-        if layout.address_key != layout.unplaced().address_key:
+        # Compared base by base, not by `address_key`: that is a hash, and this runs per
+        # destination on a layout decoded afresh (its cached hashes are not computed yet).
+        bases = [*(e.base for e in layout.kv), *(s.base for s in layout.state)]
+        if any(bases) or any(a.base for a in layout.aux):
             raise InvalidInput(
                 f"the landed destination of {dest.handoff_id!r} names page addresses: a landed "
                 "decode publishes none (every base is 0)",
