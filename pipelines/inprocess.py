@@ -2,7 +2,9 @@
 
 Used when an engine embeds kvhandoff and hosts both roles' pipelines in one process (and by the
 demo's single-process mode and the tests): each peer call is a direct method call instead of an
-HTTP request, with the same messages and the same error tree.
+HTTP request, with the same messages and the same error tree. Its methods are the calls of
+`pipelines.peer_calls` that the link carries (`PeerCall.in_process`), by the same names;
+`tests/unit/pipelines/test_peer_calls.py` fails when one is missing.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from pipelines.messages import (
     WindowRequest,
 )
 from pipelines.prefill import PrefillPipeline
-from pipelines.prefill.handoff import DecodeSide
 
 
 class InProcessLink:
@@ -74,19 +75,6 @@ class InProcessLink:
         return await self._prefill(url)[0].abort(msg.handoff_id, msg.reason, msg.decode_incarnation)
 
     # prefill -> decode
-    async def decode_side(self, dest: DestinationMsg) -> DecodeSide:
-        decode = self._decode(dest.decode_url)
-        layout = decode.peer_layout
-        if (layout.fingerprint, layout.address_key) != (
-            dest.decode_fingerprint,
-            dest.decode_address_key,
-        ):
-            raise NotFoundError(
-                f"decode layout {dest.decode_fingerprint} is not the one {dest.decode_url} serves",
-                field="decode_fingerprint",
-            )
-        return DecodeSide(layout, decode.mode, decode.arena_span(), decode.target)
-
     async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None:
         self._decode(decode_url).arrived(msg)
 

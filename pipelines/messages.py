@@ -45,6 +45,12 @@ not speak instead of guessing. Change history:
   segment's digest is seeded with its decode life, handoff, stage, grant and pieces
   (`pipelines.digest.segment_seed`), and device arenas digest with the non-linear `mix64`
   instead of the linear `wsum64`.
+- v8: a destination carries its decode's layout (`decode_layout`: placed on a direct decode,
+  every base 0 on a landed one) and, landed, its arena (`arena`), in place of the layout's
+  fingerprint and address key: a prefill no longer asks the decode for its layout
+  (`GET /v1/layout` is now decode → prefill only). The prefill validates what the destination
+  carries on receipt (mode, placement, arena, the pages against the layout) and holds each
+  decode life to the target, arena and layout its first destination named.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from msgspec import Meta, Struct
 from pipelines.layout import MAX_WIRE_INT, NonNeg, Positive, StageLayout
 from pipelines.slots import RequestSlots
 
-PEER_PROTOCOL_VERSION = 7
+PEER_PROTOCOL_VERSION = 8
 
 #: A protocol version: bounded like every integer on the wire (`pipelines.layout.MAX_WIRE_INT`).
 Version = NonNeg
@@ -98,7 +104,8 @@ class ArenaSpan(Struct, frozen=True):
 
 
 class LayoutInfo(Struct, frozen=True):
-    """Decode/prefill → peer (GET /v1/layout): what this process registered and how to reach it.
+    """The answer to GET /v1/layout (a decode asks its prefills; every service answers it):
+    what this process registered and how to reach it.
 
     Stage layouts carry their entries' addresses only on a direct-mode decode, whose prefills
     write into its pages; elsewhere every base is 0 (that memory is not registered)."""
@@ -136,10 +143,9 @@ class DestinationMsg(Struct, frozen=True, kw_only=True):
     decode_incarnation: Incarnation  # the decode life that leased the pages
     prefill_incarnation: Incarnation  # the prefill life the decode bound these stages to
     decode_target: str
-    decode_fingerprint: str
-    # With the fingerprint, identifies the registered decode memory: a decode process restarted
-    # with the same configuration has the same fingerprint but new addresses.
-    decode_address_key: str
+    # The decode's layout as it publishes it: its pages' addresses on a direct decode (prefills
+    # write into them), every base 0 on a landed one (v8).
+    decode_layout: StageLayout
     pp_ranks: list[NonNeg]  # the stages of the receiving process this handoff expects
     dst_pages: Pages
     # The request's first pages, which the decode holds already (a prefix it cached): source
@@ -159,6 +165,7 @@ class DestinationMsg(Struct, frozen=True, kw_only=True):
     mode: TransferMode = "direct"
     digest: DigestAlgorithm = "xxh3_128"  # what each segment's digest is computed with
     grants: list[Grant] = []  # first windows, at most one per stage (landed mode)
+    arena: ArenaSpan | None = None  # the decode's landing arena (landed mode; v8)
     window_bytes: NonNeg = 0  # the largest window the decode grants (landed mode)
 
     @property
@@ -289,6 +296,21 @@ class SegmentAck(Struct, frozen=True, kw_only=True):
     committed: bool
     reason: str = ""
     next_grant: Grant | None = None
+
+
+class Outcome(Struct, frozen=True, omit_defaults=True):
+    """The receiver's answer for one notice of a batch: its status, and a problem if it failed."""
+
+    status: int
+    problem: dict[str, Any] | None = None
+
+
+class SegmentOutcome(Struct, frozen=True, omit_defaults=True):
+    """The decode's answer for one segment notice of a batch: its ack, or a problem."""
+
+    status: int
+    ack: SegmentAck | None = None
+    problem: dict[str, Any] | None = None
 
 
 def check_version(version: int) -> None:

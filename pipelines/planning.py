@@ -181,19 +181,6 @@ def validate_request(
     return src, dst
 
 
-def validate_destination(pairing: Pairing, dst_pages: PageList, dst_slots: SlotsLike) -> I64:
-    """The destination half of `validate_request`, once per stage signalled by page range:
-    every page inside the decode's pools, none listed twice, the slots inside their pools. Each
-    range's source pages were checked against this stage's pools when it was signalled."""
-    dst = as_pages(dst_pages, "dst_pages")
-    if pairing.num_kv_pairs:
-        _check_range(dst, pairing.kv_dst_items, "dst_pages", pairing, "destination")
-    _check_unique(dst)
-    if pairing.num_slot_rows:
-        slot_indices(pairing, dst_slots, "destination")
-    return dst
-
-
 def plan(
     pairing: Pairing,
     src_pages: PageList,

@@ -1,8 +1,9 @@
 """The decode side: a handoff's lifecycle (`pipeline`), the handoff as held (`handoff`) and as
 routers and engines read it (`views`), its outcome (`outcomes`), its lease after the outcome
 (`release`, `leases`), the prefill stages' layouts and lost peers (`prefill_peers`), heartbeat
-answers (`heartbeats`) and checks of prefill notices (`notices`). Imports the shared modules of
-`pipelines`, never the prefill side."""
+answers (`heartbeats`), checks of prefill notices (`notices`), sending destinations
+(`delivery`) and the landed segment exchange (`segments`, over `landing`). Imports the shared
+modules of `pipelines`, never the prefill side."""
 
 from pipelines.decode.handoff import DecodeHandoff
 from pipelines.decode.pipeline import DecodePipeline, PrefillPeer

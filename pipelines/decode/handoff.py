@@ -122,6 +122,38 @@ class DecodeHandoff:
     released: asyncio.Event = field(default_factory=asyncio.Event)  # the pages are free
     progress: asyncio.Event = field(default_factory=asyncio.Event)  # a stage stopped / hurry up
 
+    @classmethod
+    def admitted(
+        cls,
+        req: HandoffRequest,
+        seq: int,
+        dst_pages: I64,
+        stages: dict[int, DecodeStage],
+        *,
+        now: float,
+        mono: float,
+        deadline_s: float,
+        verify: bool,
+        host_readable: bool,
+    ) -> DecodeHandoff:
+        """A handoff just admitted at unix time `now` (monotonic `mono`), due in `deadline_s`."""
+        return cls(
+            request=req,
+            seq=seq,
+            dst_pages=dst_pages,
+            created_at=now,
+            deadline_at=now + deadline_s,
+            deadline_mono=mono + deadline_s,
+            created_mono=mono,
+            verify=verify,
+            stages=stages,
+            verification=(
+                "skipped: the decode pool is not host-readable"
+                if verify and not host_readable
+                else None
+            ),
+        )
+
     @property
     def id(self) -> str:
         return self.request.id

@@ -1,6 +1,6 @@
 """What the decode side checks of a prefill's notices before it believes them.
 
-Called by `DecodePipeline.arrived` / `stage_failed` (who may speak for a stage, what an arrival
+Called by `StageNotices` (`arrivals.py`: who may speak for a stage, what an arrival
 must account for) and its verification task (what the landed bytes must hash to). Each check
 raises, or returns a problem, naming the stage and the field; none changes anything.
 """

@@ -6,8 +6,9 @@ routes (`arrived`, `stage_failed`), its heartbeat task (`peer_lost`, `peer_back`
 `live_by_prefill`, `live_with`) and its start-up and shutdown (`adopt`, `close`). A handoff is
 created here with its destination; every check that can fail (pages, fencing, prefill layouts,
 pairing: `prefill_peers.py`) runs before the destination is sent, so a rejected handoff never
-moves a byte. The outcome is announced as soon as it is known; what happens to the pages after it
-(stopping the writers, the lease's release, `handoff.released`) is `release.py`'s. The handoff as
+moves a byte. Destinations are sent by `delivery.py`, landed segments taken in by
+`segments.py`. The outcome is announced as soon as it is known; what happens to the pages after
+it (stopping the writers, the lease's release, `handoff.released`) is `release.py`'s. The handoff as
 held: `handoff.py`; states and their legal changes: `states.py`; the safety argument:
 SAFETY.md.
 """
@@ -15,26 +16,26 @@ SAFETY.md.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
 
 import msgspec
 
+from pipelines.decode.arrivals import StageNotices
+from pipelines.decode.delivery import Delivery, PrefillPeer
 from pipelines.decode.handoff import I64, ROLE, DecodeHandoff, DecodeStage, publish
 from pipelines.decode.heartbeats import PrefillWatch
-from pipelines.decode.landing import WINDOW_WAIT_S, Landing, Verdict
+from pipelines.decode.history import HandoffHistory
+from pipelines.decode.landing import Landing
 from pipelines.decode.leases import Leases, slot_claims
-from pipelines.decode.notices import check_accounting, check_sender, first_mismatch
 from pipelines.decode.outcomes import Outcomes
 from pipelines.decode.prefill_peers import PrefillDirectory, Stages
 from pipelines.decode.queries import DecodeQueries
 from pipelines.decode.release import Releases
+from pipelines.decode.segments import SegmentExchange
 from pipelines.decode.views import (
-    ArchivedHandoff,
     FencedPages,
     HandoffArchive,
     HandoffPage,
@@ -45,27 +46,17 @@ from pipelines.errors import (
     CapacityExceeded,
     ConflictError,
     InvalidInput,
-    KVHandoffError,
-    NotFoundError,
 )
 from pipelines.events import (
-    Event,
     EventBus,
     HandoffCreated,
-    SegmentCommitted,
-    SegmentRejected,
-    StageArrived,
 )
 from pipelines.layout import StageLayout
 from pipelines.memory import EntryMemory
 from pipelines.messages import (
-    AbortAck,
-    AbortMsg,
     ArenaSpan,
     ArrivalMsg,
-    DestinationMsg,
     HeartbeatAck,
-    LayoutInfo,
     SegmentAck,
     SegmentMsg,
     StageFailedMsg,
@@ -73,28 +64,17 @@ from pipelines.messages import (
     WindowAnswer,
     WindowRequest,
 )
-from pipelines.packing import layer_range
 from pipelines.pairing import PairingCache
 from pipelines.peercache import new_incarnation
 from pipelines.planning import validate_pages_for_layout
 from pipelines.settings import DECODE_DEFAULTS, DecodeSettings
-from pipelines.states import HandoffState, ReleaseState, StageState, advance
+from pipelines.states import HandoffState, ReleaseState
 
 # What the service, routers' clients and tests import from here (the handoff record moved to
 # `handoff`, the states to `states`).
 __all__ = ["DecodeHandoff", "DecodePipeline", "HandoffState", "PrefillPeer"]
 
 log = logging.getLogger(__name__)
-
-
-class PrefillPeer(Protocol):
-    """Decode → prefill calls, implemented by the service over HTTP."""
-
-    async def layout(self, url: str) -> LayoutInfo: ...
-
-    async def deliver(self, url: str, msg: DestinationMsg) -> None: ...
-
-    async def abort(self, url: str, msg: AbortMsg) -> AbortAck: ...
 
 
 class DecodePipeline:
@@ -125,18 +105,12 @@ class DecodePipeline:
         # Landed mode when present: prefills write only into its windows; pages change only
         # by its commits (SAFETY.md S1). Direct mode (None): prefills write into the pages.
         self._landing = landing
-        # What peers learn of this decode's memory (`GET /v1/layout`, destinations): its pages'
-        # addresses only in direct mode, where prefills write into them.
-        self.peer_layout = layout if landing is None else layout.unplaced()
-        # When each destination call to a prefill peer still unanswered began (by peer).
-        self._delivering: dict[str, list[float]] = {}
         self.cache = cache or PairingCache()
         self._default_prefill = list(default_prefill or [])
         self._max_live = settings.max_live
         self._default_deadline_s = settings.default_deadline_s
         self._verify_default = settings.verify_default
         self._history = settings.history
-        max_grace_s = settings.max_grace_s
         self._clock = clock  # unix time of views, events and records
         self._monotonic = monotonic  # what bounds are measured on
         num_pages = min((e.num_items for e in layout.kv), default=0)
@@ -145,10 +119,21 @@ class DecodePipeline:
         self._handoffs: dict[str, DecodeHandoff] = {}
         self._seq = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._archive: HandoffArchive | None = None
-        self._evicted = 0  # handoffs forgotten so far (`_evict`): held only in the archive now
+        self._assemble(settings.max_grace_s)
+        self._watch = PrefillWatch(self._handoffs, self._peers, self._outcomes, self._releases)
+        #: What the service reads of the handoffs held here (`queries.py`): snapshots only.
+        self.query = DecodeQueries(
+            self._handoffs, self.leases, self._peers, landing, archived=self._past.archived
+        )
+        # Told the peers of every new handoff (the heartbeats start watching them at once).
+        self.on_peers: Callable[[list[str]], None] = lambda peers: None
+
+    def _assemble(self, max_grace_s: float) -> None:
+        """The parts a handoff passes through, each given what it may touch."""
+        prefill, bus, landing = self._prefill, self._bus, self._landing
+        clock, monotonic = self._clock, self._monotonic
         self._peers = PrefillDirectory(
-            layout, prefill, self.cache, max_grace_s=max_grace_s, clock=clock
+            self.layout, prefill, self.cache, max_grace_s=max_grace_s, clock=clock
         )
         # Everything about a lease after its handoff's outcome.
         self._releases = Releases(
@@ -164,13 +149,43 @@ class DecodePipeline:
             monotonic=monotonic,
         )
         self._outcomes = Outcomes(bus, self._releases, clock=clock, monotonic=monotonic)
-        self._watch = PrefillWatch(self._handoffs, self._peers, self._outcomes, self._releases)
-        #: What the service reads of the handoffs held here (`queries.py`): snapshots only.
-        self.query = DecodeQueries(
-            self._handoffs, self.leases, self._peers, landing, archived=self._archived
+        self._past = HandoffHistory(self._handoffs, self._releases)
+        self._delivery = Delivery(
+            url=self.url,
+            incarnation=self.incarnation,
+            target=self.target,
+            layout=self.layout,
+            prefill=prefill,
+            peers=self._peers,
+            outcomes=self._outcomes,
+            landing=landing,
+            monotonic=monotonic,
         )
-        # Told the peers of every new handoff (the heartbeats start watching them at once).
-        self.on_peers: Callable[[list[str]], None] = lambda peers: None
+        self._notices = StageNotices(
+            self._handoffs,
+            self.layout,
+            self.incarnation,
+            self.cache,
+            bus,
+            self._outcomes,
+            self._releases,
+            landed=landing is not None,
+            memory=self._memory,
+            spawn=self._spawn,
+        )
+        self._segments = (
+            None
+            if landing is None
+            else SegmentExchange(
+                landing,
+                self.layout,
+                self.cache,
+                bus,
+                self._outcomes,
+                self._releases,
+                self._notices.arrive,
+            )
+        )
 
     # ----------------------------------------------------------------- router-facing
 
@@ -186,17 +201,17 @@ class DecodePipeline:
                     "name the prefill services (no peers.prefill is configured)", field="prefill"
                 )
             req = msgspec.structs.replace(req, prefill=self._default_prefill)
-        existing = self._existing(req)
+        existing = self._past.existing(req)
         if existing is not None:
             return existing, False
         dst_pages = validate_pages_for_layout(
             self.layout, req.dst_pages, req.slots, side="destination", unique=True
         )
-        evicted = self._evicted
+        evicted = self._past.evicted
         stages = await self._peers.stages_of(req.prefill)
         # Another create of this id may have won meanwhile: it is held here, or it was evicted
         # to the archive since (only then is the archive read again).
-        existing = self._existing(req, archive=self._evicted != evicted)
+        existing = self._past.existing(req, archive=self._past.evicted != evicted)
         if existing is not None:
             return existing, False
         live = self._outcomes.live
@@ -219,8 +234,9 @@ class DecodePipeline:
         h = self._new_handoff(req, dst_pages, stages)
         self._handoffs[req.id] = h
         self._outcomes.open(h)  # counted live, its deadline armed
-        self._evict()
-        self._publish(
+        self._past.evict(self._history)
+        publish(
+            self._bus,
             h,
             HandoffCreated(
                 handoff_id=h.id,
@@ -230,76 +246,39 @@ class DecodePipeline:
                 metadata=req.metadata,
             ),
         )
-        h.delivery = self._spawn(self._deliver(h))
+        h.delivery = self._spawn(self._delivery.deliver(h))
         self.on_peers(h.peers)
         return h.view(), True
 
     def _new_handoff(self, req: HandoffRequest, dst_pages: I64, stages: Stages) -> DecodeHandoff:
-        now, mono = self._clock(), self._monotonic()
-        deadline_s = req.deadline_s or self._default_deadline_s
-        verify = self._verify_default if req.verify is None else req.verify
         self._seq += 1
-        return DecodeHandoff(
-            request=req,
-            seq=self._seq,
-            dst_pages=dst_pages,
-            created_at=now,
-            deadline_at=now + deadline_s,
-            deadline_mono=mono + deadline_s,
-            created_mono=mono,
-            verify=verify,
-            stages={
-                rank: DecodeStage(url, info.incarnation, layout, info.max_call_s)
-                for rank, (url, info, layout) in stages.items()
-            },
-            verification=(
-                "skipped: the decode pool is not host-readable"
-                if verify and self._memory is None and self._landing is None
-                else None
-            ),
+        return DecodeHandoff.admitted(
+            req,
+            self._seq,
+            dst_pages,
+            {r: DecodeStage(u, i.incarnation, y, i.max_call_s) for r, (u, i, y) in stages.items()},
+            now=self._clock(),
+            mono=self._monotonic(),
+            deadline_s=req.deadline_s or self._default_deadline_s,
+            verify=self._verify_default if req.verify is None else req.verify,
+            host_readable=self._memory is not None or self._landing is not None,
         )
 
     def get(self, handoff_id: str, *, timeline: bool = True) -> HandoffView:
-        h = self._handoffs.get(handoff_id)
-        if h is not None:
-            return h.view(timeline=timeline)
-        view = self._archived(handoff_id)
-        return view if timeline else msgspec.structs.replace(view, timeline=[])
+        return self._past.get(handoff_id, timeline=timeline)
 
     async def wait(
         self, handoff_id: str, timeout_s: float, *, released: bool = False
     ) -> HandoffView:
         """The handoff once it has an outcome (or, with `released`, once its pages are free),
-        or as it is after `timeout_s` (a router's long poll). A handoff of an earlier life of
-        this service is answered from the archive as it was recorded."""
-        if handoff_id not in self._handoffs:
-            view = self._archived(handoff_id)
-            if released and not view.released:  # its restored fence: wait for it to lift
-                await self._releases.wait_restored(handoff_id, timeout_s)
-                view = self._archived(handoff_id)
-            return view
-        h = self._get(handoff_id)
-        event = h.released if released else h.done
-        if not event.is_set() and timeout_s > 0:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout_s):
-                    await event.wait()
-        return h.view()
+        or as it is after `timeout_s` (a router's long poll; `history.py`)."""
+        return await self._past.wait(handoff_id, timeout_s, released=released)
 
     def page(
         self, state: HandoffState | None = None, limit: int = 100, cursor: int = 0
     ) -> HandoffPage:
         """Handoffs in creation order after `cursor`, optionally of one state."""
-        items: list[HandoffView] = []
-        next_cursor = None
-        for h in self._handoffs.values():
-            if h.seq <= cursor or (state is not None and h.state != state):
-                continue
-            if len(items) == limit:
-                next_cursor = self._handoffs[items[-1].id].seq
-                break
-            items.append(h.view(timeline=False))
-        return HandoffPage(items=items, next_cursor=next_cursor)
+        return self._past.page(state, limit, cursor)
 
     async def abort(self, handoff_id: str, reason: str = "aborted by request") -> HandoffView:
         """Abort a handoff; returns once its pages are released (no write of it can land).
@@ -311,7 +290,7 @@ class DecodePipeline:
         """
         h = self._handoffs.get(handoff_id)
         if h is None:
-            view = self._archived(handoff_id)
+            view = self._past.archived(handoff_id)
             if view.state == HandoffState.ABORTED:
                 return view
             raise ConflictError(
@@ -337,140 +316,32 @@ class DecodePipeline:
     # ----------------------------------------------------------------- peer-facing
 
     def arrived(self, msg: ArrivalMsg) -> None:
-        """Stage `msg.pp_rank` says every byte landed. Refused (changing nothing) unless it comes
-        from the stage's own prefill life to this decode life and accounts for exactly the bytes
-        this destination expects; a replay is a ConflictError."""
-        h = self._get(msg.handoff_id)
-        stage = self._stage(h, msg.pp_rank)
-        self._check_sender(h, msg.pp_rank, stage, msg)
-        self._refuse_replay(h, msg.pp_rank, stage)
-        if self._landing is not None:
-            raise ConflictError(
-                f"handoff {h.id!r} is landed: a stage arrives with its last segment",
-                field="pp_rank",
-                pp_rank=msg.pp_rank,
-            )
-        self._check_accounting(h, msg)
-        self._releases.confirm_stopped(h, stage)  # its sender has finished writing either way
-        if h.state.terminal or stage.state.final:
-            return  # a late notice: an outcome never changes
-        self._arrive(h, msg.pp_rank, stage, msg.bytes, msg.digests)
+        """Stage `msg.pp_rank` says every byte landed (`arrivals.py`: refused, changing nothing,
+        unless from the stage's own prefill life and accounting for exactly its bytes)."""
+        self._notices.arrived(msg)
 
-    def _refuse_replay(self, h: DecodeHandoff, rank: int, stage: DecodeStage) -> None:
-        if stage.state == StageState.ARRIVED:
-            raise ConflictError(
-                f"stage {rank} of handoff {h.id!r} has already arrived (replay refused)",
-                field="pp_rank",
-                pp_rank=rank,
-            )
-
-    def _arrive(
-        self,
-        h: DecodeHandoff,
-        rank: int,
-        stage: DecodeStage,
-        nbytes: int,
-        digests: dict[str, str] | None,
-    ) -> None:
-        """Stage `rank` has every byte in place: count it, and complete `h` with the last."""
-        stage.state = advance(stage.state, StageState.ARRIVED, f"handoff {h.id!r} stage")
-        stage.bytes, stage.digests = nbytes, digests
-        if h.state == HandoffState.PENDING:
-            h.state = advance(h.state, HandoffState.TRANSFERRING, f"handoff {h.id!r}")
-        arrived = sum(1 for s in h.stages.values() if s.state == StageState.ARRIVED)
-        self._publish(
-            h,
-            StageArrived(
-                handoff_id=h.id,
-                role=ROLE,
-                pp_rank=rank,
-                bytes=nbytes,
-                arrived=arrived,
-                expected=len(h.stages),
-            ),
-        )
-        if arrived == len(h.stages):
-            if self._landing is not None:
-                # Every byte was committed by `Landing.commit` only after its digest matched.
-                h.verification = "passed"
-                self._outcomes.complete(h, verified=True)
-            elif h.verify and self._memory is not None:
-                self._spawn(self._verify_then_complete(h))  # digests off the event loop
-            else:
-                self._outcomes.complete(h)
+    def stage_failed(self, msg: StageFailedMsg) -> None:
+        """Stage `msg.pp_rank` failed and says no write of it can still land (from its own
+        prefill life only)."""
+        self._notices.stage_failed(msg)
 
     async def window(self, msg: WindowRequest) -> WindowAnswer:
         """Stage `msg.pp_rank` asks for a window for its next segment (landed mode): granted
         when the arena has room within a short wait, else none (it asks again)."""
-        h, _ = self._landed_stage(msg)
-        grant = await self._need_landing().grant(h, msg.pp_rank, msg.bytes)
-        return WindowAnswer(grant=grant)
+        h, _ = self._notices.landed_stage(msg)
+        return await self._need_segments().window(h, msg)
 
     async def segment(self, msg: SegmentMsg) -> SegmentAck:
-        """A segment of stage `msg.pp_rank` landed in its window: commit it into the pages once
-        its digest matches (`Landing.commit`). A mismatch is sent again once while the stage is
-        live, else the handoff fails naming the stage and its layers; the last segment is the
-        stage's arrival."""
-        h, stage = self._landed_stage(msg)
-        landing = self._need_landing()
-        t0 = time.perf_counter()
-        # A stage with nothing to send (no pages, no slot) arrives with an empty last notice.
-        empty = not msg.rows and msg.bytes == 0 and msg.last
-        verdict = Verdict.COMMITTED if empty else await landing.commit(h, msg.pp_rank, msg)
-        rank = msg.pp_rank
-        pairing = self.cache.get(stage.layout, self.layout)
-        if verdict is not Verdict.COMMITTED:
-            layers = layer_range(pairing, msg.rows)
-            resend = verdict is Verdict.REFUSED and not h.state.terminal
-            self._publish(
-                h,
-                SegmentRejected(
-                    handoff_id=h.id,
-                    role=ROLE,
-                    pp_rank=rank,
-                    bytes=msg.bytes,
-                    layers=layers,
-                    resend=resend,
-                ),
-            )
-            reason = f"the window of stage {rank} ({layers}) did not match its digest"
-            if not resend:
-                if not h.state.terminal:
-                    self._outcomes.mark_failed(h, [rank])
-                    self._fail(
-                        h, "digest_mismatch", reason, rank, {"layers": layers, "pp_rank": rank}
-                    )
-                return SegmentAck(committed=False, reason=reason)
-            return SegmentAck(
-                committed=False, reason=reason, next_grant=landing.next_grant(h, rank)
-            )
-        expected = landing.expected(h.id, rank)
-        if not empty:
-            self._publish(
-                h,
-                SegmentCommitted(
-                    handoff_id=h.id,
-                    role=ROLE,
-                    pp_rank=rank,
-                    bytes=msg.bytes,
-                    committed=landing.committed(h.id, rank),
-                    expected=expected,
-                    commit_s=time.perf_counter() - t0,
-                ),
-            )
-        if not msg.last:
-            return SegmentAck(committed=True, next_grant=landing.next_grant(h, rank))
-        if not landing.complete(h, rank):
-            raise InvalidInput(
-                f"stage {rank} says its last segment landed, but {landing.committed(h.id, rank)} "
-                f"of {expected} bytes are committed",
-                field="last",
-                pp_rank=rank,
-            )
-        self._releases.confirm_stopped(h, stage)  # its sender has finished writing
-        if not h.state.terminal and not stage.state.final:
-            self._arrive(h, rank, stage, expected, None)
-        return SegmentAck(committed=True)
+        """A segment of stage `msg.pp_rank` landed in its window: committed into the pages once
+        its digest matches (`segments.py`); the last one is the stage's arrival."""
+        h, stage = self._notices.landed_stage(msg)
+        return await self._need_segments().segment(h, stage, msg)
+
+    @property
+    def peer_layout(self) -> StageLayout:
+        """What peers learn of this decode's memory (`GET /v1/layout`, destinations): its
+        pages' addresses only in direct mode, where prefills write into them."""
+        return self._delivery.peer_layout
 
     @property
     def mode(self) -> TransferMode:
@@ -479,44 +350,16 @@ class DecodePipeline:
 
     def arena_span(self) -> ArenaSpan | None:
         """The landing arena peers may write into (None in direct mode): published in the
-        layout, where a prefill checks every grant lies."""
-        if self._landing is None:
-            return None
-        arena = self._landing.arena
-        return ArenaSpan(addr=arena.base_addr, length=arena.capacity_bytes)
+        layout and in every destination, where a prefill checks every grant lies."""
+        return self._delivery.arena
 
-    def _need_landing(self) -> Landing:
-        if self._landing is None:
+    def _need_segments(self) -> SegmentExchange:
+        if self._segments is None:
             raise ConflictError(
                 "this decode service runs direct mode (transfer.mode): it grants no windows",
                 field="mode",
             )
-        return self._landing
-
-    def _landed_stage(self, msg: SegmentMsg | WindowRequest) -> tuple[DecodeHandoff, DecodeStage]:
-        h = self._get(msg.handoff_id)
-        stage = self._stage(h, msg.pp_rank)
-        self._check_sender(h, msg.pp_rank, stage, msg)
-        self._refuse_replay(h, msg.pp_rank, stage)
-        if h.state.terminal or stage.state.final:
-            raise ConflictError(
-                f"handoff {h.id!r} is already {h.state.value}: nothing more lands",
-                field="handoff_id",
-                pp_rank=msg.pp_rank,
-            )
-        return h, stage
-
-    def stage_failed(self, msg: StageFailedMsg) -> None:
-        """Stage `msg.pp_rank` failed and says no write of it can still land (from its own
-        prefill life only)."""
-        h = self._get(msg.handoff_id)
-        stage = self._stage(h, msg.pp_rank)
-        self._check_sender(h, msg.pp_rank, stage, msg)
-        self._releases.confirm_stopped(h, stage)
-        if stage.state.final:
-            return
-        stage.state = advance(stage.state, StageState.FAILED, f"handoff {h.id!r} stage")
-        self._fail(h, msg.code, f"stage {msg.pp_rank}: {msg.reason}", msg.pp_rank, msg.context)
+        return self._segments
 
     # ----------------------------------------------------------------- heartbeat-facing
 
@@ -545,7 +388,7 @@ class DecodePipeline:
         """After a restart (call before serving): answer for ids this process does not hold from
         `archive`, and keep each `fenced` handoff's pages leased until its `release_at`, so no
         new handoff gets pages an earlier process's prefill stages may still write."""
-        self._archive = archive
+        self._past.archive = archive
         self._releases.restore(self.layout, archive, fenced)
 
     async def close(self, timeout_s: float | None = None) -> None:
@@ -593,207 +436,8 @@ class DecodePipeline:
             await self._landing.drain()  # a cancelled caller's commit may still be copying
             self._landing.close()
 
-    # ----------------------------------------------------------------- the lifecycle
-
-    async def _deliver(self, h: DecodeHandoff) -> None:
-        """Send each prefill service the destination of its stages; a failure fails `h`."""
-        by_peer: dict[str, list[int]] = {}
-        for rank, st in h.stages.items():
-            by_peer.setdefault(st.peer, []).append(rank)
-        failure: KVHandoffError | None = None
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for peer, ranks in by_peer.items():
-                    tg.create_task(self._deliver_to(h, peer, ranks))
-        except* KVHandoffError as group:
-            failure = group.exceptions[0]  # type: ignore[assignment]
-        if failure is not None:
-            peer = str(failure.context.get("peer"))
-            ranks = sorted(by_peer.get(peer, []))
-            # The peer may have restarted with other stages: fetch its layouts afresh next time.
-            for url in by_peer:
-                self._peers.forget(url)
-            self._outcomes.mark_failed(h, ranks)
-            self._fail(
-                h,
-                failure.code,
-                f"delivering the destination to {peer} (stage{'s' if len(ranks) > 1 else ''} "
-                f"{', '.join(map(str, ranks))}) failed: {failure.message}",
-                ranks[0] if ranks else None,
-                failure.context,
-            )
-        elif h.state == HandoffState.PENDING:
-            h.state = advance(h.state, HandoffState.TRANSFERRING, f"handoff {h.id!r}")
-
-    async def _deliver_to(self, h: DecodeHandoff, peer: str, ranks: list[int]) -> None:
-        """Send prefill `peer` the destination of stages `ranks`, and bound when it received it."""
-        remaining_s = max(0.0, h.deadline_mono - self._monotonic())
-        msg = DestinationMsg(
-            handoff_id=h.id,
-            decode_url=self.url,
-            decode_incarnation=self.incarnation,
-            prefill_incarnation=h.stages[ranks[0]].incarnation,
-            decode_target=self.target,
-            decode_fingerprint=self.layout.fingerprint,
-            decode_address_key=self.peer_layout.address_key,
-            pp_ranks=sorted(ranks),
-            dst_pages=h.request.dst_pages,
-            prefix_pages=h.request.prefix_pages,
-            fan_out=h.request.fan_out,
-            dst_slot=h.request.dst_slot,
-            dst_slots=dict(h.request.dst_slots),
-            dst_aux=h.request.dst_aux,
-            deadline_in_s=remaining_s,
-            verify=h.verify,
-            **self._landed_fields(h, peer, ranks),
-        )
-        what = f"handoff {h.id!r} destination to {peer}"
-        for rank in ranks:
-            h.stages[rank].sending(what)
-        accepted = False
-        started = self._monotonic()
-        self._delivering.setdefault(peer, []).append(started)
-        try:
-            await self._prefill.deliver(peer, msg)
-            accepted = True
-        except KVHandoffError as exc:
-            exc.context.setdefault("peer", peer)
-            exc.context.setdefault("pp_ranks", sorted(ranks))
-            raise
-        finally:
-            pending = self._delivering[peer]
-            pending.remove(started)
-            if not pending:
-                del self._delivering[peer]
-            # The prefill counts `remaining_s` from its receipt, so queueing and transit make
-            # its deadline later than ours: by at most until now (SAFETY.md I5). A call that
-            # failed or was cancelled may still have reached it: the same bound, the best known.
-            until = self._monotonic() + remaining_s
-            for rank in ranks:
-                h.stages[rank].delivery_ended(accepted=accepted, writable_until=until, what=what)
-            if self._landing is not None:
-                self._landing.delivery_ended(h.id, ranks, accepted=accepted)
-
-    def _landed_fields(self, h: DecodeHandoff, peer: str, ranks: list[int]) -> dict[str, Any]:
-        if self._landing is None:
-            return {}
-        # No first window to a peer that is lost or has left a destination unanswered (a hung
-        # process): its stages ask for windows once it speaks, so none sits granted to a peer
-        # that cannot use it.
-        withhold = self._peers.is_lost(peer) or self._unanswered(peer)
-        return {
-            "mode": "landed",
-            "digest": self._landing.algorithm,
-            "window_bytes": self._landing.window_bytes,
-            "grants": [] if withhold else self._landing.first_grants(h, sorted(ranks)),
-        }
-
-    def _unanswered(self, peer: str) -> bool:
-        """Whether a destination sent to `peer` has waited for its answer longer than a window
-        request may (`WINDOW_WAIT_S`): a peer that answers at all answers within it."""
-        started = self._delivering.get(peer)
-        return started is not None and self._monotonic() - min(started) > WINDOW_WAIT_S
-
-    async def _verify_then_complete(self, h: DecodeHandoff) -> None:
-        problem = await asyncio.to_thread(self._verify, h)
-        if h.state.terminal:
-            return  # a deadline or an abort came first
-        if problem is not None:
-            reason, rank, ctx = problem
-            self._outcomes.mark_failed(h, [rank])
-            self._fail(h, "verification_failed", reason, rank, ctx)
-            return
-        h.verification = "passed"
-        self._outcomes.complete(h, verified=True)
-
-    def _verify(self, h: DecodeHandoff) -> tuple[str, int, dict[str, Any]] | None:
-        assert self._memory is not None
-        digests = {rank: st.digests for rank, st in h.stages.items()}
-        return first_mismatch(self.layout, self._memory, digests, h.dst_pages, h.request.slots)
-
-    def _fail(
-        self,
-        h: DecodeHandoff,
-        code: str,
-        reason: str,
-        pp_rank: int | None,
-        context: dict[str, Any],
-    ) -> None:
-        self._outcomes.fail(h, code, reason, pp_rank, context)
-
-    # ----------------------------------------------------------------- lookups and checks
-
-    def _check_sender(
-        self,
-        h: DecodeHandoff,
-        rank: int,
-        stage: DecodeStage,
-        msg: ArrivalMsg | StageFailedMsg | SegmentMsg | WindowRequest,
-    ) -> None:
-        check_sender(h.id, rank, stage.peer, stage.incarnation, self.incarnation, msg)
-        stage.max_call_s = max(stage.max_call_s, msg.max_call_s)
-
-    def _check_accounting(self, h: DecodeHandoff, msg: ArrivalMsg) -> None:
-        pairing = self.cache.get(h.stages[msg.pp_rank].layout, self.layout)
-        check_accounting(pairing, h.dst_pages, msg)
-
-    def _existing(self, req: HandoffRequest, *, archive: bool = True) -> HandoffView | None:
-        h = self._handoffs.get(req.id)
-        if h is not None:
-            found: ArchivedHandoff | None = ArchivedHandoff(h.request, h.view())
-        elif archive and self._archive is not None:
-            found = self._archive.find(req.id)
-        else:
-            found = None
-        if found is None:
-            return None
-        if found.request != req:
-            raise ConflictError(
-                f"handoff {req.id!r} exists with a different request body", field="id"
-            )
-        return found.view
-
-    def _archived(self, handoff_id: str) -> HandoffView:
-        old = self._archive.find(handoff_id) if self._archive is not None else None
-        if old is None:
-            raise NotFoundError(f"no handoff {handoff_id!r}", field="id")
-        return self._releases.restored_view(old.view)
-
-    def _get(self, handoff_id: str) -> DecodeHandoff:
-        h = self._handoffs.get(handoff_id)
-        if h is None:
-            raise NotFoundError(f"no handoff {handoff_id!r}", field="id")
-        return h
-
-    def _stage(self, h: DecodeHandoff, rank: int) -> DecodeStage:
-        stage = h.stages.get(rank)
-        if stage is None:
-            raise InvalidInput(
-                f"handoff {h.id!r} has no stage {rank}", field="pp_rank", pp_rank=rank
-            )
-        return stage
-
-    # ----------------------------------------------------------------- housekeeping
-
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    def _publish(self, h: DecodeHandoff, event: Event) -> None:
-        publish(self._bus, h, event)
-
-    def _evict(self) -> None:
-        """Forget the oldest released handoffs beyond the history limit."""
-        excess = len(self._handoffs) - self._history
-        if excess > 0:
-            # islice: stop at the few needed (dicts keep creation order, oldest first).
-            for handoff_id in list(itertools.islice(self._oldest_released(), excess)):
-                del self._handoffs[handoff_id]
-                self._evicted += 1
-
-    def _oldest_released(self) -> Iterator[str]:
-        for h in self._handoffs.values():
-            if h.release == ReleaseState.RELEASED:
-                yield h.id

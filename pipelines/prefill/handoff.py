@@ -53,11 +53,12 @@ class BlockWriter(Protocol):
 
 @dataclass(frozen=True)
 class DecodeSide:
-    """What a decode published of itself, in its (signed) layout of the life a destination
-    names: the layout to pair against (placed in direct mode only), the one transfer mode it
-    serves, its landing arena (landed mode), where every grant must lie, and the transport
-    target its memory is registered on: every write goes there, never to a target a
-    destination names (another endpoint may hold memory at the same addresses)."""
+    """What a decode life named of itself in its first accepted destination
+    (`destinations.DecodeLives`): the layout to pair against (placed in direct mode only), the
+    one transfer mode it serves, its landing arena (landed mode), where every grant must lie,
+    and the transport target its memory is registered on: every write goes there, never to
+    another target a later destination names (another endpoint may hold memory at the same
+    addresses)."""
 
     layout: StageLayout
     mode: TransferMode
@@ -67,11 +68,6 @@ class DecodeSide:
 
 class DecodePeer(Protocol):
     """Prefill → decode calls, implemented by the service over HTTP (or in-process)."""
-
-    async def decode_side(self, dest: DestinationMsg) -> DecodeSide:
-        """What the decode life `dest` names published (the layout of its fingerprint and
-        address key, its mode and arena)."""
-        ...
 
     async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None: ...
 

@@ -99,6 +99,29 @@ class _Segment:
     target: str  # the transport target that decode life published: every write goes there
 
 
+@dataclass
+class _Layers:
+    """A stage's layers: its KV layers, and those no by-layer signal has named yet."""
+
+    kv: set[int]
+    pending: set[int]
+
+    @classmethod
+    def of(cls, stage: HostedStage) -> _Layers:
+        kv = {e.layer_id for e in stage.layout.kv}
+        return cls(kv, kv | {s.layer_id for s in stage.layout.state})
+
+
+async def _settle(flight: deque[asyncio.Task[int]]) -> None:
+    """Leave only once no segment of this stage can still copy or write."""
+    for task in flight:
+        task.cancel()
+    await drain(set(flight))
+    for task in flight:  # the error that left first is the stage's; these are noise
+        if not task.cancelled():
+            task.exception()
+
+
 class LandedSender:
     """Sends stages of this process's handoffs in landed mode; one per prefill pipeline."""
 
@@ -137,11 +160,64 @@ class LandedSender:
         side: DecodeSide,
     ) -> int:
         """Send every byte of stage `rank` as segments into windows inside `side.arena` (the
-        decode's published landing arena) on `side.target`; returns the stage's byte count once
-        its last segment was committed (that notice was its arrival)."""
+        decode's landing arena) on `side.target`; returns the stage's byte count once its last
+        segment was committed (that notice was its arrival)."""
         staging, arena = self._staging, side.arena
         if arena is None:
             raise InternalError("a landed destination without an arena passed its checks")
+        packer = self._packer(rank, stage, inp, dest, pairing, staging)
+        assert staging is not None and stage.regions is not None  # checked by `_packer`
+        grants: deque[Grant] = deque(g for g in dest.grants if g.pp_rank == rank)
+        layers = _Layers.of(stage)
+        flight: deque[asyncio.Task[int]] = deque()  # segments in flight, in the order cut
+        sent = 0
+        last_cut = False
+        try:
+            while not last_cut:
+                await self._fold_signals(h, rank, inp, packer, layers)
+                if packer.ready_bytes == 0:
+                    break  # done, and the last signal brought nothing more (a zero-page end)
+                grant = await self._window(h, rank, dest, packer, queued=grants)
+                pieces = packer.next_segment(grant.length)
+                if pieces is None:
+                    raise InternalError(
+                        f"a {grant.length}-byte window holds no piece of stage {rank}",
+                        pp_rank=rank,
+                    )
+                last_cut = packer.done
+                self._paired(h, rank, pairing, pieces)
+                # Built per segment: a stage signalled by page range grows its page array (and
+                # learns its slot with the last range) while earlier segments travel.
+                src = source_side(pairing, stage.regions, inp.src_pages, inp.src_slots)
+                after = set(flight) if last_cut else set()
+                segment = _Segment(rank, pieces, grant, last_cut, src, after, arena, side.target)
+                flight.append(
+                    asyncio.ensure_future(
+                        self._segment(h, dest, pairing, staging, segment, grants, packer)
+                    )
+                )
+                # The next segment is gathered and written while this one's notice and commit
+                # run; beyond IN_FLIGHT, wait for the oldest (its answer brings a window).
+                while len(flight) >= IN_FLIGHT or (last_cut and flight):
+                    sent += await flight.popleft()
+            while flight:  # the end came with nothing to cut: every segment is committed first
+                sent += await flight.popleft()
+        finally:
+            await _settle(flight)
+        if not last_cut:
+            await self._arrive_empty(h, rank, dest)
+        return sent
+
+    def _packer(
+        self,
+        rank: int,
+        stage: HostedStage,
+        inp: StageSource,
+        dest: DestinationMsg,
+        pairing: Pairing,
+        staging: Staging | None,
+    ) -> StagePacker:
+        """What cuts the stage into segments, once this process can send it at all."""
         if staging is None:
             raise InvalidInput(
                 "the decode asks for landed transfers, but this prefill has no staging buffer "
@@ -149,8 +225,7 @@ class LandedSender:
                 field="mode",
                 pp_rank=rank,
             )
-        regions = stage.regions
-        if regions is None:
+        if stage.regions is None:
             raise InternalError(f"stage {rank} has no memory to gather from", pp_rank=rank)
         # Every slot row's index was validated on both sides (`StageRunner.run`), so the
         # stage sends its slot rows (with the last range, by page range).
@@ -166,91 +241,56 @@ class LandedSender:
                 field="window_bytes",
                 pp_rank=rank,
             )
-        grants: deque[Grant] = deque(g for g in dest.grants if g.pp_rank == rank)
-        pending_layers = {e.layer_id for e in stage.layout.kv} | {
-            s.layer_id for s in stage.layout.state
-        }
-        kv_layers = {e.layer_id for e in stage.layout.kv}
-        flight: deque[asyncio.Task[int]] = deque()  # segments in flight, in the order cut
-        sent = 0
-        last_cut = False
-        try:
-            while not last_cut:
-                # Fold in every ready signal already queued; wait for one while nothing is ready.
-                while not inp.signals.empty() or (packer.ready_bytes == 0 and not packer.done):
-                    signal = await inp.signals.get()
-                    if signal.pages_end is not None:
-                        packer.make_pages_ready(signal.pages_end, last=signal.last, pp_rank=rank)
-                        now = (kv_layers | pending_layers) if signal.last else set(kv_layers)
-                    else:
-                        wanted = pending_layers if signal.layers is None else signal.layers
-                        now = pending_layers & wanted  # a new set: `pending_layers` shrinks
-                        pending_layers -= now
-                        packer.make_ready(now)
-                    self._bus.publish(
-                        ChunksEmitted(
-                            handoff_id=h.handoff_id,
-                            role=ROLE,
-                            pp_rank=rank,
-                            kv_layers=sorted(now & kv_layers),
-                            state_layers=sorted(now - kv_layers),
-                        )
-                    )
-                if packer.ready_bytes == 0:
-                    break  # done, and the last signal brought nothing more (a zero-page end)
-                grant = await self._window(h, rank, dest, packer, queued=grants)
-                pieces = packer.next_segment(grant.length)
-                if pieces is None:
-                    raise InternalError(
-                        f"a {grant.length}-byte window holds no piece of stage {rank}",
-                        pp_rank=rank,
-                    )
-                last_cut = packer.done
-                self._paired(h, rank, pairing, pieces)
-                # Built per segment: a stage signalled by page range grows its page array (and
-                # learns its slot with the last range) while earlier segments travel.
-                src = source_side(pairing, regions, inp.src_pages, inp.src_slots)
-                after = set(flight) if last_cut else set()
-                segment = _Segment(rank, pieces, grant, last_cut, src, after, arena, side.target)
-                flight.append(
-                    asyncio.ensure_future(
-                        self._segment(h, dest, pairing, staging, segment, grants, packer)
-                    )
-                )
-                # The next segment is gathered and written while this one's notice and commit
-                # run; beyond IN_FLIGHT, wait for the oldest (its answer brings a window).
-                while len(flight) >= IN_FLIGHT or (last_cut and flight):
-                    sent += await flight.popleft()
-            while flight:  # the end came with nothing to cut: every segment is committed first
-                sent += await flight.popleft()
-        finally:
-            # Leave only once no segment of this stage can still copy or write.
-            for task in flight:
-                task.cancel()
-            await drain(set(flight))
-            for task in flight:  # the error that left first is the stage's; these are noise
-                if not task.cancelled():
-                    task.exception()
-        if not last_cut:
-            # Nothing left to move with a last notice (no pages and no slot here, or a last
-            # page range of no pages after the others were committed): the stage still arrives,
-            # and says so as a final transfer of no bytes (an engine adapter waits for `final`).
-            t0 = time.perf_counter()
-            h.last_notice_sent.add(rank)
-            await self._decode.segment(dest.decode_url, self._notice(h, rank, dest, last=True))
+        return packer
+
+    async def _fold_signals(
+        self,
+        h: PrefillHandoff,
+        rank: int,
+        inp: StageSource,
+        packer: StagePacker,
+        layers: _Layers,
+    ) -> None:
+        """Fold in every ready signal already queued; wait for one while nothing is ready."""
+        while not inp.signals.empty() or (packer.ready_bytes == 0 and not packer.done):
+            signal = await inp.signals.get()
+            if signal.pages_end is not None:
+                packer.make_pages_ready(signal.pages_end, last=signal.last, pp_rank=rank)
+                now = (layers.kv | layers.pending) if signal.last else set(layers.kv)
+            else:
+                wanted = layers.pending if signal.layers is None else signal.layers
+                now = layers.pending & wanted  # a new set: `pending` shrinks
+                layers.pending -= now
+                packer.make_ready(now)
             self._bus.publish(
-                StageTransferred(
+                ChunksEmitted(
                     handoff_id=h.handoff_id,
                     role=ROLE,
                     pp_rank=rank,
-                    blocks=0,
-                    bytes=0,
-                    batches=0,
-                    seconds=time.perf_counter() - t0,
-                    final=True,
+                    kv_layers=sorted(now & layers.kv),
+                    state_layers=sorted(now - layers.kv),
                 )
             )
-        return sent
+
+    async def _arrive_empty(self, h: PrefillHandoff, rank: int, dest: DestinationMsg) -> None:
+        """Nothing left to move with a last notice (no pages and no slot here, or a last page
+        range of no pages after the others were committed): the stage still arrives, and says
+        so as a final transfer of no bytes (an engine adapter waits for `final`)."""
+        t0 = time.perf_counter()
+        h.last_notice_sent.add(rank)
+        await self._decode.segment(dest.decode_url, self._notice(h, rank, dest, last=True))
+        self._bus.publish(
+            StageTransferred(
+                handoff_id=h.handoff_id,
+                role=ROLE,
+                pp_rank=rank,
+                blocks=0,
+                bytes=0,
+                batches=0,
+                seconds=time.perf_counter() - t0,
+                final=True,
+            )
+        )
 
     async def _segment(
         self,

@@ -21,12 +21,7 @@ import numpy as np
 
 from pipelines.errors import (
     ConflictError,
-    DeadlineExceeded,
     EngineAborted,
-    InternalError,
-    InvalidInput,
-    KVHandoffError,
-    NotFoundError,
 )
 from pipelines.events import (
     DestinationReceived,
@@ -43,25 +38,30 @@ from pipelines.messages import (
 )
 from pipelines.pairing import PairingCache
 from pipelines.peercache import new_incarnation
-from pipelines.planning import validate_pages_for_layout
+from pipelines.prefill.destinations import DecodeLives, check_addressed, check_destination
 from pipelines.prefill.handoff import (
     I64,
     ROLE,
     BlockWriter,
     DecodePeer,
-    DecodeSide,
     HostedStage,
     PrefillHandoff,
     ReadySignal,
-    StageFailed,
     StageInput,
     Staging,
 )
-from pipelines.prefill.landed import check_grant
 from pipelines.prefill.queries import PrefillQueries
 from pipelines.prefill.ranges import check_range
 from pipelines.prefill.scopes import Finished, OpenHandoffs
+from pipelines.prefill.signals import (
+    hosted_stage,
+    layer_pages,
+    queue_signal,
+    stage_input,
+    stage_layers,
+)
 from pipelines.prefill.stage import StageRunner
+from pipelines.prefill.task import fail_all, run_handoff
 from pipelines.settings import PREFILL_DEFAULTS, PrefillSettings
 from pipelines.slots import NO_SLOTS, RequestSlots, SlotsLike, as_slots
 from pipelines.states import StageState
@@ -124,6 +124,8 @@ class PrefillPipeline:
         # Recently finished handoffs, so a late or repeated signal is refused rather than
         # waiting for a destination that will never come.
         self._finished = Finished()
+        # What each decode life named in its first destination: later ones are held to it.
+        self._lives = DecodeLives()
         # Told the decode service of every delivered destination (the heartbeats watch it).
         self.on_peers: Callable[[list[str]], None] = lambda peers: None
 
@@ -156,94 +158,30 @@ class PrefillPipeline:
         `decode_url` names the decode service the request's id belongs to (ids are unique per
         decode only); without it the id must be unique across the decodes using this prefill,
         and a ready whose id two of them use now is refused. Raises InvalidInput /
-        NotFoundError / ConflictError before anything changes.
-        """
-        stage = self.stages.get(pp_rank)
-        if stage is None:
-            raise NotFoundError(
-                f"stage {pp_rank} is not hosted here (hosted: {sorted(self.stages)})",
-                field="pp_rank",
-                pp_rank=pp_rank,
-            )
+        NotFoundError / ConflictError before anything changes (the steps: `signals.py`)."""
+        stage = hosted_stage(self.stages, pp_rank)
         scope = None if decode_url is None else canonical_url(decode_url)
         slots = as_slots(src_slots)
         if pages_from is not None or last_pages is not None:
             self._ready_range(
-                scope,
-                handoff_id,
-                pp_rank,
-                stage,
-                src_pages,
-                slots,
-                layers,
-                pages_from,
-                last_pages,
+                scope, handoff_id, pp_rank, stage, src_pages, slots, layers, pages_from, last_pages
             )
             return
-        layer_set = None if layers is None else frozenset(int(x) for x in layers)
-        if layer_set is not None:
-            own = {e.layer_id for e in stage.layout.kv} | {s.layer_id for s in stage.layout.state}
-            foreign = sorted(layer_set - own)
-            if foreign:
-                raise InvalidInput(
-                    f"layer {foreign[0]} is not a layer of stage {pp_rank}",
-                    field="layers",
-                    layer_id=foreign[0],
-                    pp_rank=pp_rank,
-                )
-        h = self._for_ready(scope, handoff_id)
+        layer_set = stage_layers(stage, pp_rank, layers)
+        h = self._handoffs.for_ready(scope, handoff_id)
         if h is None:  # an open handoff of this id is not the ended one
-            self._refuse_finished(scope, handoff_id)
+            self._finished.refuse(scope, handoff_id)
         current = h.inputs.get(pp_rank) if h else None
-        if current is not None and current.ranged:
-            raise InvalidInput(
-                f"stage {pp_rank} of handoff {handoff_id!r} is signalled by page range: "
-                "give pages_from",
-                field="pages_from",
-                pp_rank=pp_rank,
-            )
-        if current is None:
-            if src_pages is None:
-                raise InvalidInput(
-                    "src_pages is required on a stage's first ready signal", field="src_pages"
-                )
-            pages = validate_pages_for_layout(
-                stage.layout, np.asarray(src_pages), slots, side="source", unique=False
-            )
-        else:
-            if src_pages is not None and not np.array_equal(
-                np.asarray(src_pages), current.src_pages
-            ):
-                raise ConflictError(
-                    f"stage {pp_rank} of handoff {handoff_id!r} already reported other src_pages",
-                    field="src_pages",
-                    pp_rank=pp_rank,
-                )
-            if not slots.empty and slots != current.src_slots:
-                raise ConflictError(
-                    f"stage {pp_rank} of handoff {handoff_id!r} already reported other slots "
-                    f"({current.src_slots})",
-                    field="src_slot",
-                    pp_rank=pp_rank,
-                )
-            pages = current.src_pages
-        if h is None:
-            h = self._open(scope, handoff_id)
-        elif h.scope is None and scope is not None:
-            self._handoffs.rescope(h, scope)
-        if current is None:
-            current = StageInput(pages, slots, asyncio.Queue(len(stage.layout.kv) + 64))
-            h.inputs[pp_rank] = current
-            if h.stage_state.get(pp_rank, StageState.WAITING) == StageState.WAITING:
-                h.set_stage(pp_rank, StageState.READY)
-            h.input_seen.setdefault(pp_rank, asyncio.Event()).set()
-        try:
-            current.signals.put_nowait(ReadySignal(layer_set))
-        except asyncio.QueueFull:
-            raise ConflictError(
-                f"stage {pp_rank} of handoff {handoff_id!r} has too many pending ready signals",
-                field="layers",
-            ) from None
+        pages = layer_pages(handoff_id, pp_rank, stage, current, src_pages, slots)
+        # Checked: from here on the signal changes the handoff.
+        h = self._opened(h, scope, handoff_id)
+        current = stage_input(
+            h,
+            pp_rank,
+            current,
+            lambda: StageInput(pages, slots, asyncio.Queue(len(stage.layout.kv) + 64)),
+        )
+        queue_signal(handoff_id, pp_rank, current, ReadySignal(layer_set), "layers")
         self._publish(
             StageReady(
                 handoff_id=handoff_id,
@@ -268,16 +206,17 @@ class PrefillPipeline:
     ) -> None:
         """A page-range signal (see `ready`), checked by `check_range` before anything
         changes."""
-        h = self._for_ready(scope, handoff_id)
+        h = self._handoffs.for_ready(scope, handoff_id)
         if h is None:  # an open handoff of this id is not the ended one
-            self._refuse_finished(scope, handoff_id)
+            self._finished.refuse(scope, handoff_id)
         current = h.inputs.get(pp_rank) if h else None
+        known = h.known_destination if h is not None else None
         pages, at, end, last_pages = check_range(
             handoff_id,
             pp_rank,
             stage,
             current,
-            h.known_destination if h is not None else None,
+            known,
             src_pages,
             src_slots,
             layers,
@@ -290,22 +229,8 @@ class PrefillPipeline:
                 field="pages_from",
                 pp_rank=pp_rank,
             )
-        if h is None:
-            h = self._open(scope, handoff_id)
-        elif h.scope is None and scope is not None:
-            self._handoffs.rescope(h, scope)
-        if current is None:
-            current = StageInput(
-                np.zeros(0, dtype=np.int64),
-                NO_SLOTS,
-                asyncio.Queue(RANGED_QUEUE_DEPTH),
-                ranged=True,
-                ended=False,
-            )
-            h.inputs[pp_rank] = current
-            if h.stage_state.get(pp_rank, StageState.WAITING) == StageState.WAITING:
-                h.set_stage(pp_rank, StageState.READY)
-            h.input_seen.setdefault(pp_rank, asyncio.Event()).set()
+        h = self._opened(h, scope, handoff_id)
+        current = stage_input(h, pp_rank, current, _ranged_input)
         current.add_range(pages, src_slots, last=last_pages)
         current.signals.put_nowait(ReadySignal(None, pages_end=end, last=last_pages))
         self._publish(
@@ -319,21 +244,22 @@ class PrefillPipeline:
             )
         )
 
+    def _opened(
+        self, h: PrefillHandoff | None, scope: str | None, handoff_id: str
+    ) -> PrefillHandoff:
+        """The handoff a checked signal is for: opened by the first, bound to its decode by the
+        first that names it."""
+        if h is None:
+            return self._open(scope, handoff_id)
+        if h.scope is None and scope is not None:
+            self._handoffs.rescope(h, scope)
+        return h
+
     def deliver(self, msg: DestinationMsg) -> None:
         """The decode service says where this handoff's bytes go. Refused (changing nothing)
         when it was issued for another life of this service."""
-        if msg.prefill_incarnation != self.incarnation:
-            raise ConflictError(
-                f"the destination of {msg.handoff_id!r} was issued for prefill incarnation "
-                f"{msg.prefill_incarnation}, this is {self.incarnation} (did it restart?)",
-                field="prefill_incarnation",
-            )
-        if msg.mode != self.mode:
-            raise ConflictError(
-                f"the destination of {msg.handoff_id!r} asks for {msg.mode} transfers; this "
-                f"prefill serves {self.mode} mode only (transfer.mode, set on both sides)",
-                field="mode",
-            )
+        check_addressed(msg, self.incarnation, self.mode, self.stages)
+        check_destination(msg)
         scope = canonical_url(msg.decode_url)
         outcome = self._finished.claim(scope, msg.handoff_id)
         if outcome is not None:
@@ -341,20 +267,11 @@ class PrefillPipeline:
                 f"handoff {msg.handoff_id!r} already {outcome} on this prefill service",
                 field="handoff_id",
             )
-        missing = [r for r in msg.pp_ranks if r not in self.stages]
-        if missing:
-            raise NotFoundError(
-                f"stage {missing[0]} is not hosted here (hosted: {sorted(self.stages)})",
-                field="pp_ranks",
-                pp_rank=missing[0],
-            )
-        h = self._handoffs.get(scope, msg.handoff_id)
-        if h is None:
-            h = self._handoffs.get(None, msg.handoff_id)  # signalled ready before, unscoped
-            if h is not None:
-                self._handoffs.rescope(h, scope)
-            else:
-                h = self._open(scope, msg.handoff_id)
+        # Its own, or one signalled ready before naming no decode, or a new one.
+        found = self._handoffs.get(scope, msg.handoff_id) or self._handoffs.get(
+            None, msg.handoff_id
+        )
+        h = self._opened(found, scope, msg.handoff_id)
         if h.destination.cancelled():
             # Its task was cancelled (an abort or the engine giving up is stopping it, not
             # closed yet): `result()` would raise CancelledError out of the HTTP handler, and
@@ -370,6 +287,7 @@ class PrefillPipeline:
                 f"handoff {msg.handoff_id!r} already has another destination", field="handoff_id"
             )
         h.deadline_mono = time.monotonic() + msg.deadline_in_s
+        self._lives.pin(msg)
         h.destination.set_result(msg)
         self._publish(
             DestinationReceived(
@@ -397,7 +315,7 @@ class PrefillPipeline:
         `decode_incarnation`, a handoff bound to another decode life is refused. A handoff not
         open here is remembered as aborted, so a later ready signal for it is refused."""
         scope = None if decode_url is None else canonical_url(decode_url)
-        h = self._for_abort(scope, handoff_id, decode_incarnation)
+        h = self._handoffs.for_abort(scope, handoff_id, decode_incarnation)
         if h is None:
             self._finished.remember(scope, handoff_id, "aborted")
             return self._ack(handoff_id, [])
@@ -436,14 +354,14 @@ class PrefillPipeline:
         destination delivered later is refused (the handoff is finished here). `decode_url`
         names the request's decode, as for `ready`."""
         scope = None if decode_url is None else canonical_url(decode_url)
-        h = self._for_ready(scope, handoff_id)
+        h = self._handoffs.for_ready(scope, handoff_id)
         if h is None:
             self._finished.remember(scope, handoff_id, "failed")
             return
         if h.task is not None:
             h.task.cancel()
             await asyncio.wait([h.task])
-        await self._fail_all(h, h.known_destination, EngineAborted(reason))
+        await fail_all(self._runner, h, h.known_destination, EngineAborted(reason))
         self._close(h, "failed")
 
     async def withdraw(self, handoff_id: str, reason: str) -> bool:
@@ -451,7 +369,7 @@ class PrefillPipeline:
         stop its stages and end it here `aborted` with `reason`, telling no decode, as none
         holds it yet. Returns False, changing nothing, once it has a destination: a decode
         waits for it then, and `give_up` is the call that tells it."""
-        h = self._for_ready(None, handoff_id)
+        h = self._handoffs.for_ready(None, handoff_id)
         if h is None:
             self._finished.remember(None, handoff_id, "aborted")
             return True
@@ -482,16 +400,7 @@ class PrefillPipeline:
         in `sent` that it no longer runs while a stage here may still write and has not sent
         its last notice (the decode completes a handoff on that notice, and may answer this
         heartbeat before the notice's own answer is back). Returns their ids."""
-        theirs = set(ack.live)
-        victims = []
-        for h in self._handoffs:
-            dest = h.known_destination
-            if dest is None or dest.decode_url != decode_url:
-                continue
-            if dest.decode_incarnation != ack.incarnation:
-                victims.append((h, f"decode {decode_url} restarted"))
-            elif h.handoff_id in sent and h.handoff_id not in theirs and not h.told(dest.pp_ranks):
-                victims.append((h, f"decode {decode_url} no longer has it"))
+        victims = self._handoffs.outdated(decode_url, ack, sent)
         for h, why in victims:
             await self._abort(h, why)
         return [h.handoff_id for h, _ in victims]
@@ -502,12 +411,7 @@ class PrefillPipeline:
 
     def live_by_decode(self) -> dict[str, list[str]]:
         """Live handoff ids per decode URL: whom the heartbeat task must keep pinging."""
-        out: dict[str, list[str]] = {}
-        for h in self._handoffs:
-            url = h.decode_url
-            if url is not None:
-                out.setdefault(url, []).append(h.handoff_id)
-        return out
+        return self._handoffs.live_by_decode()
 
     async def close(self) -> None:
         for h in self._handoffs:
@@ -516,54 +420,14 @@ class PrefillPipeline:
 
     # ----------------------------------------------------------------- internals
 
-    def _for_ready(self, scope: str | None, handoff_id: str) -> PrefillHandoff | None:
-        """The open handoff a ready signal is for. Naming its decode, the handoff of that decode
-        (or one not bound to a decode yet); naming none, the only open handoff of that id — two
-        decodes' requests under one id are told apart only by the engine naming the decode."""
-        if scope is not None:
-            return self._handoffs.get(scope, handoff_id) or self._handoffs.get(None, handoff_id)
-        same = self._handoffs.with_id(handoff_id)
-        if len(same) > 1:
-            raise ConflictError(
-                f"handoff id {handoff_id!r} is in use by {len(same)} decode services here; "
-                "name the request's decode service (decode_url) in the ready signal",
-                field="decode_url",
-            )
-        return same[0] if same else None
-
-    def _for_abort(
-        self, scope: str | None, handoff_id: str, decode_incarnation: str | None
-    ) -> PrefillHandoff | None:
-        if scope is not None:
-            return self._handoffs.get(scope, handoff_id) or self._handoffs.get(None, handoff_id)
-        same = self._handoffs.with_id(handoff_id)
-        if len(same) > 1 and decode_incarnation is not None:
-            # Unsigned (no peer secret): the destination's decode life tells them apart.
-            same = [
-                h
-                for h in same
-                if (d := h.known_destination) is None or d.decode_incarnation == decode_incarnation
-            ]
-        if len(same) > 1:
-            raise ConflictError(
-                f"handoff id {handoff_id!r} is in use by {len(same)} decode services here",
-                field="handoff_id",
-            )
-        return same[0] if same else None
-
-    def _refuse_finished(self, scope: str | None, handoff_id: str) -> None:
-        outcome = self._finished.outcome(scope, handoff_id)
-        if outcome is not None:
-            raise ConflictError(
-                f"handoff {handoff_id!r} already {outcome} on this prefill service",
-                field="handoff_id",
-            )
-
     def _open(self, scope: str | None, handoff_id: str) -> PrefillHandoff:
         loop = asyncio.get_running_loop()
         h = PrefillHandoff(handoff_id, self._clock(), loop.create_future(), scope=scope)
         self._handoffs.add(h)
-        h.task = loop.create_task(self._run(h), name=f"prefill:{handoff_id}")
+        h.task = loop.create_task(
+            run_handoff(h, self._runner, self._lives, self._default_deadline_s, self._close),
+            name=f"prefill:{handoff_id}",
+        )
         return h
 
     def _close(self, h: PrefillHandoff, outcome: str) -> None:
@@ -573,75 +437,13 @@ class PrefillPipeline:
     def _publish(self, event: Event) -> None:
         self._bus.publish(event)
 
-    async def _run(self, h: PrefillHandoff) -> None:
-        loop = asyncio.get_running_loop()
-        # Until the destination names a deadline, the default one bounds the wait for it.
-        fallback = loop.time() + self._default_deadline_s
-        dest: DestinationMsg | None = None
-        outcome = "failed"
-        try:
-            async with asyncio.timeout_at(fallback) as scope:
-                dest = await h.destination
-                assert h.deadline_mono is not None
-                # loop.time() is the monotonic clock the deadline was measured on.
-                scope.reschedule(loop.time() + max(0.0, h.deadline_mono - time.monotonic()))
-                side = await self._decode.decode_side(dest)
-                check_decode_side(dest, side)
-                async with asyncio.TaskGroup() as tg:
-                    for rank in dest.pp_ranks:
-                        tg.create_task(self._runner.run(h, rank, dest, side))
-            outcome = "completed"
-        except* StageFailed:
-            pass  # the failing stage already told the decode side
-        except* TimeoutError:
-            await self._fail_all(h, dest, DeadlineExceeded("handoff deadline passed on prefill"))
-        except* KVHandoffError as group:
-            await self._fail_all(h, dest, group.exceptions[0])  # type: ignore[arg-type]
-        except* Exception as group:
-            # must still fail the handoff on both sides instead of leaving it to the deadline.
-            log.error("handoff %s crashed", h.handoff_id, exc_info=group.exceptions[0])
-            await self._fail_all(h, dest, InternalError(f"prefill pipeline crashed: {group!r}"))
-        finally:
-            if not asyncio.current_task().cancelling():  # type: ignore[union-attr]
-                self._close(h, outcome)
 
-    async def _fail_all(
-        self, h: PrefillHandoff, dest: DestinationMsg | None, error: KVHandoffError
-    ) -> None:
-        for rank in dest.pp_ranks if dest else sorted(h.inputs):
-            if not h.stage_state.get(rank, StageState.WAITING).final:
-                await self._runner.report_failure(h, dest, rank, error)
-
-
-def check_decode_side(dest: DestinationMsg, side: DecodeSide) -> None:
-    """A destination must name the mode its decode published, and in landed mode grant only
-    windows inside the arena that decode life published (signed): otherwise a destination could
-    make this prefill write into any memory of the decode's. The destination's transport target
-    must be the one that decode life published: the writes go to `side.target` whatever the
-    destination says. Raises naming the field."""
-    if dest.decode_target != side.target:
-        raise ConflictError(
-            f"the destination of {dest.handoff_id!r} names transport target "
-            f"{dest.decode_target!r}, but its decode published {side.target!r}",
-            field="decode_target",
-        )
-    if dest.mode != side.mode:
-        raise ConflictError(
-            f"the destination of {dest.handoff_id!r} names {dest.mode} mode, but its decode "
-            f"serves {side.mode} mode",
-            field="mode",
-        )
-    if dest.mode != "landed":
-        return
-    if side.arena is None:
-        raise ConflictError(
-            f"the decode of {dest.handoff_id!r} published no landing arena", field="arena"
-        )
-    for grant in dest.grants:
-        if grant.pp_rank not in dest.pp_ranks:
-            raise ConflictError(
-                f"grant {grant.grant_id} is for stage {grant.pp_rank}, which the destination "
-                f"does not name (pp_ranks {dest.pp_ranks})",
-                field="grants",
-            )
-        check_grant(grant, side.arena, grant.pp_rank)
+def _ranged_input() -> StageInput:
+    """A stage signalled by page range: its pages grow with each range, its slots come last."""
+    return StageInput(
+        np.zeros(0, dtype=np.int64),
+        NO_SLOTS,
+        asyncio.Queue(RANGED_QUEUE_DEPTH),
+        ranged=True,
+        ended=False,
+    )

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
+from pipelines.errors import ConflictError
+from pipelines.messages import HeartbeatAck
 from pipelines.prefill.handoff import PrefillHandoff
 
 #: How many ended handoffs are remembered, so a late or repeated signal is refused rather than
@@ -70,6 +72,67 @@ class OpenHandoffs:
     def __len__(self) -> int:
         return len(self._by_key)
 
+    def for_ready(self, scope: str | None, handoff_id: str) -> PrefillHandoff | None:
+        """The open handoff a ready signal is for. Naming its decode, the handoff of that decode
+        (or one not bound to a decode yet); naming none, the only open handoff of that id — two
+        decodes' requests under one id are told apart only by the engine naming the decode."""
+        if scope is not None:
+            return self.get(scope, handoff_id) or self.get(None, handoff_id)
+        same = self.with_id(handoff_id)
+        if len(same) > 1:
+            raise ConflictError(
+                f"handoff id {handoff_id!r} is in use by {len(same)} decode services here; "
+                "name the request's decode service (decode_url) in the ready signal",
+                field="decode_url",
+            )
+        return same[0] if same else None
+
+    def for_abort(
+        self, scope: str | None, handoff_id: str, decode_incarnation: str | None
+    ) -> PrefillHandoff | None:
+        if scope is not None:
+            return self.get(scope, handoff_id) or self.get(None, handoff_id)
+        same = self.with_id(handoff_id)
+        if len(same) > 1 and decode_incarnation is not None:
+            # Unsigned (no peer secret): the destination's decode life tells them apart.
+            same = [
+                h
+                for h in same
+                if (d := h.known_destination) is None or d.decode_incarnation == decode_incarnation
+            ]
+        if len(same) > 1:
+            raise ConflictError(
+                f"handoff id {handoff_id!r} is in use by {len(same)} decode services here",
+                field="handoff_id",
+            )
+        return same[0] if same else None
+
+    def live_by_decode(self) -> dict[str, list[str]]:
+        """Open handoff ids per decode URL (those bound to a decode by a destination)."""
+        out: dict[str, list[str]] = {}
+        for h in self:
+            url = h.decode_url
+            if url is not None:
+                out.setdefault(url, []).append(h.handoff_id)
+        return out
+
+    def outdated(
+        self, decode_url: str, ack: HeartbeatAck, sent: list[str]
+    ) -> list[tuple[PrefillHandoff, str]]:
+        """The handoffs a heartbeat answer from `decode_url` says to stop, each with why (see
+        `PrefillPipeline.reconcile`)."""
+        theirs = set(ack.live)
+        victims = []
+        for h in self:
+            dest = h.known_destination
+            if dest is None or dest.decode_url != decode_url:
+                continue
+            if dest.decode_incarnation != ack.incarnation:
+                victims.append((h, f"decode {decode_url} restarted"))
+            elif h.handoff_id in sent and h.handoff_id not in theirs and not h.told(dest.pp_ranks):
+                victims.append((h, f"decode {decode_url} no longer has it"))
+        return victims
+
     def holds(self, handoff_id: str) -> bool:
         return handoff_id in self._by_id
 
@@ -112,3 +175,11 @@ class Finished:
             if outcome is not None:
                 self.remember(scope, handoff_id, outcome)
         return outcome
+
+    def refuse(self, scope: str | None, handoff_id: str) -> None:
+        outcome = self.outcome(scope, handoff_id)
+        if outcome is not None:
+            raise ConflictError(
+                f"handoff {handoff_id!r} already {outcome} on this prefill service",
+                field="handoff_id",
+            )

@@ -34,7 +34,7 @@ from pipelines.events import (
 from pipelines.memory import source_digests
 from pipelines.messages import ArrivalMsg, DestinationMsg, StageFailedMsg
 from pipelines.pairing import Pairing, PairingCache
-from pipelines.planning import TransferPlan, plan, validate_destination, validate_request
+from pipelines.planning import TransferPlan, plan, slot_indices, validate_request
 from pipelines.prefill.handoff import (
     END,
     ROLE,
@@ -134,13 +134,15 @@ class StageRunner:
             # Wait for the engine's first signal: it carries the source pages.
             await h.input_seen.setdefault(rank, asyncio.Event()).wait()
             given = h.inputs[rank]
-            if given.ranged:
-                # Each range's source pages were checked as it came; the destination once here.
-                validate_destination(pairing, dest.dst_pages, dest.slots)
-                if dest.mode != "landed":
-                    # Direct mode plans a stage whole: its ranges are sent once the last one is
-                    # in, as one stage (no overlap with chunked prefill; landed mode has it).
-                    await given.ended_event.wait()
+            # Each range's source pages were checked as it came, the destination's pages on
+            # receipt (`destinations.check_destination`); what this stage's pairing needs of
+            # its slots, here.
+            if given.ranged and pairing.num_slot_rows:
+                slot_indices(pairing, dest.slots, "destination")
+            if given.ranged and dest.mode != "landed":
+                # Direct mode plans a stage whole: its ranges are sent once the last one is in,
+                # as one stage (no overlap with chunked prefill; landed mode has it).
+                await given.ended_event.wait()
             # What the destination asks for: the positions after a prefix the decode holds.
             inp = stage_source(given, dest, rank)
             if not inp.ranged or dest.mode != "landed":

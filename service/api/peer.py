@@ -25,42 +25,50 @@ from aiohttp import web
 from pipelines.decode.views import HANDOFF_ID_PATTERN
 from pipelines.errors import InvalidInput, KVHandoffError
 from pipelines.messages import (
-    AbortAck,
     AbortMsg,
     ArrivalMsg,
     DestinationMsg,
-    HeartbeatAck,
     HeartbeatMsg,
-    LayoutInfo,
+    Outcome,
     SegmentMsg,
+    SegmentOutcome,
     StageFailedMsg,
-    WindowAnswer,
     WindowRequest,
     check_version,
+)
+from pipelines.peer_calls import (
+    ABORTS,
+    ARRIVALS,
+    DESTINATIONS,
+    HEARTBEATS,
+    LAYOUT,
+    SEGMENTS,
+    STAGE_FAILURES,
+    WATCH,
+    WINDOWS,
+    PeerCall,
 )
 from pipelines.urls import canonical_url
 from service.http.app import decode_body, decode_items, json_response
 from service.http.auth import signed_sender
 from service.http.problems import Forbidden, error_problem
-from service.http.routing import RouteTable
-from service.peers.protocol import (
-    ABORTS_PATH,
-    ARRIVALS_PATH,
-    DESTINATIONS_PATH,
-    HEARTBEATS_PATH,
-    LAYOUT_PATH,
-    SEGMENTS_PATH,
-    STAGE_FAILURES_PATH,
-    WATCH_PATH,
-    WINDOWS_PATH,
-    Outcome,
-    SegmentOutcome,
-)
+from service.http.routing import Handler, RouteTable
 from service.runtime.roles import RUNTIME, decode_of, prefill_of
 
 common_routes = RouteTable()
 decode_peer_routes = RouteTable()
 prefill_peer_routes = RouteTable()
+
+
+def _serves(table: RouteTable, call: PeerCall, **contract: Any) -> Callable[[Handler], Handler]:
+    """Declare the route that receives `call`: its method, path and wire types are the table's
+    (`pipelines.peer_calls`), so a route cannot drift from what its senders send."""
+    if call.request is not None:
+        contract["request"] = call.body
+    if call.answer is not None:
+        contract["response"] = call.reply
+    return table.route(call.method, call.path, tags=("peer",), role="peer", **contract)
+
 
 _NO_CONTENT = 204
 M = TypeVar("M", DestinationMsg, ArrivalMsg, StageFailedMsg)
@@ -124,25 +132,20 @@ async def _each(
     return json_response(outcomes)
 
 
-@common_routes.get(
-    LAYOUT_PATH,
-    response=LayoutInfo,
+@_serves(
+    common_routes,
+    LAYOUT,
     summary="The stages hosted here: placed layouts, fingerprints, transport target, shm offsets",
-    tags=("peer",),
-    role="peer",
 )
 async def layout(request: web.Request) -> web.StreamResponse:
     return json_response(request.app[RUNTIME].layout_info())
 
 
-@common_routes.post(
-    HEARTBEATS_PATH,
-    request=HeartbeatMsg,
-    response=HeartbeatAck,
+@_serves(
+    common_routes,
+    HEARTBEATS,
     errors=(422,),
     summary="A peer sharing live handoffs with this service is alive",
-    tags=("peer",),
-    role="peer",
 )
 async def heartbeat(request: web.Request) -> web.StreamResponse:
     msg = await decode_body(request, HeartbeatMsg)
@@ -153,12 +156,11 @@ async def heartbeat(request: web.Request) -> web.StreamResponse:
     return json_response(request.app[RUNTIME].heartbeats.receive(msg))
 
 
-@common_routes.get(
-    WATCH_PATH,
-    role="peer",
+@_serves(
+    common_routes,
+    WATCH,
     content_type="text/plain",
     summary="A peer holds this open to learn at once when this process ends (a byte a second)",
-    tags=("peer",),
 )
 async def watch(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
@@ -177,14 +179,11 @@ async def watch(request: web.Request) -> web.StreamResponse:
     return response
 
 
-@prefill_peer_routes.post(
-    DESTINATIONS_PATH,
-    request=list[DestinationMsg],
-    response=list[Outcome],
+@_serves(
+    prefill_peer_routes,
+    DESTINATIONS,
     errors=(422,),
     summary="Decode → prefill: where handoffs' bytes go (a batch; one outcome per item)",
-    tags=("peer",),
-    role="peer",
 )
 async def destinations(request: web.Request) -> web.StreamResponse:
     def from_decode(msg: DestinationMsg, sender: str) -> None:
@@ -200,14 +199,11 @@ async def destinations(request: web.Request) -> web.StreamResponse:
     return await _each(request, DestinationMsg, deliver, from_decode)
 
 
-@prefill_peer_routes.post(
-    ABORTS_PATH,
-    request=AbortMsg,
-    response=AbortAck,
+@_serves(
+    prefill_peer_routes,
+    ABORTS,
     errors=(422,),
     summary="Decode → prefill: stop a handoff; answers once no write of it can still land",
-    tags=("peer",),
-    role="peer",
 )
 async def abort(request: web.Request) -> web.StreamResponse:
     msg = await decode_body(request, AbortMsg)
@@ -223,14 +219,11 @@ async def abort(request: web.Request) -> web.StreamResponse:
     )
 
 
-@decode_peer_routes.post(
-    ARRIVALS_PATH,
-    request=list[ArrivalMsg],
-    response=list[Outcome],
+@_serves(
+    decode_peer_routes,
+    ARRIVALS,
     errors=(422,),
     summary="Prefill → decode: every byte of these stages has landed (one outcome per item)",
-    tags=("peer",),
-    role="peer",
 )
 async def arrivals(request: web.Request) -> web.StreamResponse:
     return await _each(
@@ -238,14 +231,11 @@ async def arrivals(request: web.Request) -> web.StreamResponse:
     )
 
 
-@decode_peer_routes.post(
-    STAGE_FAILURES_PATH,
-    request=list[StageFailedMsg],
-    response=list[Outcome],
+@_serves(
+    decode_peer_routes,
+    STAGE_FAILURES,
     errors=(422,),
     summary="Prefill → decode: these stages failed; no write of them can still land",
-    tags=("peer",),
-    role="peer",
 )
 async def stage_failures(request: web.Request) -> web.StreamResponse:
     return await _each(
@@ -256,14 +246,11 @@ async def stage_failures(request: web.Request) -> web.StreamResponse:
     )
 
 
-@decode_peer_routes.post(
-    WINDOWS_PATH,
-    request=WindowRequest,
-    response=WindowAnswer,
+@_serves(
+    decode_peer_routes,
+    WINDOWS,
     errors=(404, 409, 422),
     summary="Prefill → decode: a landing window for a stage's next segment (landed mode)",
-    tags=("peer",),
-    role="peer",
 )
 async def windows(request: web.Request) -> web.StreamResponse:
     msg = await decode_body(request, WindowRequest)
@@ -275,15 +262,12 @@ async def windows(request: web.Request) -> web.StreamResponse:
     return json_response(await decode_of(request).window(msg))
 
 
-@decode_peer_routes.post(
-    SEGMENTS_PATH,
-    request=list[SegmentMsg],
-    response=list[SegmentOutcome],
+@_serves(
+    decode_peer_routes,
+    SEGMENTS,
     errors=(422,),
     summary="Prefill → decode: these segments landed in their windows; each committed once its "
     "digest matches (one outcome per item: its ack, or a problem)",
-    tags=("peer",),
-    role="peer",
 )
 async def segments(request: web.Request) -> web.StreamResponse:
     batch = decode_items(await decode_body(request, list[msgspec.Raw]), SegmentMsg)

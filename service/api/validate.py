@@ -19,9 +19,9 @@ from pipelines.errors import InvalidInput, KVHandoffError
 from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
 from pipelines.pairing import PairingReport, pairing_report
+from pipelines.peer_calls import LAYOUT
 from service.http.app import PEERS, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable
-from service.peers.protocol import LAYOUT_PATH
 from service.runtime import inputs
 from service.runtime.roles import DECODE
 
@@ -106,7 +106,7 @@ async def _decode_side(request: web.Request, url: str | None) -> StageLayout:
 
 async def _layout_of(request: web.Request, url: str, field: str) -> LayoutInfo:
     try:
-        return await request.app[PEERS].get(url, LAYOUT_PATH, LayoutInfo)
+        return await request.app[PEERS].get(url, LAYOUT.path, LayoutInfo)
     except KVHandoffError as exc:
         exc.context.setdefault("field", field)
         raise

@@ -1,6 +1,7 @@
 """The peer protocol over HTTP: `decode.PrefillPeer` and `prefill.DecodePeer` as REST calls.
 
-The paths below are the whole peer-facing surface; `service.api.peer` serves them. Errors a
+Each call's path and wire types come from the one table of peer calls
+(`pipelines.peer_calls`); `service.api.peer` serves them. Errors a
 peer answers with come back as the same classes (`PeerClient`), so a pipeline cannot tell an
 HTTP peer from an in-process one (`pipelines.inprocess`).
 """
@@ -8,12 +9,11 @@ HTTP peer from an in-process one (`pipelines.inprocess`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 import msgspec
 
-from pipelines.errors import KVHandoffError, NotFoundError
+from pipelines.errors import KVHandoffError
 from pipelines.messages import (
     AbortAck,
     AbortMsg,
@@ -22,43 +22,29 @@ from pipelines.messages import (
     HeartbeatAck,
     HeartbeatMsg,
     LayoutInfo,
+    Outcome,
     SegmentAck,
     SegmentMsg,
+    SegmentOutcome,
     StageFailedMsg,
     WindowAnswer,
     WindowRequest,
 )
-from pipelines.peercache import MAX_PEERS, PeerCache
-from pipelines.prefill.handoff import DecodeSide
+from pipelines.peer_calls import (
+    ABORTS,
+    ARRIVALS,
+    DESTINATIONS,
+    HEARTBEATS,
+    LAYOUT,
+    SEGMENTS,
+    STAGE_FAILURES,
+    WATCH,
+    WINDOWS,
+    PeerCall,
+)
 from service.http.peer_client import PeerClient
 from service.http.problems import PeerError, encode_problem, error_from_problem
 from service.peers.coalesce import Coalescer, SendBatch
-
-LAYOUT_PATH = "/v1/layout"
-DESTINATIONS_PATH = "/v1/peer/destinations"
-ABORTS_PATH = "/v1/peer/aborts"
-ARRIVALS_PATH = "/v1/peer/arrivals"
-STAGE_FAILURES_PATH = "/v1/peer/stage-failures"
-HEARTBEATS_PATH = "/v1/peer/heartbeats"
-WATCH_PATH = "/v1/peer/watch"
-WINDOWS_PATH = "/v1/peer/windows"
-SEGMENTS_PATH = "/v1/peer/segments"
-
-
-class Outcome(msgspec.Struct, frozen=True, omit_defaults=True):
-    """The receiver's answer for one notice of a batch: its status, and a problem if it failed."""
-
-    status: int
-    problem: dict[str, Any] | None = None
-
-
-class SegmentOutcome(msgspec.Struct, frozen=True, omit_defaults=True):
-    """The decode's answer for one segment notice of a batch: its ack, or a problem."""
-
-    status: int
-    ack: SegmentAck | None = None
-    problem: dict[str, Any] | None = None
-
 
 #: A segment notice of at most this many bytes travels in a batch with the others queued for
 #: its decode (one request for many one-page handoffs); a larger one's commit takes long
@@ -80,18 +66,19 @@ class HttpPeers:
         # Watches hold one idle connection per live peer: their own session, so they never take
         # the pool slots of the calls that move handoffs along.
         self._watch_session: aiohttp.ClientSession | None = None
-        # What decodes published, by (url, incarnation, fingerprint, address key): bounded,
-        # oldest out.
-        self._decode_sides: PeerCache[DecodeSide] = PeerCache(MAX_PEERS)
         # Destinations, arrivals and failures are coalesced per peer (see service.peers.coalesce).
-        self._destinations = Coalescer(self._batch_sender(DESTINATIONS_PATH))
-        self._arrivals = Coalescer(self._batch_sender(ARRIVALS_PATH))
-        self._failures = Coalescer(self._batch_sender(STAGE_FAILURES_PATH))
+        self._destinations = Coalescer(self._batch_sender(DESTINATIONS))
+        self._arrivals = Coalescer(self._batch_sender(ARRIVALS))
+        self._failures = Coalescer(self._batch_sender(STAGE_FAILURES))
         self._segments = Coalescer(self._send_segments)
 
-    def _batch_sender(self, path: str) -> SendBatch:
+    def _batch_sender(self, call: PeerCall) -> SendBatch:
+        path = call.path
+
         async def send(peer: str, notices: list[msgspec.Raw]) -> list[KVHandoffError | None]:
-            outcomes = await self._client.post(peer, path, _joined(notices), list[Outcome])
+            outcomes: list[Outcome] = await self._client.post(
+                peer, path, _joined(notices), call.reply
+            )
             if len(outcomes) != len(notices):
                 raise PeerError(
                     f"{peer}{path} answered {len(outcomes)} outcomes for {len(notices)} notices",
@@ -110,16 +97,12 @@ class HttpPeers:
         self, peer: str, notices: list[msgspec.Raw]
     ) -> list[SegmentAck | KVHandoffError]:
         # A commit copies a segment out of its window and digests it: allow a transfer's time.
-        outcomes = await self._client.post(
-            peer,
-            SEGMENTS_PATH,
-            _joined(notices),
-            list[SegmentOutcome],
-            timeout_s=self._abort_timeout_s,
+        outcomes: list[SegmentOutcome] = await self._client.post(
+            peer, SEGMENTS.path, _joined(notices), SEGMENTS.reply, timeout_s=self._abort_timeout_s
         )
         if len(outcomes) != len(notices):
             raise PeerError(
-                f"{peer}{SEGMENTS_PATH} answered {len(outcomes)} outcomes for {len(notices)} "
+                f"{peer}{SEGMENTS.path} answered {len(outcomes)} outcomes for {len(notices)} "
                 "segments",
                 peer=peer,
             )
@@ -140,47 +123,17 @@ class HttpPeers:
 
     # decode -> prefill
     async def layout(self, url: str) -> LayoutInfo:
-        return await self._client.get(url, LAYOUT_PATH, LayoutInfo)
+        return await self._client.get(url, LAYOUT.path, LayoutInfo)
 
     async def deliver(self, url: str, msg: DestinationMsg) -> None:
         await self._destinations.submit(url, msg)
 
     async def abort(self, url: str, msg: AbortMsg) -> AbortAck:
         return await self._client.post(
-            url, ABORTS_PATH, msg, AbortAck, timeout_s=self._abort_timeout_s
+            url, ABORTS.path, msg, AbortAck, timeout_s=self._abort_timeout_s
         )
 
     # prefill -> decode
-    async def decode_side(self, dest: DestinationMsg) -> DecodeSide:
-        key = _layout_key(
-            dest.decode_url,
-            dest.decode_incarnation,
-            dest.decode_fingerprint,
-            dest.decode_address_key,
-        )
-        side = self._decode_sides.get(key)
-        if side is None:
-            # Signed by the decode life it names (`PeerClient` checks the answer): its arena
-            # is the one this life registered.
-            info = await self._client.get(dest.decode_url, LAYOUT_PATH, LayoutInfo)
-            for stage in info.stages:
-                lay = stage.layout
-                self._decode_sides.put(
-                    _layout_key(
-                        dest.decode_url, info.incarnation, lay.fingerprint, lay.address_key
-                    ),
-                    DecodeSide(lay, info.mode, info.arena, info.target),
-                )
-            side = self._decode_sides.get(key)
-            if side is None:
-                raise NotFoundError(
-                    f"decode layout {dest.decode_fingerprint} of incarnation "
-                    f"{dest.decode_incarnation} is not the one {dest.decode_url} serves now "
-                    f"(incarnation {info.incarnation}: did it restart?)",
-                    field="decode_incarnation",
-                )
-        return side
-
     async def arrived(self, decode_url: str, msg: ArrivalMsg) -> None:
         await self._arrivals.submit(decode_url, msg)
 
@@ -188,7 +141,7 @@ class HttpPeers:
         await self._failures.submit(decode_url, msg)
 
     async def window(self, decode_url: str, msg: WindowRequest) -> WindowAnswer:
-        return await self._client.post(decode_url, WINDOWS_PATH, msg, WindowAnswer)
+        return await self._client.post(decode_url, WINDOWS.path, msg, WindowAnswer)
 
     async def segment(self, decode_url: str, msg: SegmentMsg) -> SegmentAck:
         if msg.bytes <= COALESCED_SEGMENT_BYTES:
@@ -201,16 +154,16 @@ class HttpPeers:
 
     # either direction
     async def watch(self, url: str, opened: Callable[[], None] | None = None) -> None:
-        """Hold `WATCH_PATH` open until the peer ends it (see `service.peers.watch`); `opened()`
+        """Hold the watch path open until the peer ends it (see `service.peers.watch`); `opened()`
         is called once the peer accepted the stream."""
         if self._watch_session is None:
             self._watch_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         await self._client.hold(
-            self._watch_session, url, WATCH_PATH, idle_timeout_s=self._watch_idle_s, opened=opened
+            self._watch_session, url, WATCH.path, idle_timeout_s=self._watch_idle_s, opened=opened
         )
 
     async def heartbeat(self, url: str, msg: HeartbeatMsg, timeout_s: float) -> HeartbeatAck:
-        return await self._client.post(url, HEARTBEATS_PATH, msg, HeartbeatAck, timeout_s=timeout_s)
+        return await self._client.post(url, HEARTBEATS.path, msg, HeartbeatAck, timeout_s=timeout_s)
 
 
 _encode = msgspec.json.Encoder().encode
@@ -219,7 +172,3 @@ _encode = msgspec.json.Encoder().encode
 def _joined(notices: list[msgspec.Raw]) -> bytes:
     """The JSON array of notices already encoded, without encoding them again."""
     return b"[" + b",".join(bytes(n) for n in notices) + b"]"
-
-
-def _layout_key(url: str, incarnation: str, fingerprint: str, address_key: str) -> str:
-    return "|".join((url, incarnation, fingerprint, address_key))

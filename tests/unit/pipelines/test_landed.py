@@ -615,8 +615,8 @@ def _forged_destination(w: World, hid: str, **fields: Any) -> DestinationMsg:
         decode_incarnation=w.decode.incarnation,
         prefill_incarnation=w.prefill.incarnation,
         decode_target=w.decode.target,
-        decode_fingerprint=layout.fingerprint,
-        decode_address_key=layout.address_key,
+        decode_layout=layout,
+        arena=w.decode.arena_span(),
         pp_ranks=[0],
         dst_pages=[1, 2],
         dst_slot=0,
@@ -674,12 +674,17 @@ class RecordPeers(FlipAfterLanding):
 
 
 async def test_a_destination_naming_another_transport_target_is_refused(world: World) -> None:
-    """The prefill writes to the target its decode published (signed layout), never to the one
-    a destination names: another endpoint may hold registered memory at the arena's very
+    """The prefill writes to the target its decode life named, never to another one a later
+    destination names: another endpoint may hold registered memory at the arena's very
     addresses (device virtual addresses repeat across processes). Here a second transport has
     the arena registered; a destination naming it, with a grant inside the arena, is refused by
-    `decode_target` and nothing is written there."""
+    `decode_target` and nothing is written there. (Since v8 the decode's target travels in its
+    destinations: a genuine handoff first names it for this decode life.)"""
     w = world
+    await w.decode.create(HandoffRequest(id="real", prefill=["p"], dst_pages=[5, 6], dst_slot=1))
+    for rank in (0, 1):
+        w.prefill.ready("real", rank, [5, 6], 1)
+    assert await wait_released(w, "real") == HandoffState.COMPLETED
     other = LocalTransport()
     arena_pool = w._pools[1]  # type: ignore[attr-defined]
     other.register(arena_pool.registrations, devices=arena_pool.devices)  # the same addresses
@@ -838,9 +843,9 @@ async def test_a_peer_that_left_a_destination_unanswered_is_granted_no_first_win
     (a hung process), that peer's next destinations carry no first window; its stages ask
     once it speaks. (tests/integration/test_hung_prefill.py passes without this rule: the
     windows also come back when the hung deliveries end.)"""
-    from pipelines.decode import pipeline as decode_pipeline
+    from pipelines.decode import delivery
 
-    monkeypatch.setattr(decode_pipeline, "WINDOW_WAIT_S", 0.05)
+    monkeypatch.setattr(delivery, "WINDOW_WAIT_S", 0.05)
     w = world
     release = asyncio.Event()
     link = w.decode._prefill

@@ -383,7 +383,9 @@ def test_the_property_can_fail_in_direct_mode() -> None:
         r = rig(7)
         r.decode._landing = None  # direct mode: destinations name KV pages
         r.decode._releases._landing = None
-        r.decode.peer_layout = r.decode.layout  # its pages' addresses are published
+        r.decode._delivery._landing = None
+        r.decode._notices.landed = False
+        r.decode._delivery.peer_layout = r.decode.layout  # its pages' addresses are published
         r.prefill.mode = "direct"  # and its prefill is configured for it
         r.engine.check = None  # prefills write the pages themselves here
         for i in range(6):

@@ -128,8 +128,7 @@ async def test_a_destination_for_another_prefill_life_is_refused(w: World) -> No
         decode_incarnation=w.decode.incarnation,
         prefill_incarnation="an-earlier-life",
         decode_target="t",
-        decode_fingerprint="f",
-        decode_address_key="a",
+        decode_layout=w.decode.peer_layout,
         pp_ranks=[0],
         dst_pages=[1],
         deadline_in_s=5.0,
@@ -183,7 +182,7 @@ async def test_delete_of_a_failed_unreleased_handoff_hurries_its_release(w: Worl
     req = HandoffRequest(id="h", prefill=["p"], dst_pages=[8], dst_slot=0, deadline_s=60)
     await w.decode.create(req)
     await asyncio.sleep(0)
-    w.decode._fail(w.decode._handoffs["h"], "x", "injected", 0, {})
+    w.decode._outcomes.fail(w.decode._handoffs["h"], "x", "injected", 0, {})
     for _ in range(5):
         await asyncio.sleep(0.06)  # the quiesce backs off between refused aborts
     assert not w.decode.get("h").released

@@ -8,8 +8,8 @@ import logging
 import aiohttp
 import pytest
 
+from pipelines.peer_calls import WATCH
 from service.http.peer_signing import Signer
-from service.peers.protocol import WATCH_PATH
 from service.runtime.roles import RUNTIME
 from service.serve import serve
 from service.webhooks.signatures import new_secret
@@ -24,14 +24,14 @@ async def test_a_watcher_that_leaves_ends_its_watch_quietly(
     caplog.set_level(logging.DEBUG, logger="kvhandoff")
     config = prefill_config([0, 1], settings={"handoff.heartbeat_interval_s": 0.02})
     async with serve(config, extensions) as server, aiohttp.ClientSession() as http:
-        resp = await http.get(server.url + WATCH_PATH)
+        resp = await http.get(server.url + WATCH.path)
         assert resp.status == 200
         assert await resp.content.readline() == b"\n"
         resp.close()  # drops the connection, as a watcher's process or session does
 
         def ended() -> bool:  # the access log has the request once its handler returned
             return any(
-                WATCH_PATH in r.getMessage() for r in caplog.records if r.name == "kvhandoff.access"
+                WATCH.path in r.getMessage() for r in caplog.records if r.name == "kvhandoff.access"
             )
 
         async with asyncio.timeout(WAIT_S):

@@ -1,0 +1,144 @@
+"""What a destination says of its decode, checked: the prefill's one place to trust it.
+
+Since v8 a destination carries its decode's layout, arena and transport target instead of a
+fingerprint to look them up by, so the prefill asks the decode for nothing. Called by
+`PrefillPipeline.deliver` (`check_destination` before the destination is accepted: a malformed
+one is refused naming its field, and nothing changes; `DecodeLives.pin` once it is) and by its
+handoff task (`DecodeLives.side`, `check_decode_side`, before any write). A decode life is held
+to what its first accepted destination named: a later destination of that life naming another
+target, arena, mode or layout fails its handoff naming the field, and nothing is written. The
+pages are validated here once, against the layout the destination carries (the decode validated
+them against its own at create): the stages do not validate the destination again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from pipelines.errors import ConflictError, InvalidInput, NotFoundError
+from pipelines.messages import DestinationMsg, TransferMode
+from pipelines.peercache import MAX_PEERS, PeerCache
+from pipelines.planning import validate_pages_for_layout
+from pipelines.prefill.handoff import DecodeSide
+from pipelines.prefill.landed import check_grant
+from pipelines.urls import canonical_url
+
+
+def check_addressed(
+    dest: DestinationMsg, incarnation: str, mode: TransferMode, hosted: Collection[int]
+) -> None:
+    """Refuse a destination issued for another life of this prefill, naming the other transfer
+    mode than the one it serves, or a stage it does not host."""
+    if dest.prefill_incarnation != incarnation:
+        raise ConflictError(
+            f"the destination of {dest.handoff_id!r} was issued for prefill incarnation "
+            f"{dest.prefill_incarnation}, this is {incarnation} (did it restart?)",
+            field="prefill_incarnation",
+        )
+    if dest.mode != mode:
+        raise ConflictError(
+            f"the destination of {dest.handoff_id!r} asks for {dest.mode} transfers; this "
+            f"prefill serves {mode} mode only (transfer.mode, set on both sides)",
+            field="mode",
+        )
+    missing = [r for r in dest.pp_ranks if r not in hosted]
+    if missing:
+        raise NotFoundError(
+            f"stage {missing[0]} is not hosted here (hosted: {sorted(hosted)})",
+            field="pp_ranks",
+            pp_rank=missing[0],
+        )
+
+
+def check_destination(dest: DestinationMsg) -> None:
+    """Refuse, naming the field, a destination whose decode side contradicts its mode (an arena
+    on a direct decode, none or page addresses on a landed one) or whose pages or slots lie
+    outside the layout it carries."""
+    layout = dest.decode_layout
+    if dest.mode == "landed":
+        if dest.arena is None:
+            raise InvalidInput(
+                f"the landed destination of {dest.handoff_id!r} names no landing arena",
+                field="arena",
+            )
+        # Compared base by base, not by `address_key`: that is a hash, and this runs per
+        # destination on a layout decoded afresh (its cached hashes are not computed yet).
+        bases = [*(e.base for e in layout.kv), *(s.base for s in layout.state)]
+        if any(bases) or any(a.base for a in layout.aux):
+            raise InvalidInput(
+                f"the landed destination of {dest.handoff_id!r} names page addresses: a landed "
+                "decode publishes none (every base is 0)",
+                field="decode_layout",
+            )
+    elif dest.arena is not None or dest.grants:
+        raise InvalidInput(
+            f"the direct destination of {dest.handoff_id!r} names a landing arena or windows",
+            field="arena" if dest.arena is not None else "grants",
+        )
+    validate_pages_for_layout(layout, dest.dst_pages, dest.slots, side="destination", unique=True)
+
+
+class DecodeLives:
+    """The decode side each decode life named in its first accepted destination (bounded)."""
+
+    def __init__(self, maxsize: int = MAX_PEERS) -> None:
+        self._sides: PeerCache[DecodeSide] = PeerCache(maxsize)
+
+    def pin(self, dest: DestinationMsg) -> None:
+        """Hold `dest`'s decode life to what `dest` names, unless an earlier one named it (call
+        once `dest`, checked by `check_destination`, is accepted)."""
+        key = _life(dest)
+        if self._sides.get(key) is None:
+            self._sides.put(key, _side_of(dest))
+
+    def side(self, dest: DestinationMsg) -> DecodeSide:
+        """What `dest`'s decode life named first (as `dest` says, if that life was forgotten)."""
+        return self._sides.get(_life(dest)) or _side_of(dest)
+
+
+def check_decode_side(dest: DestinationMsg, side: DecodeSide) -> None:
+    """A destination must name the transport target, mode, layout and arena its decode life
+    named, and in landed mode grant only windows inside that arena: otherwise a destination
+    could make this prefill write into any memory of the decode's, or another endpoint's (which
+    may hold memory at the same addresses). Raises naming the field."""
+    if dest.decode_target != side.target:
+        raise ConflictError(
+            f"the destination of {dest.handoff_id!r} names transport target "
+            f"{dest.decode_target!r}, but its decode named {side.target!r}",
+            field="decode_target",
+        )
+    if dest.mode != side.mode:
+        raise ConflictError(
+            f"the destination of {dest.handoff_id!r} names {dest.mode} mode, but its decode "
+            f"serves {side.mode} mode",
+            field="mode",
+        )
+    if dest.decode_layout != side.layout:
+        raise ConflictError(
+            f"the destination of {dest.handoff_id!r} names another layout than its decode life did",
+            field="decode_layout",
+        )
+    if dest.arena != side.arena:
+        raise ConflictError(
+            f"the destination of {dest.handoff_id!r} names another landing arena than its "
+            "decode life did",
+            field="arena",
+        )
+    if side.arena is None:
+        return
+    for grant in dest.grants:
+        if grant.pp_rank not in dest.pp_ranks:
+            raise ConflictError(
+                f"grant {grant.grant_id} is for stage {grant.pp_rank}, which the destination "
+                f"does not name (pp_ranks {dest.pp_ranks})",
+                field="grants",
+            )
+        check_grant(grant, side.arena, grant.pp_rank)
+
+
+def _life(dest: DestinationMsg) -> str:
+    return f"{canonical_url(dest.decode_url)}|{dest.decode_incarnation}"
+
+
+def _side_of(dest: DestinationMsg) -> DecodeSide:
+    return DecodeSide(dest.decode_layout, dest.mode, dest.arena, dest.decode_target)
