@@ -16,10 +16,11 @@ scheduler asks for the prompt's KV and allocates blocks, and whose workers creat
 into them; the prefill's services push the bytes (landed and verified by default). Each side
 reports the request done only once kvhandoff is done with its blocks.
 
-vLLM 0.34 asks three more things of a connector, answered here (0.32 never calls them):
+vLLM 0.34 asks more of a connector, answered here (0.32 never calls these):
 `kv_cache_access` (landed mode never registers vLLM's KV cache: `IN_PROCESS`; direct mode
 registers it with Mooncake: `REGISTERS`), `may_load_async` (only a decode request carrying
-kvhandoff params loads asynchronously), and sleep mode (refused: `supports_sleep_mode`).
+kvhandoff params loads asynchronously), sleep mode (refused: `supports_sleep_mode`), and the
+release of an emptied KV cache's memory (`unregister_kv_caches`: refused in direct mode).
 """
 
 from __future__ import annotations
