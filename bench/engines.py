@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,16 @@ def env_of(backend: str, mode: str, config: Path) -> dict[str, str]:
     return {**env, "MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}
 
 
+async def streamed(r: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """A streamed answer's JSON chunks (its server-sent `data:` lines but `[DONE]`);
+    RuntimeError on an error status."""
+    if r.status != 200:
+        raise RuntimeError(f"{r.url} answered {r.status}: {await r.text()}")
+    async for line in r.content:
+        if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
+            yield json.loads(line[5:])
+
+
 async def timed(
     session: aiohttp.ClientSession, pair: Pair, input_ids: list[int]
 ) -> tuple[float, float]:
@@ -86,12 +97,7 @@ async def timed(
     prefill = asyncio.create_task(to_prefill())
     try:
         async with session.post(f"{pair.decode}/generate", json=payload, timeout=timeout) as r:
-            if r.status != 200:
-                raise RuntimeError(f"decode answered {r.status}: {await r.text()}")
-            async for line in r.content:
-                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
+            async for chunk in streamed(r):
                 finish = chunk.get("meta_info", {}).get("finish_reason") or {}
                 if finish.get("type") == "abort":
                     raise RuntimeError(f"aborted: {finish}")
@@ -105,8 +111,14 @@ async def timed(
     return first - t0, end - t0
 
 
-async def closed_loop(pair: Pair, batch: list[list[int]], concurrency: int) -> dict[str, Any]:
-    """`batch` through the pair, `concurrency` requests in flight at a time."""
+#: One timed PD request: (TTFT, latency) in seconds, given a session, a pair and a prompt.
+Send = Callable[[aiohttp.ClientSession, Any, list[int]], Awaitable[tuple[float, float]]]
+
+
+async def closed_loop(
+    pair: Any, batch: list[list[int]], concurrency: int, send: Send = timed
+) -> dict[str, Any]:
+    """`batch` through the pair by `send`, `concurrency` requests in flight at a time."""
     queue = list(reversed(batch))
     ttft: list[float] = []
     latency: list[float] = []
@@ -115,7 +127,7 @@ async def closed_loop(pair: Pair, batch: list[list[int]], concurrency: int) -> d
 
         async def worker() -> None:
             while queue:
-                t, lat = await timed(session, pair, queue.pop())
+                t, lat = await send(session, pair, queue.pop())
                 ttft.append(t)
                 latency.append(lat)
 
@@ -175,24 +187,39 @@ def start_pairs(work: Path, servers: list[Server]) -> dict[str, Pair]:
     return pairs
 
 
-def measure(pairs: dict[str, Pair], rounds: int) -> list[dict[str, Any]]:
-    """Every backend at every concurrency, `rounds` times, alternating which goes first; the
-    same prompts for both backends in a round, fresh ones each round."""
+def prompts_of(n: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `PROMPT_TOKENS` tokens for the SGLang pairs."""
+    return prompts(n, seed=seed, min_len=PROMPT_TOKENS, max_len=PROMPT_TOKENS)
+
+
+def measure(
+    pairs: dict[str, Any],
+    rounds: int,
+    *,
+    send: Send = timed,
+    batch_of: Callable[[int, int], list[list[int]]] = prompts_of,
+    after_each: Callable[[], None] = lambda: None,
+) -> list[dict[str, Any]]:
+    """Every backend of `pairs` (in its order) at every concurrency, `rounds` times,
+    alternating which goes first; the same prompts (`batch_of(n, seed)`) for every backend in
+    a round, fresh ones each round; `after_each` runs after each closed loop."""
+    backends = tuple(pairs)
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     seed = 1000
     for rnd in range(rounds):
-        order = BACKENDS if rnd % 2 == 0 else tuple(reversed(BACKENDS))
+        order = backends if rnd % 2 == 0 else tuple(reversed(backends))
         for c in CONCURRENCY:
             seed += 1
-            batch = prompts(REQUESTS[c], seed=seed, min_len=PROMPT_TOKENS, max_len=PROMPT_TOKENS)
+            batch = batch_of(REQUESTS[c], seed)
             for backend in order:
-                r = asyncio.run(closed_loop(pairs[backend], batch, c))
+                r = asyncio.run(closed_loop(pairs[backend], batch, c, send))
                 runs.setdefault((backend, c), []).append(r)
+                after_each()
                 print(f"round {rnd} {backend} c={c}: {summary([r])}", flush=True)
     return [
         {"backend": b, "concurrency": c, **summary(runs[(b, c)])}
         for c in CONCURRENCY
-        for b in BACKENDS
+        for b in backends
     ]
 
 
@@ -220,22 +247,33 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "machine": info,
         "model": "the engine tests' seeded tiny Llama (tests/engines/model.py), float32",
-        "prompt_tokens": PROMPT_TOKENS,
-        "new_tokens": NEW_TOKENS,
-        "requests": {str(c): n for c, n in REQUESTS.items()},
-        "rounds": args.rounds,
-        "same_tokens": equal,
+        **run_fields(args.rounds, NEW_TOKENS, equal),
         "start_s": {s.name: s.start_s[-1] for s in servers},
         "rows": rows,
         "wall_s": time.perf_counter() - t_start,
     }
     shutil.rmtree(work)
-    out = Path(args.out)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    md = Path(args.markdown)
-    md.write_text(regenerate(out.parent / "results.json", md.parent))
-    print(f"wrote {out} and {md}")
+    write_run(doc, Path(args.out), Path(args.markdown))
     return 0 if equal else 1
+
+
+def run_fields(rounds: int, new_tokens: int, same_tokens: bool) -> dict[str, Any]:
+    """What a real-server comparison's results say of its requests (the report reads them)."""
+    return {
+        "prompt_tokens": PROMPT_TOKENS,
+        "new_tokens": new_tokens,
+        "requests": {str(c): n for c, n in REQUESTS.items()},
+        "rounds": rounds,
+        "same_tokens": same_tokens,
+    }
+
+
+def write_run(doc: dict[str, Any], out: Path, markdown: Path) -> None:
+    """A comparison's results to `out`, beside the suite's results.json, and the report
+    (`markdown`) regenerated from all of them."""
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    markdown.write_text(regenerate(out.parent / "results.json", markdown.parent))
+    print(f"wrote {out} and {markdown}")
 
 
 if __name__ == "__main__":

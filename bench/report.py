@@ -264,14 +264,13 @@ def _load(r: Mapping[str, Any]) -> str:
 ENGINES_TITLE = "Real SGLang servers: kvhandoff against SGLang's mooncake backend"
 
 
-def _engines(r: Mapping[str, Any]) -> str:
-    """`bench/engines.json` (`make bench-engines`, `bench/engines.py`): its own run."""
-    m = r["machine"]
-    load = m.get("load_avg_at_start")
+def _versus(r: Mapping[str, Any], native: str) -> list[list[str]]:
+    """A real-server comparison's table rows: each concurrency's latency, TTFT and
+    requests/s of kvhandoff and of the engine's `native` backend, and their ratio."""
     rows = {(x["backend"], x["concurrency"]): x for x in r["rows"]}
     body = []
     for c in sorted({c for _, c in rows}):
-        k, n = rows.get(("kvhandoff", c)), rows.get(("mooncake", c))
+        k, n = rows.get(("kvhandoff", c)), rows.get((native, c))
         if k is None or n is None:
             continue
         for label, key, digits in (
@@ -289,7 +288,19 @@ def _engines(r: Mapping[str, Any]) -> str:
                 [num(c), label, num(float(k[key]), digits), num(float(n[key]), digits),
                  ratio(_div(float(k[key]), float(n[key])))]
             )  # fmt: skip
-    starts = ", ".join(f"{name} {num(float(s))} s" for name, s in r["start_s"].items())
+    return body
+
+
+def _starts(r: Mapping[str, Any]) -> str:
+    return ", ".join(f"{name} {num(float(s))} s" for name, s in r["start_s"].items())
+
+
+def _engines(r: Mapping[str, Any]) -> str:
+    """`bench/engines.json` (`make bench-engines`, `bench/engines.py`): its own run."""
+    m = r["machine"]
+    load = m.get("load_avg_at_start")
+    body = _versus(r, "mooncake")
+    starts = _starts(r)
     return (
         f"Measured at commit `{m.get('commit')}` on {m.get('at')}, in a run of its own "
         f"(`make bench-engines`, {num(float(r['wall_s']))} s"
@@ -310,6 +321,72 @@ def _engines(r: Mapping[str, Any]) -> str:
         f"creation, notices, commit) far more than its data path. Start-up: {starts}.\n\n"
         + table(["concurrency", "", "kvhandoff", "mooncake", "kvhandoff ÷ mooncake"], body)
     )
+
+
+VLLM_TITLE = "Real vLLM servers: kvhandoff's connector against vLLM's NixlConnector"
+
+
+def _vllm_verdict(r: Mapping[str, Any]) -> str:
+    """What the run says, ratio by ratio, with how far load moved while it ran."""
+    rows = {(x["backend"], x["concurrency"]): x for x in r["rows"]}
+    parts = []
+    for c in sorted({c for _, c in rows}):
+        k, n = rows.get(("kvhandoff", c)), rows.get(("nixl", c))
+        if k is None or n is None:
+            continue
+        lat, rps = _div(k["p50_ms"], n["p50_ms"]), _div(k["req_per_s"], n["req_per_s"])
+        ttft = _div(k["ttft_p50_ms"], n["ttft_p50_ms"])
+        if lat is None or rps is None or ttft is None:
+            continue
+        if max(abs(lat - 1), abs(rps - 1)) <= 0.1:
+            word = "on par with NixlConnector (within 10% in latency p50 and requests/s)"
+        elif lat < 1 and rps > 1:
+            word = "faster than NixlConnector"
+        elif lat > 1 and rps < 1:
+            word = "slower than NixlConnector"
+        else:
+            word = "mixed against NixlConnector"
+        parts.append(
+            f"at concurrency {c} kvhandoff is {word}: latency p50 {ratio(lat)}, TTFT p50 "
+            f"{ratio(ttft)}, requests/s {ratio(rps)}"
+        )
+    load = [float(x) for x in r.get("load_avg_1min", [])]
+    said = "; ".join(parts) or "no concurrency has both backends' figures"
+    spread = (
+        f" The 1-minute load average was {num(min(load))} to {num(max(load))} during the run "
+        f"({len(load)} samples: at the start, after the token check and after each closed "
+        f"loop) on {r['machine'].get('cpus')} CPUs that the servers share with each other and "
+        "with other work: the ratios are rough, and one run does not rank ratios near 1."
+        if load
+        else ""
+    )
+    return said[0].upper() + said[1:] + "." + spread
+
+
+def _vllm(r: Mapping[str, Any]) -> str:
+    """`bench/vllm.json` (`make bench-vllm`, `bench/vllm.py`): its own run."""
+    m = r["machine"]
+    kv = int(r["prompt_tokens"]) * int(r["kv_bytes_per_token"])
+    return (
+        f"Measured at commit `{m.get('commit')}` on {m.get('at')}, in a run of its own "
+        f"(`make bench-vllm`, {num(float(r['wall_s']))} s). {m.get('vllm')} OpenAI servers on "
+        f"CPU (the vLLM tests' flags: `--enforce-eager`, bfloat16, block size 32), {r['model']}; "
+        "two PD pairs up at once on the same machine: prefill and decode over kvhandoff's "
+        "`KVHandoffConnector` (landed mode, Mooncake TCP on loopback) and over vLLM's own "
+        "`NixlConnector` (`kv_buffer_device` cpu). Both answered the same prompts with "
+        + ("the same tokens" if r["same_tokens"] else "**different tokens**")
+        + f". Requests of {num(r['prompt_tokens'])} prompt tokens and {num(r['new_tokens'])} "
+        "new tokens (greedy, `ignore_eos`), sent as vLLM's PD proxy sends them (the prefill "
+        "with `do_remote_decode`, then the decode with its `kv_transfer_params`, streamed); "
+        f"{num(r['rounds'])} rounds alternating which backend goes first, each concurrency a "
+        "closed loop (the table's `requests` per backend over all rounds). Latency and TTFT run "
+        "from the send to the prefill. p99 of so few requests is close to their maximum. A "
+        f"request's KV is {_kib(kv)}: the figures compare each connector's per-request control "
+        f"path far more than its data path. Start-up: {_starts(r)}.\n\n"
+        + table(["concurrency", "", "kvhandoff", "NixlConnector", "kvhandoff ÷ Nixl"],
+                _versus(r, "nixl"))
+        + f"\n\nVerdict: {_vllm_verdict(r)}"
+    )  # fmt: skip
 
 
 SECTION_TEXT: dict[str, tuple[str, Callable[[Mapping[str, Any]], str]]] = {
@@ -400,10 +477,11 @@ def render(
     *,
     base: Path,
     engines: Mapping[str, Any] | None = None,
+    vllm: Mapping[str, Any] | None = None,
 ) -> str:
     """BENCHMARKS.md for `doc`; `plots` maps a section to its PNG, linked relative to `base`
-    (the directory the report is written to); `engines`, the real-server comparison's own
-    results (`engines_beside`), is its last section."""
+    (the directory the report is written to); `engines` and `vllm`, the real-server
+    comparisons' own results (`engines_beside`, `vllm_beside`), are its last sections."""
     m = doc["machine"]
     software = ", ".join(
         str(v) for v in (f"Python {m.get('python')}", m.get("torch"), m.get("numpy"),
@@ -448,6 +526,8 @@ def render(
         parts += ["", f"<sub>{num(float(section['wall_s']))} s</sub>"]
     if engines is not None:
         parts += ["", f"## {ENGINES_TITLE}", "", _engines(engines)]
+    if vllm is not None:
+        parts += ["", f"## {VLLM_TITLE}", "", _vllm(vllm)]
     return "\n".join(parts) + "\n"
 
 
@@ -505,13 +585,21 @@ def regenerate(results: Path, base: Path) -> str:
     """The report of a results file, linking the plots found beside it, for a report written
     in `base`."""
     doc = json.loads(results.read_text())
-    engines = engines_beside(results.parent)
-    return render(doc, plots_beside(results, doc), base=base.resolve(), engines=engines)
+    engines, vllm = engines_beside(results.parent), vllm_beside(results.parent)
+    return render(doc, plots_beside(results, doc), base=base.resolve(), engines=engines, vllm=vllm)
 
 
 def engines_beside(out_dir: Path) -> dict[str, Any] | None:
     """The results of `make bench-engines` in `out_dir` (`engines.json`), if it ran."""
-    path = out_dir / "engines.json"
+    return _beside(out_dir / "engines.json")
+
+
+def vllm_beside(out_dir: Path) -> dict[str, Any] | None:
+    """The results of `make bench-vllm` in `out_dir` (`vllm.json`), if it ran."""
+    return _beside(out_dir / "vllm.json")
+
+
+def _beside(path: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     doc: dict[str, Any] = json.loads(path.read_text())

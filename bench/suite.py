@@ -273,8 +273,11 @@ def run(args: argparse.Namespace) -> int:
 
         plots = p.render_all(doc, out)
     markdown = Path(args.markdown)
-    engines = report.engines_beside(out)  # `make bench-engines` runs on its own
-    markdown.write_text(report.render(doc, plots, base=markdown.parent.resolve(), engines=engines))
+    # `make bench-engines` and `make bench-vllm` run on their own
+    engines, vllm = report.engines_beside(out), report.vllm_beside(out)
+    markdown.write_text(
+        report.render(doc, plots, base=markdown.parent.resolve(), engines=engines, vllm=vllm)
+    )
     failed = [n for n, s in doc["sections"].items() if not s["ok"]]
     print(f"bench: {doc['wall_s']:.0f} s; wrote {results}, {out / 'results.csv'}, {markdown}")
     for name in failed:

@@ -4,12 +4,12 @@ reference tokens; and each server's start time, shown in the summary."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +20,15 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 import vllm  # noqa: F401  -- fails the run (not skips it) outside `make vllm-env`
 
 from tests.vllm import models
-from tests.vllm.servers import ROOT, Server, engine_env, generate, start_server
+from tests.vllm.servers import (
+    ROOT,
+    Server,
+    engine_env,
+    generate,
+    kvhandoff_transfer_config,
+    start_server,
+    write_kvhandoff_toml,
+)
 
 #: Tokens each request generates after its prompt.
 MAX_TOKENS = 16
@@ -96,40 +104,29 @@ def servers() -> Iterator[list[Server]]:
             server.stop()
 
 
-def connector_config(kv_role: str, config: Path) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "KVHandoffConnector",
-            "kv_connector_module_path": "service.integrations.vllm.connector",
-            "kv_role": kv_role,
-            "kv_connector_extra_config": {"config": str(config)},
-        }
-    )
-
-
 @pytest.fixture(scope="session")
 def kvhandoff_toml(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every server's kvhandoff settings: loopback, a peer silent for 15 s is lost (a
-    loaded 2-core machine starves an engine for seconds)."""
-    workdir = tmp_path_factory.mktemp("kvhandoff")
-    path = workdir / "kvhandoff.toml"
-    path.write_text(
-        f'[server]\nhost = "127.0.0.1"\nstate_dir = "{workdir / "state"}"\n'
-        f'[auth]\npeer = "{SECRET}"\n[transport]\nhostname = "127.0.0.1"\n'
-        f"[handoff]\ndefault_deadline_s = {DEADLINE_S}\nheartbeat_interval_s = 1.0\n"
-        "peer_timeout_s = 15.0\n"
+    return write_kvhandoff_toml(
+        tmp_path_factory.mktemp("kvhandoff"), secret=SECRET, deadline_s=DEADLINE_S
     )
-    return path
 
 
 def kvhandoff_server(
-    name: str, kv_role: str, model: Path, logs: Path, toml: Path, extra_args: list[str] = ()
+    name: str,
+    kv_role: str,
+    model: Path,
+    logs: Path,
+    toml: Path,
+    extra_args: list[str] = (),
+    settings: dict[str, Any] | None = None,
 ) -> Server:
-    """A server running the connector; a decode with the test-only fault on its path."""
+    """A server running the connector (`settings`: overrides of `toml`); a decode with the
+    test-only faults on its path."""
     env = None
     if kv_role == "kv_consumer":
         env = engine_env(PYTHONPATH=os.pathsep.join((str(FAULTS), str(ROOT))))
-    args = ["--kv-transfer-config", connector_config(kv_role, toml), *extra_args]
+    config = kvhandoff_transfer_config(kv_role, toml, settings)
+    args = ["--kv-transfer-config", config, *extra_args]
     return started(start_server(name, model, logs, extra_args=args, env=env))
 
 

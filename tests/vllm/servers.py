@@ -96,6 +96,50 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+def kvhandoff_transfer_config(
+    kv_role: str, config: Path, settings: dict[str, Any] | None = None
+) -> str:
+    """`--kv-transfer-config` of an engine running the kvhandoff connector (`config`: the
+    kvhandoff TOML file, `write_kvhandoff_toml`; `settings`: dotted overrides of it)."""
+    extra: dict[str, Any] = {"config": str(config)}
+    if settings:
+        extra["settings"] = settings
+    return json.dumps(
+        {
+            "kv_connector": "KVHandoffConnector",
+            "kv_connector_module_path": "service.integrations.vllm.connector",
+            "kv_role": kv_role,
+            "kv_connector_extra_config": extra,
+        }
+    )
+
+
+def write_kvhandoff_toml(workdir: Path, *, secret: str, deadline_s: float) -> Path:
+    """Every kvhandoff engine's settings: loopback, the peer secret, `deadline_s` for a
+    handoff (how long a prefill keeps blocks nobody asks for), and a peer silent for 15 s is
+    lost (a loaded 2-core machine starves an engine for seconds)."""
+    path = workdir / "kvhandoff.toml"
+    path.write_text(
+        f'[server]\nhost = "127.0.0.1"\nstate_dir = "{workdir / "state"}"\n'
+        f'[auth]\npeer = "{secret}"\n[transport]\nhostname = "127.0.0.1"\n'
+        f"[handoff]\ndefault_deadline_s = {deadline_s}\nheartbeat_interval_s = 1.0\n"
+        "peer_timeout_s = 15.0\n"
+    )
+    return path
+
+
+def nixl_server(name: str, model: Path, logs: Path) -> Server:
+    """A NixlConnector engine (vLLM's own, the baseline) over host memory, its side channel
+    on a free port of its own."""
+    config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    env = engine_env(
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port())
+    )
+    return start_server(
+        name, model, logs, extra_args=["--kv-transfer-config", json.dumps(config)], env=env
+    )
+
+
 def start_server(
     name: str,
     model: Path,
@@ -185,6 +229,17 @@ def generate(server: Server, prompt: list[int], max_tokens: int) -> list[int]:
     return tokens_of(server, post(server, "/v1/completions", completion_body(prompt, max_tokens)))
 
 
+def prefill_body(prompt: list[int], **extra: Any) -> dict[str, Any]:
+    """The PD proxy's request to the prefill (vLLM's PD example): compute the prompt and one
+    token, and keep its KV for a remote decode (`do_remote_decode`)."""
+    first = completion_body(prompt, 1)
+    first["kv_transfer_params"] = {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    }  # fmt: skip
+    return {**first, **extra}
+
+
 def pd_request(
     prefill: Server,
     decode: Server,
@@ -200,23 +255,15 @@ def pd_request(
     KV and generates every token. Returns the tokens and the params the prefill answered.
     `request_id`: the id the prefill names the request with (vLLM adds a prefix and suffix);
     `cache_salt`: both engines' prefix caches keep its blocks apart from every other's."""
-    first = completion_body(prompt, 1)
+    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+    first = prefill_body(prompt, **salt)
     if request_id is not None:
         first["request_id"] = request_id
-    if cache_salt is not None:
-        first["cache_salt"] = cache_salt
-    first["kv_transfer_params"] = {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None,
-    }  # fmt: skip
     answer = post(prefill, "/v1/completions", first)
     params = answer.get("kv_transfer_params")
     if not params:
         raise prefill.fail(f"no kv_transfer_params in the prefill's answer: {answer}")
-    second = completion_body(prompt, max_tokens)
-    second["kv_transfer_params"] = params
-    if cache_salt is not None:
-        second["cache_salt"] = cache_salt
+    second = {**completion_body(prompt, max_tokens), "kv_transfer_params": params, **salt}
     return tokens_of(decode, post(decode, "/v1/completions", second)), params
 
 

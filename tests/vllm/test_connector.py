@@ -7,6 +7,7 @@ recomputes or fails a failed load as its policy says. The start-up refusals by n
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 from service.integrations.vllm.connector import KVHandoffConnector
 from service.integrations.vllm.layouts import Unsupported, state_component
 from service.integrations.vllm.metadata import PARAMS_KEY, ServiceHandshake, StepMeta
+from service.integrations.vllm.settings import ConnectorSettings
+from service.integrations.vllm.worker import WorkerHalf
 from tests.vllm import models
 
 BLOCKS = 64
@@ -356,3 +359,67 @@ def test_params_name_every_prefill_worker_by_tp_rank_then_pp_stage(llama: Path) 
         sched.connector.set_xfer_handshake_metadata_pp_aware(
             {key: ServiceHandshake(u) for key, u in urls.items() if key != (1, 0)}
         )
+
+
+# -- vLLM 0.34's additions, against 0.32's classes (0.32 never calls them) ------------------------
+
+
+def test_may_load_async_only_for_a_decode_request_with_kvhandoff_params(llama: Path) -> None:
+    """What 0.34 asks at every queueing agrees with what `get_num_new_matched_tokens` then
+    does with the request (a load in the background, or none)."""
+    decode = scheduler(llama, "kv_consumer")
+    params = remote_params(llama)
+    nixl = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "e"}
+    cases = {"kvhandoff": (params, True), "nixl": (nixl, False), "plain": ({}, False)}
+    for name, (raw, expected) in cases.items():
+        req = request(f"d-{name}", PROMPT, 3, dict(raw))
+        assert decode.connector.may_load_async(req) is expected, name
+        _, load_async = decode.connector.get_num_new_matched_tokens(req, 0)
+        assert load_async is expected, name
+    prefill = scheduler(llama, "kv_producer")
+    assert not prefill.connector.may_load_async(request("p-x", PROMPT, 3, dict(params)))
+
+
+def transfer_config(tmp_path: Path, **settings: Any) -> KVTransferConfig:
+    toml = tmp_path / "kvhandoff.toml"
+    toml.write_text(f'[server]\nstate_dir = "{tmp_path}"\n[auth]\npeer = "{"s" * 32}"\n')
+    return KVTransferConfig(
+        kv_connector="KVHandoffConnector",
+        kv_connector_module_path="service.integrations.vllm.connector",
+        kv_role="kv_consumer",
+        kv_connector_extra_config={"config": str(toml), "settings": settings},
+    )
+
+
+def test_kv_cache_access_says_whether_vllms_kv_cache_is_registered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """0.34's `KVCacheAccess` flags (absent from 0.32: its members by name here): landed mode
+    registers only kvhandoff's own buffers, direct mode registers vLLM's KV cache."""
+    from service.integrations.vllm import connector
+
+    flags = enum.IntFlag("KVCacheAccess", ["REGISTERS", "EXPORTS_FD"])
+    monkeypatch.setattr(connector, "KVCacheAccess", flags)
+    monkeypatch.setattr(flags, "IN_PROCESS", flags(0), raising=False)
+    landed = KVHandoffConnector.kv_cache_access(transfer_config(tmp_path))
+    direct = KVHandoffConnector.kv_cache_access(
+        transfer_config(tmp_path, **{"transfer.mode": "direct"})
+    )
+    assert landed == flags(0) and direct == flags.REGISTERS
+    assert KVHandoffConnector.supports_sleep_mode(transfer_config(tmp_path)) is False
+
+
+def test_releasing_the_kv_cache_is_refused_by_name_only_where_mooncake_registered_it(
+    llama: Path,
+) -> None:
+    conn = construct(vllm_config(llama, "kv_consumer"))
+    conn.unregister_kv_caches()  # the scheduler's half holds no memory
+    conn.worker = WorkerHalf(
+        ConnectorSettings(), None, role="decode", tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+        env={},
+    )  # fmt: skip
+    conn.unregister_kv_caches()  # landed: nothing of vLLM's is registered
+    conn.restore_kv_caches()
+    conn.worker.direct = True
+    with pytest.raises(Unsupported, match="direct mode"):
+        conn.unregister_kv_caches()

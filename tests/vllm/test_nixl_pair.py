@@ -3,26 +3,14 @@ connector is compared with (same models, same proxy requests, same reference tok
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from tests.vllm.conftest import MAX_TOKENS, prompts, started
-from tests.vllm.servers import Server, engine_env, free_port, generate_pd, start_server
+from tests.vllm.servers import Server, generate_pd, nixl_server
 
 pytestmark = pytest.mark.engine
-
-
-def nixl_server(name: str, model: Path, logs: Path) -> Server:
-    """A NixlConnector engine over host memory, its side channel on a free port of its own."""
-    config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-    env = engine_env(
-        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port())
-    )
-    return start_server(
-        name, model, logs, extra_args=["--kv-transfer-config", json.dumps(config)], env=env
-    )
 
 
 def test_nixl_pair_equals_single_engine(

@@ -1,4 +1,4 @@
-"""`KVHandoffConnector`: kvhandoff as a vLLM KV connector (V1 API, vLLM 0.32).
+"""`KVHandoffConnector`: kvhandoff as a vLLM KV connector (V1 API, vLLM 0.32 and 0.34).
 
 Loaded by vLLM from `--kv-transfer-config '{"kv_connector": "KVHandoffConnector",
 "kv_connector_module_path": "service.integrations.vllm.connector", "kv_role":
@@ -15,6 +15,12 @@ prefill's workers signal the blocks ready; the proxy passes the params to the de
 scheduler asks for the prompt's KV and allocates blocks, and whose workers create the handoff
 into them; the prefill's services push the bytes (landed and verified by default). Each side
 reports the request done only once kvhandoff is done with its blocks.
+
+vLLM 0.34 asks more of a connector, answered here (0.32 never calls these):
+`kv_cache_access` (landed mode never registers vLLM's KV cache: `IN_PROCESS`; direct mode
+registers it with Mooncake: `REGISTERS`), `may_load_async` (only a decode request carrying
+kvhandoff params loads asynchronously), sleep mode (refused: `supports_sleep_mode`), and the
+release of an emptied KV cache's memory (`unregister_kv_caches`: refused in direct mode).
 """
 
 from __future__ import annotations
@@ -30,11 +36,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from service.integrations.vllm.layouts import Unsupported
 from service.integrations.vllm.metadata import StepMeta
 from service.integrations.vllm.scheduler import SchedulerHalf
-from service.integrations.vllm.settings import connector_settings
+from service.integrations.vllm.settings import connector_settings, transfer_mode
 from service.integrations.vllm.support import refuse_unsupported, service_role
 from service.integrations.vllm.worker import WorkerHalf
+
+try:  # vLLM 0.34: how a connector's workers reach the KV cache
+    from vllm.config.kv_transfer import KVCacheAccess
+except ImportError:  # vLLM 0.32 does not ask
+    KVCacheAccess = None
 
 log = logging.getLogger("kvhandoff.vllm")
 
@@ -72,6 +84,24 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
             )
 
     @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34: how the workers reach vLLM's KV cache. In landed mode (the default)
+        only kvhandoff's own landing arena or staging buffer is registered with Mooncake;
+        vLLM's blocks are read and written by copies inside the worker process
+        (`IN_PROCESS`). In direct mode the KV cache itself is registered with Mooncake
+        (`REGISTERS`: RDMA needs each segment backed by one physical allocation)."""
+        settings = connector_settings(kv_transfer_config.kv_connector_extra_config)
+        direct = transfer_mode(settings, os.environ) == "direct"
+        return KVCacheAccess.REGISTERS if direct else KVCacheAccess.IN_PROCESS
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.34: no. Sleep releases and remaps the KV cache, which the worker's service
+        holds views of (and, in direct mode, a Mooncake registration of); it neither gives
+        them up nor takes them again. vLLM refuses `--enable-sleep-mode` on this answer."""
+        return False
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         """A layer-compact layout: each layer's blocks one contiguous pool (`layouts.py`)."""
         model = vllm_config.model_config
@@ -99,6 +129,11 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request: Any) -> None:
         self._sched().new_request(request)
+
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34, at every queueing of a request: whether `get_num_new_matched_tokens`
+        may load it asynchronously."""
+        return self._sched().may_load(request)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -159,6 +194,22 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, received, _ = self._work().results(finished_req_ids)
         return sending, received
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.34, before it releases an emptied KV cache's memory (a weight update; sleep
+        is refused). Landed mode registered none of it, and vLLM keeps its virtual range, so
+        the service's views stay valid; a direct-mode registration would point at released
+        memory, so that update is refused by name."""
+        if self.worker is not None and self.worker.direct:
+            raise Unsupported(
+                "releasing the KV cache's memory (a weight update) under the kvhandoff "
+                "connector in direct mode: Mooncake holds a registration of it"
+            )
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.34, after the memory `unregister_kv_caches` let go is back: nothing to
+        redo (landed mode registered none of it)."""
+        return
 
     def shutdown(self) -> None:
         if self.worker is not None:

