@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.engines import PROMPT_TOKENS, measure, run_fields, streamed, write_run
-from service.tools.bench.suite import machine
+from bench.suite import machine
 from tests.vllm import models
 from tests.vllm.servers import (
     Server,

@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,7 +146,7 @@ def start_server(
     model: Path,
     logs: Path,
     *,
-    extra_args: list[str] = (),
+    extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
 ) -> Server:
     """Start a server and wait until it answers /v1/models; a server that exits or does not
