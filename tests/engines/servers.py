@@ -196,11 +196,13 @@ class Server:
                 n *= int(self.args[self.args.index(flag) + 1])
         return n
 
-    def start(self) -> None:
-        paths = [*self.extra_path, STUBS, SGLANG_STUBS, ROOT, os.environ.get("PYTHONPATH", "")]
+    def environment(self, inherited: dict[str, str]) -> dict[str, str]:
+        """The server's environment: `inherited` without its `KVHANDOFF_*` variables, what
+        SGLang's CPU path needs, then `env`."""
+        paths = [*self.extra_path, STUBS, SGLANG_STUBS, ROOT, inherited.get("PYTHONPATH", "")]
         cpus = sorted(os.sched_getaffinity(0))
-        env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("KVHANDOFF_")},
+        return {
+            **{k: v for k, v in inherited.items() if not k.startswith("KVHANDOFF_")},
             "PYTHONPATH": os.pathsep.join(str(p) for p in paths if str(p)),
             "SGLANG_USE_CPU_ENGINE": "1",
             "HF_HUB_OFFLINE": "1",
@@ -209,6 +211,9 @@ class Server:
             "SGLANG_CPU_OMP_THREADS_BIND": "|".join([f"{cpus[0]}-{cpus[-1]}"] * self.ranks),
             **self.env,
         }
+
+    def start(self) -> None:
+        env = self.environment(dict(os.environ))
         with self.log.open("ab") as log:
             log.write(f"\n=== {' '.join(self.argv())}\n".encode())
             log.flush()
