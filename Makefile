@@ -38,7 +38,7 @@ APT_UPDATE = waited=0; \
 .PHONY: setup apt-lists test-tools test test-unit device-check device-kit npu-device-check \
 	npu-device-kit lint fmt typecheck docs docs-setup demo bench bench-setup \
 	bench-report soak bench-plan bench-transport bench-events bench-webhooks fuzz reliability \
-	clean image-setup image image-test sglang-env test-sglang test-engines test-engines-tp2 \
+	clean image-setup image image-test sglang-env test-sglang test-engines \
 	bench-engines vllm-env test-vllm test-vllm-tp2 bench-vllm
 
 setup: $(STAMP)
@@ -124,14 +124,10 @@ test-vllm-tp2: vllm-env
 	TEST_VLLM_TP2=1 $(VLLM_PY) -m pytest -c tests/vllm/pytest.ini tests/vllm/test_tp2.py
 
 # Real SGLang servers over kvhandoff on CPU (tests/engines): every case's PD tokens against a
-# single server's, servers started once per configuration, one at a time.
+# single server's, servers started once per configuration, one at a time; the TP 2 pair last,
+# alone.
 test-engines: sglang-env
 	$(SGLANG_PY) -m pytest -c tests/engines/pytest.ini tests/engines
-
-# Equal TP 2 on real SGLang servers (a prefill and a decode of two ranks each): opt-in, not in
-# `make test` (their start-up alone exceeds the engine suite's bound on 2 cores).
-test-engines-tp2: sglang-env
-	KVHANDOFF_ENGINE_TP2=1 $(SGLANG_PY) -m pytest -c tests/engines/pytest.ini tests/engines/test_tp2.py
 
 # Real SGLang servers over kvhandoff against SGLang's own mooncake backend, same model, same
 # machine, same run (bench/engines.py): bench/engines.json and its BENCHMARKS.md section.

@@ -305,7 +305,8 @@ def _engines(r: Mapping[str, Any]) -> str:
         f"Measured at commit `{m.get('commit')}` on {m.get('at')}, in a run of its own "
         f"(`make bench-engines`, {num(float(r['wall_s']))} s"
         + (f"; load average {', '.join(num(x) for x in load)} at the start" if load else "")
-        + "). SGLang 0.5.23 `launch_server` on CPU (the engine tests' flags), "
+        + "). SGLang 0.5.23 `launch_server` on CPU (the engine tests' flags, "
+        "`--sleep-on-idle` among them: an idle server no longer busy-polls a core), "
         f"{r['model']}; two PD pairs up at once on the same machine: prefill and decode over "
         "kvhandoff (landed mode, Mooncake TCP on loopback) and over SGLang's own `mooncake` "
         "backend (Mooncake TCP on loopback; a bench-only hook turns off its pinned page "

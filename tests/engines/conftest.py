@@ -1,12 +1,14 @@
 """Real SGLang servers over kvhandoff on CPU: the model, the servers, the reference tokens.
 
-Each server configuration is a session fixture, started once (sequentially: the servers share
-a 2-core machine) when a test first needs it and stopped at the session's end. One decode
-serves every prefill (SGLang's decode finds each request's prefill by its bootstrap
-address): a PP 1 prefill with chunked prefill, and a PP 2 prefill (their command lines:
-`servers.SERVERS`). The decode has the radix cache on and the fault hook on its PYTHONPATH
-(active only for the rooms it names). A failure case kills the PP 1 prefill and starts it again
-on its own ports (`Servers.restart`); the session's summary prints each server's start-up time.
+Each server configuration is started once, when a test first needs it (a pair's prefill and
+decode together), and stopped at the session's end. One decode serves
+every prefill (SGLang's decode finds each request's prefill by its bootstrap address): a PP 1
+prefill with chunked prefill, and a PP 2 prefill (their command lines: `servers.SERVERS`). The
+decode has the radix cache on and the fault hook on its PYTHONPATH (active only for the rooms
+it names). A failure case kills the PP 1 prefill and starts it again on its own ports
+(`Servers.restart`). The TP 2 pair runs last and alone (`alone` tests: every other server is
+stopped first, so at most one server set is up); the single server's tokens it is compared
+with are asked before. The session's summary prints each server's start-up times.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import sglang  # noqa: F401  -- fails the run (not skips it) outside `make sglang-env`
 
 FAULTS = Path(__file__).resolve().parent / "faults"
+#: Servers with the fault hook on their PYTHONPATH (active only for the rooms it names).
+FAULT_HOOKED = frozenset({"decode"})
 T = TypeVar("T")
 
 
@@ -77,23 +81,47 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(f"engine server {server.name}: healthy after {times}")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`alone` tests last: they stop every server the others use."""
+    items.sort(key=lambda item: item.get_closest_marker("alone") is not None)
+
+
 class Servers:
-    """Starts the session's servers one at a time and stops them all at its end."""
+    """The session's servers by name: started when a case first needs them (a pair's two
+    together), stopped all at the session's end."""
 
     def __init__(self, workdir: Path, model: Path, config: Path) -> None:
         self.workdir, self.model, self.config = workdir, model, config
-        self.started: list[Server] = []
+        self.by_name: dict[str, Server] = {}
 
-    def start(self, name: str, **kw: Any) -> Server:
-        """Start the server `name` of `SERVERS` (its arguments and environment there)."""
-        args, env = SERVERS[name]
-        env = {**kvhandoff_env(self.config), **env, **kw.pop("env", {})}
-        server = Server(name, self.model, self.workdir, args, env=env, **kw)
-        self.started.append(server)
-        STARTED.append(server)
-        server.start()
-        server.wait_healthy()
+    def launch(self, name: str) -> Server:
+        """Start the server `name` of `SERVERS` (its arguments and environment there; the
+        decode's fault hook) without waiting for it; again on its own ports if it was
+        stopped."""
+        server = self.by_name.get(name)
+        if server is None:
+            args, env = SERVERS[name]
+            env = {**kvhandoff_env(self.config), **env}
+            hooks = [FAULTS] if name in FAULT_HOOKED else []
+            server = Server(name, self.model, self.workdir, args, env=env, extra_path=hooks)
+            self.by_name[name] = server
+            STARTED.append(server)
+        if server.proc is None:
+            server.start()
         return server
+
+    def start(self, name: str) -> Server:
+        """The server `name`, up and healthy."""
+        (server,) = self.up(name)
+        return server
+
+    def up(self, *names: str) -> list[Server]:
+        """The servers `names`, up and healthy: those not running start together (a start is
+        mostly single-threaded imports and warm-up, so two overlap on two cores)."""
+        started = [self.launch(name) for name in names]
+        for server in started:
+            server.wait_healthy()
+        return started
 
     def restart(self, server: Server) -> None:
         """Start a killed server again on its own ports (its clients' addresses hold)."""
@@ -101,7 +129,7 @@ class Servers:
         server.wait_healthy()
 
     def stop_all(self) -> None:
-        for server in reversed(self.started):
+        for server in reversed(self.by_name.values()):
             server.stop()
 
 
@@ -115,14 +143,8 @@ def servers(workdir: Path, model: Path, kvhandoff_config: Path) -> Iterator[Serv
 
 
 @pytest.fixture(scope="session")
-def single_server(servers: Servers) -> Server:
-    """The reference: one plain server, no disaggregation."""
-    return servers.start("single")
-
-
-@pytest.fixture(scope="session")
 def decode(servers: Servers) -> Server:
-    return servers.start("decode", extra_path=[FAULTS])
+    return servers.start("decode")
 
 
 @pytest.fixture(scope="session")
@@ -148,7 +170,8 @@ def prefill_pp2(servers: Servers) -> Server:
 
 
 @pytest.fixture(scope="session")
-def pair(prefill: Server, decode: Server) -> Pair:
+def pair(servers: Servers) -> Pair:
+    prefill, decode = servers.up("prefill", "decode")
     return Pair(prefill.url, prefill.bootstrap_port, decode.url)
 
 
@@ -158,20 +181,20 @@ def pair_pp2(prefill_pp2: Server, decode: Server) -> Pair:
 
 
 class Reference:
-    """The single server's tokens per prompt, asked once per prompt."""
+    """The single server's tokens per prompt, asked once per prompt (the server is started
+    when a prompt is first missing)."""
 
-    def __init__(self, server: Server) -> None:
-        self.server = server
+    def __init__(self, servers: Servers) -> None:
+        self.servers = servers
         self.tokens: dict[tuple[int, ...], list[int]] = {}
 
     def of(self, batch: list[list[int]]) -> list[list[int]]:
         missing = [p for p in batch if tuple(p) not in self.tokens]
         if missing:
+            url = self.servers.start("single").url
 
             async def ask(session: aiohttp.ClientSession) -> list[list[int]]:
-                return list(
-                    await asyncio.gather(*(single(session, self.server.url, p) for p in missing))
-                )
+                return list(await asyncio.gather(*(single(session, url, p) for p in missing)))
 
             for p, out in zip(missing, run(ask), strict=True):
                 self.tokens[tuple(p)] = out
@@ -179,8 +202,8 @@ class Reference:
 
 
 @pytest.fixture(scope="session")
-def reference(single_server: Server) -> Reference:
-    return Reference(single_server)
+def reference(servers: Servers) -> Reference:
+    return Reference(servers)
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,9 @@ Each server is `python -m sglang.launch_server` on SGLang's CPU path (`LAUNCH` b
 flags the README shows), in its own process group so a teardown or a test's SIGKILL reaches
 its scheduler, detokenizer and PP/TP children too. Its output goes to a log file that a failed
 start prints. The start-up timeout is a liveness bound (a 2-core machine shared with other
-work), not a performance assertion.
+work), not a performance assertion. A server's environment is the caller's without any
+`KVHANDOFF_*` variable (kvhandoff reads each as a config override: a caller's variable would
+change, or break, every rank's settings), plus what `Server.env` names.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = Path(__file__).resolve().parent / "stubs"
 SGLANG_STUBS = ROOT / "tests" / "sglang" / "stubs"  # torchvision, as for tests/sglang
-#: SGLang's CPU path with torch-native kernels, float32, prompts as token ids.
+#: SGLang's CPU path with torch-native kernels, float32, prompts as token ids. An idle
+#: scheduler polls its sockets in a busy loop, a whole core per server, unless it sleeps on idle
+#: (measured: 0.95 CPU-seconds a second idle, 0.0 with the flag): without it the servers a
+#: session keeps up starve whichever one is working or starting.
 LAUNCH = [
     "--device",
     "cpu",
@@ -35,6 +40,7 @@ LAUNCH = [
     "--dtype",
     "float32",
     "--skip-tokenizer-init",
+    "--sleep-on-idle",
 ]
 #: What a PD server adds: the kvhandoff backend; the decode's retraction backup in a CPU tensor
 #: (the default host pool pins memory through CUDA).
@@ -67,8 +73,8 @@ def decode_args(*extra: str) -> list[str]:
 EARLY_SEND_OFF = {"SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}
 #: What each of the tests' servers adds to `LAUNCH`, and to its environment, by name: the
 #: launch lines docs/guides/sglang/support.md shows (tests/unit/test_docs.py compares them).
-#: The PP 1 prefill is chunked; the decode keeps a radix cache; the TP 2 pair is opt-in
-#: (`test_tp2.py`).
+#: The PP 1 prefill is chunked; the decode keeps a radix cache; the TP 2 pair runs alone, once
+#: the others are stopped (`test_tp2.py`).
 SERVERS: dict[str, tuple[list[str], dict[str, str]]] = {
     "single": (["--max-total-tokens", "4096"], {}),
     "decode": (decode_args("--disaggregation-decode-enable-radix-cache"), {}),
@@ -79,7 +85,7 @@ SERVERS: dict[str, tuple[list[str], dict[str, str]]] = {
     "decode-tp2": (decode_args("--tp-size", "2"), {"KVHANDOFF_SERVER__STATE_DIR": "state-tp2"}),
     "prefill-tp2": (prefill_args("--tp-size", "2"), {**EARLY_SEND_OFF}),
 }
-START_TIMEOUT_S = 1200.0
+START_TIMEOUT_S = 600.0
 PEER_SECRET = "engine-tests-peer-secret"
 #: kvhandoff's deadline for a handoff (a decode-only request fails at it).
 DEADLINE_S = 90.0
@@ -157,6 +163,9 @@ class Server:
     proc: subprocess.Popen[bytes] | None = None
     #: Seconds each start took until healthy (reported at the session's end).
     start_s: list[float] = field(default_factory=list)
+    #: Its latest start answered `/health` (`wait_healthy` returns at once).
+    healthy: bool = False
+    _started_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.port = self.port or free_port(span=8)
@@ -187,11 +196,13 @@ class Server:
                 n *= int(self.args[self.args.index(flag) + 1])
         return n
 
-    def start(self) -> None:
-        paths = [*self.extra_path, STUBS, SGLANG_STUBS, ROOT, os.environ.get("PYTHONPATH", "")]
+    def environment(self, inherited: dict[str, str]) -> dict[str, str]:
+        """The server's environment: `inherited` without its `KVHANDOFF_*` variables, what
+        SGLang's CPU path needs, then `env`."""
+        paths = [*self.extra_path, STUBS, SGLANG_STUBS, ROOT, inherited.get("PYTHONPATH", "")]
         cpus = sorted(os.sched_getaffinity(0))
-        env = {
-            **os.environ,
+        return {
+            **{k: v for k, v in inherited.items() if not k.startswith("KVHANDOFF_")},
             "PYTHONPATH": os.pathsep.join(str(p) for p in paths if str(p)),
             "SGLANG_USE_CPU_ENGINE": "1",
             "HF_HUB_OFFLINE": "1",
@@ -200,9 +211,14 @@ class Server:
             "SGLANG_CPU_OMP_THREADS_BIND": "|".join([f"{cpus[0]}-{cpus[-1]}"] * self.ranks),
             **self.env,
         }
+
+    def start(self) -> None:
+        env = self.environment(dict(os.environ))
         with self.log.open("ab") as log:
             log.write(f"\n=== {' '.join(self.argv())}\n".encode())
             log.flush()
+            self._started_at = time.monotonic()
+            self.healthy = False
             self.proc = subprocess.Popen(
                 self.argv(),
                 env=env,
@@ -214,9 +230,11 @@ class Server:
 
     def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Returns once `/health` answers 200 (SGLang's warm-up done); raises with the log's
-        tail if the process exits or the bound passes first."""
+        tail if the process exits or the bound, counted from `start`, passes first."""
         assert self.proc is not None
-        t0 = time.monotonic()
+        if self.healthy:
+            return
+        t0 = self._started_at
         until = t0 + timeout_s
         while time.monotonic() < until:
             if self.proc.poll() is not None:
@@ -225,6 +243,7 @@ class Server:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
                         self.start_s.append(time.monotonic() - t0)
+                        self.healthy = True
                         return
             except (urllib.error.URLError, OSError):
                 pass

@@ -8,13 +8,18 @@ disconnect or a prefill's SIGKILL lands while the request's bytes move. What kvh
 read from its API (`tests/engines/handoffs.py`): a handoff ended means terminal and released
 (no lease left), and a settled service has none in flight. The cases run in this order, on the
 session's servers (the killed prefill is started again on its own ports); the page-reuse case
-counts the killed prefill's failures among those whose pages must be reused.
+counts the killed prefill's failures among those whose pages must be reused, and the requests
+that fail by deadline are sent when the killed-prefill case starts, so their deadline runs out
+while that case (and its prefill's restart) runs, not as a wait of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
@@ -37,6 +42,7 @@ from tests.engines.handoffs import (
     ended,
     service_urls,
     settled,
+    view,
     wait_view,
 )
 from tests.engines.servers import DEADLINE_S, Server
@@ -55,6 +61,37 @@ def failed_rooms() -> dict[str, list[int]]:
     return {"abort": [], "deadline": [], "killed stage": []}
 
 
+class DeadlineRequests:
+    """Requests sent to the decode alone through the PP 2 prefill's address (which no case
+    kills): the prefill never hears of them, so their handoffs can only reach their deadline.
+    They run on a thread (and event loop) of their own, across cases: `sent` is the
+    requests' outcomes (each Failed, or the tokens of one that wrongly completed)."""
+
+    def __init__(self, pair: Pair, pool: ThreadPoolExecutor) -> None:
+        batch = prompts(2, seed=31, min_len=LONG, max_len=LONG)
+        self.rooms = [next_room() for _ in batch]
+
+        async def send(session: aiohttp.ClientSession) -> list[Any]:
+            return list(
+                await asyncio.gather(
+                    *(
+                        pd(session, pair, p, room=r, decode_only=True)
+                        for p, r in zip(batch, self.rooms, strict=True)
+                    ),
+                    return_exceptions=True,
+                )
+            )
+
+        self.sent: Future[list[Any]] = pool.submit(run, send)
+
+
+@pytest.fixture(scope="module")
+def deadline_requests(pair_pp2: Pair) -> Iterator[DeadlineRequests]:
+    """Sent when a case first asks (the killed-prefill case), for the page-reuse case."""
+    with ThreadPoolExecutor(1) as pool:
+        yield DeadlineRequests(pair_pp2, pool)
+
+
 def committed_segments(v: dict[str, Any]) -> int:
     return sum(1 for e in v.get("timeline", []) if e["type"] == "stage.segment_committed")
 
@@ -62,6 +99,21 @@ def committed_segments(v: dict[str, Any]) -> int:
 def moving(v: dict[str, Any]) -> bool:
     """Some of its bytes are committed (or it ended: the caller's assertion says which)."""
     return committed_segments(v) > 0 or v["state"] in TERMINAL
+
+
+async def first_moving(
+    session: aiohttp.ClientSession, decode_api: str, rooms: list[int], timeout_s: float
+) -> dict[str, Any]:
+    """The view of the first of the rooms' handoffs found transferring with some of its bytes
+    committed; AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for r in rooms:
+            v = await view(session, decode_api, r)
+            if v is not None and v["state"] == "transferring" and committed_segments(v) > 0:
+                return v
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"none of rooms {rooms} moved within {timeout_s:.0f} s")
 
 
 async def disconnect_mid_transfer(
@@ -114,6 +166,7 @@ def test_a_killed_prefill_fails_its_requests_naming_the_stage_then_serves_after_
     decode_api: str,
     reference: Reference,
     failed_rooms: dict[str, list[int]],
+    deadline_requests: DeadlineRequests,
 ) -> None:
     """SIGKILL the PP 1 prefill (every process of it) while its requests' bytes move; the PP 2
     prefill's requests, in flight at the same time into the same decode, are untouched."""
@@ -129,29 +182,39 @@ def test_a_killed_prefill_fails_its_requests_naming_the_stage_then_serves_after_
             for p, r in zip(doomed, rooms, strict=True)
         ]
         others = asyncio.gather(*(pd(session, pair_pp2, p) for p in bystanders))
-        at_kill = await wait_view(session, decode_api, rooms[0], moving, 180.0)
+        at_kill = await first_moving(session, decode_api, rooms, 180.0)
         await asyncio.to_thread(prefill.kill)
         outcomes = await asyncio.gather(*sent, return_exceptions=True)
         untouched = await others
         restart = asyncio.create_task(asyncio.to_thread(servers.restart, prefill))
-        finals = [await wait_view(session, decode_api, r, ended, RELEASE_BOUND_S) for r in rooms]
+        # A doomed request the decode had not yet made a handoff for has none: its create
+        # was refused (the client's answer says so below).
+        finals = [
+            None
+            if await view(session, decode_api, r) is None
+            else await wait_view(session, decode_api, r, ended, RELEASE_BOUND_S)
+            for r in rooms
+        ]
         await restart
         after = list(await asyncio.gather(*(pd(session, pair, p) for p in nxt)))
         return at_kill, outcomes, untouched, finals, after
 
     at_kill, outcomes, untouched, finals, after = run(go)
-    assert at_kill["state"] == "transferring", at_kill  # killed mid-transfer
     expected = reference.of(doomed)
     failures = 0
     for room, out, want, final in zip(rooms, outcomes, expected, finals, strict=True):
         if isinstance(out, list):  # all its bytes had landed: it completed, and right
-            assert final["state"] == "completed", final
+            assert final is not None and final["state"] == "completed", final
             assert out == want, room
             continue
         failures += 1
+        assert isinstance(out, Failed), out
+        if final is None:  # refused before a handoff existed, naming the peer
+            assert "create refused" in out.text, out.text
+            assert any(u in out.text for u in killed_urls), out.text
+            continue
         failed_rooms["killed stage"].append(room)
         # The client is told which handoff failed and where; kvhandoff's record says the same.
-        assert isinstance(out, Failed), out
         assert handoff_id(room) in out.text, out.text
         assert final["state"] == "failed", final
         error = final["error"]
@@ -160,7 +223,7 @@ def test_a_killed_prefill_fails_its_requests_naming_the_stage_then_serves_after_
             u in error["reason"] for u in killed_urls
         )
         assert names_stage or names_peer, error
-    assert failures >= 1, finals  # the first was cut off mid-transfer
+    assert failures >= 1, (at_kill, finals)  # the one moving at the kill was cut off
     assert untouched == reference.of(bystanders)
     assert after == reference.of(nxt)
 
@@ -172,13 +235,13 @@ def test_pages_that_failed_requests_freed_serve_others_with_the_right_tokens(
     decode_records: Records,
     reference: Reference,
     failed_rooms: dict[str, list[int]],
+    deadline_requests: DeadlineRequests,
 ) -> None:
     """Requests fail by abort (the client gone mid-transfer) and by deadline (the prefill never
-    hears of them) while waves of others run through both prefills; the waves go on until the
-    decode has given pages of each cause's failed requests (the killed prefill's too, from the
-    case above) to requests that then completed. Every request that completed answered the
-    single server's tokens."""
-    deadline_prompts = prompts(2, seed=31, min_len=LONG, max_len=LONG)
+    hears of them; sent since the case above) while waves of others run through both
+    prefills; the waves go on until the decode has given pages of each cause's failed
+    requests (the killed prefill's too, from the case above) to requests that then completed.
+    Every request that completed answered the single server's tokens."""
     abort_prompts = prompts(2, seed=32, min_len=LONG, max_len=LONG)
     good_rooms: list[int] = []
     wave_size, max_waves = 16, 12
@@ -213,15 +276,9 @@ def test_pages_that_failed_requests_freed_serve_others_with_the_right_tokens(
         good_rooms.extend(rooms)
         assert list(got) == await asyncio.to_thread(reference.of, batch), seed
 
-    async def go(session: aiohttp.ClientSession) -> tuple[Any, ...]:
-        deadline_rooms = [next_room() for _ in deadline_prompts]
-        timed_out = asyncio.gather(
-            *(
-                pd(session, pair, p, room=r, decode_only=True)
-                for p, r in zip(deadline_prompts, deadline_rooms, strict=True)
-            ),
-            return_exceptions=True,
-        )
+    deadline_rooms = deadline_requests.rooms
+
+    async def go(session: aiohttp.ClientSession) -> list[int]:
         seed = 100
         await wave(session, seed)
         abort_rooms = []
@@ -234,7 +291,7 @@ def test_pages_that_failed_requests_freed_serve_others_with_the_right_tokens(
             assert cut["state"] == "transferring", cut
             abort_rooms.append(room)
         failed_rooms["abort"] += abort_rooms
-        while not timed_out.done():  # others keep taking pages until the deadline passes
+        while not deadline_requests.sent.done():  # others take pages until the deadline
             await wave(session, seed := seed + 1)
         failed_rooms["deadline"] += deadline_rooms
         for r in [*deadline_rooms, *abort_rooms]:
@@ -244,9 +301,10 @@ def test_pages_that_failed_requests_freed_serve_others_with_the_right_tokens(
             await wave(session, seed := seed + 1)
             waves += 1
         await settled(session, [decode_api], 60.0)
-        return await timed_out, deadline_rooms, abort_rooms
+        return abort_rooms
 
-    timed_out, deadline_rooms, abort_rooms = run(go)
+    abort_rooms = run(go)
+    timed_out = deadline_requests.sent.result(timeout=RELEASE_BOUND_S)
     for room, out in zip(deadline_rooms, timed_out, strict=True):
         assert isinstance(out, Failed), out
         assert handoff_id(room) in out.text and "deadline" in out.text, out.text

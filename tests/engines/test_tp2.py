@@ -1,14 +1,13 @@
 """Equal TP 2: a prefill of TP 2 into a decode of TP 2 answers the single server's tokens (each
 prefill rank's handoff lands in its own decode rank).
 
-Opt-in (`KVHANDOFF_ENGINE_TP2=1`, `make test-engines-tp2`), not in `make test`: its two
-servers are four scheduler processes more on a 2-core machine, and their start-up alone
-exceeds this suite's time bound there (docs/guides/sglang/support.md has the measured times).
+Its two servers are four scheduler processes: they run alone, after every other case, once the
+session's other servers are stopped (`alone`), and start together. The reference is the TP 1
+single server's tokens, asked before it stops (prompts whose greedy continuation has no
+near-tie answer the same tokens whatever the TP size sums the heads in).
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -16,16 +15,14 @@ from tests.engines.client import Pair
 from tests.engines.conftest import Reference, Servers
 from tests.engines.test_pd import pd_tokens
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("KVHANDOFF_ENGINE_TP2") != "1",
-    reason="TP 2 servers are opt-in: KVHANDOFF_ENGINE_TP2=1 (make test-engines-tp2)",
-)
+pytestmark = pytest.mark.alone
 
 
 @pytest.fixture(scope="module")
-def pair_tp2(servers: Servers) -> Pair:
-    decode = servers.start("decode-tp2")
-    prefill = servers.start("prefill-tp2")
+def pair_tp2(servers: Servers, reference: Reference, mixed_prompts: list[list[int]]) -> Pair:
+    reference.of(mixed_prompts)
+    servers.stop_all()
+    decode, prefill = servers.up("decode-tp2", "prefill-tp2")
     return Pair(prefill.url, prefill.bootstrap_port, decode.url)
 
 
