@@ -3,9 +3,12 @@
 PYTHONPATH, never installed and never a product flag).
 
 `install` wraps kvhandoff's decode commit (`pipelines.decode.landing.Landing`) for the handoffs
-its predicates pick: a *corrupted* handoff's first committed segment has the sign bit of every
-value of one of its KV pages flipped (the same page in every layer's K and V) after the commit
-verified its digest, so its tokens must differ from the single engine's (the negative control);
+its predicates pick: every segment committed to a *corrupted* handoff has the sign bit of every
+value of each of its KV pages flipped (in every layer's K and V) after the commit verified its
+digest, so its tokens must differ from the single engine's (the negative control). The whole
+prompt's KV, not one page: SGLang's CPU pages hold one token each, and one token's KV flipped
+did not always change a greedy answer (one full run of tests/engines saw all three of its
+corrupted prompts answer the single server's tokens);
 a *slow* handoff's landed segments are each held `slow_s` before their commit (an await: the
 service's loop runs on), so the failure cases can act while its transfer is under way. Other
 handoffs are untouched.
@@ -14,7 +17,6 @@ handoffs are untouched.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -34,8 +36,6 @@ def install(
     """Wrap the decode's commits: `corrupt(handoff_id)` and `slow(handoff_id)` pick the
     handoffs; `value_bytes` is the KV dtype's size (little-endian: a value's last byte holds its
     sign bit)."""
-    done: set[str] = set()
-    lock = threading.Lock()
     commit = landing.Landing._copy_check_commit
     commit_segment = landing.Landing.commit
 
@@ -48,16 +48,12 @@ def install(
         ok: bool = commit(self, pairing, pieces, h, *args)
         if not ok or not corrupt(h.id):
             return ok
-        with lock:
-            if h.id in done:
-                return ok
-            done.add(h.id)
         side = destination_side(pairing, self._memory, h.dst_pages, h.request.slots)
         placeholder = np.zeros(int(args[1]), dtype=np.uint8)  # the views slice it; never read
         rows = pieces.rows.tolist()
         for row, (pages, idx, _) in zip(rows, piece_views(pairing, side, pieces, placeholder)):
             if row < pairing.num_kv_pairs:
-                pages[int(idx[0]), value_bytes - 1 :: value_bytes] ^= 0x80
+                pages[idx, value_bytes - 1 :: value_bytes] ^= 0x80
         return ok
 
     landing.Landing._copy_check_commit = corrupting_commit  # type: ignore[method-assign]

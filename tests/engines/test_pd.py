@@ -2,7 +2,7 @@
 
 Every case compares the decode's output token ids with the single server's for the same
 prompts (`Reference`), so a byte moved to the wrong layer, page or request shows as a token.
-The negative control shows that comparison fails when one committed page is corrupted.
+The negative control shows that comparison fails when committed KV is corrupted.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_pp1_prefill_with_chunks_answers_the_single_server_s_tokens(
 
 
 def test_a_corrupted_page_changes_the_tokens(pair: Pair, reference: Reference) -> None:
-    """The negative control: the decode's fault hook flips one committed page of these rooms
+    """The negative control: the decode's fault hook flips every committed KV page of these rooms
     (and no other), so the comparison every other case relies on must fail here. Fresh
     prompts (a prefix the decode's radix cache holds would not be sent at all), each starting
     with a marker no other prompt has (the radix cache keeps the corrupted page, and would

@@ -121,7 +121,7 @@ def test_kvhandoff_pair_equals_single_engine(
 def test_a_corrupted_page_changes_the_tokens(
     pair: tuple[Server, Server], llama_reference: dict[tuple[int, ...], list[int]]
 ) -> None:
-    """The negative control: the decode's fault flips one committed page of these requests
+    """The negative control: the decode's fault flips every committed KV page of these requests
     after verification; the tokens must differ from the single engine's."""
     prefill, decode = pair
     for n, prompt in enumerate(prompts()):

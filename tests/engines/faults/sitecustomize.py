@@ -1,9 +1,9 @@
 """The SGLang engine tests' decode faults (`tests/commit_faults.py`): for a request whose
-bootstrap room is in `CORRUPT_ROOMS`, one KV page corrupted after its commit verified it (the
-negative control); for a room in `SLOW_ROOMS`, every landed segment held `SLOW_COMMIT_S`
-before its commit (the failure cases). On the decode servers' PYTHONPATH only
-(`tests/engines/conftest.py`): Python imports `sitecustomize` at start-up in every process of the
-server. Other rooms are untouched.
+bootstrap room is in `CORRUPT_ROOMS`, the KV of every committed segment is corrupted after its
+commit verified it (the negative control); for a room in `SLOW_ROOMS`, every landed segment is
+held `SLOW_COMMIT_S` before its commit (the failure cases). On the decode servers' PYTHONPATH
+only (`tests/engines/conftest.py`): Python imports `sitecustomize` at start-up in every process
+of the server. Other rooms are untouched.
 """
 
 from __future__ import annotations

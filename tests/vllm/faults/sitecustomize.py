@@ -3,11 +3,11 @@ in the server's log.
 
 On the decode server's PYTHONPATH only (`tests/vllm/test_kvhandoff_pair.py`): Python imports
 `sitecustomize` at start-up in every process of the server. A handoff whose id holds
-`CORRUPT_MARK` (the proxy's request id names it) gets one KV page corrupted after its commit
-verified it (the negative control); one whose id holds `SLOW_MARK` has every landed segment held
-`SLOW_COMMIT_S` before its commit (the failure cases). Other handoffs are untouched. The
-connector's INFO log (each worker's service URL) goes to the server's output, where the tests
-read the decode's kvhandoff API address.
+`CORRUPT_MARK` (the proxy's request id names it) has the KV of every committed segment corrupted
+after its commit verified it (the negative control); one whose id holds `SLOW_MARK` has every
+landed segment held `SLOW_COMMIT_S` before its commit (the failure cases). Other handoffs are
+untouched. The connector's INFO log (each worker's service URL) goes to the server's output,
+where the tests read the decode's kvhandoff API address.
 """
 
 from __future__ import annotations
