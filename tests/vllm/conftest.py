@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from tests.vllm.servers import (
     engine_env,
     generate,
     kvhandoff_transfer_config,
+    metric_total,
     start_server,
     write_kvhandoff_toml,
 )
@@ -132,13 +132,7 @@ def kvhandoff_server(
 
 def sent_bytes(service: str) -> float:
     """What the prefill worker's kvhandoff service says its stage wrote (its /metrics)."""
-    with urllib.request.urlopen(f"{service}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("kvhandoff_stage_sent_bytes_total")
-    )
+    return metric_total(service, "kvhandoff_stage_sent_bytes_total")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

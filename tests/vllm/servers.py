@@ -271,3 +271,15 @@ def pd_request(
 def generate_pd(prefill: Server, decode: Server, prompt: list[int], max_tokens: int) -> list[int]:
     """A PD pair's tokens for `prompt` (`pd_request`)."""
     return pd_request(prefill, decode, prompt, max_tokens)[0]
+
+
+def metric_total(base_url: str, name: str) -> float:
+    """The sum of every sample of the Prometheus metric `name` (all its labels) that
+    `base_url/metrics` answers."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ")
+    )

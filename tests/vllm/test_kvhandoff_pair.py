@@ -23,8 +23,6 @@ import random
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,6 +45,7 @@ from tests.vllm.servers import (
     REQUEST_TIMEOUT_S,
     Server,
     completion_body,
+    metric_total,
     pd_request,
     post,
     post_status,
@@ -216,13 +215,7 @@ def test_a_killed_prefill_fails_its_requests_and_the_decode_serves_the_next(
 
 def kv_cache_usage(server: Server) -> float:
     """vLLM's own gauge of the share of its KV blocks in use (its /metrics)."""
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:kv_cache_usage_perc")
-    )
+    return metric_total(server.url, "vllm:kv_cache_usage_perc")
 
 
 def test_a_prefill_no_decode_asks_for_keeps_its_blocks_until_the_deadline(
