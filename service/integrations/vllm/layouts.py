@@ -30,7 +30,7 @@ layers by their global index, so stages pair with the decode by id.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipelines.errors import LayoutError
 from pipelines.layout import layout_from_flat_lists
@@ -144,43 +144,16 @@ def rank_layout(
     over the caches vLLM registers: KV entries group-major by layer id, then one Mamba page
     entry per state layer. Unsupported names the layer whose cache does not fit."""
     page_size = check_groups(kv_cache_config)
-    num_blocks = int(kv_cache_config.num_blocks)
-    spec_of = {
-        name: group.kv_cache_spec
-        for group in transfer_groups(kv_cache_config)
-        for name in group.layer_names
-    }
-    group_of = {
-        name: g
-        for g, group in enumerate(transfer_groups(kv_cache_config))
-        for name in group.layer_names
-    }
-    missing = sorted(set(spec_of) - set(kv_caches))
-    if missing:
-        raise Unsupported(f"register_kv_caches gave no cache for layer {missing[0]!r}")
-    kv: dict[int, tuple[int, int, int]] = {}  # layer -> (ptr, nbytes, item_len)
-    state: list[tuple[int, int, int, int]] = []  # (layer, ptr, nbytes, item_len)
-    components: list[str] = []
-    dtypes: set[str] = set()
-    for name in sorted(spec_of, key=layer_index):
-        spec, cache = spec_of[name], kv_caches[name]
-        pages = _pages(name, cache, spec, num_blocks)
-        if type(spec).__name__ in ATTENTION_SPECS:
-            kv[layer_index(name)] = pages
-            dtypes.add(str(spec.dtype))
-        else:
-            state.append((layer_index(name), *pages))
-            components.append(state_component(group_of[name]))
-    if len(dtypes) > 1:
-        raise Unsupported(f"attention layers of dtypes {sorted(dtypes)}: a layout has one dtype")
-    layers = list(kv)
-    flat = [kv[layer] for layer in layers]
+    pages = _layer_pages(kv_caches, kv_cache_config)
+    layers = list(pages.kv)
+    flat = [pages.kv[layer] for layer in layers]
+    state = pages.state
     try:
         layout = layout_from_flat_lists(
             pp_rank=pp_rank,
             pp_size=pp_size,
             page_size=page_size,
-            dtype=dtypes.pop() if dtypes else "",
+            dtype=pages.dtype,
             kv_data_ptrs=[p for p, _, _ in flat],
             kv_data_lens=[n for _, n, _ in flat],
             kv_item_lens=[i for _, _, i in flat],
@@ -190,12 +163,50 @@ def rank_layout(
             state_item_lens=[i for _, _, _, i in state],
             state_layer_ids=[layer for layer, _, _, _ in state],
             state_kinds=[MAMBA_COMPONENT] * len(state),
-            state_components=components,
+            state_components=pages.components,
         )
     except LayoutError as exc:
         raise Unsupported(f"vLLM's KV caches do not make a kvhandoff layout: {exc}") from exc
     buffers = [(p, n) for p, n, _ in flat] + [(p, n) for _, p, n, _ in state]
     return RankLayout(layout, buffers, [device] * len(buffers))
+
+
+class _LayerPages(NamedTuple):
+    """Each transferred layer's blocks, as `_layer_pages` found them in vLLM's caches."""
+
+    #: attention layer id -> (address, bytes, page bytes), in layer order
+    kv: dict[int, tuple[int, int, int]]
+    #: (layer id, address, bytes, page bytes) of each Mamba layer, in layer order
+    state: list[tuple[int, int, int, int]]
+    #: each Mamba layer's state component (its group's, `state_component`)
+    components: list[str]
+    #: the attention layers' one dtype ("" without attention layers)
+    dtype: str
+
+
+def _layer_pages(kv_caches: Mapping[str, Any], kv_cache_config: Any) -> _LayerPages:
+    """The blocks of every layer of the transfer groups, in layer order. Unsupported names a
+    layer vLLM gave no cache for, or attention layers of several dtypes."""
+    num_blocks = int(kv_cache_config.num_blocks)
+    groups = transfer_groups(kv_cache_config)
+    group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+    missing = sorted(set(group_of) - set(kv_caches))
+    if missing:
+        raise Unsupported(f"register_kv_caches gave no cache for layer {missing[0]!r}")
+    out = _LayerPages({}, [], [], "")
+    dtypes: set[str] = set()
+    for name in sorted(group_of, key=layer_index):
+        spec = groups[group_of[name]].kv_cache_spec
+        pages = _pages(name, kv_caches[name], spec, num_blocks)
+        if type(spec).__name__ in ATTENTION_SPECS:
+            out.kv[layer_index(name)] = pages
+            dtypes.add(str(spec.dtype))
+        else:
+            out.state.append((layer_index(name), *pages))
+            out.components.append(state_component(group_of[name]))
+    if len(dtypes) > 1:
+        raise Unsupported(f"attention layers of dtypes {sorted(dtypes)}: a layout has one dtype")
+    return out._replace(dtype=dtypes.pop() if dtypes else "")
 
 
 def _pages(name: str, cache: Any, spec: Any, num_blocks: int) -> tuple[int, int, int]:
