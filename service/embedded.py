@@ -40,6 +40,8 @@ from pipelines.slots import RequestSlots
 from pipelines.urls import ServiceUrl
 from service.config import Config, ConfigError
 from service.http.problems import NotReady, invalid_value
+from service.observability.loop_stalls import LoopStalls
+from service.observability.metrics import METRICS
 from service.runtime.roles import RUNTIME, DecodeRuntime, PrefillRuntime, RuntimeBase
 from service.runtime.stages import Buffers, EngineStage, unplaced_layout
 from service.serve import SHUTDOWN_TIMEOUT_S, Server, serve, service_with
@@ -104,6 +106,8 @@ class EmbeddedService:
         self._stopping: asyncio.Event | None = None
         self._server: Server | None = None
         self._started: concurrent.futures.Future[Server] = concurrent.futures.Future()
+        #: How long the service's loop could not run (`kvhandoff_embedded_loop_stall_*`).
+        self.stalls: LoopStalls | None = None
         self._finished: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     # ----------------------------------------------------------------- lifecycle
@@ -366,10 +370,19 @@ class EmbeddedService:
         self._stopping = asyncio.Event()
         # The same service as `kvhandoff serve`, the same role assembly, over the engine's buffers.
         async with serve(self._config, [service_with(self._buffers)]) as server:
+            # The engine process runs this loop only when the OS runs the process and the
+            # engine's threads let go of the GIL: how long it could not is a metric (and a
+            # warning past a second), so a peer's timeout can be told from a dead peer.
+            self.stalls = LoopStalls(server.app[METRICS].registry)
+            ticker = asyncio.create_task(self.stalls.run(), name="kvhandoff-loop-stalls")
             self._started.set_result(server)
-            # Leaving serve() closes the pipelines: live handoffs are aborted (no write can
-            # land in the engine's buffers afterwards), then the buffers are unregistered.
-            await self._stopping.wait()
+            try:
+                # Leaving serve() closes the pipelines: live handoffs are aborted (no write can
+                # land in the engine's buffers afterwards), then the buffers are unregistered.
+                await self._stopping.wait()
+            finally:
+                ticker.cancel()
+                await asyncio.wait([ticker])
 
     def _cancel_start(self) -> None:
         """Start-up hangs (e.g. an unreachable Mooncake metadata server): cancel and let go."""

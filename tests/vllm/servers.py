@@ -115,16 +115,25 @@ def kvhandoff_transfer_config(
     )
 
 
+#: How long an engine's kvhandoff service may go unanswering here before its peers give up on
+#: it: the servers run under `nice -n 19` on 2 cores shared with other work, and the OS then
+#: leaves a worker process unrun for seconds (the loop-stall probe measured stalls of 2.4 s
+#: with the whole process using 2 ms of CPU, at load 16). One bound for the heartbeats
+#: (`handoff.peer_timeout_s`) and for each peer call (`peers.request_timeout_s`): a call that
+#: gave up sooner than the heartbeats failed a live peer's handoff (#32's `peer_timeout`).
+PEER_SILENCE_S = 15.0
+
+
 def write_kvhandoff_toml(workdir: Path, *, secret: str, deadline_s: float) -> Path:
     """Every kvhandoff engine's settings: loopback, the peer secret, `deadline_s` for a
-    handoff (how long a prefill keeps blocks nobody asks for), and a peer silent for 15 s is
-    lost (a loaded 2-core machine starves an engine for seconds)."""
+    handoff (how long a prefill keeps blocks nobody asks for), and a peer silent for
+    `PEER_SILENCE_S` is lost, not sooner."""
     path = workdir / "kvhandoff.toml"
     path.write_text(
         f'[server]\nhost = "127.0.0.1"\nstate_dir = "{workdir / "state"}"\n'
         f'[auth]\npeer = "{secret}"\n[transport]\nhostname = "127.0.0.1"\n'
         f"[handoff]\ndefault_deadline_s = {deadline_s}\nheartbeat_interval_s = 1.0\n"
-        "peer_timeout_s = 15.0\n"
+        f"peer_timeout_s = {PEER_SILENCE_S}\n[peers]\nrequest_timeout_s = {PEER_SILENCE_S}\n"
     )
     return path
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -317,6 +318,27 @@ def test_stop_is_idempotent_and_ends_the_thread(tmp_path: Path) -> None:
         _ = svc.url
     with pytest.raises(RuntimeError, match="starts once"):
         svc.start()
+
+
+def test_a_stall_of_the_service_loop_is_on_its_metrics(tmp_path: Path) -> None:
+    """The loop-stall probe runs on the embedded loop: a second the loop could not run (here a
+    blocking call on it) shows on `/metrics`, as an operator reads it."""
+    svc = EmbeddedService(make_config(tmp_path, "decode")).start()
+    try:
+        assert svc._loop is not None and svc.stalls is not None
+        svc._loop.call_soon_threadsafe(time.sleep, 1.0)
+        deadline = time.monotonic() + 10
+        while svc.stalls.longest_s < 0.9 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with urllib.request.urlopen(f"{svc.url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        (line,) = [
+            x for x in text.splitlines() if x.startswith("kvhandoff_embedded_loop_stall_max")
+        ]
+        assert 0.9 <= float(line.split()[-1]) < 5.0
+        assert 'kvhandoff_embedded_loop_stall_seconds_bucket{le="0.5"}' in text
+    finally:
+        svc.stop()
 
 
 def test_wrong_buffers_fail_at_start_naming_stage_and_entry(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ from tests.commit_faults import install
 
 CORRUPT_MARK = "corrupt-kv"
 SLOW_MARK = "slow-kv"
-#: Below the prefill's peer request timeout (5 s), which the held segment notice must not reach.
+#: Below the prefill's peer request timeout (`servers.PEER_SILENCE_S`), which the held segment
+#: notice must not reach.
 SLOW_COMMIT_S = 3.0
 
 # The test engines' KV is bfloat16.
