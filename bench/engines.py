@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -71,11 +72,22 @@ def env_of(backend: str, mode: str, config: Path) -> dict[str, str]:
     return {**env, "MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}
 
 
+class RequestFailed(RuntimeError):
+    """A request its pair answered without its tokens: counted by `closed_loop`, not fatal.
+    `cause` is a short label to count by (a kvhandoff handoff's error code where the decode's
+    record gives one), the message the detail."""
+
+    def __init__(self, detail: str, *, cause: str) -> None:
+        super().__init__(detail)
+        self.cause = cause
+
+
 async def streamed(r: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
     """A streamed answer's JSON chunks (its server-sent `data:` lines but `[DONE]`);
-    RuntimeError on an error status."""
+    RequestFailed on an error status."""
     if r.status != 200:
-        raise RuntimeError(f"{r.url} answered {r.status}: {await r.text()}")
+        text = (await r.text())[:500]
+        raise RequestFailed(f"{r.url} answered {r.status}: {text}", cause=f"http_{r.status}")
     async for line in r.content:
         if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
             yield json.loads(line[5:])
@@ -100,14 +112,14 @@ async def timed(
             async for chunk in streamed(r):
                 finish = chunk.get("meta_info", {}).get("finish_reason") or {}
                 if finish.get("type") == "abort":
-                    raise RuntimeError(f"aborted: {finish}")
+                    raise RequestFailed(f"aborted: {finish}", cause="aborted")
                 if first is None and chunk.get("output_ids"):
                     first = time.perf_counter()
         end = time.perf_counter()
     finally:
         await prefill
     if first is None:
-        raise RuntimeError("the decode streamed no token")
+        raise RequestFailed("the decode streamed no token", cause="no_tokens")
     return first - t0, end - t0
 
 
@@ -118,23 +130,34 @@ Send = Callable[[aiohttp.ClientSession, Any, list[int]], Awaitable[tuple[float, 
 async def closed_loop(
     pair: Any, batch: list[list[int]], concurrency: int, send: Send = timed
 ) -> dict[str, Any]:
-    """`batch` through the pair by `send`, `concurrency` requests in flight at a time."""
+    """`batch` through the pair by `send`, `concurrency` requests in flight at a time. A
+    request that fails (RequestFailed, a broken connection, a timeout) is recorded in
+    `failures` ({"cause", "detail"}) and its worker goes on with the next."""
     queue = list(reversed(batch))
     ttft: list[float] = []
     latency: list[float] = []
+    failures: list[dict[str, str]] = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def worker() -> None:
             while queue:
-                t, lat = await send(session, pair, queue.pop())
+                try:
+                    t, lat = await send(session, pair, queue.pop())
+                except RequestFailed as exc:
+                    failures.append({"cause": exc.cause, "detail": str(exc)})
+                    continue
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    detail = f"{type(exc).__name__}: {exc}"
+                    failures.append({"cause": "connection", "detail": detail})
+                    continue
                 ttft.append(t)
                 latency.append(lat)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    return {"ttft_s": ttft, "latency_s": latency, "wall_s": wall}
+    return {"ttft_s": ttft, "latency_s": latency, "failures": failures, "wall_s": wall}
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -143,14 +166,19 @@ def quantile(xs: list[float], q: float) -> float:
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Closed loops' figures: percentiles over the completed requests (None without any),
+    requests/s of completed requests, and the failed ones counted by cause beside them."""
     ttft = [x for r in runs for x in r["ttft_s"]]
     lat = [x for r in runs for x in r["latency_s"]]
+    causes = Counter(f["cause"] for r in runs for f in r.get("failures", ()))
     return {
         "requests": len(lat),
-        "p50_ms": 1e3 * statistics.median(lat),
-        "p99_ms": 1e3 * quantile(lat, 0.99),
-        "ttft_p50_ms": 1e3 * statistics.median(ttft),
-        "ttft_p99_ms": 1e3 * quantile(ttft, 0.99),
+        "failed": sum(causes.values()),
+        "failed_by_cause": dict(sorted(causes.items())),
+        "p50_ms": 1e3 * statistics.median(lat) if lat else None,
+        "p99_ms": 1e3 * quantile(lat, 0.99) if lat else None,
+        "ttft_p50_ms": 1e3 * statistics.median(ttft) if ttft else None,
+        "ttft_p99_ms": 1e3 * quantile(ttft, 0.99) if ttft else None,
         "req_per_s": len(lat) / sum(r["wall_s"] for r in runs),
     }
 
@@ -202,7 +230,9 @@ def measure(
 ) -> list[dict[str, Any]]:
     """Every backend of `pairs` (in its order) at every concurrency, `rounds` times,
     alternating which goes first; the same prompts (`batch_of(n, seed)`) for every backend in
-    a round, fresh ones each round; `after_each` runs after each closed loop."""
+    a round, fresh ones each round; `after_each` runs after each closed loop. A row per
+    backend and concurrency: `summary` over its rounds, `by_round` (completed and failed per
+    round) and `failures` (each failed request's round, cause and detail)."""
     backends = tuple(pairs)
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     seed = 1000
@@ -216,8 +246,21 @@ def measure(
                 runs.setdefault((backend, c), []).append(r)
                 after_each()
                 print(f"round {rnd} {backend} c={c}: {summary([r])}", flush=True)
+                for f in r["failures"]:
+                    print(f"  failed ({f['cause']}): {f['detail']}", flush=True)
     return [
-        {"backend": b, "concurrency": c, **summary(runs[(b, c)])}
+        {
+            "backend": b,
+            "concurrency": c,
+            **summary(runs[(b, c)]),
+            "by_round": [
+                {"round": i, "requests": len(r["latency_s"]), "failed": len(r["failures"])}
+                for i, r in enumerate(runs[(b, c)])
+            ],
+            "failures": [
+                {"round": i, **f} for i, r in enumerate(runs[(b, c)]) for f in r["failures"]
+            ],
+        }
         for c in CONCURRENCY
         for b in backends
     ]

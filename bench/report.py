@@ -280,15 +280,39 @@ def _versus(r: Mapping[str, Any], native: str) -> list[list[str]]:
             ("TTFT p99 ms", "ttft_p99_ms", 1),
             ("requests/s", "req_per_s", 2),
             ("requests", "requests", 0),
+            ("failed requests", "failed", 0),
         ):
-            if not digits:  # a count, not compared
-                body.append([num(c), label, num(int(k[key])), num(int(n[key])), ""])
+            if key not in k and key not in n:  # a run that did not count it
                 continue
-            body.append(
-                [num(c), label, num(float(k[key]), digits), num(float(n[key]), digits),
-                 ratio(_div(float(k[key]), float(n[key])))]
-            )  # fmt: skip
+            if not digits:  # a count, not compared
+                body.append([num(c), label, num(k.get(key)), num(n.get(key)), ""])
+                continue
+            a, b = _figure(k.get(key)), _figure(n.get(key))
+            body.append([num(c), label, num(a, digits), num(b, digits), ratio(_div(a, b))])
     return body
+
+
+def _figure(value: Any) -> float | None:
+    """A row's figure; None where no request completed to give one."""
+    return None if value is None else float(value)
+
+
+def _failures(r: Mapping[str, Any]) -> str:
+    """The failed requests of a real-server comparison, per backend, concurrency and round,
+    with their causes; "" when none failed."""
+    lines = []
+    for row in r["rows"]:
+        for f in row.get("failures", ()):
+            lines.append(
+                f"- {row['backend']}, concurrency {num(row['concurrency'])}, round "
+                f"{num(int(f['round']) + 1)}: `{f['cause']}`: {f['detail']}"
+            )
+    if not lines:
+        return ""
+    return (
+        "\n\nFailed requests (counted, not timed: the percentiles and requests/s are over the "
+        "completed ones):\n\n" + "\n".join(lines)
+    )
 
 
 def _starts(r: Mapping[str, Any]) -> str:
@@ -386,6 +410,7 @@ def _vllm(r: Mapping[str, Any]) -> str:
         f"path far more than its data path. Start-up: {_starts(r)}.\n\n"
         + table(["concurrency", "", "kvhandoff", "NixlConnector", "kvhandoff ÷ Nixl"],
                 _versus(r, "nixl"))
+        + _failures(r)
         + f"\n\nVerdict: {_vllm_verdict(r)}"
     )  # fmt: skip
 

@@ -16,20 +16,32 @@ closed loop. Writes bench/vllm.json and regenerates BENCHMARKS.md, whose last se
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import os
 import random
 import shutil
+import sqlite3
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
-from bench.engines import PROMPT_TOKENS, measure, run_fields, streamed, write_run
+from bench.engines import (
+    PROMPT_TOKENS,
+    RequestFailed,
+    measure,
+    run_fields,
+    streamed,
+    write_run,
+)
 from bench.suite import machine
+from service.integrations.vllm.metadata import rank_handoff_id
 from tests.vllm import models
 from tests.vllm.servers import (
     Server,
@@ -53,10 +65,12 @@ TIMEOUT = aiohttp.ClientTimeout(total=300)
 
 @dataclass(frozen=True)
 class Pair:
-    """A PD pair's prefill and decode base URLs."""
+    """A PD pair's prefill and decode base URLs, and for kvhandoff the decode worker's state
+    directory (its handoff records: why a request failed)."""
 
     prefill: str
     decode: str
+    records: Path | None = None
 
 
 def prompts_of(n: int, seed: int) -> list[list[int]]:
@@ -69,29 +83,68 @@ async def timed(
     session: aiohttp.ClientSession, pair: Pair, prompt: list[int]
 ) -> tuple[float, float]:
     """One PD request as the proxy sends it, the decode's answer streamed: (TTFT, latency)
-    in seconds from the send to the prefill."""
+    in seconds from the send to the prefill. RequestFailed when it brings no tokens: for a
+    kvhandoff request the decode failed, its cause is its handoff's error from the decode's
+    record."""
     t0 = time.perf_counter()
     async with session.post(
         f"{pair.prefill}/v1/completions", json=prefill_body(prompt), timeout=TIMEOUT
     ) as r:
         if r.status != 200:
-            raise RuntimeError(f"prefill answered {r.status}: {await r.text()}")
+            text = (await r.text())[:500]
+            raise RequestFailed(f"the prefill answered {r.status}: {text}", cause="prefill")
         params = (await r.json())["kv_transfer_params"]
     second = {**completion_body(prompt, NEW_TOKENS), "stream": True, "kv_transfer_params": params}
+    try:
+        first = await _decoded(session, pair, second)
+    except RequestFailed as exc:
+        record = await asyncio.to_thread(decode_error, pair.records, params)
+        if record is None:
+            raise
+        code, reason = record
+        raise RequestFailed(f"{reason} (the decode: {exc})", cause=code) from None
+    return first - t0, time.perf_counter() - t0
+
+
+async def _decoded(session: aiohttp.ClientSession, pair: Pair, body: dict[str, Any]) -> float:
+    """When the decode's streamed answer brought its first token (all of them came)."""
     first, tokens = None, 0
-    async with session.post(f"{pair.decode}/v1/completions", json=second, timeout=TIMEOUT) as r:
+    async with session.post(f"{pair.decode}/v1/completions", json=body, timeout=TIMEOUT) as r:
         async for chunk in streamed(r):
+            if "error" in chunk:
+                raise RequestFailed(f"the decode failed the request: {chunk}", cause="decode")
             for choice in chunk.get("choices") or ():
                 if choice.get("finish_reason") == "error":
-                    raise RuntimeError(f"the decode failed the request: {chunk}")
+                    raise RequestFailed(f"the decode failed the request: {chunk}", cause="decode")
                 got = len(choice.get("token_ids") or ())
                 if got and first is None:
                     first = time.perf_counter()
                 tokens += got
-    end = time.perf_counter()
     if first is None or tokens != NEW_TOKENS:
-        raise RuntimeError(f"the decode streamed {tokens} tokens, not {NEW_TOKENS}")
-    return first - t0, end - t0
+        raise RequestFailed(
+            f"the decode streamed {tokens} tokens, not {NEW_TOKENS}", cause="decode"
+        )
+    return first
+
+
+def decode_error(records: Path | None, params: dict[str, Any]) -> tuple[str, str] | None:
+    """(error code, reason) of the decode's handoff for `params`, from its record, once the
+    record is terminal (it may trail the decode's answer by a commit); None for a pair
+    without records, a request without a handoff, or a handoff that did not fail."""
+    if records is None or "kvhandoff" not in params:
+        return None
+    hid = rank_handoff_id(params["kvhandoff"]["id"], 0)
+    for _ in range(20):
+        conn = sqlite3.connect(f"file:{records / 'decode.sqlite3'}?mode=ro", uri=True, timeout=10)
+        try:
+            row = conn.execute("SELECT view FROM handoffs WHERE id = ?", (hid,)).fetchone()
+        finally:
+            conn.close()
+        error = (json.loads(row[0]) if row and row[0] else {}).get("error")
+        if error:
+            return str(error.get("code")), str(error.get("reason"))
+        time.sleep(0.1)
+    return None
 
 
 def start_pairs(work: Path, servers: list[Server]) -> dict[str, Pair]:
@@ -111,7 +164,8 @@ def start_pairs(work: Path, servers: list[Server]) -> dict[str, Pair]:
             servers.append(s)
             print(f"{name} up after {s.start_s:.0f} s", flush=True)
             ends[role] = s
-        pairs[backend] = Pair(ends["prefill"].url, ends["decode"].url)
+        records = work / "state" / "vllm-decode-pp0-tp0" if backend == "kvhandoff" else None
+        pairs[backend] = Pair(ends["prefill"].url, ends["decode"].url, records)
     return pairs
 
 

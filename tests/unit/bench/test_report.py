@@ -180,3 +180,18 @@ def test_the_vllm_verdict_says_what_the_ratios_say(kvhandoff: dict, word: str) -
     nixl = {"p50_ms": 1000.0, "ttft_p50_ms": 300.0, "req_per_s": 3.0}
     run = vllm_run({**kvhandoff, "ttft_p50_ms": 300.0}, nixl)
     assert f"kvhandoff is {word}" in report._vllm_verdict(run)
+
+
+def test_the_vllm_section_counts_failed_requests_beside_the_figures() -> None:
+    failure = {"round": 1, "cause": "peer_timeout", "detail": "POST .../destinations got none"}
+    kvhandoff = {"p50_ms": 800.0, "ttft_p50_ms": 200.0, "req_per_s": 4.0, "failed": 1,
+                 "failures": [failure]}  # fmt: skip
+    nixl = {"p50_ms": None, "p99_ms": None, "ttft_p50_ms": None, "ttft_p99_ms": None,
+            "req_per_s": 0.0, "requests": 0, "failed": 32}  # fmt: skip
+    section = report._vllm(vllm_run(kvhandoff, nixl))
+    assert "| 16 | failed requests | 1 | 32 |  |" in section
+    assert "| 16 | latency p50 ms (send → last token) | 800 | - | - |" in section
+    assert "- kvhandoff, concurrency 16, round 2: `peer_timeout`: POST" in section
+    assert "over the completed ones" in section
+    ok = {"p50_ms": 800.0, "ttft_p50_ms": 200.0, "req_per_s": 4.0}
+    assert "failed requests" not in report._vllm(vllm_run(ok, ok))
