@@ -11,18 +11,21 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from service.http.app import VERSION
 from service.observability import metrics as source
+from service.observability.loop_stalls import LoopStalls
 
 
 def metrics_page() -> str:
     out = [
         "# Metrics",
         "",
-        "Generated from `service/observability/metrics.py` by `python -m service.tools.docs`; "
+        "Generated from `service/observability/metrics.py` (and `loop_stalls.py`, an embedded "
+        "service's only) by `python -m service.tools.docs`; "
         "do not edit by hand. What to watch and the Grafana dashboard: "
         "[Metrics](../operations/metrics.md). A counter is exposed with `_total` appended, a "
         "histogram as `_bucket`, `_sum` and `_count`.",
@@ -46,6 +49,9 @@ def _families() -> list[tuple[Metric, tuple[str, ...]]]:
     registry = source.Metrics("decode", VERSION)
     families = [*registry.registry.collect()]
     families += [f for collector in _collectors() for f in collector.collect()]
+    embedded = CollectorRegistry()
+    LoopStalls(embedded)  # registers its families there
+    families += [*embedded.collect()]
     labels = _declared_labels()
     return [(f, labels.get(f.name, ())) for f in families]
 
