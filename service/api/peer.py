@@ -135,7 +135,7 @@ def _carries(table: RouteTable, call: PeerCall, **contract: Any) -> Callable[[Ca
 
 
 _NO_CONTENT = 204
-_encode = msgspec.json.Encoder().encode
+_encoder = msgspec.json.Encoder()
 M = TypeVar("M", DestinationMsg, ArrivalMsg, StageFailedMsg)
 
 log = logging.getLogger("kvhandoff.heartbeat")
@@ -261,7 +261,7 @@ async def channel(request: web.Request) -> web.StreamResponse:
         try:
             if handle is None:
                 raise NotFoundError(f"no peer call {path[:100]!r} on this channel", field="path")
-            return 200, _encode(await handle(Asked(app, sender, path), raw))
+            return 200, _encoder.encode(await handle(Asked(app, sender, path), raw))
         except KVHandoffError as error:
             status, problem = error_problem(error, path)
             return status, encode_problem(problem)

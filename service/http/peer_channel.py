@@ -89,11 +89,22 @@ class AnswerFrame(msgspec.Struct, frozen=True):
     body: msgspec.Raw
 
 
-_encode = msgspec.json.Encoder().encode
+_encoder = msgspec.json.Encoder()
 _hello = msgspec.json.Decoder(Hello)
 _calls = msgspec.json.Decoder(list[CallFrame])
 _answers = msgspec.json.Decoder(list[AnswerFrame])
-_EMPTY = msgspec.Raw(b"null")
+_EMPTY = b"null"  # the body of a call without one
+
+
+def _call_part(ident: int, path: str, body: bytes) -> bytes:
+    """A `CallFrame` around a body already encoded, without encoding it again (`path` is one
+    of the table's, which JSON writes as is)."""
+    return b'{"id":%d,"path":"%s","body":%s}' % (ident, path.encode(), body)
+
+
+def _answer_part(ident: int, status: int, body: bytes) -> bytes:
+    """An `AnswerFrame` around a body already encoded."""
+    return b'{"id":%d,"status":%d,"body":%s}' % (ident, status, body)
 
 
 class Sealer:
@@ -189,7 +200,7 @@ class Channel:
         ident = self._next_id
         done: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
         self._waiting[ident] = done
-        self._writer.put(_encode(CallFrame(ident, path, msgspec.Raw(body) if body else _EMPTY)))
+        self._writer.put(_call_part(ident, path, body or _EMPTY))
         try:
             async with asyncio.timeout(timeout_s):
                 return await done
@@ -391,7 +402,7 @@ async def serve(
         assert accepted.sender is not None
         signed = accepted.answers.headers(accepted.nonce, HELLO_STATUS, channel_nonce.encode())
         key = _recipient_key(accepted, channel_nonce)
-    await ws.send_bytes(_encode(Hello(channel_nonce, signed)))
+    await ws.send_bytes(_encoder.encode(Hello(channel_nonce, signed)))
     inbound, outbound = session(key)  # the sender's out is this end's in
     writer = Writer(outbound, ws.send_bytes)
     helpers, calls = TaskOwner("channel"), TaskOwner("channel-calls")
@@ -399,7 +410,7 @@ async def serve(
     async def answer(call: CallFrame) -> None:
         status, body = await dispatch(call.path, bytes(call.body))
         await before_answer()
-        writer.put(_encode(AnswerFrame(call.id, status, msgspec.Raw(body))))
+        writer.put(_answer_part(call.id, status, body))
 
     async def close_when(closing: asyncio.Event) -> None:
         await closing.wait()  # the service stops: the sender's calls fail now, not at timeout
