@@ -276,15 +276,11 @@ async def channel(request: web.Request) -> web.StreamResponse:
                 )
             )
 
-    def heard() -> None:
-        Asked(app, sender, CHANNEL.path).heard()
-
     return await serve(
         request,
         accepted,
         dispatch,
-        max_frame_bytes=app[CONFIG].server.max_body_bytes,
-        heard=heard,
+        max_body_bytes=app[CONFIG].server.max_body_bytes,
         before_answer=app[EGRESS].before,
         closing=app[RUNTIME].closing,
     )

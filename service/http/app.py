@@ -399,7 +399,7 @@ async def _peer_client_ctx(app: web.Application) -> AsyncIterator[None]:
             timeout_s=config.peers.request_timeout_s,
             egress=app[EGRESS],
             channels=config.peers.channels,
-            max_frame_bytes=config.server.max_body_bytes,
+            max_body_bytes=config.server.max_body_bytes,
         )
         yield
         await app[PEERS].close()

@@ -61,6 +61,11 @@ _TO_RECIPIENT = b"kvhandoff-channel-request"
 _TO_SENDER = b"kvhandoff-channel-answer"
 #: The status of the hello: the handshake's answer, as the WebSocket upgrade (101).
 HELLO_STATUS = 101
+#: A frame holds the parts queued while the last one was written up to this size (one larger
+#: part goes alone), as a coalesced batch of notices does (`service.peers.coalesce`).
+FRAME_BYTES = 1 << 20
+#: What a frame adds to the largest part it may hold: the MAC, the array, one call's envelope.
+_ENVELOPE_BYTES = 4096
 #: After a channel to a peer failed to open, its calls go over HTTP this long before a retry.
 _RETRY_S = 5.0
 
@@ -161,9 +166,20 @@ class Writer:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            parts, self._parts = self._parts, []
-            if parts:
+            while self._parts:
+                parts = self._take()
                 await self._send(self._sealer.seal(b"[" + b",".join(parts) + b"]"))
+
+    def _take(self) -> list[bytes]:
+        """The oldest parts that fit in `FRAME_BYTES` (always at least one)."""
+        size, n = 0, 0
+        for part in self._parts:
+            size += len(part) + 1
+            if n and size > FRAME_BYTES:
+                break
+            n += 1
+        taken, self._parts = self._parts[:n], self._parts[n:]
+        return taken
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,11 +280,11 @@ class PeerChannels:
     HTTP); a channel is replaced when the peer's life changes and dropped when it ends."""
 
     def __init__(
-        self, session: aiohttp.ClientSession, signer: Signer | None, *, max_frame_bytes: int
+        self, session: aiohttp.ClientSession, signer: Signer | None, *, max_body_bytes: int
     ) -> None:
         self._session = session
         self._signer = signer
-        self._max_frame_bytes = max_frame_bytes
+        self._max_body_bytes = max_body_bytes
         self._open: dict[str, Channel] = {}
         self._opening: set[str] = set()
         # peer -> (the life a channel failed to open to, when to try that life again)
@@ -338,7 +354,7 @@ class PeerChannels:
         ws = await self._session.ws_connect(
             target,
             headers=headers,
-            max_msg_size=self._max_frame_bytes,
+            max_msg_size=max(self._max_body_bytes, FRAME_BYTES) + _ENVELOPE_BYTES,
             autoping=True,
             compress=0,
             timeout=aiohttp.ClientWSTimeout(ws_close=2.0),
@@ -386,15 +402,18 @@ async def serve(
     accepted: Accepted,
     dispatch: Serve,
     *,
-    max_frame_bytes: int,
-    heard: Callable[[], None],
+    max_body_bytes: int,
     before_answer: Callable[[], Awaitable[None]],
     closing: asyncio.Event,
 ) -> web.WebSocketResponse:
     """Accept the channel, send the hello and serve its calls until it ends or `closing` is
-    set (the service stops). `heard()` runs for every verified frame (a live sender);
+    set (the service stops). `max_body_bytes` bounds one call's body, as over HTTP;
     `before_answer()` before each answer leaves (what it tells of is on disk first)."""
-    ws = web.WebSocketResponse(max_msg_size=max_frame_bytes, compress=False, autoping=True)
+    ws = web.WebSocketResponse(
+        max_msg_size=max(max_body_bytes, FRAME_BYTES) + _ENVELOPE_BYTES,
+        compress=False,
+        autoping=True,
+    )
     await ws.prepare(request)
     channel_nonce = secrets.token_hex(16)
     key, signed = None, {}
@@ -428,7 +447,6 @@ async def serve(
                 log.warning("channel from %s closed: %s", accepted.sender or request.remote, exc)
                 await ws.close(code=aiohttp.WSCloseCode.POLICY_VIOLATION, message=b"bad frame")
                 break
-            heard()
             for call in frame:
                 calls.spawn(answer(call), f"channel-call:{call.path}")
     finally:

@@ -10,8 +10,13 @@ authenticated answer named it), so the peer can verify who sent it and that it w
 it; then every answer must prove it came from that peer for that request, or the call raises
 `UnauthenticatedAnswer` and nothing in the answer is used — including a body's `incarnation`
 or `url` that disagree with what the answer's signature vouches for. Redirects are never
-followed (a 3xx is an error: it would carry the signed headers and body elsewhere). The app
-creates one client per process (`service.http.app.PEERS`).
+followed (a 3xx is an error: it would carry the signed headers and body elsewhere).
+
+The calls a peer channel carries (`pipelines.peer_calls`, `PeerCall.channel`) go on the open
+channel to the peer's life (`service.http.peer_channel`), whose session authenticates every
+answer frame; until one is open, and when channels are off, they go over HTTP. Both answers are
+read in one place (`_result`), so a caller cannot tell the transports apart. The app creates
+one client per process (`service.http.app.PEERS`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pipelines.errors import KVHandoffError, PeerUnreachable
 from pipelines.peer_calls import CHANNEL_PATHS
 from pipelines.peercache import MAX_PEERS, PeerCache
 from pipelines.urls import canonical_url
-from service.config import PeersConfig
+from service.config import PeersConfig, ServerConfig
 from service.http.egress import Egress
 from service.http.peer_channel import PeerChannels
 from service.http.peer_signing import NONCE_HEADER, AnswerRejected, Signer
@@ -58,8 +63,10 @@ def _decoder(type_: Any) -> msgspec.json.Decoder[Any]:
     return msgspec.json.Decoder(type_)
 
 
-#: `peers.request_timeout_s`'s default is the client's, written once in the configuration.
+#: The configuration's defaults are the client's (`peers.request_timeout_s`, `peers.channels`,
+#: `server.max_body_bytes`), written once there.
 _PEERS = PeersConfig()
+_SERVER = ServerConfig()
 
 
 class UnauthenticatedAnswer(PeerError):
@@ -79,8 +86,8 @@ class PeerClient:
         signer: Signer | None = None,
         timeout_s: float = _PEERS.request_timeout_s,
         egress: Egress | None = None,
-        channels: bool = True,
-        max_frame_bytes: int = 1 << 24,
+        channels: bool = _PEERS.channels,
+        max_body_bytes: int = _SERVER.max_body_bytes,
     ) -> None:
         self._session = session
         self._signer = signer
@@ -88,7 +95,7 @@ class PeerClient:
         self.timeout_s = timeout_s
         # The calls of `pipelines.peer_calls` that a channel carries go on one, once it is open.
         self._channels = (
-            PeerChannels(session, signer, max_frame_bytes=max_frame_bytes) if channels else None
+            PeerChannels(session, signer, max_body_bytes=max_body_bytes) if channels else None
         )
         # Each peer's incarnation, as its last authenticated answer named it (bounded).
         self._incarnations: PeerCache[str] = PeerCache(MAX_PEERS)

@@ -24,7 +24,15 @@ from pipelines.messages import Outcome
 from pipelines.peer_calls import ARRIVALS, CHANNEL
 from service.api.peer import Asked, _carries, common_routes
 from service.http.app import ROUTES, create_app
-from service.http.peer_channel import ChannelBroken, Hello, PeerChannels, Sealer, session
+from service.http.peer_channel import (
+    FRAME_BYTES,
+    ChannelBroken,
+    Hello,
+    PeerChannels,
+    Sealer,
+    Writer,
+    session,
+)
 from service.http.peer_client import PeerClient
 from service.http.peer_signing import NONCE_HEADER, AnswerRejected, Signer, channel_key
 from service.http.problems import PeerTimeout
@@ -41,7 +49,6 @@ class Seen:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str | None, bytes]] = []
-        self.heard: list[str] = []
         self.hold = asyncio.Event()
         self.hold.set()
 
@@ -58,11 +65,9 @@ def install(seen: Seen) -> Any:
     def extension(app: web.Application) -> None:
         app[ROUTES].include(common_routes)
         app[ROUTES].include(table)
-        # What a channel needs of the runtime: the record of live peers a verified frame adds
-        # to (`Asked.heard`), and the event set when the service stops (as roles sets it).
-        runtime = SimpleNamespace(
-            heartbeats=SimpleNamespace(heard=seen.heard.append), closing=asyncio.Event()
-        )
+        # What a channel needs of the runtime: the event set when the service stops (as
+        # `service.runtime.roles` sets it).
+        runtime = SimpleNamespace(closing=asyncio.Event())
         app[RUNTIME] = runtime  # type: ignore[assignment]
 
         async def stopping(app: web.Application) -> None:
@@ -216,6 +221,33 @@ def test_a_session_key_is_bound_to_both_ends_the_life_and_both_nonces() -> None:
     assert len(keys) == 7
 
 
+async def test_a_writer_sends_what_queued_meanwhile_in_frames_of_at_most_frame_bytes() -> None:
+    sent: list[bytes] = []
+    first_sent = asyncio.Event()
+
+    async def send(frame: bytes) -> None:
+        sent.append(frame)
+        first_sent.set()
+        await asyncio.sleep(0)
+
+    writer = Writer(Sealer(None, b"x"), send)
+    running = asyncio.ensure_future(writer.run())
+    writer.put(b"1")
+    await first_sent.wait()
+    big = b'"' + b"x" * (FRAME_BYTES // 2) + b'"'
+    for part in (b"2", big, big, b"3"):  # queued while nothing is written: share frames
+        writer.put(part)
+    while len(sent) < 3:
+        await asyncio.sleep(0.01)
+    running.cancel()
+    assert [json.loads(f) for f in sent] == [
+        [1],
+        [2, big.decode().strip('"')],
+        [big.decode().strip('"'), 3],
+    ]
+    assert all(len(f) <= FRAME_BYTES + 2 for f in sent)
+
+
 # ---------------------------------------------------------------------------------------------
 # Channels between services
 
@@ -231,7 +263,6 @@ async def test_calls_move_to_the_channel_and_answer_as_over_http(
     )
     assert outcomes == [[Outcome(204), Outcome(204)]] * 5
     assert seen.calls[1:] == [(SENDER, notices)] * 5  # the verified sender, as over HTTP
-    assert SENDER in seen.heard  # a verified frame proves its sender alive
 
 
 async def test_a_frame_replayed_on_its_own_or_another_connection_is_refused(
@@ -338,7 +369,7 @@ async def test_a_hello_not_signed_by_the_addressed_peer_opens_no_channel(
     await server.start_server()
     url = url_of(server)
     try:
-        channels = PeerChannels(http, Signer(SECRET, SENDER), max_frame_bytes=1 << 20)
+        channels = PeerChannels(http, Signer(SECRET, SENDER), max_body_bytes=1 << 20)
         with pytest.raises(AnswerRejected):
             await channels._connect(url, "life")
         await channels.close()
