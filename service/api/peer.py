@@ -239,12 +239,18 @@ async def watch(request: web.Request) -> web.StreamResponse:
 @_serves(
     common_routes,
     CHANNEL,
+    status=101,
+    errors=(422,),
     content_type="application/octet-stream",
     summary="A peer's persistent channel: a signed handshake upgraded to a WebSocket of "
     "authenticated frames carrying the calls of the other peer routes (peer_channel)",
 )
 async def channel(request: web.Request) -> web.StreamResponse:
     app = request.app
+    if not web.WebSocketResponse().can_prepare(request).ok:
+        raise InvalidInput(
+            "the peer channel is a WebSocket: ask with `Upgrade: websocket`", field="Upgrade"
+        )
     sender = signed_sender(request)
     accepted = Accepted(
         sender=sender,

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from pipelines.errors import PeerUnreachable
+from pipelines.errors import InvalidInput, PeerUnreachable
 from pipelines.messages import Outcome
 from pipelines.peer_calls import ARRIVALS, CHANNEL
 from service.api.peer import Asked, _carries, common_routes
@@ -375,3 +375,11 @@ async def test_a_hello_not_signed_by_the_addressed_peer_opens_no_channel(
         await channels.close()
     finally:
         await server.close()
+
+
+async def test_a_signed_request_for_the_channel_without_an_upgrade_is_a_422(
+    peer: str, client: PeerClient
+) -> None:
+    with pytest.raises(InvalidInput) as refused:
+        await client.get(peer, CHANNEL.path, dict)
+    assert refused.value.context["field"] == "Upgrade"
