@@ -20,10 +20,9 @@ import msgspec
 import pytest
 
 from pipelines.messages import LayoutInfo
-from pipelines.peer_calls import CHANNEL
-from service.http.peer_channel import Hello, session
 from service.http.peer_signing import Signer
 from service.testing.deployment import LocalDeployment
+from tests.channels import OpenedByHand
 from tests.integration.handoff_checks import (
     Moved,
     create,
@@ -507,41 +506,11 @@ async def test_peer_messages_naming_ids_the_public_routes_refuse_are_refused(
     assert decode_bytes(dep) == before
 
 
-class Opened:
-    """A peer channel opened by hand, as a holder of the peer secret claiming to be `sender`
-    would (`service.http.peer_channel`), so the test can send frames of its choosing."""
-
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse, key: bytes) -> None:
-        self.ws = ws
-        self.out, self.in_ = session(key)
-
-    @classmethod
-    async def open(
-        cls, http: aiohttp.ClientSession, url: str, life: str, *, sender: str, to: str | None = None
-    ) -> Opened:
-        signer = Signer(PEER, sender)
-        headers = signer.headers(
-            "GET", CHANNEL.path, b"", recipient=to or url, recipient_incarnation=life
-        )
-        ws = await http.ws_connect(url + CHANNEL.path, headers=headers)
-        hello = msgspec.json.decode((await ws.receive()).data, type=Hello)
-        nonce = headers["KVHandoff-Nonce"]
-        assert signer.check_answer(nonce, url, 101, hello.signed, hello.nonce.encode()) == life
-        return cls(ws, signer.channel_key(nonce, hello.nonce, url, life))
-
-    def frame(self, path: str, body: Any) -> bytes:
-        return self.out.seal(json.dumps([{"id": 1, "path": path, "body": body}]).encode())
-
-    async def answered(self) -> Any:
-        message = await self.ws.receive()
-        assert message.type == aiohttp.WSMsgType.BINARY, message
-        [answer] = json.loads(self.in_.open(message.data))
-        return answer
-
-    async def refused(self) -> None:
-        message = await self.ws.receive()
-        assert message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), message
-        assert self.ws.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION
+async def opened(
+    http: aiohttp.ClientSession, url: str, life: str, *, sender: str, to: str | None = None
+) -> OpenedByHand:
+    """A channel as a holder of the peer secret speaking for `sender` would open it."""
+    return await OpenedByHand.open(http, url, life, secret=PEER, sender=sender, to=to)
 
 
 async def test_peer_channel_frames_cannot_be_replayed_moved_or_outlive_the_recipients_life(
@@ -569,12 +538,12 @@ async def test_peer_channel_frames_cannot_be_replayed_moved_or_outlive_the_recip
         "decode_incarnation": decode.incarnation,
     }
     # A channel as stage 0's service: a landed handoff takes no bare arrival (as over HTTP).
-    first = await Opened.open(http, dep.decode_url, decode.incarnation, sender=stage0)
+    first = await opened(http, dep.decode_url, decode.incarnation, sender=stage0)
     frame = first.frame("/v1/peer/arrivals", [arrival])
     await first.ws.send_bytes(frame)
-    answer = await first.answered()
+    [answer] = await first.answers()
     assert answer["status"] == 200 and answer["body"][0]["status"] == 409, answer
-    second = await Opened.open(http, dep.decode_url, decode.incarnation, sender=stage0)
+    second = await opened(http, dep.decode_url, decode.incarnation, sender=stage0)
     await second.ws.send_bytes(frame)  # the first channel's frame on the second
     await second.refused()
     await first.ws.send_bytes(frame)  # and again on its own
@@ -582,19 +551,19 @@ async def test_peer_channel_frames_cannot_be_replayed_moved_or_outlive_the_recip
     # Another recipient: a frame sealed for the decode, on a channel to a prefill service.
     stage1 = dep.url_of_stage(1)
     life1 = (await layout_of(http, stage1, dep.decode_url)).incarnation
-    other = await Opened.open(http, stage1, life1, sender=dep.decode_url)
+    other = await opened(http, stage1, life1, sender=dep.decode_url)
     await other.ws.send_bytes(frame)
     await other.refused()
     # A handshake signed for another service, relayed to this one.
     with pytest.raises(aiohttp.WSServerHandshakeError) as relayed:
-        await Opened.open(http, stage1, life1, sender=dep.decode_url, to=stage0)
+        await opened(http, stage1, life1, sender=dep.decode_url, to=stage0)
     assert relayed.value.status == 401
     async with sessions["router"].get(f"{dep.decode_url}/v1/handoffs/victim-ch") as resp:
         view = await resp.json()
     assert view["bytes"] == 0 and "error" not in view, view
     assert decode_bytes(dep) == before
     # After the stage's restart, its old life's handshake is refused, its old channels are gone.
-    kept = await Opened.open(http, stage1, life1, sender=dep.decode_url)
+    kept = await opened(http, stage1, life1, sender=dep.decode_url)
     async with sessions["router"].delete(f"{dep.decode_url}/v1/handoffs/victim-ch") as resp:
         assert resp.status in (200, 202), await resp.text()
     await finished(sessions["router"], dep, "victim-ch")
@@ -606,7 +575,7 @@ async def test_peer_channel_frames_cannot_be_replayed_moved_or_outlive_the_recip
         aiohttp.WSMsgType.ERROR,
     )
     with pytest.raises(aiohttp.WSServerHandshakeError) as stale:
-        await Opened.open(http, stage1, life1, sender=dep.decode_url)
+        await opened(http, stage1, life1, sender=dep.decode_url)
     assert stale.value.status == 409
     after = Moved(src_pages=[5], dst_pages=[46], src_slot=4, dst_slot=2)
     for attempt in range(50):  # until the decode has heard of the stage's new life

@@ -34,10 +34,11 @@ from service.http.peer_channel import (
     session,
 )
 from service.http.peer_client import PeerClient
-from service.http.peer_signing import NONCE_HEADER, AnswerRejected, Signer, channel_key
+from service.http.peer_signing import AnswerRejected, Signer, channel_key
 from service.http.problems import PeerTimeout
 from service.http.routing import RouteTable
 from service.runtime.roles import RUNTIME
+from tests.channels import OpenedByHand
 from tests.unit.service.conftest import make_config
 
 SECRET = "t"  # the services' `server.token`: their peer secret too
@@ -133,47 +134,10 @@ async def opened(client: PeerClient, peer: str) -> None:
     raise AssertionError(f"no channel to {peer}")
 
 
-class Handshake:
-    """A channel opened by hand, as `PeerChannels` does, so a test can send its own frames."""
-
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse, key: bytes, nonce: str) -> None:
-        self.ws = ws
-        self.out, self.in_ = session(key)
-        self.nonce = nonce
-
-    @classmethod
-    async def open(
-        cls, http: aiohttp.ClientSession, peer: str, life: str, *, recipient: str | None = None
-    ) -> Handshake:
-        signer = Signer(SECRET, SENDER)
-        headers = signer.headers(
-            "GET", CHANNEL.path, b"", recipient=recipient or peer, recipient_incarnation=life
-        )
-        ws = await http.ws_connect(peer + CHANNEL.path, headers=headers)
-        hello = msgspec.json.decode((await ws.receive()).data, type=Hello)
-        assert (
-            signer.check_answer(
-                headers[NONCE_HEADER], peer, 101, hello.signed, hello.nonce.encode()
-            )
-            == life
-        )
-        key = signer.channel_key(headers[NONCE_HEADER], hello.nonce, peer, life)
-        return cls(ws, key, hello.nonce)
-
-    def frame(self, ident: int, body: list[Any]) -> bytes:
-        call = {"id": ident, "path": ARRIVALS.path, "body": body}
-        return self.out.seal(json.dumps([call]).encode())
-
-    async def answers(self) -> list[Any]:
-        message = await self.ws.receive()
-        assert message.type == aiohttp.WSMsgType.BINARY, message
-        return list(json.loads(self.in_.open(message.data)))
-
-    async def refused(self) -> None:
-        """The recipient closed the channel over the last frame (a policy violation)."""
-        message = await self.ws.receive()
-        assert message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), message
-        assert self.ws.close_code == aiohttp.WSCloseCode.POLICY_VIOLATION
+async def by_hand(
+    http: aiohttp.ClientSession, peer: str, life: str, *, recipient: str | None = None
+) -> OpenedByHand:
+    return await OpenedByHand.open(http, peer, life, secret=SECRET, sender=SENDER, to=recipient)
 
 
 async def life_of(client: PeerClient, peer: str) -> str:
@@ -269,11 +233,11 @@ async def test_a_frame_replayed_on_its_own_or_another_connection_is_refused(
     peer: str, client: PeerClient, http: aiohttp.ClientSession, seen: Seen
 ) -> None:
     life = await life_of(client, peer)
-    first = await Handshake.open(http, peer, life)
-    frame = first.frame(1, [{"n": 1}])
+    first = await by_hand(http, peer, life)
+    frame = first.frame(ARRIVALS.path, [{"n": 1}])
     await first.ws.send_bytes(frame)
     assert await first.answers() == [{"id": 1, "status": 200, "body": [{"status": 204}]}]
-    second = await Handshake.open(http, peer, life)
+    second = await by_hand(http, peer, life)
     await second.ws.send_bytes(frame)  # a frame of the first channel on the second
     await second.refused()
     await first.ws.send_bytes(frame)  # and again on its own
@@ -286,10 +250,10 @@ async def test_a_handshake_signed_for_another_recipient_or_life_is_refused(
 ) -> None:
     life = await life_of(client, peer)
     with pytest.raises(aiohttp.WSServerHandshakeError) as relayed:
-        await Handshake.open(http, peer, life, recipient="http://127.0.0.1:1")
+        await by_hand(http, peer, life, recipient="http://127.0.0.1:1")
     assert relayed.value.status == 401
     with pytest.raises(aiohttp.WSServerHandshakeError) as stale:
-        await Handshake.open(http, peer, "an-earlier-life")
+        await by_hand(http, peer, "an-earlier-life")
     assert stale.value.status == 409
 
 
@@ -304,7 +268,7 @@ async def test_a_restarted_peer_gets_a_new_channel_and_the_old_ones_calls_fail(
     url, port = url_of(first), first.port
     old = await life_of(client, url)
     await opened(client, url)
-    kept = await Handshake.open(http, url, old)
+    kept = await by_hand(http, url, old)
     seen.hold.clear()
     waiting = asyncio.ensure_future(client.post(url, ARRIVALS.path, b"[{}]", ARRIVALS.reply))
     while len(seen.calls) < 2:
@@ -315,13 +279,13 @@ async def test_a_restarted_peer_gets_a_new_channel_and_the_old_ones_calls_fail(
     again = await serve(Seen(), port)
     try:
         with pytest.raises(aiohttp.WSServerHandshakeError) as stale:
-            await Handshake.open(http, url, old)
+            await by_hand(http, url, old)
         assert stale.value.status == 409
         # The old life's channels ended with it: nothing sent on them can reach the new life.
         closed = (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING)
         assert (await kept.ws.receive()).type in closed
         with pytest.raises(aiohttp.ClientConnectionResetError):
-            await kept.ws.send_bytes(kept.frame(1, [{}]))
+            await kept.ws.send_bytes(kept.frame(ARRIVALS.path, [{}]))
         new = await life_of(client, url)  # over HTTP, signed again for the new life
         assert new != old
         await opened(client, url)
