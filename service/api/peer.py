@@ -113,10 +113,10 @@ class Asked:
 #: Handles one call a channel carries: what was asked and the body's bytes; its answer body.
 Carried = Callable[[Asked, bytes], Awaitable[Any]]
 #: The handler of each such call, by the route that serves it over HTTP.
-_CARRIED: dict[Handler, Carried] = {}
+CARRIED: dict[Handler, Carried] = {}
 
 
-def _carries(table: RouteTable, call: PeerCall, **contract: Any) -> Callable[[Carried], Carried]:
+def carries(table: RouteTable, call: PeerCall, **contract: Any) -> Callable[[Carried], Carried]:
     """Declare `call`'s route (as `_serves`) over a handler that a channel calls too."""
     assert call.channel and call.method == "POST", call.name
 
@@ -128,7 +128,7 @@ def _carries(table: RouteTable, call: PeerCall, **contract: Any) -> Callable[[Ca
             return json_response(await handle(asked, raw))
 
         _serves(table, call, **contract)(route)
-        _CARRIED[route] = handle
+        CARRIED[route] = handle
         return handle
 
     return declare
@@ -260,7 +260,7 @@ async def channel(request: web.Request) -> web.StreamResponse:
     )
     # The calls this service serves over HTTP, and nothing else: a decode's channel carries no
     # destination, a prefill's no arrival.
-    served = {r.path: _CARRIED[r.handler] for r in app[ROUTES] if r.handler in _CARRIED}
+    served = {r.path: CARRIED[r.handler] for r in app[ROUTES] if r.handler in CARRIED}
 
     async def dispatch(path: str, raw: bytes) -> tuple[int, bytes]:
         handle = served.get(path)
@@ -292,7 +292,7 @@ async def channel(request: web.Request) -> web.StreamResponse:
     )
 
 
-@_carries(
+@carries(
     prefill_peer_routes,
     DESTINATIONS,
     errors=(422,),
@@ -312,7 +312,7 @@ async def destinations(asked: Asked, raw: bytes) -> list[Outcome]:
     return _each(asked, raw, DestinationMsg, deliver, from_decode)
 
 
-@_carries(
+@carries(
     prefill_peer_routes,
     ABORTS,
     errors=(422,),
@@ -331,7 +331,7 @@ async def abort(asked: Asked, raw: bytes) -> AbortAck:
     )
 
 
-@_carries(
+@carries(
     decode_peer_routes,
     ARRIVALS,
     errors=(422,),
@@ -342,7 +342,7 @@ async def arrivals(asked: Asked, raw: bytes) -> list[Outcome]:
     return _each(asked, raw, ArrivalMsg, pipeline.arrived, _from_stage_peer(pipeline, "arrival"))
 
 
-@_carries(
+@carries(
     decode_peer_routes,
     STAGE_FAILURES,
     errors=(422,),
@@ -354,7 +354,7 @@ async def stage_failures(asked: Asked, raw: bytes) -> list[Outcome]:
     return _each(asked, raw, StageFailedMsg, pipeline.stage_failed, check)
 
 
-@_carries(
+@carries(
     decode_peer_routes,
     WINDOWS,
     errors=(404, 409, 422),
@@ -370,7 +370,7 @@ async def windows(asked: Asked, raw: bytes) -> WindowAnswer:
     return await pipeline.window(msg)
 
 
-@_carries(
+@carries(
     decode_peer_routes,
     SEGMENTS,
     errors=(422,),

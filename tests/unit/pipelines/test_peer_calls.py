@@ -14,7 +14,7 @@ from pipelines.decode.delivery import PrefillPeer
 from pipelines.inprocess import InProcessLink
 from pipelines.peer_calls import CHANNEL, CHANNEL_PATHS, PEER_CALLS, PeerCall
 from pipelines.prefill.handoff import DecodePeer
-from service.api.peer import _CARRIED, common_routes, decode_peer_routes, prefill_peer_routes
+from service.api.peer import CARRIED, common_routes, decode_peer_routes, prefill_peer_routes
 from service.http.peer_channel import PeerChannels
 from service.http.routing import Route, RouteTable
 from service.peers.protocol import HttpPeers
@@ -68,10 +68,10 @@ def test_every_call_has_a_receiver_with_its_wire_types(call: PeerCall) -> None:
 @pytest.mark.parametrize("call", [c for c in PEER_CALLS if c.channel], ids=lambda c: c.name)
 def test_every_call_a_channel_carries_has_its_handler(call: PeerCall) -> None:
     """A channel frame names its call by path alone (no method), and reaches the same handler
-    as the HTTP route (`service.api.peer.channel` dispatches through `_CARRIED`)."""
+    as the HTTP route (`service.api.peer.channel` dispatches through `CARRIED`)."""
     route = _route(call)
     assert route is not None and call.method == "POST"
-    assert route.handler in _CARRIED, f"{call.path}'s route has no handler a channel can call"
+    assert route.handler in CARRIED, f"{call.path}'s route has no handler a channel can call"
     assert call.path in CHANNEL_PATHS
 
 
@@ -80,7 +80,7 @@ def test_only_the_tabled_calls_are_carried() -> None:
         route.path
         for table in (common_routes, decode_peer_routes, prefill_peer_routes)
         for route in table
-        if route.handler in _CARRIED
+        if route.handler in CARRIED
     }
     assert carried == CHANNEL_PATHS
 

@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestServer
 from pipelines.errors import InvalidInput, PeerUnreachable
 from pipelines.messages import Outcome
 from pipelines.peer_calls import ARRIVALS, CHANNEL
-from service.api.peer import Asked, _carries, common_routes
+from service.api.peer import Asked, carries, common_routes
 from service.http.app import ROUTES, create_app
 from service.http.peer_channel import (
     FRAME_BYTES,
@@ -57,7 +57,7 @@ class Seen:
 def install(seen: Seen) -> Any:
     table = RouteTable()
 
-    @_carries(table, ARRIVALS)
+    @carries(table, ARRIVALS)
     async def arrivals(asked: Asked, raw: bytes) -> list[Outcome]:
         seen.calls.append((asked.sender, raw))
         await seen.hold.wait()
