@@ -66,6 +66,8 @@ HELLO_STATUS = 101
 FRAME_BYTES = 1 << 20
 #: What a frame adds to the largest part it may hold: the MAC, the array, one call's envelope.
 _ENVELOPE_BYTES = 4096
+#: The recipient's hello comes at once after the upgrade; a sender waits this long for it.
+_HELLO_S = 10.0
 #: After a channel to a peer failed to open, its calls go over HTTP this long before a retry.
 _RETRY_S = 5.0
 
@@ -360,7 +362,7 @@ class PeerChannels:
             timeout=aiohttp.ClientWSTimeout(ws_close=2.0),
         )
         try:
-            async with asyncio.timeout(10.0):
+            async with asyncio.timeout(_HELLO_S):
                 first = await ws.receive()
             if first.type != aiohttp.WSMsgType.BINARY:
                 raise ChannelBroken(f"no hello from {base} ({first.type.name})")
