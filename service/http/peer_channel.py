@@ -418,11 +418,7 @@ async def serve(
     )
     await ws.prepare(request)
     channel_nonce = secrets.token_hex(16)
-    key, signed = None, {}
-    if accepted.answers is not None and accepted.secret is not None:
-        assert accepted.sender is not None
-        signed = accepted.answers.headers(accepted.nonce, HELLO_STATUS, channel_nonce.encode())
-        key = _recipient_key(accepted, channel_nonce)
+    key, signed = _recipient_hello(accepted, channel_nonce)
     await ws.send_bytes(_encoder.encode(Hello(channel_nonce, signed)))
     inbound, outbound = session(key)  # the sender's out is this end's in
     writer = Writer(outbound, ws.send_bytes)
@@ -454,15 +450,27 @@ async def serve(
     finally:
         await helpers.close()
         await ws.close()
-        # Calls already taken finish (a commit half done is not abandoned), their answers
-        # dropped, as a dropped HTTP connection drops its answer; when the service stops, they
-        # are cancelled with it, as its HTTP handlers are.
-        try:
-            if calls.tasks:
-                await asyncio.wait(calls.tasks)
-        finally:
-            await calls.close()
+        await _finish(calls)
     return ws
+
+
+async def _finish(calls: TaskOwner) -> None:
+    """Calls already taken finish (a commit half done is not abandoned), their answers
+    dropped, as a dropped HTTP connection drops its answer; when the service stops, they are
+    cancelled with it, as its HTTP handlers are."""
+    try:
+        if calls.tasks:
+            await asyncio.wait(calls.tasks)
+    finally:
+        await calls.close()
+
+
+def _recipient_hello(accepted: Accepted, channel_nonce: str) -> tuple[bytes | None, dict[str, str]]:
+    """The session key and the hello's signature headers (none when peer auth is off)."""
+    if accepted.answers is None or accepted.secret is None:
+        return None, {}
+    signed = accepted.answers.headers(accepted.nonce, HELLO_STATUS, channel_nonce.encode())
+    return _recipient_key(accepted, channel_nonce), signed
 
 
 def _recipient_key(accepted: Accepted, channel_nonce: str) -> bytes:
