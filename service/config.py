@@ -284,6 +284,10 @@ class PeersConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True)
 
     #: Default timeout of one service-to-service HTTP call.
     request_timeout_s: PositiveSeconds = 5.0
+    #: Send the hot peer calls (destinations, aborts, arrivals, failures, windows, segments) on
+    #: one persistent, per-frame authenticated channel per peer life (`/v1/peer/channel`)
+    #: instead of one HTTP request each; off: every call is an HTTP request.
+    channels: bool = True
     #: Peer health (`/metrics` labels, the dashboard) forgets a peer that is neither configured
     #: (`prefill`) nor sharing live handoffs once it has been idle — not heard, nothing shared
     #: — for this long.

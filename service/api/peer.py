@@ -2,29 +2,37 @@
 
 `GET /v1/layout` on both roles (what a peer must know to pair with and write to this process);
 destinations and aborts on prefill services; arrivals and stage failures on decode services;
-heartbeats and the watch stream on both. Every route takes a signed peer request
+heartbeats, the watch stream and the peer channel on both. The calls a channel carries
+(`PeerCall.channel`) are written once, as handlers of what was asked (`Asked`: the app, the
+verified sender, the path) and the body's bytes: the HTTP route and the channel
+(`service.http.peer_channel`) both call the same handler. Every route takes a signed peer request
 (service.http.auth) when a peer secret is configured; then whoever a message implies as its
 sender — a destination's `decode_url`, a heartbeat's `sender_url`, the prefill service assigned
 to the stage an arrival or failure reports on, the decode service an aborted handoff got its
 destination from — must be the service that signed it, or the message is refused with 403 before
-the pipeline sees it. Each message's protocol version is checked before it is acted on.
+the pipeline sees it (on a channel: the sender of its verified handshake). Each message's
+protocol version is checked before it is acted on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 
+from pipelines.decode import DecodePipeline
 from pipelines.decode.views import HANDOFF_ID_PATTERN
-from pipelines.errors import InvalidInput, KVHandoffError
+from pipelines.errors import InvalidInput, KVHandoffError, NotFoundError
 from pipelines.messages import (
+    AbortAck,
     AbortMsg,
     ArrivalMsg,
     DestinationMsg,
@@ -33,12 +41,14 @@ from pipelines.messages import (
     SegmentMsg,
     SegmentOutcome,
     StageFailedMsg,
+    WindowAnswer,
     WindowRequest,
     check_version,
 )
 from pipelines.peer_calls import (
     ABORTS,
     ARRIVALS,
+    CHANNEL,
     DESTINATIONS,
     HEARTBEATS,
     LAYOUT,
@@ -49,11 +59,23 @@ from pipelines.peer_calls import (
     PeerCall,
 )
 from pipelines.urls import canonical_url
-from service.http.app import decode_body, decode_items, json_response
-from service.http.auth import signed_sender
-from service.http.problems import Forbidden, error_problem
+from service.http.app import (
+    CONFIG,
+    ROUTES,
+    answers_of,
+    decode_body,
+    decode_items,
+    decode_json,
+    json_response,
+    read_json_body,
+)
+from service.http.auth import SIGNED_WITH, signed_sender
+from service.http.egress import EGRESS
+from service.http.peer_channel import Accepted, serve
+from service.http.peer_signing import NONCE_HEADER
+from service.http.problems import Forbidden, encode_problem, error_problem, problem_body
 from service.http.routing import Handler, RouteTable
-from service.runtime.roles import RUNTIME, decode_of, prefill_of
+from service.runtime.roles import DECODE, PREFILL, RUNTIME
 
 common_routes = RouteTable()
 decode_peer_routes = RouteTable()
@@ -70,7 +92,50 @@ def _serves(table: RouteTable, call: PeerCall, **contract: Any) -> Callable[[Han
     return table.route(call.method, call.path, tags=("peer",), role="peer", **contract)
 
 
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """A peer call as its handler sees it, over HTTP or a channel: this service's app, the
+    verified sender (None when peer auth is off) and the call's path (a problem's instance)."""
+
+    app: web.Application
+    sender: str | None
+    path: str
+
+    def heard(self) -> None:
+        """A verified peer call proves its sender alive as a heartbeat would: under load its
+        heartbeat answers may come late, while its notices keep coming, and a busy peer must
+        not be judged silent (`service.peers.heartbeat`). Unsigned (peer auth off), nothing
+        proves who sent it, and only heartbeats count."""
+        if self.sender is not None:
+            self.app[RUNTIME].heartbeats.heard(canonical_url(self.sender))
+
+
+#: Handles one call a channel carries: what was asked and the body's bytes; its answer body.
+Carried = Callable[[Asked, bytes], Awaitable[Any]]
+#: The handler of each such call, by the route that serves it over HTTP.
+CARRIED: dict[Handler, Carried] = {}
+
+
+def carries(table: RouteTable, call: PeerCall, **contract: Any) -> Callable[[Carried], Carried]:
+    """Declare `call`'s route (as `_serves`) over a handler that a channel calls too."""
+    assert call.channel and call.method == "POST", call.name
+
+    def declare(handle: Carried) -> Carried:
+        @functools.wraps(handle)
+        async def route(request: web.Request) -> web.StreamResponse:
+            raw = await read_json_body(request)
+            asked = Asked(request.app, signed_sender(request), request.path)
+            return json_response(await handle(asked, raw))
+
+        _serves(table, call, **contract)(route)
+        CARRIED[route] = handle
+        return handle
+
+    return declare
+
+
 _NO_CONTENT = 204
+_encoder = msgspec.json.Encoder()
 M = TypeVar("M", DestinationMsg, ArrivalMsg, StageFailedMsg)
 
 log = logging.getLogger("kvhandoff.heartbeat")
@@ -90,32 +155,24 @@ def _handoff_id(handoff_id: str) -> None:
         )
 
 
-def _heard(request: web.Request, sender: str | None) -> None:
-    """A verified peer request proves its sender alive as a heartbeat would: under load its
-    heartbeat answers may come late, while its notices keep coming, and a busy peer must not be
-    judged silent (`service.peers.heartbeat`). Unsigned (peer auth off), nothing proves who
-    sent it, and only heartbeats count."""
-    if sender is not None:
-        request.app[RUNTIME].heartbeats.heard(canonical_url(sender))
-
-
 def _same_service(claimed: str, sender: str, what: str, field: str) -> None:
     if canonical_url(claimed) != canonical_url(sender):
         raise Forbidden(f"{what} names {claimed} but was signed by {sender}", field=field)
 
 
-async def _each(
-    request: web.Request,
+def _each(
+    asked: Asked,
+    raw: bytes,
     type_: type[M],
     handle: Callable[[M], Any],
     check_sender: Callable[[M, str], None],
-) -> web.Response:
+) -> list[Outcome]:
     """Handle a batch of notices (see service.peers.coalesce): one outcome per notice, in order;
     `check_sender(msg, sender)` refuses a notice its signed sender may not send."""
     outcomes = []
-    batch = decode_items(await decode_body(request, list[msgspec.Raw]), type_)
-    sender = signed_sender(request)
-    _heard(request, sender)
+    batch = decode_items(decode_json(raw, list[msgspec.Raw]), type_)
+    sender = asked.sender
+    asked.heard()
     for msg in batch:
         try:
             if isinstance(msg, InvalidInput):
@@ -125,11 +182,11 @@ async def _each(
                 check_sender(msg, sender)
             handle(msg)
         except KVHandoffError as error:
-            status, problem = error_problem(error, request.path)
+            status, problem = error_problem(error, asked.path)
             outcomes.append(Outcome(status, problem))
         else:
             outcomes.append(Outcome(_NO_CONTENT))
-    return json_response(outcomes)
+    return outcomes
 
 
 @_serves(
@@ -180,101 +237,152 @@ async def watch(request: web.Request) -> web.StreamResponse:
 
 
 @_serves(
+    common_routes,
+    CHANNEL,
+    status=101,
+    errors=(422,),
+    content_type="application/octet-stream",
+    summary="A peer's persistent channel: a signed handshake upgraded to a WebSocket of "
+    "authenticated frames carrying the calls of the other peer routes (peer_channel)",
+)
+async def channel(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    if not web.WebSocketResponse().can_prepare(request).ok:
+        raise InvalidInput(
+            "the peer channel is a WebSocket: ask with `Upgrade: websocket`", field="Upgrade"
+        )
+    sender = signed_sender(request)
+    accepted = Accepted(
+        sender=sender,
+        nonce=request.headers.get(NONCE_HEADER, ""),
+        secret=request.get(SIGNED_WITH),
+        answers=answers_of(app),
+    )
+    # The calls this service serves over HTTP, and nothing else: a decode's channel carries no
+    # destination, a prefill's no arrival.
+    served = {r.path: CARRIED[r.handler] for r in app[ROUTES] if r.handler in CARRIED}
+
+    async def dispatch(path: str, raw: bytes) -> tuple[int, bytes]:
+        handle = served.get(path)
+        try:
+            if handle is None:
+                raise NotFoundError(f"no peer call {path[:100]!r} on this channel", field="path")
+            return 200, _encoder.encode(await handle(Asked(app, sender, path), raw))
+        except KVHandoffError as error:
+            status, problem = error_problem(error, path)
+            return status, encode_problem(problem)
+        except Exception:  # the channel's error_middleware: a call's bug is its own 500
+            log.exception("unhandled error in peer call %s on a channel", path)
+            return 500, encode_problem(
+                problem_body(
+                    status=500,
+                    code="internal_error",
+                    detail="an unexpected error occurred; see the service log",
+                    instance=path,
+                )
+            )
+
+    return await serve(
+        request,
+        accepted,
+        dispatch,
+        max_body_bytes=app[CONFIG].server.max_body_bytes,
+        before_answer=app[EGRESS].before,
+        closing=app[RUNTIME].closing,
+    )
+
+
+@carries(
     prefill_peer_routes,
     DESTINATIONS,
     errors=(422,),
     summary="Decode → prefill: where handoffs' bytes go (a batch; one outcome per item)",
 )
-async def destinations(request: web.Request) -> web.StreamResponse:
+async def destinations(asked: Asked, raw: bytes) -> list[Outcome]:
     def from_decode(msg: DestinationMsg, sender: str) -> None:
         # Only the decode service that owns the pages may say where bytes go.
         _same_service(msg.decode_url, sender, "the destination", "decode_url")
 
-    pipeline = prefill_of(request)
+    pipeline = asked.app[PREFILL].pipeline
 
     def deliver(msg: DestinationMsg) -> Any:
         _handoff_id(msg.handoff_id)
         return pipeline.deliver(msg)
 
-    return await _each(request, DestinationMsg, deliver, from_decode)
+    return _each(asked, raw, DestinationMsg, deliver, from_decode)
 
 
-@_serves(
+@carries(
     prefill_peer_routes,
     ABORTS,
     errors=(422,),
     summary="Decode → prefill: stop a handoff; answers once no write of it can still land",
 )
-async def abort(request: web.Request) -> web.StreamResponse:
-    msg = await decode_body(request, AbortMsg)
+async def abort(asked: Asked, raw: bytes) -> AbortAck:
+    msg = decode_json(raw, AbortMsg)
     check_version(msg.version)
     _handoff_id(msg.handoff_id)
-    pipeline = prefill_of(request)
+    pipeline = asked.app[PREFILL].pipeline
     # Ids are the decode's own: a signed abort stops its sender's handoff of that id (or one no
     # decode has sent a destination for yet: nothing can be written, and any peer may stop the
     # waiting), never another decode's.
-    sender = signed_sender(request)
-    return json_response(
-        await pipeline.abort(msg.handoff_id, msg.reason, msg.decode_incarnation, decode_url=sender)
+    return await pipeline.abort(
+        msg.handoff_id, msg.reason, msg.decode_incarnation, decode_url=asked.sender
     )
 
 
-@_serves(
+@carries(
     decode_peer_routes,
     ARRIVALS,
     errors=(422,),
     summary="Prefill → decode: every byte of these stages has landed (one outcome per item)",
 )
-async def arrivals(request: web.Request) -> web.StreamResponse:
-    return await _each(
-        request, ArrivalMsg, decode_of(request).arrived, _from_stage_peer(request, "arrival")
-    )
+async def arrivals(asked: Asked, raw: bytes) -> list[Outcome]:
+    pipeline = asked.app[DECODE].pipeline
+    return _each(asked, raw, ArrivalMsg, pipeline.arrived, _from_stage_peer(pipeline, "arrival"))
 
 
-@_serves(
+@carries(
     decode_peer_routes,
     STAGE_FAILURES,
     errors=(422,),
     summary="Prefill → decode: these stages failed; no write of them can still land",
 )
-async def stage_failures(request: web.Request) -> web.StreamResponse:
-    return await _each(
-        request,
-        StageFailedMsg,
-        decode_of(request).stage_failed,
-        _from_stage_peer(request, "stage failure"),
-    )
+async def stage_failures(asked: Asked, raw: bytes) -> list[Outcome]:
+    pipeline = asked.app[DECODE].pipeline
+    check = _from_stage_peer(pipeline, "stage failure")
+    return _each(asked, raw, StageFailedMsg, pipeline.stage_failed, check)
 
 
-@_serves(
+@carries(
     decode_peer_routes,
     WINDOWS,
     errors=(404, 409, 422),
     summary="Prefill → decode: a landing window for a stage's next segment (landed mode)",
 )
-async def windows(request: web.Request) -> web.StreamResponse:
-    msg = await decode_body(request, WindowRequest)
+async def windows(asked: Asked, raw: bytes) -> WindowAnswer:
+    msg = decode_json(raw, WindowRequest)
     check_version(msg.version)
-    sender = signed_sender(request)
-    _heard(request, sender)
-    if sender is not None:
-        _from_stage_peer(request, "window request")(msg, sender)
-    return json_response(await decode_of(request).window(msg))
+    asked.heard()
+    pipeline = asked.app[DECODE].pipeline
+    if asked.sender is not None:
+        _from_stage_peer(pipeline, "window request")(msg, asked.sender)
+    return await pipeline.window(msg)
 
 
-@_serves(
+@carries(
     decode_peer_routes,
     SEGMENTS,
     errors=(422,),
     summary="Prefill → decode: these segments landed in their windows; each committed once its "
     "digest matches (one outcome per item: its ack, or a problem)",
 )
-async def segments(request: web.Request) -> web.StreamResponse:
-    batch = decode_items(await decode_body(request, list[msgspec.Raw]), SegmentMsg)
-    sender = signed_sender(request)
-    _heard(request, sender)
-    pipeline = decode_of(request)
-    check = _from_stage_peer(request, "segment")
+async def segments(asked: Asked, raw: bytes) -> list[SegmentOutcome]:
+    batch = decode_items(decode_json(raw, list[msgspec.Raw]), SegmentMsg)
+    sender = asked.sender
+    asked.heard()
+    pipeline = asked.app[DECODE].pipeline
+    check = _from_stage_peer(pipeline, "segment")
 
     async def one(msg: SegmentMsg | InvalidInput) -> SegmentOutcome:
         try:
@@ -285,19 +393,17 @@ async def segments(request: web.Request) -> web.StreamResponse:
                 check(msg, sender)
             return SegmentOutcome(200, await pipeline.segment(msg))
         except KVHandoffError as error:
-            status, problem = error_problem(error, request.path)
+            status, problem = error_problem(error, asked.path)
             return SegmentOutcome(status, problem=problem)
 
     # Committed side by side, as separate requests would be; answered once all are.
-    outcomes = [await one(batch[0])] if len(batch) == 1 else await asyncio.gather(*map(one, batch))
-    return json_response(outcomes)
+    return [await one(batch[0])] if len(batch) == 1 else await asyncio.gather(*map(one, batch))
 
 
 def _from_stage_peer(
-    request: web.Request, what: str
+    pipeline: DecodePipeline, what: str
 ) -> Callable[[ArrivalMsg | StageFailedMsg | WindowRequest | SegmentMsg, str], None]:
     """Only the prefill service a handoff's stage was assigned to may report on that stage."""
-    pipeline = decode_of(request)
 
     def check(msg: ArrivalMsg | StageFailedMsg | WindowRequest | SegmentMsg, sender: str) -> None:
         # An unknown handoff: 404, as the pipeline says; an unknown stage: the pipeline's 422.

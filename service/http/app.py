@@ -38,6 +38,7 @@ from service.http.auth import Credentials, answer_middleware, auth_middleware, s
 from service.http.egress import EGRESS, Egress
 from service.http.openapi import build_openapi
 from service.http.peer_client import PeerClient
+from service.http.peer_signing import AnswerSigner
 from service.http.problems import (
     PROBLEM_CONTENT_TYPE,
     MalformedBody,
@@ -147,15 +148,25 @@ async def decode_body(request: web.Request, type_: type[T]) -> T:
     (400) if it is not JSON or nests deeper than MAX_JSON_DEPTH, InvalidInput (422) with `field`
     set to the key path of the wrong value (`dst_pages[3]`), PayloadTooLarge (413).
     """
+    return decode_json(await read_json_body(request), type_)
+
+
+async def read_json_body(request: web.Request) -> bytes:
+    """The body, not decoded yet; `decode_body`'s errors for its media type and size."""
     if request.content_type != "application/json":
         raise UnsupportedMediaType(
             f"the body must be sent as application/json, not {request.content_type}",
             field="Content-Type",
         )
     try:
-        raw = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(request) from None
+
+
+def decode_json(raw: bytes, type_: type[T]) -> T:
+    """`raw` decoded as `type_`, with `decode_body`'s errors (a body that came another way: a
+    peer channel's frame)."""
     depth = json_depth(raw)
     if depth > MAX_JSON_DEPTH:
         raise MalformedBody(
@@ -370,6 +381,11 @@ def _builtin_routes() -> RouteTable:
     return routes
 
 
+def answers_of(app: web.Application) -> AnswerSigner | None:
+    """What signs this service's answers to peer requests (None when peer auth is off)."""
+    return app[_CREDENTIALS].answers
+
+
 # ---------------------------------------------------------------------------------------------
 # The factory
 
@@ -382,8 +398,11 @@ async def _peer_client_ctx(app: web.Application) -> AsyncIterator[None]:
             signer=signer_for(config),
             timeout_s=config.peers.request_timeout_s,
             egress=app[EGRESS],
+            channels=config.peers.channels,
+            max_body_bytes=config.server.max_body_bytes,
         )
         yield
+        await app[PEERS].close()
 
 
 async def _clock_ctx(app: web.Application) -> AsyncIterator[None]:

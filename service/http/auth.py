@@ -44,6 +44,8 @@ from service.http.routing import API_PREFIX, AuthRole, Route
 
 #: The peer URL a request was signed by, once verified (absent when peer auth is off).
 SENDER = web.RequestKey("signed_sender", str)
+#: The peer secret a verified peer request was signed with (what a channel's key derives from).
+SIGNED_WITH = web.RequestKey("signed_with", str)
 #: The nonce of a peer request whose signature verified: its answer is signed for it.
 _ANSWER_NONCE = web.RequestKey("answer_nonce", str)
 
@@ -180,7 +182,9 @@ async def _check_signature(request: web.Request, credentials: Credentials) -> No
     headers = {h: request.headers.get(h) for h in SIGNED_HEADERS}
     headers[RECIPIENT_INCARNATION_HEADER] = request.headers.get(RECIPIENT_INCARNATION_HEADER)
     try:
-        sender = credentials.verifier.verify(request.method, request.raw_path, headers, body)
+        sender, secret = credentials.verifier.verify_secret(
+            request.method, request.raw_path, headers, body
+        )
     except SignatureRejected as exc:
         if exc.stale:  # the signature verified: answer it signed, so the caller learns our life
             request[_ANSWER_NONCE] = request.headers[NONCE_HEADER]
@@ -191,6 +195,7 @@ async def _check_signature(request: web.Request, credentials: Credentials) -> No
     except UnicodeEncodeError:  # header values with undecodable bytes
         raise Unauthorized("peer signature headers are not ASCII", role="peer") from None
     request[SENDER] = sender
+    request[SIGNED_WITH] = secret
     request[_ANSWER_NONCE] = request.headers[NONCE_HEADER]
 
 

@@ -10,8 +10,13 @@ authenticated answer named it), so the peer can verify who sent it and that it w
 it; then every answer must prove it came from that peer for that request, or the call raises
 `UnauthenticatedAnswer` and nothing in the answer is used — including a body's `incarnation`
 or `url` that disagree with what the answer's signature vouches for. Redirects are never
-followed (a 3xx is an error: it would carry the signed headers and body elsewhere). The app
-creates one client per process (`service.http.app.PEERS`).
+followed (a 3xx is an error: it would carry the signed headers and body elsewhere).
+
+The calls a peer channel carries (`pipelines.peer_calls`, `PeerCall.channel`) go on the open
+channel to the peer's life (`service.http.peer_channel`), whose session authenticates every
+answer frame; until one is open, and when channels are off, they go over HTTP. Both answers are
+read in one place (`_result`), so a caller cannot tell the transports apart. The app creates
+one client per process (`service.http.app.PEERS`).
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ import msgspec
 from yarl import URL
 
 from pipelines.errors import KVHandoffError, PeerUnreachable
+from pipelines.peer_calls import CHANNEL_PATHS
 from pipelines.peercache import MAX_PEERS, PeerCache
 from pipelines.urls import canonical_url
-from service.config import PeersConfig
+from service.config import PeersConfig, ServerConfig
 from service.http.egress import Egress
+from service.http.peer_channel import PeerChannels
 from service.http.peer_signing import NONCE_HEADER, AnswerRejected, Signer
 from service.http.problems import PeerError, PeerTimeout, StaleIncarnation, error_from_problem
 
@@ -56,8 +63,10 @@ def _decoder(type_: Any) -> msgspec.json.Decoder[Any]:
     return msgspec.json.Decoder(type_)
 
 
-#: `peers.request_timeout_s`'s default is the client's, written once in the configuration.
+#: The configuration's defaults are the client's (`peers.request_timeout_s`, `peers.channels`,
+#: `server.max_body_bytes`), written once there.
 _PEERS = PeersConfig()
+_SERVER = ServerConfig()
 
 
 class UnauthenticatedAnswer(PeerError):
@@ -77,13 +86,24 @@ class PeerClient:
         signer: Signer | None = None,
         timeout_s: float = _PEERS.request_timeout_s,
         egress: Egress | None = None,
+        channels: bool = _PEERS.channels,
+        max_body_bytes: int = _SERVER.max_body_bytes,
     ) -> None:
         self._session = session
         self._signer = signer
         self._egress = egress
         self.timeout_s = timeout_s
+        # The calls of `pipelines.peer_calls` that a channel carries go on one, once it is open.
+        self._channels = (
+            PeerChannels(session, signer, max_body_bytes=max_body_bytes) if channels else None
+        )
         # Each peer's incarnation, as its last authenticated answer named it (bounded).
         self._incarnations: PeerCache[str] = PeerCache(MAX_PEERS)
+
+    async def close(self) -> None:
+        """Close the open channels (their waiting calls fail as `PeerUnreachable`)."""
+        if self._channels is not None:
+            await self._channels.close()
 
     def incarnation_of(self, url: str) -> str | None:
         """The peer's incarnation as its last authenticated answer named it."""
@@ -161,86 +181,80 @@ class PeerClient:
         timeout_s: float | None,
     ) -> Any:
         peer = url.rstrip("/")
-        headers: dict[str, str] = {}
-        data = b""
-        if body is not None:
-            # Bytes are a body already encoded (a batch of notices joined by the coalescer).
-            data = body if isinstance(body, bytes) else _encoder.encode(body)
-            headers["Content-Type"] = "application/json"
+        # Bytes are a body already encoded (a batch of notices joined by the coalescer).
+        data = b"" if body is None else body if isinstance(body, bytes) else _encoder.encode(body)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        channel = None
+        if method == "POST" and path in CHANNEL_PATHS and self._channels is not None:
+            channel = self._channels.ready(peer, self.incarnation_of(peer))
+        if self._egress is not None:
+            await self._egress.before()  # what this request may tell of is on disk first
+        if channel is not None:
+            # The channel's session vouches for every answer frame: its peer, in its life.
+            status, raw = await channel.call(path, data, timeout)
+            incarnation: str | None = channel.incarnation or None
+        else:
+            status, raw, incarnation = await self._over_http(method, peer, path, data, timeout)
+        return _result(f"{method} {peer}{path}", peer, status, raw, response_type, incarnation)
+
+    async def _over_http(
+        self, method: str, peer: str, path: str, data: bytes, timeout_s: float
+    ) -> tuple[int, bytes, str | None]:
+        """(status, body, the incarnation the answer's signature vouches for) of one HTTP call."""
         try:
             # encoded=True: the path is sent exactly as signed, never re-quoted by yarl.
             target = URL(peer + path, encoded=True)
         except ValueError as exc:
             raise PeerUnreachable(f"{method} {peer}{path}: bad URL: {exc}", peer=peer) from None
+        headers = {"Content-Type": "application/json"} if data else {}
         if self._signer is not None:
+            incarnation = self.incarnation_of(peer) or ""
             headers.update(
                 self._signer.headers(
                     method,
                     target.raw_path_qs,
                     data,
                     recipient=peer,
-                    recipient_incarnation=self.incarnation_of(peer) or "",
+                    recipient_incarnation=incarnation,
                 )
             )
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s if timeout_s is None else timeout_s)
-        if self._egress is not None:
-            await self._egress.before()  # what this request may tell of is on disk first
         try:
             async with self._session.request(
                 method,
                 target,
                 data=data or None,
                 headers=headers,
-                timeout=timeout,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
                 allow_redirects=False,
             ) as response:
                 raw = await response.read()
-                status = response.status
-                answer_headers = response.headers
+                status, answer_headers = response.status, response.headers
         except TimeoutError:  # aiohttp's timeouts subclass it (asyncio.TimeoutError on 3.11+)
             raise PeerTimeout(
-                f"{method} {peer}{path} got no answer within {timeout.total} s", peer=peer
+                f"{method} {peer}{path} got no answer within {timeout_s} s", peer=peer
             ) from None
         except aiohttp.ClientError as exc:
             # ClientConnectorError, ServerDisconnectedError, ClientPayloadError, InvalidURL, ...
             raise PeerUnreachable(f"{method} {peer}{path} failed: {exc}", peer=peer) from None
-        incarnation = None
-        if self._signer is not None:
-            try:
-                incarnation = self._signer.check_answer(
-                    headers[NONCE_HEADER], peer, status, answer_headers, raw
-                )
-            except AnswerRejected as exc:
-                # What the body says is not evidence of anything; its code and detail are kept
-                # only to tell an operator why (a secret or URL that differs between services).
-                hint = error_from_problem(status, raw, peer=peer) if status >= 400 else None
-                raise UnauthenticatedAnswer(
-                    f"{method} {peer}{path}: {exc}"
-                    + (f" ({hint.code}: {hint.message})" if hint is not None else ""),
-                    peer=peer,
-                    status=status,
-                    remote_code=hint.code if hint is not None else None,
-                ) from None
-            self._incarnations.put(canonical_url(peer), incarnation)
-        if 300 <= status < 400:
-            raise PeerError(
-                f"{method} {peer}{path} answered {status}: peer calls follow no redirect",
+        if self._signer is None:
+            return status, raw, None
+        try:
+            incarnation = self._signer.check_answer(
+                headers[NONCE_HEADER], peer, status, answer_headers, raw
+            )
+        except AnswerRejected as exc:
+            # What the body says is not evidence of anything; its code and detail are kept
+            # only to tell an operator why (a secret or URL that differs between services).
+            hint = error_from_problem(status, raw, peer=peer) if status >= 400 else None
+            raise UnauthenticatedAnswer(
+                f"{method} {peer}{path}: {exc}"
+                + (f" ({hint.code}: {hint.message})" if hint is not None else ""),
                 peer=peer,
                 status=status,
-            )
-        if status >= 400:
-            raise _remote_error(status, raw, peer)
-        if response_type is None:
-            return None
-        try:
-            result = _decoder(response_type).decode(raw)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise PeerError(
-                f"{method} {peer}{path} answered with an unexpected body: {exc}", peer=peer
+                remote_code=hint.code if hint is not None else None,
             ) from None
-        if incarnation is not None:
-            _check_identity(result, peer, incarnation, f"{method} {peer}{path}")
-        return result
+        self._incarnations.put(canonical_url(peer), incarnation)
+        return status, raw, incarnation
 
     async def hold(
         self,
@@ -291,6 +305,28 @@ class PeerClient:
             ) from None
         except aiohttp.ClientError as exc:
             raise PeerUnreachable(f"GET {peer}{path} failed: {exc}", peer=peer) from None
+
+
+def _result(
+    call: str, peer: str, status: int, raw: bytes, response_type: Any, incarnation: str | None
+) -> Any:
+    """The decoded answer of an authenticated exchange (or of any, with peer auth off); the
+    peer's error for a non-2xx one."""
+    if 300 <= status < 400:
+        raise PeerError(
+            f"{call} answered {status}: peer calls follow no redirect", peer=peer, status=status
+        )
+    if status >= 400:
+        raise _remote_error(status, raw, peer)
+    if response_type is None:
+        return None
+    try:
+        result = _decoder(response_type).decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise PeerError(f"{call} answered with an unexpected body: {exc}", peer=peer) from None
+    if incarnation is not None:
+        _check_identity(result, peer, incarnation, call)
+    return result
 
 
 def _check_identity(result: Any, peer: str, incarnation: str, call: str) -> None:

@@ -50,6 +50,7 @@ ANSWER_SIGNATURE_HEADER = "KVHandoff-Answer-Signature"
 SCHEME = "v1"
 _CONTEXT = b"kvhandoff-peer-v3"
 _ANSWER_CONTEXT = b"kvhandoff-peer-answer-v3"
+_CHANNEL_CONTEXT = b"kvhandoff-peer-channel-v1"
 _MAX_NONCE_CHARS = 64
 #: Senders whose replay floor is kept apart; beyond it the evicted sender's floor is shared.
 _MAX_SENDER_FLOORS = 4096
@@ -118,11 +119,32 @@ def _mac(secret: str, message: bytes) -> str:
     return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 
 
-def _verifies(secrets_: Sequence[str], message: bytes, signature: str) -> bool:
+def _matching(secrets_: Sequence[str], message: bytes, signature: str) -> str | None:
+    """The secret of `secrets_` that `signature` was made with; None when none verifies."""
     scheme, _, given = signature.partition("=")
     if scheme != SCHEME or not given.isascii():  # compare_digest takes ASCII str only
-        return False
-    return any(hmac.compare_digest(_mac(s, message), given) for s in secrets_)
+        return None
+    return next((s for s in secrets_ if hmac.compare_digest(_mac(s, message), given)), None)
+
+
+def channel_key(
+    secret: str, nonce: str, channel_nonce: str, sender: str, recipient: str, incarnation: str
+) -> bytes:
+    """The session key of a peer channel (`service.http.peer_channel`): derived from the peer
+    secret that signed its handshake, the handshake's nonce, the nonce the recipient chose for
+    the session, both ends' URLs and the recipient's life. Nobody without the secret can
+    compute it, and no two sessions share it."""
+    context = b"\n".join(
+        (
+            _CHANNEL_CONTEXT,
+            nonce.encode(),
+            channel_nonce.encode(),
+            canonical_url(sender).encode(),
+            canonical_url(recipient).encode(),
+            incarnation.encode(),
+        )
+    )
+    return hmac.new(secret.encode(), context, hashlib.sha256).digest()
 
 
 class Signer:
@@ -182,9 +204,17 @@ class Signer:
         if canonical_url(responder) != canonical_url(recipient):
             raise AnswerRejected(f"the answer is signed by {responder}, not by {recipient}")
         message = canonical_answer(nonce, status, responder, incarnation, body)
-        if not _verifies(self._secrets, message, signature):
+        if _matching(self._secrets, message, signature) is None:
             raise AnswerRejected("the answer's signature does not verify with any peer secret")
         return incarnation
+
+    def channel_key(
+        self, nonce: str, channel_nonce: str, recipient: str, recipient_incarnation: str
+    ) -> bytes:
+        """The key of the channel whose handshake this signer signed with `nonce`."""
+        return channel_key(
+            self._secrets[0], nonce, channel_nonce, self.sender, recipient, recipient_incarnation
+        )
 
 
 class AnswerSigner:
@@ -233,6 +263,12 @@ class Verifier:
         self, method: str, path_qs: str, headers: Mapping[str, str | None], body: bytes
     ) -> str:
         """The verified sender URL; raises SignatureRejected. Records the nonce once valid."""
+        return self.verify_secret(method, path_qs, headers, body)[0]
+
+    def verify_secret(
+        self, method: str, path_qs: str, headers: Mapping[str, str | None], body: bytes
+    ) -> tuple[str, str]:
+        """As `verify`, with the peer secret the request was signed with."""
         sender, recipient, stamp, nonce, signature = (headers.get(h) for h in SIGNED_HEADERS)
         if (
             sender is None
@@ -260,7 +296,8 @@ class Verifier:
             raise SignatureRejected(f"{SIGNATURE_HEADER} must be {SCHEME}=<hex HMAC-SHA256>")
         incarnation = headers.get(RECIPIENT_INCARNATION_HEADER) or ""
         message = canonical(method, path_qs, stamp, nonce, sender, recipient, incarnation, body)
-        if not _verifies(self._secrets, message, signature):
+        secret = _matching(self._secrets, message, signature)
+        if secret is None:
             raise SignatureRejected("peer signature does not verify with any peer secret")
         if canonical_url(recipient) != self.url:
             # A request the sender meant for another service, relayed here: never acted on.
@@ -274,7 +311,7 @@ class Verifier:
                 f"is incarnation {self.incarnation}",
                 stale=True,
             )
-        return sender
+        return sender, secret
 
     def _remember(self, nonce: str, sender: str, timestamp: float) -> None:
         floor = self._floors.get(sender, self._floor)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -21,6 +22,7 @@ import pytest
 from pipelines.messages import LayoutInfo
 from service.http.peer_signing import Signer
 from service.testing.deployment import LocalDeployment
+from tests.channels import OpenedByHand
 from tests.integration.handoff_checks import (
     Moved,
     create,
@@ -502,3 +504,89 @@ async def test_peer_messages_naming_ids_the_public_routes_refuse_are_refused(
         )
         assert (status, problem["field"]) == (422, "handoff_id"), (bad, problem)
     assert decode_bytes(dep) == before
+
+
+async def opened(
+    http: aiohttp.ClientSession, url: str, life: str, *, sender: str, to: str | None = None
+) -> OpenedByHand:
+    """A channel as a holder of the peer secret speaking for `sender` would open it."""
+    return await OpenedByHand.open(http, url, life, secret=PEER, sender=sender, to=to)
+
+
+async def test_peer_channel_frames_cannot_be_replayed_moved_or_outlive_the_recipients_life(
+    fresh: LocalDeployment, sessions: dict[str, aiohttp.ClientSession]
+) -> None:
+    """The relay-proof properties of signed calls, on the channel, against real processes: a
+    frame sent again on its own channel or on another one (to the same or another recipient)
+    is refused with the channel; a handshake signed for another recipient, or a life of the
+    recipient before its restart, is refused; the victim handoff is untouched throughout, and
+    handoffs complete over the channels of the restarted stage's new life."""
+    dep = fresh
+    http = sessions["anonymous"]
+    before = decode_bytes(dep)
+    m = Moved(src_pages=[3, 4], dst_pages=[44, 45], src_slot=3, dst_slot=1)
+    assert (await create(sessions["router"], dep, "victim-ch", m))[0] == 201
+    decode = await decode_layout(http, dep)
+    stage0 = dep.url_of_stage(0)
+    arrival = {
+        "handoff_id": "victim-ch",
+        "pp_rank": 0,
+        "bytes": 0,
+        "blocks": 0,
+        "sender_url": stage0,
+        "sender_incarnation": (await layout_of(http, stage0, dep.decode_url)).incarnation,
+        "decode_incarnation": decode.incarnation,
+    }
+    # A channel as stage 0's service: a landed handoff takes no bare arrival (as over HTTP).
+    first = await opened(http, dep.decode_url, decode.incarnation, sender=stage0)
+    frame = first.frame("/v1/peer/arrivals", [arrival])
+    await first.ws.send_bytes(frame)
+    [answer] = await first.answers()
+    assert answer["status"] == 200 and answer["body"][0]["status"] == 409, answer
+    second = await opened(http, dep.decode_url, decode.incarnation, sender=stage0)
+    await second.ws.send_bytes(frame)  # the first channel's frame on the second
+    await second.refused()
+    await first.ws.send_bytes(frame)  # and again on its own
+    await first.refused()
+    # Another recipient: a frame sealed for the decode, on a channel to a prefill service.
+    stage1 = dep.url_of_stage(1)
+    life1 = (await layout_of(http, stage1, dep.decode_url)).incarnation
+    other = await opened(http, stage1, life1, sender=dep.decode_url)
+    await other.ws.send_bytes(frame)
+    await other.refused()
+    # A handshake signed for another service, relayed to this one.
+    with pytest.raises(aiohttp.WSServerHandshakeError) as relayed:
+        await opened(http, stage1, life1, sender=dep.decode_url, to=stage0)
+    assert relayed.value.status == 401
+    async with sessions["router"].get(f"{dep.decode_url}/v1/handoffs/victim-ch") as resp:
+        view = await resp.json()
+    assert view["bytes"] == 0 and "error" not in view, view
+    assert decode_bytes(dep) == before
+    # After the stage's restart, its old life's handshake is refused, its old channels are gone.
+    kept = await opened(http, stage1, life1, sender=dep.decode_url)
+    async with sessions["router"].delete(f"{dep.decode_url}/v1/handoffs/victim-ch") as resp:
+        assert resp.status in (200, 202), await resp.text()
+    await finished(sessions["router"], dep, "victim-ch")
+    dep.kill(1, signal.SIGTERM)
+    dep.restart(dep._stage_process(1).name)
+    assert (await kept.ws.receive()).type in (
+        aiohttp.WSMsgType.CLOSE,
+        aiohttp.WSMsgType.CLOSED,
+        aiohttp.WSMsgType.ERROR,
+    )
+    with pytest.raises(aiohttp.WSServerHandshakeError) as stale:
+        await opened(http, stage1, life1, sender=dep.decode_url)
+    assert stale.value.status == 409
+    after = Moved(src_pages=[5], dst_pages=[46], src_slot=4, dst_slot=2)
+    for attempt in range(50):  # until the decode has heard of the stage's new life
+        status, _ = await create(sessions["router"], dep, f"after-restart-{attempt}", after)
+        if status == 201:
+            break
+        await asyncio.sleep(0.2)
+    for r in range(dep.pp_size):
+        assert (await ready(sessions["engine"], dep, f"after-restart-{attempt}", r, after))[
+            0
+        ] == 202
+    view = await finished(sessions["router"], dep, f"after-restart-{attempt}")
+    assert view["state"] == "completed", view
+    assert landed(dep, [after]) == []
