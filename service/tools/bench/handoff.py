@@ -43,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
-from pipelines.prefill.landed import BLOCK_BYTES
+from pipelines.prefill.staged import BLOCK_BYTES
 from service.config import TransferConfig
 from service.testing.deployment import LocalDeployment
 from service.testing.raw_engines import StageEngines, StageProcesses

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from pipelines.decode.landing import piece_cells
+from pipelines.decode.coverage import piece_cells
 from pipelines.digest import digest
 from pipelines.layout import StageLayout
 from pipelines.models import ModelSpec, decode_layout, dense_mla, partition_layers, stage_layout
@@ -46,7 +46,7 @@ from pipelines.packing import (
 )
 from pipelines.pairing import Pairing, pair
 from pipelines.planning import plan, validate_request
-from pipelines.prefill.landed import staged_blocks
+from pipelines.prefill.staged import staged_blocks
 from service.tools.bench.common import fragmented_pages, median, time_call
 
 WINDOW_BYTES = 16 << 20  # transfer.window_bytes' default
