@@ -30,9 +30,12 @@ from pipelines.digest import Digester
 from pipelines.packing import Pieces, Side, copy_out, gather, scatter, settle
 from pipelines.pairing import Pairing
 
-#: A chunk's bytes: the private chunk, the window's and the pages' cache lines together stay
-#: inside one core's L2 (1 MiB here); 256 KiB measured fastest of 64 KiB-2 MiB for the commit.
-CHUNK_BYTES = 256 * 1024
+#: A chunk's bytes: small enough that the private chunk is still in cache when it is digested
+#: and scattered, large enough that the per-chunk work (its pieces, a view per piece) is small
+#: beside the copy. 1-2 MiB measured fastest of 64 KiB-4 MiB on the development machine (2 MiB
+#: L2 and 32 MiB L3 in all; below 256 KiB the per-chunk work dominates): `kvhandoff bench
+#: handoff --cases commit,gather`.
+CHUNK_BYTES = 1 << 20
 
 
 def chunk_bytes_for(buf: Any) -> int:

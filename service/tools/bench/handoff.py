@@ -456,10 +456,15 @@ def _print(r: dict[str, Any]) -> None:
             f"  with np.take(mode='clip') {r['gather_unbuffered_gb_s']:.2f} GB/s "
             f"({r['unbuffered_ratio']:.2f}x)"
         )
+        print(
+            f"  staged with its digest: one pass {r['stage_one_pass_gb_s']:.2f} GB/s, three "
+            f"passes {r['stage_three_pass_gb_s']:.2f} GB/s ({r['stage_one_pass_speedup']:.2f}x)"
+        )
     elif case == "commit":
         print(f"commit: {r['bytes'] / 1e6:.0f} MB in {r['segments']} segments (decode, host)")
         print(
-            f"  copy out + xxh3-128 + scatter {r['commit_gb_s']:.2f} GB/s  (copy out "
+            f"  one pass {r['commit_gb_s']:.2f} GB/s ({r['one_pass_speedup']:.2f}x of three "
+            f"passes: copy out + xxh3-128 + scatter {r['three_pass_gb_s']:.2f} GB/s; copy out "
             f"{r['copy_out_gb_s']:.2f}, digest {r['digest_gb_s']:.2f}, scatter "
             f"{r['scatter_gb_s']:.2f} GB/s)"
         )
