@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 
 from pipelines.messages import LayoutInfo
-from pipelines.prefill.landed import BLOCK_BYTES
+from pipelines.prefill.staged import BLOCK_BYTES
 from service.config import HandoffConfig, TransferConfig
 from service.testing.deployment import LocalDeployment
 from service.testing.raw_engines import StageProcesses

@@ -44,11 +44,40 @@ _LANE_B = 0xD6E8FEB86659FD93
 def digest(buf: Any, algorithm: Algorithm, *, seed: int) -> str:
     """The hex digest of the bytes of `buf` (a 1-D uint8 numpy array or torch tensor), under
     `seed` (an unsigned 64-bit integer, `segment_seed`)."""
-    if algorithm == "xxh3_128":
+    if algorithm == "xxh3_128":  # one call: cheaper than a streaming state for small segments
         return xxhash.xxh3_128_hexdigest(_host_bytes(buf), seed=seed & _M64)
-    if algorithm == "mix64":
-        return _mix64(buf, seed & _M64)
-    raise ValueError(f"unknown digest algorithm {algorithm!r}")
+    d = Digester(algorithm, seed=seed)
+    d.update(buf)
+    return d.hexdigest()
+
+
+class Digester:
+    """One segment's digest over its bytes fed in order, in parts of any sizes (`update`):
+    `hexdigest()` equals `digest` of all of them at once, so a sender and a receiver may cut the
+    same segment into different chunks. What the one-pass gather and commit digest chunk by
+    chunk, each chunk while it is in cache (`pipelines/chunked.py`)."""
+
+    def __init__(self, algorithm: Algorithm, *, seed: int) -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown digest algorithm {algorithm!r}")
+        self.algorithm: Algorithm = algorithm
+        self._seed = seed & _M64
+        self._xxh = xxhash.xxh3_128(seed=self._seed) if algorithm == "xxh3_128" else None
+        self._mix: _Mix64 | None = None if self._xxh is not None else _Mix64(self._seed)
+
+    def update(self, buf: Any) -> None:
+        """Feed the next bytes of the segment (a 1-D uint8 numpy array or torch tensor)."""
+        if self._xxh is not None:
+            self._xxh.update(_host_bytes(buf))
+        else:
+            assert self._mix is not None
+            self._mix.update(buf)
+
+    def hexdigest(self) -> str:
+        if self._xxh is not None:
+            return self._xxh.hexdigest()
+        assert self._mix is not None
+        return self._mix.hexdigest()
 
 
 def segment_seed(
@@ -92,31 +121,79 @@ def _fmix(x: Any) -> Any:
     return x ^ ((x >> 33) & mask)
 
 
-def _mix64(buf: Any, seed: int) -> str:
-    """Two sums, modulo 2**64, of every little-endian 64-bit word mixed with the seed and its
-    position through fmix64 (lanes A and B differ by their seed); then the sums, the tail bytes
-    and the length, hashed with the seed on the host (32 bytes and the tail)."""
-    import torch
+class _Mix64:
+    """mix64 streamed: two sums, modulo 2**64, of every little-endian 64-bit word mixed with the
+    seed and its position through fmix64 (lanes A and B differ by their seed); at the end the
+    sums, the tail bytes and the length, hashed with the seed on the host (32 bytes and the
+    tail). The sums stay on the device until the end; a word cut between two parts (a part whose
+    length is not a multiple of 8) is mixed on the host."""
 
-    t = buf if isinstance(buf, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(buf))
-    n = int(t.numel())
-    whole = n // 8 * 8
-    head = t[:whole]
-    if whole == 0:  # a uint8 tensor of no elements views as int64 only with stride 1
-        words = torch.zeros(0, dtype=torch.int64, device=t.device)
-    else:
-        if head.storage_offset() % 8:
-            head = head.clone()  # a fresh copy starts 8-aligned: int64 views need it
-        words = head.view(torch.int64)
-    sums = []
-    for lane_seed in (seed, seed ^ _LANE_B):
-        total = torch.zeros((), dtype=torch.int64, device=t.device)
-        for start in range(0, int(words.numel()), _MIX_CHUNK_WORDS):
-            part = words[start : start + _MIX_CHUNK_WORDS]
-            pos = torch.arange(start, start + part.numel(), dtype=torch.int64, device=t.device)
-            # int64 arithmetic wraps modulo 2**64 on every torch backend.
-            total += _fmix(part ^ (pos * _signed(_GOLDEN) + _signed(lane_seed))).sum()
-        sums.append(int(total) & _M64)
-    tail = bytes(t[whole:].cpu().numpy().tobytes())
-    summary = b"".join(s.to_bytes(8, "little") for s in sums) + n.to_bytes(8, "little") + tail
-    return xxhash.xxh3_128_hexdigest(summary, seed=seed)
+    def __init__(self, seed: int) -> None:
+        self._seed = seed
+        self._lanes = (seed, seed ^ _LANE_B)
+        self._device_sums: list[Any] | None = None  # per lane, a 0-d int64 tensor
+        self._host_sums = [0, 0]  # words mixed on the host (cut between parts)
+        self._words = 0  # words mixed so far: the next word's position
+        self._carry = b""  # bytes after the last whole word (fewer than 8)
+        self._length = 0
+
+    def update(self, buf: Any) -> None:
+        import torch
+
+        t = buf if isinstance(buf, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(buf))
+        self._length += int(t.numel())
+        if self._carry:
+            need = 8 - len(self._carry)
+            self._carry += bytes(t[:need].cpu().numpy().tobytes())
+            t = t[need:]
+            if len(self._carry) < 8:
+                return
+            self._mix_host(int.from_bytes(self._carry, "little"))
+            self._carry = b""
+        whole = int(t.numel()) // 8 * 8
+        if whole:
+            head = t[:whole]
+            if head.storage_offset() % 8:
+                head = head.clone()  # a fresh copy starts 8-aligned: int64 views need it
+            self._mix_device(head.view(torch.int64))
+        self._carry = bytes(t[whole:].cpu().numpy().tobytes())
+
+    def _mix_host(self, word: int) -> None:
+        for lane, lane_seed in enumerate(self._lanes):
+            x = word ^ ((self._words * _GOLDEN + lane_seed) & _M64)
+            x ^= x >> 33
+            x = (x * _C1) & _M64
+            x ^= x >> 33
+            x = (x * _C2) & _M64
+            x ^= x >> 33
+            self._host_sums[lane] = (self._host_sums[lane] + x) & _M64
+        self._words += 1
+
+    def _mix_device(self, words: Any) -> None:
+        import torch
+
+        if self._device_sums is None:
+            self._device_sums = [
+                torch.zeros((), dtype=torch.int64, device=words.device) for _ in self._lanes
+            ]
+        for total, lane_seed in zip(self._device_sums, self._lanes):
+            for start in range(0, int(words.numel()), _MIX_CHUNK_WORDS):
+                part = words[start : start + _MIX_CHUNK_WORDS]
+                first = self._words + start
+                pos = torch.arange(
+                    first, first + part.numel(), dtype=torch.int64, device=words.device
+                )
+                # int64 arithmetic wraps modulo 2**64 on every torch backend.
+                total += _fmix(part ^ (pos * _signed(_GOLDEN) + _signed(lane_seed))).sum()
+        self._words += int(words.numel())
+
+    def hexdigest(self) -> str:
+        sums = list(self._host_sums)
+        if self._device_sums is not None:
+            sums = [(s + int(d)) & _M64 for s, d in zip(sums, self._device_sums)]
+        summary = (
+            b"".join(s.to_bytes(8, "little") for s in sums)
+            + self._length.to_bytes(8, "little")
+            + self._carry
+        )
+        return xxhash.xxh3_128_hexdigest(summary, seed=self._seed)

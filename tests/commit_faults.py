@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from pipelines.decode import landing
-from pipelines.packing import destination_side, piece_views
+from pipelines.packing import destination_side, piece_bytes, piece_views
 
 
 def install(
@@ -49,7 +49,8 @@ def install(
         if not ok or not corrupt(h.id):
             return ok
         side = destination_side(pairing, self._memory, h.dst_pages, h.request.slots)
-        placeholder = np.zeros(int(args[1]), dtype=np.uint8)  # the views slice it; never read
+        nbytes = int(piece_bytes(pairing, pieces).sum())
+        placeholder = np.zeros(nbytes, dtype=np.uint8)  # the views slice it; never read
         rows = pieces.rows.tolist()
         for row, (pages, idx, _) in zip(rows, piece_views(pairing, side, pieces, placeholder)):
             if row < pairing.num_kv_pairs:

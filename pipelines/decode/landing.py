@@ -6,13 +6,16 @@ of this decode's landing arena, granted to one stage of one handoff (`grant`, `f
 
 1. checks the notice names its own grant, pieces of its own destination not committed yet, and
    the bytes those pieces hold (nothing changes on a refusal);
-2. copies the window's bytes out (a private snapshot: a write landing in the window meanwhile
-   cannot reach the pages), digests the copy, and only on a match scatters it into the pages
-   and slot (`pipelines.packing.scatter`);
-3. gives the window back, or, on a mismatch, keeps it out of use until the handoff ends.
+2. reads the window once, chunk by chunk: each chunk copied out into a private chunk (a write
+   landing in the window meanwhile cannot reach the pages), digested, and that private chunk
+   scattered into the pages and slot (`pipelines/chunked.py`);
+3. counts the segment's cells committed only if the digest of what it scattered matches, and
+   gives the window back; on a mismatch the cells stay uncommitted (their pages are dirty: the
+   stage cannot arrive on them) and the window is kept out of use until the handoff ends.
 
 SAFETY.md S1: KV pages and state slots change only here, for a handoff that is not terminal
 and holds their lease; `Releases` releases a lease only once `idle(h)` (no commit of it runs).
+S4: a stage arrives only once every cell was committed by a matching digest (`coverage.py`).
 A late or stale write can only hit a window: free (harmless), or granted again (its new owner's
 digest refuses it).
 """
@@ -22,10 +25,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,19 +34,14 @@ import numpy.typing as npt
 
 from pipelines.arena import Arena, Extent
 from pipelines.awaiting import finish
+from pipelines.chunked import Scratch, copy_digest_scatter
+from pipelines.decode.coverage import Cells, HandoffLanding, StageLanding
 from pipelines.decode.handoff import DecodeHandoff
-from pipelines.digest import Algorithm, digest, segment_seed
+from pipelines.digest import Algorithm, Digester, segment_seed
 from pipelines.errors import ConflictError, InvalidInput
 from pipelines.layout import StageLayout
-from pipelines.messages import RESENDS_PER_SEGMENT, Grant, SegmentMsg
-from pipelines.packing import (
-    ByteRegions,
-    Pieces,
-    check_pieces,
-    copy_out,
-    destination_side,
-    scatter,
-)
+from pipelines.messages import Grant, SegmentMsg
+from pipelines.packing import ByteRegions, Pieces, check_pieces, destination_side
 from pipelines.pairing import Pairing
 
 I64 = npt.NDArray[np.int64]
@@ -69,29 +65,6 @@ class Verdict(enum.Enum):
     COMMITTED = "committed"
     REFUSED = "refused"  # its digest did not match; it may be sent once more
     SPENT = "spent"  # refused again: its resends are spent, the handoff fails
-
-
-@dataclass
-class StageLanding:
-    """What one stage of a handoff has landed and committed."""
-
-    pairing: Pairing
-    expected: int  # bytes the stage moves in all
-    covered: npt.NDArray[np.bool_]  # [row, page position]: committed, or being committed
-    refused: npt.NDArray[np.uint8]  # [row, page position]: refusals of the pieces covering it
-    peer: str  # the prefill service that sends it
-    committed: int = 0
-    # Its prefill named it (a window request or a notice): it has the destination, and may
-    # write any window granted to it until it says it stopped.
-    heard: bool = False
-    grants: dict[int, Extent] = field(default_factory=dict)  # grant id -> its window
-
-
-@dataclass
-class HandoffLanding:
-    stages: dict[int, StageLanding]
-    running: int = 0  # commits in progress
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Landing:
@@ -129,7 +102,7 @@ class Landing:
         # handoff ended: `delivery_ended` decides whether they were used.
         self._in_flight: dict[tuple[str, int], list[Extent]] = {}
         self._next_grant_id = 0
-        self._local = threading.local()  # per-thread snapshot buffers (`_scratch`)
+        self._scratch = Scratch()  # per-thread private chunks of the commits' one pass
 
     # ----------------------------------------------------------------- handoffs
 
@@ -147,27 +120,16 @@ class Landing:
         n = int(dst_pages.shape[0])
         stages = {}
         for rank, pairing in pairings.items():
-            expected = pairing.kv_bytes_per_page * n + pairing.slot_bytes
-            k, rows = pairing.num_kv_pairs, pairing.num_kv_pairs + pairing.num_slot_rows
-            # True where nothing is to be sent; each cell to send turns True once committed.
-            covered = np.ones((rows, max(n, 1)), dtype=np.bool_)
-            covered[:k, :n] = False
-            covered[k:, 0] = False  # a slot row has one position: its index
-            largest = max(
-                int(pairing.kv_item_len.max(initial=0)), int(pairing.slot_item_len.max(initial=0))
-            )
-            if largest > self.window_bytes:
+            stage = StageLanding.of(pairing, n, peers[rank])
+            if stage.largest_item > self.window_bytes:
                 raise InvalidInput(
-                    f"stage {rank} has a {largest}-byte page or slot, larger than the landing "
-                    f"window ({self.window_bytes} bytes): raise transfer.window_bytes",
+                    f"stage {rank} has a {stage.largest_item}-byte page or slot, larger than "
+                    f"the landing window ({self.window_bytes} bytes): raise transfer.window_bytes",
                     field="window_bytes",
                     pp_rank=rank,
                 )
-            refused = np.zeros(covered.shape, dtype=np.uint8)
-            stages[rank] = StageLanding(pairing, expected, covered, refused, peers[rank])
-        hl = HandoffLanding(stages)
-        hl.idle.set()
-        self._handoffs[handoff_id] = hl
+            stages[rank] = stage
+        self._handoffs[handoff_id] = HandoffLanding(stages)
 
     def forget(self, handoff_id: str) -> None:
         """A handoff opened here was not created after all (nothing was granted yet)."""
@@ -225,10 +187,44 @@ class Landing:
 
     async def commit(self, h: DecodeHandoff, rank: int, msg: SegmentMsg) -> Verdict:
         """Commit the segment `msg` names into `h`'s pages (see the module docstring). Returns
-        COMMITTED, or, when the window did not hash to the digest (nothing committed), REFUSED
-        while the segment may be sent again (`RESENDS_PER_SEGMENT`, counted per piece of the
-        stage, so two segments are each allowed theirs) and SPENT after. Raises InvalidInput /
-        ConflictError, changing nothing, for a notice this grant cannot hold."""
+        COMMITTED, or, when what was scattered did not hash to the digest (its cells stay
+        uncommitted), REFUSED while the segment may be sent again (`RESENDS_PER_SEGMENT`,
+        counted per piece of the stage, so two segments are each allowed theirs) and SPENT
+        after. Raises InvalidInput / ConflictError, changing nothing, for a notice this grant
+        cannot hold."""
+        stage, extent, pieces = self._checked(h, rank, msg)
+        # From the claim to the end of the scatter the pages are written: the lease waits for
+        # `idle`. Nothing was awaited since `_checked` saw `h` live. The grant is closed before
+        # the copy's await: a second notice naming it (other pieces, same window) is refused.
+        cells = stage.claim(pieces, rank)
+        self._close_grant(msg.grant_id, stage)
+        hl = self._handoffs[h.id]
+        hl.begin()
+        ok = False
+        try:
+            # What the digest must have been computed under: this life (the pipeline checked
+            # the notice names it), this handoff and stage, this grant and these pieces (an
+            # earlier owner's bytes do not match).
+            seed = segment_seed(
+                msg.decode_incarnation, h.id, rank, msg.grant_id, msg.rows, msg.starts, msg.ends
+            )
+            args = (stage.pairing, pieces, h, extent.offset, msg.digest, seed)
+            if msg.bytes <= INLINE_COMMIT_BYTES:
+                ok = self._copy_check_commit(*args)
+            else:
+                # Even if this caller is cancelled, the lease waits for the pass to end.
+                ok = await finish(asyncio.to_thread(self._copy_check_commit, *args))
+        finally:
+            hl.end()
+            if not ok:
+                stage.release(cells)  # dirty pages, not committed: the stage cannot arrive
+        return self._verdict(stage, extent, cells, ok, msg.bytes)
+
+    def _checked(
+        self, h: DecodeHandoff, rank: int, msg: SegmentMsg
+    ) -> tuple[StageLanding, Extent, Pieces]:
+        """The stage, the window and the pieces of a notice that names its own open grant,
+        pieces of its own destination and their exact bytes, for a live handoff; else raises."""
         stage = self._stage(h.id, rank)
         stage.heard = True
         extent = stage.grants.get(msg.grant_id)
@@ -239,20 +235,12 @@ class Landing:
                 pp_rank=rank,
             )
         pieces = Pieces.of(msg.rows, msg.starts, msg.ends)
-        n = int(h.dst_pages.shape[0])
-        nbytes = check_pieces(stage.pairing, pieces, n, True, pp_rank=rank)
+        nbytes = check_pieces(stage.pairing, pieces, int(h.dst_pages.shape[0]), True, pp_rank=rank)
         if nbytes != msg.bytes or nbytes > extent.length:
             raise InvalidInput(
                 f"the segment's pieces hold {nbytes} bytes; the notice says {msg.bytes} and "
                 f"its window holds {extent.length}",
                 field="bytes",
-                pp_rank=rank,
-            )
-        cells = piece_cells(stage.pairing, pieces)
-        if stage.covered[cells].any():
-            raise ConflictError(
-                f"the segment repeats pages of stage {rank} already committed",
-                field="rows",
                 pp_rank=rank,
             )
         if h.state.terminal:
@@ -261,43 +249,18 @@ class Landing:
                 field="handoff_id",
                 pp_rank=rank,
             )
-        # From here to the end of the copy the pages are written: the lease waits for `idle`.
-        # Nothing was awaited since the terminal check above. The grant is claimed before the
-        # copy's await: a second notice naming it (other pieces, same window) is refused.
-        self._close_grant(msg.grant_id, stage)
-        stage.covered[cells] = True
-        hl = self._handoffs[h.id]
-        hl.running += 1
-        hl.idle.clear()
-        ok = False
-        try:
-            # What the digest must have been computed under: this life (the pipeline checked
-            # the notice names it), this handoff and stage, this grant and these pieces (an
-            # earlier owner's bytes do not match).
-            seed = segment_seed(
-                msg.decode_incarnation, h.id, rank, msg.grant_id, msg.rows, msg.starts, msg.ends
-            )
-            args = (stage.pairing, pieces, h, extent.offset, nbytes, msg.digest, seed)
-            if nbytes <= INLINE_COMMIT_BYTES:
-                ok = self._copy_check_commit(*args)
-            else:
-                # Even if this caller is cancelled, the lease waits for the copy to end.
-                ok = await finish(asyncio.to_thread(self._copy_check_commit, *args))
-        finally:
-            hl.running -= 1
-            if hl.running == 0:
-                hl.idle.set()
-            if not ok:
-                stage.covered[cells] = False
+        return stage, extent, pieces
+
+    def _verdict(
+        self, stage: StageLanding, extent: Extent, cells: Cells, ok: bool, nbytes: int
+    ) -> Verdict:
         if ok:
             stage.committed += nbytes
             self.arena.give_back(extent)
             return Verdict.COMMITTED
         # A writer may still be writing this window: out of use until the handoff ends.
         self.arena.quarantine(extent, float("inf"))
-        stage.refused[cells] += 1
-        spent = int(stage.refused[cells].max()) > RESENDS_PER_SEGMENT
-        return Verdict.SPENT if spent else Verdict.REFUSED
+        return Verdict.SPENT if stage.refuse(cells) else Verdict.REFUSED
 
     def next_grant(self, h: DecodeHandoff, rank: int) -> Grant | None:
         """Another window for the stage now, if it has bytes left without one and there is room."""
@@ -306,8 +269,7 @@ class Landing:
         return self._try_grant(h.id, rank)
 
     def complete(self, h: DecodeHandoff, rank: int) -> bool:
-        stage = self._stage(h.id, rank)
-        return stage.committed == stage.expected and bool(stage.covered.all())
+        return self._stage(h.id, rank).complete()
 
     def committed(self, handoff_id: str, rank: int) -> int:
         hl = self._handoffs.get(handoff_id)
@@ -406,29 +368,17 @@ class Landing:
         pieces: Pieces,
         h: DecodeHandoff,
         offset: int,
-        nbytes: int,
         expected_digest: str,
         seed: int,
     ) -> bool:
-        snapshot = copy_out(self._window, offset, nbytes, self._scratch())
-        if digest(snapshot, self.algorithm, seed=seed) != expected_digest:
-            return False
+        """One pass over the window at `offset` into `h`'s pages and slots: True when the bytes
+        it scattered hash to `expected_digest`; False leaves them dirty (written, uncommitted)."""
         side = destination_side(pairing, self._memory, h.dst_pages, h.request.slots)
-        scatter(pairing, side, pieces, snapshot)
-        return True
-
-    def _scratch(self) -> Any:
-        """This thread's snapshot buffer (one window, on the arena's device), reused by every
-        commit the thread runs: each commit's copy runs start to end in one thread."""
-        buf = getattr(self._local, "scratch", None)
-        if buf is None:
-            window = self._window
-            if isinstance(window, np.ndarray):
-                buf = np.empty(self.arena.rounded(self.window_bytes), dtype=np.uint8)
-            else:
-                buf = window.new_empty(self.arena.rounded(self.window_bytes))
-            self._local.scratch = buf
-        return buf
+        digester = Digester(self.algorithm, seed=seed)
+        got = copy_digest_scatter(
+            self._window, offset, pairing, side, pieces, digester, self._scratch
+        )
+        return got == expected_digest
 
     def _stage(self, handoff_id: str, rank: int) -> StageLanding:
         hl = self._handoffs.get(handoff_id)
@@ -486,14 +436,3 @@ class Landing:
     def _close_grant(self, gid: int, stage: StageLanding) -> None:
         stage.grants.pop(gid, None)
         self._grants.pop(gid, None)
-
-
-def piece_cells(pairing: Pairing, pieces: Pieces) -> tuple[I64, I64]:
-    """The (row, page position) cells of `pieces`, as index arrays into `covered`."""
-    counts = pieces.ends - pieces.starts
-    rows = np.repeat(pieces.rows, counts)
-    offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
-        np.cumsum(counts) - counts, counts
-    )
-    cols = np.repeat(pieces.starts, counts) + offsets
-    return rows, cols

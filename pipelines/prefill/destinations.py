@@ -20,7 +20,7 @@ from pipelines.messages import DestinationMsg, TransferMode
 from pipelines.peercache import MAX_PEERS, PeerCache
 from pipelines.planning import validate_pages_for_layout
 from pipelines.prefill.handoff import DecodeSide
-from pipelines.prefill.landed import check_grant
+from pipelines.prefill.staged import check_grant
 from pipelines.urls import canonical_url
 
 

@@ -33,7 +33,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from pipelines.prefill.landed import BLOCK_BYTES
+from pipelines.prefill.staged import BLOCK_BYTES
 from service.config import HandoffConfig, TransferConfig, TransportConfig
 from service.testing.deployment import LocalDeployment
 from tests.integration.handoff_checks import (

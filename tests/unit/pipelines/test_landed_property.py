@@ -2,12 +2,18 @@
 
 The engine double moves real bytes between real pools, but each write may land now, land later
 (after its call returned, failed or timed out; after the handoff ended and its windows were
-granted again), land twice, land corrupted, or never land. Under random interleavings of
-create, ready, abort, peer loss and deadlines, checked at every step:
+granted again), land twice, land corrupted, or never land. And while a commit runs its one
+pass (small chunks here, `CHUNK_BYTES`), a writer acts between a chunk's copy out of the window
+and its digest and scatter: late writes land (into that very window, maybe), the bytes just read
+change, or the next chunk's do. Under random interleavings of create, ready, abort, peer loss
+and deadlines, checked at every step:
 
-- a KV page or state slot of the decode changes only by a commit (`Landing.commit`), and only
-  for the handoff that leases it at that moment;
-- every handoff that completes has in its pages exactly its source bytes;
+- a KV page or state slot of the decode changes only by a commit (`Landing.commit`), only for
+  the handoff that leases it at that moment, and only in that handoff's own pages and slot (a
+  refused commit's one pass leaves them dirty);
+- every handoff that completes has in its pages exactly its source bytes (so what a commit
+  scattered is what its digest matched: a scatter or digest of a re-read of the window would
+  complete with the writer's bytes);
 - every handoff ends with one outcome and one release.
 
 Direct mode cannot pass this (a late write there lands in the pages); the time bound is no part
@@ -26,6 +32,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipelines import chunked
 from pipelines.arena import Arena
 from pipelines.decode import DecodePipeline
 from pipelines.decode.landing import Landing
@@ -64,6 +71,7 @@ class Engine:
     pending: list[Delivery] = field(default_factory=list)
     landed_late: int = 0
     max_call_s: float = 0.01
+    in_commit: bool = False  # a commit's pass runs: the pages are its own to change
 
     async def write(self, peer: str, blocks: Blocks, *, start_by: float | None = None) -> None:
         await asyncio.sleep(0)
@@ -108,7 +116,7 @@ class Engine:
             host_array(dst, n)[:] = host_array(src, n)
         if d.corrupt:
             host_array(int(d.blocks.dst_addr[0]), 1)[0] ^= 0x5A
-        if self.check is not None:
+        if self.check is not None and not self.in_commit:
             self.check()
 
 
@@ -123,11 +131,24 @@ class Rig:
     pools: list[Any]
     shadow: list[np.ndarray] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
+    writer_acts: int = 0  # the mid-commit writer acted between a chunk's read and its scatter
+    dirty_refusals: int = 0  # refused commits that left their own pages dirty
 
     def kv(self) -> list[np.ndarray]:
         return [
             self.dec.region(i) for i in range(len(self.dec.layout.kv) + len(self.dec.layout.state))
         ]
+
+    def check_own(self, before: list[np.ndarray], h: Any) -> None:
+        """A commit of `h` changed nothing but `h`'s own pages and slot."""
+        lay, slot = self.dec.layout, h.request.dst_slot or 0
+        items = [e.item_len for e in lay.kv] + [s.item_len for s in lay.state]
+        own = [h.dst_pages] * len(lay.kv) + [[slot]] * len(lay.state)
+        for i, (then, now, item, rows) in enumerate(zip(before, self.kv(), items, own)):
+            a, b = now.reshape(-1, item).copy(), then.reshape(-1, item).copy()
+            a[rows], b[rows] = 0, 0
+            if not np.array_equal(a, b):
+                self.violations.append(f"{h.id}: a commit changed entry {i} outside its lease")
 
     def check_unchanged(self) -> None:
         for i, (now, then) in enumerate(zip(self.kv(), self.shadow)):
@@ -196,11 +217,40 @@ def rig(seed: int) -> Rig:
         r.check_unchanged()
         if not decode.leases.holds(h.id) or h.state.terminal:
             r.violations.append(f"{h.id}: a commit without the lease or after the outcome")
-        ok = real(*args)
+        engine.in_commit = True
+        try:
+            ok = real(*args)
+        finally:
+            engine.in_commit = False
+        r.check_own(r.shadow, h)
+        if not ok and any(not np.array_equal(a, b) for a, b in zip(r.kv(), r.shadow)):
+            r.dirty_refusals += 1
         r.shadow = [a.copy() for a in r.kv()]
         return ok
 
     landing._copy_check_commit = commit  # type: ignore[method-assign]
+    window = landing._window
+    real_copy = chunked.copy_out
+
+    def copy_then_write(region: Any, offset: int, length: int, scratch: Any = None) -> Any:
+        """A chunk is read out of the window; then a writer acts before it is digested and
+        scattered (commits of this size run on the loop: this is the loop's thread)."""
+        out = real_copy(region, offset, length, scratch)
+        if region is not window:
+            return out  # the prefill's gather, not a commit
+        fate = engine.rng.random()
+        if fate < 0.25 and engine.pending:
+            engine.deliver_some()  # late writes land mid-commit, maybe into this window
+        elif fate < 0.45:
+            window[offset] ^= 0x33  # the bytes just read change
+        elif fate < 0.55 and offset + length < window.shape[0]:
+            window[offset + length] ^= 0x33  # the next chunk's (or a free byte) change
+        else:
+            return out
+        r.writer_acts += 1
+        return out
+
+    chunked.copy_out = copy_then_write  # type: ignore[assignment]
     bus.add_listener(lambda e: _check_completed(r, e))
     return r
 
@@ -260,6 +310,15 @@ actions = st.one_of(
 
 
 async def play(script: list[tuple[object, ...]], seed: int) -> Rig:
+    real_copy, real_chunk = chunked.copy_out, chunked.CHUNK_BYTES
+    chunked.CHUNK_BYTES = 4096  # a segment's commit is many chunks: room for the writer
+    try:
+        return await _play(script, seed)
+    finally:
+        chunked.copy_out, chunked.CHUNK_BYTES = real_copy, real_chunk
+
+
+async def _play(script: list[tuple[object, ...]], seed: int) -> Rig:
     r = rig(seed)
     tasks: list[asyncio.Future[object]] = []
     for action in script:
@@ -365,14 +424,18 @@ def test_the_rig_completes_handoffs_through_the_lying_engine() -> None:
         ("deliver",),
         ("sleep", 0.06),
     ]
-    states = []
+    states, acts, dirty = [], 0, 0
     for seed in range(8):
         r = asyncio.run(play(script, seed))
         assert r.violations == []
         view = r.decode._handoffs["a"].view()
         assert view.error is None or view.error.code != "internal_error", view.error
         states.append(view.state.value)
+        acts, dirty = acts + r.writer_acts, dirty + r.dirty_refusals
     assert states.count("completed") >= 2, states
+    # The mid-commit writer acted, and refused commits left dirty pages the handoff then did
+    # not complete on (or rewrote by a matching resend before it did).
+    assert acts > 0 and dirty > 0, (acts, dirty)
 
 
 def test_the_property_can_fail_in_direct_mode() -> None:

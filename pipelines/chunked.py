@@ -1,0 +1,134 @@
+"""One pass over a segment's bytes: the prefill's gather and the decode's commit, chunk by chunk.
+
+A segment is cut into chunks of whole items (`chunks`), each at most `CHUNK_BYTES` (an item
+larger than that is a chunk of its own), so a chunk stays in the core's cache while it is
+digested and copied on:
+
+- the prefill (`gather_digest`): gather the chunk's pieces from its own pages into a private
+  chunk, feed the digest that chunk, copy it into the segment's staging extent;
+- the decode (`copy_digest_scatter`): copy the chunk out of the landed window into a private
+  chunk, feed the digest that chunk, scatter *that private chunk* into the handoff's pages.
+
+Each byte is read from registered memory once, and what is digested is what was scattered (or
+staged): a write landing in a window (or a staging buffer) meanwhile changes neither, however
+it is timed. On the decode the pages hold a segment's bytes before its digest is final; what
+that costs and why it is safe is SAFETY.md S1 and S4 (the commit's cells stay uncommitted until
+the digest matched, so a refused segment's pages are dirty and its handoff cannot complete on
+them). Device memory (CUDA, NPU) is one chunk per segment: its copies are not cache-bound, and a
+chunk costs a stream synchronisation.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from pipelines.digest import Digester
+from pipelines.packing import Pieces, Side, copy_out, gather, scatter, settle
+from pipelines.pairing import Pairing
+
+#: A chunk's bytes: small enough that the private chunk is still in cache when it is digested
+#: and scattered, large enough that the per-chunk work (its pieces, a view per piece) is small
+#: beside the copy. 1-2 MiB measured fastest of 64 KiB-4 MiB on the development machine (2 MiB
+#: L2 and 32 MiB L3 in all; below 256 KiB the per-chunk work dominates): `kvhandoff bench
+#: handoff --cases commit,gather`.
+CHUNK_BYTES = 1 << 20
+
+
+def chunk_bytes_for(buf: Any) -> int:
+    """The chunk size for a segment in `buf`'s memory: `CHUNK_BYTES` on the host, a whole
+    segment on a device."""
+    on_host = isinstance(buf, np.ndarray) or buf.device.type == "cpu"
+    return CHUNK_BYTES if on_host else 1 << 62
+
+
+def chunks(pairing: Pairing, pieces: Pieces, chunk_bytes: int) -> Iterator[tuple[int, int, Pieces]]:
+    """The segment `pieces` as consecutive chunks of whole items: (offset in the packed
+    segment, bytes, the chunk's own pieces), in packed order."""
+    items = pairing.row_item_len[pieces.rows].tolist()
+    rows: list[int] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    offset = size = 0
+    for row, start, end, item in zip(
+        pieces.rows.tolist(), pieces.starts.tolist(), pieces.ends.tolist(), items
+    ):
+        while start < end:
+            take = min(end - start, (chunk_bytes - size) // item)
+            if take <= 0:
+                if size:  # the chunk is full: the next item starts the next one
+                    yield offset, size, Pieces.of(rows, starts, ends)
+                    offset, size, rows, starts, ends = offset + size, 0, [], [], []
+                    continue
+                take = 1  # an item larger than a chunk is a chunk of its own
+            rows.append(row)
+            starts.append(start)
+            ends.append(start + take)
+            size += take * item
+            start += take
+    if size:
+        yield offset, size, Pieces.of(rows, starts, ends)
+
+
+class Scratch:
+    """Per-thread private chunk buffers (unregistered: no transfer-engine client reaches them),
+    on the memory's device, grown to the largest chunk asked for and reused: one pass runs
+    start to end in one thread, and a fresh buffer per segment costs a page fault per page."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, like: Any, nbytes: int) -> Any:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.shape[0] < nbytes:
+            size = max(nbytes, CHUNK_BYTES)
+            buf = np.empty(size, np.uint8) if isinstance(like, np.ndarray) else like.new_empty(size)
+            self._local.buf = buf
+        return buf
+
+
+def gather_digest(
+    pairing: Pairing,
+    src: Side,
+    pieces: Pieces,
+    packed: Any,
+    digester: Digester,
+    scratch: Scratch,
+) -> str:
+    """Gather `pieces` into `packed` (their staging extent) chunk by chunk through a private
+    chunk, digesting each private chunk: the digest is of what this process read from its own
+    pages, whatever a transfer-engine client writes into the registered staging buffer."""
+    step = chunk_bytes_for(packed)
+    try:
+        for offset, nbytes, part in chunks(pairing, pieces, step):
+            private = scratch.get(packed, nbytes)[:nbytes]
+            gather(pairing, src, part, private)
+            digester.update(private)
+            copy_out(private, 0, nbytes, packed[offset : offset + nbytes])
+    finally:
+        settle(packed)  # the transport reads the extent through its own engine
+    return digester.hexdigest()
+
+
+def copy_digest_scatter(
+    window: Any,
+    offset: int,
+    pairing: Pairing,
+    dst: Side,
+    pieces: Pieces,
+    digester: Digester,
+    scratch: Scratch,
+) -> str:
+    """Commit the segment landed at `window[offset:]` into `dst` chunk by chunk: copy a chunk
+    out into a private chunk, digest it, scatter that private chunk. Returns the digest of
+    exactly the bytes scattered; the caller counts the pieces only if it matches (SAFETY.md
+    S1). Every chunk is scattered whatever the digest turns out to be."""
+    step = chunk_bytes_for(window)
+    for at, nbytes, part in chunks(pairing, pieces, step):
+        private = copy_out(window, offset + at, nbytes, scratch.get(window, nbytes))
+        digester.update(private)
+        scatter(pairing, dst, part, private)
+    return digester.hexdigest()
