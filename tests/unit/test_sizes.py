@@ -1,5 +1,5 @@
-"""Modules and functions of `pipelines/` stay small enough to read in one sitting (issue 34): no
-module over 450 lines, no function over 60 (docstring included).
+"""Product code stays small enough to read in one sitting (issue 34): no function of `service/`,
+`pipelines/` or `transport/` over 60 lines (docstring included), no `pipelines/` module over 450.
 
 The few still over are listed with their size today: each may shrink, none may grow, no other
 may join them, and an entry is removed once its module or function is under the limit (a stale
@@ -22,8 +22,24 @@ KNOWN_MODULES = {
     "pipelines/decode/landing.py": 499,
     "pipelines/packing.py": 471,
 }
+#: The packages whose functions are held to the limit (everything the wheel ships).
+PRODUCT_PACKAGES = ("service", "pipelines", "transport")
 #: Still over the function limit: "path::qualified name" -> lines today.
 KNOWN_FUNCTIONS = {
+    "service/embedded.py::EmbeddedService.stage_ready": 66,
+    "service/http/peer_client.py::PeerClient._request_once": 90,
+    "service/integrations/sglang/layouts.py::kv_lists": 63,
+    "service/integrations/sglang/manager.py::KVHandoffManager.__init__": 100,
+    "service/integrations/sglang/prefill_rank.py::PrefillRank.send": 68,
+    "service/integrations/sglang/receiver.py::KVHandoffReceiver.send_metadata": 74,
+    "service/integrations/vllm/layouts.py::rank_layout": 64,
+    "service/observability/metrics.py::Metrics.__init__": 93,
+    "service/testing/deployment.py::LocalDeployment.__init__": 67,
+    "service/tools/bench/handoff.py::bulk": 81,
+    "service/tools/demo.py::_inprocess_run": 69,
+    "service/tools/demo.py::_summary": 63,
+    "service/tools/load.py::load": 125,
+    "transport/mooncake.py::MooncakeTransport._call": 79,
     "pipelines/pairing.py::pairing_report": 98,
     "pipelines/layout.py::layout_from_flat_lists": 86,
     "pipelines/pairing.py::find_problems": 83,
@@ -72,5 +88,6 @@ def test_no_pipelines_module_is_over_the_limit() -> None:
     _check(module_lines("pipelines"), MAX_MODULE_LINES, KNOWN_MODULES, "KNOWN_MODULES")
 
 
-def test_no_pipelines_function_is_over_the_limit() -> None:
-    _check(function_lines("pipelines"), MAX_FUNCTION_LINES, KNOWN_FUNCTIONS, "KNOWN_FUNCTIONS")
+def test_no_product_function_is_over_the_limit() -> None:
+    sizes = {k: n for package in PRODUCT_PACKAGES for k, n in function_lines(package).items()}
+    _check(sizes, MAX_FUNCTION_LINES, KNOWN_FUNCTIONS, "KNOWN_FUNCTIONS")
