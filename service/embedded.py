@@ -94,7 +94,7 @@ class EmbeddedService:
         self._call_timeout_s = (
             call_timeout_s
             if call_timeout_s is not None
-            else config.peers.request_timeout_s + config.transport.transfer_timeout_s + 5.0
+            else config.peers.request_timeout_s + config.transport.max_call_s + 5.0
         )
         self._lock = threading.Lock()
         self._phase = "new"  # "new" -> "running" -> ("stopping" ->) "stopped"

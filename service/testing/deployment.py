@@ -54,7 +54,7 @@ from service.config import (
     load_config,
 )
 from transport.blocks import Blocks
-from transport.config import alignment_for
+from transport.config import MooncakeConfig
 from transport.pool_shm import SHM_DIR, ShmPool
 
 HOST = "127.0.0.1"
@@ -171,7 +171,7 @@ class LocalDeployment:
         self.decode_layout: StageLayout = decode_layout(
             self.model, num_pages=self._sizes["decode"][0], num_slots=self._sizes["decode"][1]
         )
-        self.transport = transport or TransportConfig()
+        self.transport = transport or MooncakeConfig()
         self.handoff = handoff or HandoffConfig()
         # Small landing and staging memory: a deployment on one machine runs several services.
         self.transfer = transfer or TransferConfig(
@@ -222,7 +222,7 @@ class LocalDeployment:
         return self
 
     def _create_pools(self) -> None:
-        align = alignment_for(self.transport.protocol)
+        align = self.transport.align_bytes
         # The engine's part: the services only attach (create=False) files that already exist.
         for r, layout in self.stage_layouts.items():
             name = f"{self._prefix}-s{r}"

@@ -57,7 +57,7 @@ from pipelines.memory import PoolMemory
 from pipelines.messages import LayoutInfo
 from pipelines.models import decode_layout, partition_layers, preset, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
-from service.config import HandoffConfig, TransferConfig
+from service.config import HandoffConfig, TransferConfig, backend_of
 from service.testing.deployment import DeploymentError, LocalDeployment
 from service.testing.raw_engines import StageProcesses
 from service.tools.router_client import TERMINAL, WAIT_S, Outcome, RouterClient
@@ -492,7 +492,7 @@ async def _over_http(
     async with _router_session(dep) as http:
         results, wall, _ = await _landed(dep, args, http, stop)
     status = _summary(
-        results, wall, args, mode="multiprocess", transport=dep.transport.backend, data=data
+        results, wall, args, mode="multiprocess", transport=backend_of(dep.transport), data=data
     )
     if args.serve:
         info = _serve_info(dep)
