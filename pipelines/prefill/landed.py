@@ -53,7 +53,6 @@ from pipelines.messages import (
 from pipelines.packing import (
     Pieces,
     Side,
-    StagePacker,
     copy_out,
     gather,
     piece_bytes,
@@ -73,6 +72,7 @@ from pipelines.prefill.handoff import (
     Staging,
 )
 from pipelines.prefill.writes import write_all
+from pipelines.stage_packer import StagePacker
 from transport.blocks import Blocks
 
 #: Segments travel in blocks of this size: Mooncake TCP's throughput peaks near 256 KiB-1 MiB

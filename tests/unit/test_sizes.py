@@ -19,7 +19,6 @@ MAX_FUNCTION_LINES = 60
 KNOWN_MODULES = {
     "pipelines/prefill/landed.py": 544,
     "pipelines/decode/landing.py": 499,
-    "pipelines/packing.py": 471,
 }
 #: The packages whose functions are held to the limit (everything the wheel ships).
 PRODUCT_PACKAGES = ("service", "pipelines", "transport")
