@@ -37,13 +37,8 @@ KNOWN_FUNCTIONS = {
     "service/tools/demo.py::_inprocess_run": 69,
     "service/tools/demo.py::_summary": 63,
     "service/tools/load.py::load": 125,
-    "transport/mooncake.py::MooncakeTransport._call": 79,
-    "pipelines/layout.py::layout_from_flat_lists": 86,
-    "pipelines/prefill/stage.py::StageRunner.run": 76,
     "pipelines/decode/landing.py::Landing.commit": 75,
     "pipelines/prefill/landed.py::LandedSender._land": 73,
-    "pipelines/planning.py::plan": 67,
-    "pipelines/prefill/ranges.py::check_range": 66,
 }
 
 
