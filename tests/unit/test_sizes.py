@@ -31,12 +31,10 @@ KNOWN_FUNCTIONS = {
     "service/integrations/sglang/prefill_rank.py::PrefillRank.send": 68,
     "service/integrations/sglang/receiver.py::KVHandoffReceiver.send_metadata": 74,
     "service/integrations/vllm/layouts.py::rank_layout": 64,
-    "service/observability/metrics.py::Metrics.__init__": 93,
     "service/testing/deployment.py::LocalDeployment.__init__": 67,
     "service/tools/bench/handoff.py::bulk": 81,
     "service/tools/demo.py::_inprocess_run": 69,
     "service/tools/demo.py::_summary": 63,
-    "service/tools/load.py::load": 125,
     "pipelines/decode/landing.py::Landing.commit": 75,
     "pipelines/prefill/landed.py::LandedSender._land": 73,
 }
