@@ -110,6 +110,21 @@ class ServiceProcess:
         return data[-max_bytes:].decode(errors="replace")
 
 
+def _stage_groups(
+    pp_size: int, groups: Sequence[Sequence[int]] | None, spares: Sequence[Sequence[int]]
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The ranks each prefill process hosts (default: one each), every rank exactly once, and
+    the spare processes' ranks, each a set of hosted ranks; ValueError otherwise."""
+    hosts = [tuple(g) for g in (groups or [[r] for r in range(pp_size)])]
+    hosted = sorted(r for g in hosts for r in g)
+    if hosted != list(range(pp_size)) or any(not g for g in hosts):
+        raise ValueError(f"groups {hosts} must host each of ranks 0..{pp_size - 1} once")
+    extra = [tuple(g) for g in spares]
+    if any(not g or not set(g) <= set(hosted) or len(set(g)) != len(g) for g in extra):
+        raise ValueError(f"spares {extra} must each host distinct ranks of 0..{pp_size - 1}")
+    return hosts, extra
+
+
 class LocalDeployment:
     """Decode + PP prefill as separate processes on loopback. Use as a context manager.
 
@@ -150,15 +165,7 @@ class LocalDeployment:
         ready_timeout_s: float = 60.0,
         preallocate: bool = False,
     ) -> None:
-        self.groups = [tuple(g) for g in (groups or [[r] for r in range(pp_size)])]
-        hosted = sorted(r for g in self.groups for r in g)
-        if hosted != list(range(pp_size)) or any(not g for g in self.groups):
-            raise ValueError(f"groups {self.groups} must host each of ranks 0..{pp_size - 1} once")
-        self.spares = [tuple(g) for g in spares]
-        if any(not g or not set(g) <= set(hosted) or len(set(g)) != len(g) for g in self.spares):
-            raise ValueError(
-                f"spares {self.spares} must each host distinct ranks of 0..{pp_size - 1}"
-            )
+        self.groups, self.spares = _stage_groups(pp_size, groups, spares)
         self._model_table: dict[str, Any] = {"preset": preset, **(model or {})}
         self.model: ModelSpec = msgspec.convert(self._model_table, ModelConfig).build()
         self.partition = partition_layers(self.model.num_layers, pp_size)

@@ -24,17 +24,8 @@ KNOWN_MODULES = {
 PRODUCT_PACKAGES = ("service", "pipelines", "transport")
 #: Still over the function limit: "path::qualified name" -> lines today.
 KNOWN_FUNCTIONS = {
-    "service/embedded.py::EmbeddedService.stage_ready": 66,
     "service/http/peer_client.py::PeerClient._request_once": 90,
-    "service/integrations/sglang/layouts.py::kv_lists": 63,
-    "service/integrations/sglang/manager.py::KVHandoffManager.__init__": 100,
-    "service/integrations/sglang/prefill_rank.py::PrefillRank.send": 68,
-    "service/integrations/sglang/receiver.py::KVHandoffReceiver.send_metadata": 74,
     "service/integrations/vllm/layouts.py::rank_layout": 64,
-    "service/testing/deployment.py::LocalDeployment.__init__": 67,
-    "service/tools/bench/handoff.py::bulk": 81,
-    "service/tools/demo.py::_inprocess_run": 69,
-    "service/tools/demo.py::_summary": 63,
     "pipelines/decode/landing.py::Landing.commit": 75,
     "pipelines/prefill/landed.py::LandedSender._land": 73,
 }
