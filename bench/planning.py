@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.packing import StagePacker
 from pipelines.pairing import Pairing
+from pipelines.stage_packer import StagePacker
 from service.tools.bench.common import fragmented_pages, median, time_call
 from service.tools.bench.landed import dense_model, direct_plan, landed_plan, placed_pairing
 

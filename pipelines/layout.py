@@ -273,65 +273,83 @@ def layout_from_flat_lists(
     have one element per state buffer (`state_components` empty: all of the default
     component); `aux_*` one per aux buffer, whose rows are `aux_item_lens[i]` bytes.
     """
-    n = len(kv_data_ptrs)
-    for name, values in (("kv_data_lens", kv_data_lens), ("kv_item_lens", kv_item_lens)):
-        if len(values) != n:
-            raise LayoutError(f"{name} has {len(values)} elements for {n} kv_data_ptrs", field=name)
-    published = kv_layer_ids is not None
-    if kv_layer_ids is not None:
-        layers, _ = group_layer_ids(kv_layer_ids, n) if n else ([], 0)
-        ids = [layers[i % len(layers)] for i in range(n)] if n else []
-        group_of = [i // len(layers) for i in range(n)] if n else []
-    else:
-        ids, group_of = list(range(n)), [0] * n
-    kv = tuple(
-        _kv_entry(i, ids[i], group_of[i], kv_data_ptrs[i], kv_data_lens[i], kv_item_lens[i])
-        for i in range(n)
-    )
-    m = len(state_data_ptrs)
-    components = list(state_components) or [DEFAULT_COMPONENT] * m
-    for name, svalues in (
-        ("state_data_lens", state_data_lens),
-        ("state_item_lens", state_item_lens),
-        ("state_layer_ids", state_layer_ids),
-        ("state_kinds", state_kinds),
-        ("state_components", components),
-    ):
-        if len(svalues) != m:
-            raise LayoutError(
-                f"{name} has {len(svalues)} elements for {m} state_data_ptrs", field=name
-            )
-    state = tuple(
-        _state_entry(
-            j,
-            state_layer_ids[j],
-            state_kinds[j],
-            state_data_ptrs[j],
-            state_data_lens[j],
-            state_item_lens[j],
-            components[j],
-        )
-        for j in range(m)
-    )
-    a = len(aux_data_ptrs)
-    for name, avalues in (("aux_data_lens", aux_data_lens), ("aux_item_lens", aux_item_lens)):
-        if len(avalues) != a:
-            raise LayoutError(
-                f"{name} has {len(avalues)} elements for {a} aux_data_ptrs", field=name
-            )
-    aux = tuple(
-        _aux_entry(i, aux_data_ptrs[i], aux_data_lens[i], aux_item_lens[i]) for i in range(a)
-    )
     return StageLayout(
         pp_rank=pp_rank,
         pp_size=pp_size,
         page_size=page_size,
         dtype=dtype,
-        kv=kv,
-        state=state,
-        aux=aux,
-        layer_ids_published=published,
+        kv=_kv_entries(kv_data_ptrs, kv_data_lens, kv_item_lens, kv_layer_ids),
+        state=_state_entries(
+            state_data_ptrs,
+            state_data_lens,
+            state_item_lens,
+            state_layer_ids,
+            state_kinds,
+            list(state_components) or [DEFAULT_COMPONENT] * len(state_data_ptrs),
+        ),
+        aux=_aux_entries(aux_data_ptrs, aux_data_lens, aux_item_lens),
+        layer_ids_published=kv_layer_ids is not None,
     )
+
+
+def _check_lengths(anchor: str, count: int, lists: dict[str, Sequence[object]]) -> None:
+    """Every list of `lists` has one element per element of the list named `anchor`."""
+    for name, values in lists.items():
+        if len(values) != count:
+            raise LayoutError(f"{name} has {len(values)} elements for {count} {anchor}", field=name)
+
+
+def _kv_entries(
+    ptrs: Sequence[int],
+    data_lens: Sequence[int],
+    item_lens: Sequence[int],
+    layer_ids: Sequence[int] | None,
+) -> tuple[KVEntry, ...]:
+    """Group-major KV entries; without `layer_ids` (legacy) positional ids, all of group 0."""
+    n = len(ptrs)
+    _check_lengths("kv_data_ptrs", n, {"kv_data_lens": data_lens, "kv_item_lens": item_lens})
+    if layer_ids is not None and n:
+        layers, _ = group_layer_ids(layer_ids, n)
+        ids = [layers[i % len(layers)] for i in range(n)]
+        group_of = [i // len(layers) for i in range(n)]
+    elif layer_ids is not None:
+        ids, group_of = [], []
+    else:
+        ids, group_of = list(range(n)), [0] * n
+    return tuple(
+        _kv_entry(i, ids[i], group_of[i], ptrs[i], data_lens[i], item_lens[i]) for i in range(n)
+    )
+
+
+def _state_entries(
+    ptrs: Sequence[int],
+    data_lens: Sequence[int],
+    item_lens: Sequence[int],
+    layer_ids: Sequence[int],
+    kinds: Sequence[str],
+    components: Sequence[str],
+) -> tuple[StateEntry, ...]:
+    m = len(ptrs)
+    lists: dict[str, Sequence[object]] = {
+        "state_data_lens": data_lens,
+        "state_item_lens": item_lens,
+        "state_layer_ids": layer_ids,
+        "state_kinds": kinds,
+        "state_components": components,
+    }
+    _check_lengths("state_data_ptrs", m, lists)
+    return tuple(
+        _state_entry(j, layer_ids[j], kinds[j], ptrs[j], data_lens[j], item_lens[j], components[j])
+        for j in range(m)
+    )
+
+
+def _aux_entries(
+    ptrs: Sequence[int], data_lens: Sequence[int], item_lens: Sequence[int]
+) -> tuple[AuxEntry, ...]:
+    a = len(ptrs)
+    _check_lengths("aux_data_ptrs", a, {"aux_data_lens": data_lens, "aux_item_lens": item_lens})
+    return tuple(_aux_entry(i, ptrs[i], data_lens[i], item_lens[i]) for i in range(a))
 
 
 def _kv_entry(i: int, layer: int, group: int, ptr: int, data_len: int, item_len: int) -> KVEntry:

@@ -1,12 +1,9 @@
 """Pairing: map every source entry to exactly one destination entry by global layer id.
 
 Called once per (source layout, destination layout) pair — by the handoff pipeline through
-`PairingCache`, and by the service's dry-run `validate` endpoint through `pairing_report` — never
-per request. KV entries pair by `(layer_id, group)`, state entries by `(layer_id, kind)` (and
-must agree on their component), aux entries by position (the last PP stage's aux entry i with
-the decode's aux entry i, of equal row size). Positional pairing of KV and state is allowed only
-for legacy layouts that publish no layer ids on either side with PP = 1. Every problem found is
-collected (the report lists them all); `pair` raises on the first set.
+`PairingCache` — never per request. What pairs with what, and every reason it cannot, is
+`pipelines.pairing_problems` (the dry-run report over all stages is `pipelines.pairing_report`);
+`pair` raises on any problem and binds the pairs found into the arrays planning reads.
 
 A pairing's rows: KV pairs first, then its **slot rows** — the state pairs, then the aux pairs —
 each moving one row of a per-request index (`pipelines.slots`): a state pair its component's
@@ -15,33 +12,20 @@ slot, an aux pair the request's aux row.
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
-from collections.abc import Hashable, Sequence
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from msgspec import Struct
 
-from pipelines.errors import LayoutError, PairingError
-from pipelines.layout import AuxEntry, KVEntry, StageLayout, StateEntry, group_layer_ids
+from pipelines.errors import PairingError
+from pipelines.layout import AuxEntry, StageLayout, StateEntry
+from pipelines.pairing_problems import Pairs, find_problems
 from pipelines.slots import AUX, Space
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
-
-
-class Problem(Struct, frozen=True, omit_defaults=True):
-    """One reason two layouts cannot be paired, naming where it is."""
-
-    code: str  # e.g. "missing_destination", "item_len_mismatch", "slot_size_mismatch"
-    message: str
-    pp_rank: int | None = None
-    layer_id: int | None = None
-    group: int | None = None
-    kind: str | None = None
-    aux: int | None = None  # the aux entry's position
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,335 +113,86 @@ class Pairing:
         return f"state pool of layer {layer} kind {kind!r}", {"layer_id": layer, "kind": kind}
 
 
-def _layout_problems(layout: StageLayout, side: str) -> list[Problem]:
-    """Contract checks on one layout: ids repeat once per group, groups in group-major order."""
-    problems: list[Problem] = []
-    rank = layout.pp_rank if side == "source" else None
-    if layout.kv and layout.layer_ids_published:
-        try:
-            layers, groups = group_layer_ids(layout.kv_layer_ids, len(layout.kv))
-        except LayoutError as exc:
-            problems.append(Problem("layout_error", f"{side} layout: {exc.message}", pp_rank=rank))
-        else:
-            for i, e in enumerate(layout.kv):
-                if e.group != i // len(layers):
-                    problems.append(
-                        Problem(
-                            "layout_error",
-                            f"{side} KV entry {i} (layer {e.layer_id}) has group {e.group}, but "
-                            f"group-major order over {groups} group(s) puts group "
-                            f"{i // len(layers)} there",
-                            pp_rank=rank,
-                            layer_id=e.layer_id,
-                            group=e.group,
-                        )
-                    )
-                    break
-    seen: set[tuple[int, str]] = set()
-    for s in layout.state:
-        if (s.layer_id, s.kind) in seen:
-            problems.append(
-                Problem(
-                    "layout_error",
-                    f"{side} layout lists state of layer {s.layer_id} kind {s.kind!r} twice",
-                    pp_rank=rank,
-                    layer_id=s.layer_id,
-                    kind=s.kind,
-                )
-            )
-        seen.add((s.layer_id, s.kind))
-    return problems
-
-
-def _match(
-    src_keys: Sequence[Hashable], dst_keys: Sequence[Hashable]
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]]:
-    """Return (pairs, duplicates as (src index, count), src indices with no match)."""
-    where: dict[Hashable, list[int]] = defaultdict(list)
-    for j, key in enumerate(dst_keys):
-        where[key].append(j)
-    pairs, dups, missing = [], [], []
-    for i, key in enumerate(src_keys):
-        hits = where.get(key, [])
-        if not hits:
-            missing.append(i)
-        elif len(hits) > 1:
-            dups.append((i, len(hits)))
-        else:
-            pairs.append((i, hits[0]))
-    return pairs, dups, missing
-
-
-def _where(entry: KVEntry | StateEntry, index: int = 0) -> tuple[str, dict[str, Any]]:
-    """How a problem names an entry: text and the structured fields an HTTP error carries
-    (an aux entry by its position `index`)."""
-    if isinstance(entry, AuxEntry):
-        return f"aux entry {index}", {"aux": index}
-    if isinstance(entry, KVEntry):
-        return f"layer {entry.layer_id} group {entry.group}", {
-            "layer_id": entry.layer_id,
-            "group": entry.group,
-        }
-    return f"layer {entry.layer_id} kind {entry.kind!r}", {
-        "layer_id": entry.layer_id,
-        "kind": entry.kind,
-    }
-
-
-def _entry_problems(
-    problems: list[Problem],
-    rank: int,
-    src_entries: Sequence[KVEntry] | Sequence[StateEntry],
-    dst_entries: Sequence[KVEntry] | Sequence[StateEntry],
-    src_keys: Sequence[Hashable],
-    dst_keys: Sequence[Hashable],
-    *,
-    noun: str,
-    size_code: str,
-    size_text: str,
-    unit: str,
-) -> list[tuple[int, int]]:
-    """Match one kind of entry (KV or state), appending every problem; returns the pairs."""
-    pairs, dups, missing = _match(src_keys, dst_keys)
-    for i in missing:
-        text, fields = _where(src_entries[i])
-        problems.append(
-            Problem(
-                "missing_destination",
-                f"destination has no {noun} entry for {text}",
-                pp_rank=rank,
-                **fields,
-            )
-        )
-    for i, count in dups:
-        text, fields = _where(src_entries[i])
-        problems.append(
-            Problem(
-                "duplicate_destination",
-                f"destination has {count} {noun} entries for {text}",
-                pp_rank=rank,
-                **fields,
-            )
-        )
-    for i, j in pairs:
-        a, b = src_entries[i], dst_entries[j]
-        if isinstance(a, StateEntry) and isinstance(b, StateEntry) and a.component != b.component:
-            text, fields = _where(a)
-            problems.append(
-                Problem(
-                    "component_mismatch",
-                    f"state of {text} is of component {a.component!r} on the source and "
-                    f"{b.component!r} on the destination: their slots would not agree",
-                    pp_rank=rank,
-                    **fields,
-                )
-            )
-        if a.item_len != b.item_len:
-            text, fields = _where(a)
-            problems.append(
-                Problem(
-                    size_code,
-                    f"{size_text} differs for {text}: source {a.item_len} {unit}, "
-                    f"destination {b.item_len}",
-                    pp_rank=rank,
-                    **fields,
-                )
-            )
-    return pairs
-
-
-def _aux_problems(problems: list[Problem], src: StageLayout, dst: StageLayout) -> list[int]:
-    """Pair aux entries by position: the last stage's must match the decode's one for one, of
-    equal row size; other stages have none (the layout refuses them). Returns the positions."""
-    rank = src.pp_rank
-    if src.pp_rank != src.pp_size - 1 and not src.aux:
-        return []
-    for i in range(len(src.aux), len(dst.aux)):
-        problems.append(
-            Problem(
-                "missing_source",
-                f"the last stage has no aux entry {i} for the destination's aux entry {i} "
-                f"({len(src.aux)} aux entries, destination {len(dst.aux)})",
-                pp_rank=rank,
-                aux=i,
-            )
-        )
-    for i in range(len(dst.aux), len(src.aux)):
-        problems.append(
-            Problem(
-                "missing_destination",
-                f"destination has no aux entry {i} ({len(dst.aux)} aux entries, source "
-                f"{len(src.aux)})",
-                pp_rank=rank,
-                aux=i,
-            )
-        )
-    pairs = list(range(min(len(src.aux), len(dst.aux))))
-    for i in pairs:
-        a, b = src.aux[i], dst.aux[i]
-        if a.item_len != b.item_len:
-            problems.append(
-                Problem(
-                    "aux_size_mismatch",
-                    f"aux row size differs for aux entry {i}: source {a.item_len} bytes, "
-                    f"destination {b.item_len}",
-                    pp_rank=rank,
-                    aux=i,
-                )
-            )
-    return pairs
-
-
-def find_problems(
-    src: StageLayout, dst: StageLayout
-) -> tuple[list[Problem], list[tuple[int, int]], list[tuple[int, int]], list[int]]:
-    """All problems of pairing `src` with `dst`, plus the KV and state index pairs and the aux
-    positions found."""
-    rank = src.pp_rank
-    problems = _layout_problems(src, "source") + _layout_problems(dst, "destination")
-    if src.page_size != dst.page_size:
-        problems.append(
-            Problem(
-                "page_size_mismatch",
-                f"page size differs: source {src.page_size} tokens, destination {dst.page_size}",
-                pp_rank=rank,
-            )
-        )
-    if src.dtype != dst.dtype:
-        problems.append(
-            Problem(
-                "dtype_mismatch",
-                f"dtype differs: source {src.dtype}, destination {dst.dtype}",
-                pp_rank=rank,
-            )
-        )
-
-    positional = not src.layer_ids_published and not dst.layer_ids_published
-    if src.layer_ids_published != dst.layer_ids_published:
-        side = "source" if not src.layer_ids_published else "destination"
-        problems.append(
-            Problem(
-                "layer_ids_missing",
-                f"the {side} layout publishes no layer ids, so its entries cannot be paired by id",
-                pp_rank=rank,
-            )
-        )
-        return problems, [], [], []
-    if positional:
-        if src.pp_size != 1 or dst.pp_size != 1:
-            problems.append(
-                Problem(
-                    "positional_not_allowed",
-                    "neither layout publishes layer ids; positional pairing is only safe with "
-                    f"PP = 1 on both sides (source pp_size {src.pp_size}, destination "
-                    f"pp_size {dst.pp_size})",
-                    pp_rank=rank,
-                )
-            )
-            return problems, [], [], []
-        src_kv_keys: list[Hashable] = list(range(len(src.kv)))
-        dst_kv_keys: list[Hashable] = list(range(len(dst.kv)))
-        src_st_keys: list[Hashable] = list(range(len(src.state)))
-        dst_st_keys: list[Hashable] = list(range(len(dst.state)))
-    else:
-        src_kv_keys = [(e.layer_id, e.group) for e in src.kv]
-        dst_kv_keys = [(e.layer_id, e.group) for e in dst.kv]
-        src_st_keys = [(s.layer_id, s.kind) for s in src.state]
-        dst_st_keys = [(s.layer_id, s.kind) for s in dst.state]
-
-    kv_pairs = _entry_problems(
-        problems,
-        rank,
-        src.kv,
-        dst.kv,
-        src_kv_keys,
-        dst_kv_keys,
-        noun="KV",
-        size_code="item_len_mismatch",
-        size_text="KV item length",
-        unit="bytes per page",
-    )
-    st_pairs = _entry_problems(
-        problems,
-        rank,
-        src.state,
-        dst.state,
-        src_st_keys,
-        dst_st_keys,
-        noun="state",
-        size_code="slot_size_mismatch",
-        size_text="state slot size",
-        unit="bytes",
-    )
-    aux_pairs = _aux_problems(problems, src, dst)
-    return problems, kv_pairs, st_pairs, aux_pairs
-
-
 def _bind(
-    src: StageLayout,
-    dst: StageLayout,
-    kv_pairs: list[tuple[int, int]],
-    st_pairs: list[tuple[int, int]],
-    aux_pairs: list[int],
+    src: StageLayout, dst: StageLayout, kv_pairs: Pairs, st_pairs: Pairs, aux_pairs: list[int]
 ) -> Pairing:
+    """The pairs found, as the columns planning and packing read."""
     ks = np.array([i for i, _ in kv_pairs], dtype=np.int64)
     kd = np.array([j for _, j in kv_pairs], dtype=np.int64)
     ss = np.array([i for i, _ in st_pairs], dtype=np.int64)
     sd = np.array([j for _, j in st_pairs], dtype=np.int64)
     aux = np.array(aux_pairs, dtype=np.int64)
-    kv_item_len = np.array([src.kv[i].item_len for i in ks], dtype=np.uint64)
-    state_item_len = np.array([src.state[i].item_len for i in ss], dtype=np.uint64)
-    src_state = [src.state[i] for i in ss]
-    dst_state = [dst.state[j] for j in sd]
-    src_aux = [src.aux[i] for i in aux]
-    dst_aux = [dst.aux[i] for i in aux]
-    slot_item_len = np.array(
-        [e.item_len for e in src_state] + [a.item_len for a in src_aux], dtype=np.uint64
-    )
-    slot_space: tuple[Space, ...] = tuple(e.component for e in src_state) + (AUX,) * len(src_aux)
+    kv = _kv_columns(src, dst, ks, kd)
+    slots = _slot_columns(src, dst, ss, sd, aux)
     return Pairing(
         src=src,
         dst=dst,
-        kv_src_index=ks,
-        kv_dst_index=kd,
-        kv_layer=np.array([src.kv[i].layer_id for i in ks], dtype=np.int64),
-        kv_group=np.array([src.kv[i].group for i in ks], dtype=np.int64),
-        kv_src_base=np.array([src.kv[i].base for i in ks], dtype=np.uint64),
-        kv_dst_base=np.array([dst.kv[j].base for j in kd], dtype=np.uint64),
-        kv_item_len=kv_item_len,
-        kv_src_items=np.array([src.kv[i].num_items for i in ks], dtype=np.int64),
-        kv_dst_items=np.array([dst.kv[j].num_items for j in kd], dtype=np.int64),
-        state_src_index=ss,
-        state_dst_index=sd,
-        state_layer=np.array([src.state[i].layer_id for i in ss], dtype=np.int64),
-        state_kind=tuple(src.state[i].kind for i in ss),
-        state_src_base=np.array([src.state[i].base for i in ss], dtype=np.uint64),
-        state_dst_base=np.array([dst.state[j].base for j in sd], dtype=np.uint64),
-        state_item_len=state_item_len,
-        state_src_slots=np.array([src.state[i].num_slots for i in ss], dtype=np.int64),
-        state_dst_slots=np.array([dst.state[j].num_slots for j in sd], dtype=np.int64),
+        **kv,
+        **_state_columns(src, dst, ss, sd),
         aux_src_index=aux,
         aux_dst_index=aux.copy(),
-        slot_space=slot_space,
-        slot_layer=np.array([e.layer_id for e in src_state] + [-1] * len(src_aux), np.int64),
-        slot_src_region=np.concatenate(
+        **slots,
+        row_item_len=np.concatenate((kv["kv_item_len"], slots["slot_item_len"])).astype(np.int64),
+    )
+
+
+def _kv_columns(src: StageLayout, dst: StageLayout, ks: I64, kd: I64) -> dict[str, Any]:
+    """The `kv_*` columns of the pairs (source entry `ks[i]`, destination entry `kd[i]`)."""
+    return {
+        "kv_src_index": ks,
+        "kv_dst_index": kd,
+        "kv_layer": np.array([src.kv[i].layer_id for i in ks], dtype=np.int64),
+        "kv_group": np.array([src.kv[i].group for i in ks], dtype=np.int64),
+        "kv_src_base": np.array([src.kv[i].base for i in ks], dtype=np.uint64),
+        "kv_dst_base": np.array([dst.kv[j].base for j in kd], dtype=np.uint64),
+        "kv_item_len": np.array([src.kv[i].item_len for i in ks], dtype=np.uint64),
+        "kv_src_items": np.array([src.kv[i].num_items for i in ks], dtype=np.int64),
+        "kv_dst_items": np.array([dst.kv[j].num_items for j in kd], dtype=np.int64),
+    }
+
+
+def _state_columns(src: StageLayout, dst: StageLayout, ss: I64, sd: I64) -> dict[str, Any]:
+    """The `state_*` columns of the state pairs."""
+    return {
+        "state_src_index": ss,
+        "state_dst_index": sd,
+        "state_layer": np.array([src.state[i].layer_id for i in ss], dtype=np.int64),
+        "state_kind": tuple(src.state[i].kind for i in ss),
+        "state_src_base": np.array([src.state[i].base for i in ss], dtype=np.uint64),
+        "state_dst_base": np.array([dst.state[j].base for j in sd], dtype=np.uint64),
+        "state_item_len": np.array([src.state[i].item_len for i in ss], dtype=np.uint64),
+        "state_src_slots": np.array([src.state[i].num_slots for i in ss], dtype=np.int64),
+        "state_dst_slots": np.array([dst.state[j].num_slots for j in sd], dtype=np.int64),
+    }
+
+
+def _slot_columns(src: StageLayout, dst: StageLayout, ss: I64, sd: I64, aux: I64) -> dict[str, Any]:
+    """The `slot_*` columns: the state pairs' rows, then the aux pairs' (one row each)."""
+    src_rows = [src.state[i] for i in ss] + [src.aux[i] for i in aux]
+    dst_rows = [dst.state[j] for j in sd] + [dst.aux[i] for i in aux]
+    n_aux = len(aux)
+    space: tuple[Space, ...] = tuple(src.state[i].component for i in ss) + (AUX,) * n_aux
+    return {
+        "slot_space": space,
+        "slot_layer": np.array([src.state[i].layer_id for i in ss] + [-1] * n_aux, np.int64),
+        "slot_src_region": np.concatenate(
             (ss + len(src.kv), aux + len(src.kv) + len(src.state))
         ).astype(np.int64),
-        slot_dst_region=np.concatenate(
+        "slot_dst_region": np.concatenate(
             (sd + len(dst.kv), aux + len(dst.kv) + len(dst.state))
         ).astype(np.int64),
-        slot_src_base=np.array([e.base for e in src_state] + [a.base for a in src_aux], np.uint64),
-        slot_dst_base=np.array([e.base for e in dst_state] + [a.base for a in dst_aux], np.uint64),
-        slot_item_len=slot_item_len,
-        slot_src_limit=np.array(
-            [e.num_slots for e in src_state] + [a.num_rows for a in src_aux], np.int64
-        ),
-        slot_dst_limit=np.array(
-            [e.num_slots for e in dst_state] + [a.num_rows for a in dst_aux], np.int64
-        ),
-        slot_groups=_groups(slot_space),
-        row_item_len=np.concatenate((kv_item_len, slot_item_len)).astype(np.int64),
-    )
+        "slot_src_base": np.array([e.base for e in src_rows], np.uint64),
+        "slot_dst_base": np.array([e.base for e in dst_rows], np.uint64),
+        "slot_item_len": np.array([e.item_len for e in src_rows], dtype=np.uint64),
+        "slot_src_limit": np.array([_rows(e) for e in src_rows], np.int64),
+        "slot_dst_limit": np.array([_rows(e) for e in dst_rows], np.int64),
+        "slot_groups": _groups(space),
+    }
+
+
+def _rows(entry: StateEntry | AuxEntry) -> int:
+    """Rows in the entry's pool: a state pool's slots, an aux pool's rows."""
+    return entry.num_slots if isinstance(entry, StateEntry) else entry.num_rows
 
 
 def _groups(spaces: tuple[Space, ...]) -> tuple[tuple[Space, I64], ...]:
@@ -509,126 +244,3 @@ class PairingCache:
 
     def __len__(self) -> int:
         return len(self._items)
-
-
-# ---------------------------------------------------------------------------------------------
-# The dry-run report
-
-
-class StageReport(Struct, frozen=True):
-    pp_rank: int
-    ok: bool
-    kv_pairs: int
-    state_pairs: int
-    kv_bytes_per_page: int  # bytes one page of this stage moves, over all its KV pairs
-    state_bytes_per_slot: int  # bytes one request slot of this stage moves, over its state pairs
-    layers: list[int]  # global layer ids this stage sends
-    aux_pairs: int = 0  # aux entries this stage sends (the last stage only)
-    aux_bytes_per_row: int = 0  # bytes of one request's aux rows
-
-
-class PairingReport(Struct, frozen=True):
-    ok: bool
-    problems: list[Problem]
-    stages: list[StageReport]
-    destination_fingerprint: str
-
-
-def pairing_report(sources: Sequence[StageLayout], dst: StageLayout) -> PairingReport:
-    """Pair every prefill stage with the decode layout and list *all* problems found.
-
-    Beyond per-stage pairing this checks coverage: each destination entry must be written by
-    exactly one stage, or the decode side would read a layer nobody sent (or two stages race).
-    """
-    problems: list[Problem] = []
-    stages: list[StageReport] = []
-    ranks = [s.pp_rank for s in sources]
-    if len(set(ranks)) != len(ranks):
-        problems.append(Problem("duplicate_stage", f"PP ranks {ranks} list a stage twice"))
-    kv_writers: dict[int, list[int]] = defaultdict(list)
-    st_writers: dict[int, list[int]] = defaultdict(list)
-    aux_writers: dict[int, list[int]] = defaultdict(list)
-    for src in sources:
-        found, kv_pairs, st_pairs, aux_pairs = find_problems(src, dst)
-        problems.extend(found)
-        for _, j in kv_pairs:
-            kv_writers[j].append(src.pp_rank)
-        for _, j in st_pairs:
-            st_writers[j].append(src.pp_rank)
-        for j in aux_pairs:
-            aux_writers[j].append(src.pp_rank)
-        stages.append(
-            StageReport(
-                pp_rank=src.pp_rank,
-                ok=not found,
-                kv_pairs=len(kv_pairs),
-                state_pairs=len(st_pairs),
-                kv_bytes_per_page=sum(src.kv[i].item_len for i, _ in kv_pairs),
-                state_bytes_per_slot=sum(src.state[i].item_len for i, _ in st_pairs),
-                layers=sorted(
-                    {src.kv[i].layer_id for i, _ in kv_pairs}
-                    | {src.state[i].layer_id for i, _ in st_pairs}
-                ),
-                aux_pairs=len(aux_pairs),
-                aux_bytes_per_row=sum(src.aux[i].item_len for i in aux_pairs),
-            )
-        )
-    pp_sizes = {s.pp_size for s in sources}
-    complete = len(pp_sizes) == 1 and len(sources) == next(iter(pp_sizes))
-    if len(pp_sizes) > 1:
-        problems.append(
-            Problem("pp_size_mismatch", f"stages disagree on pp_size: {sorted(pp_sizes)}")
-        )
-    for j, entry in enumerate(dst.kv):
-        writers = kv_writers.get(j, [])
-        if len(writers) > 1:
-            problems.append(
-                Problem(
-                    "duplicate_writer",
-                    f"stages {writers} all write layer {entry.layer_id} group {entry.group}",
-                    layer_id=entry.layer_id,
-                    group=entry.group,
-                )
-            )
-        elif not writers and complete:
-            problems.append(
-                Problem(
-                    "unfilled_destination",
-                    f"no prefill stage sends layer {entry.layer_id} group {entry.group}",
-                    layer_id=entry.layer_id,
-                    group=entry.group,
-                )
-            )
-    for j, sentry in enumerate(dst.state):
-        writers = st_writers.get(j, [])
-        if len(writers) > 1:
-            problems.append(
-                Problem(
-                    "duplicate_writer",
-                    f"stages {writers} all write state of layer {sentry.layer_id} kind "
-                    f"{sentry.kind!r}",
-                    layer_id=sentry.layer_id,
-                    kind=sentry.kind,
-                )
-            )
-        elif not writers and complete:
-            problems.append(
-                Problem(
-                    "unfilled_destination",
-                    f"no prefill stage sends state of layer {sentry.layer_id} kind {sentry.kind!r}",
-                    layer_id=sentry.layer_id,
-                    kind=sentry.kind,
-                )
-            )
-    for j in range(len(dst.aux)):
-        writers = aux_writers.get(j, [])
-        if not writers and complete:
-            problems.append(
-                Problem("unfilled_destination", f"no prefill stage sends aux entry {j}", aux=j)
-            )
-    return PairingReport(
-        ok=not problems,
-        problems=problems,
-        stages=stages,
-        destination_fingerprint=dst.fingerprint,
-    )

@@ -30,6 +30,7 @@ from pipelines.models import PRESETS, ModelSpec, Partition, partition_layers, pr
 from pipelines.settings import DECODE_DEFAULTS, PREFILL_DEFAULTS, DecodeSettings, PrefillSettings
 from pipelines.urls import canonical_url
 from transport.config import MooncakeConfig
+from transport.local import LocalConfig
 
 ENV_PREFIX = "KVHANDOFF_"
 MiB = 1 << 20
@@ -113,13 +114,24 @@ class AuthConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
                 raise ValueError(f"auth.{role}: give at least one secret, or leave it unset")
 
 
-class TransportConfig(MooncakeConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`MooncakeConfig` (hostname, metadata, protocol, device_name, max_blocks_per_batch,
-    max_inflight_batches_per_peer, transfer_timeout_s, tcp_env) plus the backend choice; it *is*
-    a `MooncakeConfig`, so it is passed to the Mooncake transport as is."""
+#: The `[transport]` section: one Struct per backend, told apart by its `backend` key (a missing
+#: one means "mooncake", so configurations written before the union keep working). A backend's
+#: own settings are reached through its type (`isinstance(config.transport, MooncakeConfig)`);
+#: `align_bytes`, `max_call_s` and the two batch caps every backend has.
+#: "mooncake": the Transfer Engine (`transport.config.MooncakeConfig`); "local": in-process
+#: memmove for single-process use and benchmarks (`transport.local.LocalConfig`).
+TransportConfig = MooncakeConfig | LocalConfig
+DEFAULT_BACKEND = "mooncake"
 
-    #: "mooncake": the Transfer Engine; "local": in-process memmove (single process, benchmarks).
-    backend: Literal["mooncake", "local"] = "mooncake"
+
+def backend_of(transport: TransportConfig) -> str:
+    """The `backend` key `transport` was given (or defaulted to)."""
+    return str(type(transport).__struct_config__.tag)
+
+
+def transport_backends() -> dict[str, type[TransportConfig]]:
+    """Each backend's config Struct by its `backend` key."""
+    return {str(t.__struct_config__.tag): t for t in get_args(TransportConfig)}
 
 
 class TransferConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -316,7 +328,7 @@ class StageConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True)
 class Config(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     role: Role
     server: ServerConfig = field(default_factory=ServerConfig)
-    transport: TransportConfig = field(default_factory=TransportConfig)
+    transport: TransportConfig = field(default_factory=MooncakeConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     #: Required unless an embedding engine hands over every stage's layout with its buffers
     #: (`service.runtime.stages.EngineStage`, as the SGLang backend does).
@@ -398,6 +410,9 @@ def load_config(
     _merge(merged, env_overrides(env))
     for key, value in (overrides or {}).items():
         _merge(merged, _nest(key.split("."), value))
+    transport = merged.get("transport")
+    if isinstance(transport, dict):
+        transport.setdefault("backend", DEFAULT_BACKEND)
     server = merged.setdefault("server", {})
     if isinstance(server, dict) and not server.get("state_dir"):
         server["state_dir"] = str(default_state_dir(env))
@@ -408,11 +423,28 @@ def load_config(
     except msgspec.ValidationError as exc:
         path, message = _split_msgspec_error(str(exc))
         own = re.match(r"^(auth\.\w+): (.*)$", message)  # AuthConfig names its own key
-        raise ConfigError(*(own.groups() if own else (path, message))) from None
+        if own:
+            path, message = own.groups()
+        elif path.startswith("transport."):
+            message = _transport_message(path, message, merged["transport"]["backend"])
+        raise ConfigError(path, message) from None
     except (LayoutError, ValueError) as exc:  # a nested Struct's own __post_init__ (ModelSpec)
         raise ConfigError("model.spec", str(exc)) from None
     check(config)
     return config
+
+
+def _transport_message(path: str, message: str, backend: Any) -> str:
+    """A `[transport]` error names the backend it was read for, and the backends there are."""
+    backends = transport_backends()
+    if path == "transport.backend":
+        return f"{backend!r} is not a transport backend; one of {', '.join(map(repr, backends))}"
+    key = path.removeprefix("transport.").split(".")[0]
+    if message == "unknown key":
+        owners = [name for name, t in backends.items() if key in t.__struct_fields__]
+        if owners:
+            return f"not a setting of backend {backend!r} (only of {', '.join(owners)})"
+    return f"{message} (backend {backend!r})"
 
 
 def check(config: Config) -> None:
@@ -534,28 +566,36 @@ def _expand_home(path: str, env: Mapping[str, str]) -> str:
 
 
 def _check_env_key(name: str, parts: list[str]) -> None:
-    struct_type: Any = Config
+    fields = _section_fields(Config)
     for depth, part in enumerate(parts):
-        fields = {f.name: f.type for f in msgspec.structs.fields(struct_type)}
-        if part not in fields:
+        if fields is None or part not in fields:
             raise ConfigError(name, f"unknown key {'.'.join(parts[: depth + 1])!r}")
-        target = _unoptional(fields[part])
-        if not (isinstance(target, type) and issubclass(target, Struct)):
+        inner = _section_fields(fields[part])
+        if inner is None:
             if depth != len(parts) - 1:
                 raise ConfigError(name, f"{'.'.join(parts[: depth + 1])} takes a JSON value")
             return
-        struct_type = target
+        fields = inner
     raise ConfigError(name, f"{'.'.join(parts)} is a section; name one of its keys")
 
 
-def _unoptional(annotation: Any) -> Any:
-    """`X | None` as `X` (an optional section, e.g. `model`, still takes its keys from the
-    environment); any other annotation as it is."""
+def _section_fields(annotation: Any) -> dict[str, Any] | None:
+    """The keys of the section `annotation` opens, with their types: a Struct's fields; `X |
+    None` as `X` (an optional section, e.g. `model`, still takes its keys from the environment);
+    a tagged union of Structs (`transport`) as every member's fields and the tag. None when
+    `annotation` is not a section."""
+    members = [annotation]
     if get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return annotation
+        members = [a for a in get_args(annotation) if a is not type(None)]
+    if not all(isinstance(m, type) and issubclass(m, Struct) for m in members):
+        return None
+    out: dict[str, Any] = {}
+    for member in members:
+        tag = member.__struct_config__
+        if len(members) > 1 and tag.tag_field is not None:
+            out[tag.tag_field] = Literal[tuple(t.__struct_config__.tag for t in members)]
+        out.update({f.name: f.type for f in msgspec.structs.fields(member)})
+    return out
 
 
 def _nest(parts: list[str], value: Any) -> dict[str, Any]:
@@ -602,8 +642,8 @@ def _type_at(path: str) -> Any:
     for part in re.sub(r"\[\d+\]", "", path).split("."):
         while get_origin(current) is list:
             current = get_args(current)[0]
-        if not (isinstance(current, type) and issubclass(current, Struct)):
+        fields = _section_fields(current)
+        if fields is None:
             return None
-        fields = {f.name: f.type for f in msgspec.structs.fields(current)}
         current = fields.get(part)
     return current

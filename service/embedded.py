@@ -96,7 +96,7 @@ class EmbeddedService:
         self._call_timeout_s = (
             call_timeout_s
             if call_timeout_s is not None
-            else config.peers.request_timeout_s + config.transport.transfer_timeout_s + 5.0
+            else config.peers.request_timeout_s + config.transport.max_call_s + 5.0
         )
         self._lock = threading.Lock()
         self._phase = "new"  # "new" -> "running" -> ("stopping" ->) "stopped"
@@ -228,27 +228,11 @@ class EmbeddedService:
         """
         self._require("prefill", "stage_ready")
         _check_id(handoff_id)
-        if decode_url is not None:
-            try:
-                msgspec.convert(decode_url, ServiceUrl)
-            except msgspec.ValidationError as exc:
-                raise InvalidInput(
-                    f"decode_url {decode_url!r}: {exc}", field="decode_url"
-                ) from None
+        _check_decode_url(decode_url)
         rank = _non_negative(pp_rank, "pp_rank")
-        slots = RequestSlots(
-            None if src_slot is None else _non_negative(src_slot, "src_slot"),
-            {str(c): _non_negative(i, f"src_slots.{c}") for c, i in (src_slots or {}).items()},
-            None if src_aux is None else _non_negative(src_aux, "src_aux"),
-        )
+        slots = _request_slots(src_slot, src_slots, src_aux)
         start = None if pages_from is None else _non_negative(pages_from, "pages_from")
-        if last_pages is not None:
-            if not isinstance(last_pages, bool | np.bool_):
-                raise InvalidInput(
-                    f"last_pages must be a bool, got {type(last_pages).__name__}",
-                    field="last_pages",
-                )
-            last_pages = bool(last_pages)
+        last_pages = _optional_bool(last_pages, "last_pages")
         layer_ids = (
             None
             if layers is None
@@ -509,6 +493,34 @@ def _check_id(handoff_id: str) -> None:
         msgspec.convert(handoff_id, HandoffId)
     except msgspec.ValidationError as exc:
         raise InvalidInput(f"handoff_id {handoff_id!r}: {exc}", field="handoff_id") from None
+
+
+def _check_decode_url(url: str | None) -> None:
+    if url is not None:
+        try:
+            msgspec.convert(url, ServiceUrl)
+        except msgspec.ValidationError as exc:
+            raise InvalidInput(f"decode_url {url!r}: {exc}", field="decode_url") from None
+
+
+def _request_slots(
+    src_slot: int | None, src_slots: Mapping[str, int] | None, src_aux: int | None
+) -> RequestSlots:
+    """The request's slot indices as the engine named them, each checked (`_non_negative`)."""
+    return RequestSlots(
+        None if src_slot is None else _non_negative(src_slot, "src_slot"),
+        {str(c): _non_negative(i, f"src_slots.{c}") for c, i in (src_slots or {}).items()},
+        None if src_aux is None else _non_negative(src_aux, "src_aux"),
+    )
+
+
+def _optional_bool(value: object, field: str) -> bool | None:
+    """`value` as a bool (numpy's included), None as None; InvalidInput naming `field` else."""
+    if value is None:
+        return None
+    if not isinstance(value, bool | np.bool_):
+        raise InvalidInput(f"{field} must be a bool, got {type(value).__name__}", field=field)
+    return bool(value)
 
 
 def _non_negative(value: Any, field: str) -> int:

@@ -32,7 +32,7 @@ from service.api.handoffs import install_handoffs
 from service.api.metrics import install_metrics
 from service.api.validate import install_validate
 from service.api.webhooks import install_webhooks
-from service.config import Config, ConfigError, load_config
+from service.config import Config, ConfigError, backend_of, load_config
 from service.http.app import LOCAL_TARGET, AccessLogger, Extension, create_app
 from service.http.server import ProblemAppRunner
 from service.runtime.roles import install_runtime
@@ -198,7 +198,7 @@ async def serve(
             config.server.public_url,
             config.server.host,
             config.server.port,
-            config.transport.backend,
+            backend_of(config.transport),
             app.get(LOCAL_TARGET, "-"),
         )
         yield Server(app, config)

@@ -171,7 +171,7 @@ class FakeEngine:
 
 class FakeArrayEngineBinding(FakeEngine):
     """`FakeEngine` as a Mooncake 0.3.14 binding: it also has `batch_transfer_sync_write_arrays`
-    (`transport.mooncake.WRITE_ARRAYS`), which checks its arguments as the real binding does
+    (`transport.mooncake_engine.WRITE_ARRAYS`), which checks its arguments as the real binding does
     (one-dimensional, contiguous, 8-byte integers, equal lengths: TypeError / ValueError
     otherwise), records what it was given (`array_args`: the three arrays per call, as passed),
     and writes with the same memmoves as the list call. The list call stays, as on a real

@@ -1,4 +1,5 @@
-"""Transport configuration: one frozen Struct, parsed once by the service and passed down.
+"""The Mooncake transport's configuration: one frozen Struct, tagged `backend = "mooncake"` in
+the service's transport union (`service.config.TransportConfig`), parsed once and passed down.
 
 Nothing in `transport` reads `os.environ`. The one documented exception runs the other way: the
 Transfer Engine only takes some tuning from environment variables, read when the engine is
@@ -43,12 +44,19 @@ DEFAULT_MAX_BYTES_PER_BATCH = 1 << 30
 DEFAULT_PEER_IDLE_S = 60.0
 
 
+#: The batch caps every backend cuts a write at (`pipelines.planning` plans under them).
+BlocksPerBatch = Annotated[int, Meta(ge=1, le=DEFAULT_MAX_BLOCKS_PER_BATCH)]
+BytesPerBatch = Annotated[int, Meta(ge=4096, le=1 << 40)]
+
+
 def alignment_for(protocol: str) -> int:
     """The byte alignment pools use for each region under `protocol`."""
     return ASCEND_ALIGN_BYTES if protocol == "ascend" else DEFAULT_ALIGN_BYTES
 
 
-class MooncakeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class MooncakeConfig(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="backend", tag="mooncake"
+):
     """How to start and drive one Transfer Engine.
 
     `hostname` is the engine's local name (`ip`, or `ip:port:npu_<id>` for ascend); peers reach
@@ -66,13 +74,11 @@ class MooncakeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     npu: Annotated[int, Meta(ge=0)] | None = None
     #: Blocks per engine call. Mooncake TCP (default settings) rejects more than ~2,100 queued
     #: requests to one peer and then often cannot reach that peer again.
-    max_blocks_per_batch: Annotated[int, Meta(ge=1, le=DEFAULT_MAX_BLOCKS_PER_BATCH)] = (
-        DEFAULT_MAX_BLOCKS_PER_BATCH
-    )
+    max_blocks_per_batch: BlocksPerBatch = DEFAULT_MAX_BLOCKS_PER_BATCH
     #: Bytes per engine call. Bounds how long one call may still write after it started
     #: (`max_call_s`): batches are cut at whichever cap comes first, and a block larger than
     #: this is cut into pieces of at most this many bytes.
-    max_bytes_per_batch: Annotated[int, Meta(ge=4096, le=1 << 40)] = DEFAULT_MAX_BYTES_PER_BATCH
+    max_bytes_per_batch: BytesPerBatch = DEFAULT_MAX_BYTES_PER_BATCH
     #: Batches per peer submitted (one running in the engine, the rest queued behind the peer's
     #: worker thread). Queued batches keep the worker busy back to back: with 2, whole-handoff
     #: throughput measured 0.6-0.8x raw Mooncake (the worker idled between batches while the

@@ -28,7 +28,12 @@ import msgspec
 
 from transport.base import HOST, TransportStats
 from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
-from transport.config import DEFAULT_MAX_BYTES_PER_BATCH
+from transport.config import (
+    DEFAULT_ALIGN_BYTES,
+    DEFAULT_MAX_BYTES_PER_BATCH,
+    BlocksPerBatch,
+    BytesPerBatch,
+)
 from transport.errors import EngineCallError, TransportError, TransportTimeout
 from transport.regions import Region, RegionTable
 
@@ -40,6 +45,32 @@ LOCAL_CALL_BASE_S = 1.0
 LOCAL_MIN_BYTES_PER_S = 100e6
 #: Open local transports of this process by target name: the peers a write can name.
 _open: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
+
+
+def local_max_call_s(max_bytes_per_batch: int) -> float:
+    """One batch's memmove, bounded generously: `LOCAL_CALL_BASE_S + max_bytes_per_batch /
+    LOCAL_MIN_BYTES_PER_S`."""
+    return LOCAL_CALL_BASE_S + max_bytes_per_batch / LOCAL_MIN_BYTES_PER_S
+
+
+class LocalConfig(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="backend", tag="local"
+):
+    """The `local` transport's settings (`backend = "local"` in the service's transport union):
+    the batch caps a write is cut at, as under Mooncake, so a plan made for one runs on both."""
+
+    #: Blocks per copy batch.
+    max_blocks_per_batch: BlocksPerBatch = DEFAULT_MAX_BLOCKS_PER_BATCH
+    #: Bytes per copy batch; a block larger than this is cut into pieces of at most this size.
+    max_bytes_per_batch: BytesPerBatch = DEFAULT_MAX_BYTES_PER_BATCH
+
+    @property
+    def align_bytes(self) -> int:
+        return DEFAULT_ALIGN_BYTES
+
+    @property
+    def max_call_s(self) -> float:
+        return local_max_call_s(self.max_bytes_per_batch)
 
 
 def as_lists(blocks: Blocks) -> tuple[list[int], list[int], list[int]]:
@@ -94,15 +125,20 @@ class LocalTransport:
         self._stats = TransportStats(worker_threads=1)
         _open[self._target] = self
 
+    @classmethod
+    def start(cls, config: LocalConfig) -> LocalTransport:
+        return cls(
+            max_blocks_per_batch=config.max_blocks_per_batch,
+            max_bytes_per_batch=config.max_bytes_per_batch,
+        )
+
     @property
     def local_target(self) -> str:
         return self._target
 
     @property
     def max_call_s(self) -> float:
-        """One batch's memmove, bounded generously: `LOCAL_CALL_BASE_S + max_bytes_per_batch /
-        LOCAL_MIN_BYTES_PER_S`."""
-        return LOCAL_CALL_BASE_S + self._max_bytes / LOCAL_MIN_BYTES_PER_S
+        return local_max_call_s(self._max_bytes)
 
     def register(self, regions: Sequence[Region], *, devices: frozenset[str] = HOST) -> None:
         self._check_open()

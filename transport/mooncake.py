@@ -1,6 +1,7 @@
 """The `mooncake` transport: blocks to a peer through the Mooncake Transfer Engine.
 
 Called by the handoff pipeline (`write`, `quiesce`) and by pools (`register`, `unregister`).
+Starting the engine, and which memory the installed build moves: `transport.mooncake_engine`.
 
 How a write runs. `write` cuts its blocks into batches (at most `max_blocks_per_batch` blocks
 and `max_bytes_per_batch` bytes; larger blocks are cut) and queues them on the peer's lane; at most
@@ -92,145 +93,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib.metadata
 import itertools
-import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import numpy as np
 
 from transport import ascend
 from transport.base import HOST, TransportStats
-from transport.blocks import U64, Blocks
+from transport.blocks import Blocks
 from transport.config import MooncakeConfig
 from transport.errors import EngineCallError, TransportError, TransportTimeout
 from transport.lanes import Batch, Counters, PeerLane, Write
-from transport.npu import use_npu
+from transport.mooncake_engine import (
+    WRITE_ARRAYS,
+    Engine,
+    WriteArrays,
+    installed_builds,
+    refuse_memory,
+    start_engine,
+)
 from transport.regions import Region, RegionTable
 from transport.workers import Workers
-
-log = logging.getLogger(__name__)
-
-#: What the engine prints (through glog, to stderr) on every healthy start, and why: operators
-#: read an `E` line as a failure, so the service says once, next to it, that these are not.
-EXPECTED_START_LINES = {
-    "tcp": (
-        'Mooncake\'s start-up lines "Using default malloc/free" (W), "No RDMA devices '
-        'found" (W) and "Local segment descriptor not found" (E) are expected: protocol tcp '
-        "needs no special allocator and no RDMA device, and the engine looks up its own segment "
-        "while initialising, before any memory is registered"
-    ),
-}
-
-
-class Engine(Protocol):
-    """The subset of `mooncake.engine.TransferEngine` this module calls."""
-
-    def get_rpc_port(self) -> int: ...
-    def batch_register_memory(self, addrs: list[int], lengths: list[int]) -> int: ...
-    def batch_unregister_memory(self, addrs: list[int]) -> int: ...
-    def batch_transfer_sync_write(
-        self, target: str, src: list[int], dst: list[int], lengths: list[int]
-    ) -> int: ...
-
-
-#: `TransferEngine.batch_transfer_sync_write_arrays(target_hostname, buffers,
-#: peer_buffer_addresses, lengths, transport_hint="", nic_hint="") -> int` (Mooncake 0.3.14):
-#: like `batch_transfer_sync_write`, over three one-dimensional, contiguous buffers of 8-byte
-#: integers of equal length (else TypeError / ValueError before anything is sent).
-WriteArrays = Callable[[str, U64, U64, U64], int]
-
-#: The name the array call has on engines that have it.
-WRITE_ARRAYS = "batch_transfer_sync_write_arrays"
-
-
-#: The distributions Mooncake is published as all install the same `mooncake` package, so only
-#: the distribution's name says which memory the build moves: `-non-cuda` builds (plain or
-#: `-efa-`) host memory only, `-npu` Ascend NPU memory too, `-musa` Moore Threads GPUs', and
-#: every other build (`mooncake-transfer-engine`, `-cuda13`, `-efa`, `-rocm`: torch names
-#: ROCm devices `cuda` too) CUDA memory. A wheel built from source under the plain name is taken
-#: for the CUDA build.
-BUILD_PREFIX = "mooncake-transfer-engine"
-
-
-def build_memory(name: str) -> frozenset[str]:
-    """The torch device types a Mooncake distribution of this (normalised) name moves."""
-    if "non-cuda" in name:
-        return HOST
-    for device in ("npu", "musa"):
-        if device in name.split("-"):
-            return HOST | {device}
-    return HOST | {"cuda"}
-
-
-@functools.cache
-def installed_builds() -> frozenset[str]:
-    """The Mooncake distributions installed (normalised names; empty: a build from source)."""
-    names = importlib.metadata.packages_distributions().get("mooncake", ())
-    # Normalised as package indexes do (PEP 503): metadata may spell it with `_` or capitals.
-    normal = {re.sub(r"[-_.]+", "-", n).lower() for n in names}
-    return frozenset(n for n in normal if n.startswith(BUILD_PREFIX))
-
-
-def refuse_memory(devices: frozenset[str], builds: frozenset[str]) -> None:
-    """Device memory a build would read as host addresses: refused, naming the build to install.
-    With several builds installed, whichever one's files won is unknown: only memory all of them
-    move passes. A build from source (none installed by name) is trusted with what it is given."""
-    if not builds:
-        return
-    moves = frozenset.intersection(*(build_memory(b) for b in builds))
-    foreign = devices - moves
-    if foreign:
-        wanted = {
-            "cuda": "mooncake-transfer-engine (kvhandoff[cuda])",
-            "npu": "mooncake-transfer-engine-npu (kvhandoff[ascend])",
-        }
-        need = "; ".join(
-            f"{d} memory needs {wanted.get(d, 'a build for it')}" for d in sorted(foreign)
-        )
-        raise TransportError(
-            f"the installed Mooncake ({', '.join(sorted(builds))}) moves "
-            f"{', '.join(sorted(moves))} memory only: {need}"
-        )
-
-
-def start_engine(config: MooncakeConfig) -> Engine:
-    """Construct and initialise a Transfer Engine as `config` says (imports mooncake lazily)."""
-    if config.protocol == "ascend" or ":npu_" in config.hostname:
-        # The service names the setting first (`service.runtime.transport`); checked here too
-        # for callers without it, before the engine (or its import) fails less clearly.
-        problems = [f"{key}: {why}" for key, why in ascend.settings_problems(config)]
-        host = ascend.host_problem() if config.protocol == "ascend" else None
-        if problems or host:
-            raise TransportError("; ".join([*problems, *([host] if host else [])]))
-    if config.protocol == "ascend" and config.npu is not None:
-        use_npu(config.npu)  # this thread constructs and initialises the engine
-    try:
-        from mooncake.engine import TransferEngine
-    except ImportError as exc:
-        raise TransportError(
-            "the mooncake transport needs a mooncake-transfer-engine package "
-            "(extras: kvhandoff[cpu], [cuda] or [ascend])"
-        ) from exc
-    # The documented exception to "nothing reads os.environ": the engine takes this tuning only
-    # from the environment, at construction, so it is set here, just before.
-    os.environ.update(config.engine_env())
-    engine = TransferEngine()
-    rc = engine.initialize(config.hostname, config.metadata, config.protocol, config.device_name)
-    if rc != 0:
-        raise TransportError(
-            f"Transfer Engine initialisation failed ({config.protocol}, {config.metadata})", rc=rc
-        )
-    expected = EXPECTED_START_LINES.get(config.protocol)
-    if expected is not None:
-        log.info("%s", expected)
-    return engine  # type: ignore[no-any-return]
-
 
 #: Niceness added to the worker threads that wait in engine calls (see `_lower_priority`).
 WORKER_NICE = 10
@@ -559,43 +445,12 @@ class MooncakeTransport:
                     TransportError, "transport closed before the batch ran", peer=lane.peer
                 )
                 return
-            while True:
-                blocks = (
-                    taken[0].blocks if len(taken) == 1 else Blocks.concat([b.blocks for b in taken])
-                )
-                engine_call = self._engine_call(lane.peer, blocks)
-                # The last check before the engine call, in this thread, after its arguments
-                # are built: no batch starts after its `start_by`, none of an abandoned write
-                # starts, and `quiesce` (same lock) sees every call that does start.
-                with lane.lock:
-                    now = time.monotonic()
-                    late = [b for b in taken if b.start_by is not None and now > b.start_by]
-                    gone = [b for b in taken if b.write.abandoned and b not in late]
-                    if not late and not gone:
-                        call = next(self._calls)
-                        lane.calls_started += 1
-                        lane.in_call = call
-                        for b in taken:
-                            b.call = call
-                        break
-                for b in late:
-                    self._report(loop, lane, b, self._late_error(lane))
-                for b in gone:
-                    self._report(loop, lane, b, self._abandoned_error(lane))
-                taken = [b for b in taken if b not in late and b not in gone]
-                if not taken:
-                    return
-            _post(loop, self._arm, lane, taken, time.monotonic())
+            ready = self._start_call(lane, loop, taken)
+            if ready is None:
+                return
+            blocks, engine_call = ready
             started = time.monotonic()
-            try:
-                rc = engine_call()
-            finally:
-                with lane.lock:
-                    lane.calls_ended += 1
-                    lane.in_call = 0
-                with self._counts.lock:
-                    self._counts.calls += 1
-                _post(loop, self._call_ended, lane)
+            rc = self._run_call(lane, loop, taken, engine_call)
             if rc == 0:
                 succeeded = True
             else:
@@ -621,6 +476,59 @@ class MooncakeTransport:
                 if error is not None:
                     batch.write.abandoned = True  # its write skips its batches not started
                 self._report(loop, lane, batch, error)
+
+    def _start_call(
+        self, lane: PeerLane, loop: asyncio.AbstractEventLoop, taken: list[Batch]
+    ) -> tuple[Blocks, Callable[[], int]] | None:
+        """Worker: the engine call for `taken`, built and past the last check, or None when
+        none of its batches may start. Batches that may not (late, or of an abandoned write)
+        get their outcome here and leave `taken` (in place: what is left is the caller's)."""
+        while True:
+            blocks = (
+                taken[0].blocks if len(taken) == 1 else Blocks.concat([b.blocks for b in taken])
+            )
+            engine_call = self._engine_call(lane.peer, blocks)
+            # The last check before the engine call, in this thread, after its arguments
+            # are built: no batch starts after its `start_by`, none of an abandoned write
+            # starts, and `quiesce` (same lock) sees every call that does start.
+            with lane.lock:
+                now = time.monotonic()
+                late = [b for b in taken if b.start_by is not None and now > b.start_by]
+                gone = [b for b in taken if b.write.abandoned and b not in late]
+                if not late and not gone:
+                    call = next(self._calls)
+                    lane.calls_started += 1
+                    lane.in_call = call
+                    for b in taken:
+                        b.call = call
+                    return blocks, engine_call
+            for b in late:
+                self._report(loop, lane, b, self._late_error(lane))
+            for b in gone:
+                self._report(loop, lane, b, self._abandoned_error(lane))
+            taken[:] = [b for b in taken if b not in late and b not in gone]
+            if not taken:
+                return None
+
+    def _run_call(
+        self,
+        lane: PeerLane,
+        loop: asyncio.AbstractEventLoop,
+        taken: list[Batch],
+        engine_call: Callable[[], int],
+    ) -> int:
+        """Worker: run a started call (its timer armed on the loop) and count it ended,
+        whatever it returns or raises; its rc."""
+        _post(loop, self._arm, lane, taken, time.monotonic())
+        try:
+            return engine_call()
+        finally:
+            with lane.lock:
+                lane.calls_ended += 1
+                lane.in_call = 0
+            with self._counts.lock:
+                self._counts.calls += 1
+            _post(loop, self._call_ended, lane)
 
     def _engine_call(self, peer: str, blocks: Blocks) -> Callable[[], int]:
         """Worker: the engine call for `blocks`, its arguments built (numpy arrays where the

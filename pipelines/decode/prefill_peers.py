@@ -15,7 +15,8 @@ from typing import Protocol
 from pipelines.errors import InvalidInput, KVHandoffError, PairingError
 from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
-from pipelines.pairing import PairingCache, pairing_report
+from pipelines.pairing import PairingCache
+from pipelines.pairing_report import pairing_report
 from pipelines.peercache import MAX_PEERS, PeerCache
 
 #: Per PP rank: the prefill URL hosting it, that service's layout answer, the stage's layout.

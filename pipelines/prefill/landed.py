@@ -43,7 +43,7 @@ from pipelines.messages import (
     SegmentMsg,
     WindowRequest,
 )
-from pipelines.packing import Pieces, Side, StagePacker, piece_bytes, source_side
+from pipelines.packing import Pieces, Side, piece_bytes, source_side
 from pipelines.pairing import Pairing
 from pipelines.prefill.handoff import (
     ROLE,
@@ -59,6 +59,7 @@ from pipelines.prefill.handoff import (
 from pipelines.prefill.readiness import Layers, fold_signals, stage_packer
 from pipelines.prefill.staged import BLOCK_BYTES, check_grant, gather_segment, staged_blocks
 from pipelines.prefill.writes import write_all
+from pipelines.stage_packer import StagePacker
 
 #: Segments of one stage in flight at once: the next is gathered and written while the last
 #: one's notice and commit run, so the engine is not idle for a round trip per segment.

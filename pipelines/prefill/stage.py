@@ -128,67 +128,11 @@ class StageRunner:
     async def run(
         self, h: PrefillHandoff, rank: int, dest: DestinationMsg, side: DecodeSide
     ) -> None:
+        """Send stage `rank` of `h` to `dest` and report its arrival, or report its failure
+        to the decode and raise StageFailed."""
         stage = self.stages[rank]
         try:
-            pairing = self.cache.get(stage.layout, side.layout)
-            # Wait for the engine's first signal: it carries the source pages.
-            await h.input_seen.setdefault(rank, asyncio.Event()).wait()
-            given = h.inputs[rank]
-            # Each range's source pages were checked as it came, the destination's pages on
-            # receipt (`destinations.check_destination`); what this stage's pairing needs of
-            # its slots, here.
-            if given.ranged and pairing.num_slot_rows:
-                slot_indices(pairing, dest.slots, "destination")
-            if given.ranged and dest.mode != "landed":
-                # Direct mode plans a stage whole: its ranges are sent once the last one is in,
-                # as one stage (no overlap with chunked prefill; landed mode has it).
-                await given.ended_event.wait()
-            # What the destination asks for: the positions after a prefix the decode holds.
-            inp = stage_source(given, dest, rank)
-            if not inp.ranged or dest.mode != "landed":
-                validate_request(pairing, inp.src_pages, dest.dst_pages, inp.src_slots, dest.slots)
-            h.set_stage(rank, StageState.SENDING)
-            if dest.mode == "landed":
-                await self._landed.send(h, rank, stage, inp, dest, pairing, side)
-                # Its last segment's notice was its arrival, and the decode committed it.
-                h.set_stage(rank, StageState.NOTIFYING)
-                h.set_stage(rank, StageState.ARRIVED)
-                return
-            chunks: asyncio.Queue[Chunk | End] = asyncio.Queue(self._queue_depth)
-            plans: asyncio.Queue[TransferPlan | End] = asyncio.Queue(self._queue_depth)
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._emit(h, rank, stage, inp, chunks))
-                tg.create_task(self._pair(h, rank, pairing, inp, dest, chunks, plans))
-                sent = tg.create_task(self._send(h, rank, dest, side.target, plans))
-            total_bytes, total_blocks = sent.result()
-            h.set_stage(rank, StageState.NOTIFYING)
-            digests = None
-            if dest.verify and stage.memory is not None:
-                # Off the event loop: hashing a large stage takes long enough to stall heartbeats.
-                digests = await asyncio.to_thread(
-                    source_digests,
-                    pairing,
-                    stage.memory,
-                    inp.src_pages,
-                    inp.src_slots,
-                    np.arange(pairing.num_kv_pairs, dtype=np.int64),
-                    np.arange(pairing.num_slot_rows, dtype=np.int64),
-                )
-            await self._decode.arrived(
-                dest.decode_url,
-                ArrivalMsg(
-                    handoff_id=h.handoff_id,
-                    sender_url=self._sender.url,
-                    sender_incarnation=self._sender.incarnation,
-                    decode_incarnation=dest.decode_incarnation,
-                    max_call_s=self._sender.max_call_s,
-                    pp_rank=rank,
-                    bytes=total_bytes,
-                    blocks=total_blocks,
-                    digests=digests,
-                ),
-            )
-            h.set_stage(rank, StageState.ARRIVED)
+            await self._run(h, rank, stage, dest, side)
         except* KVHandoffError as group:
             await self.report_failure(h, dest, rank, group.exceptions[0])  # type: ignore[arg-type]
             raise StageFailed from None
@@ -201,6 +145,93 @@ class StageRunner:
             error = InternalError(f"stage {rank} crashed: {group.exceptions[0]!r}", pp_rank=rank)
             await self.report_failure(h, dest, rank, error)
             raise StageFailed from None
+
+    async def _run(
+        self,
+        h: PrefillHandoff,
+        rank: int,
+        stage: HostedStage,
+        dest: DestinationMsg,
+        side: DecodeSide,
+    ) -> None:
+        pairing = self.cache.get(stage.layout, side.layout)
+        inp = await self._source(h, rank, pairing, dest)
+        h.set_stage(rank, StageState.SENDING)
+        if dest.mode == "landed":
+            await self._landed.send(h, rank, stage, inp, dest, pairing, side)
+            # Its last segment's notice was its arrival, and the decode committed it.
+            h.set_stage(rank, StageState.NOTIFYING)
+            h.set_stage(rank, StageState.ARRIVED)
+            return
+        chunks: asyncio.Queue[Chunk | End] = asyncio.Queue(self._queue_depth)
+        plans: asyncio.Queue[TransferPlan | End] = asyncio.Queue(self._queue_depth)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._emit(h, rank, stage, inp, chunks))
+            tg.create_task(self._pair(h, rank, pairing, inp, dest, chunks, plans))
+            sent = tg.create_task(self._send(h, rank, dest, side.target, plans))
+        h.set_stage(rank, StageState.NOTIFYING)
+        await self._arrive(h, rank, stage, inp, dest, pairing, sent.result())
+        h.set_stage(rank, StageState.ARRIVED)
+
+    async def _source(
+        self, h: PrefillHandoff, rank: int, pairing: Pairing, dest: DestinationMsg
+    ) -> StageSource:
+        """What the stage sends, once the engine's first signal (which carries the source
+        pages) is in: the positions after a prefix the decode holds, checked against `dest`."""
+        await h.input_seen.setdefault(rank, asyncio.Event()).wait()
+        given = h.inputs[rank]
+        # Each range's source pages were checked as it came, the destination's pages on
+        # receipt (`destinations.check_destination`); what this stage's pairing needs of
+        # its slots, here.
+        if given.ranged and pairing.num_slot_rows:
+            slot_indices(pairing, dest.slots, "destination")
+        if given.ranged and dest.mode != "landed":
+            # Direct mode plans a stage whole: its ranges are sent once the last one is in,
+            # as one stage (no overlap with chunked prefill; landed mode has it).
+            await given.ended_event.wait()
+        inp = stage_source(given, dest, rank)
+        if not inp.ranged or dest.mode != "landed":
+            validate_request(pairing, inp.src_pages, dest.dst_pages, inp.src_slots, dest.slots)
+        return inp
+
+    async def _arrive(
+        self,
+        h: PrefillHandoff,
+        rank: int,
+        stage: HostedStage,
+        inp: StageSource,
+        dest: DestinationMsg,
+        pairing: Pairing,
+        sent: tuple[int, int],
+    ) -> None:
+        """Direct mode: tell the decode the stage's `sent` (bytes, blocks) landed, with the
+        source digests when it verifies."""
+        digests = None
+        if dest.verify and stage.memory is not None:
+            # Off the event loop: hashing a large stage takes long enough to stall heartbeats.
+            digests = await asyncio.to_thread(
+                source_digests,
+                pairing,
+                stage.memory,
+                inp.src_pages,
+                inp.src_slots,
+                np.arange(pairing.num_kv_pairs, dtype=np.int64),
+                np.arange(pairing.num_slot_rows, dtype=np.int64),
+            )
+        await self._decode.arrived(
+            dest.decode_url,
+            ArrivalMsg(
+                handoff_id=h.handoff_id,
+                sender_url=self._sender.url,
+                sender_incarnation=self._sender.incarnation,
+                decode_incarnation=dest.decode_incarnation,
+                max_call_s=self._sender.max_call_s,
+                pp_rank=rank,
+                bytes=sent[0],
+                blocks=sent[1],
+                digests=digests,
+            ),
+        )
 
     async def _emit(
         self,

@@ -18,7 +18,7 @@ from msgspec import Meta, Struct
 from pipelines.errors import InvalidInput, KVHandoffError
 from pipelines.layout import StageLayout
 from pipelines.messages import LayoutInfo
-from pipelines.pairing import PairingReport, pairing_report
+from pipelines.pairing_report import PairingReport, pairing_report
 from pipelines.peer_calls import LAYOUT
 from service.http.app import PEERS, ROUTES, decode_body, json_response
 from service.http.routing import RouteTable

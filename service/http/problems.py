@@ -30,7 +30,7 @@ from pipelines.errors import (
     TransportError,
     TransportTimeout,
 )
-from pipelines.pairing import Problem as PairingProblem
+from pipelines.pairing_problems import Problem as PairingProblem
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 TYPE_PREFIX = "urn:kvhandoff:problem:"

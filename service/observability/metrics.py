@@ -13,6 +13,7 @@ outbox, add theirs the same way). Labels are bounded: role, state, error code, p
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -48,95 +49,129 @@ LATENCY_BUCKETS_S = (
 PAIRING_CODES = frozenset({"pairing_error", "layout_error", "plan_error"})
 
 
+@dataclass(frozen=True, slots=True)
+class _Metric:
+    """One metric's definition; histograms take `LATENCY_BUCKETS_S`."""
+
+    kind: type[Counter] | type[Gauge] | type[Histogram]
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+
+    def build(self, registry: CollectorRegistry) -> Any:
+        if self.kind is Histogram:
+            return Histogram(
+                self.name, self.doc, self.labels, buckets=LATENCY_BUCKETS_S, registry=registry
+            )
+        return self.kind(self.name, self.doc, self.labels, registry=registry)
+
+
+_RANK = ("pp_rank",)
+#: Every metric `Metrics` moves, by its attribute, in exposition order.
+DEFINITIONS = {
+    "created": _Metric(
+        Counter, "kvhandoff_handoffs_accepted", "Handoffs this service accepted (created)"
+    ),
+    "finished": _Metric(
+        Counter,
+        "kvhandoff_handoffs_finished",
+        "Handoffs that reached a terminal state, by state and error code",
+        ("state", "code"),
+    ),
+    "in_flight": _Metric(
+        Gauge, "kvhandoff_handoffs_in_flight", "Handoffs started and not yet terminal"
+    ),
+    "latency": _Metric(
+        Histogram,
+        "kvhandoff_handoff_duration_seconds",
+        "End-to-end time of completed handoffs (created to last stage arrived)",
+    ),
+    "transfer": _Metric(
+        Histogram,
+        "kvhandoff_stage_transfer_seconds",
+        "Time one stage's transfer (one send of its chunks) took, by pp_rank",
+        _RANK,
+    ),
+    "planning": _Metric(
+        Histogram,
+        "kvhandoff_stage_planning_seconds",
+        "Time from a stage's chunks emitted to its blocks planned, by pp_rank",
+        _RANK,
+    ),
+    "sent_bytes": _Metric(
+        Counter, "kvhandoff_stage_sent_bytes", "Bytes a prefill stage wrote", _RANK
+    ),
+    "sent_blocks": _Metric(
+        Counter, "kvhandoff_stage_sent_blocks", "Blocks a prefill stage wrote", _RANK
+    ),
+    "sent_batches": _Metric(
+        Counter, "kvhandoff_stage_sent_batches", "Transfer batches a prefill stage submitted", _RANK
+    ),
+    "arrived_bytes": _Metric(
+        Counter,
+        "kvhandoff_stage_arrived_bytes",
+        "Bytes the decode service was told arrived, by the stage that sent them",
+        _RANK,
+    ),
+    "pairing_failures": _Metric(
+        Counter,
+        "kvhandoff_pairing_failures",
+        "Handoffs failed because the layouts do not pair, by error code",
+        ("code",),
+    ),
+    "segments_committed": _Metric(
+        Counter,
+        "kvhandoff_segments_committed",
+        "Landed segments the decode committed into KV pages (digest matched), by pp_rank",
+        _RANK,
+    ),
+    "segment_committed_bytes": _Metric(
+        Counter,
+        "kvhandoff_segment_committed_bytes",
+        "Bytes of landed segments committed into KV pages, by pp_rank",
+        _RANK,
+    ),
+    "segments_rejected": _Metric(
+        Counter,
+        "kvhandoff_segments_rejected",
+        "Landed segments refused by their digest (nothing committed), by pp_rank and "
+        "whether the stage was asked to send it again",
+        ("pp_rank", "resend"),
+    ),
+    "commit": _Metric(
+        Histogram,
+        "kvhandoff_segment_commit_seconds",
+        "Time one landed segment's commit took (copy out of the window, digest, scatter)",
+    ),
+}
+
+
 class Metrics:
+    # The metrics of `DEFINITIONS`, built per instance (one registry per app).
+    created: Counter
+    finished: Counter
+    in_flight: Gauge
+    latency: Histogram
+    transfer: Histogram
+    planning: Histogram
+    sent_bytes: Counter
+    sent_blocks: Counter
+    sent_batches: Counter
+    arrived_bytes: Counter
+    pairing_failures: Counter
+    segments_committed: Counter
+    segment_committed_bytes: Counter
+    segments_rejected: Counter
+    commit: Histogram
+
     def __init__(self, role: str, version: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
         Gauge(
             "kvhandoff_build_info", "Build of this service (always 1)", ["version", "role"],
-            registry=r,
+            registry=self.registry,
         ).labels(version, role).set(1)  # fmt: skip
-        self.created = Counter(
-            "kvhandoff_handoffs_accepted", "Handoffs this service accepted (created)", registry=r
-        )
-        self.finished = Counter(
-            "kvhandoff_handoffs_finished",
-            "Handoffs that reached a terminal state, by state and error code",
-            ["state", "code"],
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            "kvhandoff_handoffs_in_flight", "Handoffs started and not yet terminal", registry=r
-        )
-        self.latency = Histogram(
-            "kvhandoff_handoff_duration_seconds",
-            "End-to-end time of completed handoffs (created to last stage arrived)",
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.transfer = Histogram(
-            "kvhandoff_stage_transfer_seconds",
-            "Time one stage's transfer (one send of its chunks) took, by pp_rank",
-            ["pp_rank"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.planning = Histogram(
-            "kvhandoff_stage_planning_seconds",
-            "Time from a stage's chunks emitted to its blocks planned, by pp_rank",
-            ["pp_rank"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.sent_bytes = Counter(
-            "kvhandoff_stage_sent_bytes", "Bytes a prefill stage wrote", ["pp_rank"], registry=r
-        )
-        self.sent_blocks = Counter(
-            "kvhandoff_stage_sent_blocks", "Blocks a prefill stage wrote", ["pp_rank"], registry=r
-        )
-        self.sent_batches = Counter(
-            "kvhandoff_stage_sent_batches",
-            "Transfer batches a prefill stage submitted",
-            ["pp_rank"],
-            registry=r,
-        )
-        self.arrived_bytes = Counter(
-            "kvhandoff_stage_arrived_bytes",
-            "Bytes the decode service was told arrived, by the stage that sent them",
-            ["pp_rank"],
-            registry=r,
-        )
-        self.pairing_failures = Counter(
-            "kvhandoff_pairing_failures",
-            "Handoffs failed because the layouts do not pair, by error code",
-            ["code"],
-            registry=r,
-        )
-        self.segments_committed = Counter(
-            "kvhandoff_segments_committed",
-            "Landed segments the decode committed into KV pages (digest matched), by pp_rank",
-            ["pp_rank"],
-            registry=r,
-        )
-        self.segment_committed_bytes = Counter(
-            "kvhandoff_segment_committed_bytes",
-            "Bytes of landed segments committed into KV pages, by pp_rank",
-            ["pp_rank"],
-            registry=r,
-        )
-        self.segments_rejected = Counter(
-            "kvhandoff_segments_rejected",
-            "Landed segments refused by their digest (nothing committed), by pp_rank and "
-            "whether the stage was asked to send it again",
-            ["pp_rank", "resend"],
-            registry=r,
-        )
-        self.commit = Histogram(
-            "kvhandoff_segment_commit_seconds",
-            "Time one landed segment's commit took (copy out of the window, digest, scatter)",
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
+        for attr, metric in DEFINITIONS.items():
+            setattr(self, attr, metric.build(self.registry))
         # (handoff, pp_rank) -> when its chunks were emitted; cleared at the terminal event.
         self._emitted_at: dict[tuple[str, int], float] = {}
         # Each series' child, by metric and label values: `labels()` validates and locks on

@@ -224,7 +224,7 @@ def _shared(config: Config, transport: Transport, client: PeerClient, incarnatio
     peers = HttpPeers(
         client,
         # An abort answers once in-flight writes drained: give it a transfer's time and then some.
-        abort_timeout_s=config.transport.transfer_timeout_s + 5.0,
+        abort_timeout_s=config.transport.max_call_s + 5.0,
         watch_idle_s=2 * handoff.heartbeat_interval_s + 1.0,
     )
     return _Shared(

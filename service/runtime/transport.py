@@ -1,18 +1,20 @@
 """App extension: start the configured transport with the app and close it after the last request.
 
-`transport_opened(app)` builds `config.transport` — the Mooncake Transfer Engine (`backend =
-"mooncake"`) or the in-process `LocalTransport` (`"local"`) — stores it under `TRANSPORT`,
-publishes its `local_target` under `service.http.app.LOCAL_TARGET`, and closes it when the `async
-with` ends; the role's runtime (`service.runtime.roles`) runs inside it, so memory is unregistered
-before the transport closes. `install_transport(app)` runs it alone (tests, tools).
+`transport_opened(app)` opens `config.transport` through its backend's opener (`OPENERS`: the
+Mooncake Transfer Engine for `backend = "mooncake"`, the in-process `LocalTransport` for
+`"local"`), stores it under `TRANSPORT`, publishes its `local_target` under
+`service.http.app.LOCAL_TARGET`, and closes it when the `async with` ends; the role's runtime
+(`service.runtime.roles`) runs inside it, so memory is unregistered before the transport closes.
+`install_transport(app)` runs it alone (tests, tools).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -21,30 +23,45 @@ from service.config import Config, ConfigError, TransportConfig
 from service.http.app import CONFIG, LOCAL_TARGET, READINESS
 from transport import ascend
 from transport.base import Transport
+from transport.config import MooncakeConfig
+from transport.local import LocalConfig
 
 TRANSPORT = web.AppKey("transport", Transport)
 
 
-def open_transport(config: TransportConfig) -> Transport:
-    """Build the transport `config` names; blocking (the engine starts its listener). What
-    Mooncake's protocol `ascend` needs is checked first (`check_ascend`)."""
-    if config.backend == "local":
-        from transport.local import LocalTransport
-
-        return LocalTransport(
-            max_blocks_per_batch=config.max_blocks_per_batch,
-            max_bytes_per_batch=config.max_bytes_per_batch,
-        )
+def _open_mooncake(config: MooncakeConfig) -> Transport:
     check_ascend(config)
     from transport.mooncake import MooncakeTransport  # imports the engine only when used
 
     return MooncakeTransport.start(config)
 
 
+def _open_local(config: LocalConfig) -> Transport:
+    from transport.local import LocalTransport
+
+    return LocalTransport.start(config)
+
+
+#: One opener per member of `TransportConfig`, by its config type: a new backend is its module
+#: (config Struct and transport), its member in that union and its line here.
+OPENERS: dict[type[TransportConfig], Callable[[Any], Transport]] = {
+    MooncakeConfig: _open_mooncake,
+    LocalConfig: _open_local,
+}
+
+
+def open_transport(config: TransportConfig) -> Transport:
+    """Build the transport `config` names; blocking (the engine starts its listener). What
+    Mooncake's protocol `ascend` needs is checked first (`check_ascend`)."""
+    return OPENERS[type(config)](config)
+
+
 def with_stage_npu(config: Config) -> TransportConfig:
     """`config.transport`, under protocol `ascend` with `npu` unset taken from the first stage
     pool on an NPU (`torch:npu[:N]`): the engine starts on the NPU whose memory it moves."""
     transport = config.transport
+    if not isinstance(transport, MooncakeConfig):
+        return transport
     if transport.protocol != "ascend" or transport.npu is not None:
         return transport
     for stage in config.stages:
@@ -54,7 +71,7 @@ def with_stage_npu(config: Config) -> TransportConfig:
     return transport
 
 
-def check_ascend(config: TransportConfig, hccn_conf: Path = ascend.HCCN_CONF) -> None:
+def check_ascend(config: MooncakeConfig, hccn_conf: Path = ascend.HCCN_CONF) -> None:
     """ConfigError naming the first `transport` setting protocol `ascend` cannot start with
     (the hostname's form; under another protocol, a hostname in that form), then the host
     (`hccn_conf`, under `ascend`). At start-up, not when the file is loaded: an engine adapter

@@ -54,7 +54,7 @@ from service.config import (
     load_config,
 )
 from transport.blocks import Blocks
-from transport.config import alignment_for
+from transport.config import MooncakeConfig
 from transport.pool_shm import SHM_DIR, ShmPool
 
 HOST = "127.0.0.1"
@@ -110,6 +110,21 @@ class ServiceProcess:
         return data[-max_bytes:].decode(errors="replace")
 
 
+def _stage_groups(
+    pp_size: int, groups: Sequence[Sequence[int]] | None, spares: Sequence[Sequence[int]]
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The ranks each prefill process hosts (default: one each), every rank exactly once, and
+    the spare processes' ranks, each a set of hosted ranks; ValueError otherwise."""
+    hosts = [tuple(g) for g in (groups or [[r] for r in range(pp_size)])]
+    hosted = sorted(r for g in hosts for r in g)
+    if hosted != list(range(pp_size)) or any(not g for g in hosts):
+        raise ValueError(f"groups {hosts} must host each of ranks 0..{pp_size - 1} once")
+    extra = [tuple(g) for g in spares]
+    if any(not g or not set(g) <= set(hosted) or len(set(g)) != len(g) for g in extra):
+        raise ValueError(f"spares {extra} must each host distinct ranks of 0..{pp_size - 1}")
+    return hosts, extra
+
+
 class LocalDeployment:
     """Decode + PP prefill as separate processes on loopback. Use as a context manager.
 
@@ -150,15 +165,7 @@ class LocalDeployment:
         ready_timeout_s: float = 60.0,
         preallocate: bool = False,
     ) -> None:
-        self.groups = [tuple(g) for g in (groups or [[r] for r in range(pp_size)])]
-        hosted = sorted(r for g in self.groups for r in g)
-        if hosted != list(range(pp_size)) or any(not g for g in self.groups):
-            raise ValueError(f"groups {self.groups} must host each of ranks 0..{pp_size - 1} once")
-        self.spares = [tuple(g) for g in spares]
-        if any(not g or not set(g) <= set(hosted) or len(set(g)) != len(g) for g in self.spares):
-            raise ValueError(
-                f"spares {self.spares} must each host distinct ranks of 0..{pp_size - 1}"
-            )
+        self.groups, self.spares = _stage_groups(pp_size, groups, spares)
         self._model_table: dict[str, Any] = {"preset": preset, **(model or {})}
         self.model: ModelSpec = msgspec.convert(self._model_table, ModelConfig).build()
         self.partition = partition_layers(self.model.num_layers, pp_size)
@@ -171,7 +178,7 @@ class LocalDeployment:
         self.decode_layout: StageLayout = decode_layout(
             self.model, num_pages=self._sizes["decode"][0], num_slots=self._sizes["decode"][1]
         )
-        self.transport = transport or TransportConfig()
+        self.transport = transport or MooncakeConfig()
         self.handoff = handoff or HandoffConfig()
         # Small landing and staging memory: a deployment on one machine runs several services.
         self.transfer = transfer or TransferConfig(
@@ -222,7 +229,7 @@ class LocalDeployment:
         return self
 
     def _create_pools(self) -> None:
-        align = alignment_for(self.transport.protocol)
+        align = self.transport.align_bytes
         # The engine's part: the services only attach (create=False) files that already exist.
         for r, layout in self.stage_layouts.items():
             name = f"{self._prefix}-s{r}"

@@ -28,7 +28,7 @@ class RawEngine:
 
     def __init__(self, pools: Sequence[Pool]) -> None:
         from transport.config import MooncakeConfig
-        from transport.mooncake import start_engine
+        from transport.mooncake_engine import start_engine
 
         self.engine = start_engine(MooncakeConfig())
         self._addrs = [g.addr for pool in pools for g in pool.registrations]
@@ -197,7 +197,7 @@ def _stage_writer(path: str, conn: Any) -> None:
     import os
 
     from transport.config import MooncakeConfig
-    from transport.mooncake import start_engine
+    from transport.mooncake_engine import start_engine
 
     try:
         fd = os.open(path, os.O_RDWR)

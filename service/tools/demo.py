@@ -38,7 +38,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -57,7 +57,7 @@ from pipelines.memory import PoolMemory
 from pipelines.messages import LayoutInfo
 from pipelines.models import decode_layout, partition_layers, preset, stage_layout
 from pipelines.prefill import HostedStage, PrefillPipeline
-from service.config import HandoffConfig, TransferConfig
+from service.config import HandoffConfig, TransferConfig, backend_of
 from service.testing.deployment import DeploymentError, LocalDeployment
 from service.testing.raw_engines import StageProcesses
 from service.tools.router_client import TERMINAL, WAIT_S, Outcome, RouterClient
@@ -492,7 +492,7 @@ async def _over_http(
     async with _router_session(dep) as http:
         results, wall, _ = await _landed(dep, args, http, stop)
     status = _summary(
-        results, wall, args, mode="multiprocess", transport=dep.transport.backend, data=data
+        results, wall, args, mode="multiprocess", transport=backend_of(dep.transport), data=data
     )
     if args.serve:
         info = _serve_info(dep)
@@ -576,30 +576,12 @@ async def _inprocess_run(args: argparse.Namespace) -> tuple[list[dict[str, Any]]
     model = preset(PRESET, **_model(args))
     part = partition_layers(model.num_layers, args.pp)
     pool_pages, slots = _pool_sizes(args)
-    transports: list[Any] = []
-
-    def transport() -> Any:
-        t = (
-            LocalTransport()
-            if args.transport == "local"
-            else MooncakeTransport.start(MooncakeConfig())
-        )
-        transports.append(t)
-        return t
-
-    pools: list[Pool] = []
-
-    def side(layout: StageLayout, t: Any) -> _Side:
-        pool = open_pool("torch:cpu", layout.region_sizes)
-        pools.append(pool)
-        pool.register(t)
-        return _Side(layout, pool)
-
-    dec_t = transport()
-    pre_t = dec_t if args.transport == "local" else transport()
-    dec = side(decode_layout(model, num_pages=pool_pages, num_slots=slots), dec_t)
+    res = _Resources()
+    dec_t = res.transport(args.transport)
+    pre_t = dec_t if args.transport == "local" else res.transport(args.transport)
+    dec = res.side(decode_layout(model, num_pages=pool_pages, num_slots=slots), dec_t)
     stages = {
-        r: side(stage_layout(model, part, r, num_pages=pool_pages, num_slots=slots), pre_t)
+        r: res.side(stage_layout(model, part, r, num_pages=pool_pages, num_slots=slots), pre_t)
         for r in range(args.pp)
     }
     link = InProcessLink()
@@ -610,36 +592,62 @@ async def _inprocess_run(args: argparse.Namespace) -> tuple[list[dict[str, Any]]
     )
     link.decode = decode
     link.add_prefill(PREFILL_URL, prefill, pre_t.local_target)
-
-    async def execute(job: _Job) -> Outcome:
-        request = HandoffRequest(
-            id=job.id,
-            prefill=[PREFILL_URL],
-            dst_pages=job.dst_pages.tolist(),
-            dst_slot=job.dst_slot,
-            verify=args.verify_digests,
-        )
-        try:
-            await decode.create(request)
-        except KVHandoffError as exc:
-            return Outcome("rejected", 0, f"{exc.code}: {exc}")
-        for r in stages:
-            prefill.ready(job.id, r, job.src_pages, job.src_slot)
-        view = await decode.wait(job.id, WAIT_S)
-        while not view.state.terminal:
-            view = await decode.wait(job.id, WAIT_S)
-        return _outcome(view)
-
+    execute = functools.partial(_execute, decode, prefill, list(stages), args.verify_digests)
     try:
         results, wall = await _drive(_Workload(stages, dec, args), execute, args)
     finally:
         await prefill.close()
         await decode.close()
-        for pool in pools:
-            pool.close()
-        for t in transports:
-            t.close()
+        res.close()
     return results, wall
+
+
+@dataclass
+class _Resources:
+    """The transports and pools an in-process run opened, closed together after it."""
+
+    transports: list[Any] = field(default_factory=list)
+    pools: list[Pool] = field(default_factory=list)
+
+    def transport(self, backend: str) -> Any:
+        t = LocalTransport() if backend == "local" else MooncakeTransport.start(MooncakeConfig())
+        self.transports.append(t)
+        return t
+
+    def side(self, layout: StageLayout, transport: Any) -> _Side:
+        pool = open_pool("torch:cpu", layout.region_sizes)
+        self.pools.append(pool)
+        pool.register(transport)
+        return _Side(layout, pool)
+
+    def close(self) -> None:
+        for pool in self.pools:
+            pool.close()
+        for t in self.transports:
+            t.close()
+
+
+async def _execute(
+    decode: DecodePipeline, prefill: PrefillPipeline, ranks: list[int], verify: bool, job: _Job
+) -> Outcome:
+    """One handoff through the in-process pipelines, as a router and the engine would drive it."""
+    request = HandoffRequest(
+        id=job.id,
+        prefill=[PREFILL_URL],
+        dst_pages=job.dst_pages.tolist(),
+        dst_slot=job.dst_slot,
+        verify=verify,
+    )
+    try:
+        await decode.create(request)
+    except KVHandoffError as exc:
+        return Outcome("rejected", 0, f"{exc.code}: {exc}")
+    for r in ranks:
+        prefill.ready(job.id, r, job.src_pages, job.src_slot)
+    view = await decode.wait(job.id, WAIT_S)
+    while not view.state.terminal:
+        view = await decode.wait(job.id, WAIT_S)
+    return _outcome(view)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -731,22 +739,7 @@ def _summary(
     where = "multiprocess, landed" if mode == "multiprocess" else "in one process"
     print(f"kvhandoff demo: PP={args.pp} hybrid NPU-MLA -> decode over {transport} ({where})")
     if data is not None:
-        print(
-            f"  {'data plane':<15}{data['gb_per_s']:>8.3f} GB/s        {data['requests']} "
-            f"handoffs of {data['bytes_per_handoff'] / 1e6:.1f} MB on average, "
-            f"{data['concurrency']} in flight (model bytes / {data['scale']})"
-        )
-        if "raw_mooncake_gb_per_s" in data:
-            print(
-                f"  {'raw Mooncake':<15}{data['raw_mooncake_gb_per_s']:>8.3f} GB/s        the "
-                f"same {data['raw_blocks']:,} per-page blocks, one engine per stage (landed "
-                f"at {data['vs_raw']:.2f}x)"
-            )
-        if "direct_gb_per_s" in data:
-            print(
-                f"  {'direct mode':<15}{data['direct_gb_per_s']:>8.3f} GB/s        the same "
-                f"requests, block by block (landed at {data['vs_direct']:.2f}x)"
-            )
+        _print_data_plane(data)
     print(
         f"  {'control plane':<15}{summary['handoffs_per_s']:>8.1f} handoffs/s  "
         f"{args.requests} handoffs of {summary['bytes_per_handoff'] / 1e6:.2f} MB on average, "
@@ -765,3 +758,23 @@ def _summary(
     print("  make bench sets these against raw Mooncake, direct mode and HTTP's own floor.")
     sys.stdout.flush()
     return 0 if ok else 1
+
+
+def _print_data_plane(data: dict[str, Any]) -> None:
+    """The multiprocess run's data-plane lines, with the baselines it measured."""
+    print(
+        f"  {'data plane':<15}{data['gb_per_s']:>8.3f} GB/s        {data['requests']} "
+        f"handoffs of {data['bytes_per_handoff'] / 1e6:.1f} MB on average, "
+        f"{data['concurrency']} in flight (model bytes / {data['scale']})"
+    )
+    if "raw_mooncake_gb_per_s" in data:
+        print(
+            f"  {'raw Mooncake':<15}{data['raw_mooncake_gb_per_s']:>8.3f} GB/s        the "
+            f"same {data['raw_blocks']:,} per-page blocks, one engine per stage (landed "
+            f"at {data['vs_raw']:.2f}x)"
+        )
+    if "direct_gb_per_s" in data:
+        print(
+            f"  {'direct mode':<15}{data['direct_gb_per_s']:>8.3f} GB/s        the same "
+            f"requests, block by block (landed at {data['vs_direct']:.2f}x)"
+        )

@@ -37,9 +37,12 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipelines.settings import DecodeSettings
+
+if TYPE_CHECKING:
+    from service.testing.deployment import LocalDeployment
 
 MIB = 1 << 20
 TERMINAL = frozenset({"completed", "failed", "aborted"})
@@ -236,130 +239,155 @@ async def _until_ended(client: Any, hid: str, bound_s: float = 120.0) -> None:
         await asyncio.sleep(0.5)
 
 
-async def load(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
-    import aiohttp
+@dataclass
+class _Tally:
+    """What one load run saw, filled by its lanes and samplers (one event loop)."""
 
+    t0: float
+    outcomes: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    latencies: list[float] = field(default_factory=list)
+    done_at: list[float] = field(default_factory=list)  # completion times, since t0
+    series: dict[str, RssSeries] = field(default_factory=dict)
+    #: `kvhandoff_peer_lost` per process before the run, and what the run added to it.
+    lost_before: dict[str, int] = field(default_factory=dict)
+    lost_peers: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+async def load(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     from service.config import HandoffConfig
     from service.testing.deployment import LocalDeployment
-    from service.tools.router_client import RouterClient
 
-    inflight = args.inflight
     timeouts = {} if args.peer_timeout_s is None else {"peer_timeout_s": args.peer_timeout_s}
     with LocalDeployment(
         preset="dense-mha",
         model={"scale": 64, "num_layers": 4},
         pp_size=args.pp,
-        num_pages=inflight,
-        handoff=HandoffConfig(max_concurrent=inflight + LIVE_MARGIN, **timeouts),
+        num_pages=args.inflight,
+        handoff=HandoffConfig(max_concurrent=args.inflight + LIVE_MARGIN, **timeouts),
         log_level="warning",
     ) as dep:
-        pids = {p.name: p.popen.pid for p in dep.processes if p.popen is not None}
-        pids["driver"] = os.getpid()
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=connector) as http:
-            client = RouterClient(http, dep)
-            # Declared before the run (a decode that starts before its prefills finds them
-            # refusing connections) is not what the run is judged on: only what it adds.
-            at_start = {p.name: await _peer_lost(http, p.url) for p in dep.processes}
-            outcomes: Counter[str] = Counter()
-            errors: Counter[str] = Counter()
-            latencies: list[float] = []
-            done_at: list[float] = []
-            t0 = time.monotonic()
-            stop_at = t0 + args.duration_s
-            series: dict[str, RssSeries] = {}
-            sampler = asyncio.create_task(sample_rss(pids, args.sample_s, t0, series))
+        tally = await _drive(dep, args, progress)
+    return _result(args, tally)
 
-            async def lane(k: int) -> None:
-                n = 0
-                while time.monotonic() < stop_at:
-                    hid = f"load-{k}-{n}"
-                    n += 1
-                    start = time.monotonic()
-                    out = await client.handoff(hid, [k], [k], None, None)
-                    end = time.monotonic()
-                    outcomes[out.state] += 1
-                    if out.state == "completed":
-                        latencies.append(end - start)
-                        done_at.append(end - t0)
-                    else:
-                        errors[f"{out.state}: {(out.error or '')[:160]}"] += 1
-                    if out.state not in TERMINAL:
-                        # The client gave up, not the handoff: its page stays leased until it
-                        # ends. The lane waits for that (as a router must) before reusing it.
-                        await _until_ended(client, hid)
 
-            async def report() -> None:
-                while True:
-                    await asyncio.sleep(1.0)
-                    if progress is not None:
-                        elapsed = time.monotonic() - t0
-                        rate = len(done_at) / max(elapsed, 1e-9)
-                        progress.note(
-                            f"{elapsed:4.0f}/{args.duration_s:.0f} s, {len(done_at)} completed "
-                            f"({rate:.0f}/s), {sum(outcomes.values()) - len(done_at)} not"
-                        )
+async def _drive(dep: LocalDeployment, args: argparse.Namespace, progress: Any) -> _Tally:
+    """Run `args.inflight` lanes for `args.duration_s` while sampling every process's memory."""
+    import aiohttp
 
-            reporter = asyncio.create_task(report())
-            try:
-                async with asyncio.TaskGroup() as tg:
-                    for k in range(inflight):
-                        tg.create_task(lane(k))
-            finally:
-                wall = time.monotonic() - t0
-                for task in (sampler, reporter):
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-            lost_peers = {
-                p.name: await _peer_lost(http, p.url) - at_start[p.name] for p in dep.processes
-            }
+    from service.tools.router_client import RouterClient
+
+    pids = {p.name: p.popen.pid for p in dep.processes if p.popen is not None}
+    pids["driver"] = os.getpid()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        client = RouterClient(http, dep)
+        # Declared before the run (a decode that starts before its prefills finds them
+        # refusing connections) is not what the run is judged on: only what it adds.
+        lost_before = {p.name: await _peer_lost(http, p.url) for p in dep.processes}
+        tally = _Tally(t0=time.monotonic(), lost_before=lost_before)
+        stop_at = tally.t0 + args.duration_s
+        sampler = asyncio.create_task(sample_rss(pids, args.sample_s, tally.t0, tally.series))
+        reporter = asyncio.create_task(_report(tally, args.duration_s, progress))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for k in range(args.inflight):
+                    tg.create_task(_lane(client, tally, k, stop_at))
+        finally:
+            tally.wall_s = time.monotonic() - tally.t0
+            for task in (sampler, reporter):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        for p in dep.processes:
+            tally.lost_peers[p.name] = await _peer_lost(http, p.url) - lost_before[p.name]
+    return tally
+
+
+async def _lane(client: Any, tally: _Tally, k: int, stop_at: float) -> None:
+    """Handoffs back to back on page `k` until `stop_at`."""
+    n = 0
+    while time.monotonic() < stop_at:
+        hid = f"load-{k}-{n}"
+        n += 1
+        start = time.monotonic()
+        out = await client.handoff(hid, [k], [k], None, None)
+        end = time.monotonic()
+        tally.outcomes[out.state] += 1
+        if out.state == "completed":
+            tally.latencies.append(end - start)
+            tally.done_at.append(end - tally.t0)
+        else:
+            tally.errors[f"{out.state}: {(out.error or '')[:160]}"] += 1
+        if out.state not in TERMINAL:
+            # The client gave up, not the handoff: its page stays leased until it ends. The
+            # lane waits for that (as a router must) before reusing it.
+            await _until_ended(client, hid)
+
+
+async def _report(tally: _Tally, duration_s: float, progress: Any) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        if progress is not None:
+            elapsed = time.monotonic() - tally.t0
+            done = len(tally.done_at)
+            progress.note(
+                f"{elapsed:4.0f}/{duration_s:.0f} s, {done} completed "
+                f"({done / max(elapsed, 1e-9):.0f}/s), {sum(tally.outcomes.values()) - done} not"
+            )
+
+
+def _result(args: argparse.Namespace, tally: _Tally) -> dict[str, Any]:
+    """The run's report and verdicts (see the module's checks)."""
+    from service.config import HandoffConfig
+
     warmup = (
         args.warmup_s
         if args.warmup_s is not None
-        else default_warmup(args.duration_s, done_at, DecodeSettings().history)
+        else default_warmup(args.duration_s, tally.done_at, DecodeSettings().history)
     )
-    verdicts = rss_check(series, warmup_s=warmup, max_growth=args.max_rss_growth)
-    started = sum(outcomes.values())
-    completed = outcomes["completed"]
+    verdicts = rss_check(tally.series, warmup_s=warmup, max_growth=args.max_rss_growth)
+    started = sum(tally.outcomes.values())
+    completed = tally.outcomes["completed"]
     # Throughput over the window where every lane was busy: completions before the stop.
-    steady = [t for t in done_at if t <= args.duration_s]
+    steady = [t for t in tally.done_at if t <= args.duration_s]
     failures = []
     if completed != started:
         failures.append(f"{started - completed} of {started} handoffs did not complete")
-    if any(lost_peers.values()):
-        failures.append(f"peers declared lost: {dict(lost_peers)}")
+    if any(tally.lost_peers.values()):
+        failures.append(f"peers declared lost: {dict(tally.lost_peers)}")
     failures += [f"{v.process}: {v.reason}" for v in verdicts if not v.ok]
     return {
         "case": "load",
         "model": f"dense-mha 4 layers, 1 page, PP={args.pp}, one process per stage",
         "peer_timeout_s": args.peer_timeout_s or HandoffConfig().peer_timeout_s,
-        "inflight": inflight,
+        "inflight": args.inflight,
         "duration_s": args.duration_s,
-        "wall_s": wall,
+        "wall_s": tally.wall_s,
         "started": started,
         "completed": completed,
         "lost": started - completed,
-        "outcomes": dict(outcomes),
-        "errors": dict(errors.most_common(10)),
+        "outcomes": dict(tally.outcomes),
+        "errors": dict(tally.errors.most_common(10)),
         "handoffs_per_s": len(steady) / args.duration_s,
-        "p50_ms": _percentile(latencies, 50) * 1e3,
-        "p99_ms": _percentile(latencies, 99) * 1e3,
-        "peer_lost": lost_peers,
-        "peer_lost_before_run": at_start,
+        "p50_ms": _percentile(tally.latencies, 50) * 1e3,
+        "p99_ms": _percentile(tally.latencies, 99) * 1e3,
+        "peer_lost": tally.lost_peers,
+        "peer_lost_before_run": tally.lost_before,
         "warmup_s": warmup,
         "max_rss_growth": args.max_rss_growth,
         "rss": [v.__dict__ for v in verdicts],
-        "rss_series": {
-            name: {
-                "t_s": [round(t, 2) for t in s.t_s],
-                "rss_mib": [round(r / MIB, 1) for r in s.rss],
-                "anon_mib": [round(a / MIB, 1) for a in s.anon],
-            }
-            for name, s in series.items()
-        },
+        "rss_series": {name: _series_mib(s) for name, s in tally.series.items()},
         "ok": not failures,
         "failures": failures,
+    }
+
+
+def _series_mib(s: RssSeries) -> dict[str, list[float]]:
+    return {
+        "t_s": [round(t, 2) for t in s.t_s],
+        "rss_mib": [round(r / MIB, 1) for r in s.rss],
+        "anon_mib": [round(a / MIB, 1) for a in s.anon],
     }
 
 

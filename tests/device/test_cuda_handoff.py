@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.device.stage import check_landed_handoff
-from transport.mooncake import installed_builds
+from transport.mooncake_engine import installed_builds
 
 pytest.importorskip("mooncake.engine", reason="needs a Mooncake build")
 pytestmark = [

@@ -76,7 +76,7 @@ def test_the_device_digest_is_the_host_digest(n: int) -> None:
 def test_npu_pages_land_byte_exact_over_the_ascend_protocol(tmp_path: Path) -> None:
     pytest.importorskip("mooncake.engine", reason="needs Mooncake's NPU build")
     from tests.device.stage import check_landed_handoff
-    from transport.mooncake import installed_builds
+    from transport.mooncake_engine import installed_builds
 
     if not any("npu" in b.split("-") for b in installed_builds()):
         pytest.skip(f"needs mooncake-transfer-engine-npu, not {sorted(installed_builds())}")

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 from pipelines.prefill.staged import BLOCK_BYTES
-from service.config import HandoffConfig, TransferConfig, TransportConfig
+from service.config import HandoffConfig, TransferConfig
 from service.testing.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     Moved,
@@ -45,6 +45,7 @@ from tests.integration.handoff_checks import (
     rows,
 )
 from tests.integration.wire import MOONCAKE_HEADER_BYTES, Wire, listening_ports, wire
+from transport.config import MooncakeConfig
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +69,7 @@ HANDOFF = HandoffConfig(peer_timeout_s=60.0)
 #: on a busy machine; a stalled one still times out), the engine itself after 5 s (its floor),
 #: so a writer declares max_call_s = 0.5 + 5 + 64 MiB / 1 GB/s: direct mode's fence after the
 #: deadline.
-TRANSPORT = TransportConfig(transfer_timeout_s=4.0, max_bytes_per_batch=64 * MiB)
+TRANSPORT = MooncakeConfig(transfer_timeout_s=4.0, max_bytes_per_batch=64 * MiB)
 WAIT_S = 30.0
 #: A stage-failed report (request line, headers and its JSON body) is larger than this.
 REPORT_MIN_BYTES = 256

@@ -26,11 +26,12 @@ from service.config import (
     PeersConfig,
     RecordsConfig,
     TransferConfig,
-    TransportConfig,
     WebhooksConfig,
     load_config,
 )
 from service.peers.heartbeat import Heartbeats, HeartbeatSettings
+from transport.config import MooncakeConfig
+from transport.local import LocalConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("service", "pipelines", "transport")
@@ -42,7 +43,8 @@ SETTINGS: tuple[type[msgspec.Struct], ...] = (
     PeersConfig,
     RecordsConfig,
     WebhooksConfig,
-    TransportConfig,
+    MooncakeConfig,
+    LocalConfig,
     TransferConfig,
     AuthConfig,
     DecodeSettings,

@@ -1,5 +1,5 @@
-"""Modules and functions of `pipelines/` stay small enough to read in one sitting (issue 34): no
-module over 450 lines, no function over 60 (docstring included).
+"""Product code stays small enough to read in one sitting (issue 34): no function of `service/`,
+`pipelines/` or `transport/` over 60 lines (docstring included), no `pipelines/` module over 450.
 
 The few still over are listed with their size today: each may shrink, none may grow, no other
 may join them, and an entry is removed once its module or function is under the limit (a stale
@@ -16,20 +16,11 @@ MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 60
 
 #: Still over the module limit: path -> lines today.
-KNOWN_MODULES = {
-    "pipelines/pairing.py": 634,
-    "pipelines/packing.py": 471,
-}
+KNOWN_MODULES = {}
+#: The packages whose functions are held to the limit (everything the wheel ships).
+PRODUCT_PACKAGES = ("service", "pipelines", "transport")
 #: Still over the function limit: "path::qualified name" -> lines today.
-KNOWN_FUNCTIONS = {
-    "pipelines/pairing.py::pairing_report": 98,
-    "pipelines/layout.py::layout_from_flat_lists": 86,
-    "pipelines/pairing.py::find_problems": 83,
-    "pipelines/prefill/stage.py::StageRunner.run": 76,
-    "pipelines/planning.py::plan": 67,
-    "pipelines/prefill/ranges.py::check_range": 66,
-    "pipelines/pairing.py::_bind": 65,
-}
+KNOWN_FUNCTIONS = {}
 
 
 def module_lines(package: str) -> dict[str, int]:
@@ -68,5 +59,6 @@ def test_no_pipelines_module_is_over_the_limit() -> None:
     _check(module_lines("pipelines"), MAX_MODULE_LINES, KNOWN_MODULES, "KNOWN_MODULES")
 
 
-def test_no_pipelines_function_is_over_the_limit() -> None:
-    _check(function_lines("pipelines"), MAX_FUNCTION_LINES, KNOWN_FUNCTIONS, "KNOWN_FUNCTIONS")
+def test_no_product_function_is_over_the_limit() -> None:
+    sizes = {k: n for package in PRODUCT_PACKAGES for k, n in function_lines(package).items()}
+    _check(sizes, MAX_FUNCTION_LINES, KNOWN_FUNCTIONS, "KNOWN_FUNCTIONS")

@@ -141,25 +141,8 @@ def kv_lists(kv_args: Any, *, is_mla: bool, pp_rank: int, pp_size: int) -> KVLis
             f"draft KV entries on PP stage {pp_rank} of {pp_size}: only the last stage sends "
             "them (another stage's copy would write the same decode entries)"
         )
-    published = [int(i) for i in (kv_args.kv_layer_ids or [])]
+    target_ids, draft_ids = _entry_ids(kv_args, n, d, groups=1 if is_mla else 2)
     t = n - d
-    groups = 1 if is_mla else 2  # SGLang's MHA lists K buffers, then V buffers
-    if published:
-        if len(published) != n:
-            raise Unsupported(
-                f"kv_layer_ids lists {len(published)} ids for {n} KV buffers ({d} of the draft)"
-            )
-        target_ids, draft_ids = published[:t], published[t:]
-    else:
-        if t % groups or d % groups:
-            raise Unsupported(
-                f"{t} target and {d} draft KV buffers do not split into {groups} groups (K, V)"
-            )
-        # A decode's KVArgs has no prefill_start_layer: it holds every layer, from 0.
-        start = int(getattr(kv_args, "prefill_start_layer", None) or 0)
-        end = int(getattr(kv_args, "prefill_end_layer", None) or start + t // groups)
-        target_ids = list(range(start, start + t // groups)) * groups
-        draft_ids = list(range(end, end + d // groups)) * groups
     try:
         layers, target_groups = group_layer_ids(target_ids, t)
         drafts, draft_groups = group_layer_ids(draft_ids, d) if d else ([], target_groups)
@@ -186,6 +169,30 @@ def kv_lists(kv_args: Any, *, is_mla: bool, pp_rank: int, pp_size: int) -> KVLis
         [items[i] for i in order],
         (layers + drafts) * target_groups,
     )
+
+
+def _entry_ids(kv_args: Any, n: int, d: int, *, groups: int) -> tuple[list[int], list[int]]:
+    """The layer id of each of the `n - d` target and `d` draft KV buffers: as published in
+    `kv_layer_ids`, else by position (MHA lists K buffers, then V buffers: `groups` 2) from the
+    stage's first layer, the draft's band from `prefill_end_layer`."""
+    published = [int(i) for i in (kv_args.kv_layer_ids or [])]
+    t = n - d
+    if published:
+        if len(published) != n:
+            raise Unsupported(
+                f"kv_layer_ids lists {len(published)} ids for {n} KV buffers ({d} of the draft)"
+            )
+        return published[:t], published[t:]
+    if t % groups or d % groups:
+        raise Unsupported(
+            f"{t} target and {d} draft KV buffers do not split into {groups} groups (K, V)"
+        )
+    # A decode's KVArgs has no prefill_start_layer: it holds every layer, from 0.
+    start = int(getattr(kv_args, "prefill_start_layer", None) or 0)
+    end = int(getattr(kv_args, "prefill_end_layer", None) or start + t // groups)
+    return list(range(start, start + t // groups)) * groups, list(
+        range(end, end + d // groups)
+    ) * groups
 
 
 def rank_layout(

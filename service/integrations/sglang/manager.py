@@ -95,6 +95,30 @@ STATUS = {
 }
 
 
+def _refuse_unsupported(
+    args: Any, server_args: Any, parallel: Any, *, device: str, prefill: bool
+) -> None:
+    """Unsupported naming the first SGLang setting this rank cannot run with kvhandoff."""
+    refuse_unsupported(
+        args, device=device, custom_mem_pool=envs.SGLANG_MOONCAKE_CUSTOM_MEM_POOL.get()
+    )
+    refuse_context_parallel(parallel, args, prefill=prefill)
+    refuse_decode_prefix_reuse(server_args, prefill=prefill)
+    refuse_rust_registry(prefill=prefill, attn_dp_size=int(parallel.attn_dp_size))
+    if parallel.attn_dcp_size > 1:
+        raise Unsupported("decode context parallelism (--dcp-size > 1) with kvhandoff")
+    if parallel.enable_kv_cache_sharding:
+        raise Unsupported("--enable-kv-cache-sharding with kvhandoff")
+
+
+def _rank_name(parallel: Any, role: str, pp_rank: int) -> str:
+    """The rank's name (its state directory under `server.state_dir`)."""
+    name = f"sglang-{role}-dp{parallel.attn_dp_rank}-pp{pp_rank}-tp{parallel.attn_tp_rank}"
+    if parallel.attn_cp_size > 1:  # CP ranks share their TP rank: each its own state dir
+        name += f"-cp{parallel.attn_cp_rank}"
+    return name
+
+
 class KVHandoffManager(CommonKVManager):
     """One scheduler rank's side of the backend: its embedded service, its rooms (a prefill
     rank's in `prefill`, a decode rank's handoffs in `decode_rooms`), SGLang's status table."""
@@ -116,17 +140,8 @@ class KVHandoffManager(CommonKVManager):
     ) -> None:
         parallel = get_parallel()
         device = str(getattr(server_args, "device", "cpu"))
-        refuse_unsupported(
-            args, device=device, custom_mem_pool=envs.SGLANG_MOONCAKE_CUSTOM_MEM_POOL.get()
-        )
         prefill = disaggregation_mode == DisaggregationMode.PREFILL
-        refuse_context_parallel(parallel, args, prefill=prefill)
-        refuse_decode_prefix_reuse(server_args, prefill=prefill)
-        refuse_rust_registry(prefill=prefill, attn_dp_size=int(parallel.attn_dp_size))
-        if parallel.attn_dcp_size > 1:
-            raise Unsupported("decode context parallelism (--dcp-size > 1) with kvhandoff")
-        if parallel.enable_kv_cache_sharding:
-            raise Unsupported("--enable-kv-cache-sharding with kvhandoff")
+        _refuse_unsupported(args, server_args, parallel, device=device, prefill=prefill)
         pp_size = int(parallel.pp_size) if prefill else 1
         pp_rank = int(args.pp_rank) if prefill else 0
         self.stage_rank = pp_rank
@@ -141,58 +156,29 @@ class KVHandoffManager(CommonKVManager):
             device=pool_device(device, int(getattr(args, "gpu_id", 0) or 0)),
         )
         role = "prefill" if prefill else "decode"
-        rank_name = f"sglang-{role}-dp{parallel.attn_dp_rank}-pp{pp_rank}-tp{parallel.attn_tp_rank}"
-        if parallel.attn_cp_size > 1:  # CP ranks share their TP rank: each its own state dir
-            rank_name += f"-cp{parallel.attn_cp_rank}"
         num_pages = min((e.num_items for e in self.rank.layout.kv), default=1)
         stage = {"pp_rank": pp_rank, "pp_size": pp_size, "num_pages": num_pages}
         npu = int(getattr(args, "gpu_id", 0) or 0) if device == "npu" else None
-        self.kv_config = rank_config(
-            os.environ, role=role, stage=stage, rank_name=rank_name, npu=npu
-        )
+        name = _rank_name(parallel, role, pp_rank)
+        self.kv_config = rank_config(os.environ, role=role, stage=stage, rank_name=name, npu=npu)
         if not prefill:
             refuse_early_release(self.kv_config.handoff)
         # A prefill CP rank other than 0 is SGLang's dummy participant (the modes where every CP
         # rank sends are refused above): it moves nothing, so it runs no service (no Mooncake
         # engine, no port) and registers no URL.
         self.dummy_cp = prefill and parallel.attn_cp_size > 1 and parallel.attn_cp_rank != 0
-        self._service: EmbeddedService | None = None
-        self.service_url: str | None = None
-        if not self.dummy_cp:
-            self._service = EmbeddedService(
-                self.kv_config,
-                buffers={pp_rank: EngineStage(self.rank.layout, self.rank.tensors())},
-            ).start()
-            self.service_url = self._service.url
+        self._service = None if self.dummy_cp else self._start_service(pp_rank)
+        self.service_url = None if self._service is None else self._service.url
         # The peer secrets: the current one signs; any of them verifies (a rotation).
         self.secrets = tuple(k.encode() for k in self.kv_config.secrets("peer"))
         self.secret = self.secrets[0]
-        # An excusal that comes before its request is kept as long as a decode may still wait
-        # on the room: SGLang's bootstrap and waiting timeouts (the decode excuses at `init`,
-        # before its handoff's deadline starts), or the handoff deadline, and the skew.
-        wait_s = max(
-            envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
-            + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get(),
-            self.kv_config.handoff.default_deadline_s,
-        )
         self._prefill_role = prefill
-        self._init_rooms(wait_s + MAX_SKEW_S)
+        self._init_rooms(self._excusal_keep_s())
         try:
             if self._service is not None:
                 self._service.add_listener(self._on_event)
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-            if prefill and self.attn_cp_size > 1 and self.enable_all_cp_ranks_for_transfer:
-                # SGLang's own verdict, should a condition of it not be named above.
-                raise Unsupported(
-                    "attention CP with every CP rank sending its share of the pages "
-                    "(SGLang's enable_all_cp_ranks_for_transfer) is not supported by kvhandoff"
-                )
-            if bool(getattr(self, "is_dummy_cp_rank", False)) != self.dummy_cp:
-                raise Unsupported(  # SGLang's own verdict on which CP ranks send
-                    f"SGLang {'makes' if self.dummy_cp else 'does not make'} CP rank "
-                    f"{parallel.attn_cp_rank} a dummy participant, which kvhandoff does not "
-                    "expect of this layout"
-                )
+            self._check_sglang_agrees(parallel, prefill)
             # SGLang's metric multiplies its byte count by this; kvhandoff reports the bytes
             # its handoffs moved instead, every copy of a fanned-out room included
             # (`get_transfer_metric`), so the factor stays 1 and SGLang need not learn it.
@@ -202,11 +188,46 @@ class KVHandoffManager(CommonKVManager):
                     self.server_socket, self.secrets, self.service_url, self.prefill.excuse
                 ).start()
         except BaseException:
-            self._calls.shutdown(wait=False)
-            self._aborts.shutdown(wait=False)
-            if self._service is not None:
-                self._service.stop()  # a rank that did not come up leaves nothing registered
+            self._abandon_start()
             raise
+
+    def _abandon_start(self) -> None:
+        """A rank that did not come up leaves no thread running and nothing registered."""
+        self._calls.shutdown(wait=False)
+        self._aborts.shutdown(wait=False)
+        if self._service is not None:
+            self._service.stop()
+
+    def _start_service(self, pp_rank: int) -> EmbeddedService:
+        """The rank's kvhandoff service, embedded, on SGLang's own KV and state buffers."""
+        stage = EngineStage(self.rank.layout, self.rank.tensors())
+        return EmbeddedService(self.kv_config, buffers={pp_rank: stage}).start()
+
+    def _excusal_keep_s(self) -> float:
+        """How long an excusal that comes before its request is kept: as long as a decode may
+        still wait on the room — SGLang's bootstrap and waiting timeouts (the decode excuses at
+        `init`, before its handoff's deadline starts), or the handoff deadline — and the skew."""
+        wait_s = max(
+            envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
+            + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get(),
+            self.kv_config.handoff.default_deadline_s,
+        )
+        return float(wait_s + MAX_SKEW_S)
+
+    def _check_sglang_agrees(self, parallel: Any, prefill: bool) -> None:
+        """SGLang's own verdicts on context parallelism, should a condition of theirs not be
+        named by `_refuse_unsupported`."""
+        if prefill and self.attn_cp_size > 1 and self.enable_all_cp_ranks_for_transfer:
+            raise Unsupported(
+                "attention CP with every CP rank sending its share of the pages "
+                "(SGLang's enable_all_cp_ranks_for_transfer) is not supported by kvhandoff"
+            )
+        if bool(getattr(self, "is_dummy_cp_rank", False)) != self.dummy_cp:
+            raise Unsupported(  # SGLang's own verdict on which CP ranks send
+                f"SGLang {'makes' if self.dummy_cp else 'does not make'} CP rank "
+                f"{parallel.attn_cp_rank} a dummy participant, which kvhandoff does not "
+                "expect of this layout"
+            )
 
     @property
     def service(self) -> EmbeddedService:

@@ -26,7 +26,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from pipelines.errors import KVHandoffError
 from pipelines.events import DestinationReceived
 from service.embedded import EmbeddedService
-from service.integrations.rooms.prefill import PrefillRoom, PrefillRooms, Range
+from service.integrations.rooms.prefill import Chunk, PrefillRoom, PrefillRooms, Range
 from service.integrations.sglang import excusal
 from service.integrations.sglang.ids import handoff_id, own_of
 from service.integrations.sglang.layouts import RankLayout, component_slots
@@ -188,27 +188,10 @@ class PrefillRank:
         pages = np.array(kv_indices, dtype=np.int64)  # a copy: SGLang reuses its array
         waiting = sorted(set(mgr.rank.layout.components) - set(slots))
         with self.lock:
-            # Checked with the bookkeeping `excuse` reads, in one critical section: an excusal
-            # sees either none of this send or all of it.
-            rec = self.rooms.get(room)
-            if rec is not None and rec.excused:
-                if is_last_chunk:  # queued after any withdrawal `excuse` queued
-                    mgr._calls.submit(mgr.update_status, room, KVPoll.Success)
-                return
-            if rec is None:
-                self.stop(room, "kvhandoff: a send for a request this rank has not opened")
-                return
-            if rec.stopped:
-                return  # failing or failed: nothing more is signalled, the first reason stands
-            if refused:
-                self.stop(room, f"kvhandoff: {refused}")
-                return
-            chunk = self.rooms.chunk(rec, len(pages), is_last=bool(is_last_chunk), waiting=waiting)
-            if chunk.refused is not None:
-                self.stop(room, f"kvhandoff: {chunk.refused}")
-                return
-            if chunk.skip:
-                return  # SGLang's empty closing send after a chunk that already ended the pages
+            admitted = self._admit(room, len(pages), bool(is_last_chunk), refused, waiting)
+        if admitted is None:
+            return
+        rec, chunk = admitted
         at, last = chunk.at, chunk.last
         start = index_slice.start if isinstance(index_slice, slice) else None
         if start is not None and int(start) != at:
@@ -217,7 +200,38 @@ class PrefillRank:
             self.stop(room, f"kvhandoff: chunk at page position {start}, expected {at}")
             return
         aux = int(aux_index) if mgr.rank.has_aux and last and aux_index is not None else None
-        r = Range(pages, at, last, slots if last else None, aux)
+        self._queue(room, rec, Range(pages, at, last, slots if last else None, aux), wait_event)
+
+    def _admit(
+        self, room: int, n_pages: int, is_last: bool, refused: str | None, waiting: list[str]
+    ) -> tuple[PrefillRoom, Chunk] | None:
+        """Lock held: the room's record and where this send's pages go, or None when the send
+        signals nothing (excused, stopped, refused: the room is stopped with the reason).
+        Checked with the bookkeeping `excuse` reads, in one critical section: an excusal sees
+        either none of this send or all of it."""
+        rec = self.rooms.get(room)
+        if rec is not None and rec.excused:
+            if is_last:  # queued after any withdrawal `excuse` queued
+                self._mgr._calls.submit(self._mgr.update_status, room, KVPoll.Success)
+            return None
+        if rec is None:
+            self.stop(room, "kvhandoff: a send for a request this rank has not opened")
+            return None
+        if rec.stopped:
+            return None  # failing or failed: nothing more is signalled, the first reason stands
+        if refused:
+            self.stop(room, f"kvhandoff: {refused}")
+            return None
+        chunk = self.rooms.chunk(rec, n_pages, is_last=is_last, waiting=waiting)
+        if chunk.refused is not None:
+            self.stop(room, f"kvhandoff: {chunk.refused}")
+            return None
+        if chunk.skip:
+            return None  # SGLang's empty closing send after a chunk that already ended the pages
+        return rec, chunk
+
+    def _queue(self, room: int, rec: PrefillRoom, r: Range, wait_event: Any) -> None:
+        """Signal range `r` on the worker thread once SGLang's forward wrote its pages."""
         with self.lock:  # queued in order with an excusal's withdrawal (see `excuse`)
             if rec.excused:
                 # Excused since the bookkeeping above, which `excuse` saw: it queued the
@@ -235,7 +249,7 @@ class PrefillRank:
                         self.rooms.own_signalled_one(rec)
                     self.flush(room)
 
-            mgr.submit(room, "stage ready", signal)
+            self._mgr.submit(room, "stage ready", signal)
 
     def _signal(self, hid: str, r: Range) -> None:
         self._mgr.service.stage_ready(

@@ -125,43 +125,54 @@ class KVHandoffReceiver(CommonKVReceiver):
         mgr, room = self.kv_mgr, self.bootstrap_room
         if getattr(self, "conclude_state", None) == KVPoll.Failed:
             return
-        if getattr(self, "bootstrap_infos", None) is None:
-            mgr.fail(room, f"Could not fetch prefill parallel info from {self.bootstrap_addr}")
-            return
-        if destination != KVTransferDestination.DEVICE:
+        built = self._handoff_request(
+            kv_indices, aux_index, state_indices, decode_prefix_len, destination
+        )
+        if isinstance(built, str):
             # Refused as the other unsupported features are: this request fails with the
             # reason, the scheduler goes on (an exception here would take it down).
-            mgr.fail(
-                room,
-                f"kvhandoff: KV destination {destination.name} is not supported "
-                "(device destinations only)",
-            )
+            mgr.fail(room, built)
             return
+        if self._submit_create(built):
+            self.init_time = time.time()
+
+    def _handoff_request(
+        self,
+        kv_indices: Any,
+        aux_index: int | None,
+        state_indices: list[Any] | None,
+        decode_prefix_len: int | None,
+        destination: KVTransferDestination,
+    ) -> HandoffRequest | str:
+        """The handoff SGLang's metadata describes, or why this request cannot have one."""
+        mgr = self.kv_mgr
+        if getattr(self, "bootstrap_infos", None) is None:
+            return f"Could not fetch prefill parallel info from {self.bootstrap_addr}"
+        if destination != KVTransferDestination.DEVICE:
+            return (
+                f"kvhandoff: KV destination {destination.name} is not supported "
+                "(device destinations only)"
+            )
         # Tokens the decode holds already (its radix cache): whole pages, which the prefill's
         # service skips; `kv_indices` are the pages after them.
         prefix_tokens, page_size = int(decode_prefix_len or 0), int(mgr.kv_args.page_size)
         if prefix_tokens % page_size:
-            mgr.fail(
-                room,
+            return (
                 f"kvhandoff: decode_prefix_len = {prefix_tokens} is not a whole number of "
-                f"{page_size}-token pages",
+                f"{page_size}-token pages"
             )
-            return
         slots, refused = component_slots(mgr.state_types, state_indices)
         if refused:
-            mgr.fail(room, f"kvhandoff: {refused}")
-            return
+            return f"kvhandoff: {refused}"
         urls = sorted(
             {i[URL_FIELD] for i in self.bootstrap_infos if i.get(URL_FIELD) and not i["is_dummy"]}
         )
         if not urls:
-            mgr.fail(
-                room,
+            return (
                 f"the bootstrap server at {self.bootstrap_addr} named no kvhandoff "
-                "service (a prefill of another backend?)",
+                "service (a prefill of another backend?)"
             )
-            return
-        request = HandoffRequest(
+        return HandoffRequest(
             id=self._hid,
             prefill=urls,
             dst_pages=[int(p) for p in np.asarray(kv_indices).tolist()],
@@ -171,9 +182,13 @@ class KVHandoffReceiver(CommonKVReceiver):
             dst_aux=int(aux_index) if (mgr.rank.has_aux and aux_index is not None) else None,
         )
 
+    def _submit_create(self, request: HandoffRequest) -> bool:
+        """Create the handoff on the manager's call threads; False when SGLang gave the
+        request up already (nothing to create)."""
+        mgr, room = self.kv_mgr, self.bootstrap_room
         hid, rooms = self._hid, mgr.decode_rooms
         if not rooms.creating(hid):
-            return  # SGLang gave the request up already: nothing to create
+            return False
 
         def create() -> None:
             try:
@@ -186,7 +201,7 @@ class KVHandoffReceiver(CommonKVReceiver):
                 mgr.abort_decode(room, hid)
 
         mgr.submit(room, "create", create)
-        self.init_time = time.time()
+        return True
 
     def _send_abort_notification(self, *, force_arm: bool = False) -> None:
         """SGLang's abort, its waiting timeout, and (with its deferred release) every Failed

@@ -24,6 +24,7 @@ from typing import Any
 
 from service.config import Config, ConfigError, load_config
 from transport.ascend import HOSTNAME, physical_npu
+from transport.config import MooncakeConfig
 
 CONFIG_ENV = "SGLANG_KVHANDOFF_CONFIG"
 
@@ -53,7 +54,7 @@ def rank_config(
         )
     state_dir = Path(base.server.state_dir) / rank_name
     overrides["server.state_dir"] = str(state_dir)
-    if base.transport.protocol == "ascend":
+    if isinstance(base.transport, MooncakeConfig) and base.transport.protocol == "ascend":
         overrides["transport.hostname"] = ascend_hostname(base.transport.hostname, npu, env)
         overrides["transport.npu"] = npu  # current where the rank's engine starts
     return load_config(path, env, overrides)

@@ -34,7 +34,7 @@ import os
 import platform
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from service.testing.raw_engines import StageEngines, StageProcesses
 from service.tools.bench import landed as landed_cases
 from service.tools.bench.common import fragmented_pages, large_blocks
 from service.tools.router_client import RouterClient
+from transport.blocks import Blocks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -213,6 +214,25 @@ def decode_cpu_s(dep: LocalDeployment) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@dataclass
+class _Bulk:
+    """What `bulk` moves and measured: the direct plan's blocks per stage (`per_stage`, for
+    the `moves` lanes at once), the same bytes as large blocks per stage (`large`), and the
+    wall seconds of each run by what ran it ("raw", "landed", "direct"), and each decode's CPU
+    seconds over its own timed runs (`cpu`)."""
+
+    moves: int
+    per_stage: list[Blocks]
+    per_request: int
+    large: list[Blocks]
+    times: dict[str, list[float]] = field(
+        default_factory=lambda: {"raw": [], "landed": [], "direct": []}
+    )
+    cpu: dict[str, float] = field(default_factory=lambda: {"landed": 0.0, "direct": 0.0})
+    commit_s: float = 0.0
+    pages_s: float = 0.0
+
+
 async def bulk(args: argparse.Namespace) -> dict[str, Any]:
     """A landed and a direct deployment of the same shape, up at once, and raw Mooncake from
     this process (one engine per stage, in parallel, into the direct decode's KV memory: a
@@ -220,56 +240,79 @@ async def bulk(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         deps = {m: stack.enter_context(_bulk_deployment(args, m)) for m in ("landed", "direct")}
         async with aiohttp.ClientSession() as http:
-            infos, lanes, routers = {}, {}, {}
-            for mode, dep in deps.items():
-                async with http.get(f"{dep.decode_url}/v1/layout") as resp:
-                    infos[mode] = msgspec.json.decode(await resp.read(), type=LayoutInfo)
-                lanes[mode] = bulk_lanes(dep, args)
-                routers[mode] = Driver(http, dep)
-            dep, info = deps["direct"], infos["direct"]
-            decode = info.stages[0].layout
-            moves = [(x.src_pages, x.dst_pages, x.src_slot, x.dst_slot) for x in lanes["direct"]]
-            per_stage = dep.stage_blocks(decode, moves)
-            per_request = sum(b.total_bytes for b in per_stage) // len(moves)
-            rounds = args.bulk_requests / len(moves)
-            # Raw: each stage's bytes of `bulk_requests` requests, into its own decode entries.
-            shares = stage_shares(decode, dep.pp_size)
-            large = [
-                large_blocks(
-                    int(b.total_bytes * rounds),
-                    [(g.addr, g.length) for g in dep.stage_pool(r).regions],
-                    shares[r],
-                    BLOCK_BYTES,
-                )
-                for r, b in enumerate(per_stage)
-            ]
+            lanes = {mode: bulk_lanes(dep, args) for mode, dep in deps.items()}
+            routers = {mode: Driver(http, dep).handoff for mode, dep in deps.items()}
+            dep = deps["direct"]
+            async with http.get(f"{dep.decode_url}/v1/layout") as resp:
+                info = msgspec.json.decode(await resp.read(), type=LayoutInfo)
+            work = _bulk_work(dep, info.stages[0].layout, lanes["direct"], args)
             # The services' topology: a process per stage (`each`), or all stages in one.
             pools = [dep.stage_pool(r) for r in range(dep.pp_size)]
             raw = StageProcesses if args.bulk_stage_processes == "each" else StageEngines
             engines = stack.enter_context(contextlib.closing(raw(pools)))
-            await asyncio.to_thread(engines.seconds, info.target, large)  # warm-up
+            await asyncio.to_thread(engines.seconds, info.target, work.large)  # warm-up
             for mode in deps:
-                await run_lanes(len(moves), lanes[mode], routers[mode].handoff, f"warm-{mode}")
-            times: dict[str, list[float]] = {"raw": [], "landed": [], "direct": []}
-            cpu = dict.fromkeys(deps, 0.0)  # each decode's CPU seconds over its own runs
+                await run_lanes(work.moves, lanes[mode], routers[mode], f"warm-{mode}")
             commit_before = await _metric(http, deps["landed"].decode_url, COMMIT_SUM)
             for rep in range(args.repeat):
-                times["raw"].append(await asyncio.to_thread(engines.seconds, info.target, large))
+                raw_s = await asyncio.to_thread(engines.seconds, info.target, work.large)
+                work.times["raw"].append(raw_s)
                 for mode in deps:
-                    cpu_before = decode_cpu_s(deps[mode])
-                    wall, _, moved = await run_lanes(
-                        args.bulk_requests, lanes[mode], routers[mode].handoff, f"{mode}{rep}"
+                    await _bulk_run(
+                        args, work, deps[mode], mode, lanes[mode], routers[mode], f"{mode}{rep}"
                     )
-                    cpu[mode] += decode_cpu_s(deps[mode]) - cpu_before
-                    if moved != per_request * args.bulk_requests:
-                        raise RuntimeError(f"{mode}: moved {moved} bytes, not {per_request} each")
-                    times[mode].append(wall)
-            commit_s = await _metric(http, deps["landed"].decode_url, COMMIT_SUM) - commit_before
-            pages_s = await asyncio.to_thread(engines.seconds, info.target, per_stage)
-    total = per_request * args.bulk_requests
-    gbs = {k: total / min(v) / 1e9 for k, v in times.items()}
-    cpu_per_gb = {m: cpu[m] / (total * args.repeat / 1e9) for m in cpu}
-    gbs["raw"] = sum(b.total_bytes for b in large) / min(times["raw"]) / 1e9
+            commit_s = await _metric(http, deps["landed"].decode_url, COMMIT_SUM)
+            work.commit_s = commit_s - commit_before
+            work.pages_s = await asyncio.to_thread(engines.seconds, info.target, work.per_stage)
+    return _bulk_result(args, work)
+
+
+def _bulk_work(
+    dep: LocalDeployment, decode: StageLayout, lanes: list[Request], args: argparse.Namespace
+) -> _Bulk:
+    """The direct plan of every lane's request, and each stage's bytes of `bulk_requests`
+    requests as large blocks into its own share of the decode's entries (the raw baseline)."""
+    moves = [(x.src_pages, x.dst_pages, x.src_slot, x.dst_slot) for x in lanes]
+    per_stage = dep.stage_blocks(decode, moves)
+    rounds = args.bulk_requests / len(moves)
+    shares = stage_shares(decode, dep.pp_size)
+    large = [
+        large_blocks(
+            int(b.total_bytes * rounds),
+            [(g.addr, g.length) for g in dep.stage_pool(r).regions],
+            shares[r],
+            BLOCK_BYTES,
+        )
+        for r, b in enumerate(per_stage)
+    ]
+    per_request = sum(b.total_bytes for b in per_stage) // len(moves)
+    return _Bulk(len(moves), per_stage, per_request, large)
+
+
+async def _bulk_run(
+    args: argparse.Namespace,
+    work: _Bulk,
+    dep: LocalDeployment,
+    mode: str,
+    lanes: list[Request],
+    job: Any,
+    prefix: str,
+) -> None:
+    """One timed run of `bulk_requests` handoffs on `mode`'s deployment `dep`, with its
+    decode's CPU seconds; every byte must have moved."""
+    cpu_before = decode_cpu_s(dep)
+    wall, _, moved = await run_lanes(args.bulk_requests, lanes, job, prefix)
+    work.cpu[mode] += decode_cpu_s(dep) - cpu_before
+    if moved != work.per_request * args.bulk_requests:
+        raise RuntimeError(f"{mode}: moved {moved} bytes, not {work.per_request} each")
+    work.times[mode].append(wall)
+
+
+def _bulk_result(args: argparse.Namespace, work: _Bulk) -> dict[str, Any]:
+    total = work.per_request * args.bulk_requests
+    gbs = {k: total / min(v) / 1e9 for k, v in work.times.items()}
+    gbs["raw"] = sum(b.total_bytes for b in work.large) / min(work.times["raw"]) / 1e9
+    cpu_per_gb = {m: s / (total * args.repeat / 1e9) for m, s in work.cpu.items()}
     return {
         "case": "bulk",
         "model": "hybrid-npu-mla scale 1, 128-token pages, PP=4 -> PP=1",
@@ -277,21 +320,21 @@ async def bulk(args: argparse.Namespace) -> dict[str, Any]:
         "requests": args.bulk_requests,
         "pages_per_request": args.bulk_pages,
         "concurrency": args.bulk_concurrency,
-        "bytes_per_request": per_request,
-        "blocks_per_request": sum(len(b) for b in per_stage) // len(moves),
+        "bytes_per_request": work.per_request,
+        "blocks_per_request": sum(len(b) for b in work.per_stage) // work.moves,
         "landing_mb": args.landing_mb,
         "window_mb": args.window_mb,
         "staging_mb": args.staging_mb,
         "landed_gb_s": gbs["landed"],
         "direct_gb_s": gbs["direct"],
         "raw_large_gb_s": gbs["raw"],
-        "raw_pages_gb_s": sum(b.total_bytes for b in per_stage) / pages_s / 1e9,
+        "raw_pages_gb_s": sum(b.total_bytes for b in work.per_stage) / work.pages_s / 1e9,
         "landed_vs_direct": gbs["landed"] / gbs["direct"],
         "landed_vs_raw": gbs["landed"] / gbs["raw"],
         "direct_vs_raw": gbs["direct"] / gbs["raw"],
         # The decode's commits (copy out, digest, scatter), summed, per second of the landed
         # runs' wall time; commits of parallel stages overlap, so this can pass 1.
-        "commit_share": commit_s / sum(times["landed"]),
+        "commit_share": work.commit_s / sum(work.times["landed"]),
         # The decode's CPU seconds per GB landed (or written directly), over the timed runs.
         "decode_cpu_s_per_gb_landed": cpu_per_gb["landed"],
         "decode_cpu_s_per_gb_direct": cpu_per_gb["direct"],

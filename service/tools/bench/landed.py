@@ -38,7 +38,6 @@ from pipelines.layout import StageLayout
 from pipelines.models import ModelSpec, decode_layout, dense_mla, partition_layers, stage_layout
 from pipelines.packing import (
     Pieces,
-    StagePacker,
     check_pieces,
     copy_out,
     destination_side,
@@ -51,6 +50,7 @@ from pipelines.packing import (
 from pipelines.pairing import Pairing, pair
 from pipelines.planning import plan, validate_request
 from pipelines.prefill.staged import staged_blocks
+from pipelines.stage_packer import StagePacker
 from service.tools.bench.common import fragmented_pages, median, time_call
 
 WINDOW_BYTES = 16 << 20  # transfer.window_bytes' default

@@ -35,7 +35,8 @@ from service.tools.bench.common import fragmented_pages
 from transport.blocks import Blocks
 from transport.config import MooncakeConfig
 from transport.local import LocalTransport
-from transport.mooncake import MooncakeTransport, start_engine
+from transport.mooncake import MooncakeTransport
+from transport.mooncake_engine import start_engine
 from transport.pool_base import Pool, host_array
 from transport.pool_shm import ShmPool
 from transport.pools import open_pool

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 
-from service.config import ENV_PREFIX, Config
+from service.config import DEFAULT_BACKEND, ENV_PREFIX, Config
 from service.tools.docs.fields import field_comments, own_doc
 from service.tools.docs.types import type_name
 
@@ -27,7 +27,8 @@ list or a table such as `stages` is given there).
 def config_page() -> str:
     out = [_INTRO]
     top = _struct(Config)
-    out += _table("Top level", Config, [f for f in top.fields if not _section(f.type)], [])
+    plain = [f for f in top.fields if not (_section(f.type) or _variants(f.type))]
+    out += _table("Top level", Config, plain, [])
     for f in top.fields:
         out += _sections(f, [])
     return "\n".join(out).rstrip() + "\n"
@@ -49,7 +50,42 @@ def _section(t: mi.Type) -> mi.StructType | None:
     return t if isinstance(t, mi.StructType) else None
 
 
+def _variants(t: mi.Type) -> list[mi.StructType]:
+    """The members of a tagged union of Structs (`transport`: one per backend), else []."""
+    if not isinstance(t, mi.UnionType):
+        return []
+    members = [u for u in t.types if isinstance(u, mi.StructType) and u.tag_field is not None]
+    return members if len(members) == len(t.types) > 1 else []
+
+
+def _tagged_sections(f: mi.Field, variants: list[mi.StructType]) -> list[str]:
+    """One table per member, each headed by the tag value that selects it."""
+    tag_field = variants[0].tag_field
+    tags = ", ".join(f"`{v.tag}`" for v in variants)
+    out = [
+        f"## `[{f.name}]`",
+        "",
+        f"One table per `{tag_field}` ({tags}); without `{tag_field}` the section is read as "
+        f"`{tag_field} = {msgspec.json.encode(DEFAULT_BACKEND).decode()}`. A key of another "
+        f"{tag_field} is refused, naming the {tag_field} it was read for.",
+        "",
+    ]
+    env = f"`{ENV_PREFIX}{f.name.upper()}__{str(tag_field).upper()}`"
+    for v in variants:
+        tag = msgspec.json.encode(v.tag).decode()
+        heading = f"### `[{f.name}]` {tag_field} = `{tag}`"
+        table = _table(f.name, v.cls, list(v.fields), [f.name], heading=heading)
+        default = "`" + tag + "`" if v.tag == DEFAULT_BACKEND else "required"
+        row = f"| `{tag_field}` | `{tag}` | {default} | {env} | selects this table |"
+        at = table.index("|---|---|---|---|---|") + 1
+        out += [*table[:at], row, *table[at:]]
+    return out
+
+
 def _sections(f: mi.Field, path: list[str]) -> list[str]:
+    variants = _variants(f.type)
+    if variants and not path:
+        return _tagged_sections(f, variants)
     inner = _section(f.type)
     if inner is None:
         return []
@@ -62,10 +98,16 @@ def _sections(f: mi.Field, path: list[str]) -> list[str]:
 
 
 def _table(
-    title: str, cls: type, keys: list[mi.Field], path: list[str], *, many: bool = False
+    title: str,
+    cls: type,
+    keys: list[mi.Field],
+    path: list[str],
+    *,
+    many: bool = False,
+    heading: str = "",
 ) -> list[str]:
     header = f"[[{title}]]" if many else (f"[{title}]" if path else title)
-    out = [f"## `{header}`" if path else f"## {header}", ""]
+    out = [heading or (f"## `{header}`" if path else f"## {header}"), ""]
     if doc := own_doc(cls):
         out += [doc, ""]
     if many:

@@ -53,11 +53,13 @@ def _families() -> list[tuple[Metric, tuple[str, ...]]]:
     LoopStalls(embedded)  # registers its families there
     families += [*embedded.collect()]
     labels = _declared_labels()
+    labels.update({m.name: m.labels for m in source.DEFINITIONS.values()})
     return [(f, labels.get(f.name, ())) for f in families]
 
 
 def _declared_labels() -> dict[str, tuple[str, ...]]:
-    """Each metric's label names as the source declares them: a family with no series yet has
+    """Each metric's label names as the source declares them outside `DEFINITIONS` (whose
+    labels are read from it): a family with no series yet has
     no sample to read them from, and prometheus_client keeps them only in private attributes.
     A call whose first argument is the metric's name takes its labels from a `labels=` list or
     a third positional list, or from the local helper it calls (`gauge(name, doc)`)."""

@@ -14,7 +14,6 @@ from pipelines.errors import InvalidInput
 from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 from pipelines.packing import (
     Pieces,
-    StagePacker,
     check_pieces,
     destination_side,
     gather,
@@ -23,6 +22,7 @@ from pipelines.packing import (
     source_side,
 )
 from pipelines.pairing import pair
+from pipelines.stage_packer import StagePacker
 
 MODEL = hybrid_npu_mla(num_layers=8, scale=64, page_size=4)
 PART = partition_layers(8, 2)

@@ -4,7 +4,8 @@ import pytest
 from pipelines.errors import PairingError
 from pipelines.layout import StageLayout, layout_from_flat_lists
 from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
-from pipelines.pairing import PairingCache, pair, pairing_report
+from pipelines.pairing import PairingCache, pair
+from pipelines.pairing_report import pairing_report
 from pipelines.planning import plan
 from tests.unit.pipelines.helpers import place
 

@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 
 from pipelines.models import ModelSpec
-from service.config import Config, ConfigError, load_config
+from service.config import Config, ConfigError, backend_of, load_config
+from transport.config import MooncakeConfig
+from transport.local import LocalConfig
 
 from .conftest import MINIMAL, make_config
 
@@ -59,7 +61,8 @@ def test_defaults_and_derived_values(tmp_path: Path) -> None:
     assert config.server.max_body_bytes == 8 << 20
     assert config.server.state_dir == "/home/u/.local/state/kvhandoff"
     assert config.server.token is None
-    assert config.transport.backend == "mooncake"
+    assert isinstance(config.transport, MooncakeConfig)
+    assert backend_of(config.transport) == "mooncake"
     assert config.transport.metadata == "P2PHANDSHAKE"
     assert config.transport.max_blocks_per_batch == 2048
     assert config.handoff.default_deadline_s == 30.0
@@ -201,6 +204,87 @@ def test_cross_key_errors(overrides: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError) as info:
         make_config(**overrides)
     assert info.value.context["field"] == field, str(info.value)
+
+
+def test_transport_without_backend_is_mooncake(tmp_path: Path) -> None:
+    # Files and environment overrides written before the backend union keep their meaning.
+    toml = PREFILL_TOML + '[transport]\nprotocol = "rdma"\ndevice_name = "mlx5_0"\n'
+    env = {"KVHANDOFF_TRANSPORT__TRANSFER_TIMEOUT_S": "4", "KVHANDOFF_TRANSPORT__NPU": "1"}
+    config = load_config(write(tmp_path, toml), env)
+    assert config.transport == MooncakeConfig(
+        protocol="rdma", device_name="mlx5_0", transfer_timeout_s=4.0, npu=1
+    )
+    only_env = load_config(None, {"KVHANDOFF_TRANSPORT__PROTOCOL": "ascend"}, MINIMAL)
+    assert isinstance(only_env.transport, MooncakeConfig)
+    assert only_env.transport.protocol == "ascend"
+
+
+def test_transport_backend_selects_its_struct(tmp_path: Path) -> None:
+    toml = PREFILL_TOML + '[transport]\nbackend = "local"\nmax_blocks_per_batch = 64\n'
+    config = load_config(write(tmp_path, toml))
+    assert config.transport == LocalConfig(max_blocks_per_batch=64)
+    assert backend_of(config.transport) == "local"
+    assert config.prefill_settings().max_blocks_per_batch == 64
+    env = {
+        "KVHANDOFF_TRANSPORT__BACKEND": "local",
+        "KVHANDOFF_TRANSPORT__MAX_BYTES_PER_BATCH": "8192",
+    }
+    from_env = load_config(write(tmp_path, PREFILL_TOML), env)
+    assert from_env.transport == LocalConfig(max_bytes_per_batch=8192)
+    # The file's backend is replaced by the environment's, keys and all.
+    back = load_config(write(tmp_path, toml), {"KVHANDOFF_TRANSPORT__BACKEND": "mooncake"})
+    assert back.transport == MooncakeConfig(max_blocks_per_batch=64)
+
+
+@pytest.mark.parametrize(
+    ("transport", "field", "message"),
+    [
+        (
+            {"backend": "local", "protocol": "tcp"},
+            "transport.protocol",
+            "transport.protocol: not a setting of backend 'local' (only of mooncake)",
+        ),
+        (
+            {"backend": "local", "bogus": 1},
+            "transport.bogus",
+            "transport.bogus: unknown key (backend 'local')",
+        ),
+        (
+            {"backend": "nvlink"},
+            "transport.backend",
+            "transport.backend: 'nvlink' is not a transport backend; one of 'mooncake', 'local'",
+        ),
+        (
+            {"max_blocks_per_batch": 0},
+            "transport.max_blocks_per_batch",
+            "transport.max_blocks_per_batch: Expected `int` >= 1 (backend 'mooncake')",
+        ),
+        (
+            {"backend": "local", "max_bytes_per_batch": "lots"},
+            "transport.max_bytes_per_batch",
+            "transport.max_bytes_per_batch: Expected `int`, got `str` (backend 'local')",
+        ),
+    ],
+)
+def test_transport_errors_name_the_key_and_the_backend(
+    transport: dict[str, object], field: str, message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_config(transport=transport)
+    assert info.value.context["field"] == field
+    assert str(info.value) == message
+
+
+def test_transport_env_keys_are_checked_against_every_backend() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"KVHANDOFF_TRANSPORT__HOSTNAM": "x"}, MINIMAL)
+    assert info.value.context["field"] == "KVHANDOFF_TRANSPORT__HOSTNAM"
+    with pytest.raises(ConfigError, match="not a setting of backend 'local'"):
+        load_config(
+            None,
+            {"KVHANDOFF_TRANSPORT__BACKEND": "local", "KVHANDOFF_TRANSPORT__HOSTNAME": "h"},
+            MINIMAL,
+        )
 
 
 def test_missing_required_keys_are_named() -> None:

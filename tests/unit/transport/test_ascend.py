@@ -13,7 +13,7 @@ from tests.unit.transport.conftest import fake_transport
 from transport.ascend import host_problem, misaligned, physical_npu, settings_problems
 from transport.config import ASCEND_ALIGN_BYTES, MooncakeConfig
 from transport.errors import TransportError
-from transport.mooncake import start_engine
+from transport.mooncake_engine import start_engine
 from transport.regions import Region
 
 

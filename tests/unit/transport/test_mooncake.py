@@ -17,7 +17,8 @@ from tests.unit.transport.conftest import fake_transport, pool_of
 from transport.blocks import Blocks
 from transport.config import MooncakeConfig
 from transport.errors import EngineCallError, TransportError, TransportTimeout
-from transport.mooncake import WRITE_ARRAYS, MooncakeTransport
+from transport.mooncake import MooncakeTransport
+from transport.mooncake_engine import WRITE_ARRAYS
 
 
 async def in_thread(fn, *args) -> None:

@@ -17,7 +17,7 @@ from tests.fakes import FakeEngine
 from tests.unit.transport.conftest import fake_transport
 from transport.errors import PoolError, TransportError
 from transport.local import LocalTransport
-from transport.mooncake import installed_builds, refuse_memory
+from transport.mooncake_engine import installed_builds, refuse_memory
 from transport.pointers import tensor_at
 from transport.pool_base import EmbeddedPool
 from transport.regions import Region

@@ -19,7 +19,7 @@ from pipelines.errors import (
     TransportError,
     TransportTimeout,
 )
-from pipelines.pairing import Problem
+from pipelines.pairing_problems import Problem
 from service.http.app import CONFIG, PEERS, READINESS, ROUTES, decode_body, json_response
 from service.http.peer_client import PeerClient
 from service.http.problems import PROBLEM_CONTENT_TYPE, TYPE_PREFIX

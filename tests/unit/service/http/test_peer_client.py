@@ -19,7 +19,7 @@ from pipelines.errors import (
     PeerUnreachable,
     TransportError,
 )
-from pipelines.pairing import Problem
+from pipelines.pairing_problems import Problem
 from service.http.app import ROUTES, create_app, decode_body, json_response
 from service.http.peer_client import PeerClient, UnauthenticatedAnswer
 from service.http.peer_signing import Signer

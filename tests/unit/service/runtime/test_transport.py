@@ -4,9 +4,16 @@ from pathlib import Path
 
 import pytest
 
-from service.config import ConfigError
+from service.config import ConfigError, transport_backends
 from service.http.app import LOCAL_TARGET, READINESS
-from service.runtime.transport import TRANSPORT, check_ascend, install_transport, with_stage_npu
+from service.runtime.transport import (
+    OPENERS,
+    TRANSPORT,
+    check_ascend,
+    install_transport,
+    open_transport,
+    with_stage_npu,
+)
 from service.serve import serve
 from tests.unit.service.conftest import ClientFactory, make_config
 from transport.errors import TransportError
@@ -26,6 +33,23 @@ async def test_local_transport_lives_with_the_app(make_client: ClientFactory) ->
     await client.close()
     with pytest.raises(TransportError, match="closed"):  # closed with the app
         transport.register([])
+
+
+def test_every_transport_backend_has_one_opener() -> None:
+    # A backend added to the config union without its line in OPENERS would fail at start-up.
+    assert set(OPENERS) == set(transport_backends().values())
+    assert set(transport_backends()) == {"mooncake", "local"}
+
+
+def test_local_opener_takes_the_local_caps() -> None:
+    config = make_config(**{"transport.backend": "local", "transport.max_bytes_per_batch": 8192})
+    transport = open_transport(config.transport)
+    try:
+        assert isinstance(transport, LocalTransport)
+        assert transport.max_call_s == config.transport.max_call_s
+        assert with_stage_npu(config) is config.transport  # no NPU to pick without Mooncake
+    finally:
+        transport.close()
 
 
 async def test_not_ready_before_start() -> None:
