@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pipelines.errors import InternalError, InvalidInput
 from pipelines.events import ChunksEmitted, EventBus
 from pipelines.messages import DestinationMsg
-from pipelines.packing import StagePacker
 from pipelines.pairing import Pairing
 from pipelines.prefill.handoff import ROLE, HostedStage, PrefillHandoff, StageSource, Staging
+from pipelines.stage_packer import StagePacker
 
 
 @dataclass
