@@ -53,12 +53,14 @@ def pd_args(backend: str, mode: str) -> list[str]:
 
 def write_config(work: Path) -> Path:
     """kvhandoff's settings for the bench: its defaults (landed mode, 30 s deadline, 128 MiB
-    landing arena, 16 MiB windows) but for the state directory, the peer secret and a 15 s
-    peer timeout (a scheduler starved on a shared 2-core machine can go silent for seconds)."""
+    landing arena, 16 MiB windows) but for the state directory, the peer secret and 15 s
+    of peer silence, in heartbeats and in each peer call alike (a scheduler starved on a shared
+    2-core machine can go silent for seconds; see docs/guides/vllm.md, "When a worker is not
+    run")."""
     path = work / "kvhandoff.toml"
     path.write_text(
         f'[server]\nstate_dir = "{work / "state"}"\n[auth]\npeer = "{PEER_SECRET}"\n'
-        "[handoff]\npeer_timeout_s = 15.0\n"
+        "[handoff]\npeer_timeout_s = 15.0\n[peers]\nrequest_timeout_s = 15.0\n"
     )
     return path
 

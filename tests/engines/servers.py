@@ -98,8 +98,9 @@ _used_ports: set[int] = set()
 
 def write_kvhandoff_config(workdir: Path) -> Path:
     """The SGLang backend's kvhandoff settings (`SGLANG_KVHANDOFF_CONFIG`) for every server, in
-    `workdir`: a peer silent for 15 s is lost (a scheduler starved on a loaded 2-core machine
-    went silent for 3 s and failed live handoffs as unreachable); 32 KiB landing windows, so a
+    `workdir`: a peer silent for 15 s is lost, in heartbeats and in each peer call alike (a
+    scheduler starved on a loaded 2-core machine went silent for 3 s and failed live handoffs as
+    unreachable); 32 KiB landing windows, so a
     request's KV (1 KiB a token for the tests' model) moves as several segments when its
     prompt is long, whether or not it was prefilled in chunks."""
     path = workdir / "kvhandoff.toml"
@@ -108,7 +109,7 @@ def write_kvhandoff_config(workdir: Path) -> Path:
         "[transfer]\nlanding_bytes = 16777216\nwindow_bytes = 32768\n"
         f"staging_bytes = 16777216\n[handoff]\ndefault_deadline_s = {DEADLINE_S}\n"
         "heartbeat_interval_s = 1.0\npeer_timeout_s = 15.0\n"
-        f"max_grace_s = {MAX_GRACE_S}\n"
+        f"max_grace_s = {MAX_GRACE_S}\n[peers]\nrequest_timeout_s = 15.0\n"
     )
     return path
 
