@@ -467,70 +467,91 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(r: dict[str, Any]) -> None:
-    case = r["case"]
-    if case == "bulk":
-        print(f"bulk: {r['model']}")
+    _PRINTERS[r["case"]](r)
+
+
+def _print_bulk(r: dict[str, Any]) -> None:
+    print(f"bulk: {r['model']}")
+    print(
+        f"  {r['requests']} x {r['bytes_per_request'] / 1e6:.1f} MB "
+        f"({r['blocks_per_request']} per-page blocks) at concurrency {r['concurrency']}"
+    )
+    print(
+        f"  landed {r['landed_gb_s']:6.2f} GB/s   direct {r['direct_gb_s']:6.2f} GB/s   "
+        f"raw Mooncake, one engine per stage: 1 MiB blocks {r['raw_large_gb_s']:6.2f} GB/s, "
+        f"per-page blocks {r['raw_pages_gb_s']:6.2f} GB/s"
+    )
+    print(
+        f"  landed/direct {r['landed_vs_direct']:.2f}x   landed/raw {r['landed_vs_raw']:.2f}x"
+        f"   direct/raw {r['direct_vs_raw']:.2f}x   decode commit time per wall second "
+        f"{r['commit_share']:.1%}"
+    )
+    print(
+        f"  decode CPU per GB: landed {r['decode_cpu_s_per_gb_landed']:.3f} s, direct "
+        f"{r['decode_cpu_s_per_gb_direct']:.3f} s ({r['decode_cpu_landed_vs_direct']:.2f}x)"
+    )
+
+
+def _print_small(r: dict[str, Any]) -> None:
+    print(f"small: {r['model']}")
+    print(f"  {r['requests']} one-page handoffs at concurrency {r['concurrency']}")
+    print(f"  GET /healthz round trips   {r['healthz_per_s']:8.0f} /s")
+    print(
+        f"  handoffs over HTTP         {r['handoffs_per_s']:8.0f} /s  ({r['ratio']:.2f}x)"
+        f"  p50 {r['p50_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms"
+    )
+
+
+def _print_segments(r: dict[str, Any]) -> None:
+    print(f"segments: {r['layers']} layers x {r['pages']} pages, planning and bookkeeping")
+    print(
+        f"  one segment {r['one_segment_ms']:.2f} ms   {r['one_layer_segments']} one-layer "
+        f"segments {r['one_layer_segments_ms']:.2f} ms   ({r['ratio']:.2f}x)"
+    )
+
+
+def _print_planning(r: dict[str, Any]) -> None:
+    print(f"planning: {r['layers']} layers, per request before the engine call")
+    for p in r["by_pages"]:
         print(
-            f"  {r['requests']} x {r['bytes_per_request'] / 1e6:.1f} MB "
-            f"({r['blocks_per_request']} per-page blocks) at concurrency {r['concurrency']}"
+            f"  {p['pages']:>5} pages  landed {p['landed_ms']:.3f} ms "
+            f"({p['landed_blocks']} blocks)   direct {p['direct_ms']:.3f} ms "
+            f"({p['direct_blocks']} blocks)   direct/landed {p['direct_over_landed']:.1f}x"
         )
-        print(
-            f"  landed {r['landed_gb_s']:6.2f} GB/s   direct {r['direct_gb_s']:6.2f} GB/s   "
-            f"raw Mooncake, one engine per stage: 1 MiB blocks {r['raw_large_gb_s']:6.2f} GB/s, "
-            f"per-page blocks {r['raw_pages_gb_s']:6.2f} GB/s"
-        )
-        print(
-            f"  landed/direct {r['landed_vs_direct']:.2f}x   landed/raw {r['landed_vs_raw']:.2f}x"
-            f"   direct/raw {r['direct_vs_raw']:.2f}x   decode commit time per wall second "
-            f"{r['commit_share']:.1%}"
-        )
-        print(
-            f"  decode CPU per GB: landed {r['decode_cpu_s_per_gb_landed']:.3f} s, direct "
-            f"{r['decode_cpu_s_per_gb_direct']:.3f} s ({r['decode_cpu_landed_vs_direct']:.2f}x)"
-        )
-    elif case == "small":
-        print(f"small: {r['model']}")
-        print(f"  {r['requests']} one-page handoffs at concurrency {r['concurrency']}")
-        print(f"  GET /healthz round trips   {r['healthz_per_s']:8.0f} /s")
-        print(
-            f"  handoffs over HTTP         {r['handoffs_per_s']:8.0f} /s  ({r['ratio']:.2f}x)"
-            f"  p50 {r['p50_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms"
-        )
-    elif case == "segments":
-        print(f"segments: {r['layers']} layers x {r['pages']} pages, planning and bookkeeping")
-        print(
-            f"  one segment {r['one_segment_ms']:.2f} ms   {r['one_layer_segments']} one-layer "
-            f"segments {r['one_layer_segments_ms']:.2f} ms   ({r['ratio']:.2f}x)"
-        )
-    elif case == "planning":
-        print(f"planning: {r['layers']} layers, per request before the engine call")
-        for p in r["by_pages"]:
-            print(
-                f"  {p['pages']:>5} pages  landed {p['landed_ms']:.3f} ms "
-                f"({p['landed_blocks']} blocks)   direct {p['direct_ms']:.3f} ms "
-                f"({p['direct_blocks']} blocks)   direct/landed {p['direct_over_landed']:.1f}x"
-            )
-    elif case == "gather":
-        print(
-            f"gather: {r['bytes'] / 1e6:.0f} MB in {r['segments']} segments, {r['pieces']} pieces"
-        )
-        print(
-            f"  gather {r['gather_gb_s']:.2f} GB/s   memcpy {r['memcpy_gb_s']:.2f} GB/s   "
-            f"({r['ratio']:.2f}x)"
-        )
-        print(
-            f"  with np.take(mode='clip') {r['gather_unbuffered_gb_s']:.2f} GB/s "
-            f"({r['unbuffered_ratio']:.2f}x)"
-        )
-        print(
-            f"  staged with its digest: one pass {r['stage_one_pass_gb_s']:.2f} GB/s, three "
-            f"passes {r['stage_three_pass_gb_s']:.2f} GB/s ({r['stage_one_pass_speedup']:.2f}x)"
-        )
-    elif case == "commit":
-        print(f"commit: {r['bytes'] / 1e6:.0f} MB in {r['segments']} segments (decode, host)")
-        print(
-            f"  one pass {r['commit_gb_s']:.2f} GB/s ({r['one_pass_speedup']:.2f}x of three "
-            f"passes: copy out + xxh3-128 + scatter {r['three_pass_gb_s']:.2f} GB/s; copy out "
-            f"{r['copy_out_gb_s']:.2f}, digest {r['digest_gb_s']:.2f}, scatter "
-            f"{r['scatter_gb_s']:.2f} GB/s)"
-        )
+
+
+def _print_gather(r: dict[str, Any]) -> None:
+    print(f"gather: {r['bytes'] / 1e6:.0f} MB in {r['segments']} segments, {r['pieces']} pieces")
+    print(
+        f"  gather {r['gather_gb_s']:.2f} GB/s   memcpy {r['memcpy_gb_s']:.2f} GB/s   "
+        f"({r['ratio']:.2f}x)"
+    )
+    print(
+        f"  with np.take(mode='clip') {r['gather_unbuffered_gb_s']:.2f} GB/s "
+        f"({r['unbuffered_ratio']:.2f}x)"
+    )
+    print(
+        f"  staged with its digest: one pass {r['stage_one_pass_gb_s']:.2f} GB/s, three "
+        f"passes {r['stage_three_pass_gb_s']:.2f} GB/s ({r['stage_one_pass_speedup']:.2f}x)"
+    )
+
+
+def _print_commit(r: dict[str, Any]) -> None:
+    print(f"commit: {r['bytes'] / 1e6:.0f} MB in {r['segments']} segments (decode, host)")
+    print(
+        f"  one pass {r['commit_gb_s']:.2f} GB/s ({r['one_pass_speedup']:.2f}x of three "
+        f"passes: copy out + xxh3-128 + scatter {r['three_pass_gb_s']:.2f} GB/s; copy out "
+        f"{r['copy_out_gb_s']:.2f}, digest {r['digest_gb_s']:.2f}, scatter "
+        f"{r['scatter_gb_s']:.2f} GB/s)"
+    )
+
+
+#: How each case's result is printed, by its `case`.
+_PRINTERS = {
+    "bulk": _print_bulk,
+    "small": _print_small,
+    "segments": _print_segments,
+    "planning": _print_planning,
+    "gather": _print_gather,
+    "commit": _print_commit,
+}

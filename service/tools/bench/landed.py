@@ -38,6 +38,7 @@ from pipelines.layout import StageLayout
 from pipelines.models import ModelSpec, decode_layout, dense_mla, partition_layers, stage_layout
 from pipelines.packing import (
     Pieces,
+    Side,
     check_pieces,
     copy_out,
     destination_side,
@@ -87,6 +88,16 @@ def placed_pairing(model: ModelSpec, pool_pages: int) -> Pairing:
 
 def _best(fn: Callable[[], object], repeat: int) -> float:
     return min(time_call(fn, repeat=repeat))
+
+
+def _interleaved(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Each run's best seconds over `reps` rounds of one call each, in turn, so every run sees
+    the same machine."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(reps):
+        for name, fn in runs.items():
+            best[name] = min(best[name], _best(fn, 1))
+    return best
 
 
 # -- segments -----------------------------------------------------------------------------------
@@ -236,14 +247,17 @@ def _copy_setup(args: argparse.Namespace) -> tuple[Pairing, _Regions, Any, Any, 
     return pairing, regions, src_pages, dst_pages, segs
 
 
-def gather_case(args: argparse.Namespace) -> dict[str, Any]:
-    pairing, regions, src_pages, _, segs = _copy_setup(args)
-    side = source_side(pairing, regions, src_pages, None)
-    staging = np.zeros(WINDOW_BYTES, dtype=np.uint8)
-    sizes = [int(piece_bytes(pairing, p).sum()) for p in segs]
-    total = sum(sizes)
-    contiguous = np.ones(total, dtype=np.uint8)
-    reps = max(3, args.repeat)
+def _gather_runs(
+    pairing: Pairing,
+    side: Side,
+    segs: list[Pieces],
+    sizes: list[int],
+    staging: np.ndarray,
+) -> dict[str, Callable[[], object]]:
+    """The gather case's runs over the same segments: the gather, the gather without numpy's
+    buffering, a plain memcpy of as many bytes, and staging with its digest in three passes and
+    in one."""
+    contiguous = np.ones(sum(sizes), dtype=np.uint8)
 
     def gather_all() -> None:
         for pieces, size in zip(segs, sizes):
@@ -276,14 +290,25 @@ def gather_case(args: argparse.Namespace) -> dict[str, Any]:
             digester = Digester("xxh3_128", seed=size)
             gather_digest(pairing, side, pieces, staging[:size], digester, chunks)
 
-    # Interleaved, so both see the same machine.
-    gather_s = memcpy_s = clip_s = three_s = one_s = float("inf")
-    for _ in range(reps):
-        gather_s = min(gather_s, _best(gather_all, 1))
-        clip_s = min(clip_s, _best(gather_unbuffered, 1))
-        memcpy_s = min(memcpy_s, _best(memcpy_all, 1))
-        three_s = min(three_s, _best(stage_three_pass, 1))
-        one_s = min(one_s, _best(stage_one_pass, 1))
+    return {
+        "gather": gather_all,
+        "clip": gather_unbuffered,
+        "memcpy": memcpy_all,
+        "three": stage_three_pass,
+        "one": stage_one_pass,
+    }
+
+
+def gather_case(args: argparse.Namespace) -> dict[str, Any]:
+    pairing, regions, src_pages, _, segs = _copy_setup(args)
+    side = source_side(pairing, regions, src_pages, None)
+    staging = np.zeros(WINDOW_BYTES, dtype=np.uint8)
+    sizes = [int(piece_bytes(pairing, p).sum()) for p in segs]
+    total = sum(sizes)
+    reps = max(3, args.repeat)
+    best = _interleaved(_gather_runs(pairing, side, segs, sizes, staging), reps)
+    gather_s, clip_s, memcpy_s = best["gather"], best["clip"], best["memcpy"]
+    three_s, one_s = best["three"], best["one"]
     return {
         "case": "gather",
         "layers": args.plan_layers,
