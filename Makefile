@@ -43,7 +43,7 @@ APT_UPDATE = waited=0; \
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	@if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'librdmacm.so.1' \
 	    || ! ldconfig -p | grep -q 'libnuma.so.1' || ! ldconfig -p | grep -q 'libcurl.so.4'; then \
 	  echo "installing $(APT_PACKAGES)"; \
@@ -75,7 +75,7 @@ SGLANG_SERVER_DEPS := "uvicorn>=0.51" fastapi setproctitle python-multipart xxha
 
 sglang-env: $(SGLANG_STAMP)
 
-$(SGLANG_STAMP): pyproject.toml Makefile | $(STAMP)
+$(SGLANG_STAMP): pyproject.toml setup.py Makefile | $(STAMP)
 	test -x $(SGLANG_PY) || python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_PY) -m pip install -q --upgrade pip
 	$(SGLANG_PY) -m pip install -q "$(TORCH_CPU)"
@@ -106,7 +106,7 @@ VLLM_TEST_DEPS := "nixl==1.5.1"
 
 vllm-env: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml Makefile | $(STAMP)
+$(VLLM_STAMP): pyproject.toml setup.py Makefile | $(STAMP)
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q "$(TORCH_CPU)" "$(VLLM)" $(VLLM_TEST_DEPS) -e ".[cpu,vllm-test]"
@@ -191,7 +191,15 @@ npu-device-check:
 npu-device-kit: apt-lists
 	bash tests/device/npu_kit.sh
 
-lint: setup docs-setup
+# The packages by their installed names (kvhandoff.service, ...) as a tree of three folder links,
+# for the tools that read the source without importing it: mypy and the docs' mkdocstrings
+# cannot follow the editable install's import hook (pyproject's [tool.mypy], mkdocs.yml).
+TYPECHECK_TREE := build/typecheck/kvhandoff
+$(TYPECHECK_TREE):
+	mkdir -p $@
+	for d in service pipelines transport; do ln -sfn ../../../$$d $@/$$d; done
+
+lint: setup docs-setup | $(TYPECHECK_TREE)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
@@ -209,7 +217,7 @@ $(DOCS_STAMP): $(STAMP)
 
 # The generated reference pages (docs/reference/: HTTP API, configuration, events, metrics)
 # from the code, the dashboard's screenshot from its browser test, then the site in build/site.
-docs: docs-setup test-tools
+docs: docs-setup test-tools | $(TYPECHECK_TREE)
 	$(PY) -m service.tools.docs
 	KVHANDOFF_DOCS_SCREENSHOT=$(CURDIR)/docs/assets/dashboard.png \
 	  $(PY) -m pytest tests/browser/test_dashboard.py -q -k test_dashboard_shows_handoffs_live_and_a_killed_stage

@@ -185,7 +185,7 @@ def module_encoders() -> list[tuple[Any, str, msgspec.json.Encoder]]:
     """Every `msgspec.json.Encoder` held by a module of this project (not yet wrapped)."""
     found = []
     for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(("service", "pipelines", "transport")):
+        if module is None or not name.startswith("kvhandoff."):
             continue
         for attr, value in list(vars(module).items()):
             if isinstance(value, msgspec.json.Encoder):

@@ -54,6 +54,8 @@ SERVICE_RANKS = {
     "cli": 8,
 }
 PACKAGE_RANKS = {"transport": 0, "pipelines": 1, "service": 2}
+#: The name the three folders install under (setup.py): `kvhandoff.service` is `service/`.
+INSTALLED = "kvhandoff"
 #: Top-level folders of the repository that the wheel does not install: a package module that
 #: imported one would work from a checkout and fail where kvhandoff is installed.
 NOT_INSTALLED = ("bench", "tests")
@@ -61,6 +63,11 @@ NOT_INSTALLED = ("bench", "tests")
 
 def _module_name(path: Path) -> str:
     return _module_name_in(ROOT, path)
+
+
+def _parts(module: str) -> list[str]:
+    """A module's name from its folder down: `kvhandoff.service.api` is service, api."""
+    return module.removeprefix(f"{INSTALLED}.").split(".")
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -79,14 +86,14 @@ PIPELINE_SIDES = ("decode", "prefill")
 
 
 def _pipelines_side(module: str) -> str | None:
-    parts = module.split(".")
+    parts = _parts(module)
     if len(parts) > 1 and parts[0] == "pipelines" and parts[1] in PIPELINE_SIDES:
         return parts[1]
     return None
 
 
 def _service_part(module: str) -> str | None:
-    parts = module.split(".")
+    parts = _parts(module)
     return parts[1] if len(parts) > 1 and parts[0] == "service" else None
 
 
@@ -95,9 +102,9 @@ def _violations() -> list[str]:
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             here = _module_name(path)
-            here_pkg = here.split(".")[0]
+            here_pkg = _parts(here)[0]
             for line, target in _imports(path):
-                target_pkg = target.split(".")[0]
+                target_pkg = _parts(target)[0]
                 where = f"{path.relative_to(ROOT)}:{line} imports {target}"
                 if target_pkg in NOT_INSTALLED:
                     bad.append(f"{where} ({target_pkg}/ is not installed with the package)")
@@ -131,8 +138,8 @@ def test_the_command_line_imports_only_what_sits_below_it() -> None:
 
     modules = [module for module, _ in [*COMMANDS.values(), *BENCHMARKS.values()]]
     for module in modules:
-        assert (ROOT / Path(*module.split("."))).with_suffix(".py").is_file(), module
-        part = module.split(".")[1]
+        assert (ROOT / Path(*_parts(module))).with_suffix(".py").is_file(), module
+        part = _parts(module)[1]
         assert SERVICE_RANKS[part] < SERVICE_RANKS["cli"], module
 
 
@@ -215,7 +222,7 @@ def _module_name_in(root: Path, path: Path) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join(parts)
+    return ".".join([INSTALLED, *parts])
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -266,7 +273,9 @@ def test_the_circle_check_can_fail(tmp_path: Path) -> None:
     (tmp_path / "service" / "b.py").write_text("from service import c\n")
     (tmp_path / "service" / "c.py").write_text("import service.a\n")
     (tmp_path / "service" / "d.py").write_text("from service.a import x\n")
-    assert _circles(_graph(tmp_path)) == [["service.a", "service.b", "service.c"]]
+    assert _circles(_graph(tmp_path)) == [
+        ["kvhandoff.service.a", "kvhandoff.service.b", "kvhandoff.service.c"]
+    ]
 
 
 #: Top-level packages whose modules' private names (`_x`) are theirs alone.
@@ -282,7 +291,7 @@ def _private_imports(root: Path) -> list[str]:
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom) or node.level != 0 or not node.module:
                 continue
-            if node.module.split(".")[0] not in OWN_PACKAGES:
+            if _parts(node.module)[0] not in OWN_PACKAGES:
                 continue
             for alias in node.names:
                 if alias.name.startswith("_") and not alias.name.startswith("__"):
