@@ -203,7 +203,7 @@ lint: setup docs-setup | $(TYPECHECK_TREE)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(PY) -m service.tools.docs --check
+	$(PY) -m kvhandoff.service.tools.docs --check
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # The documentation site's tools (mkdocs, its Material theme, mkdocstrings): the `docs` extra,
@@ -218,7 +218,7 @@ $(DOCS_STAMP): $(STAMP)
 # The generated reference pages (docs/reference/: HTTP API, configuration, events, metrics)
 # from the code, the dashboard's screenshot from its browser test, then the site in build/site.
 docs: docs-setup test-tools | $(TYPECHECK_TREE)
-	$(PY) -m service.tools.docs
+	$(PY) -m kvhandoff.service.tools.docs
 	KVHANDOFF_DOCS_SCREENSHOT=$(CURDIR)/docs/assets/dashboard.png \
 	  $(PY) -m pytest tests/browser/test_dashboard.py -q -k test_dashboard_shows_handoffs_live_and_a_killed_stage
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict

@@ -17,10 +17,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from service.config import HandoffConfig
-from service.testing.deployment import LocalDeployment
-from service.tools.bench.handoff import Request, run_lanes
-from service.tools.router_client import RouterClient
+from kvhandoff.service.config import HandoffConfig
+from kvhandoff.service.testing.deployment import LocalDeployment
+from kvhandoff.service.tools.bench.handoff import Request, run_lanes
+from kvhandoff.service.tools.router_client import RouterClient
 
 
 class Counted:

@@ -31,14 +31,14 @@ import aiohttp
 import msgspec
 import numpy as np
 
-from pipelines.messages import LayoutInfo
-from pipelines.prefill.staged import BLOCK_BYTES
-from service.config import HandoffConfig, TransferConfig
-from service.testing.deployment import LocalDeployment
-from service.testing.raw_engines import StageProcesses
-from service.tools.bench.common import fragmented_pages, large_blocks
-from service.tools.bench.handoff import Request, run_lanes, stage_shares
-from service.tools.router_client import RouterClient
+from kvhandoff.pipelines.messages import LayoutInfo
+from kvhandoff.pipelines.prefill.staged import BLOCK_BYTES
+from kvhandoff.service.config import HandoffConfig, TransferConfig
+from kvhandoff.service.testing.deployment import LocalDeployment
+from kvhandoff.service.testing.raw_engines import StageProcesses
+from kvhandoff.service.tools.bench.common import fragmented_pages, large_blocks
+from kvhandoff.service.tools.bench.handoff import Request, run_lanes, stage_shares
+from kvhandoff.service.tools.router_client import RouterClient
 
 Note = Callable[[str], None]
 
@@ -208,7 +208,7 @@ async def _sizes_one_pp(
 
 
 def _repeat(blocks: Any, times: int) -> Any:
-    from transport.blocks import Blocks
+    from kvhandoff.transport.blocks import Blocks
 
     return Blocks.concat([blocks] * times)
 

@@ -24,11 +24,11 @@ from typing import Any
 import aiohttp
 import uvloop
 
-from pipelines.events import EventBus, StageTransferred
-from service.config import load_config
-from service.observability.streams import STREAMS
-from service.runtime.roles import RUNTIME
-from service.serve import install_service, serve
+from kvhandoff.pipelines.events import EventBus, StageTransferred
+from kvhandoff.service.config import load_config
+from kvhandoff.service.observability.streams import STREAMS
+from kvhandoff.service.runtime.roles import RUNTIME
+from kvhandoff.service.serve import install_service, serve
 
 #: Events published between two yields to the loop (lets the stream handlers write).
 CHUNK = 200

@@ -2,7 +2,8 @@
 reference, in one run.
 
 The reference is a Python loop over entries and runs that builds per-block tuples (see
-`pipelines.planning_reference`); both see the same pairing and the same fragmented request.
+`kvhandoff.pipelines.planning_reference`); both see the same pairing and the same fragmented
+request.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import sys
 import msgspec
 import numpy as np
 
-from pipelines.models import decode_layout, dense_mla, partition_layers, stage_layout
-from pipelines.pairing import PairingCache, pair
-from pipelines.planning import plan
-from pipelines.planning_reference import reference_plan
-from service.tools.bench.common import fragmented_pages, median, time_call
+from kvhandoff.pipelines.models import decode_layout, dense_mla, partition_layers, stage_layout
+from kvhandoff.pipelines.pairing import PairingCache, pair
+from kvhandoff.pipelines.planning import plan
+from kvhandoff.pipelines.planning_reference import reference_plan
+from kvhandoff.service.tools.bench.common import fragmented_pages, median, time_call
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """Per-request planning against pages x layers, four ways over the same fragmented request, for
 `make bench` (its `planning` section): a landed stage, a direct stage, the per-entry Python
-reference (`pipelines.planning_reference`) and SGLang's own path, timed in SGLang's environment
-(`sglang_path.py`, `make sglang-env`; not measured without it).
+reference (`kvhandoff.pipelines.planning_reference`) and SGLang's own path, timed in SGLang's
+environment (`sglang_path.py`, `make sglang-env`; not measured without it).
 
 `python -m bench.planning` runs the grid alone and prints its rows as JSON.
 """
@@ -21,10 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.pairing import Pairing
-from pipelines.stage_packer import StagePacker
-from service.tools.bench.common import fragmented_pages, median, time_call
-from service.tools.bench.landed import dense_model, direct_plan, landed_plan, placed_pairing
+from kvhandoff.pipelines.pairing import Pairing
+from kvhandoff.pipelines.stage_packer import StagePacker
+from kvhandoff.service.tools.bench.common import fragmented_pages, median, time_call
+from kvhandoff.service.tools.bench.landed import (
+    dense_model,
+    direct_plan,
+    landed_plan,
+    placed_pairing,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,10 +67,10 @@ def planning_grid(
 ) -> dict[str, Any]:
     """Per-request planning before the engine call against pages x layers, four ways over the
     same fragmented request: a landed stage (whole plan, and up to its first engine call), a
-    direct stage, the per-entry Python reference (`pipelines.planning_reference`) and SGLang's
-    own path (its installed functions, in its environment: `sglang_path.py`, one interpreter
-    for the whole grid)."""
-    from pipelines.planning_reference import reference_plan
+    direct stage, the per-entry Python reference (`kvhandoff.pipelines.planning_reference`) and
+    SGLang's own path (its installed functions, in its environment: `sglang_path.py`, one
+    interpreter for the whole grid)."""
+    from kvhandoff.pipelines.planning_reference import reference_plan
 
     rows: list[dict[str, Any]] = []
     requests: list[dict[str, Any]] = []

@@ -97,7 +97,7 @@ def _planning(r: Mapping[str, Any]) -> str:
         "request (runs of 1 to 32 pages): a landed stage's whole plan and its plan up to the first "
         "engine call (one window-sized segment; the rest is planned while earlier segments "
         "move), a direct stage's plan, the per-entry Python reference planner "
-        f"(`pipelines.planning_reference`). {source}. Medians; gc on.\n\n{body}"
+        f"(`kvhandoff.pipelines.planning_reference`). {source}. Medians; gc on.\n\n{body}"
     )
 
 

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from service.tools.bench.progress import Progress
+from kvhandoff.service.tools.bench.progress import Progress
 
 SECTIONS = (
     "planning",
@@ -91,9 +91,9 @@ def planning(quick: bool, note: Note) -> dict[str, Any]:
 
 
 def transport(quick: bool, note: Note) -> dict[str, Any]:
-    from service.tools.bench import transport as t
+    from kvhandoff.service.tools.bench import transport as t
 
-    args = _ns("service.tools.bench.transport", repeat=2 if quick else 3)
+    args = _ns("kvhandoff.service.tools.bench.transport", repeat=2 if quick else 3)
     kibs, mib = ([64, 1024], 16) if quick else ([16, 64, 256, 1024, 4096], 64)
     rows = t.block_sweep(args, kibs, mib, lambda c: note(c.name))
     return {"case": "block_sweep", "total_mib": mib, "rows": rows}
@@ -101,7 +101,7 @@ def transport(quick: bool, note: Note) -> dict[str, Any]:
 
 def _e2e_args(quick: bool) -> argparse.Namespace:
     extra = _ns("bench.e2e")
-    args = _ns("service.tools.bench.handoff", repeat=1 if quick else 2, **vars(extra))
+    args = _ns("kvhandoff.service.tools.bench.handoff", repeat=1 if quick else 2, **vars(extra))
     if quick:
         args.e2e_pp, args.e2e_pages, args.e2e_target_mb = [1], [2], 32
         args.segment_pages, args.segment_requests = 4, 4
@@ -121,12 +121,12 @@ def segments(quick: bool, note: Note) -> dict[str, Any]:
     import uvloop
 
     from bench import e2e as e
-    from service.tools.bench import landed
+    from kvhandoff.service.tools.bench import landed
 
     args = _e2e_args(quick)
     out = uvloop.run(e.segments(args, note))
     note("bookkeeping in one process")
-    book = _ns("service.tools.bench.handoff", repeat=1, plan_pages=256 if quick else 4096)
+    book = _ns("kvhandoff.service.tools.bench.handoff", repeat=1, plan_pages=256 if quick else 4096)
     out["bookkeeping"] = landed.segments(book)
     return out
 
@@ -167,10 +167,10 @@ def webhooks(quick: bool, note: Note) -> dict[str, Any]:
 def load(quick: bool, note: Note, seconds: float | None = None) -> dict[str, Any]:
     import uvloop
 
-    from service.tools import load as ld
+    from kvhandoff.service.tools import load as ld
 
     duration = seconds if seconds is not None else (10.0 if quick else 60.0)
-    args = _ns("service.tools.load", inflight=100 if quick else 1000, duration_s=duration)
+    args = _ns("kvhandoff.service.tools.load", inflight=100 if quick else 1000, duration_s=duration)
 
     class _Notes:
         def note(self, text: str) -> None:
@@ -204,7 +204,7 @@ def _version(*dists: str) -> str | None:
 
 def machine() -> dict[str, Any]:
     """Where, on what software and at what commit the numbers were taken."""
-    from service.tools.bench.handoff import machine as base
+    from kvhandoff.service.tools.bench.handoff import machine as base
 
     out = base()
     out["cpu_model"] = out.pop("cpu")

@@ -41,7 +41,7 @@ from bench.engines import (
     write_run,
 )
 from bench.suite import machine
-from service.integrations.vllm.metadata import rank_handoff_id
+from kvhandoff.service.integrations.vllm.metadata import rank_handoff_id
 from tests.vllm import models
 from tests.vllm.servers import (
     Server,

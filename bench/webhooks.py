@@ -42,13 +42,13 @@ import aiohttp
 import numpy as np
 import uvloop
 
-from pipelines.events import EventBus, HandoffCreated, StageArrived
-from service.config import RecordsConfig, WebhooksConfig
-from service.storage import FILE_NAME, Database
-from service.testing.deployment import LocalDeployment
-from service.tools.bench.handoff import Driver, Request, run_lanes
-from service.webhooks.dispatch import Dispatcher
-from service.webhooks.outbox import Outbox, webhook_body
+from kvhandoff.pipelines.events import EventBus, HandoffCreated, StageArrived
+from kvhandoff.service.config import RecordsConfig, WebhooksConfig
+from kvhandoff.service.storage import FILE_NAME, Database
+from kvhandoff.service.testing.deployment import LocalDeployment
+from kvhandoff.service.tools.bench.handoff import Driver, Request, run_lanes
+from kvhandoff.service.webhooks.dispatch import Dispatcher
+from kvhandoff.service.webhooks.outbox import Outbox, webhook_body
 
 TERMINAL = ("handoff.completed", "handoff.failed", "handoff.aborted")
 

@@ -13,7 +13,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from service.config import ConfigError, load_config
+from kvhandoff.service.config import ConfigError, load_config
 
 DEFAULT_CONFIG = "/etc/kvhandoff/config.toml"
 TIMEOUT_S = 2.0

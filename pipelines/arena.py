@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipelines.errors import CapacityExceeded
+from kvhandoff.pipelines.errors import CapacityExceeded
 
 
 @dataclass(frozen=True, slots=True)

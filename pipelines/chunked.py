@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.digest import Digester
-from pipelines.packing import Pieces, Side, copy_out, gather, scatter, settle
-from pipelines.pairing import Pairing
+from kvhandoff.pipelines.digest import Digester
+from kvhandoff.pipelines.packing import Pieces, Side, copy_out, gather, scatter, settle
+from kvhandoff.pipelines.pairing import Pairing
 
 #: A chunk's bytes: small enough that the private chunk is still in cache when it is digested
 #: and scattered, large enough that the per-chunk work (its pieces, a view per piece) is small

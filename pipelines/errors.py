@@ -1,11 +1,11 @@
-"""Domain errors of `pipelines`, extending the tree rooted in `transport.errors`.
+"""Domain errors of `pipelines`, extending the tree rooted in `kvhandoff.transport.errors`.
 
 Nothing here knows about HTTP; `service` maps each class to a status code in one place.
 """
 
 from __future__ import annotations
 
-from transport.errors import KVHandoffError, TransportError, TransportTimeout
+from kvhandoff.transport.errors import KVHandoffError, TransportError, TransportTimeout
 
 __all__ = [
     "CapacityExceeded",

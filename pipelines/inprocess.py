@@ -3,15 +3,15 @@
 Used when an engine embeds kvhandoff and hosts both roles' pipelines in one process (and by the
 demo's single-process mode and the tests): each peer call is a direct method call instead of an
 HTTP request, with the same messages and the same error tree. Its methods are the calls of
-`pipelines.peer_calls` that the link carries (`PeerCall.in_process`), by the same names;
+`kvhandoff.pipelines.peer_calls` that the link carries (`PeerCall.in_process`), by the same names;
 `tests/unit/pipelines/test_peer_calls.py` fails when one is missing.
 """
 
 from __future__ import annotations
 
-from pipelines.decode import DecodePipeline
-from pipelines.errors import NotFoundError
-from pipelines.messages import (
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.errors import NotFoundError
+from kvhandoff.pipelines.messages import (
     PEER_PROTOCOL_VERSION,
     AbortAck,
     AbortMsg,
@@ -25,7 +25,7 @@ from pipelines.messages import (
     WindowAnswer,
     WindowRequest,
 )
-from pipelines.prefill import PrefillPipeline
+from kvhandoff.pipelines.prefill import PrefillPipeline
 
 
 class InProcessLink:

@@ -1,10 +1,10 @@
 """Stage layouts: what one PP stage (or the whole decode instance) registers, tagged by layer id.
 
-Called by the model builders in `pipelines.models`, by engines that publish flat pointer lists, and
-by the service when it exchanges layouts with peers. The layer-id contract (see DESIGN.md): every
-entry carries its *global* model layer id; KV entries are ordered group-major (all layers of group
-0, then group 1, ...), and the published `kv_layer_ids` list repeats the stage's full-attention
-layer ids once per group. Entries are later paired by id, never by position.
+Called by the model builders in `kvhandoff.pipelines.models`, by engines that publish flat pointer
+lists, and by the service when it exchanges layouts with peers. The layer-id contract (see
+DESIGN.md): every entry carries its *global* model layer id; KV entries are ordered group-major (all
+layers of group 0, then group 1, ...), and the published `kv_layer_ids` list repeats the stage's
+full-attention layer ids once per group. Entries are later paired by id, never by position.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Annotated, NewType
 import msgspec
 from msgspec import Meta, Struct
 
-from pipelines.errors import LayoutError
+from kvhandoff.pipelines.errors import LayoutError
 
 LayerId = NewType("LayerId", int)
 #: The largest integer numpy's int64 and SQLite's INTEGER hold. Every integer a peer or a router
@@ -51,7 +51,7 @@ class StateEntry(Struct, frozen=True, forbid_unknown_fields=True):
 
     `component` names the index space its slot is drawn from: entries of one component share
     a request's slot (a Mamba layer's conv and temporal state); another component (an engine's
-    second state pool) has a slot of its own (`pipelines.slots.RequestSlots`)."""
+    second state pool) has a slot of its own (`kvhandoff.pipelines.slots.RequestSlots`)."""
 
     layer_id: NonNeg
     kind: str  # "conv", "temporal", ...

@@ -14,11 +14,11 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from pipelines.layout import StageLayout
-from pipelines.pairing import Pairing
-from pipelines.planning import slot_indices
-from pipelines.slots import SlotsLike, as_slots
-from transport.pool_base import Pool
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.pairing import Pairing
+from kvhandoff.pipelines.planning import slot_indices
+from kvhandoff.pipelines.slots import SlotsLike, as_slots
+from kvhandoff.transport.pool_base import Pool
 
 U8 = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]
@@ -120,7 +120,7 @@ class PoolMemory:
     def array(self, index: int) -> Any:
         """Region `index` on its own device: a torch tensor for torch pools (and embedded
         tensors), else a numpy view of host memory. What packing copies run on (host tensors
-        through numpy: `pipelines.packing.HOST_TENSORS_VIA_NUMPY`)."""
+        through numpy: `kvhandoff.pipelines.packing.HOST_TENSORS_VIA_NUMPY`)."""
         return pool_array(self.pool, index)
 
 

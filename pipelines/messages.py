@@ -43,7 +43,7 @@ not speak instead of guessing. Change history:
   destination naming another mode than its own. Every integer on the wire is at most 2**63 - 1
   (`MAX_WIRE_INT`): a larger one is refused naming its field, item by item in a batch. A
   segment's digest is seeded with its decode life, handoff, stage, grant and pieces
-  (`pipelines.digest.segment_seed`), and device arenas digest with the non-linear `mix64`
+  (`kvhandoff.pipelines.digest.segment_seed`), and device arenas digest with the non-linear `mix64`
   instead of the linear `wsum64`.
 - v8: a destination carries its decode's layout (`decode_layout`: placed on a direct decode,
   every base 0 on a landed one) and, landed, its arena (`arena`), in place of the layout's
@@ -59,12 +59,13 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-from pipelines.layout import MAX_WIRE_INT, NonNeg, Positive, StageLayout
-from pipelines.slots import RequestSlots
+from kvhandoff.pipelines.layout import MAX_WIRE_INT, NonNeg, Positive, StageLayout
+from kvhandoff.pipelines.slots import RequestSlots
 
 PEER_PROTOCOL_VERSION = 8
 
-#: A protocol version: bounded like every integer on the wire (`pipelines.layout.MAX_WIRE_INT`).
+#: A protocol version: bounded like every integer on the wire
+#: (`kvhandoff.pipelines.layout.MAX_WIRE_INT`).
 Version = NonNeg
 Seconds = Annotated[float, Meta(ge=0)]
 #: A random id a service draws at start: messages of an earlier (or later) life are refused.
@@ -268,8 +269,8 @@ class SegmentMsg(Struct, frozen=True, kw_only=True):
     """Prefill → decode: one packed segment of stage `pp_rank` has landed in window `grant_id`.
 
     Piece i is pairing row `rows[i]` over the request's page positions `starts[i]:ends[i]`
-    (`pipelines.packing`); `digest` is of the `bytes` packed bytes. `last`: the stage has no
-    more segments, and this notice is its arrival."""
+    (`kvhandoff.pipelines.packing`); `digest` is of the `bytes` packed bytes. `last`: the stage has
+    no more segments, and this notice is its arrival."""
 
     version: Version = PEER_PROTOCOL_VERSION
     handoff_id: str
@@ -315,7 +316,9 @@ class SegmentOutcome(Struct, frozen=True, omit_defaults=True):
 
 def check_version(version: int) -> None:
     """Refuse a peer message of another protocol version instead of guessing at it."""
-    from pipelines.errors import InvalidInput  # here, so this check stays one block at the end
+    from kvhandoff.pipelines.errors import (
+        InvalidInput,  # here, so this check stays one block at the end
+    )
 
     if version != PEER_PROTOCOL_VERSION:
         raise InvalidInput(

@@ -19,8 +19,8 @@ from typing import Annotated
 
 from msgspec import Meta, Struct
 
-from pipelines.errors import LayoutError
-from pipelines.layout import DEFAULT_COMPONENT, AuxEntry, KVEntry, StageLayout, StateEntry
+from kvhandoff.pipelines.errors import LayoutError
+from kvhandoff.pipelines.layout import DEFAULT_COMPONENT, AuxEntry, KVEntry, StageLayout, StateEntry
 
 Positive = Annotated[int, Meta(gt=0)]
 NonNeg = Annotated[int, Meta(ge=0)]

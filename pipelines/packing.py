@@ -7,8 +7,9 @@ always positions 0:1, its one index). Packed, piece after piece, each piece's pa
 in request order, a segment is `sum(item_len[row] * (end - start))` bytes.
 
 - The prefill **gathers** a segment from its stage memory into a staging buffer (`gather`), one
-  local copy per piece; what the next segment holds is `pipelines.stage_packer.StagePacker`'s
-  choice: whatever of the ready layers fits the window it was granted.
+  local copy per piece; what the next segment holds is
+  `kvhandoff.pipelines.stage_packer.StagePacker`'s choice: whatever of the ready layers fits the
+  window it was granted.
 - The decode **scatters** a landed, digest-checked segment into the handoff's own pages and
   slot (`scatter`); it checks the pieces first (`check_pieces`), so a notice naming rows, pages
   or bytes its destination does not have changes nothing.
@@ -28,10 +29,10 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from pipelines.errors import InvalidInput
-from pipelines.pairing import Pairing
-from pipelines.planning import slot_indices
-from pipelines.slots import SlotsLike, as_slots
+from kvhandoff.pipelines.errors import InvalidInput
+from kvhandoff.pipelines.pairing import Pairing
+from kvhandoff.pipelines.planning import slot_indices
+from kvhandoff.pipelines.slots import SlotsLike, as_slots
 
 I64 = npt.NDArray[np.int64]
 

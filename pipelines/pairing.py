@@ -2,12 +2,13 @@
 
 Called once per (source layout, destination layout) pair — by the handoff pipeline through
 `PairingCache` — never per request. What pairs with what, and every reason it cannot, is
-`pipelines.pairing_problems` (the dry-run report over all stages is `pipelines.pairing_report`);
-`pair` raises on any problem and binds the pairs found into the arrays planning reads.
+`kvhandoff.pipelines.pairing_problems` (the dry-run report over all stages is
+`kvhandoff.pipelines.pairing_report`); `pair` raises on any problem and binds the pairs found into
+the arrays planning reads.
 
 A pairing's rows: KV pairs first, then its **slot rows** — the state pairs, then the aux pairs —
-each moving one row of a per-request index (`pipelines.slots`): a state pair its component's
-slot, an aux pair the request's aux row.
+each moving one row of a per-request index (`kvhandoff.pipelines.slots`): a state pair its
+component's slot, an aux pair the request's aux row.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pipelines.errors import PairingError
-from pipelines.layout import AuxEntry, StageLayout, StateEntry
-from pipelines.pairing_problems import Pairs, find_problems
-from pipelines.slots import AUX, Space
+from kvhandoff.pipelines.errors import PairingError
+from kvhandoff.pipelines.layout import AuxEntry, StageLayout, StateEntry
+from kvhandoff.pipelines.pairing_problems import Pairs, find_problems
+from kvhandoff.pipelines.slots import AUX, Space
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]

@@ -1,8 +1,8 @@
 """Pairing problems: every reason a source stage layout cannot be paired with a destination.
 
-`find_problems` is the one check, called once per layout pair by `pipelines.pairing.pair` (which
-raises on any problem) and by `pipelines.pairing_report` (which lists them all). KV entries
-match by `(layer_id, group)`, state entries by `(layer_id, kind)` (and must agree on their
+`find_problems` is the one check, called once per layout pair by `kvhandoff.pipelines.pairing.pair`
+(which raises on any problem) and by `kvhandoff.pipelines.pairing_report` (which lists them all). KV
+entries match by `(layer_id, group)`, state entries by `(layer_id, kind)` (and must agree on their
 component), aux entries by position; positionally for legacy layouts that publish no layer ids
 on either side with PP = 1. Each problem names where it is (layer, group, kind, aux entry).
 """
@@ -16,8 +16,8 @@ from typing import Any
 
 from msgspec import Struct
 
-from pipelines.errors import LayoutError
-from pipelines.layout import AuxEntry, KVEntry, StageLayout, StateEntry, group_layer_ids
+from kvhandoff.pipelines.errors import LayoutError
+from kvhandoff.pipelines.layout import AuxEntry, KVEntry, StageLayout, StateEntry, group_layer_ids
 
 #: Index pairs (source entry, destination entry) of one kind of entry.
 Pairs = list[tuple[int, int]]

@@ -2,7 +2,7 @@
 listed (not only the first), and coverage checked across stages.
 
 Called by the service's `validate` endpoint and by the decode when it first meets a prefill's
-layouts (`pipelines.decode.prefill_peers`); no bytes move.
+layouts (`kvhandoff.pipelines.decode.prefill_peers`); no bytes move.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from msgspec import Struct
 from msgspec.structs import replace
 
-from pipelines.layout import StageLayout
-from pipelines.pairing_problems import Pairs, Problem, find_problems
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.pairing_problems import Pairs, Problem, find_problems
 
 
 class StageReport(Struct, frozen=True):

@@ -2,11 +2,11 @@
 what it carries and answers, which way it travels, whether it travels in batches and whether a
 peer channel carries it.
 
-The HTTP client (`service.peers.protocol.HttpPeers`), the routes that receive the calls
-(`service.api.peer`), the peer channel's both ends (`service.http.peer_channel`: a channel
-carries a call by its path to the same handler as its route) and the in-process link
-(`pipelines.inprocess.InProcessLink`) are driven by it: paths and wire types come from here,
-and `tests/unit/pipelines/test_peer_calls.py` fails when an entry lacks its sender (a method
+The HTTP client (`kvhandoff.service.peers.protocol.HttpPeers`), the routes that receive the calls
+(`kvhandoff.service.api.peer`), the peer channel's both ends (`kvhandoff.service.http.peer_channel`:
+a channel carries a call by its path to the same handler as its route) and the in-process link
+(`kvhandoff.pipelines.inprocess.InProcessLink`) are driven by it: paths and wire types come from
+here, and `tests/unit/pipelines/test_peer_calls.py` fails when an entry lacks its sender (a method
 named `name` on the client, the in-process link and the sender's peer protocol) or its receiver
 (a route of that method and path taking `body` and answering `reply`; a channel handler for a
 call the channel carries), or when a peer route has no entry.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import GenericAlias
 from typing import Any, Literal
 
-from pipelines.messages import (
+from kvhandoff.pipelines.messages import (
     AbortAck,
     AbortMsg,
     ArrivalMsg,
@@ -133,7 +133,7 @@ HEARTBEATS = PeerCall(
 # Heartbeats stay on HTTP: they prove a peer answers by a path of its own.
 WATCH = PeerCall("watch", "GET", "/v1/peer/watch", None, None, "either", in_process=False)
 #: The channel itself: its handshake is a signed GET, upgraded to a WebSocket
-#: (`service.http.peer_channel`). Opened by whichever end sends calls (`PeerClient`).
+#: (`kvhandoff.service.http.peer_channel`). Opened by whichever end sends calls (`PeerClient`).
 CHANNEL = PeerCall("channel", "GET", "/v1/peer/channel", None, None, "either", in_process=False)
 
 PEER_CALLS: tuple[PeerCall, ...] = (

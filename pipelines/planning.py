@@ -5,7 +5,7 @@ Called per request (per stage, per readiness step) by the handoff pipeline, with
 where both page lists step by +1 — are found once and expanded over all pairs with numpy
 broadcasting, so the cost grows with runs x pairs in C, not in Python. The result is pair-major
 (all runs of pair 0, then pair 1, ...) followed by one block per slot row (state pairs, each at
-its component's slot, then aux pairs at the request's aux row: `pipelines.slots`).
+its component's slot, then aux pairs at the request's aux row: `kvhandoff.pipelines.slots`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from pipelines.errors import PlanError
-from pipelines.layout import StageLayout
-from pipelines.pairing import Pairing
-from pipelines.slots import RequestSlots, SlotsLike, as_slots, space_name
-from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
+from kvhandoff.pipelines.errors import PlanError
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.pairing import Pairing
+from kvhandoff.pipelines.slots import RequestSlots, SlotsLike, as_slots, space_name
+from kvhandoff.transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
 
 I64 = npt.NDArray[np.int64]
 PageList = Sequence[int] | npt.NDArray[np.integer]

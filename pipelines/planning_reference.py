@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipelines.pairing import Pairing
-from pipelines.slots import SlotsLike, as_slots
+from kvhandoff.pipelines.pairing import Pairing
+from kvhandoff.pipelines.slots import SlotsLike, as_slots
 
 
 def reference_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:

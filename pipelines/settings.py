@@ -1,16 +1,17 @@
 """The two pipelines' settings, each with its defaults, written once.
 
-`DecodeSettings` is taken by `pipelines.decode.DecodePipeline`, `PrefillSettings` by
-`pipelines.prefill.PrefillPipeline`. The service's configuration (`service.config`) takes its
-defaults for the same knobs from here and builds these from what a deployment set, so a default
-is never written twice (`tests/unit/test_settings.py` checks it).
+`DecodeSettings` is taken by `kvhandoff.pipelines.decode.DecodePipeline`, `PrefillSettings` by
+`kvhandoff.pipelines.prefill.PrefillPipeline`. The service's configuration
+(`kvhandoff.service.config`) takes its defaults for the same knobs from here and builds these from
+what a deployment set, so a default is never written twice (`tests/unit/test_settings.py` checks
+it).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH
+from kvhandoff.transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH
 
 #: A handoff's deadline when its request names none (both sides: the prefill uses it until a
 #: destination carries the real one).

@@ -1,9 +1,9 @@
 """The prefill's plan of a stage's segments: which cells (pairing row x request page position)
 are ready, which are packed, and what the next segment holds within a granted window.
 
-Called by the landed sender (`pipelines.prefill.landed`) as the engine signals layers or page
-ranges, and by the benchmarks that size segments; the pieces it returns are gathered and
-scattered by `pipelines.packing`.
+Called by the landed sender (`kvhandoff.pipelines.prefill.landed`) as the engine signals layers or
+page ranges, and by the benchmarks that size segments; the pieces it returns are gathered and
+scattered by `kvhandoff.pipelines.packing`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pipelines.errors import InvalidInput
-from pipelines.packing import Pieces
-from pipelines.pairing import Pairing
+from kvhandoff.pipelines.errors import InvalidInput
+from kvhandoff.pipelines.packing import Pieces
+from kvhandoff.pipelines.pairing import Pairing
 
 
 @dataclass

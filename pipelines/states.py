@@ -19,7 +19,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import TypeVar
 
-from pipelines.errors import InternalError
+from kvhandoff.pipelines.errors import InternalError
 
 
 class HandoffState(StrEnum):

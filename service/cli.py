@@ -15,22 +15,25 @@ from collections.abc import Sequence
 from typing import Any
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("service.serve", "run a prefill or decode service from a TOML config"),
+    "serve": ("kvhandoff.service.serve", "run a prefill or decode service from a TOML config"),
     "demo": (
-        "service.tools.demo",
+        "kvhandoff.service.tools.demo",
         "start a local PP prefill + decode deployment and verify handoffs",
     ),
     "load": (
-        "service.tools.load",
+        "kvhandoff.service.tools.load",
         "many handoffs in flight through a local deployment; fails on loss or memory growth",
     ),
 }
 #: What an operator measures on their own machines. The comparison suites, report generators and
 #: plots of `make bench` live outside the package, in the repository's `bench/`.
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "transport": ("service.tools.bench.transport", "transports vs. memcpy and raw Mooncake calls"),
+    "transport": (
+        "kvhandoff.service.tools.bench.transport",
+        "transports vs. memcpy and raw Mooncake calls",
+    ),
     "handoff": (
-        "service.tools.bench.handoff",
+        "kvhandoff.service.tools.bench.handoff",
         "handoffs through the HTTP services vs. raw baselines",
     ),
 }

@@ -1,8 +1,9 @@
 """An async client for routers: handoffs, the event stream, webhook endpoints and verification.
 
 Used by routers integrating with a decode service, and by kvhandoff's own tools and tests. It
-depends on aiohttp, msgspec, the API's public schemas (`pipelines.decode`) and the Standard
-Webhooks signature code (`service.webhooks.signatures`) — nothing of the running service.
+depends on aiohttp, msgspec, the API's public schemas (`kvhandoff.pipelines.decode`) and the
+Standard Webhooks signature code (`kvhandoff.service.webhooks.signatures`) — nothing of the running
+service.
 
     async with KVHandoffClient("http://decode:8100", token=TOKEN) as kv:
         await kv.create("req-1", dst_pages=[7, 8], dst_slot=3)
@@ -27,8 +28,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from pipelines.decode.views import HandoffPage, HandoffView
-from service.webhooks.signatures import SignatureError, verify
+from kvhandoff.pipelines.decode.views import HandoffPage, HandoffView
+from kvhandoff.service.webhooks.signatures import SignatureError, verify
 
 __all__ = [
     "ApiError",

@@ -6,7 +6,7 @@ with msgspec (unknown keys rejected) and checks what spans several keys. Every e
 `ConfigError` whose `field` (and message prefix) is the TOML key path, e.g.
 `stages[1].pp_rank: 4 is not below pp_size 4`.
 
-Only `service.serve` passes `os.environ` in; nothing else in the codebase reads it.
+Only `kvhandoff.service.serve` passes `os.environ` in; nothing else in the codebase reads it.
 """
 
 from __future__ import annotations
@@ -24,13 +24,18 @@ import msgspec
 from msgspec import Meta, Struct, field
 from msgspec.structs import force_setattr
 
-from pipelines.errors import InvalidInput, LayoutError
-from pipelines.events import REPLAY
-from pipelines.models import PRESETS, ModelSpec, Partition, partition_layers, preset
-from pipelines.settings import DECODE_DEFAULTS, PREFILL_DEFAULTS, DecodeSettings, PrefillSettings
-from pipelines.urls import canonical_url
-from transport.config import MooncakeConfig
-from transport.local import LocalConfig
+from kvhandoff.pipelines.errors import InvalidInput, LayoutError
+from kvhandoff.pipelines.events import REPLAY
+from kvhandoff.pipelines.models import PRESETS, ModelSpec, Partition, partition_layers, preset
+from kvhandoff.pipelines.settings import (
+    DECODE_DEFAULTS,
+    PREFILL_DEFAULTS,
+    DecodeSettings,
+    PrefillSettings,
+)
+from kvhandoff.pipelines.urls import canonical_url
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.local import LocalConfig
 
 ENV_PREFIX = "KVHANDOFF_"
 MiB = 1 << 20
@@ -118,8 +123,9 @@ class AuthConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
 #: one means "mooncake", so configurations written before the union keep working). A backend's
 #: own settings are reached through its type (`isinstance(config.transport, MooncakeConfig)`);
 #: `align_bytes`, `max_call_s` and the two batch caps every backend has.
-#: "mooncake": the Transfer Engine (`transport.config.MooncakeConfig`); "local": in-process
-#: memmove for single-process use and benchmarks (`transport.local.LocalConfig`).
+#: "mooncake": the Transfer Engine (`kvhandoff.transport.config.MooncakeConfig`); "local":
+#: in-process memmove for single-process use and benchmarks
+#: (`kvhandoff.transport.local.LocalConfig`).
 TransportConfig = MooncakeConfig | LocalConfig
 DEFAULT_BACKEND = "mooncake"
 
@@ -157,7 +163,8 @@ class TransferConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
 
 class ModelConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """A preset (see `pipelines.models.PRESETS`) with overrides, or an explicit `spec` table."""
+    """A preset (see `kvhandoff.pipelines.models.PRESETS`) with overrides, or an explicit `spec`
+    table."""
 
     preset: str | None = None
     scale: Positive | None = None
@@ -321,7 +328,7 @@ class StageConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True)
     #: Linear-attention state slots and aux rows (requests in flight); ignored by models
     #: without either.
     num_slots: NonNeg = 0
-    #: "torch:cpu", "torch:cuda:0", "torch:npu:0" or "shm:<name>" (see transport.pools).
+    #: "torch:cpu", "torch:cuda:0", "torch:npu:0" or "shm:<name>" (see kvhandoff.transport.pools).
     pool: str = "torch:cpu"
 
 
@@ -331,7 +338,7 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     transport: TransportConfig = field(default_factory=MooncakeConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     #: Required unless an embedding engine hands over every stage's layout with its buffers
-    #: (`service.runtime.stages.EngineStage`, as the SGLang backend does).
+    #: (`kvhandoff.service.runtime.stages.EngineStage`, as the SGLang backend does).
     model: ModelConfig | None = None
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)

@@ -29,22 +29,22 @@ import msgspec
 import numpy as np
 import uvloop
 
-from pipelines.decode import DecodePipeline
-from pipelines.decode.views import HandoffId, HandoffRequest, HandoffView
-from pipelines.errors import InternalError, InvalidInput
-from pipelines.events import Event
-from pipelines.layout import StageLayout
-from pipelines.messages import LayoutInfo
-from pipelines.prefill import PrefillPipeline
-from pipelines.slots import RequestSlots
-from pipelines.urls import ServiceUrl
-from service.config import Config, ConfigError
-from service.http.problems import NotReady, invalid_value
-from service.observability.loop_stalls import LoopStalls
-from service.observability.metrics import METRICS
-from service.runtime.roles import RUNTIME, DecodeRuntime, PrefillRuntime, RuntimeBase
-from service.runtime.stages import Buffers, EngineStage, unplaced_layout
-from service.serve import SHUTDOWN_TIMEOUT_S, Server, serve, service_with
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.views import HandoffId, HandoffRequest, HandoffView
+from kvhandoff.pipelines.errors import InternalError, InvalidInput
+from kvhandoff.pipelines.events import Event
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.messages import LayoutInfo
+from kvhandoff.pipelines.prefill import PrefillPipeline
+from kvhandoff.pipelines.slots import RequestSlots
+from kvhandoff.pipelines.urls import ServiceUrl
+from kvhandoff.service.config import Config, ConfigError
+from kvhandoff.service.http.problems import NotReady, invalid_value
+from kvhandoff.service.observability.loop_stalls import LoopStalls
+from kvhandoff.service.observability.metrics import METRICS
+from kvhandoff.service.runtime.roles import RUNTIME, DecodeRuntime, PrefillRuntime, RuntimeBase
+from kvhandoff.service.runtime.stages import Buffers, EngineStage, unplaced_layout
+from kvhandoff.service.serve import SHUTDOWN_TIMEOUT_S, Server, serve, service_with
 
 log = logging.getLogger("kvhandoff.embedded")
 T = TypeVar("T")
@@ -296,7 +296,8 @@ class EmbeddedService:
         async def create(runtime: RuntimeBase) -> HandoffView:
             try:
                 async with asyncio.timeout(limit_s):
-                    # The one admission path, as `POST /v1/handoffs` (service.runtime.admission).
+                    # The one admission path, as `POST /v1/handoffs`
+                    # (kvhandoff.service.runtime.admission).
                     view, _ = await _decode_runtime(runtime).create(checked)
             except TimeoutError:
                 raise TimeoutError(

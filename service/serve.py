@@ -4,8 +4,8 @@
 is the in-process entry point (tests, embedding, `kvhandoff demo`): an async context manager that
 starts the app on a TCP port and, on exit, stops it and runs every cleanup context.
 `install_service` is the whole service of the configured role as one extension: the role's
-runtime (`service.runtime.roles`, built by one function per role) and every route module, which
-only declare routes and hooks, so the order they are installed in does not matter.
+runtime (`kvhandoff.service.runtime.roles`, built by one function per role) and every route module,
+which only declare routes and hooks, so the order they are installed in does not matter.
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ import msgspec
 import uvloop
 from aiohttp import web
 
-from service.api.dashboard import install_dashboard
-from service.api.events import install_events
-from service.api.handoffs import install_handoffs
-from service.api.metrics import install_metrics
-from service.api.validate import install_validate
-from service.api.webhooks import install_webhooks
-from service.config import Config, ConfigError, backend_of, load_config
-from service.http.app import LOCAL_TARGET, AccessLogger, Extension, create_app
-from service.http.server import ProblemAppRunner
-from service.runtime.roles import install_runtime
-from service.runtime.stages import Buffers
+from kvhandoff.service.api.dashboard import install_dashboard
+from kvhandoff.service.api.events import install_events
+from kvhandoff.service.api.handoffs import install_handoffs
+from kvhandoff.service.api.metrics import install_metrics
+from kvhandoff.service.api.validate import install_validate
+from kvhandoff.service.api.webhooks import install_webhooks
+from kvhandoff.service.config import Config, ConfigError, backend_of, load_config
+from kvhandoff.service.http.app import LOCAL_TARGET, AccessLogger, Extension, create_app
+from kvhandoff.service.http.server import ProblemAppRunner
+from kvhandoff.service.runtime.roles import install_runtime
+from kvhandoff.service.runtime.stages import Buffers
 
 log = logging.getLogger("kvhandoff.service")
 
@@ -118,7 +118,7 @@ def setup_logging(level: str) -> None:
 def install_service(app: web.Application, buffers: Buffers | None = None) -> None:
     """The whole service of `app[CONFIG].role` (an `Extension`; `buffers`: an embedding
     engine's own, per pp_rank). The route modules install in any order: each declares its
-    routes, and what needs the running runtime waits for it (`service.runtime.roles`)."""
+    routes, and what needs the running runtime waits for it (`kvhandoff.service.runtime.roles`)."""
     install_runtime(app, buffers)
     install_validate(app)
     install_handoffs(app)

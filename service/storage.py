@@ -1,17 +1,17 @@
 """The decode service's SQLite database: handoff records and the webhook outbox, one file.
 
-Opened by `service.runtime.persistence` at start-up (`server.state_dir/decode.sqlite3`) and used
-only from the event loop's thread, by `service.records.handoffs` and `service.webhooks.outbox`.
-WAL mode with `synchronous=NORMAL`: a committed transaction is in the WAL file before `commit`
-returns, so it survives the process being killed (SIGKILL, OOM); only a power loss or kernel
-crash can lose the last transactions.
+Opened by `kvhandoff.service.runtime.persistence` at start-up (`server.state_dir/decode.sqlite3`)
+and used only from the event loop's thread, by `kvhandoff.service.records.handoffs` and
+`kvhandoff.service.webhooks.outbox`. WAL mode with `synchronous=NORMAL`: a committed transaction is
+in the WAL file before `commit` returns, so it survives the process being killed (SIGKILL, OOM);
+only a power loss or kernel crash can lose the last transactions.
 
 Group commit. A commit is most of a write's cost (about 200 us of the loop's time for one
 statement here, 40 us for the statement alone), so the bus listener's writes join one open
 transaction, `grouped()`, that commits at the first of: the next turn of the event loop, or
 anything about to leave the process — an HTTP answer, a peer request, an SSE frame
-(`service.http.egress` waits for `committed`). Nothing outside the process can learn of a state
-before it is on disk, as when each write committed alone; a process killed before the commit
+(`kvhandoff.service.http.egress` waits for `committed`). Nothing outside the process can learn of a
+state before it is on disk, as when each write committed alone; a process killed before the commit
 loses only state nobody was told of. Work that must wait for the commit (a webhook delivery is
 sent only once it is on disk) is queued with `after_commit`.
 

@@ -1,6 +1,6 @@
-"""A peer channel opened by hand (`service.http.peer_channel`), as a holder of the peer secret
-speaking for `sender` would: the signed handshake, the hello checked, the session key derived,
-then frames of the test's choosing. Used by the channel's unit tests and by the trust tests
+"""A peer channel opened by hand (`kvhandoff.service.http.peer_channel`), as a holder of the peer
+secret speaking for `sender` would: the signed handshake, the hello checked, the session key
+derived, then frames of the test's choosing. Used by the channel's unit tests and by the trust tests
 against real processes."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from pipelines.peer_calls import CHANNEL
-from service.http.peer_channel import HELLO_STATUS, Hello, session
-from service.http.peer_signing import NONCE_HEADER, Signer
+from kvhandoff.pipelines.peer_calls import CHANNEL
+from kvhandoff.service.http.peer_channel import HELLO_STATUS, Hello, session
+from kvhandoff.service.http.peer_signing import NONCE_HEADER, Signer
 
 
 class OpenedByHand:

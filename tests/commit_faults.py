@@ -2,9 +2,9 @@
 (`tests/engines/faults`, `tests/vllm/faults`: each a `sitecustomize` on one decode server's
 PYTHONPATH, never installed and never a product flag).
 
-`install` wraps kvhandoff's decode commit (`pipelines.decode.landing.Landing`) for the handoffs
-its predicates pick: every segment committed to a *corrupted* handoff has the sign bit of every
-value of each of its KV pages flipped (in every layer's K and V) after the commit verified its
+`install` wraps kvhandoff's decode commit (`kvhandoff.pipelines.decode.landing.Landing`) for the
+handoffs its predicates pick: every segment committed to a *corrupted* handoff has the sign bit of
+every value of each of its KV pages flipped (in every layer's K and V) after the commit verified its
 digest, so its tokens must differ from the single engine's (the negative control). The whole
 prompt's KV, not one page: SGLang's CPU pages hold one token each, and one token's KV flipped
 did not always change a greedy answer (one full run of tests/engines saw all three of its
@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.decode import landing
-from pipelines.packing import destination_side, piece_bytes, piece_views
+from kvhandoff.pipelines.decode import landing
+from kvhandoff.pipelines.packing import destination_side, piece_bytes, piece_views
 
 
 def install(

@@ -18,8 +18,8 @@ import numpy as np
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from pipelines.messages import HeartbeatAck, HeartbeatMsg
-from service.config import Config, load_config
+from kvhandoff.pipelines.messages import HeartbeatAck, HeartbeatMsg
+from kvhandoff.service.config import Config, load_config
 
 # -- time -----------------------------------------------------------------------------------
 
@@ -59,7 +59,7 @@ def local_config(
 
 class FakeEngine:
     """A fault-injecting stand-in for `mooncake.engine.TransferEngine` (the `Engine` protocol of
-    `transport.mooncake`), for unit tests of `MooncakeTransport`.
+    `kvhandoff.transport.mooncake`), for unit tests of `MooncakeTransport`.
 
     Writes are real memmoves within this process, so bytes really land (or do not). Knobs:
 
@@ -171,10 +171,10 @@ class FakeEngine:
 
 class FakeArrayEngineBinding(FakeEngine):
     """`FakeEngine` as a Mooncake 0.3.14 binding: it also has `batch_transfer_sync_write_arrays`
-    (`transport.mooncake_engine.WRITE_ARRAYS`), which checks its arguments as the real binding does
-    (one-dimensional, contiguous, 8-byte integers, equal lengths: TypeError / ValueError
-    otherwise), records what it was given (`array_args`: the three arrays per call, as passed),
-    and writes with the same memmoves as the list call. The list call stays, as on a real
+    (`kvhandoff.transport.mooncake_engine.WRITE_ARRAYS`), which checks its arguments as the real
+    binding does (one-dimensional, contiguous, 8-byte integers, equal lengths: TypeError /
+    ValueError otherwise), records what it was given (`array_args`: the three arrays per call, as
+    passed), and writes with the same memmoves as the list call. The list call stays, as on a real
     0.3.14 engine; `api_calls` tells which one the transport used."""
 
     def __init__(self, *, max_blocks: int = 2048) -> None:
@@ -225,9 +225,9 @@ class NpuDevice(NamedTuple):
 
 
 class TorchWithNpu:
-    """The slice of `torch` that `transport.npu` calls, as torch_npu leaves it: `npu` devices
-    parse. CPU builds of torch cannot parse them, and the real registration (renaming torch's
-    private device type) cannot be undone in a test process."""
+    """The slice of `torch` that `kvhandoff.transport.npu` calls, as torch_npu leaves it: `npu`
+    devices parse. CPU builds of torch cannot parse them, and the real registration (renaming
+    torch's private device type) cannot be undone in a test process."""
 
     uint8 = "uint8"
 
@@ -302,8 +302,8 @@ async def eventually(
 
 
 class RecordingService:
-    """An engine adapter's embedded service (`service.embedded.EmbeddedService`) as the adapter
-    sees it: it records the engine-facing calls, raises what a test queues for one (`fail`),
+    """An engine adapter's embedded service (`kvhandoff.service.embedded.EmbeddedService`) as the
+    adapter sees it: it records the engine-facing calls, raises what a test queues for one (`fail`),
     and hands the adapter the events a test `emit`s, on the test's thread. For the adapter's
     own bookkeeping only: what the service does with the calls is the real service's tests."""
 

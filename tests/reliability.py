@@ -40,9 +40,9 @@ import aiohttp
 import msgspec
 import numpy as np
 
-from pipelines.messages import LayoutInfo
-from service.http.peer_signing import Signer
-from service.testing.deployment import LocalDeployment
+from kvhandoff.pipelines.messages import LayoutInfo
+from kvhandoff.service.http.peer_signing import Signer
+from kvhandoff.service.testing.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     SENTINEL,
     Moved,

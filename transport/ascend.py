@@ -7,17 +7,18 @@ the engine reports clearly when missed (a glog line, an HCCL code, a hang until 
   and `npu-smi` number it, not the logical one ASCEND_RT_VISIBLE_DEVICES renumbers); peers still
   reach the engine at `ip:<rpc port>`;
 - registered memory starts on a 2 MiB boundary (the device's page tables): torch and shm pools
-  are allocated so (`transport.config.alignment_for`); an engine's own buffers, registered as
-  they are in direct mode, are checked (`misaligned`);
+  are allocated so (`kvhandoff.transport.config.alignment_for`); an engine's own buffers, registered
+  as they are in direct mode, are checked (`misaligned`);
 - `/etc/hccn.conf` exists (the engine reads the NPU's NIC address from it at start-up; in a
   container it must be mounted);
 - the transports' own timeouts come from `ASCEND_CONNECT_TIMEOUT` and `ASCEND_TRANSFER_TIMEOUT`
   (whole milliseconds, 3000 each by default): kvhandoff sets them from its config
   (`MooncakeConfig.ascend_*_timeout_s`, in `MooncakeConfig.engine_env`), never the other way.
 
-Callers: `service.config` (the settings, at load) and `service.runtime.transport` (the host, at
-start-up) name the setting in a ConfigError; `transport.mooncake` checks both again for callers
-without the service, and the alignment at `register`. Not yet run on Ascend hardware.
+Callers: `kvhandoff.service.config` (the settings, at load) and
+`kvhandoff.service.runtime.transport` (the host, at start-up) name the setting in a ConfigError;
+`kvhandoff.transport.mooncake` checks both again for callers without the service, and the alignment
+at `register`. Not yet run on Ascend hardware.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from transport.config import ASCEND_ALIGN_BYTES, MooncakeConfig
-from transport.regions import Region
+from kvhandoff.transport.config import ASCEND_ALIGN_BYTES, MooncakeConfig
+from kvhandoff.transport.regions import Region
 
 #: `ip:port:npu_<physical id>`: an IPv4 address or host name (Mooncake's Ascend transports take
 #: no IPv6), a port, the NPU.

@@ -1,8 +1,9 @@
 """The `Transport` contract: move `Blocks` from local registered memory to a peer's.
 
 Callers: pools register and unregister their memory; the handoff pipeline (`pipelines`) calls
-`write` per stage and `quiesce` before it reports an abort. Implementations: `transport.mooncake`
-(the Transfer Engine) and `transport.local` (in-process memmove). Nothing here knows about layers.
+`write` per stage and `quiesce` before it reports an abort. Implementations:
+`kvhandoff.transport.mooncake` (the Transfer Engine) and `kvhandoff.transport.local` (in-process
+memmove). Nothing here knows about layers.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from transport.blocks import Blocks
-from transport.regions import Region
+from kvhandoff.transport.blocks import Blocks
+from kvhandoff.transport.regions import Region
 
 #: The memory every transport moves: host memory (`register`'s `devices`).
 HOST = frozenset({"cpu"})

@@ -1,5 +1,6 @@
 """The Mooncake transport's configuration: one frozen Struct, tagged `backend = "mooncake"` in
-the service's transport union (`service.config.TransportConfig`), parsed once and passed down.
+the service's transport union (`kvhandoff.service.config.TransportConfig`), parsed once and passed
+down.
 
 Nothing in `transport` reads `os.environ`. The one documented exception runs the other way: the
 Transfer Engine only takes some tuning from environment variables, read when the engine is
@@ -15,7 +16,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH
+from kvhandoff.transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH
 
 Protocol = Literal["tcp", "rdma", "ascend"]
 
@@ -44,7 +45,7 @@ DEFAULT_MAX_BYTES_PER_BATCH = 1 << 30
 DEFAULT_PEER_IDLE_S = 60.0
 
 
-#: The batch caps every backend cuts a write at (`pipelines.planning` plans under them).
+#: The batch caps every backend cuts a write at (`kvhandoff.pipelines.planning` plans under them).
 BlocksPerBatch = Annotated[int, Meta(ge=1, le=DEFAULT_MAX_BLOCKS_PER_BATCH)]
 BytesPerBatch = Annotated[int, Meta(ge=4096, le=1 << 40)]
 

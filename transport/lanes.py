@@ -1,4 +1,4 @@
-"""The per-write, per-batch and per-peer state of `transport.mooncake`'s write path.
+"""The per-write, per-batch and per-peer state of `kvhandoff.transport.mooncake`'s write path.
 
 Data only, plus the one derived fact a lane answers (`PeerLane.stuck`). `MooncakeTransport` is the
 only user; its module docstring states the rules this state serves, and which code (and lock)
@@ -11,8 +11,8 @@ import asyncio
 import threading
 from collections import deque
 
-from transport.blocks import Blocks
-from transport.errors import TransportError
+from kvhandoff.transport.blocks import Blocks
+from kvhandoff.transport.errors import TransportError
 
 
 class Write:

@@ -7,8 +7,8 @@ transport`. Its peers are the local transports of this process that are still op
 Copies run on one dedicated worker thread — `ctypes.memmove` releases the GIL, and a 4 GiB
 request would otherwise stall the event loop for about a second.
 
-Its write path keeps the rules `transport.mooncake` states: batches under both caps, one at a
-time per write; a batch fails with its own error, carrying the cause if the copy or its
+Its write path keeps the rules `kvhandoff.transport.mooncake` states: batches under both caps, one
+at a time per write; a batch fails with its own error, carrying the cause if the copy or its
 preparation raised (`_copy_unless_late`); the `start_by` check is the last step before the first
 byte moves, in the worker thread; only the caller's cancellation cancels (a copy that started
 finishes, and `quiesce` waits for it); `max_call_s` bounds one batch's copy generously.
@@ -26,16 +26,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
-from transport.base import HOST, TransportStats
-from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
-from transport.config import (
+from kvhandoff.transport.base import HOST, TransportStats
+from kvhandoff.transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
+from kvhandoff.transport.config import (
     DEFAULT_ALIGN_BYTES,
     DEFAULT_MAX_BYTES_PER_BATCH,
     BlocksPerBatch,
     BytesPerBatch,
 )
-from transport.errors import EngineCallError, TransportError, TransportTimeout
-from transport.regions import Region, RegionTable
+from kvhandoff.transport.errors import EngineCallError, TransportError, TransportTimeout
+from kvhandoff.transport.regions import Region, RegionTable
 
 _ids = itertools.count(1)
 #: `max_call_s` of a local copy: a fixed allowance for scheduling (the worker thread may wait for

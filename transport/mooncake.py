@@ -1,12 +1,13 @@
 """The `mooncake` transport: blocks to a peer through the Mooncake Transfer Engine.
 
 Called by the handoff pipeline (`write`, `quiesce`) and by pools (`register`, `unregister`).
-Starting the engine, and which memory the installed build moves: `transport.mooncake_engine`.
+Starting the engine, and which memory the installed build moves:
+`kvhandoff.transport.mooncake_engine`.
 
 How a write runs. `write` cuts its blocks into batches (at most `max_blocks_per_batch` blocks
 and `max_bytes_per_batch` bytes; larger blocks are cut) and queues them on the peer's lane; at most
 `max_inflight_batches_per_peer` batches per peer are submitted, so the asyncio side gets
-backpressure. Worker threads, shared by all peers (`transport.workers`: at most
+backpressure. Worker threads, shared by all peers (`kvhandoff.transport.workers`: at most
 `max_worker_threads`, each exiting after `peer_idle_s` idle), drain the lanes: one engine call
 per peer at a time, small batches of several writes queued behind a running call sharing the
 next one (if it fails, every write in it fails: they all go to the same peer, whose failures are
@@ -42,8 +43,9 @@ The write path's safety rules, each enforced in one place here:
    and the call, the engine's timeout, and 1 ns per byte of the largest batch). A peer that
    knows a write's `start_by` knows when its bytes can no longer land: `start_by + max_call_s`.
 6. *"Stuck" is a fact, not a flag*: a lane is stuck while the call that outlived
-   `transfer_timeout_s` is still running (`transport.lanes.PeerLane.stuck`, read from the call
-   ids under the lock). Test: `test_a_stuck_peer_fails_queued_batches_with_their_own_current_error`.
+   `transfer_timeout_s` is still running (`kvhandoff.transport.lanes.PeerLane.stuck`, read from the
+   call ids under the lock). Test:
+   `test_a_stuck_peer_fails_queued_batches_with_their_own_current_error`.
 
 Why sync calls on worker threads, not `batch_transfer_async_write` + one waiter thread: both
 engine paths busy-wait a core while a batch runs, and on this 2-core machine (256 MiB to a
@@ -101,13 +103,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from transport import ascend
-from transport.base import HOST, TransportStats
-from transport.blocks import Blocks
-from transport.config import MooncakeConfig
-from transport.errors import EngineCallError, TransportError, TransportTimeout
-from transport.lanes import Batch, Counters, PeerLane, Write
-from transport.mooncake_engine import (
+from kvhandoff.transport import ascend
+from kvhandoff.transport.base import HOST, TransportStats
+from kvhandoff.transport.blocks import Blocks
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.errors import EngineCallError, TransportError, TransportTimeout
+from kvhandoff.transport.lanes import Batch, Counters, PeerLane, Write
+from kvhandoff.transport.mooncake_engine import (
     WRITE_ARRAYS,
     Engine,
     WriteArrays,
@@ -115,8 +117,8 @@ from transport.mooncake_engine import (
     refuse_memory,
     start_engine,
 )
-from transport.regions import Region, RegionTable
-from transport.workers import Workers
+from kvhandoff.transport.regions import Region, RegionTable
+from kvhandoff.transport.workers import Workers
 
 #: Niceness added to the worker threads that wait in engine calls (see `_lower_priority`).
 WORKER_NICE = 10

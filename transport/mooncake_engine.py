@@ -1,9 +1,9 @@
-"""The Mooncake Transfer Engine itself: the calls `transport.mooncake` makes on it, starting one
-as a `MooncakeConfig` says, and which memory the installed build can move.
+"""The Mooncake Transfer Engine itself: the calls `kvhandoff.transport.mooncake` makes on it,
+starting one as a `MooncakeConfig` says, and which memory the installed build can move.
 
 Called by `MooncakeTransport.start` and `register`, and by the raw-engine baselines of the
-benchmarks and the test harness (`service.testing.raw_engines`), which drive an engine without
-the transport around it.
+benchmarks and the test harness (`kvhandoff.service.testing.raw_engines`), which drive an engine
+without the transport around it.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import re
 from collections.abc import Callable
 from typing import Protocol
 
-from transport import ascend
-from transport.base import HOST
-from transport.blocks import U64
-from transport.config import MooncakeConfig
-from transport.errors import TransportError
-from transport.npu import use_npu
+from kvhandoff.transport import ascend
+from kvhandoff.transport.base import HOST
+from kvhandoff.transport.blocks import U64
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.errors import TransportError
+from kvhandoff.transport.npu import use_npu
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,8 @@ def refuse_memory(devices: frozenset[str], builds: frozenset[str]) -> None:
 def start_engine(config: MooncakeConfig) -> Engine:
     """Construct and initialise a Transfer Engine as `config` says (imports mooncake lazily)."""
     if config.protocol == "ascend" or ":npu_" in config.hostname:
-        # The service names the setting first (`service.runtime.transport`); checked here too
-        # for callers without it, before the engine (or its import) fails less clearly.
+        # The service names the setting first (`kvhandoff.service.runtime.transport`); checked here
+        # too for callers without it, before the engine (or its import) fails less clearly.
         problems = [f"{key}: {why}" for key, why in ascend.settings_problems(config)]
         host = ascend.host_problem() if config.protocol == "ascend" else None
         if problems or host:

@@ -1,10 +1,10 @@
 """Ascend NPU memory through `torch_npu`: the one module of kvhandoff that imports it.
 
-Callers: `transport.pool_torch` (a `torch:npu:N` pool, and the device checks) and
-`transport.pointers` (an engine's NPU buffers known by address). `torch_npu` is imported only
-when an `npu` device is named: the import registers the `npu` device type with torch (and
-`torch.npu`, whose streams `settle` in `pipelines.packing` waits on), so every later use of such
-a tensor is plain torch.
+Callers: `kvhandoff.transport.pool_torch` (a `torch:npu:N` pool, and the device checks) and
+`kvhandoff.transport.pointers` (an engine's NPU buffers known by address). `torch_npu` is imported
+only when an `npu` device is named: the import registers the `npu` device type with torch (and
+`torch.npu`, whose streams `settle` in `kvhandoff.pipelines.packing` waits on), so every later use
+of such a tensor is plain torch.
 
 NPU memory known only by address is wrapped with torch_npu's own constructors for memory it did
 not allocate, `torch_npu._C._construct_storage_from_data_pointer` and
@@ -24,7 +24,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from transport.errors import PoolError
+from kvhandoff.transport.errors import PoolError
 
 #: What a missing torch_npu is told to install (pyproject's extra).
 INSTALL = "install kvhandoff[ascend]: torch_npu, with the CANN toolkit it was built for"
@@ -52,8 +52,8 @@ def import_torch_npu(what: str, *, field: str) -> ModuleType:
 
 def npu_tensor_at(torch: Any, addr: int, length: int, dev: Any) -> Any:
     """A flat uint8 tensor over `length` bytes of NPU memory at `addr` on NPU `dev` (a torch
-    device this process can use: `transport.pool_torch.npu_device`), no copy, never freed by
-    torch. PoolError naming the device when torch_npu cannot wrap it."""
+    device this process can use: `kvhandoff.transport.pool_torch.npu_device`), no copy, never freed
+    by torch. PoolError naming the device when torch_npu cannot wrap it."""
     device = str(dev)
     dev = torch.device("npu", dev.index or 0)  # where the tensor lands, to compare with
     torch_npu = import_torch_npu(f"buffers on {device!r}", field="buffers")

@@ -9,7 +9,8 @@ engine's memory, and the engine keeps that memory alive (an `EmbeddedPool` never
   the driver and would copy to another (default) device, so the import runs with the expected
   device as the default and the result is checked to alias the address there (host memory
   pinned for that device passes too: the device reaches it);
-- NPU memory: torch_npu's constructors for memory it did not allocate (`transport.npu`, the one
+- NPU memory: torch_npu's constructors for memory it did not allocate (`kvhandoff.transport.npu`,
+the one
   module that imports torch_npu, and only when an `npu` device is named).
 """
 
@@ -18,9 +19,9 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from transport.errors import PoolError
-from transport.npu import npu_tensor_at
-from transport.pool_torch import check_cuda, npu_device
+from kvhandoff.transport.errors import PoolError
+from kvhandoff.transport.npu import npu_tensor_at
+from kvhandoff.transport.pool_torch import check_cuda, npu_device
 
 
 class _CudaMemory:

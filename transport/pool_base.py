@@ -2,10 +2,12 @@
 
 The caller (a stage or the decode instance in `pipelines`/`service`) passes region sizes in bytes,
 usually `StageLayout.region_sizes`; a pool returns one base address per region and knows nothing
-of layers. Three kinds, chosen by a spec string (`transport.pools.open_pool`) or built directly:
+of layers. Three kinds, chosen by a spec string (`kvhandoff.transport.pools.open_pool`) or built
+directly:
 
-- `torch:<device>` (`transport.pool_torch.TorchPool`): tensors kvhandoff allocates itself;
-- `shm:<name>` (`transport.pool_shm.ShmPool`): a file under /dev/shm shared with an engine;
+- `torch:<device>` (`kvhandoff.transport.pool_torch.TorchPool`): tensors kvhandoff allocates itself;
+- `shm:<name>` (`kvhandoff.transport.pool_shm.ShmPool`): a file under /dev/shm shared with an
+engine;
 - embedded (`EmbeddedPool`): buffers an engine running kvhandoff in-process hands over.
 
 Placement rule shared by torch and shm pools (`pack_offsets`): regions are laid out in the given
@@ -23,9 +25,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from transport.base import HOST, Transport
-from transport.errors import PoolError
-from transport.regions import Region
+from kvhandoff.transport.base import HOST, Transport
+from kvhandoff.transport.errors import PoolError
+from kvhandoff.transport.regions import Region
 
 Bytes = npt.NDArray[np.uint8]
 

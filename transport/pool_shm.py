@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from transport.errors import PoolError
-from transport.pool_base import Bytes, Pool, pack_offsets
-from transport.regions import Region
+from kvhandoff.transport.errors import PoolError
+from kvhandoff.transport.pool_base import Bytes, Pool, pack_offsets
+from kvhandoff.transport.regions import Region
 
 SHM_DIR = "/dev/shm"
 

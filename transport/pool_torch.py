@@ -1,8 +1,8 @@
 """`torch:<device>` pools: one backing uint8 tensor kvhandoff allocates, regions packed in it.
 
 Devices: `cpu` (optionally pinned, which needs a CUDA build of torch), `cuda:N`, and `npu:N`.
-`npu` needs `torch_npu`, imported (by `transport.npu`) only when an npu device is configured:
-importing it registers the `npu` device type with torch.
+`npu` needs `torch_npu`, imported (by `kvhandoff.transport.npu`) only when an npu device is
+configured: importing it registers the `npu` device type with torch.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from transport.errors import PoolError
-from transport.npu import import_torch_npu
-from transport.pool_base import Bytes, Pool, align_up, pack_offsets
-from transport.regions import Region
+from kvhandoff.transport.errors import PoolError
+from kvhandoff.transport.npu import import_torch_npu
+from kvhandoff.transport.pool_base import Bytes, Pool, align_up, pack_offsets
+from kvhandoff.transport.regions import Region
 
 
 def _torch_device(device: str) -> Any:
@@ -35,7 +35,7 @@ def _torch_device(device: str) -> Any:
 def check_cuda(torch: Any, dev: Any, *, what: str = "pool device", field: str = "pool") -> None:
     """Name the mistake before torch does: a CPU build raises a bare AssertionError on the
     first allocation, which a start-up would print as a traceback. Also for memory wrapped by
-    address (`transport.pointers`), whose `what` and `field` name it instead."""
+    address (`kvhandoff.transport.pointers`), whose `what` and `field` name it instead."""
     if torch.version.cuda is None:
         raise PoolError(
             f"{what} {str(dev)!r} needs a CUDA build of torch; this is torch "

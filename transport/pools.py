@@ -1,4 +1,5 @@
-"""Open a pool by spec string: `torch:<device>` or `shm:<name>` (kinds in `transport.pool_base`).
+"""Open a pool by spec string: `torch:<device>` or `shm:<name>` (kinds in
+`kvhandoff.transport.pool_base`).
 
 Kept apart from the base class so the import graph is a tree: `pool_torch` and `pool_shm` build
 on `pool_base`, and only this factory knows them all. Importing it does not import torch
@@ -9,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from transport.config import DEFAULT_ALIGN_BYTES
-from transport.errors import PoolError
-from transport.pool_base import Pool
-from transport.pool_shm import ShmPool
-from transport.pool_torch import TorchPool
+from kvhandoff.transport.config import DEFAULT_ALIGN_BYTES
+from kvhandoff.transport.errors import PoolError
+from kvhandoff.transport.pool_base import Pool
+from kvhandoff.transport.pool_shm import ShmPool
+from kvhandoff.transport.pool_torch import TorchPool
 
 
 def open_pool(

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 import msgspec
 import numpy as np
 
-from transport.blocks import U64
-from transport.errors import TransportError
+from kvhandoff.transport.blocks import U64
+from kvhandoff.transport.errors import TransportError
 
 
 class Region(msgspec.Struct, frozen=True):

@@ -1,9 +1,9 @@
 """A bounded pool of worker threads that exit when idle: where Mooncake engine calls run.
 
-Called by `transport.mooncake` only. `ThreadPoolExecutor` keeps every thread it ever started
-until shutdown, so a thread per peer would mean 200 threads for 200 peers, forever. Here at most
-`max_threads` threads run tasks, a thread exits after `idle_s` without one, and `close` waits for
-the queued tasks and joins every thread. Tasks are callables that report through their own
+Called by `kvhandoff.transport.mooncake` only. `ThreadPoolExecutor` keeps every thread it ever
+started until shutdown, so a thread per peer would mean 200 threads for 200 peers, forever. Here at
+most `max_threads` threads run tasks, a thread exits after `idle_s` without one, and `close` waits
+for the queued tasks and joins every thread. Tasks are callables that report through their own
 channels; one that raises is a bug in the caller, and the exception propagates out of the
 thread (Python prints it) after the thread has left the pool's accounting.
 """

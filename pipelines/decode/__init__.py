@@ -5,8 +5,8 @@ answers (`heartbeats`), checks of prefill notices (`notices`), sending destinati
 (`delivery`) and the landed segment exchange (`segments`, over `landing`). Imports the shared
 modules of `pipelines`, never the prefill side."""
 
-from pipelines.decode.handoff import DecodeHandoff
-from pipelines.decode.pipeline import DecodePipeline, PrefillPeer
-from pipelines.states import HandoffState
+from kvhandoff.pipelines.decode.handoff import DecodeHandoff
+from kvhandoff.pipelines.decode.pipeline import DecodePipeline, PrefillPeer
+from kvhandoff.pipelines.states import HandoffState
 
 __all__ = ["DecodeHandoff", "DecodePipeline", "HandoffState", "PrefillPeer"]

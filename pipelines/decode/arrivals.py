@@ -14,17 +14,17 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from pipelines.decode.handoff import ROLE, DecodeHandoff, DecodeStage, publish
-from pipelines.decode.notices import check_accounting, check_sender, first_mismatch
-from pipelines.decode.outcomes import Outcomes
-from pipelines.decode.release import Releases
-from pipelines.errors import ConflictError, InvalidInput, NotFoundError
-from pipelines.events import EventBus, StageArrived
-from pipelines.layout import StageLayout
-from pipelines.memory import EntryMemory
-from pipelines.messages import ArrivalMsg, SegmentMsg, StageFailedMsg, WindowRequest
-from pipelines.pairing import PairingCache
-from pipelines.states import HandoffState, StageState, advance
+from kvhandoff.pipelines.decode.handoff import ROLE, DecodeHandoff, DecodeStage, publish
+from kvhandoff.pipelines.decode.notices import check_accounting, check_sender, first_mismatch
+from kvhandoff.pipelines.decode.outcomes import Outcomes
+from kvhandoff.pipelines.decode.release import Releases
+from kvhandoff.pipelines.errors import ConflictError, InvalidInput, NotFoundError
+from kvhandoff.pipelines.events import EventBus, StageArrived
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.memory import EntryMemory
+from kvhandoff.pipelines.messages import ArrivalMsg, SegmentMsg, StageFailedMsg, WindowRequest
+from kvhandoff.pipelines.pairing import PairingCache
+from kvhandoff.pipelines.states import HandoffState, StageState, advance
 
 Notice = ArrivalMsg | StageFailedMsg | SegmentMsg | WindowRequest
 

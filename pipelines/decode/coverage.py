@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from pipelines.arena import Extent
-from pipelines.errors import ConflictError
-from pipelines.messages import RESENDS_PER_SEGMENT
-from pipelines.packing import Pieces
-from pipelines.pairing import Pairing
+from kvhandoff.pipelines.arena import Extent
+from kvhandoff.pipelines.errors import ConflictError
+from kvhandoff.pipelines.messages import RESENDS_PER_SEGMENT
+from kvhandoff.pipelines.packing import Pieces
+from kvhandoff.pipelines.pairing import Pairing
 
 I64 = npt.NDArray[np.int64]
 Cells = tuple[I64, I64]

@@ -12,14 +12,14 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from pipelines.decode.handoff import DecodeHandoff
-from pipelines.decode.landing import WINDOW_WAIT_S, Landing
-from pipelines.decode.outcomes import Outcomes
-from pipelines.decode.prefill_peers import PrefillDirectory
-from pipelines.errors import KVHandoffError
-from pipelines.layout import StageLayout
-from pipelines.messages import AbortAck, AbortMsg, ArenaSpan, DestinationMsg, LayoutInfo
-from pipelines.states import HandoffState, advance
+from kvhandoff.pipelines.decode.handoff import DecodeHandoff
+from kvhandoff.pipelines.decode.landing import WINDOW_WAIT_S, Landing
+from kvhandoff.pipelines.decode.outcomes import Outcomes
+from kvhandoff.pipelines.decode.prefill_peers import PrefillDirectory
+from kvhandoff.pipelines.errors import KVHandoffError
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.messages import AbortAck, AbortMsg, ArenaSpan, DestinationMsg, LayoutInfo
+from kvhandoff.pipelines.states import HandoffState, advance
 
 
 class PrefillPeer(Protocol):

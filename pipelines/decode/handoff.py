@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from pipelines.decode.views import ErrorView, HandoffRequest, HandoffView, StageView
-from pipelines.events import Event, EventBus
-from pipelines.layout import StageLayout
-from pipelines.states import (
+from kvhandoff.pipelines.decode.views import ErrorView, HandoffRequest, HandoffView, StageView
+from kvhandoff.pipelines.events import Event, EventBus
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.states import (
     DeliveryState,
     HandoffState,
     ReleaseState,

@@ -1,22 +1,23 @@
 """What the decode side's heartbeats ask of its handoffs, and what their answers do to them.
 
-Called through the decode pipeline by the service's heartbeat task (`service.peers.heartbeat`):
-whom to ping and what to check each answer against (`live_by_prefill`, `live_with`), and what it
-learned: a prefill peer lost or back (`peer_lost`, `peer_back`), restarted, or no longer running a
-handoff it was given (`reconcile`). A failure here is an outcome only; a peer's writers count as
-stopped only on its own word (SAFETY.md I4), never because it went silent (L1, L3).
+Called through the decode pipeline by the service's heartbeat task
+(`kvhandoff.service.peers.heartbeat`): whom to ping and what to check each answer against
+(`live_by_prefill`, `live_with`), and what it learned: a prefill peer lost or back (`peer_lost`,
+`peer_back`), restarted, or no longer running a handoff it was given (`reconcile`). A failure here
+is an outcome only; a peer's writers count as stopped only on its own word (SAFETY.md I4), never
+because it went silent (L1, L3).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipelines.decode.handoff import DecodeHandoff, DecodeStage
-from pipelines.decode.outcomes import Outcomes
-from pipelines.decode.prefill_peers import PrefillDirectory
-from pipelines.decode.release import Releases
-from pipelines.messages import HeartbeatAck
-from pipelines.states import ReleaseState
+from kvhandoff.pipelines.decode.handoff import DecodeHandoff, DecodeStage
+from kvhandoff.pipelines.decode.outcomes import Outcomes
+from kvhandoff.pipelines.decode.prefill_peers import PrefillDirectory
+from kvhandoff.pipelines.decode.release import Releases
+from kvhandoff.pipelines.messages import HeartbeatAck
+from kvhandoff.pipelines.states import ReleaseState
 
 
 class PrefillWatch:

@@ -15,17 +15,17 @@ from collections.abc import Iterator
 
 import msgspec
 
-from pipelines.decode.handoff import DecodeHandoff
-from pipelines.decode.release import Releases
-from pipelines.decode.views import (
+from kvhandoff.pipelines.decode.handoff import DecodeHandoff
+from kvhandoff.pipelines.decode.release import Releases
+from kvhandoff.pipelines.decode.views import (
     ArchivedHandoff,
     HandoffArchive,
     HandoffPage,
     HandoffRequest,
     HandoffView,
 )
-from pipelines.errors import ConflictError, NotFoundError
-from pipelines.states import HandoffState, ReleaseState
+from kvhandoff.pipelines.errors import ConflictError, NotFoundError
+from kvhandoff.pipelines.states import HandoffState, ReleaseState
 
 
 class HandoffHistory:

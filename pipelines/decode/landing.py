@@ -32,17 +32,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pipelines.arena import Arena, Extent
-from pipelines.awaiting import finish
-from pipelines.chunked import Scratch, copy_digest_scatter
-from pipelines.decode.coverage import Cells, HandoffLanding, StageLanding
-from pipelines.decode.handoff import DecodeHandoff
-from pipelines.digest import Algorithm, Digester, segment_seed
-from pipelines.errors import ConflictError, InvalidInput
-from pipelines.layout import StageLayout
-from pipelines.messages import Grant, SegmentMsg
-from pipelines.packing import ByteRegions, Pieces, check_pieces, destination_side
-from pipelines.pairing import Pairing
+from kvhandoff.pipelines.arena import Arena, Extent
+from kvhandoff.pipelines.awaiting import finish
+from kvhandoff.pipelines.chunked import Scratch, copy_digest_scatter
+from kvhandoff.pipelines.decode.coverage import Cells, HandoffLanding, StageLanding
+from kvhandoff.pipelines.decode.handoff import DecodeHandoff
+from kvhandoff.pipelines.digest import Algorithm, Digester, segment_seed
+from kvhandoff.pipelines.errors import ConflictError, InvalidInput
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.messages import Grant, SegmentMsg
+from kvhandoff.pipelines.packing import ByteRegions, Pieces, check_pieces, destination_side
+from kvhandoff.pipelines.pairing import Pairing
 
 I64 = npt.NDArray[np.int64]
 log = logging.getLogger(__name__)

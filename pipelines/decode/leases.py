@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from pipelines.errors import ConflictError
-from pipelines.layout import StageLayout
-from pipelines.slots import AUX, SlotsLike, Space, as_slots
+from kvhandoff.pipelines.errors import ConflictError
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.slots import AUX, SlotsLike, Space, as_slots
 
 I64 = npt.NDArray[np.int64]
 _FREE = -1

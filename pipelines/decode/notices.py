@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pipelines.errors import ConflictError, InvalidInput
-from pipelines.layout import StageLayout
-from pipelines.memory import EntryMemory, destination_digests
-from pipelines.messages import ArrivalMsg, SegmentMsg, StageFailedMsg, WindowRequest
-from pipelines.pairing import Pairing
-from pipelines.slots import SlotsLike
+from kvhandoff.pipelines.errors import ConflictError, InvalidInput
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.memory import EntryMemory, destination_digests
+from kvhandoff.pipelines.messages import ArrivalMsg, SegmentMsg, StageFailedMsg, WindowRequest
+from kvhandoff.pipelines.pairing import Pairing
+from kvhandoff.pipelines.slots import SlotsLike
 
 I64 = npt.NDArray[np.int64]
 

@@ -1,7 +1,7 @@
 """A decode handoff's outcome: decided once, announced at once, then handed to the release.
 
-Called by the decode pipeline (`pipelines.decode`) for every way a handoff ends (SAFETY.md L1):
-every stage arrived (`complete`), a stage or its peer failed (`fail`, `fail_stages`), an abort
+Called by the decode pipeline (`kvhandoff.pipelines.decode`) for every way a handoff ends (SAFETY.md
+L1): every stage arrived (`complete`), a stage or its peer failed (`fail`, `fail_stages`), an abort
 (`abort`), its deadline passed (`expire`, armed by `open`). The table in `states.py` refuses a
 second outcome. Announcing never frees pages: a failure starts the quiesce (`Releases.start`),
 an abort's caller starts it, and a completion releases at once, because every writer has then
@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipelines.decode.handoff import ROLE, DecodeHandoff, publish
-from pipelines.decode.release import Releases
-from pipelines.decode.views import ErrorView
-from pipelines.errors import DeadlineExceeded, PeerUnreachable
-from pipelines.events import EventBus, HandoffAborted, HandoffCompleted, HandoffFailed
-from pipelines.states import HandoffState, StageState, advance, allowed
+from kvhandoff.pipelines.decode.handoff import ROLE, DecodeHandoff, publish
+from kvhandoff.pipelines.decode.release import Releases
+from kvhandoff.pipelines.decode.views import ErrorView
+from kvhandoff.pipelines.errors import DeadlineExceeded, PeerUnreachable
+from kvhandoff.pipelines.events import EventBus, HandoffAborted, HandoffCompleted, HandoffFailed
+from kvhandoff.pipelines.states import HandoffState, StageState, advance, allowed
 
 
 class Outcomes:

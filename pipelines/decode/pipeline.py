@@ -23,37 +23,37 @@ from typing import Any
 
 import msgspec
 
-from pipelines.decode.arrivals import StageNotices
-from pipelines.decode.delivery import Delivery, PrefillPeer
-from pipelines.decode.handoff import I64, ROLE, DecodeHandoff, DecodeStage, publish
-from pipelines.decode.heartbeats import PrefillWatch
-from pipelines.decode.history import HandoffHistory
-from pipelines.decode.landing import Landing
-from pipelines.decode.leases import Leases, slot_claims
-from pipelines.decode.outcomes import Outcomes
-from pipelines.decode.prefill_peers import PrefillDirectory, Stages
-from pipelines.decode.queries import DecodeQueries
-from pipelines.decode.release import Releases
-from pipelines.decode.segments import SegmentExchange
-from pipelines.decode.views import (
+from kvhandoff.pipelines.decode.arrivals import StageNotices
+from kvhandoff.pipelines.decode.delivery import Delivery, PrefillPeer
+from kvhandoff.pipelines.decode.handoff import I64, ROLE, DecodeHandoff, DecodeStage, publish
+from kvhandoff.pipelines.decode.heartbeats import PrefillWatch
+from kvhandoff.pipelines.decode.history import HandoffHistory
+from kvhandoff.pipelines.decode.landing import Landing
+from kvhandoff.pipelines.decode.leases import Leases, slot_claims
+from kvhandoff.pipelines.decode.outcomes import Outcomes
+from kvhandoff.pipelines.decode.prefill_peers import PrefillDirectory, Stages
+from kvhandoff.pipelines.decode.queries import DecodeQueries
+from kvhandoff.pipelines.decode.release import Releases
+from kvhandoff.pipelines.decode.segments import SegmentExchange
+from kvhandoff.pipelines.decode.views import (
     FencedPages,
     HandoffArchive,
     HandoffPage,
     HandoffRequest,
     HandoffView,
 )
-from pipelines.errors import (
+from kvhandoff.pipelines.errors import (
     CapacityExceeded,
     ConflictError,
     InvalidInput,
 )
-from pipelines.events import (
+from kvhandoff.pipelines.events import (
     EventBus,
     HandoffCreated,
 )
-from pipelines.layout import StageLayout
-from pipelines.memory import EntryMemory
-from pipelines.messages import (
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.memory import EntryMemory
+from kvhandoff.pipelines.messages import (
     ArenaSpan,
     ArrivalMsg,
     HeartbeatAck,
@@ -64,11 +64,11 @@ from pipelines.messages import (
     WindowAnswer,
     WindowRequest,
 )
-from pipelines.pairing import PairingCache
-from pipelines.peercache import new_incarnation
-from pipelines.planning import validate_pages_for_layout
-from pipelines.settings import DECODE_DEFAULTS, DecodeSettings
-from pipelines.states import HandoffState, ReleaseState
+from kvhandoff.pipelines.pairing import PairingCache
+from kvhandoff.pipelines.peercache import new_incarnation
+from kvhandoff.pipelines.planning import validate_pages_for_layout
+from kvhandoff.pipelines.settings import DECODE_DEFAULTS, DecodeSettings
+from kvhandoff.pipelines.states import HandoffState, ReleaseState
 
 # What the service, routers' clients and tests import from here (the handoff record moved to
 # `handoff`, the states to `states`).

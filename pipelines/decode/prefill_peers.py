@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from pipelines.errors import InvalidInput, KVHandoffError, PairingError
-from pipelines.layout import StageLayout
-from pipelines.messages import LayoutInfo
-from pipelines.pairing import PairingCache
-from pipelines.pairing_report import pairing_report
-from pipelines.peercache import MAX_PEERS, PeerCache
+from kvhandoff.pipelines.errors import InvalidInput, KVHandoffError, PairingError
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.messages import LayoutInfo
+from kvhandoff.pipelines.pairing import PairingCache
+from kvhandoff.pipelines.pairing_report import pairing_report
+from kvhandoff.pipelines.peercache import MAX_PEERS, PeerCache
 
 #: Per PP rank: the prefill URL hosting it, that service's layout answer, the stage's layout.
 Stages = dict[int, tuple[str, LayoutInfo, StageLayout]]

@@ -12,13 +12,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 
-from pipelines.arena import ArenaUse
-from pipelines.decode.handoff import DecodeHandoff
-from pipelines.decode.landing import Landing
-from pipelines.decode.leases import Leases
-from pipelines.decode.prefill_peers import PrefillDirectory
-from pipelines.decode.views import MAX_FENCED_SHOWN, FencedUse, HandoffView, HeldHandoff, PageUse
-from pipelines.states import HandoffState
+from kvhandoff.pipelines.arena import ArenaUse
+from kvhandoff.pipelines.decode.handoff import DecodeHandoff
+from kvhandoff.pipelines.decode.landing import Landing
+from kvhandoff.pipelines.decode.leases import Leases
+from kvhandoff.pipelines.decode.prefill_peers import PrefillDirectory
+from kvhandoff.pipelines.decode.views import (
+    MAX_FENCED_SHOWN,
+    FencedUse,
+    HandoffView,
+    HeldHandoff,
+    PageUse,
+)
+from kvhandoff.pipelines.states import HandoffState
 
 
 class DecodeQueries:

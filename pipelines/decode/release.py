@@ -1,7 +1,7 @@
 """Fencing a handoff's destination pages until no write of it can land, then releasing them.
 
-Called by the decode pipeline (`pipelines.decode`), which decides outcomes and calls in here for
-everything about the lease after that:
+Called by the decode pipeline (`kvhandoff.pipelines.decode`), which decides outcomes and calls in
+here for everything about the lease after that:
 
 - `start(h, reason)` with a handoff's first failure or abort: the one quiesce that stops each
   prefill stage that may still write, then releases;
@@ -27,16 +27,16 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pipelines.decode.handoff import ROLE, DecodeHandoff, DecodeStage, publish
-from pipelines.decode.landing import Landing
-from pipelines.decode.leases import Leases, slot_claims
-from pipelines.decode.views import FencedPages, HandoffArchive, HandoffView
-from pipelines.errors import InvalidInput, KVHandoffError
-from pipelines.events import EventBus, HandoffReleased
-from pipelines.layout import StageLayout
-from pipelines.messages import AbortAck, AbortMsg
-from pipelines.planning import validate_pages_for_layout
-from pipelines.states import (
+from kvhandoff.pipelines.decode.handoff import ROLE, DecodeHandoff, DecodeStage, publish
+from kvhandoff.pipelines.decode.landing import Landing
+from kvhandoff.pipelines.decode.leases import Leases, slot_claims
+from kvhandoff.pipelines.decode.views import FencedPages, HandoffArchive, HandoffView
+from kvhandoff.pipelines.errors import InvalidInput, KVHandoffError
+from kvhandoff.pipelines.events import EventBus, HandoffReleased
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.messages import AbortAck, AbortMsg
+from kvhandoff.pipelines.planning import validate_pages_for_layout
+from kvhandoff.pipelines.states import (
     DeliveryState,
     HandoffState,
     ReleaseState,

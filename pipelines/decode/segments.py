@@ -12,16 +12,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from pipelines.decode.handoff import ROLE, DecodeHandoff, DecodeStage, publish
-from pipelines.decode.landing import Landing, Verdict
-from pipelines.decode.outcomes import Outcomes
-from pipelines.decode.release import Releases
-from pipelines.errors import InvalidInput
-from pipelines.events import EventBus, SegmentCommitted, SegmentRejected
-from pipelines.layout import StageLayout
-from pipelines.messages import SegmentAck, SegmentMsg, WindowAnswer, WindowRequest
-from pipelines.packing import layer_range
-from pipelines.pairing import PairingCache
+from kvhandoff.pipelines.decode.handoff import ROLE, DecodeHandoff, DecodeStage, publish
+from kvhandoff.pipelines.decode.landing import Landing, Verdict
+from kvhandoff.pipelines.decode.outcomes import Outcomes
+from kvhandoff.pipelines.decode.release import Releases
+from kvhandoff.pipelines.errors import InvalidInput
+from kvhandoff.pipelines.events import EventBus, SegmentCommitted, SegmentRejected
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.messages import SegmentAck, SegmentMsg, WindowAnswer, WindowRequest
+from kvhandoff.pipelines.packing import layer_range
+from kvhandoff.pipelines.pairing import PairingCache
 
 #: A stage all of whose bytes are in place: (handoff, rank, stage, bytes) -> counted, and the
 #: handoff completed with its last stage (`StageNotices.arrive`).

@@ -1,8 +1,8 @@
 """What routers and engines exchange with the decode side about one handoff: the request that
 creates it, the views that answer for it, and what an earlier life of the service recorded.
 
-Built by `pipelines.decode` (views), decoded by the service's routes (requests), and kept by the
-service's records (`HandoffArchive`, `FencedPages`). Nothing here acts; these are the shapes.
+Built by `kvhandoff.pipelines.decode` (views), decoded by the service's routes (requests), and kept
+by the service's records (`HandoffArchive`, `FencedPages`). Nothing here acts; these are the shapes.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Annotated, Any, Protocol
 
 from msgspec import Meta, Struct
 
-from pipelines.events import Event
-from pipelines.slots import RequestSlots
-from pipelines.states import HandoffState, StageState
+from kvhandoff.pipelines.events import Event
+from kvhandoff.pipelines.slots import RequestSlots
+from kvhandoff.pipelines.states import HandoffState, StageState
 
 #: A handoff id is a URL path segment (`/v1/handoffs/{id}`): no "/", and not "." or "..",
 #: which standard clients resolve away (RFC 3986 dot-segments). No lookahead: JSON Schema users.
@@ -189,7 +189,7 @@ class ArchivedHandoff(Struct, frozen=True):
 
 
 class HandoffArchive(Protocol):
-    """Where the service keeps finished handoffs (`service.records.handoffs`)."""
+    """Where the service keeps finished handoffs (`kvhandoff.service.records.handoffs`)."""
 
     def find(self, handoff_id: str) -> ArchivedHandoff | None: ...
 

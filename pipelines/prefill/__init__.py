@@ -2,8 +2,14 @@
 records and the protocols it needs (`handoff`), and the stage worker that moves a stage's bytes
 (`stage`). Imports the shared modules of `pipelines`, never the decode side."""
 
-from pipelines.prefill.handoff import BlockWriter, DecodePeer, HostedStage, PrefillHandoff, Staging
-from pipelines.prefill.pipeline import PrefillPipeline
+from kvhandoff.pipelines.prefill.handoff import (
+    BlockWriter,
+    DecodePeer,
+    HostedStage,
+    PrefillHandoff,
+    Staging,
+)
+from kvhandoff.pipelines.prefill.pipeline import PrefillPipeline
 
 __all__ = [
     "BlockWriter",

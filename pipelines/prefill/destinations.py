@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from pipelines.errors import ConflictError, InvalidInput, NotFoundError
-from pipelines.messages import DestinationMsg, TransferMode
-from pipelines.peercache import MAX_PEERS, PeerCache
-from pipelines.planning import validate_pages_for_layout
-from pipelines.prefill.handoff import DecodeSide
-from pipelines.prefill.staged import check_grant
-from pipelines.urls import canonical_url
+from kvhandoff.pipelines.errors import ConflictError, InvalidInput, NotFoundError
+from kvhandoff.pipelines.messages import DestinationMsg, TransferMode
+from kvhandoff.pipelines.peercache import MAX_PEERS, PeerCache
+from kvhandoff.pipelines.planning import validate_pages_for_layout
+from kvhandoff.pipelines.prefill.handoff import DecodeSide
+from kvhandoff.pipelines.prefill.staged import check_grant
+from kvhandoff.pipelines.urls import canonical_url
 
 
 def check_addressed(

@@ -14,11 +14,11 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from pipelines.arena import Arena
-from pipelines.errors import InvalidInput
-from pipelines.layout import StageLayout
-from pipelines.memory import EntryMemory
-from pipelines.messages import (
+from kvhandoff.pipelines.arena import Arena
+from kvhandoff.pipelines.errors import InvalidInput
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.memory import EntryMemory
+from kvhandoff.pipelines.messages import (
     ArenaSpan,
     ArrivalMsg,
     DestinationMsg,
@@ -29,10 +29,10 @@ from pipelines.messages import (
     WindowAnswer,
     WindowRequest,
 )
-from pipelines.packing import ByteRegions
-from pipelines.slots import RequestSlots
-from pipelines.states import StageState, advance
-from transport.blocks import Blocks
+from kvhandoff.pipelines.packing import ByteRegions
+from kvhandoff.pipelines.slots import RequestSlots
+from kvhandoff.pipelines.states import StageState, advance
+from kvhandoff.transport.blocks import Blocks
 
 I64 = npt.NDArray[np.int64]
 ROLE = "prefill"
@@ -88,7 +88,7 @@ class HostedStage:
 
     layout: StageLayout
     memory: EntryMemory | None = None  # host-readable views, for direct mode's digests
-    # Every entry on its own device, for landed mode's gathers (`pipelines.packing`).
+    # Every entry on its own device, for landed mode's gathers (`kvhandoff.pipelines.packing`).
     regions: ByteRegions | None = None
 
 

@@ -25,16 +25,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.awaiting import drain
-from pipelines.chunked import Scratch
-from pipelines.digest import segment_seed
-from pipelines.errors import (
+from kvhandoff.pipelines.awaiting import drain
+from kvhandoff.pipelines.chunked import Scratch
+from kvhandoff.pipelines.digest import segment_seed
+from kvhandoff.pipelines.errors import (
     DeadlineExceeded,
     DigestMismatch,
     InternalError,
 )
-from pipelines.events import EventBus, StagePaired, StageTransferred
-from pipelines.messages import (
+from kvhandoff.pipelines.events import EventBus, StagePaired, StageTransferred
+from kvhandoff.pipelines.messages import (
     RESENDS_PER_SEGMENT,
     ArenaSpan,
     DestinationMsg,
@@ -43,9 +43,9 @@ from pipelines.messages import (
     SegmentMsg,
     WindowRequest,
 )
-from pipelines.packing import Pieces, Side, piece_bytes, source_side
-from pipelines.pairing import Pairing
-from pipelines.prefill.handoff import (
+from kvhandoff.pipelines.packing import Pieces, Side, piece_bytes, source_side
+from kvhandoff.pipelines.pairing import Pairing
+from kvhandoff.pipelines.prefill.handoff import (
     ROLE,
     BlockWriter,
     DecodePeer,
@@ -56,10 +56,15 @@ from pipelines.prefill.handoff import (
     StageSource,
     Staging,
 )
-from pipelines.prefill.readiness import Layers, fold_signals, stage_packer
-from pipelines.prefill.staged import BLOCK_BYTES, check_grant, gather_segment, staged_blocks
-from pipelines.prefill.writes import write_all
-from pipelines.stage_packer import StagePacker
+from kvhandoff.pipelines.prefill.readiness import Layers, fold_signals, stage_packer
+from kvhandoff.pipelines.prefill.staged import (
+    BLOCK_BYTES,
+    check_grant,
+    gather_segment,
+    staged_blocks,
+)
+from kvhandoff.pipelines.prefill.writes import write_all
+from kvhandoff.pipelines.stage_packer import StagePacker
 
 #: Segments of one stage in flight at once: the next is gathered and written while the last
 #: one's notice and commit run, so the engine is not idle for a round trip per segment.

@@ -19,27 +19,27 @@ from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
-from pipelines.errors import (
+from kvhandoff.pipelines.errors import (
     ConflictError,
     EngineAborted,
 )
-from pipelines.events import (
+from kvhandoff.pipelines.events import (
     DestinationReceived,
     Event,
     EventBus,
     HandoffAborted,
     StageReady,
 )
-from pipelines.messages import (
+from kvhandoff.pipelines.messages import (
     AbortAck,
     DestinationMsg,
     HeartbeatAck,
     TransferMode,
 )
-from pipelines.pairing import PairingCache
-from pipelines.peercache import new_incarnation
-from pipelines.prefill.destinations import DecodeLives, check_addressed, check_destination
-from pipelines.prefill.handoff import (
+from kvhandoff.pipelines.pairing import PairingCache
+from kvhandoff.pipelines.peercache import new_incarnation
+from kvhandoff.pipelines.prefill.destinations import DecodeLives, check_addressed, check_destination
+from kvhandoff.pipelines.prefill.handoff import (
     I64,
     ROLE,
     BlockWriter,
@@ -50,22 +50,22 @@ from pipelines.prefill.handoff import (
     StageInput,
     Staging,
 )
-from pipelines.prefill.queries import PrefillQueries
-from pipelines.prefill.ranges import check_range
-from pipelines.prefill.scopes import Finished, OpenHandoffs
-from pipelines.prefill.signals import (
+from kvhandoff.pipelines.prefill.queries import PrefillQueries
+from kvhandoff.pipelines.prefill.ranges import check_range
+from kvhandoff.pipelines.prefill.scopes import Finished, OpenHandoffs
+from kvhandoff.pipelines.prefill.signals import (
     hosted_stage,
     layer_pages,
     queue_signal,
     stage_input,
     stage_layers,
 )
-from pipelines.prefill.stage import StageRunner
-from pipelines.prefill.task import fail_all, run_handoff
-from pipelines.settings import PREFILL_DEFAULTS, PrefillSettings
-from pipelines.slots import NO_SLOTS, RequestSlots, SlotsLike, as_slots
-from pipelines.states import StageState
-from pipelines.urls import canonical_url
+from kvhandoff.pipelines.prefill.stage import StageRunner
+from kvhandoff.pipelines.prefill.task import fail_all, run_handoff
+from kvhandoff.pipelines.settings import PREFILL_DEFAULTS, PrefillSettings
+from kvhandoff.pipelines.slots import NO_SLOTS, RequestSlots, SlotsLike, as_slots
+from kvhandoff.pipelines.states import StageState
+from kvhandoff.pipelines.urls import canonical_url
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ Read by the engine route's bound on handoffs awaiting a destination (`holds`, `o
 
 from __future__ import annotations
 
-from pipelines.arena import ArenaUse
-from pipelines.prefill.handoff import Staging
-from pipelines.prefill.scopes import OpenHandoffs
+from kvhandoff.pipelines.arena import ArenaUse
+from kvhandoff.pipelines.prefill.handoff import Staging
+from kvhandoff.pipelines.prefill.scopes import OpenHandoffs
 
 
 class PrefillQueries:

@@ -16,11 +16,11 @@ from collections.abc import Collection
 
 import numpy as np
 
-from pipelines.errors import InvalidInput
-from pipelines.messages import DestinationMsg
-from pipelines.planning import validate_pages_for_layout
-from pipelines.prefill.handoff import I64, HostedStage, StageInput, request_pages
-from pipelines.slots import RequestSlots
+from kvhandoff.pipelines.errors import InvalidInput
+from kvhandoff.pipelines.messages import DestinationMsg
+from kvhandoff.pipelines.planning import validate_pages_for_layout
+from kvhandoff.pipelines.prefill.handoff import I64, HostedStage, StageInput, request_pages
+from kvhandoff.pipelines.slots import RequestSlots
 
 
 def check_range(

@@ -7,12 +7,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipelines.errors import InternalError, InvalidInput
-from pipelines.events import ChunksEmitted, EventBus
-from pipelines.messages import DestinationMsg
-from pipelines.pairing import Pairing
-from pipelines.prefill.handoff import ROLE, HostedStage, PrefillHandoff, StageSource, Staging
-from pipelines.stage_packer import StagePacker
+from kvhandoff.pipelines.errors import InternalError, InvalidInput
+from kvhandoff.pipelines.events import ChunksEmitted, EventBus
+from kvhandoff.pipelines.messages import DestinationMsg
+from kvhandoff.pipelines.pairing import Pairing
+from kvhandoff.pipelines.prefill.handoff import (
+    ROLE,
+    HostedStage,
+    PrefillHandoff,
+    StageSource,
+    Staging,
+)
+from kvhandoff.pipelines.stage_packer import StagePacker
 
 
 @dataclass

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from pipelines.errors import ConflictError
-from pipelines.messages import HeartbeatAck
-from pipelines.prefill.handoff import PrefillHandoff
+from kvhandoff.pipelines.errors import ConflictError
+from kvhandoff.pipelines.messages import HeartbeatAck
+from kvhandoff.pipelines.prefill.handoff import PrefillHandoff
 
 #: How many ended handoffs are remembered, so a late or repeated signal is refused rather than
 #: opening a handoff that waits for a destination that will never come.

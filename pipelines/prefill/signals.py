@@ -14,11 +14,17 @@ from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
-from pipelines.errors import ConflictError, InvalidInput, NotFoundError
-from pipelines.planning import validate_pages_for_layout
-from pipelines.prefill.handoff import I64, HostedStage, PrefillHandoff, ReadySignal, StageInput
-from pipelines.slots import RequestSlots
-from pipelines.states import StageState
+from kvhandoff.pipelines.errors import ConflictError, InvalidInput, NotFoundError
+from kvhandoff.pipelines.planning import validate_pages_for_layout
+from kvhandoff.pipelines.prefill.handoff import (
+    I64,
+    HostedStage,
+    PrefillHandoff,
+    ReadySignal,
+    StageInput,
+)
+from kvhandoff.pipelines.slots import RequestSlots
+from kvhandoff.pipelines.states import StageState
 
 
 def hosted_stage(stages: Mapping[int, HostedStage], pp_rank: int) -> HostedStage:

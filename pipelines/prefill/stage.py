@@ -22,8 +22,8 @@ from collections.abc import Mapping
 import msgspec
 import numpy as np
 
-from pipelines.errors import InternalError, KVHandoffError
-from pipelines.events import (
+from kvhandoff.pipelines.errors import InternalError, KVHandoffError
+from kvhandoff.pipelines.events import (
     ChunksEmitted,
     Event,
     EventBus,
@@ -31,11 +31,11 @@ from pipelines.events import (
     StagePaired,
     StageTransferred,
 )
-from pipelines.memory import source_digests
-from pipelines.messages import ArrivalMsg, DestinationMsg, StageFailedMsg
-from pipelines.pairing import Pairing, PairingCache
-from pipelines.planning import TransferPlan, plan, slot_indices, validate_request
-from pipelines.prefill.handoff import (
+from kvhandoff.pipelines.memory import source_digests
+from kvhandoff.pipelines.messages import ArrivalMsg, DestinationMsg, StageFailedMsg
+from kvhandoff.pipelines.pairing import Pairing, PairingCache
+from kvhandoff.pipelines.planning import TransferPlan, plan, slot_indices, validate_request
+from kvhandoff.pipelines.prefill.handoff import (
     END,
     ROLE,
     BlockWriter,
@@ -51,9 +51,9 @@ from pipelines.prefill.handoff import (
     Staging,
     stage_source,
 )
-from pipelines.prefill.landed import LandedSender
-from pipelines.prefill.writes import write_all
-from pipelines.states import StageState
+from kvhandoff.pipelines.prefill.landed import LandedSender
+from kvhandoff.pipelines.prefill.writes import write_all
+from kvhandoff.pipelines.states import StageState
 
 log = logging.getLogger(__name__)
 

@@ -15,14 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.awaiting import finish
-from pipelines.chunked import Scratch, gather_digest
-from pipelines.digest import Algorithm, Digester
-from pipelines.errors import ConflictError
-from pipelines.messages import ArenaSpan, Grant
-from pipelines.packing import Pieces, Side
-from pipelines.pairing import Pairing
-from transport.blocks import Blocks
+from kvhandoff.pipelines.awaiting import finish
+from kvhandoff.pipelines.chunked import Scratch, gather_digest
+from kvhandoff.pipelines.digest import Algorithm, Digester
+from kvhandoff.pipelines.errors import ConflictError
+from kvhandoff.pipelines.messages import ArenaSpan, Grant
+from kvhandoff.pipelines.packing import Pieces, Side
+from kvhandoff.pipelines.pairing import Pairing
+from kvhandoff.transport.blocks import Blocks
 
 #: Segments travel in blocks of this size: Mooncake TCP's throughput peaks near 256 KiB-1 MiB
 #: blocks here, and a segment of a few large blocks costs a few per-block overheads, not one

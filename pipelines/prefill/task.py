@@ -14,12 +14,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from pipelines.errors import DeadlineExceeded, InternalError, KVHandoffError
-from pipelines.messages import DestinationMsg
-from pipelines.prefill.destinations import DecodeLives, check_decode_side
-from pipelines.prefill.handoff import PrefillHandoff, StageFailed
-from pipelines.prefill.stage import StageRunner
-from pipelines.states import StageState
+from kvhandoff.pipelines.errors import DeadlineExceeded, InternalError, KVHandoffError
+from kvhandoff.pipelines.messages import DestinationMsg
+from kvhandoff.pipelines.prefill.destinations import DecodeLives, check_decode_side
+from kvhandoff.pipelines.prefill.handoff import PrefillHandoff, StageFailed
+from kvhandoff.pipelines.prefill.stage import StageRunner
+from kvhandoff.pipelines.states import StageState
 
 log = logging.getLogger(__name__)
 

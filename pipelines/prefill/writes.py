@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-from pipelines.awaiting import drain
-from pipelines.prefill.handoff import BlockWriter
-from transport.blocks import Blocks
+from kvhandoff.pipelines.awaiting import drain
+from kvhandoff.pipelines.prefill.handoff import BlockWriter
+from kvhandoff.transport.blocks import Blocks
 
 
 async def write_all(writer: BlockWriter, target: str, blocks: Blocks, start_by: float) -> None:

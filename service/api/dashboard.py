@@ -19,12 +19,12 @@ from importlib import resources
 from aiohttp import web
 from msgspec import Struct
 
-from pipelines.arena import ArenaUse
-from pipelines.decode.views import PageUse
-from pipelines.errors import KVHandoffError
-from service.http.app import CONFIG, ROUTES, VERSION, json_response
-from service.http.routing import RouteTable
-from service.observability.activity import (
+from kvhandoff.pipelines.arena import ArenaUse
+from kvhandoff.pipelines.decode.views import PageUse
+from kvhandoff.pipelines.errors import KVHandoffError
+from kvhandoff.service.http.app import CONFIG, ROUTES, VERSION, json_response
+from kvhandoff.service.http.routing import RouteTable
+from kvhandoff.service.observability.activity import (
     BUCKET_S,
     RECENT,
     Activity,
@@ -32,9 +32,16 @@ from service.observability.activity import (
     HandoffActivity,
     Latency,
 )
-from service.peers.heartbeat import PeerHealth
-from service.peers.protocol import HttpPeers
-from service.runtime.roles import DECODE, PREFILL, RUNTIME, DecodeRuntime, Runtime, on_runtime
+from kvhandoff.service.peers.heartbeat import PeerHealth
+from kvhandoff.service.peers.protocol import HttpPeers
+from kvhandoff.service.runtime.roles import (
+    DECODE,
+    PREFILL,
+    RUNTIME,
+    DecodeRuntime,
+    Runtime,
+    on_runtime,
+)
 
 #: A configured prefill whose layout could not be read is asked again after this long.
 LAYOUT_RETRY_S = 10.0
@@ -94,7 +101,7 @@ def install_dashboard(app: web.Application) -> None:
     """Serve the page and its snapshot (an `Extension`); it listens once the runtime is up."""
     app[ACTIVITY] = Activity()
     app[_STAGES] = ConfiguredStages()
-    app[_PAGE] = resources.files("service.api").joinpath("dashboard.html").read_bytes()
+    app[_PAGE] = resources.files("kvhandoff.service.api").joinpath("dashboard.html").read_bytes()
     activity = app[ACTIVITY]
 
     def listen(runtime: Runtime) -> None:

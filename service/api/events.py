@@ -4,7 +4,7 @@
 Each frame is `id: <bus seq>`, `event: <stable tag>`, `data: <the event as JSON>`. A reader
 resumes with `Last-Event-ID` (header, or `?last_event_id=` where a client cannot set headers)
 from the bus's bounded replay buffer; ids it can no longer get are announced with a
-`stream.gap` frame, never skipped silently (`service.observability.streams`). Every stream
+`stream.gap` frame, never skipped silently (`kvhandoff.service.observability.streams`). Every stream
 has its own bounded queue on the bus: the bus never waits for a reader, and a reader that falls
 `handoff.sse_queue` events behind gets a final `stream.overflow` frame and is disconnected (and
 counted), so a slow reader costs neither the pipeline nor the other readers anything.
@@ -19,26 +19,26 @@ from typing import get_args
 
 from aiohttp import web
 
-from pipelines.decode.views import HANDOFF_ID_PATTERN
-from pipelines.errors import InvalidInput
-from pipelines.events import (
+from kvhandoff.pipelines.decode.views import HANDOFF_ID_PATTERN
+from kvhandoff.pipelines.errors import InvalidInput
+from kvhandoff.pipelines.events import (
     Event,
     HandoffReleased,
     Subscription,
     event_encoder,
     event_tag,
 )
-from service.http.app import CONFIG, ROUTES
-from service.http.egress import EGRESS
-from service.http.routing import RouteTable
-from service.observability.streams import (
+from kvhandoff.service.http.app import CONFIG, ROUTES
+from kvhandoff.service.http.egress import EGRESS
+from kvhandoff.service.http.routing import RouteTable
+from kvhandoff.service.observability.streams import (
     STREAMS,
     StreamGap,
     StreamOverflow,
     StreamStats,
     stream_encoder,
 )
-from service.runtime.roles import DECODE, RUNTIME
+from kvhandoff.service.runtime.roles import DECODE, RUNTIME
 
 _ID = re.compile(HANDOFF_ID_PATTERN)
 #: Every tag a `?types=` prefix may select (a prefix that selects none is a typo: 422).

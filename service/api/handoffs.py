@@ -14,24 +14,24 @@ from typing import Annotated
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from pipelines.decode.views import (
+from kvhandoff.pipelines.decode.views import (
     HANDOFF_ID_PATTERN,
     Component,
     HandoffPage,
     HandoffRequest,
     HandoffView,
 )
-from pipelines.errors import CapacityExceeded, InvalidInput
-from pipelines.slots import RequestSlots
-from pipelines.states import HandoffState
-from pipelines.urls import ServiceUrl
-from service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
-from service.http.app import CONFIG, ROUTES, decode_body, json_response
-from service.http.routing import RouteTable
-from service.records.listing import handoff_page
-from service.runtime import inputs
-from service.runtime.persistence import PERSISTENCE
-from service.runtime.roles import DECODE, decode_of, prefill_of
+from kvhandoff.pipelines.errors import CapacityExceeded, InvalidInput
+from kvhandoff.pipelines.slots import RequestSlots
+from kvhandoff.pipelines.states import HandoffState
+from kvhandoff.pipelines.urls import ServiceUrl
+from kvhandoff.service.api.peer import common_routes, decode_peer_routes, prefill_peer_routes
+from kvhandoff.service.http.app import CONFIG, ROUTES, decode_body, json_response
+from kvhandoff.service.http.routing import RouteTable
+from kvhandoff.service.records.listing import handoff_page
+from kvhandoff.service.runtime import inputs
+from kvhandoff.service.runtime.persistence import PERSISTENCE
+from kvhandoff.service.runtime.roles import DECODE, decode_of, prefill_of
 
 _ID = re.compile(HANDOFF_ID_PATTERN)
 _ID_SCHEMA = {"type": "string", "pattern": HANDOFF_ID_PATTERN, "maxLength": 256}
@@ -41,7 +41,7 @@ MAX_WAIT_S = 60.0
 #: Items of one `GET /v1/handoffs` page: by default, and at most.
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
-#: Cursors are `seq`s (`service.storage.LIFE_SHIFT`), below this.
+#: Cursors are `seq`s (`kvhandoff.service.storage.LIFE_SHIFT`), below this.
 MAX_CURSOR = 2**62
 #: Handoffs a prefill holds that were signalled ready and have no destination yet (README).
 MAX_AWAITING_DESTINATION = 4096
@@ -79,10 +79,10 @@ def _handoff_id(request: web.Request) -> str:
     also=(200,),
     errors=(404, 409, 422, 429, 502, 503, 504),
     summary="Create a handoff (idempotent for an identical body; 409 for another body)",
-    description="Admits the request as every door does (`service.runtime.admission`: URLs, "
-    "bounds, the metadata size, records writable, the callback policy), checks the destination "
-    "pages, slots (`dst_slot`, `dst_slots` per state component) and aux row (`dst_aux`), fences "
-    "them, fetches and pairs the "
+    description="Admits the request as every door does (`kvhandoff.service.runtime.admission`: "
+    "URLs, bounds, the metadata size, records writable, the callback policy), checks the "
+    "destination pages, slots (`dst_slot`, `dst_slots` per state component) and aux row "
+    "(`dst_aux`), fences them, fetches and pairs the "
     "prefill layouts, then sends the destination to every prefill service. Answers 201 for a new "
     "handoff and 200 when the same body was already accepted.",
     tags=("handoffs",),

@@ -1,10 +1,10 @@
 """`GET /metrics`: the service's Prometheus metrics (installed on both roles by `install_metrics`).
 
-Builds the app's `Metrics` (`service.observability.metrics`) at install; once the role's runtime is
-up (`service.runtime.roles.on_runtime`), it listens to the event bus and adds the collectors of the
-heartbeats' peer health, the transport, the SSE streams and, on a decode with records, the webhook
-dispatcher. The route is outside `/v1/`, so scrapers need no token (it carries no handoff ids and no
-payload).
+Builds the app's `Metrics` (`kvhandoff.service.observability.metrics`) at install; once the role's
+runtime is up (`kvhandoff.service.runtime.roles.on_runtime`), it listens to the event bus and adds
+the collectors of the heartbeats' peer health, the transport, the SSE streams and, on a decode with
+records, the webhook dispatcher. The route is outside `/v1/`, so scrapers need no token (it carries
+no handoff ids and no payload).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.http.app import CONFIG, ROUTES, VERSION
-from service.http.routing import RouteTable
-from service.observability.metrics import (
+from kvhandoff.service.http.app import CONFIG, ROUTES, VERSION
+from kvhandoff.service.http.routing import RouteTable
+from kvhandoff.service.observability.metrics import (
     METRICS,
     ArenaCollector,
     Metrics,
@@ -23,10 +23,10 @@ from service.observability.metrics import (
     TransportCollector,
     WebhookCollector,
 )
-from service.observability.streams import STREAMS
-from service.runtime.persistence import PERSISTENCE
-from service.runtime.roles import Runtime, on_runtime
-from service.runtime.transport import TRANSPORT
+from kvhandoff.service.observability.streams import STREAMS
+from kvhandoff.service.runtime.persistence import PERSISTENCE
+from kvhandoff.service.runtime.roles import Runtime, on_runtime
+from kvhandoff.service.runtime.transport import TRANSPORT
 
 routes = RouteTable()
 

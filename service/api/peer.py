@@ -1,17 +1,17 @@
-"""Peer-facing routes: the other side of `service.peers.protocol`.
+"""Peer-facing routes: the other side of `kvhandoff.service.peers.protocol`.
 
 `GET /v1/layout` on both roles (what a peer must know to pair with and write to this process);
 destinations and aborts on prefill services; arrivals and stage failures on decode services;
 heartbeats, the watch stream and the peer channel on both. The calls a channel carries
 (`PeerCall.channel`) are written once, as handlers of what was asked (`Asked`: the app, the
 verified sender, the path) and the body's bytes: the HTTP route and the channel
-(`service.http.peer_channel`) both call the same handler. Every route takes a signed peer request
-(service.http.auth) when a peer secret is configured; then whoever a message implies as its
-sender — a destination's `decode_url`, a heartbeat's `sender_url`, the prefill service assigned
-to the stage an arrival or failure reports on, the decode service an aborted handoff got its
-destination from — must be the service that signed it, or the message is refused with 403 before
-the pipeline sees it (on a channel: the sender of its verified handshake). Each message's
-protocol version is checked before it is acted on.
+(`kvhandoff.service.http.peer_channel`) both call the same handler. Every route takes a signed peer
+request (kvhandoff.service.http.auth) when a peer secret is configured; then whoever a message
+implies as its sender — a destination's `decode_url`, a heartbeat's `sender_url`, the prefill
+service assigned to the stage an arrival or failure reports on, the decode service an aborted
+handoff got its destination from — must be the service that signed it, or the message is refused
+with 403 before the pipeline sees it (on a channel: the sender of its verified handshake). Each
+message's protocol version is checked before it is acted on.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from pipelines.decode import DecodePipeline
-from pipelines.decode.views import HANDOFF_ID_PATTERN
-from pipelines.errors import InvalidInput, KVHandoffError, NotFoundError
-from pipelines.messages import (
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.views import HANDOFF_ID_PATTERN
+from kvhandoff.pipelines.errors import InvalidInput, KVHandoffError, NotFoundError
+from kvhandoff.pipelines.messages import (
     AbortAck,
     AbortMsg,
     ArrivalMsg,
@@ -45,7 +45,7 @@ from pipelines.messages import (
     WindowRequest,
     check_version,
 )
-from pipelines.peer_calls import (
+from kvhandoff.pipelines.peer_calls import (
     ABORTS,
     ARRIVALS,
     CHANNEL,
@@ -58,8 +58,8 @@ from pipelines.peer_calls import (
     WINDOWS,
     PeerCall,
 )
-from pipelines.urls import canonical_url
-from service.http.app import (
+from kvhandoff.pipelines.urls import canonical_url
+from kvhandoff.service.http.app import (
     CONFIG,
     ROUTES,
     answers_of,
@@ -69,13 +69,13 @@ from service.http.app import (
     json_response,
     read_json_body,
 )
-from service.http.auth import SIGNED_WITH, signed_sender
-from service.http.egress import EGRESS
-from service.http.peer_channel import Accepted, serve
-from service.http.peer_signing import NONCE_HEADER
-from service.http.problems import Forbidden, encode_problem, error_problem, problem_body
-from service.http.routing import Handler, RouteTable
-from service.runtime.roles import DECODE, PREFILL, RUNTIME
+from kvhandoff.service.http.auth import SIGNED_WITH, signed_sender
+from kvhandoff.service.http.egress import EGRESS
+from kvhandoff.service.http.peer_channel import Accepted, serve
+from kvhandoff.service.http.peer_signing import NONCE_HEADER
+from kvhandoff.service.http.problems import Forbidden, encode_problem, error_problem, problem_body
+from kvhandoff.service.http.routing import Handler, RouteTable
+from kvhandoff.service.runtime.roles import DECODE, PREFILL, RUNTIME
 
 common_routes = RouteTable()
 decode_peer_routes = RouteTable()
@@ -84,7 +84,7 @@ prefill_peer_routes = RouteTable()
 
 def _serves(table: RouteTable, call: PeerCall, **contract: Any) -> Callable[[Handler], Handler]:
     """Declare the route that receives `call`: its method, path and wire types are the table's
-    (`pipelines.peer_calls`), so a route cannot drift from what its senders send."""
+    (`kvhandoff.pipelines.peer_calls`), so a route cannot drift from what its senders send."""
     if call.request is not None:
         contract["request"] = call.body
     if call.answer is not None:
@@ -104,8 +104,8 @@ class Asked:
     def heard(self) -> None:
         """A verified peer call proves its sender alive as a heartbeat would: under load its
         heartbeat answers may come late, while its notices keep coming, and a busy peer must
-        not be judged silent (`service.peers.heartbeat`). Unsigned (peer auth off), nothing
-        proves who sent it, and only heartbeats count."""
+        not be judged silent (`kvhandoff.service.peers.heartbeat`). Unsigned (peer auth off),
+        nothing proves who sent it, and only heartbeats count."""
         if self.sender is not None:
             self.app[RUNTIME].heartbeats.heard(canonical_url(self.sender))
 
@@ -167,8 +167,8 @@ def _each(
     handle: Callable[[M], Any],
     check_sender: Callable[[M, str], None],
 ) -> list[Outcome]:
-    """Handle a batch of notices (see service.peers.coalesce): one outcome per notice, in order;
-    `check_sender(msg, sender)` refuses a notice its signed sender may not send."""
+    """Handle a batch of notices (see kvhandoff.service.peers.coalesce): one outcome per notice, in
+    order; `check_sender(msg, sender)` refuses a notice its signed sender may not send."""
     outcomes = []
     batch = decode_items(decode_json(raw, list[msgspec.Raw]), type_)
     sender = asked.sender

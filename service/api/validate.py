@@ -15,15 +15,15 @@ from typing import Annotated
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from pipelines.errors import InvalidInput, KVHandoffError
-from pipelines.layout import StageLayout
-from pipelines.messages import LayoutInfo
-from pipelines.pairing_report import PairingReport, pairing_report
-from pipelines.peer_calls import LAYOUT
-from service.http.app import PEERS, ROUTES, decode_body, json_response
-from service.http.routing import RouteTable
-from service.runtime import inputs
-from service.runtime.roles import DECODE
+from kvhandoff.pipelines.errors import InvalidInput, KVHandoffError
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.messages import LayoutInfo
+from kvhandoff.pipelines.pairing_report import PairingReport, pairing_report
+from kvhandoff.pipelines.peer_calls import LAYOUT
+from kvhandoff.service.http.app import PEERS, ROUTES, decode_body, json_response
+from kvhandoff.service.http.routing import RouteTable
+from kvhandoff.service.runtime import inputs
+from kvhandoff.service.runtime.roles import DECODE
 
 Url = Annotated[str, Meta(pattern=r"^https?://")]
 

@@ -1,8 +1,9 @@
 """Router-facing webhook routes (decode role): endpoints, their deliveries, manual retries.
 
 `install_webhooks(app)` (an `Extension`) serves these routes over the decode runtime's records
-and outbox (`service.runtime.persistence`). Handlers decode,
-call the outbox or dispatcher, and encode; the delivery machinery lives in `service.runtime`.
+and outbox (`kvhandoff.service.runtime.persistence`). Handlers decode,
+call the outbox or dispatcher, and encode; the delivery machinery lives in
+`kvhandoff.service.runtime`.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from typing import Annotated, get_args
 from aiohttp import web
 from msgspec import Meta, Struct
 
-from pipelines.errors import ConflictError, InvalidInput
-from service.http.app import CONFIG, ROUTES, decode_body, json_response
-from service.http.routing import RouteTable
-from service.runtime import inputs
-from service.runtime.persistence import persistence_of
-from service.webhooks.signatures import secret_key
-from service.webhooks.views import (
+from kvhandoff.pipelines.errors import ConflictError, InvalidInput
+from kvhandoff.service.http.app import CONFIG, ROUTES, decode_body, json_response
+from kvhandoff.service.http.routing import RouteTable
+from kvhandoff.service.runtime import inputs
+from kvhandoff.service.runtime.persistence import persistence_of
+from kvhandoff.service.webhooks.signatures import secret_key
+from kvhandoff.service.webhooks.views import (
     DeliveryPage,
     DeliveryState,
     DeliveryView,
@@ -35,7 +36,7 @@ MAX_ENDPOINTS = 1000
 
 def install_webhooks(app: web.Application) -> None:
     """On the decode role: the webhook routes (the records and outbox behind them are the decode
-    runtime's, `service.runtime.roles`)."""
+    runtime's, `kvhandoff.service.runtime.roles`)."""
     if app[CONFIG].role == "decode":
         app[ROUTES].include(routes)
 

@@ -11,9 +11,10 @@
 - read the configuration: `app[CONFIG]`; call peer services: `app[PEERS]` (a `PeerClient`,
   available once the app has started).
 
-Handlers raise the error tree (`pipelines.errors`, `service.http.problems`), never `web.HTTP*`; the
-one error middleware turns errors into problem+json. Built-in routes: `/healthz`, `/readyz`,
-`/openapi.json`. Each route takes its role's credential (service.http.auth).
+Handlers raise the error tree (`kvhandoff.pipelines.errors`, `kvhandoff.service.http.problems`),
+never `web.HTTP*`; the one error middleware turns errors into problem+json. Built-in routes:
+`/healthz`, `/readyz`, `/openapi.json`. Each route takes its role's credential
+(kvhandoff.service.http.auth).
 """
 
 from __future__ import annotations
@@ -31,15 +32,15 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from msgspec import Struct
 
-from pipelines.errors import InvalidInput, KVHandoffError
-from pipelines.peercache import new_incarnation
-from service.config import Config
-from service.http.auth import Credentials, answer_middleware, auth_middleware, signer_for
-from service.http.egress import EGRESS, Egress
-from service.http.openapi import build_openapi
-from service.http.peer_client import PeerClient
-from service.http.peer_signing import AnswerSigner
-from service.http.problems import (
+from kvhandoff.pipelines.errors import InvalidInput, KVHandoffError
+from kvhandoff.pipelines.peercache import new_incarnation
+from kvhandoff.service.config import Config
+from kvhandoff.service.http.auth import Credentials, answer_middleware, auth_middleware, signer_for
+from kvhandoff.service.http.egress import EGRESS, Egress
+from kvhandoff.service.http.openapi import build_openapi
+from kvhandoff.service.http.peer_client import PeerClient
+from kvhandoff.service.http.peer_signing import AnswerSigner
+from kvhandoff.service.http.problems import (
     PROBLEM_CONTENT_TYPE,
     MalformedBody,
     MethodNotAllowed,
@@ -53,7 +54,7 @@ from service.http.problems import (
     invalid_value,
     problem_body,
 )
-from service.http.routing import Route, RouteTable
+from kvhandoff.service.http.routing import Route, RouteTable
 
 log = logging.getLogger("kvhandoff.service")
 access_log = logging.getLogger("kvhandoff.access")

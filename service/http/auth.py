@@ -2,19 +2,20 @@
 
 `create_app` installs `auth_middleware(Credentials.from_config(config), declared)`; `declared`
 maps aiohttp's routes to their `Route` declarations, whose `auth_role` says whose credential a
-route takes (service.http.routing). The rules:
+route takes (kvhandoff.service.http.routing). The rules:
 
 - router and engine routes take `Authorization: Bearer <token>` (scheme case-insensitive, RFC
   9110) with one of that role's secrets; no or an unknown token is 401, a token of another role
   is 403 (a router cannot act as an engine or a peer, nor the reverse);
-- peer routes take a request signed with a peer secret (service.http.peer_signing), never a bearer
+- peer routes take a request signed with a peer secret (kvhandoff.service.http.peer_signing), never
+a bearer
   token, addressed to this service: unsigned, badly signed or signed for another service is
   401, a replay 409, one signed for another life of this service 409 `stale_incarnation`,
   another role's bearer token 403; the verified sender URL is then `signed_sender(request)`,
-  which handlers compare with the URL a message claims (service.api.peer);
+  which handlers compare with the URL a message claims (kvhandoff.service.api.peer);
 - the answer to a signed peer request (whatever its status, a refusal of a stale one too) is
   signed in turn by `answer_middleware`, bound to the request's nonce, so the caller can tell
-  it came from the service it addressed (`service.http.peer_client`);
+  it came from the service it addressed (`kvhandoff.service.http.peer_client`);
 - a role without any secret configured is open, as are routes outside `/v1`.
 """
 
@@ -27,9 +28,9 @@ from typing import Any
 
 from aiohttp import web
 
-from service.config import AUTH_ROLES, Config
-from service.http.egress import EGRESS
-from service.http.peer_signing import (
+from kvhandoff.service.config import AUTH_ROLES, Config
+from kvhandoff.service.http.egress import EGRESS
+from kvhandoff.service.http.peer_signing import (
     NONCE_HEADER,
     RECIPIENT_INCARNATION_HEADER,
     SIGNATURE_HEADER,
@@ -39,8 +40,8 @@ from service.http.peer_signing import (
     Signer,
     Verifier,
 )
-from service.http.problems import Forbidden, Replayed, StaleIncarnation, Unauthorized
-from service.http.routing import API_PREFIX, AuthRole, Route
+from kvhandoff.service.http.problems import Forbidden, Replayed, StaleIncarnation, Unauthorized
+from kvhandoff.service.http.routing import API_PREFIX, AuthRole, Route
 
 #: The peer URL a request was signed by, once verified (absent when peer auth is off).
 SENDER = web.RequestKey("signed_sender", str)

@@ -1,12 +1,12 @@
 """The egress barrier: what runs before anything leaves the process.
 
-A decode's records commit in groups (`service.storage`): a write joins an open
+A decode's records commit in groups (`kvhandoff.service.storage`): a write joins an open
 transaction that commits on the loop's next turn. So that no one outside learns of a state
 before it is on disk, every way out of the process awaits `Egress.before()` first — the answer
-middleware before a response goes out (`service.http.auth.answer_middleware`), the peer client
-before a request (`service.http.peer_client.PeerClient`), an SSE stream before a frame
-(`service.api.events`), the webhook dispatcher before a delivery. Each hook is cheap when
-nothing is pending; when something is, every caller of one turn of the loop waits for the one
+middleware before a response goes out (`kvhandoff.service.http.auth.answer_middleware`), the peer
+client before a request (`kvhandoff.service.http.peer_client.PeerClient`), an SSE stream before a
+frame (`kvhandoff.service.api.events`), the webhook dispatcher before a delivery. Each hook is cheap
+when nothing is pending; when something is, every caller of one turn of the loop waits for the one
 commit.
 """
 

@@ -13,14 +13,14 @@ from typing import Any
 
 import msgspec
 
-from service.http.peer_signing import SIGNATURE_HEADER
-from service.http.problems import PROBLEM_CONTENT_TYPE, TITLES, ProblemDetails
-from service.http.routing import AuthRole, Route
+from kvhandoff.service.http.peer_signing import SIGNATURE_HEADER
+from kvhandoff.service.http.problems import PROBLEM_CONTENT_TYPE, TITLES, ProblemDetails
+from kvhandoff.service.http.routing import AuthRole, Route
 
 OPENAPI_VERSION = "3.1.0"
 REF_TEMPLATE = "#/components/schemas/{name}"
 
-#: One security scheme per role (service.http.auth). A peer request is signed over several
+#: One security scheme per role (kvhandoff.service.http.auth). A peer request is signed over several
 #: headers; OpenAPI can name only one, so the scheme names the signature and describes the rest.
 SECURITY_SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {
     "router": (

@@ -1,12 +1,13 @@
 """Persistent peer channels: one WebSocket from a sender to one life of a peer, carrying the
-peer calls that travel on it (`pipelines.peer_calls`, `PeerCall.channel`) as framed messages.
+peer calls that travel on it (`kvhandoff.pipelines.peer_calls`, `PeerCall.channel`) as framed
+messages.
 
-The sender (`PeerChannels`, used by `service.http.peer_client.PeerClient`) opens it with
-`GET /v1/peer/channel`, signed like every peer call (`service.http.peer_signing`: bound to the
-sender, the recipient's URL and its life), which the recipient's auth middleware verifies before
-the route (`service.api.peer`) accepts the upgrade. The recipient's first frame is its hello: a
-fresh nonce of its own, signed as the answer to the handshake's nonce, so the sender knows who
-answered and in which life before it sends a call. Both ends then derive the session key
+The sender (`PeerChannels`, used by `kvhandoff.service.http.peer_client.PeerClient`) opens it with
+`GET /v1/peer/channel`, signed like every peer call (`kvhandoff.service.http.peer_signing`: bound to
+the sender, the recipient's URL and its life), which the recipient's auth middleware verifies before
+the route (`kvhandoff.service.api.peer`) accepts the upgrade. The recipient's first frame is its
+hello: a fresh nonce of its own, signed as the answer to the handshake's nonce, so the sender knows
+who answered and in which life before it sends a call. Both ends then derive the session key
 (`peer_signing.channel_key`) from the handshake's secret, both nonces, both URLs and that life.
 
 A frame is one binary WebSocket message: a MAC (32 bytes; absent when peer auth is off) and a
@@ -21,8 +22,8 @@ carries an id, its path and the body its HTTP route takes; an answer the id, the
 body the route answers. A call therefore means the same on both transports (`PeerClient` reads
 both answers in one place). Each direction has one writer: what is queued while a frame is
 being written leaves in the next one, so under load many calls (a coalesced batch of notices,
-`service.peers.coalesce`, is one call) or answers share a frame and a system call, and an idle
-channel adds no wait. Many calls are in flight at once; each is served in its own task.
+`kvhandoff.service.peers.coalesce`, is one call) or answers share a frame and a system call, and an
+idle channel adds no wait. Many calls are in flight at once; each is served in its own task.
 """
 
 from __future__ import annotations
@@ -40,19 +41,19 @@ import msgspec
 from aiohttp import web
 from yarl import URL
 
-from pipelines.errors import PeerUnreachable
-from pipelines.peer_calls import CHANNEL
-from pipelines.peercache import MAX_PEERS, PeerCache
-from pipelines.urls import canonical_url
-from service.http.peer_signing import (
+from kvhandoff.pipelines.errors import PeerUnreachable
+from kvhandoff.pipelines.peer_calls import CHANNEL
+from kvhandoff.pipelines.peercache import MAX_PEERS, PeerCache
+from kvhandoff.pipelines.urls import canonical_url
+from kvhandoff.service.http.peer_signing import (
     NONCE_HEADER,
     AnswerRejected,
     AnswerSigner,
     Signer,
     channel_key,
 )
-from service.http.problems import PeerTimeout
-from service.tasks import TaskOwner
+from kvhandoff.service.http.problems import PeerTimeout
+from kvhandoff.service.tasks import TaskOwner
 
 log = logging.getLogger("kvhandoff.channel")
 
@@ -62,7 +63,7 @@ _TO_SENDER = b"kvhandoff-channel-answer"
 #: The status of the hello: the handshake's answer, as the WebSocket upgrade (101).
 HELLO_STATUS = 101
 #: A frame holds the parts queued while the last one was written up to this size (one larger
-#: part goes alone), as a coalesced batch of notices does (`service.peers.coalesce`).
+#: part goes alone), as a coalesced batch of notices does (`kvhandoff.service.peers.coalesce`).
 FRAME_BYTES = 1 << 20
 #: What a frame adds to the largest part it may hold: the MAC, the array, one call's envelope.
 _ENVELOPE_BYTES = 4096
@@ -326,8 +327,8 @@ class PeerChannels:
 
     async def channel(self, peer: str, key: str, incarnation: str) -> None:
         """Open the channel to `peer` (canonical URL `key`) in life `incarnation` and read its
-        answers until it ends (`CHANNEL` of `pipelines.peer_calls`); a channel that cannot be
-        opened leaves `peer`'s calls on HTTP for a while."""
+        answers until it ends (`CHANNEL` of `kvhandoff.pipelines.peer_calls`); a channel that cannot
+        be opened leaves `peer`'s calls on HTTP for a while."""
         try:
             channel = await self._connect(peer, incarnation)
         except (aiohttp.ClientError, TimeoutError, ChannelBroken, AnswerRejected) as exc:

@@ -5,18 +5,18 @@ heartbeats, aborts). Bodies are msgspec-encoded; a non-2xx problem+json answer i
 same error class the peer raised (a remote 409 is a `ConflictError` here, with the remote's
 detail and `peer` set); connection failures raise `PeerUnreachable` and timeouts `PeerTimeout`,
 both naming the peer URL. Every call is signed with the peer secret when one is configured
-(`service.http.peer_signing`), addressed to the peer's URL (and to its incarnation once an
+(`kvhandoff.service.http.peer_signing`), addressed to the peer's URL (and to its incarnation once an
 authenticated answer named it), so the peer can verify who sent it and that it was meant for
 it; then every answer must prove it came from that peer for that request, or the call raises
 `UnauthenticatedAnswer` and nothing in the answer is used — including a body's `incarnation`
 or `url` that disagree with what the answer's signature vouches for. Redirects are never
 followed (a 3xx is an error: it would carry the signed headers and body elsewhere).
 
-The calls a peer channel carries (`pipelines.peer_calls`, `PeerCall.channel`) go on the open
-channel to the peer's life (`service.http.peer_channel`), whose session authenticates every
-answer frame; until one is open, and when channels are off, they go over HTTP. Both answers are
-read in one place (`_result`), so a caller cannot tell the transports apart. The app creates
-one client per process (`service.http.app.PEERS`).
+The calls a peer channel carries (`kvhandoff.pipelines.peer_calls`, `PeerCall.channel`) go on the
+open channel to the peer's life (`kvhandoff.service.http.peer_channel`), whose session authenticates
+every answer frame; until one is open, and when channels are off, they go over HTTP. Both answers
+are read in one place (`_result`), so a caller cannot tell the transports apart. The app creates
+one client per process (`kvhandoff.service.http.app.PEERS`).
 """
 
 from __future__ import annotations
@@ -30,15 +30,20 @@ import aiohttp
 import msgspec
 from yarl import URL
 
-from pipelines.errors import KVHandoffError, PeerUnreachable
-from pipelines.peer_calls import CHANNEL_PATHS
-from pipelines.peercache import MAX_PEERS, PeerCache
-from pipelines.urls import canonical_url
-from service.config import PeersConfig, ServerConfig
-from service.http.egress import Egress
-from service.http.peer_channel import PeerChannels
-from service.http.peer_signing import NONCE_HEADER, AnswerRejected, Signer
-from service.http.problems import PeerError, PeerTimeout, StaleIncarnation, error_from_problem
+from kvhandoff.pipelines.errors import KVHandoffError, PeerUnreachable
+from kvhandoff.pipelines.peer_calls import CHANNEL_PATHS
+from kvhandoff.pipelines.peercache import MAX_PEERS, PeerCache
+from kvhandoff.pipelines.urls import canonical_url
+from kvhandoff.service.config import PeersConfig, ServerConfig
+from kvhandoff.service.http.egress import Egress
+from kvhandoff.service.http.peer_channel import PeerChannels
+from kvhandoff.service.http.peer_signing import NONCE_HEADER, AnswerRejected, Signer
+from kvhandoff.service.http.problems import (
+    PeerError,
+    PeerTimeout,
+    StaleIncarnation,
+    error_from_problem,
+)
 
 T = TypeVar("T")
 
@@ -93,7 +98,8 @@ class PeerClient:
         self._signer = signer
         self._egress = egress
         self.timeout_s = timeout_s
-        # The calls of `pipelines.peer_calls` that a channel carries go on one, once it is open.
+        # The calls of `kvhandoff.pipelines.peer_calls` that a channel carries go on one, once it is
+        # open.
         self._channels = (
             PeerChannels(session, signer, max_body_bytes=max_body_bytes) if channels else None
         )

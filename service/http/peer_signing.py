@@ -1,11 +1,11 @@
 """Signed peer requests and their signed answers: both ends prove they hold the peer secret,
 say who they are, and name whom they address.
 
-The peer client (`service.http.peer_client`) signs every call with `Signer.headers`, naming the
-recipient it addresses (its URL, and its incarnation once an authenticated answer told it); the
-auth middleware (`service.http.auth`) checks every peer route's request with `Verifier.verify`
-before the handler runs, and signs the answer (`AnswerSigner`), which the client checks with
-`check_answer` before it believes a word of it.
+The peer client (`kvhandoff.service.http.peer_client`) signs every call with `Signer.headers`,
+naming the recipient it addresses (its URL, and its incarnation once an authenticated answer told
+it); the auth middleware (`kvhandoff.service.http.auth`) checks every peer route's request with
+`Verifier.verify` before the handler runs, and signs the answer (`AnswerSigner`), which the client
+checks with `check_answer` before it believes a word of it.
 
 A request's MAC (HMAC-SHA256 under the peer secret, `canonical`) covers the lines
 `kvhandoff-peer-v3`, METHOD, raw path and query, timestamp, nonce, sender URL, recipient URL,
@@ -34,7 +34,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
-from pipelines.urls import canonical_url
+from kvhandoff.pipelines.urls import canonical_url
 
 SENDER_HEADER = "KVHandoff-Sender"
 RECIPIENT_HEADER = "KVHandoff-Recipient"
@@ -130,8 +130,8 @@ def _matching(secrets_: Sequence[str], message: bytes, signature: str) -> str | 
 def channel_key(
     secret: str, nonce: str, channel_nonce: str, sender: str, recipient: str, incarnation: str
 ) -> bytes:
-    """The session key of a peer channel (`service.http.peer_channel`): derived from the peer
-    secret that signed its handshake, the handshake's nonce, the nonce the recipient chose for
+    """The session key of a peer channel (`kvhandoff.service.http.peer_channel`): derived from the
+    peer secret that signed its handshake, the handshake's nonce, the nonce the recipient chose for
     the session, both ends' URLs and the recipient's life. Nobody without the secret can
     compute it, and no two sessions share it."""
     context = b"\n".join(

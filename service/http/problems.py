@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-from pipelines.errors import (
+from kvhandoff.pipelines.errors import (
     CapacityExceeded,
     ConflictError,
     DeadlineExceeded,
@@ -30,7 +30,7 @@ from pipelines.errors import (
     TransportError,
     TransportTimeout,
 )
-from pipelines.pairing_problems import Problem as PairingProblem
+from kvhandoff.pipelines.pairing_problems import Problem as PairingProblem
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 TYPE_PREFIX = "urn:kvhandoff:problem:"

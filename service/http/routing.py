@@ -22,7 +22,7 @@ API_PREFIX = "/v1/"
 #: Everything under it is the peer protocol: signed with the peer secret, whatever it declares.
 PEER_PREFIX = "/v1/peer/"
 
-#: Who may call a route (see service.http.auth): a router's or an engine's bearer token, a
+#: Who may call a route (see kvhandoff.service.http.auth): a router's or an engine's bearer token, a
 #: peer service's signature, or anyone.
 AuthRole = Literal["router", "engine", "peer", "open"]
 

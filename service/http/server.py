@@ -1,4 +1,4 @@
-"""The app runner `service.serve` starts: aiohttp's, with its own errors as problem+json.
+"""The app runner `kvhandoff.service.serve` starts: aiohttp's, with its own errors as problem+json.
 
 A request aiohttp's HTTP parser refuses (an over-long request line or header, bad chunking,
 `HTTP/9.9`, Content-Length together with Transfer-Encoding) never reaches the app or its error
@@ -14,7 +14,7 @@ from http import HTTPStatus
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from service.http.problems import PROBLEM_CONTENT_TYPE, encode_problem, problem_body
+from kvhandoff.service.http.problems import PROBLEM_CONTENT_TYPE, encode_problem, problem_body
 
 
 class _ProblemRequestHandler(RequestHandler):

@@ -2,9 +2,9 @@
 the landed transfer's memory in use.
 
 `Activity` is an event-bus listener (`EventBus.add_listener`) that keeps, bounded in count and
-age, what the dashboard page (`service.api.dashboard`) shows on load: the most recent handoffs
-with per-stage progress, completions per time bucket, and latency percentiles. The page then
-applies the live SSE events to the same model, so this snapshot and the stream agree.
+age, what the dashboard page (`kvhandoff.service.api.dashboard`) shows on load: the most recent
+handoffs with per-stage progress, completions per time bucket, and latency percentiles. The page
+then applies the live SSE events to the same model, so this snapshot and the stream agree.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable, Collection
 
 from msgspec import Struct
 
-from pipelines.decode.views import HandoffView
-from pipelines.events import (
+from kvhandoff.pipelines.decode.views import HandoffView
+from kvhandoff.pipelines.events import (
     ChunksEmitted,
     Event,
     HandoffAborted,
@@ -28,7 +28,7 @@ from pipelines.events import (
     StageReady,
     StageTransferred,
 )
-from pipelines.states import StageState
+from kvhandoff.pipelines.states import StageState
 
 #: Handoffs kept for the page; older ones are in `GET /v1/handoffs`.
 RECENT = 200

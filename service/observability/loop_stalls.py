@@ -1,7 +1,7 @@
 """How long an embedded service's event loop could not run: a ticker's lateness, as metrics.
 
-Run by `service.embedded.EmbeddedService` on its loop, for as long as the service serves. An
-embedded service answers its peers from a thread of an engine process, so only while that
+Run by `kvhandoff.service.embedded.EmbeddedService` on its loop, for as long as the service serves.
+An embedded service answers its peers from a thread of an engine process, so only while that
 process is given CPU and its thread the GIL. The ticker sleeps `interval_s`; how much later it
 wakes is how long the loop ran nothing (its stall). Every stall goes into a histogram, the
 longest into a gauge, and one of `warn_s` or more is logged with the CPU time the whole process

@@ -5,7 +5,7 @@ never share counters). Handoff and stage metrics move in `Metrics.observe`, a bu
 (`EventBus.add_listener`): every number is derived from the one event union, so the metrics, the
 SSE stream and the API timeline cannot disagree. State that lives elsewhere — peer health from
 the heartbeats, SSE readers — is read at scrape time by collectors added with
-`Metrics.add_collector` (`service.api.metrics` adds them; other features, e.g. the webhook
+`Metrics.add_collector` (`kvhandoff.service.api.metrics` adds them; other features, e.g. the webhook
 outbox, add theirs the same way). Labels are bounded: role, state, error code, pp_rank, peer URL
 — never a handoff id.
 """
@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pipelines.arena import ArenaUse
-from pipelines.events import (
+from kvhandoff.pipelines.arena import ArenaUse
+from kvhandoff.pipelines.events import (
     TERMINAL_EVENTS,
     ChunksEmitted,
     Event,
@@ -36,10 +36,10 @@ from pipelines.events import (
     StagePaired,
     StageTransferred,
 )
-from service.observability.streams import StreamStats
-from service.peers.health import PeerHealth
-from service.webhooks.dispatch import WebhookStats
-from transport.base import TransportStats
+from kvhandoff.service.observability.streams import StreamStats
+from kvhandoff.service.peers.health import PeerHealth
+from kvhandoff.service.webhooks.dispatch import WebhookStats
+from kvhandoff.transport.base import TransportStats
 
 #: 1 ms to 30 s: one page on loopback to a large request over a slow link.
 LATENCY_BUCKETS_S = (
@@ -240,8 +240,8 @@ class Metrics:
                 del self._emitted_at[key]
 
 
-#: The app's `Metrics`, set by `service.api.metrics.install_metrics`; a feature with numbers of
-#: its own adds a collector here when it starts (`app[METRICS].add_collector(...)`).
+#: The app's `Metrics`, set by `kvhandoff.service.api.metrics.install_metrics`; a feature with
+#: numbers of its own adds a collector here when it starts (`app[METRICS].add_collector(...)`).
 METRICS = web.AppKey("metrics", Metrics)
 
 
@@ -348,7 +348,7 @@ class ArenaCollector(Collector):
 
 
 class StreamCollector(Collector):
-    """SSE readers (`service.api.events`), read at scrape time."""
+    """SSE readers (`kvhandoff.service.api.events`), read at scrape time."""
 
     def __init__(self, stats: StreamStats) -> None:
         self._stats = stats
@@ -377,7 +377,8 @@ class StreamCollector(Collector):
 
 
 class WebhookCollector(Collector):
-    """Webhook deliveries from the outbox (`service.webhooks.dispatch`), read at scrape time."""
+    """Webhook deliveries from the outbox (`kvhandoff.service.webhooks.dispatch`), read at scrape
+    time."""
 
     def __init__(self, stats: Callable[[], WebhookStats], depth: Callable[[], int]) -> None:
         self._stats = stats

@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
-from pipelines.errors import InternalError, KVHandoffError
-from service.tasks import TaskOwner
+from kvhandoff.pipelines.errors import InternalError, KVHandoffError
+from kvhandoff.service.tasks import TaskOwner
 
 #: Sends one batch of pre-encoded notices to a peer; returns, per notice, its answer (None for
 #: a bare notice) or the error the peer reported for it.

@@ -11,7 +11,8 @@ was removed, a flood of senders). Two rules keep it bounded:
   `forget_after_s`, and beyond `max_peers` rows the unpinned ones idle longest go first.
 
 Pinned rows are never evicted: they are bounded by the configuration and the live handoffs, and
-the heartbeats need them. Used by `service.peers.heartbeat` only; readers get `PeerHealth`.
+the heartbeats need them. Used by `kvhandoff.service.peers.heartbeat` only; readers get
+`PeerHealth`.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ longer has, or one bound to an earlier life of the peer, fails at once).
 A peer counts as heard when it answers one, or sends one itself. Two ways to lose it:
 
 - **killed**: besides the heartbeats, each live peer is watched over one idle streaming
-  connection (`service.peers.watch`), which a killed process's kernel closes at once. Then the
-  peer is probed `confirm_probes` times, `confirm_s` apart; if each probe is refused (not merely
+  connection (`kvhandoff.service.peers.watch`), which a killed process's kernel closes at once. Then
+  the peer is probed `confirm_probes` times, `confirm_s` apart; if each probe is refused (not merely
   slow), it is lost now, well under a heartbeat interval after the kill;
 - **hung** (stopped, partitioned): the connection stays open but nothing answers; it is lost once
   it has not been heard for more than `timeout_s`.
@@ -21,7 +21,7 @@ A peer counts as heard when it answers one, or sends one itself. Two ways to los
 A lost peer is declared once, and again only after it was heard in between.
 
 What the heartbeats ask of the role's pipeline is one small protocol, `PeerSide`, which each
-role implements (`service.runtime.roles`): whom to ping, what to answer, what a loss or an
+role implements (`kvhandoff.service.runtime.roles`): whom to ping, what to answer, what a loss or an
 answer means. Their settings are one `HeartbeatSettings`, taken from the configuration.
 
 Peers are independent: a round only *starts* work, in tasks of their own. Each peer has at most
@@ -30,8 +30,8 @@ at most one reconciliation of an answer (the pings go on meanwhile), and what th
 with a loss (failing that peer's handoffs) runs on its own. So one dead, hung or slow peer, or a
 slow or failing callback about it, never delays the heartbeats to the others or the verdict on
 them. Per-peer health for metrics and the dashboard is a bounded table
-(`service.peers.health`). Used by `service.runtime.roles` (which runs `run()` and stops it)
-and `service.api.peer` (`receive`).
+(`kvhandoff.service.peers.health`). Used by `kvhandoff.service.runtime.roles` (which runs `run()`
+and stops it) and `kvhandoff.service.api.peer` (`receive`).
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
-from pipelines.errors import KVHandoffError, PeerUnreachable
-from pipelines.messages import HeartbeatAck, HeartbeatMsg
-from service.config import HandoffConfig, PeersConfig
-from service.http.problems import PeerTimeout
-from service.peers.health import HealthTable, PeerHealth
-from service.peers.protocol import HttpPeers
-from service.peers.watch import Backoff, PeerWatch
-from service.tasks import TaskOwner
+from kvhandoff.pipelines.errors import KVHandoffError, PeerUnreachable
+from kvhandoff.pipelines.messages import HeartbeatAck, HeartbeatMsg
+from kvhandoff.service.config import HandoffConfig, PeersConfig
+from kvhandoff.service.http.problems import PeerTimeout
+from kvhandoff.service.peers.health import HealthTable, PeerHealth
+from kvhandoff.service.peers.protocol import HttpPeers
+from kvhandoff.service.peers.watch import Backoff, PeerWatch
+from kvhandoff.service.tasks import TaskOwner
 
 __all__ = ["HeartbeatSettings", "Heartbeats", "PeerHealth", "PeerSide"]
 
@@ -60,7 +60,7 @@ log = logging.getLogger("kvhandoff.heartbeat")
 
 class PeerSide(Protocol):
     """What the heartbeats need from the role's pipeline; each role implements it once
-    (`service.runtime.roles`). Called on the event loop; none may block it."""
+    (`kvhandoff.service.runtime.roles`). Called on the event loop; none may block it."""
 
     def live(self) -> dict[str, list[str]]:
         """Whom to ping: peer URL -> the handoff ids its answer is reconciled against."""

@@ -1,9 +1,9 @@
 """The peer protocol over HTTP: `decode.PrefillPeer` and `prefill.DecodePeer` as REST calls.
 
 Each call's path and wire types come from the one table of peer calls
-(`pipelines.peer_calls`); `service.api.peer` serves them. Errors a
+(`kvhandoff.pipelines.peer_calls`); `kvhandoff.service.api.peer` serves them. Errors a
 peer answers with come back as the same classes (`PeerClient`), so a pipeline cannot tell an
-HTTP peer from an in-process one (`pipelines.inprocess`).
+HTTP peer from an in-process one (`kvhandoff.pipelines.inprocess`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Callable
 import aiohttp
 import msgspec
 
-from pipelines.errors import KVHandoffError
-from pipelines.messages import (
+from kvhandoff.pipelines.errors import KVHandoffError
+from kvhandoff.pipelines.messages import (
     AbortAck,
     AbortMsg,
     ArrivalMsg,
@@ -30,7 +30,7 @@ from pipelines.messages import (
     WindowAnswer,
     WindowRequest,
 )
-from pipelines.peer_calls import (
+from kvhandoff.pipelines.peer_calls import (
     ABORTS,
     ARRIVALS,
     DESTINATIONS,
@@ -42,9 +42,9 @@ from pipelines.peer_calls import (
     WINDOWS,
     PeerCall,
 )
-from service.http.peer_client import PeerClient
-from service.http.problems import PeerError, encode_problem, error_from_problem
-from service.peers.coalesce import Coalescer, SendBatch
+from kvhandoff.service.http.peer_client import PeerClient
+from kvhandoff.service.http.problems import PeerError, encode_problem, error_from_problem
+from kvhandoff.service.peers.coalesce import Coalescer, SendBatch
 
 #: A segment notice of at most this many bytes travels in a batch with the others queued for
 #: its decode (one request for many one-page handoffs); a larger one's commit takes long
@@ -66,7 +66,8 @@ class HttpPeers:
         # Watches hold one idle connection per live peer: their own session, so they never take
         # the pool slots of the calls that move handoffs along.
         self._watch_session: aiohttp.ClientSession | None = None
-        # Destinations, arrivals and failures are coalesced per peer (see service.peers.coalesce).
+        # Destinations, arrivals and failures are coalesced per peer (see
+        # kvhandoff.service.peers.coalesce).
         self._destinations = Coalescer(self._batch_sender(DESTINATIONS))
         self._arrivals = Coalescer(self._batch_sender(ARRIVALS))
         self._failures = Coalescer(self._batch_sender(STAGE_FAILURES))
@@ -154,8 +155,8 @@ class HttpPeers:
 
     # either direction
     async def watch(self, url: str, opened: Callable[[], None] | None = None) -> None:
-        """Hold the watch path open until the peer ends it (see `service.peers.watch`); `opened()`
-        is called once the peer accepted the stream."""
+        """Hold the watch path open until the peer ends it (see `kvhandoff.service.peers.watch`);
+        `opened()` is called once the peer accepted the stream."""
         if self._watch_session is None:
             self._watch_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         await self._client.hold(

@@ -16,7 +16,7 @@ of that ("equal jitter": peers that failed together spread out, yet never retry 
 the step); a stream that lived resets it. The state (`watch`, `status`, `detail`, `attempts`) is
 read by `Heartbeats.health()` and logged once per change, never per attempt — an operator sees
 "watch refused: HTTP 404" once, and the retries stay a few per minute. Used by
-`service.peers.heartbeat`.
+`kvhandoff.service.peers.heartbeat`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from pipelines.errors import KVHandoffError, PeerUnreachable
-from service.http.problems import status_of
+from kvhandoff.pipelines.errors import KVHandoffError, PeerUnreachable
+from kvhandoff.service.http.problems import status_of
 
 log = logging.getLogger("kvhandoff.heartbeat")
 

@@ -1,2 +1,3 @@
 """Handoff records on the decode: every accepted handoff and its outcome, kept across restarts
-in `service.storage`, and the handoff list merged from this life's handoffs and the records."""
+in `kvhandoff.service.storage`, and the handoff list merged from this life's handoffs and the
+records."""

@@ -1,10 +1,10 @@
 """Handoff records: every accepted handoff and its terminal state, kept across restarts.
 
-Called by the bus listener in `service.runtime.persistence` (`accepted`, `finished`,
+Called by the bus listener in `kvhandoff.service.runtime.persistence` (`accepted`, `finished`,
 `released`, inside the transaction that commits the event), by the decode pipeline as its
 `HandoffArchive` (`find`: `GET /v1/handoffs/{id}` of an id this process does not hold), by
-`service.records.listing` (`listed`: `GET /v1/handoffs`, in creation order across lives), and at
-start-up (`interrupted`, `fenced`) to end what an earlier process left in flight.
+`kvhandoff.service.records.listing` (`listed`: `GET /v1/handoffs`, in creation order across lives),
+and at start-up (`interrupted`, `fenced`) to end what an earlier process left in flight.
 
 A record is `accepted` until its terminal event, then holds the final `HandoffView`. Its pages
 count as released once the handoff completed (every writer reported its bytes landed) or a
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pipelines.decode.views import (
+from kvhandoff.pipelines.decode.views import (
     ArchivedHandoff,
     ErrorView,
     FencedPages,
@@ -29,12 +29,12 @@ from pipelines.decode.views import (
     HandoffView,
     StageView,
 )
-from pipelines.events import Event, HandoffCompleted, HandoffFailed, HandoffReleased
-from pipelines.states import HandoffState, StageState
-from service.storage import LIFE_SHIFT, Database
+from kvhandoff.pipelines.events import Event, HandoffCompleted, HandoffFailed, HandoffReleased
+from kvhandoff.pipelines.states import HandoffState, StageState
+from kvhandoff.service.storage import LIFE_SHIFT, Database
 
 ACCEPTED = "accepted"
-#: The condition of the partial index `handoffs_by_outcome` (`service.storage`).
+#: The condition of the partial index `handoffs_by_outcome` (`kvhandoff.service.storage`).
 _OUTCOME_INDEXED = "state IN ('failed', 'aborted')"
 _encoder = msgspec.json.Encoder()
 _request_decoder = msgspec.json.Decoder(HandoffRequest)

@@ -1,10 +1,10 @@
 """The handoff list across restarts: this process's handoffs merged with the records of all.
 
-Called by `GET /v1/handoffs` (`service.api.handoffs`) on a decode service whose records persist.
-It answers the set a router would get by asking `GET /v1/handoffs/{id}` for every id: each
+Called by `GET /v1/handoffs` (`kvhandoff.service.api.handoffs`) on a decode service whose records
+persist. It answers the set a router would get by asking `GET /v1/handoffs/{id}` for every id: each
 handoff this process holds (its live view wins over its record), and each finished record, of
 this life or an earlier one, that it does not hold — once each, in creation order across lives
-(`seq`, `service.storage.LIFE_SHIFT`), a page at a time. A record's item is the view the
+(`seq`, `kvhandoff.service.storage.LIFE_SHIFT`), a page at a time. A record's item is the view the
 single GET answers (`DecodePipeline.get`), without its timeline, like a live one's.
 
 The cursor is the last item's `seq`: stable across pages and restarts (a later life's handoffs
@@ -19,10 +19,10 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator
 
-from pipelines.decode import DecodePipeline
-from pipelines.decode.views import HandoffPage, HandoffView
-from pipelines.states import HandoffState
-from service.records.handoffs import HandoffRecords
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.views import HandoffPage, HandoffView
+from kvhandoff.pipelines.states import HandoffState
+from kvhandoff.service.records.handoffs import HandoffRecords
 
 
 def handoff_page(

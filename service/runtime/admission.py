@@ -1,11 +1,12 @@
 """The one admission path of a decode create, whichever door it comes through.
 
 `Admission` is a component of the decode's runtime, built by its assembly
-(`service.runtime.roles.build_decode`) over the pipeline; the records are given to it once they
-are open. `Admission.create(request)` is what `POST /v1/handoffs` (`service.api.handoffs`) and the
-embedded `expect_handoff` (`service.embedded`) both reach, after each decoded its request into a
-`HandoffRequest` (the body types' own constraints: ids, non-negative integers). It runs every
-check the body types cannot express, in this order, each refusing before anything changes:
+(`kvhandoff.service.runtime.roles.build_decode`) over the pipeline; the records are given to it once
+they are open. `Admission.create(request)` is what `POST /v1/handoffs`
+(`kvhandoff.service.api.handoffs`) and the embedded `expect_handoff` (`kvhandoff.service.embedded`)
+both reach, after each decoded its request into a `HandoffRequest` (the body types' own constraints:
+ids, non-negative integers). It runs every check the body types cannot express, in this order, each
+refusing before anything changes:
 
 1. peer URL syntax (`prefill[i]`, then kept in canonical form), page and slot bounds
    (`dst_pages[i]`, `dst_slot`), the size of `metadata` (`handoff.max_metadata_bytes`):
@@ -27,12 +28,12 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pipelines.decode import DecodePipeline
-from pipelines.decode.views import HandoffRequest, HandoffView
-from pipelines.errors import ConflictError, InvalidInput
-from service.http.problems import NotReady
-from service.runtime import inputs
-from service.runtime.persistence import Persistence
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.views import HandoffRequest, HandoffView
+from kvhandoff.pipelines.errors import ConflictError, InvalidInput
+from kvhandoff.service.http.problems import NotReady
+from kvhandoff.service.runtime import inputs
+from kvhandoff.service.runtime.persistence import Persistence
 
 #: The reason an unrecorded create is aborted with.
 UNRECORDED = "its record could not be written"

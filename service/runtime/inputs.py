@@ -1,8 +1,8 @@
 """Checks on router and engine input that the body types cannot express, shared by every door.
 
-Called by the admission of a create (`service.runtime.admission`, HTTP and embedded alike), by
-`service.api.validate` and by the engine route, after a body decoded: peer URLs the service is
-about to call (a bad one must be the caller's 422 naming the field, not this
+Called by the admission of a create (`kvhandoff.service.runtime.admission`, HTTP and embedded
+alike), by `kvhandoff.service.api.validate` and by the engine route, after a body decoded: peer URLs
+the service is about to call (a bad one must be the caller's 422 naming the field, not this
 service's 502 from a failed connection), page numbers beyond what any pool can index (named as
 the client sent them, before numpy would wrap them), and path parameters. Each raises
 `InvalidInput` naming the field and changes nothing.
@@ -17,8 +17,8 @@ from typing import Any
 import msgspec
 from yarl import URL
 
-from pipelines.errors import InvalidInput
-from pipelines.urls import canonical_url
+from kvhandoff.pipelines.errors import InvalidInput
+from kvhandoff.pipelines.urls import canonical_url
 
 #: The largest page index any pool can hold: page lists become int64 arrays.
 MAX_PAGE = 2**63 - 1
@@ -31,8 +31,8 @@ _HOST = re.compile(r"^[A-Za-z0-9._:-]+$")  # a name, IPv4, or IPv6 (yarl strips 
 
 
 def peer_url(url: str, field: str) -> str:
-    """`url` in canonical form (`pipelines.urls`: as services' `public_url` are compared) if
-    it can name a kvhandoff service: http(s), a host, a port in 1..65535, no credentials,
+    """`url` in canonical form (`kvhandoff.pipelines.urls`: as services' `public_url` are compared)
+    if it can name a kvhandoff service: http(s), a host, a port in 1..65535, no credentials,
     query or fragment; InvalidInput naming `field` otherwise."""
     try:
         parsed = URL(url)

@@ -1,16 +1,16 @@
 """Records and webhooks wired into a decode service: the database, the bus listener, restore.
 
 `open_persistence(config, decode, bus, egress)` (entered by the decode role's assembly,
-`service.runtime.roles`, when `records.persist` is on), once the decode pipeline exists:
+`kvhandoff.service.runtime.roles`, when `records.persist` is on), once the decode pipeline exists:
 
-1. opens `server.state_dir/decode.sqlite3` (`service.storage`);
+1. opens `server.state_dir/decode.sqlite3` (`kvhandoff.service.storage`);
 2. adds one synchronous bus listener that, for each event, writes its handoff record
-   (`service.records.handoffs`) and its webhook deliveries (`service.webhooks.outbox`) inside
-   `EventBus.publish`, into the group commit (`Database.grouped`): committed on the loop's
-   next turn or, sooner, before any answer, peer request, SSE frame or webhook leaves the
-   process (`service.http.egress`), so no one learns of a state before it is on disk — then
-   hands the deliveries to the dispatcher (`service.webhooks.dispatch`), which sends them once
-   committed;
+   (`kvhandoff.service.records.handoffs`) and its webhook deliveries
+   (`kvhandoff.service.webhooks.outbox`) inside `EventBus.publish`, into the group commit
+   (`Database.grouped`): committed on the loop's next turn or, sooner, before any answer, peer
+   request, SSE frame or webhook leaves the process (`kvhandoff.service.http.egress`), so no one
+   learns of a state before it is on disk — then hands the deliveries to the dispatcher
+   (`kvhandoff.service.webhooks.dispatch`), which sends them once committed;
 3. ends what an earlier process left in flight: each such handoff fails with
    `service_restarted` (a published event: its record, its webhooks), and every page a handoff
    may still be written through stays fenced until its deadline plus the engine's timeout;
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from pipelines.decode import DecodePipeline
-from pipelines.decode.views import HandoffView, HeldHandoff
-from pipelines.errors import ConflictError, NotFoundError
-from pipelines.events import (
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.views import HandoffView, HeldHandoff
+from kvhandoff.pipelines.errors import ConflictError, NotFoundError
+from kvhandoff.pipelines.events import (
     TERMINAL_EVENTS,
     Event,
     EventBus,
@@ -47,13 +47,13 @@ from pipelines.events import (
     StageArrived,
     event_tag,
 )
-from service.config import Config, ConfigError
-from service.http.egress import Egress
-from service.records.handoffs import HandoffRecords
-from service.storage import FILE_NAME, Database
-from service.tasks import TaskOwner
-from service.webhooks.dispatch import Dispatcher
-from service.webhooks.outbox import Outbox
+from kvhandoff.service.config import Config, ConfigError
+from kvhandoff.service.http.egress import Egress
+from kvhandoff.service.records.handoffs import HandoffRecords
+from kvhandoff.service.storage import FILE_NAME, Database
+from kvhandoff.service.tasks import TaskOwner
+from kvhandoff.service.webhooks.dispatch import Dispatcher
+from kvhandoff.service.webhooks.outbox import Outbox
 
 log = logging.getLogger("kvhandoff.records")
 

@@ -2,14 +2,15 @@
 
 `open_runtime(config, transport, client, incarnation, buffers)` is the one entry every door uses
 (the HTTP app through `install_runtime`, the embedded service through the same app, and next an
-engine backend). It opens the configured stages' pools (`service.runtime.stages`) and the landed
-transfer's memory (`service.runtime.transfer_memory`), builds the role's
+engine backend). It opens the configured stages' pools (`kvhandoff.service.runtime.stages`) and the
+landed transfer's memory (`kvhandoff.service.runtime.transfer_memory`), builds the role's
 runtime — `build_decode` or `build_prefill`, the only functions that wire a role — and, on the
-decode role with records on, opens the records and webhooks (`service.runtime.persistence`);
-then it runs the heartbeats (`service.peers.heartbeat`) until the `async with` ends. On exit it
-closes each resource once, in order: the pipeline (a decode's shutdown aborts reach its records),
-the records and webhooks, the heartbeats, the peer calls, then the transfer memory and the pools
-— all before the transport the caller owns is closed.
+decode role with records on, opens the records and webhooks
+(`kvhandoff.service.runtime.persistence`); then it runs the heartbeats
+(`kvhandoff.service.peers.heartbeat`) until the `async with` ends. On exit it closes each resource
+once, in order: the pipeline (a decode's shutdown aborts reach its records), the records and
+webhooks, the heartbeats, the peer calls, then the transfer memory and the pools — all before the
+transport the caller owns is closed.
 
 The two runtimes share `RuntimeBase` and differ in their typed `pipeline`; a route reads the one
 of its role (`DECODE`, `PREFILL`), so no code asks which role it is and asserts.
@@ -25,24 +26,24 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from pipelines.arena import ArenaUse
-from pipelines.decode import DecodePipeline
-from pipelines.decode.views import HandoffRequest, HandoffView
-from pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag, life_first_seq
-from pipelines.messages import PEER_PROTOCOL_VERSION, ArenaSpan, HeartbeatAck, LayoutInfo
-from pipelines.prefill import HostedStage, PrefillPipeline
-from service.config import Config, ConfigError
-from service.http.app import CONFIG, INCARNATION, PEERS, READINESS, PeerReady
-from service.http.egress import EGRESS, Egress
-from service.http.peer_client import PeerClient
-from service.peers.heartbeat import Heartbeats, HeartbeatSettings
-from service.peers.protocol import HttpPeers
-from service.runtime.admission import Admission
-from service.runtime.persistence import PERSISTENCE, Persistence, open_persistence
-from service.runtime.stages import Buffers, HostedMemory, open_stages
-from service.runtime.transfer_memory import TransferMemory, open_transfer_memory
-from service.runtime.transport import TRANSPORT, transport_opened
-from transport.base import Transport
+from kvhandoff.pipelines.arena import ArenaUse
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.views import HandoffRequest, HandoffView
+from kvhandoff.pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag, life_first_seq
+from kvhandoff.pipelines.messages import PEER_PROTOCOL_VERSION, ArenaSpan, HeartbeatAck, LayoutInfo
+from kvhandoff.pipelines.prefill import HostedStage, PrefillPipeline
+from kvhandoff.service.config import Config, ConfigError
+from kvhandoff.service.http.app import CONFIG, INCARNATION, PEERS, READINESS, PeerReady
+from kvhandoff.service.http.egress import EGRESS, Egress
+from kvhandoff.service.http.peer_client import PeerClient
+from kvhandoff.service.peers.heartbeat import Heartbeats, HeartbeatSettings
+from kvhandoff.service.peers.protocol import HttpPeers
+from kvhandoff.service.runtime.admission import Admission
+from kvhandoff.service.runtime.persistence import PERSISTENCE, Persistence, open_persistence
+from kvhandoff.service.runtime.stages import Buffers, HostedMemory, open_stages
+from kvhandoff.service.runtime.transfer_memory import TransferMemory, open_transfer_memory
+from kvhandoff.service.runtime.transport import TRANSPORT, transport_opened
+from kvhandoff.transport.base import Transport
 
 log = logging.getLogger("kvhandoff.handoffs")
 
@@ -94,7 +95,7 @@ class RuntimeBase:
 @dataclass(kw_only=True)
 class DecodeRuntime(RuntimeBase):
     pipeline: DecodePipeline
-    #: Every door's one path to a create (`service.runtime.admission`).
+    #: Every door's one path to a create (`kvhandoff.service.runtime.admission`).
     admission: Admission
 
     @property
@@ -111,7 +112,8 @@ class DecodeRuntime(RuntimeBase):
         return self.pipeline.arena_span()
 
     async def create(self, request: HandoffRequest) -> tuple[HandoffView, bool]:
-        """Admit and create a handoff: every door's one path (`service.runtime.admission`)."""
+        """Admit and create a handoff: every door's one path
+        (`kvhandoff.service.runtime.admission`)."""
         return await self.admission.create(request)
 
     def arenas(self) -> list[ArenaUse]:
@@ -157,7 +159,7 @@ def prefill_of(request: web.Request) -> PrefillPipeline:
 
 
 # ---------------------------------------------------------------------------------------------
-# The heartbeats' view of each role (`service.peers.heartbeat.PeerSide`)
+# The heartbeats' view of each role (`kvhandoff.service.peers.heartbeat.PeerSide`)
 
 
 class _DecodeSide:

@@ -2,13 +2,14 @@
 only in direct mode.
 
 One `HostedMemory` per `[[stages]]` table. Its layout comes from the model and the partition
-(`pipelines.models`); its memory from the table's `pool` spec:
+(`kvhandoff.pipelines.models`); its memory from the table's `pool` spec:
 
 - `torch:<device>` — tensors allocated here;
 - `shm:<name>` — attached: an engine created `/dev/shm/<name>` (the sidecar case: the engine
   writes KV pages there, the service moves them); the byte offset of every entry is published in
   `GET /v1/layout`;
-- embedded — buffers an engine running the service in-process handed over (`service.embedded`),
+- embedded — buffers an engine running the service in-process handed over
+(`kvhandoff.service.embedded`),
   one per entry, KV entries first; with an `EngineStage`, the engine's own layout too (built
   from the flat lists it publishes), so no `[model]` describes it.
 
@@ -17,8 +18,8 @@ Region i of a pool is entry i of the layout (KV entries first, then state entrie
 What is registered is reachable: the transfer engine authenticates nobody, and any process that
 reaches its port may write any registered byte. So stage pools are registered only where a transport
 must move them, in direct mode (a decode's pages are written, a prefill's are read); in landed mode
-only the landing arena or staging buffer is (`service.runtime.transfer_memory`), and the stages'
-addresses are not published either (`HostedMemory.info`).
+only the landing arena or staging buffer is (`kvhandoff.service.runtime.transfer_memory`), and the
+stages' addresses are not published either (`HostedMemory.info`).
 """
 
 from __future__ import annotations
@@ -28,23 +29,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipelines.layout import StageLayout
-from pipelines.memory import PoolMemory
-from pipelines.messages import ShmPlacement, StageInfo
-from pipelines.models import ModelSpec, decode_layout, stage_layout
-from service.config import Config, ConfigError, StageConfig
-from transport.base import Transport
-from transport.errors import PoolError
-from transport.pool_base import EmbeddedPool, Pool
-from transport.pool_shm import ShmPool, shm_path
-from transport.pools import open_pool
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.memory import PoolMemory
+from kvhandoff.pipelines.messages import ShmPlacement, StageInfo
+from kvhandoff.pipelines.models import ModelSpec, decode_layout, stage_layout
+from kvhandoff.service.config import Config, ConfigError, StageConfig
+from kvhandoff.transport.base import Transport
+from kvhandoff.transport.errors import PoolError
+from kvhandoff.transport.pool_base import EmbeddedPool, Pool
+from kvhandoff.transport.pool_shm import ShmPool, shm_path
+from kvhandoff.transport.pools import open_pool
 
 
 @dataclass(frozen=True)
 class EngineStage:
     """An embedding engine's stage as it registers it: its layout (e.g. from
-    `pipelines.layout.layout_from_flat_lists`, addresses included or not) and its buffers, one
-    `(addr, length)` pair or contiguous tensor per entry, KV entries first."""
+    `kvhandoff.pipelines.layout.layout_from_flat_lists`, addresses included or not) and its buffers,
+    one `(addr, length)` pair or contiguous tensor per entry, KV entries first."""
 
     layout: StageLayout
     buffers: Sequence[Any]

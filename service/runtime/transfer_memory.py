@@ -1,28 +1,28 @@
 """The landed transfer's memory: the decode's landing arena, a prefill's staging buffer.
 
-Opened with the stages (`service.runtime.stages`) and closed after the pipeline, before the
-transport: each is one `torch:<device>` pool of one region, on the device of the stage memory it
+Opened with the stages (`kvhandoff.service.runtime.stages`) and closed after the pipeline, before
+the transport: each is one `torch:<device>` pool of one region, on the device of the stage memory it
 serves (a device pool keeps its copies and digests on the device), registered with the
-transport: in landed mode it is the only memory a service registers (`service.runtime.stages`).
-In `direct` mode neither role opens one: the mode is chosen by configuration on both sides, and
-a prefill refuses a destination naming another mode than its own.
+transport: in landed mode it is the only memory a service registers
+(`kvhandoff.service.runtime.stages`). In `direct` mode neither role opens one: the mode is chosen by
+configuration on both sides, and a prefill refuses a destination naming another mode than its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipelines.arena import Arena
-from pipelines.decode.landing import Landing
-from pipelines.digest import Algorithm
-from pipelines.memory import pool_array
-from pipelines.prefill import Staging
-from service.config import Config, ConfigError
-from service.runtime.stages import HostedMemory
-from transport.base import Transport
-from transport.errors import PoolError
-from transport.pool_base import Pool
-from transport.pools import open_pool
+from kvhandoff.pipelines.arena import Arena
+from kvhandoff.pipelines.decode.landing import Landing
+from kvhandoff.pipelines.digest import Algorithm
+from kvhandoff.pipelines.memory import pool_array
+from kvhandoff.pipelines.prefill import Staging
+from kvhandoff.service.config import Config, ConfigError
+from kvhandoff.service.runtime.stages import HostedMemory
+from kvhandoff.transport.base import Transport
+from kvhandoff.transport.errors import PoolError
+from kvhandoff.transport.pool_base import Pool
+from kvhandoff.transport.pools import open_pool
 
 
 @dataclass

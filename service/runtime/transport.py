@@ -3,9 +3,9 @@
 `transport_opened(app)` opens `config.transport` through its backend's opener (`OPENERS`: the
 Mooncake Transfer Engine for `backend = "mooncake"`, the in-process `LocalTransport` for
 `"local"`), stores it under `TRANSPORT`, publishes its `local_target` under
-`service.http.app.LOCAL_TARGET`, and closes it when the `async with` ends; the role's runtime
-(`service.runtime.roles`) runs inside it, so memory is unregistered before the transport closes.
-`install_transport(app)` runs it alone (tests, tools).
+`kvhandoff.service.http.app.LOCAL_TARGET`, and closes it when the `async with` ends; the role's
+runtime (`kvhandoff.service.runtime.roles`) runs inside it, so memory is unregistered before the
+transport closes. `install_transport(app)` runs it alone (tests, tools).
 """
 
 from __future__ import annotations
@@ -19,25 +19,25 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from service.config import Config, ConfigError, TransportConfig
-from service.http.app import CONFIG, LOCAL_TARGET, READINESS
-from transport import ascend
-from transport.base import Transport
-from transport.config import MooncakeConfig
-from transport.local import LocalConfig
+from kvhandoff.service.config import Config, ConfigError, TransportConfig
+from kvhandoff.service.http.app import CONFIG, LOCAL_TARGET, READINESS
+from kvhandoff.transport import ascend
+from kvhandoff.transport.base import Transport
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.local import LocalConfig
 
 TRANSPORT = web.AppKey("transport", Transport)
 
 
 def _open_mooncake(config: MooncakeConfig) -> Transport:
     check_ascend(config)
-    from transport.mooncake import MooncakeTransport  # imports the engine only when used
+    from kvhandoff.transport.mooncake import MooncakeTransport  # imports the engine only when used
 
     return MooncakeTransport.start(config)
 
 
 def _open_local(config: LocalConfig) -> Transport:
-    from transport.local import LocalTransport
+    from kvhandoff.transport.local import LocalTransport
 
     return LocalTransport.start(config)
 
@@ -75,7 +75,8 @@ def check_ascend(config: MooncakeConfig, hccn_conf: Path = ascend.HCCN_CONF) -> 
     """ConfigError naming the first `transport` setting protocol `ascend` cannot start with
     (the hostname's form; under another protocol, a hostname in that form), then the host
     (`hccn_conf`, under `ascend`). At start-up, not when the file is loaded: an engine adapter
-    completes each rank's hostname after loading it (`service.integrations.sglang.settings`)."""
+    completes each rank's hostname after loading it
+    (`kvhandoff.service.integrations.sglang.settings`)."""
     for key, why in ascend.settings_problems(config):
         raise ConfigError(f"transport.{key}", why)
     problem = ascend.host_problem(hccn_conf) if config.protocol == "ascend" else None
@@ -105,6 +106,6 @@ async def _transport_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def install_transport(app: web.Application) -> None:
     """The transport alone (an app without handoffs); the service runs it with its runtime
-    (`service.runtime.roles.install_runtime`)."""
+    (`kvhandoff.service.runtime.roles.install_runtime`)."""
     app.cleanup_ctx.append(_transport_ctx)
     app[READINESS].add("transport", lambda: TRANSPORT in app)

@@ -39,11 +39,11 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from pipelines.layout import StageLayout
-from pipelines.models import ModelSpec, decode_layout, partition_layers, stage_layout
-from pipelines.pairing import PairingCache
-from pipelines.planning import plan
-from service.config import (
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.models import ModelSpec, decode_layout, partition_layers, stage_layout
+from kvhandoff.pipelines.pairing import PairingCache
+from kvhandoff.pipelines.planning import plan
+from kvhandoff.service.config import (
     ENV_PREFIX,
     HandoffConfig,
     ModelConfig,
@@ -53,9 +53,9 @@ from service.config import (
     WebhooksConfig,
     load_config,
 )
-from transport.blocks import Blocks
-from transport.config import MooncakeConfig
-from transport.pool_shm import SHM_DIR, ShmPool
+from kvhandoff.transport.blocks import Blocks
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.pool_shm import SHM_DIR, ShmPool
 
 HOST = "127.0.0.1"
 Pages = Sequence[int] | npt.NDArray[np.int64]
@@ -77,7 +77,7 @@ if parent and hasattr(libc, "prctl"):
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the harness died before the line above
         sys.exit(1)
-runpy.run_module("service.cli", run_name="__main__")
+runpy.run_module("kvhandoff.service.cli", run_name="__main__")
 """
 
 

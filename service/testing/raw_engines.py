@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
-from transport.config import DEFAULT_MAX_BYTES_PER_BATCH
-from transport.pool_base import Pool
+from kvhandoff.transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
+from kvhandoff.transport.config import DEFAULT_MAX_BYTES_PER_BATCH
+from kvhandoff.transport.pool_base import Pool
 
 
 class RawEngine:
@@ -27,8 +27,8 @@ class RawEngine:
     with `pools` registered as sources: the baseline whole-handoff numbers are compared with."""
 
     def __init__(self, pools: Sequence[Pool]) -> None:
-        from transport.config import MooncakeConfig
-        from transport.mooncake_engine import start_engine
+        from kvhandoff.transport.config import MooncakeConfig
+        from kvhandoff.transport.mooncake_engine import start_engine
 
         self.engine = start_engine(MooncakeConfig())
         self._addrs = [g.addr for pool in pools for g in pool.registrations]
@@ -196,8 +196,8 @@ def _stage_writer(path: str, conn: Any) -> None:
     import mmap
     import os
 
-    from transport.config import MooncakeConfig
-    from transport.mooncake_engine import start_engine
+    from kvhandoff.transport.config import MooncakeConfig
+    from kvhandoff.transport.mooncake_engine import start_engine
 
     try:
         fd = os.open(path, os.O_RDWR)

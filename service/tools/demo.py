@@ -47,26 +47,26 @@ import msgspec
 import numpy as np
 import uvloop
 
-from pipelines.decode import DecodePipeline
-from pipelines.decode.views import HandoffRequest, HandoffView
-from pipelines.errors import KVHandoffError
-from pipelines.events import EventBus
-from pipelines.inprocess import InProcessLink
-from pipelines.layout import StageLayout
-from pipelines.memory import PoolMemory
-from pipelines.messages import LayoutInfo
-from pipelines.models import decode_layout, partition_layers, preset, stage_layout
-from pipelines.prefill import HostedStage, PrefillPipeline
-from service.config import HandoffConfig, TransferConfig, backend_of
-from service.testing.deployment import DeploymentError, LocalDeployment
-from service.testing.raw_engines import StageProcesses
-from service.tools.router_client import TERMINAL, WAIT_S, Outcome, RouterClient
-from transport.blocks import Blocks
-from transport.config import MooncakeConfig
-from transport.local import LocalTransport
-from transport.mooncake import MooncakeTransport
-from transport.pool_base import Pool
-from transport.pools import open_pool
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.views import HandoffRequest, HandoffView
+from kvhandoff.pipelines.errors import KVHandoffError
+from kvhandoff.pipelines.events import EventBus
+from kvhandoff.pipelines.inprocess import InProcessLink
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.memory import PoolMemory
+from kvhandoff.pipelines.messages import LayoutInfo
+from kvhandoff.pipelines.models import decode_layout, partition_layers, preset, stage_layout
+from kvhandoff.pipelines.prefill import HostedStage, PrefillPipeline
+from kvhandoff.service.config import HandoffConfig, TransferConfig, backend_of
+from kvhandoff.service.testing.deployment import DeploymentError, LocalDeployment
+from kvhandoff.service.testing.raw_engines import StageProcesses
+from kvhandoff.service.tools.router_client import TERMINAL, WAIT_S, Outcome, RouterClient
+from kvhandoff.transport.blocks import Blocks
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.local import LocalTransport
+from kvhandoff.transport.mooncake import MooncakeTransport
+from kvhandoff.transport.pool_base import Pool
+from kvhandoff.transport.pools import open_pool
 
 PRESET = "hybrid-npu-mla"
 MODEL: dict[str, int | bool] = {"scale": 64, "page_size": 16, "num_layers": 48}

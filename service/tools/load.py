@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelines.settings import DecodeSettings
+from kvhandoff.pipelines.settings import DecodeSettings
 
 if TYPE_CHECKING:
-    from service.testing.deployment import LocalDeployment
+    from kvhandoff.service.testing.deployment import LocalDeployment
 
 MIB = 1 << 20
 TERMINAL = frozenset({"completed", "failed", "aborted"})
@@ -256,8 +256,8 @@ class _Tally:
 
 
 async def load(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
-    from service.config import HandoffConfig
-    from service.testing.deployment import LocalDeployment
+    from kvhandoff.service.config import HandoffConfig
+    from kvhandoff.service.testing.deployment import LocalDeployment
 
     timeouts = {} if args.peer_timeout_s is None else {"peer_timeout_s": args.peer_timeout_s}
     with LocalDeployment(
@@ -276,7 +276,7 @@ async def _drive(dep: LocalDeployment, args: argparse.Namespace, progress: Any) 
     """Run `args.inflight` lanes for `args.duration_s` while sampling every process's memory."""
     import aiohttp
 
-    from service.tools.router_client import RouterClient
+    from kvhandoff.service.tools.router_client import RouterClient
 
     pids = {p.name: p.popen.pid for p in dep.processes if p.popen is not None}
     pids["driver"] = os.getpid()
@@ -339,7 +339,7 @@ async def _report(tally: _Tally, duration_s: float, progress: Any) -> None:
 
 def _result(args: argparse.Namespace, tally: _Tally) -> dict[str, Any]:
     """The run's report and verdicts (see the module's checks)."""
-    from service.config import HandoffConfig
+    from kvhandoff.service.config import HandoffConfig
 
     warmup = (
         args.warmup_s
@@ -394,7 +394,7 @@ def _series_mib(s: RssSeries) -> dict[str, list[float]]:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    from service.tools.bench.progress import Progress
+    from kvhandoff.service.tools.bench.progress import Progress
 
     progress = None if args.quiet else Progress(1, "load")
     if progress is not None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from service.testing.deployment import LocalDeployment
+from kvhandoff.service.testing.deployment import LocalDeployment
 
 TERMINAL = frozenset({"completed", "failed", "aborted"})
 #: One long poll of `GET /v1/handoffs/{id}`; the client waits this plus a margin.

@@ -1,8 +1,8 @@
 """The webhook dispatcher: sends the outbox's pending deliveries, signed, until each one ends.
 
-Started and stopped by `service.runtime.persistence`; fed by its bus listener (`add`, after the
-outbox rows are committed) and by the retry route (`add`); told by the routes when an endpoint
-goes away (`drop`). One lane (a task) per endpoint starts deliveries oldest first, at most
+Started and stopped by `kvhandoff.service.runtime.persistence`; fed by its bus listener (`add`,
+after the outbox rows are committed) and by the retry route (`add`); told by the routes when an
+endpoint goes away (`drop`). One lane (a task) per endpoint starts deliveries oldest first, at most
 `webhooks.concurrency` at a time, and never two of the same handoff at once, so a receiver sees
 each handoff's events in sequence order.
 
@@ -39,13 +39,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from service.config import WebhooksConfig
-from service.tasks import TaskOwner
-from service.webhooks.outbox import Delivery, Endpoint, Outbox
-from service.webhooks.sender import Sender, SendError
-from service.webhooks.signatures import sign
-from service.webhooks.targets import TargetPolicy
-from service.webhooks.views import DeliveryState
+from kvhandoff.service.config import WebhooksConfig
+from kvhandoff.service.tasks import TaskOwner
+from kvhandoff.service.webhooks.outbox import Delivery, Endpoint, Outbox
+from kvhandoff.service.webhooks.sender import Sender, SendError
+from kvhandoff.service.webhooks.signatures import sign
+from kvhandoff.service.webhooks.targets import TargetPolicy
+from kvhandoff.service.webhooks.views import DeliveryState
 
 log = logging.getLogger("kvhandoff.webhooks")
 USER_AGENT = "kvhandoff-webhooks/1"

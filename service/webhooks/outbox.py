@@ -1,10 +1,11 @@
 """The webhook outbox: endpoints, and one durable delivery row per (event, endpoint).
 
-Called by the bus listener in `service.runtime.persistence` (`enqueue`, inside the transaction
-that commits the event before anyone sees it), by the dispatcher (`service.webhooks.dispatch`:
-`pending_by_endpoint` and `pending` to load its lanes, `record_attempt`, `disable`) and by the
-webhook routes (`service.api.webhooks`: endpoints, deliveries, retry). Endpoints live in memory
-too, so matching an event costs no query; an event no endpoint wants is not stored at all.
+Called by the bus listener in `kvhandoff.service.runtime.persistence` (`enqueue`, inside the
+transaction that commits the event before anyone sees it), by the dispatcher
+(`kvhandoff.service.webhooks.dispatch`: `pending_by_endpoint` and `pending` to load its lanes,
+`record_attempt`, `disable`) and by the webhook routes (`kvhandoff.service.api.webhooks`: endpoints,
+deliveries, retry). Endpoints live in memory too, so matching an event costs no query; an event no
+endpoint wants is not stored at all.
 
 Delivery states: `pending` (to be attempted at `next_at`) → `delivered` (a 2xx) | `failed`
 (attempts or age ceiling reached) | `cancelled` (its endpoint was disabled by a 410 or deleted).
@@ -23,11 +24,11 @@ from typing import Any
 
 import msgspec
 
-from pipelines.errors import ConflictError, NotFoundError
-from pipelines.events import Event, HandoffCreated, event_tag
-from service.storage import Database
-from service.webhooks.signatures import new_secret, secret_key
-from service.webhooks.views import (
+from kvhandoff.pipelines.errors import ConflictError, NotFoundError
+from kvhandoff.pipelines.events import Event, HandoffCreated, event_tag
+from kvhandoff.service.storage import Database
+from kvhandoff.service.webhooks.signatures import new_secret, secret_key
+from kvhandoff.service.webhooks.views import (
     AttemptView,
     DeliveryPage,
     DeliveryState,

@@ -1,9 +1,9 @@
 """One webhook POST over a kept-alive HTTP/1.1 connection to an address the policy allows.
 
-Used by the dispatcher (`service.webhooks.dispatch`) for every attempt. A webhook needs only the
-status line and `Retry-After` of the answer, so this is a small client: connections are pooled
-per origin and reused, the body of an answer is read (at most `MAX_BODY_BYTES`) and dropped, no
-redirect is followed, and every name is resolved here and each address checked against the
+Used by the dispatcher (`kvhandoff.service.webhooks.dispatch`) for every attempt. A webhook needs
+only the status line and `Retry-After` of the answer, so this is a small client: connections are
+pooled per origin and reused, the body of an answer is read (at most `MAX_BODY_BYTES`) and dropped,
+no redirect is followed, and every name is resolved here and each address checked against the
 `TargetPolicy` before connecting — the connection goes to the very address that was checked, so
 DNS rebinding cannot slip a private address in between. Costs about a quarter of the CPU of a
 general-purpose client per request, which is most of what a delivery costs the event loop.
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from service.webhooks.targets import TargetPolicy
+from kvhandoff.service.webhooks.targets import TargetPolicy
 
 #: An answer's body beyond this is not read: the connection is closed instead.
 MAX_BODY_BYTES = 64 * 1024

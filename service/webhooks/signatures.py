@@ -1,8 +1,8 @@
 """Standard Webhooks signatures: make a `whsec_` secret, sign a delivery, verify one.
 
-Called by the webhook dispatcher (`service.webhooks.dispatch`, to sign each attempt) and by the
-router client (`service.client.verify_webhook`, on the receiving side). The signed content is
-`{webhook-id}.{webhook-timestamp}.{body}`; the signature header carries one or more
+Called by the webhook dispatcher (`kvhandoff.service.webhooks.dispatch`, to sign each attempt) and
+by the router client (`kvhandoff.service.client.verify_webhook`, on the receiving side). The signed
+content is `{webhook-id}.{webhook-timestamp}.{body}`; the signature header carries one or more
 space-separated `v1,<base64 HMAC-SHA256>` values (several while a secret is being rotated).
 """
 

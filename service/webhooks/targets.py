@@ -2,8 +2,8 @@
 
 Called when an endpoint is registered or a `callback_url` is given (`TargetPolicy.check`, which
 names the field) and, for every connection the dispatcher opens, by its sender
-(`service.webhooks.sender`): a name that resolved to a public address at registration may resolve
-to 127.0.0.1 later (DNS rebinding), so the address actually connected to is checked too.
+(`kvhandoff.service.webhooks.sender`): a name that resolved to a public address at registration may
+resolve to 127.0.0.1 later (DNS rebinding), so the address actually connected to is checked too.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-from pipelines.errors import InvalidInput
+from kvhandoff.pipelines.errors import InvalidInput
 
 
 class TargetRefused(InvalidInput):

@@ -1,7 +1,7 @@
 """The webhook API's answers: endpoints, deliveries and their attempts, as msgspec Structs.
 
-Built by the outbox (`service.webhooks.outbox`) from its rows and served by the webhook routes
-(`service.api.webhooks`), whose OpenAPI document describes them from these types.
+Built by the outbox (`kvhandoff.service.webhooks.outbox`) from its rows and served by the webhook
+routes (`kvhandoff.service.api.webhooks`), whose OpenAPI document describes them from these types.
 """
 
 from __future__ import annotations

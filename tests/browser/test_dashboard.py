@@ -28,11 +28,11 @@ from typing import Any
 
 import pytest
 
-from pipelines.events import EventBus, HandoffCompleted, HandoffCreated
-from service.config import HandoffConfig
-from service.runtime.roles import RUNTIME
-from service.serve import serve
-from service.testing.deployment import LocalDeployment
+from kvhandoff.pipelines.events import EventBus, HandoffCompleted, HandoffCreated
+from kvhandoff.service.config import HandoffConfig
+from kvhandoff.service.runtime.roles import RUNTIME
+from kvhandoff.service.serve import serve
+from kvhandoff.service.testing.deployment import LocalDeployment
 from tests.unit.service.handoff_fixtures import decode_config, extensions
 
 pytestmark = pytest.mark.integration

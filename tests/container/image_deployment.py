@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from service.testing.deployment import LocalDeployment, ServiceProcess
-from transport.pool_shm import SHM_DIR
+from kvhandoff.service.testing.deployment import LocalDeployment, ServiceProcess
+from kvhandoff.transport.pool_shm import SHM_DIR
 
 _PR_SET_PDEATHSIG = 1
 

@@ -18,8 +18,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from service.serve import SHUTDOWN_TIMEOUT_S
-from service.tools.router_client import RouterClient
+from kvhandoff.service.serve import SHUTDOWN_TIMEOUT_S
+from kvhandoff.service.tools.router_client import RouterClient
 from tests.container.image_deployment import ImageDeployment
 from tests.integration.conftest import SMALL
 from tests.integration.handoff_checks import Moved, fill_sources, landed, reset_decode

@@ -1,6 +1,6 @@
 """A stage over device memory as SGLang hands it to kvhandoff: raw pointers of KV buffers on the
 device (a GPU, `cuda:0`, or an NPU, `npu:N`) and of aux rows in host memory, wrapped by
-`transport.pointers.tensor_at`.
+`kvhandoff.transport.pointers.tensor_at`.
 
 Run as `python -m tests.device.stage <state_dir> <secret> <device> [<key>=<value> ...]`: a
 prefill process holding one such stage (seeded KV pages and aux rows) on `device`, with the
@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipelines.decode.views import HandoffRequest
-from pipelines.layout import layout_from_flat_lists
-from pipelines.states import HandoffState
-from service.config import Config, load_config
-from service.embedded import EmbeddedService
-from service.runtime.stages import EngineStage
-from transport.pointers import tensor_at
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.pipelines.layout import layout_from_flat_lists
+from kvhandoff.pipelines.states import HandoffState
+from kvhandoff.service.config import Config, load_config
+from kvhandoff.service.embedded import EmbeddedService
+from kvhandoff.service.runtime.stages import EngineStage
+from kvhandoff.transport.pointers import tensor_at
 
 ITEM = 64 << 10  # bytes of one page of one KV buffer: segments large enough to commit off the loop
 LAYERS = [0, 1, 2]

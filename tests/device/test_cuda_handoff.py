@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvhandoff.transport.mooncake_engine import installed_builds
 from tests.device.stage import check_landed_handoff
-from transport.mooncake_engine import installed_builds
 
 pytest.importorskip("mooncake.engine", reason="needs a Mooncake build")
 pytestmark = [

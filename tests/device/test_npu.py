@@ -24,12 +24,12 @@ import torch
 
 torch_npu = pytest.importorskip("torch_npu", reason="needs torch_npu (an Ascend machine)")
 
-from pipelines.digest import digest  # noqa: E402
-from transport.ascend import HCCN_CONF, physical_npu  # noqa: E402
-from transport.config import ASCEND_ALIGN_BYTES  # noqa: E402
-from transport.pointers import tensor_at  # noqa: E402
-from transport.pool_base import EmbeddedPool  # noqa: E402
-from transport.pools import open_pool  # noqa: E402
+from kvhandoff.pipelines.digest import digest  # noqa: E402
+from kvhandoff.transport.ascend import HCCN_CONF, physical_npu  # noqa: E402
+from kvhandoff.transport.config import ASCEND_ALIGN_BYTES  # noqa: E402
+from kvhandoff.transport.pointers import tensor_at  # noqa: E402
+from kvhandoff.transport.pool_base import EmbeddedPool  # noqa: E402
+from kvhandoff.transport.pools import open_pool  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.npu.is_available(), reason="needs an NPU that torch_npu can use"
@@ -75,8 +75,8 @@ def test_the_device_digest_is_the_host_digest(n: int) -> None:
 @pytest.mark.skipif(not os.environ.get("KVHANDOFF_NPU_HOST"), reason="set KVHANDOFF_NPU_HOST")
 def test_npu_pages_land_byte_exact_over_the_ascend_protocol(tmp_path: Path) -> None:
     pytest.importorskip("mooncake.engine", reason="needs Mooncake's NPU build")
+    from kvhandoff.transport.mooncake_engine import installed_builds
     from tests.device.stage import check_landed_handoff
-    from transport.mooncake_engine import installed_builds
 
     if not any("npu" in b.split("-") for b in installed_builds()):
         pytest.skip(f"needs mooncake-transfer-engine-npu, not {sorted(installed_builds())}")

@@ -17,9 +17,9 @@ from typing import Any
 
 import msgspec
 
-from transport.config import MooncakeConfig
-from transport.mooncake import MooncakeTransport
-from transport.pool_shm import ShmPool
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.mooncake import MooncakeTransport
+from kvhandoff.transport.pool_shm import ShmPool
 
 
 def main(spec: dict[str, Any]) -> None:

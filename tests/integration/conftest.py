@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from service.testing.deployment import LocalDeployment
+from kvhandoff.service.testing.deployment import LocalDeployment
 
 DeploymentFactory = Callable[..., LocalDeployment]
 

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from service.testing.deployment import LocalDeployment
+from kvhandoff.service.testing.deployment import LocalDeployment
 
 SENTINEL = 0xEE
 

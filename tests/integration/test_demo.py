@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.config import HandoffConfig
-from service.testing.deployment import DeploymentError, LocalDeployment
+from kvhandoff.service.config import HandoffConfig
+from kvhandoff.service.testing.deployment import DeploymentError, LocalDeployment
 
 DeploymentFactory = Callable[..., LocalDeployment]  # the `deployment` fixture (conftest.py)
 
 pytestmark = pytest.mark.integration
-DEMO = [sys.executable, "-m", "service.cli", "demo"]
+DEMO = [sys.executable, "-m", "kvhandoff.service.cli", "demo"]
 
 
 def _demo(*flags: str) -> dict[str, Any]:
@@ -88,7 +88,8 @@ def test_the_summary_leads_with_the_data_plane_and_the_control_plane() -> None:
 
 def test_handoff_benchmark_runs_both_cases() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "service.cli", "bench", "handoff", "--repeat", "1", "--json",
+        [sys.executable, "-m", "kvhandoff.service.cli", "bench", "handoff", "--repeat", "1",
+        "--json",
          "--cases", "bulk,small",
          "--bulk-requests", "2", "--bulk-pages", "8", "--bulk-concurrency", "2",
          "--small-requests", "100", "--small-concurrency", "8"],
@@ -278,7 +279,7 @@ def test_close_stops_every_process_and_removes_the_pools(deployment: DeploymentF
 
 _HARNESS = """\
 import json, sys, time
-from service.testing.deployment import LocalDeployment
+from kvhandoff.service.testing.deployment import LocalDeployment
 model = {"scale": 64, "num_layers": 8}
 dep = LocalDeployment(model=model, pp_size=2, num_pages=16, num_slots=2, work_dir=sys.argv[1])
 dep.start()

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from httpx_sse import aconnect_sse
 
-from service.testing.deployment import LocalDeployment
-from service.tools.router_client import RouterClient
+from kvhandoff.service.testing.deployment import LocalDeployment
+from kvhandoff.service.tools.router_client import RouterClient
 
 pytestmark = pytest.mark.integration
 DeploymentFactory = Callable[..., LocalDeployment]

@@ -23,8 +23,8 @@ import httpx
 import pytest
 from httpx_sse import ServerSentEvent, aconnect_sse
 
-from service.config import HandoffConfig
-from service.testing.deployment import LocalDeployment
+from kvhandoff.service.config import HandoffConfig
+from kvhandoff.service.testing.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     Moved,
     complete,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from service.testing.deployment import LocalDeployment
+from kvhandoff.service.testing.deployment import LocalDeployment
 
 # Each pass may take up to its own 600 s bound (`run_schemathesis`); a busy machine stretches
 # them far past the suite's 180 s default, which must not cut a passing run short.

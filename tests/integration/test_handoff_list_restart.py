@@ -14,10 +14,10 @@ import aiohttp
 import msgspec
 import pytest
 
-from pipelines.decode.views import HandoffPage, HandoffView
-from service.client import KVHandoffClient
-from service.config import HandoffConfig
-from service.testing.deployment import LocalDeployment
+from kvhandoff.pipelines.decode.views import HandoffPage, HandoffView
+from kvhandoff.service.client import KVHandoffClient
+from kvhandoff.service.config import HandoffConfig
+from kvhandoff.service.testing.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     Moved,
     complete,

@@ -13,8 +13,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from service.config import HandoffConfig, TransferConfig
-from service.testing.deployment import LocalDeployment
+from kvhandoff.service.config import HandoffConfig, TransferConfig
+from kvhandoff.service.testing.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     SENTINEL,
     Moved,

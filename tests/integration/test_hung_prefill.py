@@ -16,7 +16,7 @@ import signal
 import aiohttp
 import pytest
 
-from service.config import HandoffConfig, TransferConfig
+from kvhandoff.service.config import HandoffConfig, TransferConfig
 from tests.integration.conftest import DeploymentFactory
 from tests.integration.handoff_checks import (
     Moved,

@@ -33,9 +33,10 @@ import aiohttp
 import numpy as np
 import pytest
 
-from pipelines.prefill.staged import BLOCK_BYTES
-from service.config import HandoffConfig, TransferConfig
-from service.testing.deployment import LocalDeployment
+from kvhandoff.pipelines.prefill.staged import BLOCK_BYTES
+from kvhandoff.service.config import HandoffConfig, TransferConfig
+from kvhandoff.service.testing.deployment import LocalDeployment
+from kvhandoff.transport.config import MooncakeConfig
 from tests.integration.handoff_checks import (
     Moved,
     fill_sources,
@@ -45,7 +46,6 @@ from tests.integration.handoff_checks import (
     rows,
 )
 from tests.integration.wire import MOONCAKE_HEADER_BYTES, Wire, listening_ports, wire
-from transport.config import MooncakeConfig
 
 pytestmark = pytest.mark.integration
 

@@ -19,10 +19,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from service.config import TransferConfig
-from service.testing.deployment import LocalDeployment, ServiceProcess
+from kvhandoff.service.config import TransferConfig
+from kvhandoff.service.testing.deployment import LocalDeployment, ServiceProcess
+from kvhandoff.transport.pool_shm import ShmPool, shm_path
 from tests.integration.conftest import DeploymentFactory
-from transport.pool_shm import ShmPool, shm_path
 
 pytestmark = pytest.mark.integration
 

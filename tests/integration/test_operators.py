@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from service.config import HandoffConfig
+from kvhandoff.service.config import HandoffConfig
 from tests.integration.conftest import DeploymentFactory
 
 pytestmark = pytest.mark.integration
@@ -83,7 +83,7 @@ def test_mooncake_s_start_up_noise_is_explained_next_to_it(tmp_path: Path) -> No
     config = tmp_path / "decode.toml"
     config.write_text(MOONCAKE_DECODE.format(port=free_port(), state=tmp_path / "state").lstrip())
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--config", str(config)],
+        [sys.executable, "-m", "kvhandoff.service.cli", "serve", "--config", str(config)],
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from service.config import HandoffConfig, PeersConfig
+from kvhandoff.service.config import HandoffConfig, PeersConfig
 from tests.integration.conftest import DeploymentFactory
 from tests.integration.handoff_checks import (
     Moved,

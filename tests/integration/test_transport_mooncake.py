@@ -15,16 +15,16 @@ from collections.abc import AsyncIterator, Iterator
 import numpy as np
 import pytest
 
-from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
-from pipelines.pairing import pair
-from pipelines.planning import plan
-from transport.blocks import Blocks
-from transport.config import MooncakeConfig
-from transport.errors import TransportError, TransportTimeout
-from transport.mooncake import MooncakeTransport
-from transport.pool_base import Pool, host_array
-from transport.pool_shm import ShmPool
-from transport.pools import open_pool
+from kvhandoff.pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from kvhandoff.pipelines.pairing import pair
+from kvhandoff.pipelines.planning import plan
+from kvhandoff.transport.blocks import Blocks
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.errors import TransportError, TransportTimeout
+from kvhandoff.transport.mooncake import MooncakeTransport
+from kvhandoff.transport.pool_base import Pool, host_array
+from kvhandoff.transport.pool_shm import ShmPool
+from kvhandoff.transport.pools import open_pool
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _transport_receiver import Receiver, spawn

@@ -14,9 +14,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from service.client import ApiError, KVHandoffClient
-from service.config import HandoffConfig, TransferConfig, WebhooksConfig
-from service.testing.deployment import LocalDeployment
+from kvhandoff.service.client import ApiError, KVHandoffClient
+from kvhandoff.service.config import HandoffConfig, TransferConfig, WebhooksConfig
+from kvhandoff.service.testing.deployment import LocalDeployment
 from tests.integration.handoff_checks import (
     Moved,
     complete,

@@ -72,12 +72,12 @@ import msgspec
 import pytest
 from yarl import URL
 
-import service.runtime.persistence
-from service.config import Config, load_config
-from service.records.handoffs import HandoffRecords
-from service.runtime.transport import TRANSPORT
-from service.serve import Server, install_service, serve
-from service.webhooks.sender import Sender
+import kvhandoff.service.runtime.persistence
+from kvhandoff.service.config import Config, load_config
+from kvhandoff.service.records.handoffs import HandoffRecords
+from kvhandoff.service.runtime.transport import TRANSPORT
+from kvhandoff.service.serve import Server, install_service, serve
+from kvhandoff.service.webhooks.sender import Sender
 from tests.receivers import WebhookReceiver
 
 pytest.importorskip("mooncake.engine")
@@ -264,7 +264,7 @@ def install_counters(monkeypatch: pytest.MonkeyPatch, tally: Tally, routes: Rout
     monkeypatch.setattr(msgspec.json, "encode", counted(msgspec.json.encode))
     monkeypatch.setattr(json, "dumps", counted(json.dumps))
     # The per-second timers, out of every window (see the module docstring).
-    monkeypatch.setattr(service.runtime.persistence, "CHECKPOINT_INTERVAL_S", QUIET_S)
+    monkeypatch.setattr(kvhandoff.service.runtime.persistence, "CHECKPOINT_INTERVAL_S", QUIET_S)
 
 
 # -- the deployment --------------------------------------------------------------------------

@@ -237,7 +237,7 @@ def main() -> None:
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
-    from pipelines.events import event_tag
+    from kvhandoff.pipelines.events import event_tag
 
     server_args = ServerArgs(
         model_path=model,

@@ -24,8 +24,8 @@ import requests
 import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
 
-from service.integrations.sglang import excusal
-from service.integrations.sglang.bootstrap import (
+from kvhandoff.service.integrations.sglang import excusal
+from kvhandoff.service.integrations.sglang.bootstrap import (
     SIGNATURE_HEADER,
     KVHandoffBootstrapServer,
     sign,

@@ -9,16 +9,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipelines.errors import PairingError
-from pipelines.pairing import pair
-from service.integrations.sglang.layouts import (
+from kvhandoff.pipelines.errors import PairingError
+from kvhandoff.pipelines.pairing import pair
+from kvhandoff.service.integrations.sglang.layouts import (
     Unsupported,
     component_slots,
     pool_device,
     rank_layout,
     refuse_unsupported,
 )
-from transport.errors import PoolError
+from kvhandoff.transport.errors import PoolError
 
 
 def kv_args(**changes: Any) -> Any:
@@ -345,7 +345,7 @@ def test_attention_cp_where_every_rank_sends_is_refused_by_name(
     env: str | None,
     named: str,
 ) -> None:
-    from service.integrations.sglang.refusals import refuse_context_parallel
+    from kvhandoff.service.integrations.sglang.refusals import refuse_context_parallel
 
     if env is None:
         monkeypatch.delenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", raising=False)
@@ -359,7 +359,7 @@ def test_attention_cp_where_every_rank_sends_is_refused_by_name(
 def test_attention_cp_with_cp_rank_0_sending_alone_is_carried(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from service.integrations.sglang.refusals import refuse_context_parallel
+    from kvhandoff.service.integrations.sglang.refusals import refuse_context_parallel
 
     monkeypatch.delenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", raising=False)
     refuse_context_parallel(_parallel(), kv_args(), prefill=True)

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from service.integrations.sglang import excusal
-from service.integrations.sglang.layouts import Unsupported
-from service.integrations.sglang.refusals import (
+from kvhandoff.service.integrations.sglang import excusal
+from kvhandoff.service.integrations.sglang.layouts import Unsupported
+from kvhandoff.service.integrations.sglang.refusals import (
     refuse_decode_prefix_reuse,
     refuse_rust_registry,
     tp_pairing_refusal,

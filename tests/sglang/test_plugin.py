@@ -13,7 +13,7 @@ from sglang.srt.plugins import load_plugins
 def test_the_entry_point_is_installed_in_sglang_s_group() -> None:
     eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
     ours = [ep for ep in eps if ep.name == "kvhandoff"]
-    assert [ep.value for ep in ours] == ["service.integrations.sglang.plugin:register"]
+    assert [ep.value for ep in ours] == ["kvhandoff.service.integrations.sglang.plugin:register"]
 
 
 def test_load_plugins_makes_kvhandoff_a_backend_and_leaves_mooncake_alone() -> None:
@@ -21,10 +21,10 @@ def test_load_plugins_makes_kvhandoff_a_backend_and_leaves_mooncake_alone() -> N
     from sglang.srt.disaggregation import utils
     from sglang.srt.disaggregation.mooncake import MooncakeKVManager
 
-    from service.integrations.sglang.bootstrap import KVHandoffBootstrapServer
-    from service.integrations.sglang.manager import KVHandoffManager
-    from service.integrations.sglang.receiver import KVHandoffReceiver
-    from service.integrations.sglang.sender import KVHandoffSender
+    from kvhandoff.service.integrations.sglang.bootstrap import KVHandoffBootstrapServer
+    from kvhandoff.service.integrations.sglang.manager import KVHandoffManager
+    from kvhandoff.service.integrations.sglang.receiver import KVHandoffReceiver
+    from kvhandoff.service.integrations.sglang.sender import KVHandoffSender
 
     assert "kvhandoff" in DISAGG_TRANSFER_BACKEND_CHOICES
     backend = TransferBackend("kvhandoff")

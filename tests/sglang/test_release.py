@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from sglang.srt.disaggregation.base.conn import KVPoll
 
-from service.integrations.sglang.layouts import Unsupported
-from service.integrations.sglang.refusals import refuse_early_release
+from kvhandoff.service.integrations.sglang.layouts import Unsupported
+from kvhandoff.service.integrations.sglang.refusals import refuse_early_release
 from tests.sglang.test_backend import Deployment, deploy, logged
 
 pytestmark = pytest.mark.integration

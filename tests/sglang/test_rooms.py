@@ -12,7 +12,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import KVTransferError
 from sglang.srt.observability.trace import TraceNullContext
 
-from pipelines.events import (
+from kvhandoff.pipelines.events import (
     DestinationReceived,
     HandoffAborted,
     HandoffCreated,
@@ -20,9 +20,9 @@ from pipelines.events import (
     HandoffReleased,
     StageTransferred,
 )
-from service.integrations.sglang import excusal
-from service.integrations.sglang.manager import KVHandoffManager
-from service.integrations.sglang.sender import KVHandoffSender
+from kvhandoff.service.integrations.sglang import excusal
+from kvhandoff.service.integrations.sglang.manager import KVHandoffManager
+from kvhandoff.service.integrations.sglang.sender import KVHandoffSender
 from tests.fakes import Clock
 
 TTL = 100.0

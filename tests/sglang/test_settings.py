@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from service.config import ConfigError
-from service.integrations.sglang.settings import CONFIG_ENV, ascend_hostname, rank_config
+from kvhandoff.service.config import ConfigError
+from kvhandoff.service.integrations.sglang.settings import CONFIG_ENV, ascend_hostname, rank_config
 
 STAGE = {"pp_rank": 0, "pp_size": 1, "num_pages": 16}
 

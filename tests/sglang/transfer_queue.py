@@ -48,7 +48,7 @@ class Boundary:
         from sglang.srt.disaggregation.decode import DecodeTransferQueue
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
-        from pipelines.events import HandoffReleased
+        from kvhandoff.pipelines.events import HandoffReleased
 
         _one_rank_group()
         self.page_size = page_size

@@ -32,9 +32,9 @@ from typing import Any
 import pytest
 import yaml
 
-from service.cli import build_parser
-from service.config import Config, ConfigError, load_config
-from service.serve import SHUTDOWN_TIMEOUT_S
+from kvhandoff.service.cli import build_parser
+from kvhandoff.service.config import Config, ConfigError, load_config
+from kvhandoff.service.serve import SHUTDOWN_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from service.tools.docs.__main__ import PAGES, stale_pages
-from service.tools.docs.config import config_page
-from service.tools.docs.events import events_page
-from service.tools.docs.metrics import metrics_page
-from service.tools.docs.openapi import openapi_documents
+from kvhandoff.service.tools.docs.__main__ import PAGES, stale_pages
+from kvhandoff.service.tools.docs.config import config_page
+from kvhandoff.service.tools.docs.events import events_page
+from kvhandoff.service.tools.docs.metrics import metrics_page
+from kvhandoff.service.tools.docs.openapi import openapi_documents
 from tests.engines import servers as engine_servers
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -35,11 +35,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from service.cli import main as kvhandoff
-from service.config import Config, load_config
-from service.embedded import embedded_layout
-from service.serve import SHUTDOWN_TIMEOUT_S
-from transport.pool_base import pack_offsets
+from kvhandoff.service.cli import main as kvhandoff
+from kvhandoff.service.config import Config, load_config
+from kvhandoff.service.embedded import embedded_layout
+from kvhandoff.service.serve import SHUTDOWN_TIMEOUT_S
+from kvhandoff.transport.pool_base import pack_offsets
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "docker" / "k8s"

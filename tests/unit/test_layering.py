@@ -134,7 +134,7 @@ def test_imports_point_one_way() -> None:
 
 
 def test_the_command_line_imports_only_what_sits_below_it() -> None:
-    from service.cli import BENCHMARKS, COMMANDS
+    from kvhandoff.service.cli import BENCHMARKS, COMMANDS
 
     modules = [module for module, _ in [*COMMANDS.values(), *BENCHMARKS.values()]]
     for module in modules:
@@ -146,7 +146,7 @@ def test_the_command_line_imports_only_what_sits_below_it() -> None:
 def test_the_demo_imports_no_benchmark() -> None:
     """The demo is what a new user runs first; a benchmark's helpers are free to change."""
     demo = ROOT / "service" / "tools" / "demo.py"
-    assert [t for _, t in _imports(demo) if t.startswith("service.tools.bench")] == []
+    assert [t for _, t in _imports(demo) if t.startswith("kvhandoff.service.tools.bench")] == []
 
 
 def test_every_service_part_has_a_rank() -> None:
@@ -159,11 +159,14 @@ def test_every_service_part_has_a_rank() -> None:
 @pytest.mark.parametrize(
     ("source", "expect"),
     [
-        ("from service.api.handoffs import x\n", "service/http may not import service/api"),
-        ("import pipelines.decode\n", "transport may not import pipelines"),
+        (
+            "from kvhandoff.service.api.handoffs import x\n",
+            "service/http may not import service/api",
+        ),
+        ("import kvhandoff.pipelines.decode\n", "transport may not import pipelines"),
         ("from bench.report import x\n", "bench/ is not installed with the package"),
         (
-            "from pipelines.prefill.handoff import x\n",
+            "from kvhandoff.pipelines.prefill.handoff import x\n",
             "pipelines/decode may not import pipelines/prefill",
         ),
     ],
@@ -268,11 +271,12 @@ def test_the_circle_check_can_fail(tmp_path: Path) -> None:
     for package in PACKAGES:
         (tmp_path / package).mkdir()
     (tmp_path / "service" / "a.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from service.b import B\n"
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvhandoff.service.b import "
+        "B\n"
     )
-    (tmp_path / "service" / "b.py").write_text("from service import c\n")
-    (tmp_path / "service" / "c.py").write_text("import service.a\n")
-    (tmp_path / "service" / "d.py").write_text("from service.a import x\n")
+    (tmp_path / "service" / "b.py").write_text("from kvhandoff.service import c\n")
+    (tmp_path / "service" / "c.py").write_text("import kvhandoff.service.a\n")
+    (tmp_path / "service" / "d.py").write_text("from kvhandoff.service.a import x\n")
     assert _circles(_graph(tmp_path)) == [
         ["kvhandoff.service.a", "kvhandoff.service.b", "kvhandoff.service.c"]
     ]
@@ -307,7 +311,7 @@ def test_no_module_imports_another_module_s_private_names() -> None:
 
 def test_the_private_import_check_can_fail(tmp_path: Path) -> None:
     (tmp_path / "service").mkdir()
-    (tmp_path / "service" / "a.py").write_text("from service.b import _helper\n")
+    (tmp_path / "service" / "a.py").write_text("from kvhandoff.service.b import _helper\n")
     assert _private_imports(tmp_path) == ["service/a.py:1 imports _helper"]
 
 
@@ -356,8 +360,8 @@ PIPELINE_LOOKUPS = ("decode_of", "prefill_of")
 
 
 def _pipeline_surface() -> set[str]:
-    from pipelines.decode import DecodePipeline
-    from pipelines.prefill import PrefillPipeline
+    from kvhandoff.pipelines.decode import DecodePipeline
+    from kvhandoff.pipelines.prefill import PrefillPipeline
 
     methods = {
         name

@@ -1,7 +1,7 @@
 """Settings have one home: a default is written once, in the settings struct of its layer.
 
-The configuration (`service.config`) holds the defaults of what a deployment sets; the
-pipelines' settings (`pipelines.settings`) hold theirs, which the configuration reuses. A
+The configuration (`kvhandoff.service.config`) holds the defaults of what a deployment sets; the
+pipelines' settings (`kvhandoff.pipelines.settings`) hold theirs, which the configuration reuses. A
 constructor takes its settings struct instead of repeating a default as a literal: the check
 below walks every signature in the tree and refuses a numeric literal default for a parameter
 named like a setting (or known to be one under another name).
@@ -16,10 +16,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from pipelines.decode import DecodePipeline
-from pipelines.prefill import PrefillPipeline
-from pipelines.settings import DECODE_DEFAULTS, PREFILL_DEFAULTS, DecodeSettings, PrefillSettings
-from service.config import (
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.prefill import PrefillPipeline
+from kvhandoff.pipelines.settings import (
+    DECODE_DEFAULTS,
+    PREFILL_DEFAULTS,
+    DecodeSettings,
+    PrefillSettings,
+)
+from kvhandoff.service.config import (
     AuthConfig,
     Config,
     HandoffConfig,
@@ -29,9 +34,9 @@ from service.config import (
     WebhooksConfig,
     load_config,
 )
-from service.peers.heartbeat import Heartbeats, HeartbeatSettings
-from transport.config import MooncakeConfig
-from transport.local import LocalConfig
+from kvhandoff.service.peers.heartbeat import Heartbeats, HeartbeatSettings
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.local import LocalConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("service", "pipelines", "transport")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from service.integrations.vllm.metadata import rank_handoff_id
+from kvhandoff.service.integrations.vllm.metadata import rank_handoff_id
 from tests.engines.handoffs import TERMINAL, Records
 from tests.vllm.servers import Server
 

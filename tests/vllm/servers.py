@@ -108,7 +108,7 @@ def kvhandoff_transfer_config(
     return json.dumps(
         {
             "kv_connector": "KVHandoffConnector",
-            "kv_connector_module_path": "service.integrations.vllm.connector",
+            "kv_connector_module_path": "kvhandoff.service.integrations.vllm.connector",
             "kv_role": kv_role,
             "kv_connector_extra_config": extra,
         }

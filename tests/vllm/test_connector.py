@@ -38,11 +38,11 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from service.integrations.vllm.connector import KVHandoffConnector
-from service.integrations.vllm.layouts import Unsupported, state_component
-from service.integrations.vllm.metadata import PARAMS_KEY, ServiceHandshake, StepMeta
-from service.integrations.vllm.settings import ConnectorSettings
-from service.integrations.vllm.worker import WorkerHalf
+from kvhandoff.service.integrations.vllm.connector import KVHandoffConnector
+from kvhandoff.service.integrations.vllm.layouts import Unsupported, state_component
+from kvhandoff.service.integrations.vllm.metadata import PARAMS_KEY, ServiceHandshake, StepMeta
+from kvhandoff.service.integrations.vllm.settings import ConnectorSettings
+from kvhandoff.service.integrations.vllm.worker import WorkerHalf
 from tests.vllm import models
 
 BLOCKS = 64
@@ -76,7 +76,7 @@ def vllm_config(llama: Path, kv_role: str, *, policy: str = "fail", pp: int = 1)
         parallel_config=ParallelConfig(pipeline_parallel_size=pp),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVHandoffConnector",
-            kv_connector_module_path="service.integrations.vllm.connector",
+            kv_connector_module_path="kvhandoff.service.integrations.vllm.connector",
             kv_role=kv_role,
             kv_load_failure_policy=policy,
         ),
@@ -336,7 +336,7 @@ def test_the_entry_point_names_the_connector_for_vllm() -> None:
     from vllm.plugins import load_general_plugins
 
     [entry] = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvhandoff"]
-    assert entry.value == "service.integrations.vllm.plugin:register"
+    assert entry.value == "kvhandoff.service.integrations.vllm.plugin:register"
     load_general_plugins()
     load_general_plugins()  # every vLLM process may call it again: no error
     assert KVConnectorFactory._registry["KVHandoffConnector"]() is KVHandoffConnector
@@ -385,7 +385,7 @@ def transfer_config(tmp_path: Path, **settings: Any) -> KVTransferConfig:
     toml.write_text(f'[server]\nstate_dir = "{tmp_path}"\n[auth]\npeer = "{"s" * 32}"\n')
     return KVTransferConfig(
         kv_connector="KVHandoffConnector",
-        kv_connector_module_path="service.integrations.vllm.connector",
+        kv_connector_module_path="kvhandoff.service.integrations.vllm.connector",
         kv_role="kv_consumer",
         kv_connector_extra_config={"config": str(toml), "settings": settings},
     )
@@ -396,7 +396,7 @@ def test_kv_cache_access_says_whether_vllms_kv_cache_is_registered(
 ) -> None:
     """0.34's `KVCacheAccess` flags (absent from 0.32: its members by name here): landed mode
     registers only kvhandoff's own buffers, direct mode registers vLLM's KV cache."""
-    from service.integrations.vllm import connector
+    from kvhandoff.service.integrations.vllm import connector
 
     flags = enum.IntFlag("KVCacheAccess", ["REGISTERS", "EXPORTS_FD"])
     monkeypatch.setattr(connector, "KVCacheAccess", flags)

@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from service.integrations.vllm.layouts import (
+from kvhandoff.service.integrations.vllm.layouts import (
     Unsupported,
     check_groups,
     layer_index,

@@ -11,24 +11,24 @@ from typing import Any
 
 import pytest
 
-from pipelines.decode.views import HandoffRequest
-from pipelines.errors import PeerUnreachable
-from pipelines.events import (
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.pipelines.errors import PeerUnreachable
+from kvhandoff.pipelines.events import (
     HandoffAborted,
     HandoffCompleted,
     HandoffFailed,
     HandoffReleased,
     StageTransferred,
 )
-from service.integrations.vllm.metadata import (
+from kvhandoff.service.integrations.vllm.metadata import (
     PARAMS_VERSION,
     HandoffParams,
     Recv,
     Send,
     StepMeta,
 )
-from service.integrations.vllm.settings import ConnectorSettings
-from service.integrations.vllm.worker import WorkerHalf
+from kvhandoff.service.integrations.vllm.settings import ConnectorSettings
+from kvhandoff.service.integrations.vllm.worker import WorkerHalf
 from tests.fakes import RecordingService, wait_until
 
 BASE = "vllm-engine-req"

@@ -3,5 +3,5 @@ their one transition table (`states`), a decode rank's handoff records and the r
 engine's "pages may be freed" signal reads (`decode`), a prefill rank's room records with chunk
 -> page-range signalling and the fan-out replay (`prefill`), and the neutral outcome each
 handoff event means for its room (`outcomes`), which an adapter maps to its engine's status
-table. No engine is imported here: SGLang's backend (`service.integrations.sglang`) uses it,
-and so can a second adapter (a vLLM KV connector)."""
+table. No engine is imported here: SGLang's backend (`kvhandoff.service.integrations.sglang`) uses
+it, and so can a second adapter (a vLLM KV connector)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from service.integrations.rooms.states import DecodeState, advance
+from kvhandoff.service.integrations.rooms.states import DecodeState, advance
 
 
 @dataclass

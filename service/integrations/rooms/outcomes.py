@@ -1,6 +1,6 @@
 """What a handoff's event means for its request, in no engine's vocabulary: a neutral outcome
 an adapter maps onto its engine's status table (SGLang's `KVPoll`, a vLLM connector's finished
-sets), so every adapter reads the one event union (`pipelines.events`) the same way.
+sets), so every adapter reads the one event union (`kvhandoff.pipelines.events`) the same way.
 
 Called by an engine adapter's event listener (the service's event thread), once it has found
 the room an event's handoff belongs to. The mapping is per role, as each side's events mean
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from pipelines.errors import PeerUnreachable
-from pipelines.events import (
+from kvhandoff.pipelines.errors import PeerUnreachable
+from kvhandoff.pipelines.events import (
     Event,
     HandoffAborted,
     HandoffCompleted,

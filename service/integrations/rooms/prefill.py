@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.integrations.rooms.states import PrefillState, advance
+from kvhandoff.service.integrations.rooms.states import PrefillState, advance
 
 _P = PrefillState
 

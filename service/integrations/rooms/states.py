@@ -1,7 +1,7 @@
 """The states of an adapter's rooms, and their one transition table.
 
-Kept apart from `pipelines.states` on purpose: these are what the *engine adapter* knows of a
-request (what it asked of kvhandoff, what it signalled, may its pages still be leased), not the
+Kept apart from `kvhandoff.pipelines.states` on purpose: these are what the *engine adapter* knows
+of a request (what it asked of kvhandoff, what it signalled, may its pages still be leased), not the
 handoff's own states. The facts an engine acts on are states here: a decode request's pages may
 be freed only once every handoff of it is RELEASED, and a prefill room that is STOPPED signals
 nothing more (DESIGN.md, "the boundary rule").
@@ -12,7 +12,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import TypeVar
 
-from pipelines.errors import InternalError
+from kvhandoff.pipelines.errors import InternalError
 
 
 class DecodeState(StrEnum):

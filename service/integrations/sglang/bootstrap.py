@@ -30,7 +30,7 @@ from aiohttp import web
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
 from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 
-from service.integrations.sglang.settings import peer_secrets
+from kvhandoff.service.integrations.sglang.settings import peer_secrets
 
 log = logging.getLogger("kvhandoff.sglang.bootstrap")
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
-from service.integrations.sglang.bootstrap import check, sign
+from kvhandoff.service.integrations.sglang.bootstrap import check, sign
 
 log = logging.getLogger("kvhandoff.sglang.excusal")
 

@@ -21,10 +21,10 @@ KV entries (speculative decoding) take their ids in SGLang's band above the targ
 
 Memory: SGLang publishes raw pointers. On `--device cuda` (`npu`) its KV and state pools live on
 the rank's GPU (NPU), `gpu_id`, and its aux rows in host memory (`MetadataBuffers`); each buffer
-becomes a tensor over that memory on its own device (`transport.pointers.tensor_at`, no copy;
-NPU memory through torch_npu, `transport.npu`), so the decode's commits and the prefill's
-gathers run with torch where the pages are. The NPU path is CPU-tested only: it has not run on
-Ascend hardware.
+becomes a tensor over that memory on its own device (`kvhandoff.transport.pointers.tensor_at`, no
+copy; NPU memory through torch_npu, `kvhandoff.transport.npu`), so the decode's commits and the
+prefill's gathers run with torch where the pages are. The NPU path is CPU-tested only: it has not
+run on Ascend hardware.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.errors import LayoutError
-from pipelines.layout import StageLayout, group_layer_ids, layout_from_flat_lists
-from transport.pointers import tensor_at
+from kvhandoff.pipelines.errors import LayoutError
+from kvhandoff.pipelines.layout import StageLayout, group_layer_ids, layout_from_flat_lists
+from kvhandoff.transport.pointers import tensor_at
 
 #: SGLang state components with one index per request (a slot of their own pool): what this
 #: backend moves, as the state component of that name.

@@ -6,7 +6,7 @@ request table (`request_status`, monotone: `update_status` takes the max and kee
 failure records, the PP consensus store (prefill PP rank 0 polls the minimum over the stages),
 the bootstrap look-ups and the timeouts. What moves bytes and decides outcomes is kvhandoff:
 
-- every scheduler rank runs one embedded kvhandoff service (`service.embedded`) over the
+- every scheduler rank runs one embedded kvhandoff service (`kvhandoff.service.embedded`) over the
   engine's own buffers (layouts from `KVArgs`, `layouts.py`), with its own Mooncake engine, free
   port and locked state directory; prefill ranks register its URL with the bootstrap server,
   signed (`bootstrap.py`);
@@ -23,7 +23,8 @@ the bootstrap look-ups and the timeouts. What moves bytes and decides outcomes i
   prefill `send` signals its chunk's pages ready at once, as a page range of the stage (the
   slots and aux row with the last), so the chunk's segments travel while the next chunk is
   prefilled;
-- the rooms are state machines (`service.integrations.rooms`: one record per prefill request
+- the rooms are state machines (`kvhandoff.service.integrations.rooms`: one record per prefill
+request
   and per decode handoff, changed only through its transition table); the service's events
   drive them and `update_status` / `record_failure` on its own thread, through the neutral
   outcome each event means (`rooms.outcomes`, mapped to SGLang's `KVPoll` by `STATUS`), so
@@ -58,14 +59,19 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
 
-from pipelines.errors import KVHandoffError, PeerUnreachable
-from pipelines.events import DestinationReceived, Event, HandoffReleased
-from service.embedded import EmbeddedService
-from service.integrations.rooms.decode import DecodeRooms
-from service.integrations.rooms.outcomes import Outcome, outcome
-from service.integrations.sglang import excusal
-from service.integrations.sglang.bootstrap import MAX_SKEW_S, SIGNATURE_HEADER, URL_FIELD, sign
-from service.integrations.sglang.layouts import (
+from kvhandoff.pipelines.errors import KVHandoffError, PeerUnreachable
+from kvhandoff.pipelines.events import DestinationReceived, Event, HandoffReleased
+from kvhandoff.service.embedded import EmbeddedService
+from kvhandoff.service.integrations.rooms.decode import DecodeRooms
+from kvhandoff.service.integrations.rooms.outcomes import Outcome, outcome
+from kvhandoff.service.integrations.sglang import excusal
+from kvhandoff.service.integrations.sglang.bootstrap import (
+    MAX_SKEW_S,
+    SIGNATURE_HEADER,
+    URL_FIELD,
+    sign,
+)
+from kvhandoff.service.integrations.sglang.layouts import (
     RankLayout,
     Unsupported,
     pool_device,
@@ -73,16 +79,16 @@ from service.integrations.sglang.layouts import (
     refuse_unsupported,
     state_types,
 )
-from service.integrations.sglang.prefill_rank import PrefillRank
-from service.integrations.sglang.refusals import (
+from kvhandoff.service.integrations.sglang.prefill_rank import PrefillRank
+from kvhandoff.service.integrations.sglang.refusals import (
     refuse_context_parallel,
     refuse_decode_prefix_reuse,
     refuse_early_release,
     refuse_rust_registry,
     tp_pairing_refusal,
 )
-from service.integrations.sglang.settings import rank_config
-from service.runtime.stages import EngineStage
+from kvhandoff.service.integrations.sglang.settings import rank_config
+from kvhandoff.service.runtime.stages import EngineStage
 
 log = logging.getLogger("kvhandoff.sglang")
 ABORT_THREADS = 4
@@ -240,7 +246,7 @@ class KVHandoffManager(CommonKVManager):
         """The rank's rooms, locks and threads (all a room's bookkeeping reads)."""
         # prefill: one record per request (`prefill_rank.py`); decode: one per handoff, until
         # released (SGLang asks `is_abort_release_safe` after it cleared the receiver): what
-        # SGLang's deferred release waits for (`service.integrations.rooms.decode`).
+        # SGLang's deferred release waits for (`kvhandoff.service.integrations.rooms.decode`).
         self.prefill = PrefillRank(self, excusal_ttl_s)
         self.decode_rooms = DecodeRooms()
         # SGLang's update_status reads, then writes: two threads (the scheduler's and the

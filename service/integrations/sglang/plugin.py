@@ -25,10 +25,10 @@ TARGET = "sglang.srt.disaggregation.utils.get_kv_class"
 
 #: KVClassType member name -> "module:class" of ours (KVARGS stays SGLang's shared container).
 CLASSES = {
-    "MANAGER": "service.integrations.sglang.manager:KVHandoffManager",
-    "SENDER": "service.integrations.sglang.sender:KVHandoffSender",
-    "RECEIVER": "service.integrations.sglang.receiver:KVHandoffReceiver",
-    "BOOTSTRAP_SERVER": "service.integrations.sglang.bootstrap:KVHandoffBootstrapServer",
+    "MANAGER": "kvhandoff.service.integrations.sglang.manager:KVHandoffManager",
+    "SENDER": "kvhandoff.service.integrations.sglang.sender:KVHandoffSender",
+    "RECEIVER": "kvhandoff.service.integrations.sglang.receiver:KVHandoffReceiver",
+    "BOOTSTRAP_SERVER": "kvhandoff.service.integrations.sglang.bootstrap:KVHandoffBootstrapServer",
 }
 
 

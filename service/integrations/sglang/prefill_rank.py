@@ -1,6 +1,6 @@
-"""A prefill rank's requests as rooms (`service.integrations.rooms.prefill`), and what SGLang's
-prefill calls do with them: each chunk signalled as the stage's next page range, the fan-out
-replay to the copies of an MLA decode of larger TP, excusals (SGLang's MLA dummy ranks), and
+"""A prefill rank's requests as rooms (`kvhandoff.service.integrations.rooms.prefill`), and what
+SGLang's prefill calls do with them: each chunk signalled as the stage's next page range, the
+fan-out replay to the copies of an MLA decode of larger TP, excusals (SGLang's MLA dummy ranks), and
 the boundary rule's prefill half: **every handoff of a room is stopped before SGLang's table
 says Failed** (`stop`, `stop_then_fail`), as SGLang frees the source pages then and a segment
 still gathering from them would send another request's bytes as this one's.
@@ -23,13 +23,13 @@ from typing import Any, Protocol
 import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll
 
-from pipelines.errors import KVHandoffError
-from pipelines.events import DestinationReceived
-from service.embedded import EmbeddedService
-from service.integrations.rooms.prefill import Chunk, PrefillRoom, PrefillRooms, Range
-from service.integrations.sglang import excusal
-from service.integrations.sglang.ids import handoff_id, own_of
-from service.integrations.sglang.layouts import RankLayout, component_slots
+from kvhandoff.pipelines.errors import KVHandoffError
+from kvhandoff.pipelines.events import DestinationReceived
+from kvhandoff.service.embedded import EmbeddedService
+from kvhandoff.service.integrations.rooms.prefill import Chunk, PrefillRoom, PrefillRooms, Range
+from kvhandoff.service.integrations.sglang import excusal
+from kvhandoff.service.integrations.sglang.ids import handoff_id, own_of
+from kvhandoff.service.integrations.sglang.layouts import RankLayout, component_slots
 
 
 class RankHost(Protocol):

@@ -5,8 +5,8 @@ handoff: destination pages, a slot per state component, the aux row; with SGLang
 cache, the pages of the prefix it holds, which the prefill's service then skips), `poll`,
 `failure_exception`, `abort` / `ensure_abort_notified` (every Failed), `clear`, then
 `is_abort_release_safe` until SGLang frees the pages. The handoff's record is the manager's
-`decode_rooms` (`service.integrations.rooms.decode`): SGLang frees the pages only once it is
-released.
+`decode_rooms` (`kvhandoff.service.integrations.rooms.decode`): SGLang frees the pages only once it
+is released.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
-from pipelines.decode.views import HandoffRequest
-from pipelines.errors import KVHandoffError
-from service.integrations.sglang import excusal
-from service.integrations.sglang.bootstrap import URL_FIELD
-from service.integrations.sglang.ids import handoff_id
-from service.integrations.sglang.layouts import component_slots
-from service.integrations.sglang.manager import KVHandoffManager
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.pipelines.errors import KVHandoffError
+from kvhandoff.service.integrations.sglang import excusal
+from kvhandoff.service.integrations.sglang.bootstrap import URL_FIELD
+from kvhandoff.service.integrations.sglang.ids import handoff_id
+from kvhandoff.service.integrations.sglang.layouts import component_slots
+from kvhandoff.service.integrations.sglang.manager import KVHandoffManager
 
 log = logging.getLogger("kvhandoff.sglang")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from sglang.srt.environ import envs
 
-from service.integrations.sglang.layouts import Unsupported
+from kvhandoff.service.integrations.sglang.layouts import Unsupported
 
 
 def tp_pairing_refusal(

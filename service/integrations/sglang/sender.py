@@ -10,7 +10,7 @@ from __future__ import annotations
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
 from sglang.srt.disaggregation.common.conn import CommonKVSender
 
-from service.integrations.sglang.manager import KVHandoffManager
+from kvhandoff.service.integrations.sglang.manager import KVHandoffManager
 
 
 class KVHandoffSender(CommonKVSender):

@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from service.config import Config, ConfigError, load_config
-from transport.ascend import HOSTNAME, physical_npu
-from transport.config import MooncakeConfig
+from kvhandoff.service.config import Config, ConfigError, load_config
+from kvhandoff.transport.ascend import HOSTNAME, physical_npu
+from kvhandoff.transport.config import MooncakeConfig
 
 CONFIG_ENV = "SGLANG_KVHANDOFF_CONFIG"
 

@@ -1,7 +1,7 @@
 """`KVHandoffConnector`: kvhandoff as a vLLM KV connector (V1 API, vLLM 0.32 and 0.34).
 
 Loaded by vLLM from `--kv-transfer-config '{"kv_connector": "KVHandoffConnector",
-"kv_connector_module_path": "service.integrations.vllm.connector", "kv_role":
+"kv_connector_module_path": "kvhandoff.service.integrations.vllm.connector", "kv_role":
 "kv_producer" | "kv_consumer", "kv_connector_extra_config": {"config": "kvhandoff.toml"}}'`
 (settings: `settings.py`). vLLM constructs it once per role: in the scheduler (`SchedulerHalf`,
 `scheduler.py`) and in every worker (`WorkerHalf`, `worker.py`, which runs the worker's
@@ -36,12 +36,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from service.integrations.vllm.layouts import Unsupported
-from service.integrations.vllm.metadata import StepMeta
-from service.integrations.vllm.scheduler import SchedulerHalf
-from service.integrations.vllm.settings import connector_settings, transfer_mode
-from service.integrations.vllm.support import refuse_unsupported, service_role
-from service.integrations.vllm.worker import WorkerHalf
+from kvhandoff.service.integrations.vllm.layouts import Unsupported
+from kvhandoff.service.integrations.vllm.metadata import StepMeta
+from kvhandoff.service.integrations.vllm.scheduler import SchedulerHalf
+from kvhandoff.service.integrations.vllm.settings import connector_settings, transfer_mode
+from kvhandoff.service.integrations.vllm.support import refuse_unsupported, service_role
+from kvhandoff.service.integrations.vllm.worker import WorkerHalf
 
 try:  # vLLM 0.34: how a connector's workers reach the KV cache
     from vllm.config.kv_transfer import KVCacheAccess

@@ -32,9 +32,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from pipelines.errors import LayoutError
-from pipelines.layout import layout_from_flat_lists
-from service.integrations.sglang.layouts import RankLayout
+from kvhandoff.pipelines.errors import LayoutError
+from kvhandoff.pipelines.layout import layout_from_flat_lists
+from kvhandoff.service.integrations.sglang.layouts import RankLayout
 
 #: vLLM KV cache spec classes whose blocks are pages of a request's attention KV.
 ATTENTION_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})

@@ -11,7 +11,7 @@ process changes nothing.
 from __future__ import annotations
 
 NAME = "KVHandoffConnector"
-MODULE = "service.integrations.vllm.connector"
+MODULE = "kvhandoff.service.integrations.vllm.connector"
 
 
 def register() -> None:

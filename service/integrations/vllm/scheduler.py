@@ -25,8 +25,12 @@ from typing import Any
 
 import msgspec
 
-from service.integrations.vllm.layouts import attention_group, state_component, state_groups
-from service.integrations.vllm.metadata import (
+from kvhandoff.service.integrations.vllm.layouts import (
+    attention_group,
+    state_component,
+    state_groups,
+)
+from kvhandoff.service.integrations.vllm.metadata import (
     PARAMS_KEY,
     PARAMS_VERSION,
     HandoffParams,

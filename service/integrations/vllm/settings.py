@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from service.config import Config, ConfigError, load_config
+from kvhandoff.service.config import Config, ConfigError, load_config
 
 
 class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

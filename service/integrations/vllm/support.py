@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.integrations.vllm.layouts import (
+from kvhandoff.service.integrations.vllm.layouts import (
     STATE_SPECS,
     Unsupported,
     check_groups,

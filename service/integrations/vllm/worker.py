@@ -33,24 +33,24 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from pipelines.decode.views import HandoffRequest
-from pipelines.errors import KVHandoffError
-from pipelines.events import (
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.pipelines.errors import KVHandoffError
+from kvhandoff.pipelines.events import (
     Event,
     HandoffAborted,
     HandoffFailed,
     HandoffReleased,
     StageTransferred,
 )
-from service.embedded import EmbeddedService
-from service.integrations.rooms.decode import DecodeRooms
-from service.integrations.rooms.prefill import PrefillRooms
-from service.integrations.sglang.layouts import RankLayout
-from service.integrations.vllm.layouts import rank_layout
-from service.integrations.vllm.metadata import Recv, Send, ServiceHandshake, StepMeta
-from service.integrations.vllm.metadata import rank_handoff_id as handoff_id
-from service.integrations.vllm.settings import ConnectorSettings, rank_config
-from service.runtime.stages import EngineStage
+from kvhandoff.service.embedded import EmbeddedService
+from kvhandoff.service.integrations.rooms.decode import DecodeRooms
+from kvhandoff.service.integrations.rooms.prefill import PrefillRooms
+from kvhandoff.service.integrations.sglang.layouts import RankLayout
+from kvhandoff.service.integrations.vllm.layouts import rank_layout
+from kvhandoff.service.integrations.vllm.metadata import Recv, Send, ServiceHandshake, StepMeta
+from kvhandoff.service.integrations.vllm.metadata import rank_handoff_id as handoff_id
+from kvhandoff.service.integrations.vllm.settings import ConnectorSettings, rank_config
+from kvhandoff.service.runtime.stages import EngineStage
 
 log = logging.getLogger("kvhandoff.vllm")
 ABORT_THREADS = 4

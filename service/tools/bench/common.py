@@ -1,5 +1,5 @@
 """Small helpers shared by the benchmarks: timing, fragmented page lists and large contiguous
-block lists (the raw-engine baselines are `service.testing.raw_engines`)."""
+block lists (the raw-engine baselines are `kvhandoff.service.testing.raw_engines`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from transport.blocks import Blocks
+from kvhandoff.transport.blocks import Blocks
 
 
 def time_call(fn: Callable[[], object], *, repeat: int, warmup: int = 1) -> list[float]:

@@ -18,7 +18,7 @@ costs, each case against a baseline measured in the same run.
   same concurrency — how many plain requests one handoff costs. Reported: handoffs/s, requests/s
   and their ratio.
 - `segments`, `planning`, `gather`, `commit`: in this process, no engine
-  (`service.tools.bench.landed`).
+  (`kvhandoff.service.tools.bench.landed`).
 
 Every handoff must complete; the benchmark fails otherwise. With `--json`/`--out` the results
 carry the machine and the commit they were measured on.
@@ -43,16 +43,16 @@ import msgspec
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipelines.layout import StageLayout
-from pipelines.messages import LayoutInfo
-from pipelines.prefill.staged import BLOCK_BYTES
-from service.config import TransferConfig
-from service.testing.deployment import LocalDeployment
-from service.testing.raw_engines import StageEngines, StageProcesses
-from service.tools.bench import landed as landed_cases
-from service.tools.bench.common import fragmented_pages, large_blocks
-from service.tools.router_client import RouterClient
-from transport.blocks import Blocks
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.messages import LayoutInfo
+from kvhandoff.pipelines.prefill.staged import BLOCK_BYTES
+from kvhandoff.service.config import TransferConfig
+from kvhandoff.service.testing.deployment import LocalDeployment
+from kvhandoff.service.testing.raw_engines import StageEngines, StageProcesses
+from kvhandoff.service.tools.bench import landed as landed_cases
+from kvhandoff.service.tools.bench.common import fragmented_pages, large_blocks
+from kvhandoff.service.tools.router_client import RouterClient
+from kvhandoff.transport.blocks import Blocks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -31,12 +31,18 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from pipelines.chunked import Scratch, copy_digest_scatter, gather_digest
-from pipelines.decode.coverage import piece_cells
-from pipelines.digest import Digester, digest
-from pipelines.layout import StageLayout
-from pipelines.models import ModelSpec, decode_layout, dense_mla, partition_layers, stage_layout
-from pipelines.packing import (
+from kvhandoff.pipelines.chunked import Scratch, copy_digest_scatter, gather_digest
+from kvhandoff.pipelines.decode.coverage import piece_cells
+from kvhandoff.pipelines.digest import Digester, digest
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.models import (
+    ModelSpec,
+    decode_layout,
+    dense_mla,
+    partition_layers,
+    stage_layout,
+)
+from kvhandoff.pipelines.packing import (
     Pieces,
     Side,
     check_pieces,
@@ -48,11 +54,11 @@ from pipelines.packing import (
     scatter,
     source_side,
 )
-from pipelines.pairing import Pairing, pair
-from pipelines.planning import plan, validate_request
-from pipelines.prefill.staged import staged_blocks
-from pipelines.stage_packer import StagePacker
-from service.tools.bench.common import fragmented_pages, median, time_call
+from kvhandoff.pipelines.pairing import Pairing, pair
+from kvhandoff.pipelines.planning import plan, validate_request
+from kvhandoff.pipelines.prefill.staged import staged_blocks
+from kvhandoff.pipelines.stage_packer import StagePacker
+from kvhandoff.service.tools.bench.common import fragmented_pages, median, time_call
 
 WINDOW_BYTES = 16 << 20  # transfer.window_bytes' default
 
@@ -220,7 +226,7 @@ def planning(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class _Regions:
-    """Host regions for `pipelines.packing`: one numpy array per entry."""
+    """Host regions for `kvhandoff.pipelines.packing`: one numpy array per entry."""
 
     def __init__(self, sizes: list[int]) -> None:
         self.arrays = [np.zeros(s, dtype=np.uint8) for s in sizes]

@@ -30,16 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from service.testing.raw_engines import raw_write
-from service.tools.bench.common import fragmented_pages
-from transport.blocks import Blocks
-from transport.config import MooncakeConfig
-from transport.local import LocalTransport
-from transport.mooncake import MooncakeTransport
-from transport.mooncake_engine import start_engine
-from transport.pool_base import Pool, host_array
-from transport.pool_shm import ShmPool
-from transport.pools import open_pool
+from kvhandoff.service.testing.raw_engines import raw_write
+from kvhandoff.service.tools.bench.common import fragmented_pages
+from kvhandoff.transport.blocks import Blocks
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.local import LocalTransport
+from kvhandoff.transport.mooncake import MooncakeTransport
+from kvhandoff.transport.mooncake_engine import start_engine
+from kvhandoff.transport.pool_base import Pool, host_array
+from kvhandoff.transport.pool_shm import ShmPool
+from kvhandoff.transport.pools import open_pool
 
 ALIGN = 4096
 
@@ -104,7 +104,7 @@ def bulk_case(args: argparse.Namespace) -> Case:
 
 
 def fragmented_case(args: argparse.Namespace) -> Case:
-    from pipelines.planning import find_runs
+    from kvhandoff.pipelines.planning import find_runs
 
     item = args.item_kib << 10
     rng = np.random.default_rng(args.seed)

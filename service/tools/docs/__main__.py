@@ -1,6 +1,6 @@
-"""`python -m service.tools.docs [--check] [--root DIR]`: write the generated reference pages
-under DIR/docs/reference (default: the current directory), or with --check only compare them and
-exit 1 naming each page that is out of date."""
+"""`python -m kvhandoff.service.tools.docs [--check] [--root DIR]`: write the generated reference
+pages under DIR/docs/reference (default: the current directory), or with --check only compare them
+and exit 1 naming each page that is out of date."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from service.tools.docs.config import config_page
-from service.tools.docs.events import events_page
-from service.tools.docs.metrics import metrics_page
-from service.tools.docs.openapi import openapi_page
+from kvhandoff.service.tools.docs.config import config_page
+from kvhandoff.service.tools.docs.events import events_page
+from kvhandoff.service.tools.docs.metrics import metrics_page
+from kvhandoff.service.tools.docs.openapi import openapi_page
 
 #: Each generated page, relative to the repository root, and what writes it.
 PAGES: dict[str, Callable[[], str]] = {
@@ -34,7 +34,7 @@ def stale_pages(root: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service.tools.docs")
+    parser = argparse.ArgumentParser(prog="python -m kvhandoff.service.tools.docs")
     parser.add_argument("--check", action="store_true", help="compare only; exit 1 if stale")
     parser.add_argument("--root", type=Path, default=Path.cwd())
     args = parser.parse_args(argv)

@@ -1,5 +1,5 @@
-"""docs/reference/config.md: every key of `service.config.Config`, its type, default, environment
-variable and the comment that documents it, walked from the Structs themselves."""
+"""docs/reference/config.md: every key of `kvhandoff.service.config.Config`, its type, default,
+environment variable and the comment that documents it, walked from the Structs themselves."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 
-from service.config import DEFAULT_BACKEND, ENV_PREFIX, Config
-from service.tools.docs.fields import field_comments, own_doc
-from service.tools.docs.types import type_name
+from kvhandoff.service.config import DEFAULT_BACKEND, ENV_PREFIX, Config
+from kvhandoff.service.tools.docs.fields import field_comments, own_doc
+from kvhandoff.service.tools.docs.types import type_name
 
 _INTRO = f"""# Configuration keys
 
 Generated from `service/config.py` (and `transport/` for the Mooncake keys) by
-`python -m service.tools.docs`; do not edit by hand. How the file, the environment and the
+`python -m kvhandoff.service.tools.docs`; do not edit by hand. How the file, the environment and the
 command line combine: [Configuration](../operations/configuration.md).
 
 A key is set in the TOML file under its section, or by the environment variable

@@ -1,5 +1,5 @@
-"""docs/reference/events.md: every member of the event union (`pipelines.events.Event`), its
-`type` tag, what it says and its fields, from the Structs themselves."""
+"""docs/reference/events.md: every member of the event union (`kvhandoff.pipelines.events.Event`),
+its `type` tag, what it says and its fields, from the Structs themselves."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import typing
 
 import msgspec.inspect as mi
 
-from pipelines.events import EVENT_SCHEMA_VERSION, Event
-from service.tools.docs.fields import field_comments, own_doc
-from service.tools.docs.types import type_name
+from kvhandoff.pipelines.events import EVENT_SCHEMA_VERSION, Event
+from kvhandoff.service.tools.docs.fields import field_comments, own_doc
+from kvhandoff.service.tools.docs.types import type_name
 
 
 def events_page() -> str:
@@ -20,9 +20,9 @@ def events_page() -> str:
     out = [
         "# Event types",
         "",
-        "Generated from `pipelines/events.py` by `python -m service.tools.docs`; do not edit by "
-        "hand. The same events feed the logs, a handoff's timeline, the SSE stream, webhooks and "
-        "metrics: [Events](../operations/events.md) says how to read them.",
+        "Generated from `pipelines/events.py` by `python -m kvhandoff.service.tools.docs`; do not "
+        "edit by hand. The same events feed the logs, a handoff's timeline, the SSE stream, "
+        "webhooks and metrics: [Events](../operations/events.md) says how to read them.",
         "",
         f"Event schema version: **{EVENT_SCHEMA_VERSION}** (carried in SSE and webhook payloads; "
         "bumped when an event's fields change incompatibly).",

@@ -1,7 +1,7 @@
 """docs/reference/metrics.md: every metric a service exposes on `/metrics`, its type, labels and
 help. Names, types and help come from the objects the scrape reads: the `Metrics` registry and
-each collector of `service.observability.metrics`, built over empty inputs (a collector's families
-exist whatever its numbers); the label names from the calls that declare them."""
+each collector of `kvhandoff.service.observability.metrics`, built over empty inputs (a collector's
+families exist whatever its numbers); the label names from the calls that declare them."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from service.http.app import VERSION
-from service.observability import metrics as source
-from service.observability.loop_stalls import LoopStalls
+from kvhandoff.service.http.app import VERSION
+from kvhandoff.service.observability import metrics as source
+from kvhandoff.service.observability.loop_stalls import LoopStalls
 
 
 def metrics_page() -> str:
@@ -25,7 +25,7 @@ def metrics_page() -> str:
         "# Metrics",
         "",
         "Generated from `service/observability/metrics.py` (and `loop_stalls.py`, an embedded "
-        "service's only) by `python -m service.tools.docs`; "
+        "service's only) by `python -m kvhandoff.service.tools.docs`; "
         "do not edit by hand. What to watch and the Grafana dashboard: "
         "[Metrics](../operations/metrics.md). A counter is exposed with `_total` appended, a "
         "histogram as `_bucket`, `_sum` and `_count`.",

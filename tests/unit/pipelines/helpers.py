@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipelines.layout import StageLayout
+from kvhandoff.pipelines.layout import StageLayout
 
 
 def place(layout: StageLayout, base: int, stride: int = 0x100000) -> StageLayout:

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from pipelines.arena import Arena
-from pipelines.errors import CapacityExceeded
+from kvhandoff.pipelines.arena import Arena
+from kvhandoff.pipelines.errors import CapacityExceeded
 
 
 async def test_extents_are_taken_first_fit_and_coalesce_when_given_back() -> None:

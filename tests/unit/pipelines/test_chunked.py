@@ -14,12 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines import chunked, packing
-from pipelines.chunked import Scratch, chunks, copy_digest_scatter, gather_digest
-from pipelines.digest import ALGORITHMS, Algorithm, Digester, digest
-from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
-from pipelines.packing import Pieces, destination_side, gather, piece_bytes, source_side
-from pipelines.pairing import Pairing, pair
+from kvhandoff.pipelines import chunked, packing
+from kvhandoff.pipelines.chunked import Scratch, chunks, copy_digest_scatter, gather_digest
+from kvhandoff.pipelines.digest import ALGORITHMS, Algorithm, Digester, digest
+from kvhandoff.pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from kvhandoff.pipelines.packing import Pieces, destination_side, gather, piece_bytes, source_side
+from kvhandoff.pipelines.pairing import Pairing, pair
 
 MODEL = hybrid_npu_mla(num_layers=8, scale=64, page_size=4)
 PART = partition_layers(8, 2)

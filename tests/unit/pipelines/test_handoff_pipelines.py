@@ -9,10 +9,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from pipelines.decode import DecodePipeline
-from pipelines.decode.leases import Leases
-from pipelines.decode.views import FencedUse, HandoffRequest
-from pipelines.errors import (
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.leases import Leases
+from kvhandoff.pipelines.decode.views import FencedUse, HandoffRequest
+from kvhandoff.pipelines.errors import (
     CapacityExceeded,
     ConflictError,
     NotFoundError,
@@ -20,11 +20,17 @@ from pipelines.errors import (
     PeerUnreachable,
     PlanError,
 )
-from pipelines.events import EventBus, StageTransferred, event_tag
-from pipelines.inprocess import InProcessLink
-from pipelines.memory import PoolMemory
-from pipelines.messages import AbortAck, AbortMsg, DestinationMsg, HeartbeatAck, StageFailedMsg
-from pipelines.models import (
+from kvhandoff.pipelines.events import EventBus, StageTransferred, event_tag
+from kvhandoff.pipelines.inprocess import InProcessLink
+from kvhandoff.pipelines.memory import PoolMemory
+from kvhandoff.pipelines.messages import (
+    AbortAck,
+    AbortMsg,
+    DestinationMsg,
+    HeartbeatAck,
+    StageFailedMsg,
+)
+from kvhandoff.pipelines.models import (
     ModelSpec,
     StateKind,
     decode_layout,
@@ -32,11 +38,11 @@ from pipelines.models import (
     partition_layers,
     stage_layout,
 )
-from pipelines.prefill import HostedStage, PrefillPipeline
-from pipelines.slots import RequestSlots
-from pipelines.states import HandoffState
-from transport.local import LocalTransport
-from transport.pools import open_pool
+from kvhandoff.pipelines.prefill import HostedStage, PrefillPipeline
+from kvhandoff.pipelines.slots import RequestSlots
+from kvhandoff.pipelines.states import HandoffState
+from kvhandoff.transport.local import LocalTransport
+from kvhandoff.transport.pools import open_pool
 
 MODEL = hybrid_npu_mla(num_layers=8, scale=64, page_size=4)
 PART = partition_layers(8, 2)

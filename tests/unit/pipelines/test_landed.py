@@ -16,14 +16,14 @@ import msgspec
 import numpy as np
 import pytest
 
-from pipelines import packing
-from pipelines.arena import Arena
-from pipelines.decode import DecodePipeline
-from pipelines.decode.landing import MAX_WINDOWS_PER_STAGE, Landing
-from pipelines.decode.views import HandoffRequest
-from pipelines.digest import digest, segment_seed
-from pipelines.errors import ConflictError, InvalidInput, KVHandoffError, PlanError
-from pipelines.events import (
+from kvhandoff.pipelines import packing
+from kvhandoff.pipelines.arena import Arena
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.landing import MAX_WINDOWS_PER_STAGE, Landing
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.pipelines.digest import digest, segment_seed
+from kvhandoff.pipelines.errors import ConflictError, InvalidInput, KVHandoffError, PlanError
+from kvhandoff.pipelines.events import (
     EventBus,
     HandoffFailed,
     SegmentCommitted,
@@ -31,10 +31,10 @@ from pipelines.events import (
     StageTransferred,
     event_tag,
 )
-from pipelines.inprocess import InProcessLink
-from pipelines.memory import PoolMemory, pool_array
-from pipelines.messages import DestinationMsg, Grant, HeartbeatAck, SegmentMsg
-from pipelines.models import (
+from kvhandoff.pipelines.inprocess import InProcessLink
+from kvhandoff.pipelines.memory import PoolMemory, pool_array
+from kvhandoff.pipelines.messages import DestinationMsg, Grant, HeartbeatAck, SegmentMsg
+from kvhandoff.pipelines.models import (
     ModelSpec,
     Partition,
     StateKind,
@@ -44,13 +44,13 @@ from pipelines.models import (
     partition_layers,
     stage_layout,
 )
-from pipelines.prefill import HostedStage, PrefillPipeline, Staging
-from pipelines.slots import RequestSlots
-from pipelines.states import HandoffState
+from kvhandoff.pipelines.prefill import HostedStage, PrefillPipeline, Staging
+from kvhandoff.pipelines.slots import RequestSlots
+from kvhandoff.pipelines.states import HandoffState
+from kvhandoff.transport.local import LocalTransport
+from kvhandoff.transport.pool_base import host_array
+from kvhandoff.transport.pools import open_pool
 from tests.fakes import eventually
-from transport.local import LocalTransport
-from transport.pool_base import host_array
-from transport.pools import open_pool
 
 MODEL = hybrid_npu_mla(num_layers=8, scale=64, page_size=4)
 PART = partition_layers(8, 2)
@@ -572,7 +572,7 @@ async def test_bytes_written_into_the_staging_buffer_are_never_committed(
     fails, no page but its own changes), never its bytes committed as the handoff's (issue 31).
     The buffer is scribbled before every digest update the sender takes, and before every
     transfer out of it."""
-    from pipelines.digest import Digester
+    from kvhandoff.pipelines.digest import Digester
 
     w = await make_world()
     staging = w.prefill._runner._landed._staging
@@ -600,7 +600,7 @@ async def test_bytes_written_into_the_staging_buffer_are_never_committed(
 
 async def test_a_forged_segment_changes_nothing(world: World) -> None:
     w = world
-    from pipelines.messages import SegmentMsg
+    from kvhandoff.pipelines.messages import SegmentMsg
 
     await w.decode.create(HandoffRequest(id="s", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
     await asyncio.sleep(0.05)  # the destination went out (its first grants with it)
@@ -788,7 +788,7 @@ async def test_two_notices_naming_one_grant_commit_at_most_one(
     """A grant is claimed by the first notice naming it, before its commit's copy is awaited: a
     second notice naming the same grant with other pieces (the window's bytes digested under
     their own seed) is refused, not committed into other pages from the same window."""
-    from pipelines.decode import landing as landing_module
+    from kvhandoff.pipelines.decode import landing as landing_module
 
     monkeypatch.setattr(landing_module, "INLINE_COMMIT_BYTES", 0)  # every commit awaits a thread
     w = world
@@ -866,7 +866,7 @@ async def test_a_peer_that_left_a_destination_unanswered_is_granted_no_first_win
     (a hung process), that peer's next destinations carry no first window; its stages ask
     once it speaks. (tests/integration/test_hung_prefill.py passes without this rule: the
     windows also come back when the hung deliveries end.)"""
-    from pipelines.decode import delivery
+    from kvhandoff.pipelines.decode import delivery
 
     monkeypatch.setattr(delivery, "WINDOW_WAIT_S", 0.05)
     w = world
@@ -1158,7 +1158,7 @@ async def test_a_stopping_decode_returns_only_once_no_commit_copies(
     import threading
     import time
 
-    from pipelines.decode import landing as landing_module
+    from kvhandoff.pipelines.decode import landing as landing_module
 
     monkeypatch.setattr(landing_module, "INLINE_COMMIT_BYTES", 0)  # every commit in a thread
     w = await make_world()

@@ -32,21 +32,21 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipelines import chunked
-from pipelines.arena import Arena
-from pipelines.decode import DecodePipeline
-from pipelines.decode.landing import Landing
-from pipelines.decode.views import HandoffRequest
-from pipelines.errors import KVHandoffError, TransportError
-from pipelines.events import EventBus, HandoffCompleted, event_tag
-from pipelines.inprocess import InProcessLink
-from pipelines.memory import PoolMemory, pool_array
-from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
-from pipelines.prefill import HostedStage, PrefillPipeline, Staging
-from pipelines.settings import DecodeSettings
-from transport.blocks import Blocks
-from transport.pool_base import host_array
-from transport.pools import open_pool
+from kvhandoff.pipelines import chunked
+from kvhandoff.pipelines.arena import Arena
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.landing import Landing
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.pipelines.errors import KVHandoffError, TransportError
+from kvhandoff.pipelines.events import EventBus, HandoffCompleted, event_tag
+from kvhandoff.pipelines.inprocess import InProcessLink
+from kvhandoff.pipelines.memory import PoolMemory, pool_array
+from kvhandoff.pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from kvhandoff.pipelines.prefill import HostedStage, PrefillPipeline, Staging
+from kvhandoff.pipelines.settings import DecodeSettings
+from kvhandoff.transport.blocks import Blocks
+from kvhandoff.transport.pool_base import host_array
+from kvhandoff.transport.pools import open_pool
 
 MODEL = hybrid_npu_mla(num_layers=4, scale=8, page_size=4)
 PART = partition_layers(4, 2)

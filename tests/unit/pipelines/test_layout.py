@@ -1,8 +1,8 @@
 import msgspec
 import pytest
 
-from pipelines.errors import LayoutError
-from pipelines.layout import (
+from kvhandoff.pipelines.errors import LayoutError
+from kvhandoff.pipelines.layout import (
     AuxEntry,
     KVEntry,
     StageLayout,
@@ -10,7 +10,7 @@ from pipelines.layout import (
     layout_from_flat_lists,
     publish_kv_layer_ids,
 )
-from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from kvhandoff.pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 
 
 @pytest.mark.parametrize("groups", [1, 2, 3])

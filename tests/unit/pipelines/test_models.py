@@ -1,7 +1,7 @@
 import pytest
 
-from pipelines.errors import LayoutError
-from pipelines.models import (
+from kvhandoff.pipelines.errors import LayoutError
+from kvhandoff.pipelines.models import (
     ModelSpec,
     decode_layout,
     dense_mha,

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines import packing
-from pipelines.digest import ALGORITHMS, Algorithm, digest, segment_seed
-from pipelines.errors import InvalidInput
-from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
-from pipelines.packing import (
+from kvhandoff.pipelines import packing
+from kvhandoff.pipelines.digest import ALGORITHMS, Algorithm, digest, segment_seed
+from kvhandoff.pipelines.errors import InvalidInput
+from kvhandoff.pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from kvhandoff.pipelines.packing import (
     Pieces,
     check_pieces,
     destination_side,
@@ -21,8 +21,8 @@ from pipelines.packing import (
     scatter,
     source_side,
 )
-from pipelines.pairing import pair
-from pipelines.stage_packer import StagePacker
+from kvhandoff.pipelines.pairing import pair
+from kvhandoff.pipelines.stage_packer import StagePacker
 
 MODEL = hybrid_npu_mla(num_layers=8, scale=64, page_size=4)
 PART = partition_layers(8, 2)

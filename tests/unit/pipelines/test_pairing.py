@@ -1,12 +1,12 @@
 import msgspec
 import pytest
 
-from pipelines.errors import PairingError
-from pipelines.layout import StageLayout, layout_from_flat_lists
-from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
-from pipelines.pairing import PairingCache, pair
-from pipelines.pairing_report import pairing_report
-from pipelines.planning import plan
+from kvhandoff.pipelines.errors import PairingError
+from kvhandoff.pipelines.layout import StageLayout, layout_from_flat_lists
+from kvhandoff.pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from kvhandoff.pipelines.pairing import PairingCache, pair
+from kvhandoff.pipelines.pairing_report import pairing_report
+from kvhandoff.pipelines.planning import plan
 from tests.unit.pipelines.helpers import place
 
 M = 0x100000  # stride between placed entries

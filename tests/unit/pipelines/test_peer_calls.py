@@ -1,5 +1,5 @@
-"""The table of peer calls (`pipelines.peer_calls`) against both ends of every call: each entry
-has a sender (the HTTP client, the in-process link, the sending role's peer protocol) and a
+"""The table of peer calls (`kvhandoff.pipelines.peer_calls`) against both ends of every call: each
+entry has a sender (the HTTP client, the in-process link, the sending role's peer protocol) and a
 receiver (a route taking and answering the table's wire types; for a call a peer channel
 carries, the channel's handler of it, which is the route's own), and every peer route has an
 entry."""
@@ -10,14 +10,19 @@ import inspect
 
 import pytest
 
-from pipelines.decode.delivery import PrefillPeer
-from pipelines.inprocess import InProcessLink
-from pipelines.peer_calls import CHANNEL, CHANNEL_PATHS, PEER_CALLS, PeerCall
-from pipelines.prefill.handoff import DecodePeer
-from service.api.peer import CARRIED, common_routes, decode_peer_routes, prefill_peer_routes
-from service.http.peer_channel import PeerChannels
-from service.http.routing import Route, RouteTable
-from service.peers.protocol import HttpPeers
+from kvhandoff.pipelines.decode.delivery import PrefillPeer
+from kvhandoff.pipelines.inprocess import InProcessLink
+from kvhandoff.pipelines.peer_calls import CHANNEL, CHANNEL_PATHS, PEER_CALLS, PeerCall
+from kvhandoff.pipelines.prefill.handoff import DecodePeer
+from kvhandoff.service.api.peer import (
+    CARRIED,
+    common_routes,
+    decode_peer_routes,
+    prefill_peer_routes,
+)
+from kvhandoff.service.http.peer_channel import PeerChannels
+from kvhandoff.service.http.routing import Route, RouteTable
+from kvhandoff.service.peers.protocol import HttpPeers
 
 #: Who receives a call of each direction: the receiving role's routes and the common ones.
 RECEIVERS: dict[str, list[RouteTable]] = {
@@ -68,7 +73,7 @@ def test_every_call_has_a_receiver_with_its_wire_types(call: PeerCall) -> None:
 @pytest.mark.parametrize("call", [c for c in PEER_CALLS if c.channel], ids=lambda c: c.name)
 def test_every_call_a_channel_carries_has_its_handler(call: PeerCall) -> None:
     """A channel frame names its call by path alone (no method), and reaches the same handler
-    as the HTTP route (`service.api.peer.channel` dispatches through `CARRIED`)."""
+    as the HTTP route (`kvhandoff.service.api.peer.channel` dispatches through `CARRIED`)."""
     route = _route(call)
     assert route is not None and call.method == "POST"
     assert route.handler in CARRIED, f"{call.path}'s route has no handler a channel can call"

@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.errors import PlanError
-from pipelines.layout import StageLayout
-from pipelines.models import (
+from kvhandoff.pipelines.errors import PlanError
+from kvhandoff.pipelines.layout import StageLayout
+from kvhandoff.pipelines.models import (
     AttentionKind,
     KVGroup,
     ModelSpec,
@@ -17,10 +17,10 @@ from pipelines.models import (
     partition_layers,
     stage_layout,
 )
-from pipelines.pairing import Pairing, pair
-from pipelines.planning import find_runs, plan, validate_pages_for_layout
-from pipelines.planning_reference import reference_plan, reference_runs
-from pipelines.slots import RequestSlots
+from kvhandoff.pipelines.pairing import Pairing, pair
+from kvhandoff.pipelines.planning import find_runs, plan, validate_pages_for_layout
+from kvhandoff.pipelines.planning_reference import reference_plan, reference_runs
+from kvhandoff.pipelines.slots import RequestSlots
 from tests.unit.pipelines.helpers import place_packed
 
 MODEL = hybrid_npu_mla(num_layers=16, scale=64, page_size=16)

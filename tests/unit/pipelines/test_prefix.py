@@ -15,10 +15,10 @@ from contextlib import asynccontextmanager
 import numpy as np
 import pytest
 
-from pipelines.decode.views import HandoffRequest
-from pipelines.errors import InvalidInput
-from pipelines.events import DestinationReceived, SegmentCommitted
-from pipelines.states import HandoffState
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.pipelines.errors import InvalidInput
+from kvhandoff.pipelines.events import DestinationReceived, SegmentCommitted
+from kvhandoff.pipelines.states import HandoffState
 from tests.fakes import eventually
 from tests.unit.pipelines.test_landed import (
     World,

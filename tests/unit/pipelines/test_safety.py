@@ -9,12 +9,12 @@ import time
 import msgspec
 import pytest
 
-from pipelines.decode import DecodePipeline
-from pipelines.decode.views import HandoffRequest
-from pipelines.errors import ConflictError, InvalidInput, PeerUnreachable
-from pipelines.events import EventBus, event_tag
-from pipelines.inprocess import InProcessLink
-from pipelines.messages import (
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.pipelines.errors import ConflictError, InvalidInput, PeerUnreachable
+from kvhandoff.pipelines.events import EventBus, event_tag
+from kvhandoff.pipelines.inprocess import InProcessLink
+from kvhandoff.pipelines.messages import (
     AbortAck,
     AbortMsg,
     ArrivalMsg,
@@ -22,7 +22,7 @@ from pipelines.messages import (
     HeartbeatAck,
     StageFailedMsg,
 )
-from pipelines.states import HandoffState, StageState
+from kvhandoff.pipelines.states import HandoffState, StageState
 from tests.unit.pipelines.test_handoff_pipelines import World, wait_terminal, world  # noqa: F401
 
 

@@ -20,17 +20,17 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipelines.decode import DecodePipeline
-from pipelines.decode.views import HandoffRequest
-from pipelines.errors import PeerUnreachable, TransportError
-from pipelines.events import EventBus, event_tag
-from pipelines.inprocess import InProcessLink
-from pipelines.messages import AbortAck, AbortMsg, StageFailedMsg
-from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
-from pipelines.prefill import HostedStage, PrefillPipeline
-from pipelines.settings import DecodeSettings, PrefillSettings
-from pipelines.states import ReleaseState
-from transport.blocks import Blocks
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.pipelines.errors import PeerUnreachable, TransportError
+from kvhandoff.pipelines.events import EventBus, event_tag
+from kvhandoff.pipelines.inprocess import InProcessLink
+from kvhandoff.pipelines.messages import AbortAck, AbortMsg, StageFailedMsg
+from kvhandoff.pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from kvhandoff.pipelines.prefill import HostedStage, PrefillPipeline
+from kvhandoff.pipelines.settings import DecodeSettings, PrefillSettings
+from kvhandoff.pipelines.states import ReleaseState
+from kvhandoff.transport.blocks import Blocks
 
 MODEL = hybrid_npu_mla(num_layers=4, scale=8, page_size=4)
 PART = partition_layers(4, 2)

@@ -1,6 +1,6 @@
 """A request's indices: the single slot for every component not named, the aux row apart."""
 
-from pipelines.slots import AUX, NO_SLOTS, RequestSlots, as_slots
+from kvhandoff.pipelines.slots import AUX, NO_SLOTS, RequestSlots, as_slots
 
 
 def test_the_single_slot_stands_for_every_component_not_named() -> None:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from pipelines.peercache import PeerCache, new_incarnation
-from pipelines.states import (
+from kvhandoff.pipelines.peercache import PeerCache, new_incarnation
+from kvhandoff.pipelines.states import (
     TRANSITIONS,
     DeliveryState,
     HandoffState,

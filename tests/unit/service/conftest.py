@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from service.config import Config, load_config
-from service.http.app import Extension, create_app
+from kvhandoff.service.config import Config, load_config
+from kvhandoff.service.http.app import Extension, create_app
 
 MINIMAL: dict[str, Any] = {
     "role": "decode",

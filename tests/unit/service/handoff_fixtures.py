@@ -23,11 +23,11 @@ import aiohttp
 import numpy as np
 import numpy.typing as npt
 
-from pipelines.events import Event, Subscription, event_tag
-from pipelines.memory import PoolMemory
-from service.config import Config
-from service.runtime.roles import DECODE, RUNTIME
-from service.serve import Server, install_service, serve
+from kvhandoff.pipelines.events import Event, Subscription, event_tag
+from kvhandoff.pipelines.memory import PoolMemory
+from kvhandoff.service.config import Config
+from kvhandoff.service.runtime.roles import DECODE, RUNTIME
+from kvhandoff.service.serve import Server, install_service, serve
 from tests.fakes import local_config
 
 U8 = npt.NDArray[np.uint8]

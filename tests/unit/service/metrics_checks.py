@@ -1,5 +1,5 @@
 """Reading a Prometheus exposition in tests: `promtool check metrics` and samples by name and
-labels (used by the metrics tests of `service.api` and `service.runtime`)."""
+labels (used by the metrics tests of `kvhandoff.service.api` and `kvhandoff.service.runtime`)."""
 
 from __future__ import annotations
 

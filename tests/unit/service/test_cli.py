@@ -1,4 +1,5 @@
-"""The `kvhandoff` command line itself (`service.cli`): `--version`, and defaults in `--help`."""
+"""The `kvhandoff` command line itself (`kvhandoff.service.cli`): `--version`, and defaults in
+`--help`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import importlib.metadata
 
 import pytest
 
-from service.cli import build_parser, main
+from kvhandoff.service.cli import build_parser, main
 
 
 def test_version_prints_the_installed_version_and_exits_0(

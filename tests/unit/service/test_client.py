@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from pipelines.decode import HandoffState
-from service.client import ApiError, KVHandoffClient, StreamEvent
+from kvhandoff.pipelines.decode import HandoffState
+from kvhandoff.service.client import ApiError, KVHandoffClient, StreamEvent
 from tests.unit.service.handoff_fixtures import Deployment, fill_sources, open_deployment
 
 SRC, DST = [3, 4], [10, 11]

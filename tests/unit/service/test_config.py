@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.models import ModelSpec
-from service.config import Config, ConfigError, backend_of, load_config
-from transport.config import MooncakeConfig
-from transport.local import LocalConfig
+from kvhandoff.pipelines.models import ModelSpec
+from kvhandoff.service.config import Config, ConfigError, backend_of, load_config
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.local import LocalConfig
 
 from .conftest import MINIMAL, make_config
 
@@ -364,7 +364,7 @@ def test_webhook_and_record_keys_are_checked_naming_the_key() -> None:
 
 
 def test_urls_are_kept_in_their_canonical_form() -> None:
-    """Issue 18 B: every URL a service compares is in one form (pipelines.urls)."""
+    """Issue 18 B: every URL a service compares is in one form (kvhandoff.pipelines.urls)."""
     config = load_config(
         None,
         {},

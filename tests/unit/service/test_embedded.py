@@ -19,19 +19,19 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.decode.views import HandoffRequest
-from pipelines.errors import (
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.pipelines.errors import (
     ConflictError,
     InvalidInput,
     KVHandoffError,
     NotFoundError,
     PlanError,
 )
-from pipelines.states import HandoffState
-from service.config import Config, ConfigError, load_config
-from service.embedded import EmbeddedService, WrongRole, embedded_layout
-from service.http.problems import NotReady, error_problem
-from service.runtime.persistence import PERSISTENCE
+from kvhandoff.pipelines.states import HandoffState
+from kvhandoff.service.config import Config, ConfigError, load_config
+from kvhandoff.service.embedded import EmbeddedService, WrongRole, embedded_layout
+from kvhandoff.service.http.problems import NotReady, error_problem
+from kvhandoff.service.runtime.persistence import PERSISTENCE
 from tests.fakes import local_config
 
 MODEL = {"preset": "hybrid-npu-mla", "scale": 64, "num_layers": 8, "page_size": 4}
@@ -495,8 +495,8 @@ def test_released_waits_for_an_earlier_lifes_fence_after_a_restart(tmp_path: Pat
     lift (False if its timeout comes first), then True."""
     import time
 
-    from service.records.handoffs import HandoffRecords
-    from service.storage import FILE_NAME, Database
+    from kvhandoff.service.records.handoffs import HandoffRecords
+    from kvhandoff.service.storage import FILE_NAME, Database
 
     # The fence must still hold once the service answers: start-up takes well under a second
     # idle, several on a busy machine.

@@ -11,20 +11,20 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.decode.views import HandoffRequest
-from pipelines.errors import ConflictError
-from pipelines.events import (
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.pipelines.errors import ConflictError
+from kvhandoff.pipelines.events import (
     Event,
     HandoffAborted,
     HandoffCompleted,
     HandoffFailed,
     StageTransferred,
 )
-from pipelines.layout import layout_from_flat_lists
-from pipelines.states import HandoffState
-from service.config import Config, ConfigError
-from service.embedded import EmbeddedService
-from service.runtime.stages import EngineStage
+from kvhandoff.pipelines.layout import layout_from_flat_lists
+from kvhandoff.pipelines.states import HandoffState
+from kvhandoff.service.config import Config, ConfigError
+from kvhandoff.service.embedded import EmbeddedService
+from kvhandoff.service.runtime.stages import EngineStage
 from tests.fakes import local_config
 
 ITEM = 64  # bytes of one page of one buffer

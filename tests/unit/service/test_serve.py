@@ -13,9 +13,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from service.cli import build_parser
-from service.http.app import CONFIG, PEERS
-from service.serve import cli_overrides, serve
+from kvhandoff.service.cli import build_parser
+from kvhandoff.service.http.app import CONFIG, PEERS
+from kvhandoff.service.serve import cli_overrides, serve
 
 from .conftest import make_config
 
@@ -75,7 +75,7 @@ def test_cli_flags_become_overrides() -> None:
 
 def _kvhandoff(*argv: str, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "service.cli", *argv],
+        [sys.executable, "-m", "kvhandoff.service.cli", *argv],
         cwd=REPO,
         env={**os.environ, **env},
         stderr=subprocess.PIPE,
@@ -131,7 +131,7 @@ async def test_a_second_decode_on_the_same_state_dir_refuses_to_start(tmp_path: 
     first goes on serving."""
     import pytest
 
-    from service.config import ConfigError
+    from kvhandoff.service.config import ConfigError
     from tests.unit.service.handoff_fixtures import decode_config, extensions
 
     settings = {"server.state_dir": str(tmp_path)}
@@ -148,7 +148,7 @@ async def test_a_second_decode_on_the_same_state_dir_refuses_to_start(tmp_path: 
 def test_start_up_mistakes_print_one_line_and_exit_2(tmp_path: Path) -> None:
     """Issue 18 D: a port in use or a state_dir another decode holds is one line naming the
     key, status 2 — not a traceback."""
-    from service.storage import FILE_NAME, Database
+    from kvhandoff.service.storage import FILE_NAME, Database
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -206,7 +206,7 @@ def test_port_moves_a_derived_public_url_and_keeps_an_explicit_one(tmp_path: Pat
         path.write_text(toml)
         argv = ["serve", "--config", str(path), "--port", "9100", "--check"]
         done = subprocess.run(
-            [sys.executable, "-m", "service.cli", *argv],
+            [sys.executable, "-m", "kvhandoff.service.cli", *argv],
             cwd=REPO,
             env={**os.environ, "XDG_STATE_HOME": str(tmp_path)},
             capture_output=True,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from service import serve
-from service.cli import main
+from kvhandoff.service import serve
+from kvhandoff.service.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
 DECODE = str(REPO / "docker" / "decode.toml")
@@ -87,7 +87,7 @@ def test_check_prints_one_line_and_exits_2_on_a_bad_config(
 def test_check_from_the_command_line(tmp_path: Path) -> None:
     """The installed entry point: status 2 and one stderr line, nothing started."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVHANDOFF_")}
-    argv = [sys.executable, "-m", "service.cli", "serve", "--check", "--config"]
+    argv = [sys.executable, "-m", "kvhandoff.service.cli", "serve", "--check", "--config"]
     ok = subprocess.run([*argv, DECODE], env=env, capture_output=True, text=True, timeout=60)
     assert (ok.returncode, ok.stderr) == (0, ""), ok.stderr
     missing = str(tmp_path / "missing.toml")

@@ -1,5 +1,5 @@
-"""The group commit (`service.storage`, `service.http.egress`): the records of many
-events share one commit, and nothing outside the process learns of a state before its record
+"""The group commit (`kvhandoff.service.storage`, `kvhandoff.service.http.egress`): the records of
+many events share one commit, and nothing outside the process learns of a state before its record
 is on disk — checked from a second SQLite connection, as a process restarted after a SIGKILL
 would read the file.
 
@@ -18,9 +18,9 @@ import httpx
 import pytest
 from httpx_sse import aconnect_sse
 
-import service.storage as database
-from service.runtime.persistence import PERSISTENCE
-from service.storage import FILE_NAME, Database
+import kvhandoff.service.storage as database
+from kvhandoff.service.runtime.persistence import PERSISTENCE
+from kvhandoff.service.storage import FILE_NAME, Database
 from tests.receivers import Answer, Received, WebhookReceiver
 from tests.unit.service.handoff_fixtures import decode_config, fill_sources, open_deployment
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from service.tasks import TaskOwner
+from kvhandoff.service.tasks import TaskOwner
 
 
 async def test_close_cancels_every_task_and_waits_for_them() -> None:

@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import numpy as np
 import pytest
 
+from kvhandoff.transport.base import Transport
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.local import LocalTransport
+from kvhandoff.transport.mooncake import MooncakeTransport
+from kvhandoff.transport.pool_base import EmbeddedPool, Pool
 from tests.fakes import FakeArrayEngineBinding, FakeEngine
-from transport.base import Transport
-from transport.config import MooncakeConfig
-from transport.local import LocalTransport
-from transport.mooncake import MooncakeTransport
-from transport.pool_base import EmbeddedPool, Pool
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Protocol `ascend`: its settings, host and memory requirements, checked before the engine sees
-them (`transport.ascend`), and its timeouts passed to the engine from the config."""
+them (`kvhandoff.transport.ascend`), and its timeouts passed to the engine from the config."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvhandoff.transport.ascend import host_problem, misaligned, physical_npu, settings_problems
+from kvhandoff.transport.config import ASCEND_ALIGN_BYTES, MooncakeConfig
+from kvhandoff.transport.errors import TransportError
+from kvhandoff.transport.mooncake_engine import start_engine
+from kvhandoff.transport.regions import Region
 from tests.fakes import FakeEngine
 from tests.unit.transport.conftest import fake_transport
-from transport.ascend import host_problem, misaligned, physical_npu, settings_problems
-from transport.config import ASCEND_ALIGN_BYTES, MooncakeConfig
-from transport.errors import TransportError
-from transport.mooncake_engine import start_engine
-from transport.regions import Region
 
 
 @pytest.mark.parametrize(

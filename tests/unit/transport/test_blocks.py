@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transport.blocks import Blocks
+from kvhandoff.transport.blocks import Blocks
 
 
 def spans(blocks: Blocks) -> list[tuple[int, int, int]]:

@@ -7,11 +7,11 @@ import time
 import numpy as np
 import pytest
 
+from kvhandoff.transport.base import Transport
+from kvhandoff.transport.blocks import Blocks
+from kvhandoff.transport.errors import TransportError, TransportTimeout
+from kvhandoff.transport.regions import Region
 from tests.unit.transport.conftest import pool_of
-from transport.base import Transport
-from transport.blocks import Blocks
-from transport.errors import TransportError, TransportTimeout
-from transport.regions import Region
 
 SIZE = 1 << 20
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transport.lanes import PeerLane
+from kvhandoff.transport.lanes import PeerLane
 
 
 async def test_a_lane_is_stuck_only_while_the_call_that_timed_out_runs() -> None:

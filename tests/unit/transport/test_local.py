@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import transport.local as local_module
+import kvhandoff.transport.local as local_module
+from kvhandoff.transport.blocks import Blocks
+from kvhandoff.transport.errors import EngineCallError
+from kvhandoff.transport.local import LOCAL_CALL_BASE_S, LOCAL_MIN_BYTES_PER_S, LocalTransport
 from tests.unit.transport.conftest import pool_of
-from transport.blocks import Blocks
-from transport.errors import EngineCallError
-from transport.local import LOCAL_CALL_BASE_S, LOCAL_MIN_BYTES_PER_S, LocalTransport
 
 
 async def test_an_exception_from_the_copy_fails_the_write_with_its_cause(

@@ -11,14 +11,14 @@ import time
 import numpy as np
 import pytest
 
-import transport.mooncake
+import kvhandoff.transport.mooncake
+from kvhandoff.transport.blocks import Blocks
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.errors import EngineCallError, TransportError, TransportTimeout
+from kvhandoff.transport.mooncake import MooncakeTransport
+from kvhandoff.transport.mooncake_engine import WRITE_ARRAYS
 from tests.fakes import FakeArrayEngineBinding, FakeEngine, threads_named
 from tests.unit.transport.conftest import fake_transport, pool_of
-from transport.blocks import Blocks
-from transport.config import MooncakeConfig
-from transport.errors import EngineCallError, TransportError, TransportTimeout
-from transport.mooncake import MooncakeTransport
-from transport.mooncake_engine import WRITE_ARRAYS
 
 
 async def in_thread(fn, *args) -> None:
@@ -27,8 +27,8 @@ async def in_thread(fn, *args) -> None:
 
 
 class SteppedClock:
-    """`time` as `transport.mooncake` sees it, with `monotonic()` stepped forward only by the
-    test: a `start_by` passes exactly when the test says so, however late the worker thread
+    """`time` as `kvhandoff.transport.mooncake` sees it, with `monotonic()` stepped forward only by
+    the test: a `start_by` passes exactly when the test says so, however late the worker thread
     gets to its check on a busy machine."""
 
     def __init__(self) -> None:
@@ -44,7 +44,7 @@ class SteppedClock:
 @pytest.fixture
 def clock(monkeypatch) -> SteppedClock:
     stepped = SteppedClock()
-    monkeypatch.setattr(transport.mooncake, "time", stepped)
+    monkeypatch.setattr(kvhandoff.transport.mooncake, "time", stepped)
     return stepped
 
 
@@ -193,10 +193,10 @@ def test_config_rejects_a_cap_above_the_engine_limit() -> None:
 def test_package_imports_without_mooncake() -> None:
     code = (
         "import sys; sys.modules['mooncake'] = None; sys.modules['mooncake.engine'] = None\n"
-        "import transport.mooncake, transport.local, transport.pools\n"
-        "from transport.config import MooncakeConfig\n"
-        "from transport.errors import TransportError\n"
-        "try:\n    transport.mooncake.MooncakeTransport.start(MooncakeConfig())\n"
+        "import kvhandoff.transport.mooncake, kvhandoff.transport.local, "
+        "kvhandoff.transport.pools\nfrom kvhandoff.transport.config import MooncakeConfig\n"
+        "from kvhandoff.transport.errors import TransportError\n"
+        "try:\n    kvhandoff.transport.mooncake.MooncakeTransport.start(MooncakeConfig())\n"
         "except TransportError as e:\n    print('ok', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

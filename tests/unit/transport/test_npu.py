@@ -1,4 +1,5 @@
-"""NPU memory through torch_npu (`transport.npu`), dispatched by device type, without an NPU.
+"""NPU memory through torch_npu (`kvhandoff.transport.npu`), dispatched by device type, without an
+NPU.
 
 torch_npu cannot be installed here. Where a test needs its import to succeed it says so and
 uses `tests.fakes.StandInTorchNpu`, which only records what kvhandoff asked torch_npu for: no
@@ -12,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from kvhandoff.transport.errors import PoolError
+from kvhandoff.transport.npu import ACL_FORMAT_ND, npu_tensor_at, use_npu
+from kvhandoff.transport.pointers import tensor_at
+from kvhandoff.transport.pool_torch import TorchPool, npu_device
+from kvhandoff.transport.pools import open_pool
 from tests.fakes import NpuDevice, StandInTorchNpu, TorchWithNpu
-from transport.errors import PoolError
-from transport.npu import ACL_FORMAT_ND, npu_tensor_at, use_npu
-from transport.pointers import tensor_at
-from transport.pool_torch import TorchPool, npu_device
-from transport.pools import open_pool
 
 
 @pytest.fixture

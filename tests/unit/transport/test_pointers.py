@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-import transport.mooncake
+import kvhandoff.transport.mooncake
+from kvhandoff.transport.errors import PoolError, TransportError
+from kvhandoff.transport.local import LocalTransport
+from kvhandoff.transport.mooncake_engine import installed_builds, refuse_memory
+from kvhandoff.transport.pointers import tensor_at
+from kvhandoff.transport.pool_base import EmbeddedPool
+from kvhandoff.transport.regions import Region
 from tests.fakes import FakeEngine
 from tests.unit.transport.conftest import fake_transport
-from transport.errors import PoolError, TransportError
-from transport.local import LocalTransport
-from transport.mooncake_engine import installed_builds, refuse_memory
-from transport.pointers import tensor_at
-from transport.pool_base import EmbeddedPool
-from transport.regions import Region
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -144,7 +144,7 @@ def test_device_memory_never_reaches_an_engine_that_reads_it_as_host_memory(
     finally:
         local.close()
     host_only = frozenset({"mooncake-transfer-engine-non-cuda"})
-    monkeypatch.setattr(transport.mooncake, "installed_builds", lambda: host_only)
+    monkeypatch.setattr(kvhandoff.transport.mooncake, "installed_builds", lambda: host_only)
     engine = FakeEngine()
     mooncake = fake_transport(engine)
     with pytest.raises(TransportError) as err:

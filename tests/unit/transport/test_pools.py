@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from transport.config import ASCEND_ALIGN_BYTES, DEFAULT_ALIGN_BYTES, alignment_for
-from transport.errors import PoolError
-from transport.local import LocalTransport
-from transport.pool_base import EmbeddedPool, pack_offsets
-from transport.pool_shm import ShmPool
-from transport.pool_torch import TorchPool
-from transport.pools import open_pool
-from transport.regions import Region
+from kvhandoff.transport.config import ASCEND_ALIGN_BYTES, DEFAULT_ALIGN_BYTES, alignment_for
+from kvhandoff.transport.errors import PoolError
+from kvhandoff.transport.local import LocalTransport
+from kvhandoff.transport.pool_base import EmbeddedPool, pack_offsets
+from kvhandoff.transport.pool_shm import ShmPool
+from kvhandoff.transport.pool_torch import TorchPool
+from kvhandoff.transport.pools import open_pool
+from kvhandoff.transport.regions import Region
 
 SIZES = [5000, 4096, 1, 70000]
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transport.errors import TransportError
-from transport.regions import Region, RegionTable
+from kvhandoff.transport.errors import TransportError
+from kvhandoff.transport.regions import Region, RegionTable
 
 
 def arr(*values: int) -> np.ndarray:

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
+from kvhandoff.transport.workers import Workers
 from tests.fakes import threads_named, wait_until
-from transport.workers import Workers
 
 
 def test_threads_start_on_demand_up_to_the_cap_and_run_every_task() -> None:

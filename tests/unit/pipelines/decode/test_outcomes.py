@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from pipelines.decode import DecodePipeline
-from pipelines.decode.views import HandoffRequest
-from pipelines.events import Event, EventBus, HandoffCompleted, HandoffReleased
-from pipelines.states import HandoffState
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.pipelines.events import Event, EventBus, HandoffCompleted, HandoffReleased
+from kvhandoff.pipelines.states import HandoffState
 from tests.unit.pipelines.test_handoff_pipelines import World, world  # noqa: F401
 from tests.unit.pipelines.test_safety import link_of
 

@@ -12,18 +12,18 @@ import time
 
 import msgspec
 
-from pipelines.decode import DecodePipeline
-from pipelines.decode.views import (
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.decode.views import (
     ArchivedHandoff,
     FencedPages,
     FencedUse,
     HandoffRequest,
     HandoffView,
 )
-from pipelines.events import Event, EventBus, HandoffReleased
-from pipelines.messages import DestinationMsg
-from pipelines.prefill.scopes import Finished
-from pipelines.states import HandoffState
+from kvhandoff.pipelines.events import Event, EventBus, HandoffReleased
+from kvhandoff.pipelines.messages import DestinationMsg
+from kvhandoff.pipelines.prefill.scopes import Finished
+from kvhandoff.pipelines.states import HandoffState
 from tests.unit.pipelines.test_handoff_pipelines import World, world  # noqa: F401
 from tests.unit.pipelines.test_safety import cut_off, link_of
 

@@ -1,5 +1,5 @@
-"""What a destination says of its decode (`pipelines.prefill.destinations`): checked on receipt
-naming the field, and each decode life held to what its first accepted destination named."""
+"""What a destination says of its decode (`kvhandoff.pipelines.prefill.destinations`): checked on
+receipt naming the field, and each decode life held to what its first accepted destination named."""
 
 from __future__ import annotations
 
@@ -7,10 +7,14 @@ from typing import Any
 
 import pytest
 
-from pipelines.errors import ConflictError, KVHandoffError
-from pipelines.messages import ArenaSpan, DestinationMsg, Grant
-from pipelines.models import decode_layout, hybrid_mha
-from pipelines.prefill.destinations import DecodeLives, check_decode_side, check_destination
+from kvhandoff.pipelines.errors import ConflictError, KVHandoffError
+from kvhandoff.pipelines.messages import ArenaSpan, DestinationMsg, Grant
+from kvhandoff.pipelines.models import decode_layout, hybrid_mha
+from kvhandoff.pipelines.prefill.destinations import (
+    DecodeLives,
+    check_decode_side,
+    check_destination,
+)
 from tests.unit.pipelines.helpers import place
 
 LAYOUT = decode_layout(hybrid_mha(num_layers=4), num_pages=8, num_slots=2)

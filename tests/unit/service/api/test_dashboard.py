@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from service.serve import serve
+from kvhandoff.service.serve import serve
 from tests.unit.service.api.test_handoffs import MOVE, ready_all
 from tests.unit.service.handoff_fixtures import (
     Deployment,

@@ -1,4 +1,4 @@
-"""The SSE routes (`service.api.events`), read the way a router or a browser reads them.
+"""The SSE routes (`kvhandoff.service.api.events`), read the way a router or a browser reads them.
 
 A decode service runs with `serve()` on a free port; most tests publish events on its bus
 directly (the stream does not care who published) and read them with `httpx-sse`. Every wait is
@@ -20,11 +20,11 @@ import httpx
 import pytest
 from httpx_sse import ServerSentEvent, aconnect_sse
 
-from pipelines.events import EventBus, HandoffCompleted, HandoffCreated, StageArrived
-from service.api.events import Frames
-from service.observability.streams import STREAMS, StreamStats
-from service.runtime.roles import RUNTIME
-from service.serve import Server, serve
+from kvhandoff.pipelines.events import EventBus, HandoffCompleted, HandoffCreated, StageArrived
+from kvhandoff.service.api.events import Frames
+from kvhandoff.service.observability.streams import STREAMS, StreamStats
+from kvhandoff.service.runtime.roles import RUNTIME
+from kvhandoff.service.serve import Server, serve
 from tests.unit.service.api.test_handoffs import MOVE, ready_all
 from tests.unit.service.handoff_fixtures import (
     WAIT_S,

@@ -17,9 +17,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from pipelines.models import hybrid_npu_mla
-from service.runtime.roles import DECODE
-from service.serve import serve
+from kvhandoff.pipelines.models import hybrid_npu_mla
+from kvhandoff.service.runtime.roles import DECODE
+from kvhandoff.service.serve import serve
 from tests.unit.service.handoff_fixtures import (
     DECODE_PAGES,
     MODEL,
@@ -516,7 +516,7 @@ async def test_a_prefill_holds_a_bounded_number_of_handoffs_awaiting_a_destinati
     """Issue 18 B: every ready signal for an id no destination named opened a handoff on the
     prefill, without bound. Beyond the cap a new one is a 429 naming `id`; a handoff whose
     destination arrived first, or one already open, is never refused."""
-    import service.api.handoffs as handoffs_api
+    import kvhandoff.service.api.handoffs as handoffs_api
 
     monkeypatch.setattr(handoffs_api, "MAX_AWAITING_DESTINATION", 3)
     for i in range(3):

@@ -13,12 +13,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pipelines.decode.views import HandoffRequest
-from service.config import Config
-from service.records.handoffs import HandoffRecords
-from service.runtime.persistence import PERSISTENCE, RESTARTED, purge_once
-from service.serve import serve
-from service.storage import FILE_NAME, Database
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.service.config import Config
+from kvhandoff.service.records.handoffs import HandoffRecords
+from kvhandoff.service.runtime.persistence import PERSISTENCE, RESTARTED, purge_once
+from kvhandoff.service.serve import serve
+from kvhandoff.service.storage import FILE_NAME, Database
 from tests.unit.service.handoff_fixtures import (
     WAIT_S,
     Deployment,

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from pipelines.decode.views import HANDOFF_ID_PATTERN
-from service.api.validate import MAX_PREFILL
-from service.http.app import MAX_JSON_DEPTH, PEERS, json_depth
-from service.runtime import inputs
+from kvhandoff.pipelines.decode.views import HANDOFF_ID_PATTERN
+from kvhandoff.service.api.validate import MAX_PREFILL
+from kvhandoff.service.http.app import MAX_JSON_DEPTH, PEERS, json_depth
+from kvhandoff.service.runtime import inputs
 from tests.unit.service.handoff_fixtures import (
     Deployment,
     Move,

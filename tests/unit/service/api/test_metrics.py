@@ -17,9 +17,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.observability.metrics import Metrics, PeerCollector, TransportCollector
-from service.peers.heartbeat import PeerHealth
-from service.runtime.roles import DECODE, PREFILL
+from kvhandoff.service.observability.metrics import Metrics, PeerCollector, TransportCollector
+from kvhandoff.service.peers.heartbeat import PeerHealth
+from kvhandoff.service.runtime.roles import DECODE, PREFILL
+from kvhandoff.transport.base import TransportStats
 from tests.unit.service.api.test_handoffs import MOVE, Move, ready_all
 from tests.unit.service.handoff_fixtures import (
     Deployment,
@@ -27,7 +28,6 @@ from tests.unit.service.handoff_fixtures import (
     open_deployment,
 )
 from tests.unit.service.metrics_checks import Samples, parse, promtool_check, value
-from transport.base import TransportStats
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ import logging
 import aiohttp
 import pytest
 
-from pipelines.peer_calls import WATCH
-from service.http.peer_signing import Signer
-from service.runtime.roles import RUNTIME
-from service.serve import serve
-from service.webhooks.signatures import new_secret
+from kvhandoff.pipelines.peer_calls import WATCH
+from kvhandoff.service.http.peer_signing import Signer
+from kvhandoff.service.runtime.roles import RUNTIME
+from kvhandoff.service.serve import serve
+from kvhandoff.service.webhooks.signatures import new_secret
 from tests.unit.service.handoff_fixtures import WAIT_S, decode_config, extensions, prefill_config
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import aiohttp
 
-from pipelines.layout import MAX_WIRE_INT
-from pipelines.messages import PEER_PROTOCOL_VERSION
-from service.serve import serve
+from kvhandoff.pipelines.layout import MAX_WIRE_INT
+from kvhandoff.pipelines.messages import PEER_PROTOCOL_VERSION
+from kvhandoff.service.serve import serve
 from tests.unit.service.handoff_fixtures import decode_config, extensions
 
 #: The values at the edges, then a seeded spread of huge ones of both signs.

@@ -1,7 +1,7 @@
 import msgspec
 
-from pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
-from service.api.validate import install_validate
+from kvhandoff.pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
+from kvhandoff.service.api.validate import install_validate
 from tests.unit.service.conftest import ClientFactory
 
 MODEL = hybrid_npu_mla(num_layers=16, scale=64, page_size=16)

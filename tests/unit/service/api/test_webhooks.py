@@ -13,15 +13,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pipelines.decode.views import HandoffRequest
-from service.config import ConfigError
-from service.http.app import READINESS
-from service.records.handoffs import HandoffRecords
-from service.runtime.persistence import PERSISTENCE, RESTARTED, Persistence, purge_once
-from service.runtime.roles import DECODE
-from service.serve import Server, serve
-from service.storage import FILE_NAME, Database
-from service.webhooks.signatures import new_secret
+from kvhandoff.pipelines.decode.views import HandoffRequest
+from kvhandoff.service.config import ConfigError
+from kvhandoff.service.http.app import READINESS
+from kvhandoff.service.records.handoffs import HandoffRecords
+from kvhandoff.service.runtime.persistence import PERSISTENCE, RESTARTED, Persistence, purge_once
+from kvhandoff.service.runtime.roles import DECODE
+from kvhandoff.service.serve import Server, serve
+from kvhandoff.service.storage import FILE_NAME, Database
+from kvhandoff.service.webhooks.signatures import new_secret
 from tests.receivers import WAIT_S, Answer, WebhookReceiver
 from tests.unit.service.handoff_fixtures import (
     Deployment,
@@ -507,7 +507,7 @@ async def test_the_number_of_registered_endpoints_is_bounded(
 ) -> None:
     """Issue 18 B: endpoints were unbounded (each a delivery lane fed every event it selects).
     Beyond the cap a create is a 409 naming the limit and changes nothing; a delete frees one."""
-    import service.api.webhooks as webhooks_api
+    import kvhandoff.service.api.webhooks as webhooks_api
 
     monkeypatch.setattr(webhooks_api, "MAX_ENDPOINTS", 2)
     async with deployment() as d:

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from pipelines.errors import (
+from kvhandoff.pipelines.errors import (
     ConflictError,
     DeadlineExceeded,
     InvalidInput,
@@ -19,11 +19,11 @@ from pipelines.errors import (
     TransportError,
     TransportTimeout,
 )
-from pipelines.pairing_problems import Problem
-from service.http.app import CONFIG, PEERS, READINESS, ROUTES, decode_body, json_response
-from service.http.peer_client import PeerClient
-from service.http.problems import PROBLEM_CONTENT_TYPE, TYPE_PREFIX
-from service.http.routing import RouteTable
+from kvhandoff.pipelines.pairing_problems import Problem
+from kvhandoff.service.http.app import CONFIG, PEERS, READINESS, ROUTES, decode_body, json_response
+from kvhandoff.service.http.peer_client import PeerClient
+from kvhandoff.service.http.problems import PROBLEM_CONTENT_TYPE, TYPE_PREFIX
+from kvhandoff.service.http.routing import RouteTable
 from tests.unit.service.conftest import ClientFactory, make_config
 
 PAIRING_PROBLEMS = [

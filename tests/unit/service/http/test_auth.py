@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from service.http.app import ROUTES, create_app, json_response
-from service.http.auth import signed_sender, signer_for
-from service.http.peer_signing import Signer
-from service.http.routing import RouteTable
-from service.serve import install_service
+from kvhandoff.service.http.app import ROUTES, create_app, json_response
+from kvhandoff.service.http.auth import signed_sender, signer_for
+from kvhandoff.service.http.peer_signing import Signer
+from kvhandoff.service.http.routing import RouteTable
+from kvhandoff.service.serve import install_service
 from tests.unit.service.conftest import ClientFactory, make_config
 
 ROLES = {"router": "r-secret", "engine": "e-secret", "peer": "p-secret"}

@@ -6,10 +6,10 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from service.http.app import ROUTES, create_app, json_response
-from service.http.openapi import SECURITY_SCHEMES, build_openapi
-from service.http.problems import PROBLEM_CONTENT_TYPE
-from service.http.routing import RouteTable
+from kvhandoff.service.http.app import ROUTES, create_app, json_response
+from kvhandoff.service.http.openapi import SECURITY_SCHEMES, build_openapi
+from kvhandoff.service.http.problems import PROBLEM_CONTENT_TYPE
+from kvhandoff.service.http.routing import RouteTable
 from tests.unit.service.conftest import ClientFactory, make_config
 
 

@@ -1,6 +1,6 @@
-"""Peer channels (`service.http.peer_channel`) between real aiohttp services on loopback, with
-real signing: the channel route of `service.api.peer`, a call it carries (arrivals), and
-`PeerClient` as the sender. What today's signed HTTP calls refuse, the channel refuses too: a
+"""Peer channels (`kvhandoff.service.http.peer_channel`) between real aiohttp services on loopback,
+with real signing: the channel route of `kvhandoff.service.api.peer`, a call it carries (arrivals),
+and `PeerClient` as the sender. What today's signed HTTP calls refuse, the channel refuses too: a
 frame replayed on its own or another connection, altered, reflected, sent under a handshake
 signed for another recipient, or after the recipient's restart."""
 
@@ -19,12 +19,12 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from pipelines.errors import InvalidInput, PeerUnreachable
-from pipelines.messages import Outcome
-from pipelines.peer_calls import ARRIVALS, CHANNEL
-from service.api.peer import Asked, carries, common_routes
-from service.http.app import ROUTES, create_app
-from service.http.peer_channel import (
+from kvhandoff.pipelines.errors import InvalidInput, PeerUnreachable
+from kvhandoff.pipelines.messages import Outcome
+from kvhandoff.pipelines.peer_calls import ARRIVALS, CHANNEL
+from kvhandoff.service.api.peer import Asked, carries, common_routes
+from kvhandoff.service.http.app import ROUTES, create_app
+from kvhandoff.service.http.peer_channel import (
     FRAME_BYTES,
     ChannelBroken,
     Hello,
@@ -33,11 +33,11 @@ from service.http.peer_channel import (
     Writer,
     session,
 )
-from service.http.peer_client import PeerClient
-from service.http.peer_signing import AnswerRejected, Signer, channel_key
-from service.http.problems import PeerTimeout
-from service.http.routing import RouteTable
-from service.runtime.roles import RUNTIME
+from kvhandoff.service.http.peer_client import PeerClient
+from kvhandoff.service.http.peer_signing import AnswerRejected, Signer, channel_key
+from kvhandoff.service.http.problems import PeerTimeout
+from kvhandoff.service.http.routing import RouteTable
+from kvhandoff.service.runtime.roles import RUNTIME
 from tests.channels import OpenedByHand
 from tests.unit.service.conftest import make_config
 
@@ -67,7 +67,7 @@ def install(seen: Seen) -> Any:
         app[ROUTES].include(common_routes)
         app[ROUTES].include(table)
         # What a channel needs of the runtime: the event set when the service stops (as
-        # `service.runtime.roles` sets it).
+        # `kvhandoff.service.runtime.roles` sets it).
         runtime = SimpleNamespace(closing=asyncio.Event())
         app[RUNTIME] = runtime  # type: ignore[assignment]
 

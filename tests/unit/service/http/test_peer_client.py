@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from pipelines.errors import (
+from kvhandoff.pipelines.errors import (
     ConflictError,
     InvalidInput,
     KVHandoffError,
@@ -19,12 +19,12 @@ from pipelines.errors import (
     PeerUnreachable,
     TransportError,
 )
-from pipelines.pairing_problems import Problem
-from service.http.app import ROUTES, create_app, decode_body, json_response
-from service.http.peer_client import PeerClient, UnauthenticatedAnswer
-from service.http.peer_signing import Signer
-from service.http.problems import PeerError, PeerTimeout
-from service.http.routing import Route, RouteTable
+from kvhandoff.pipelines.pairing_problems import Problem
+from kvhandoff.service.http.app import ROUTES, create_app, decode_body, json_response
+from kvhandoff.service.http.peer_client import PeerClient, UnauthenticatedAnswer
+from kvhandoff.service.http.peer_signing import Signer
+from kvhandoff.service.http.problems import PeerError, PeerTimeout
+from kvhandoff.service.http.routing import Route, RouteTable
 from tests.unit.service.conftest import make_config
 
 

@@ -1,5 +1,5 @@
 """Peer request signatures and their answers: what verifies, what is refused, relays and replays
-(service.http.peer_signing)."""
+(kvhandoff.service.http.peer_signing)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from service.http.peer_signing import (
+from kvhandoff.service.http.peer_signing import (
     ANSWER_SIGNATURE_HEADER,
     NONCE_HEADER,
     RECIPIENT_HEADER,

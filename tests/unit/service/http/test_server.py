@@ -1,4 +1,4 @@
-"""aiohttp's parser errors come back as problem+json (service.http.server)."""
+"""aiohttp's parser errors come back as problem+json (kvhandoff.service.http.server)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from service.http.app import create_app
-from service.http.problems import PROBLEM_CONTENT_TYPE
-from service.http.server import ProblemAppRunner
+from kvhandoff.service.http.app import create_app
+from kvhandoff.service.http.problems import PROBLEM_CONTENT_TYPE
+from kvhandoff.service.http.server import ProblemAppRunner
 from tests.unit.service.conftest import make_config
 
 REQUESTS = {

@@ -1,10 +1,10 @@
-"""`service.observability.activity.Activity`: the dashboard's model, moved by events (fake
+"""`kvhandoff.service.observability.activity.Activity`: the dashboard's model, moved by events (fake
 clock)."""
 
 from __future__ import annotations
 
-from pipelines.decode.views import ErrorView, HandoffView, StageView
-from pipelines.events import (
+from kvhandoff.pipelines.decode.views import ErrorView, HandoffView, StageView
+from kvhandoff.pipelines.events import (
     EventBus,
     HandoffCompleted,
     HandoffCreated,
@@ -13,8 +13,8 @@ from pipelines.events import (
     StageArrived,
     StageTransferred,
 )
-from pipelines.states import HandoffState, StageState
-from service.observability.activity import BUCKET_S, RECENT, WINDOW_S, Activity
+from kvhandoff.pipelines.states import HandoffState, StageState
+from kvhandoff.service.observability.activity import BUCKET_S, RECENT, WINDOW_S, Activity
 from tests.fakes import Clock
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from service.observability.loop_stalls import LoopStalls
+from kvhandoff.service.observability.loop_stalls import LoopStalls
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float:

@@ -1,12 +1,12 @@
-"""`service.observability.metrics.Metrics` moved by events on a bus (no service): every event kind
-moves exactly its metrics; labels stay bounded."""
+"""`kvhandoff.service.observability.metrics.Metrics` moved by events on a bus (no service): every
+event kind moves exactly its metrics; labels stay bounded."""
 
 from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from pipelines.arena import ArenaUse
-from pipelines.events import (
+from kvhandoff.pipelines.arena import ArenaUse
+from kvhandoff.pipelines.events import (
     ChunksEmitted,
     EventBus,
     HandoffAborted,
@@ -19,10 +19,10 @@ from pipelines.events import (
     StagePaired,
     StageTransferred,
 )
-from service.observability.metrics import ArenaCollector, Metrics, TransportCollector
+from kvhandoff.service.observability.metrics import ArenaCollector, Metrics, TransportCollector
+from kvhandoff.transport.base import TransportStats
 from tests.fakes import Clock
 from tests.unit.service.metrics_checks import parse, promtool_check
-from transport.base import TransportStats
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

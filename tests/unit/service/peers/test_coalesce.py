@@ -5,9 +5,9 @@ import asyncio
 import msgspec
 import pytest
 
-from pipelines.errors import ConflictError, KVHandoffError, PeerUnreachable
-from pipelines.messages import AbortMsg
-from service.peers.coalesce import Coalescer
+from kvhandoff.pipelines.errors import ConflictError, KVHandoffError, PeerUnreachable
+from kvhandoff.pipelines.messages import AbortMsg
+from kvhandoff.service.peers.coalesce import Coalescer
 
 
 class Note(msgspec.Struct, frozen=True):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pipelines.messages import HeartbeatMsg
-from service.observability.metrics import PeerCollector
-from service.peers.health import HealthTable
+from kvhandoff.pipelines.messages import HeartbeatMsg
+from kvhandoff.service.observability.metrics import PeerCollector
+from kvhandoff.service.peers.health import HealthTable
 from tests.fakes import Clock
 from tests.unit.service.peers.test_heartbeat import PEER, Beats
 

@@ -10,12 +10,12 @@ from typing import Any, cast
 
 import aiohttp
 
-from pipelines.errors import InternalError, PeerUnreachable
-from pipelines.messages import HeartbeatAck, HeartbeatMsg
-from service.http.peer_client import PeerClient
-from service.http.problems import PeerTimeout
-from service.peers.heartbeat import Heartbeats, HeartbeatSettings
-from service.peers.protocol import HttpPeers
+from kvhandoff.pipelines.errors import InternalError, PeerUnreachable
+from kvhandoff.pipelines.messages import HeartbeatAck, HeartbeatMsg
+from kvhandoff.service.http.peer_client import PeerClient
+from kvhandoff.service.http.problems import PeerTimeout
+from kvhandoff.service.peers.heartbeat import Heartbeats, HeartbeatSettings
+from kvhandoff.service.peers.protocol import HttpPeers
 from tests.fakes import Clock, PeerServer, eventually
 
 PEER = "http://prefill:1"

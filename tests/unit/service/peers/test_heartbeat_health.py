@@ -3,7 +3,7 @@ peers from `test_heartbeat.py`)."""
 
 from __future__ import annotations
 
-from service.peers.heartbeat import PeerHealth
+from kvhandoff.service.peers.heartbeat import PeerHealth
 from tests.unit.service.peers.test_heartbeat import PEER, Beats
 
 

@@ -1,7 +1,8 @@
-"""The watch stream of one peer (`service.peers.watch`) against real HTTP peers on 127.0.0.1:
-refused or short-lived watches are retried with a capped, jittered backoff — a few attempts a
-minute, never a loop — the state is exposed and logged once per change, and a stream that lived
-resets the backoff. Time is `SteppedTime`: every wait of the watch is a step the test takes."""
+"""The watch stream of one peer (`kvhandoff.service.peers.watch`) against real HTTP peers on
+127.0.0.1: refused or short-lived watches are retried with a capped, jittered backoff — a few
+attempts a minute, never a loop — the state is exposed and logged once per change, and a stream that
+lived resets the backoff. Time is `SteppedTime`: every wait of the watch is a step the test
+takes."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from service.http.peer_client import PeerClient
-from service.observability.metrics import PeerCollector
-from service.peers.heartbeat import Heartbeats, HeartbeatSettings
-from service.peers.protocol import HttpPeers
-from service.peers.watch import Backoff
+from kvhandoff.service.http.peer_client import PeerClient
+from kvhandoff.service.observability.metrics import PeerCollector
+from kvhandoff.service.peers.heartbeat import Heartbeats, HeartbeatSettings
+from kvhandoff.service.peers.protocol import HttpPeers
+from kvhandoff.service.peers.watch import Backoff
 from tests.fakes import PeerServer, SteppedTime
 from tests.unit.service.peers.test_heartbeat import Side
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from pipelines.decode.views import HandoffRequest, HandoffView
-from pipelines.events import EventBus, HandoffFailed, HandoffReleased
-from pipelines.states import HandoffState
-from service.records.handoffs import HandoffRecords
-from service.storage import FILE_NAME, LIFE_SHIFT, SCHEMA_VERSION, Database
+from kvhandoff.pipelines.decode.views import HandoffRequest, HandoffView
+from kvhandoff.pipelines.events import EventBus, HandoffFailed, HandoffReleased
+from kvhandoff.pipelines.states import HandoffState
+from kvhandoff.service.records.handoffs import HandoffRecords
+from kvhandoff.service.storage import FILE_NAME, LIFE_SHIFT, SCHEMA_VERSION, Database
 
 GRACE_S = 11.0
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import aiohttp
 
-from pipelines.decode.views import HandoffPage
-from pipelines.states import HandoffState
-from service.records.listing import handoff_page
-from service.runtime.persistence import PERSISTENCE
-from service.runtime.roles import DECODE
-from service.serve import Server, serve
+from kvhandoff.pipelines.decode.views import HandoffPage
+from kvhandoff.pipelines.states import HandoffState
+from kvhandoff.service.records.listing import handoff_page
+from kvhandoff.service.runtime.persistence import PERSISTENCE
+from kvhandoff.service.runtime.roles import DECODE
+from kvhandoff.service.serve import Server, serve
 from tests.unit.service.handoff_fixtures import (
     Deployment,
     decode_config,

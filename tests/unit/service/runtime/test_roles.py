@@ -9,19 +9,19 @@ import contextlib
 import aiohttp
 import pytest
 
-from pipelines.decode import DecodePipeline
-from pipelines.prefill import PrefillPipeline
-from service.api.dashboard import install_dashboard
-from service.api.events import install_events
-from service.api.handoffs import install_handoffs
-from service.api.metrics import install_metrics
-from service.api.validate import install_validate
-from service.api.webhooks import install_webhooks
-from service.embedded import EmbeddedService
-from service.http.app import Extension
-from service.runtime import roles
-from service.runtime.roles import DECODE, PREFILL, RUNTIME, install_runtime
-from service.serve import install_service, serve
+from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.prefill import PrefillPipeline
+from kvhandoff.service.api.dashboard import install_dashboard
+from kvhandoff.service.api.events import install_events
+from kvhandoff.service.api.handoffs import install_handoffs
+from kvhandoff.service.api.metrics import install_metrics
+from kvhandoff.service.api.validate import install_validate
+from kvhandoff.service.api.webhooks import install_webhooks
+from kvhandoff.service.embedded import EmbeddedService
+from kvhandoff.service.http.app import Extension
+from kvhandoff.service.runtime import roles
+from kvhandoff.service.runtime.roles import DECODE, PREFILL, RUNTIME, install_runtime
+from kvhandoff.service.serve import install_service, serve
 from tests.unit.service.handoff_fixtures import decode_config, prefill_config
 
 

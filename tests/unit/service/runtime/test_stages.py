@@ -5,14 +5,14 @@ import os
 import numpy as np
 import pytest
 
-from service.config import ConfigError
-from service.runtime.stages import open_stages, unplaced_layout
+from kvhandoff.service.config import ConfigError
+from kvhandoff.service.runtime.stages import open_stages, unplaced_layout
+from kvhandoff.transport.blocks import Blocks
+from kvhandoff.transport.errors import TransportError
+from kvhandoff.transport.local import LocalTransport
+from kvhandoff.transport.pool_shm import ShmPool
+from kvhandoff.transport.regions import Region
 from tests.unit.service.conftest import make_config
-from transport.blocks import Blocks
-from transport.errors import TransportError
-from transport.local import LocalTransport
-from transport.pool_shm import ShmPool
-from transport.regions import Region
 
 
 def test_a_missing_shm_file_is_a_config_error_naming_the_stage() -> None:

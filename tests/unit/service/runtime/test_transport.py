@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from service.config import ConfigError, transport_backends
-from service.http.app import LOCAL_TARGET, READINESS
-from service.runtime.transport import (
+from kvhandoff.service.config import ConfigError, transport_backends
+from kvhandoff.service.http.app import LOCAL_TARGET, READINESS
+from kvhandoff.service.runtime.transport import (
     OPENERS,
     TRANSPORT,
     check_ascend,
@@ -14,10 +14,10 @@ from service.runtime.transport import (
     open_transport,
     with_stage_npu,
 )
-from service.serve import serve
+from kvhandoff.service.serve import serve
+from kvhandoff.transport.errors import TransportError
+from kvhandoff.transport.local import LocalTransport
 from tests.unit.service.conftest import ClientFactory, make_config
-from transport.errors import TransportError
-from transport.local import LocalTransport
 
 
 async def test_local_transport_lives_with_the_app(make_client: ClientFactory) -> None:
@@ -53,7 +53,7 @@ def test_local_opener_takes_the_local_caps() -> None:
 
 
 async def test_not_ready_before_start() -> None:
-    from service.http.app import create_app
+    from kvhandoff.service.http.app import create_app
 
     app = create_app(make_config(), extensions=[install_transport])
     assert await app[READINESS].failing() == ["transport"]

@@ -8,9 +8,9 @@ import argparse
 import numpy as np
 import pytest
 
-from service.tools import demo
-from service.tools.demo import into_span
-from transport.blocks import Blocks
+from kvhandoff.service.tools import demo
+from kvhandoff.service.tools.demo import into_span
+from kvhandoff.transport.blocks import Blocks
 
 
 def test_blocks_are_laid_end_to_end_and_start_over_inside_the_span() -> None:

@@ -1,4 +1,4 @@
-"""The load tool's memory check (`service.tools.load.rss_check`): it fails a process whose
+"""The load tool's memory check (`kvhandoff.service.tools.load.rss_check`): it fails a process whose
 resident memory grows from the first to the last quarter of the run, passes a flat one, looks
 past the warm-up, and refuses to pass what it cannot compare."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from service.tools.load import MIB, RssSeries, default_warmup, read_rss, rss_check
+from kvhandoff.service.tools.load import MIB, RssSeries, default_warmup, read_rss, rss_check
 
 
 def series(rss_mib: list[float], anon_mib: list[float] | None = None) -> RssSeries:

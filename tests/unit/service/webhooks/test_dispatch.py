@@ -14,13 +14,13 @@ from typing import Any, ClassVar
 
 import pytest
 
-from pipelines.events import EventBus, HandoffCompleted, HandoffCreated
-from service.config import WebhooksConfig
-from service.storage import FILE_NAME, Database
-from service.webhooks import outbox as outbox_module
-from service.webhooks.dispatch import Dispatcher, parse_retry_after, retry_delay
-from service.webhooks.outbox import Delivery, Outbox
-from service.webhooks.views import DeliveryView
+from kvhandoff.pipelines.events import EventBus, HandoffCompleted, HandoffCreated
+from kvhandoff.service.config import WebhooksConfig
+from kvhandoff.service.storage import FILE_NAME, Database
+from kvhandoff.service.webhooks import outbox as outbox_module
+from kvhandoff.service.webhooks.dispatch import Dispatcher, parse_retry_after, retry_delay
+from kvhandoff.service.webhooks.outbox import Delivery, Outbox
+from kvhandoff.service.webhooks.views import DeliveryView
 from tests.fakes import Clock
 from tests.receivers import WAIT_S, Answer, Received, WebhookReceiver
 

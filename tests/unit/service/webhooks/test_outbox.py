@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.errors import ConflictError, NotFoundError
-from pipelines.events import EventBus, HandoffCompleted, HandoffCreated, StageArrived
-from service.storage import FILE_NAME, Database, StateLocked
-from service.webhooks.outbox import Outbox, webhook_body
-from service.webhooks.signatures import new_secret, secret_key
+from kvhandoff.pipelines.errors import ConflictError, NotFoundError
+from kvhandoff.pipelines.events import EventBus, HandoffCompleted, HandoffCreated, StageArrived
+from kvhandoff.service.storage import FILE_NAME, Database, StateLocked
+from kvhandoff.service.webhooks.outbox import Outbox, webhook_body
+from kvhandoff.service.webhooks.signatures import new_secret, secret_key
 
 CALLBACK_SECRET = new_secret()
 

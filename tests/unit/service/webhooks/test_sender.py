@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from service.webhooks.sender import MAX_BODY_BYTES, Sender, SendError
-from service.webhooks.targets import TargetPolicy
+from kvhandoff.service.webhooks.sender import MAX_BODY_BYTES, Sender, SendError
+from kvhandoff.service.webhooks.targets import TargetPolicy
 
 
 class RawServer:

@@ -8,8 +8,8 @@ import time
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-from service.client import SignatureError, verify_webhook
-from service.webhooks.signatures import new_secret, secret_key, sign
+from kvhandoff.service.client import SignatureError, verify_webhook
+from kvhandoff.service.webhooks.signatures import new_secret, secret_key, sign
 
 #: ASCII digits to Arabic-Indic ones: `int()` reads them as the same number.
 ARABIC = str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.webhooks.targets import TargetPolicy, TargetRefused
+from kvhandoff.service.webhooks.targets import TargetPolicy, TargetRefused
 
 
 def test_the_allow_list_matches_hosts_and_dotted_suffixes() -> None:

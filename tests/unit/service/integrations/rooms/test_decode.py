@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from service.integrations.rooms.decode import DecodeRooms
-from service.integrations.rooms.states import DecodeState
+from kvhandoff.service.integrations.rooms.decode import DecodeRooms
+from kvhandoff.service.integrations.rooms.states import DecodeState
 
 
 def opened(room: int = 1, hid: str = "h") -> DecodeRooms:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.events import (
+from kvhandoff.pipelines.events import (
     DestinationReceived,
     Event,
     HandoffAborted,
@@ -16,7 +16,7 @@ from pipelines.events import (
     StageReady,
     StageTransferred,
 )
-from service.integrations.rooms.outcomes import Outcome, Step, failure_reason, outcome
+from kvhandoff.service.integrations.rooms.outcomes import Outcome, Step, failure_reason, outcome
 
 
 def transferred(role: str, pp_rank: int, *, final: bool) -> StageTransferred:

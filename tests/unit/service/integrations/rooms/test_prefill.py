@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.integrations.rooms.prefill import PrefillRoom, PrefillRooms, Range
-from service.integrations.rooms.states import IllegalRoomTransition, PrefillState
+from kvhandoff.service.integrations.rooms.prefill import PrefillRoom, PrefillRooms, Range
+from kvhandoff.service.integrations.rooms.states import IllegalRoomTransition, PrefillState
 
 
 def opened(room: int = 1) -> tuple[PrefillRooms, PrefillRoom]:

@@ -7,7 +7,7 @@ from enum import StrEnum
 
 import pytest
 
-from service.integrations.rooms.states import (
+from kvhandoff.service.integrations.rooms.states import (
     TRANSITIONS,
     DecodeState,
     IllegalRoomTransition,

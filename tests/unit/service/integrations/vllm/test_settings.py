@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from service.config import ConfigError
-from service.integrations.vllm.settings import connector_settings, rank_config
+from kvhandoff.service.config import ConfigError
+from kvhandoff.service.integrations.vllm.settings import connector_settings, rank_config
 
 STAGE = {"pp_rank": 0, "pp_size": 1, "num_pages": 8}
 
