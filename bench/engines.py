@@ -32,7 +32,7 @@ import aiohttp
 
 from bench.report import regenerate
 from bench.suite import machine
-from tests.engines.client import NEW_TOKENS, Pair, body, bootstrap, pd, prompts
+from tests.engines.client import NEW_TOKENS, Pair, body, bootstrap, connector, pd, prompts
 from tests.engines.model import write_model
 from tests.engines.servers import DECODE, EARLY_SEND_OFF, PEER_SECRET, Server, kvhandoff_env
 
@@ -139,8 +139,7 @@ async def closed_loop(
     ttft: list[float] = []
     latency: list[float] = []
     failures: list[dict[str, str]] = []
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector()) as session:
 
         async def worker() -> None:
             while queue:
@@ -186,7 +185,7 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def same_tokens(pairs: dict[str, Pair], batch: list[list[int]]) -> bool:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(connector=connector()) as session:
         outs = [await asyncio.gather(*(pd(session, pairs[b], p) for p in batch)) for b in BACKENDS]
     return all(o == outs[0] for o in outs)
 

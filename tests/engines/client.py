@@ -20,6 +20,19 @@ import aiohttp
 from tests.engines.model import VOCAB, min_margin
 
 NEW_TOKENS = 16
+#: How long the client keeps an idle connection to a server for reuse: under SGLang's own
+#: keep-alive (uvicorn's, `SGLANG_TIMEOUT_KEEP_ALIVE`, 5 s). With aiohttp's default (15 s), a
+#: request sent on a connection the server was closing that moment was lost (`Server
+#: disconnected`, the server never saw it) and its other half waited for its deadline.
+KEEPALIVE_S = 2.0
+
+
+def connector() -> aiohttp.TCPConnector:
+    """The client side of every engine-server session: no pool limit, idle connections dropped
+    before the server drops them (`KEEPALIVE_S`)."""
+    return aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+
+
 #: Bootstrap rooms whose first committed page the decode's fault hook corrupts
 #: (`tests/engines/faults`); `next_room` never hands one out.
 CORRUPT_ROOMS = range(1 << 60, (1 << 60) + (1 << 20))

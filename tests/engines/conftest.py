@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 
-from tests.engines.client import Pair, prompts, single
+from tests.engines.client import Pair, connector, prompts, single
 from tests.engines.handoffs import Records, service_urls
 from tests.engines.model import write_model
 from tests.engines.servers import (
@@ -49,8 +49,7 @@ def run(coro_fn: Callable[[aiohttp.ClientSession], Awaitable[T]]) -> T:
     """Run `coro_fn(session)` on a fresh loop and client session."""
 
     async def main() -> T:
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=connector) as session:
+        async with aiohttp.ClientSession(connector=connector()) as session:
             return await coro_fn(session)
 
     return asyncio.run(main())
