@@ -301,7 +301,9 @@ class PeersConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True)
         if canonical != self.prefill:  # compared with senders' public_url in this form
             force_setattr(self, "prefill", canonical)
 
-    #: Default timeout of one service-to-service HTTP call.
+    #: Default timeout of one service-to-service call; keep it at or above
+    #: `handoff.peer_timeout_s`, or a call gives up on a peer the heartbeats still count alive
+    #: (`serve` warns at start-up).
     request_timeout_s: PositiveSeconds = 5.0
     #: Send the hot peer calls (destinations, aborts, arrivals, failures, windows, segments) on
     #: one persistent, per-frame authenticated channel per peer life (`/v1/peer/channel`)
@@ -452,6 +454,23 @@ def _transport_message(path: str, message: str, backend: Any) -> str:
         if owners:
             return f"not a setting of backend {backend!r} (only of {', '.join(owners)})"
     return f"{message} (backend {backend!r})"
+
+
+def advisories(config: Config) -> list[str]:
+    """Settings that are valid each on its own but contradict each other in a way that fails
+    live handoffs: `serve` logs each as a warning at start-up and `serve --check` prints them."""
+    found = []
+    call_s, silence_s = config.peers.request_timeout_s, config.handoff.peer_timeout_s
+    if call_s < silence_s:
+        # The heartbeats keep a peer alive through `silence_s` of silence, but one call to it
+        # gives up after `call_s`: a peer stalled in between fails its live handoffs with
+        # peer_timeout although the heartbeats never declared it lost.
+        found.append(
+            f"peers.request_timeout_s: {call_s:g} s is below handoff.peer_timeout_s "
+            f"{silence_s:g} s: a call gives up on a peer the heartbeats still count alive and "
+            "fails its handoffs (peer_timeout); set it at or above handoff.peer_timeout_s"
+        )
+    return found
 
 
 def check(config: Config) -> None:

@@ -32,7 +32,13 @@ from kvhandoff.service.api.handoffs import install_handoffs
 from kvhandoff.service.api.metrics import install_metrics
 from kvhandoff.service.api.validate import install_validate
 from kvhandoff.service.api.webhooks import install_webhooks
-from kvhandoff.service.config import Config, ConfigError, backend_of, load_config
+from kvhandoff.service.config import (
+    Config,
+    ConfigError,
+    advisories,
+    backend_of,
+    load_config,
+)
 from kvhandoff.service.http.app import LOCAL_TARGET, AccessLogger, Extension, create_app
 from kvhandoff.service.http.server import ProblemAppRunner
 from kvhandoff.service.runtime.roles import install_runtime
@@ -88,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
             f"kvhandoff serve: {args.config}: valid ({config.role}, stages {stages} of "
             f"{config.pp_size}, port {config.server.port}, public_url {config.server.public_url})"
         )
+        for advice in advisories(config):
+            print(f"kvhandoff serve: warning: {advice}")
         return 0
     setup_logging(config.server.log_level)
     try:
@@ -201,6 +209,8 @@ async def serve(
             backend_of(config.transport),
             app.get(LOCAL_TARGET, "-"),
         )
+        for advice in advisories(config):
+            log.warning("config: %s", advice)
         yield Server(app, config)
     finally:
         await runner.cleanup()

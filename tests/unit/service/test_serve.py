@@ -220,3 +220,19 @@ def test_port_moves_a_derived_public_url_and_keeps_an_explicit_one(tmp_path: Pat
     assert "port 9100, public_url http://10.0.0.7:9100)" in derived
     named = CONFIG_TOML.replace("port = 0", 'port = 8200\npublic_url = "http://decode:8200"')
     assert "port 9100, public_url http://decode:8200)" in check(named)  # the operator's: kept
+
+
+async def test_contradicting_timeouts_are_logged_at_start_up(caplog: Any) -> None:
+    """A call timeout below the heartbeats' silence bound failed live vLLM handoffs (stop 38):
+    the service starts, and says so once, naming both keys."""
+    ok = make_config(**{"server.port": 0})
+    bad = make_config(**{"server.port": 0, "handoff.peer_timeout_s": 15.0})
+    for config, warned in ((ok, False), (bad, True)):
+        caplog.clear()
+        async with serve(config):
+            pass
+        lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        advice = [line for line in lines if "peers.request_timeout_s" in line]
+        assert len(advice) == int(warned), lines
+        if warned:
+            assert "5 s is below handoff.peer_timeout_s 15 s" in advice[0]

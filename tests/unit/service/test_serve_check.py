@@ -96,3 +96,21 @@ def test_check_from_the_command_line(tmp_path: Path) -> None:
     assert bad.stderr.splitlines() == [
         f"kvhandoff serve: cannot read config file {missing}: No such file or directory"
     ]
+
+
+def test_check_warns_of_timeouts_that_contradict_each_other(
+    never_serve: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Valid, so status 0, but a peer call would give up on a peer the heartbeats still count
+    alive: one warning line naming both keys and the fix."""
+    monkeypatch.setenv("KVHANDOFF_HANDOFF__PEER_TIMEOUT_S", "15")
+    assert main(["serve", "--check", "--config", DECODE]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[1] == (
+        "kvhandoff serve: warning: peers.request_timeout_s: 5 s is below "
+        "handoff.peer_timeout_s 15 s: a call gives up on a peer the heartbeats still count "
+        "alive and fails its handoffs (peer_timeout); set it at or above handoff.peer_timeout_s"
+    )
+    monkeypatch.setenv("KVHANDOFF_PEERS__REQUEST_TIMEOUT_S", "15")
+    assert main(["serve", "--check", "--config", DECODE]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
