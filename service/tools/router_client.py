@@ -1,8 +1,11 @@
 """One handoff driven over HTTP the way a router and the prefill engines drive it.
 
-`RouterClient.handoff` creates the handoff on the decode service, signals every PP stage ready
-on the prefill service hosting it, and long-polls `GET /v1/handoffs/{id}` until the state is
-terminal. Used by `kvhandoff demo` and `kvhandoff bench handoff` against a `LocalDeployment`.
+`RouterClient.handoff` creates the handoff on the decode service and, at the same time, signals
+every PP stage ready on the prefill service hosting it (an engine computes while the router
+creates; a prefill holds a ready until its destination comes), then waits for the outcome. It
+follows outcomes on ONE event stream per decode (`kvhandoff.service.tools.outcome_stream`), or
+with `follow="poll"` by a long poll of `GET /v1/handoffs/{id}` per handoff. Used by
+`kvhandoff demo`, `kvhandoff bench handoff` and `make bench` against a `LocalDeployment`.
 """
 
 from __future__ import annotations
@@ -10,32 +13,55 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 
 import aiohttp
 
 from kvhandoff.service.testing.deployment import LocalDeployment
+from kvhandoff.service.tools.outcome_stream import Outcome, OutcomeStream
+
+__all__ = ["TERMINAL", "WAIT_S", "Outcome", "RouterClient"]
 
 TERMINAL = frozenset({"completed", "failed", "aborted"})
 #: One long poll of `GET /v1/handoffs/{id}`; the client waits this plus a margin.
 WAIT_S = 10.0
 
 
-@dataclass(frozen=True)
-class Outcome:
-    state: str  # a handoff state, or "rejected" / "unreachable" when the API said no or nothing
-    bytes: int = 0
-    error: str | None = None
-
-
 class RouterClient:
+    """Drives handoffs through one `LocalDeployment`. Close it (or use `async with`) to end its
+    event stream; a stream left open ends with its `http` session."""
+
     def __init__(
-        self, http: aiohttp.ClientSession, dep: LocalDeployment, *, verify: bool = False
+        self,
+        http: aiohttp.ClientSession,
+        dep: LocalDeployment,
+        *,
+        verify: bool = False,
+        follow: Literal["stream", "poll"] = "stream",
     ) -> None:
         self.http, self.dep, self.verify = http, dep, verify
         self.timeout = aiohttp.ClientTimeout(total=WAIT_S + 20)
         self._stage_urls = [dep.url_of_stage(r) for r in range(dep.pp_size)]
+        self._stream = (
+            OutcomeStream(http, dep.decode_url, self._polled) if follow == "stream" else None
+        )
+        self._started: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> RouterClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
 
     async def handoff(
         self,
@@ -59,6 +85,51 @@ class RouterClient:
         src_slot: int | None,
         dst_slot: int | None,
     ) -> Outcome:
+        stream = self._stream
+        if stream is None:
+            return await self._polled_handoff(handoff_id, src_pages, dst_pages, src_slot, dst_slot)
+        if self._started is None:
+            self._started = asyncio.ensure_future(stream.start())
+        await asyncio.shield(self._started)
+        # Registered before the create: an outcome that comes before its answer is kept.
+        future = stream.expect(handoff_id)
+        try:
+            rejected, refused = await asyncio.gather(
+                self.create(handoff_id, dst_pages, dst_slot),
+                self.signal_stages(handoff_id, src_pages, src_slot),
+            )
+        except BaseException:
+            stream.forget(handoff_id)
+            raise
+        if rejected is not None:
+            stream.forget(handoff_id)
+            return rejected
+        outcome = await stream.outcome(handoff_id, future)
+        if outcome.error is None and outcome.state != "completed" and refused:
+            return Outcome(outcome.state, outcome.bytes, refused[0])
+        return outcome
+
+    async def _polled_handoff(
+        self,
+        handoff_id: str,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        src_slot: int | None,
+        dst_slot: int | None,
+    ) -> Outcome:
+        rejected, refused = await asyncio.gather(
+            self.create(handoff_id, dst_pages, dst_slot),
+            self.signal_stages(handoff_id, src_pages, src_slot),
+        )
+        if rejected is not None:
+            return rejected
+        outcome = await self._polled(handoff_id)
+        return Outcome(outcome.state, outcome.bytes, outcome.error or next(iter(refused), None))
+
+    async def create(
+        self, handoff_id: str, dst_pages: Sequence[int], dst_slot: int | None
+    ) -> Outcome | None:
+        """`POST /v1/handoffs`; None once accepted, the "rejected" outcome otherwise."""
         body: dict[str, Any] = {
             "id": handoff_id,
             "prefill": self.dep.prefill_urls,
@@ -71,11 +142,18 @@ class RouterClient:
         async with self.http.post(url, json=body, timeout=self.timeout) as resp:
             if resp.status not in (200, 201):  # 200: this very request was already accepted
                 return Outcome("rejected", 0, await problem_text(resp))
-        refused = await self.signal_stages(handoff_id, src_pages, src_slot)
-        view = await self.until_terminal(handoff_id)
+            await resp.read()
+        return None
+
+    async def _polled(self, handoff_id: str) -> Outcome:
+        """The outcome by long poll (never raises: "unreachable" when nothing answers)."""
+        try:
+            view = await self.until_terminal(handoff_id)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return Outcome("unreachable", 0, f"{type(exc).__name__}: {exc}")
         error = view.get("error")
         reason = f"{error['code']}: {error['reason']}" if error else None
-        return Outcome(view["state"], int(view["bytes"]), reason or next(iter(refused), None))
+        return Outcome(view["state"], int(view["bytes"]), reason)
 
     async def signal_stages(
         self, handoff_id: str, src_pages: Sequence[int], src_slot: int | None
