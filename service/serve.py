@@ -28,6 +28,7 @@ from aiohttp import web
 
 from kvhandoff.service.api.dashboard import install_dashboard
 from kvhandoff.service.api.events import install_events
+from kvhandoff.service.api.batches import install_batches
 from kvhandoff.service.api.handoffs import install_handoffs
 from kvhandoff.service.api.metrics import install_metrics
 from kvhandoff.service.api.validate import install_validate
@@ -122,6 +123,7 @@ def install_service(app: web.Application, buffers: Buffers | None = None) -> Non
     install_runtime(app, buffers)
     install_validate(app)
     install_handoffs(app)
+    install_batches(app)
     install_events(app)
     install_metrics(app)
     install_dashboard(app)
