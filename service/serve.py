@@ -26,9 +26,9 @@ import msgspec
 import uvloop
 from aiohttp import web
 
+from kvhandoff.service.api.batches import install_batches
 from kvhandoff.service.api.dashboard import install_dashboard
 from kvhandoff.service.api.events import install_events
-from kvhandoff.service.api.batches import install_batches
 from kvhandoff.service.api.handoffs import install_handoffs
 from kvhandoff.service.api.metrics import install_metrics
 from kvhandoff.service.api.validate import install_validate

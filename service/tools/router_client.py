@@ -18,8 +18,10 @@ from typing import Any, Literal
 
 import aiohttp
 
+from kvhandoff.service.api.batches import MAX_BATCH_ITEMS
 from kvhandoff.service.testing.deployment import LocalDeployment
 from kvhandoff.service.tools.outcome_stream import Outcome, OutcomeStream
+from kvhandoff.service.tools.turn_batch import TurnBatcher
 
 __all__ = ["TERMINAL", "WAIT_S", "Outcome", "RouterClient"]
 
@@ -39,7 +41,11 @@ class RouterClient:
         *,
         verify: bool = False,
         follow: Literal["stream", "poll"] = "stream",
+        coalesce: bool = False,
     ) -> None:
+        """`coalesce` (an attribute too, to switch between handoffs): the creates, and each
+        prefill service's stage readies, issued in one turn of the loop leave as one batch
+        request (`POST /v1/handoffs/batch`, `POST /v1/stages/ready`)."""
         self.http, self.dep, self.verify = http, dep, verify
         self.timeout = aiohttp.ClientTimeout(total=WAIT_S + 20)
         self._stage_urls = [dep.url_of_stage(r) for r in range(dep.pp_size)]
@@ -47,6 +53,24 @@ class RouterClient:
             OutcomeStream(http, dep.decode_url, self._polled) if follow == "stream" else None
         )
         self._started: asyncio.Task[None] | None = None
+        self.coalesce = coalesce
+        self.creates = self._batcher(f"{dep.decode_url}/v1/handoffs/batch")
+        self.readies = {
+            url: self._batcher(f"{url}/v1/stages/ready") for url in dict.fromkeys(self._stage_urls)
+        }
+
+    def _batcher(self, url: str) -> TurnBatcher[dict[str, Any], dict[str, Any]]:
+        async def send(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            async with self.http.post(url, json={"items": items}, timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    # The whole batch refused (it never is for an item's fault): each its own.
+                    problem = await _problem(resp)
+                    return [{"status": resp.status, "problem": problem}] * len(items)
+                results: list[dict[str, Any]] = (await resp.json())["items"]
+                return results
+
+        expected = (aiohttp.ClientError, TimeoutError)
+        return TurnBatcher(send, MAX_BATCH_ITEMS, expected)
 
     async def __aenter__(self) -> RouterClient:
         return self
@@ -62,6 +86,8 @@ class RouterClient:
     async def close(self) -> None:
         if self._stream is not None:
             await self._stream.close()
+        for batcher in [self.creates, *self.readies.values()]:
+            await batcher.close()
 
     async def handoff(
         self,
@@ -138,6 +164,11 @@ class RouterClient:
         }
         if dst_slot is not None:
             body["dst_slot"] = dst_slot
+        if self.coalesce:
+            result = await self.creates.submit(body)
+            if result["status"] in (200, 201):
+                return None
+            return Outcome("rejected", 0, _item_problem_text(result))
         url = f"{self.dep.decode_url}/v1/handoffs"
         async with self.http.post(url, json=body, timeout=self.timeout) as resp:
             if resp.status not in (200, 201):  # 200: this very request was already accepted
@@ -171,6 +202,11 @@ class RouterClient:
         """Signal stage `rank` ready; the problem's text if the prefill service refused."""
         url = f"{self._stage_urls[rank]}/v1/handoffs/{handoff_id}/stages/{rank}/ready"
         try:
+            if self.coalesce:
+                result = await self.readies[self._stage_urls[rank]].submit(
+                    {"handoff_id": handoff_id, "pp_rank": rank, **body}
+                )
+                return None if result["status"] == 202 else _item_problem_text(result)
             async with self.http.post(url, json=body, timeout=self.timeout) as resp:
                 return None if resp.status == 202 else await problem_text(resp)
         except aiohttp.ClientError as exc:
@@ -201,6 +237,12 @@ async def _problem(resp: aiohttp.ClientResponse) -> dict[str, str]:
         return {"code": str(body.get("code", resp.status)), "reason": str(body["detail"])}
     except (ValueError, KeyError, AttributeError):
         return {"code": str(resp.status), "reason": text[:300]}
+
+
+def _item_problem_text(result: dict[str, Any]) -> str:
+    """A batch item's problem as `problem_text` gives a single route's."""
+    problem = result.get("problem") or {}
+    return f"{problem.get('code', result['status'])}: {problem.get('detail', problem)}"
 
 
 async def problem_text(resp: aiohttp.ClientResponse) -> str:

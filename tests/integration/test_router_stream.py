@@ -154,3 +154,20 @@ async def test_a_gap_or_an_overflow_is_filled_by_looking_each_handoff_up(
             await running
         assert (router.stream.gaps if what == "gap" else router.stream.overflows) > 0
         assert router.stream.fallbacks > 0
+
+
+async def test_a_coalescing_router_sends_what_one_turn_issues_as_one_batch(
+    deployment: DeploymentFactory,
+) -> None:
+    dep = deployment(pp_size=2, num_slots=64)
+    async with aiohttp.ClientSession() as http:
+        async with RouterClient(http, dep, coalesce=True) as router, asyncio.timeout(WAIT_S):
+            outcomes = await asyncio.gather(
+                *(router.handoff(f"co-{i}", [i], [i], i, i) for i in range(40)),
+                router.handoff("co-bad", [1], [10_000], None, None),  # refused alone
+            )
+        assert [o.state for o in outcomes] == ["completed"] * 40 + ["rejected"], outcomes
+        assert "dst_pages[0]" in (outcomes[-1].error or ""), outcomes[-1]
+        assert (router.creates.batches, router.creates.items) == (1, 41)
+        # One prefill service per stage: one batch each, of every handoff's ready.
+        assert [(b.batches, b.items) for b in router.readies.values()] == [(1, 41), (1, 41)]

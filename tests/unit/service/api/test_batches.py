@@ -143,7 +143,10 @@ async def test_batch_routes_take_their_single_routes_credentials() -> None:
         reply = await create_batch(d, [create_item(d, "t-0", MOVES[0])])
         assert reply.body["items"][0]["status"] == 201
         async with aiohttp.ClientSession() as anonymous:
-            for url in (f"{d.decode.url}/v1/handoffs/batch", f"{d.prefills[0].url}/v1/stages/ready"):
+            for url in (
+                f"{d.decode.url}/v1/handoffs/batch",
+                f"{d.prefills[0].url}/v1/stages/ready",
+            ):
                 async with anonymous.post(url, json={"items": [{"id": "t-1"}]}) as resp:
                     assert resp.status == 401
         assert_problem(await d.get("t-1"), 404)
