@@ -282,10 +282,7 @@ async def _serve(
     # `_Stream.send` drops the repeat by id.
     if handoff_id is not None and resume is not None and resume > bus.last_seq:
         resume = None  # an id from before a restart: this process's ids start again from 1
-    # The whole stream's filter on the bus (a router's outcome stream is woken, and counted
-    # behind, by outcomes only); a handoff's stream sees all of its handoff's events, since its
-    # end is judged on the release whatever its types.
-    sub = bus.subscribe(maxsize=config.sse_queue, keep=keep if handoff_id is None else None)
+    sub = bus.subscribe(maxsize=config.sse_queue, keep=None if handoff_id else keep)
     task = asyncio.current_task()
     try:
         backlog: list[Event] = []
@@ -364,7 +361,8 @@ async def _live(
         events = [e for e in batch if keep(e)]
         await stream.send(events)
         # A handoff's last event is its release (after its outcome); judged before the type
-        # filter, so a reader of `handoff.completed` alone still sees the stream end.
+        # filter, so a reader of `handoff.completed` alone still sees the stream end (its
+        # subscription is not filtered on the bus for this reason, as the whole stream's is).
         if handoff_id is not None and any(
             isinstance(e, HandoffReleased) and e.handoff_id == handoff_id for e in batch
         ):
