@@ -127,6 +127,7 @@ class Best:
     latencies: list[float] = field(default_factory=list)
     count: int = 0
     errors: Counter[str] = field(default_factory=Counter)
+    fallbacks: int = 0  # outcomes looked up by GET: the stream could not tell them
 
 
 class Point:
@@ -167,10 +168,11 @@ class Point:
         client.coalesce = shape == "coalesced"
         self.handoff.errors = Counter()
         job = self.ping if shape == "healthz" else self.handoff
+        before = client.fallbacks
         wall, lats, _ = await run_lanes(n, self.lanes, job, f"{shape[0]}{self.name}-{rep}")
         errors = self.handoff.errors
         # Handoffs/s counts the completed ones only.
-        return Best((n - sum(errors.values())) / wall, lats, n, errors)
+        return Best((n - sum(errors.values())) / wall, lats, n, errors, client.fallbacks - before)
 
     def row(self, pp: int, shape: str, h: Best, p: Best) -> dict[str, Any]:
         return {
@@ -188,4 +190,6 @@ class Point:
             # Handoffs of this point's runs of this shape that did not complete, by error.
             "failed": sum(h.errors.values()),
             "errors": dict(h.errors.most_common(3)),
+            # Outcomes of the best run that the event stream did not tell (looked up by GET).
+            "fallbacks": h.fallbacks,
         }

@@ -72,6 +72,11 @@ class RouterClient:
         expected = (aiohttp.ClientError, TimeoutError)
         return TurnBatcher(send, MAX_BATCH_ITEMS, expected)
 
+    @property
+    def fallbacks(self) -> int:
+        """Handoffs whose outcome the stream could not tell (looked up by GET) so far."""
+        return 0 if self._stream is None else self._stream.fallbacks
+
     async def __aenter__(self) -> RouterClient:
         return self
 
