@@ -1,8 +1,12 @@
 """The control plane against concurrency, for `make bench`: one-page handoffs of a small dense
-model (every step over HTTP: create on the decode, ready on every stage, long-poll to the end;
-records, outbox and signed peer messages on, as deployed) beside plain `GET /healthz` round trips
-to the same decode from the same client at the same concurrency, interleaved, best of `repeat`.
+model (every step over HTTP: create on the decode and ready on every stage at once, the outcome
+from the decode's event stream; records, outbox and signed peer messages on, as deployed) beside
+plain `GET /healthz` round trips to the same decode from the same client at the same concurrency,
+interleaved, best of `repeat`.
 
+Two router shapes, each a row (`"router"`): `per-request` (one create and one ready per stage
+per handoff) at every concurrency, and `coalesced` (the creates, and each prefill service's
+readies, issued in one turn of the loop as one batch request) at `--control-coalesced` only.
 The ratio handoffs/s ÷ healthz/s says how many plain requests one handoff costs; the latencies
 are create → completed as the router sees them.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -50,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[1, 8, 64, 256],
     )
     parser.add_argument(
+        "--control-coalesced",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[1, 64],
+        help="concurrencies at which the coalesced router shape runs too",
+    )
+    parser.add_argument(
         "--control-seconds", type=float, default=1.5, help="about how long each timed run lasts"
     )
 
@@ -69,60 +80,116 @@ async def concurrency_sweep(
             handoff=HandoffConfig(max_concurrent=top + 64),
             log_level="warning",
         ) as dep:
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-                handoff = Counted(RouterClient(http, dep))
-                health = f"{dep.decode_url}/healthz"
-
-                async def ping(_: str, __: Request, health: str = health) -> int:
-                    async with http.get(health) as resp:
-                        await resp.read()
-                    return 0
-
-                lanes = [Request([k], [k], None, None) for k in range(top)]
-                await run_lanes(min(200, 4 * top), lanes[:64], handoff, f"warm{pp}")
-                # A first guess of the rates, to size each run to about `control_seconds`.
-                wall, _, _ = await run_lanes(64, lanes[:8], handoff, f"guess{pp}")
-                guess = 64 / wall
-                for conc in args.control_concurrency:
-                    note(f"PP={pp}, concurrency {conc}")
-                    handoff.errors.clear()
-                    mine = lanes[:conc]
-                    # Each run sized to about `control_seconds` from the last rate seen.
-                    want_h = guess * min(1.0, conc / 8)
-                    want_p = 10 * want_h
-                    best: dict[str, tuple[float, list[float], int]] = {}
-                    for rep in range(args.repeat):
-                        for name, job, want in (("p", ping, want_p), ("h", handoff, want_h)):
-                            n = max(4 * conc, int(want * args.control_seconds))
-                            bad = sum(handoff.errors.values())
-                            wall, lats, _ = await run_lanes(
-                                n, mine, job, f"{name}{pp}-{conc}-{rep}"
-                            )
-                            # Handoffs/s counts the completed ones only.
-                            rate = (n - sum(handoff.errors.values()) + bad) / wall
-                            if name not in best or rate > best[name][0]:
-                                best[name] = (rate, lats, n)
-                            if name == "p":
-                                want_p = rate
-                            else:
-                                want_h = rate
-                    guess = max(guess, best["h"][0])
-                    (rate_h, lat_h, n_h), (rate_p, lat_p, _) = best["h"], best["p"]
-                    rows.append(
-                        {
-                            "pp": pp,
-                            "concurrency": conc,
-                            "handoffs": n_h,
-                            "handoffs_per_s": rate_h,
-                            "healthz_per_s": rate_p,
-                            "ratio": rate_h / rate_p,
-                            "p50_ms": float(np.percentile(lat_h, 50) * 1e3),
-                            "p99_ms": float(np.percentile(lat_h, 99) * 1e3),
-                            "healthz_p50_ms": float(np.percentile(lat_p, 50) * 1e3),
-                            "healthz_p99_ms": float(np.percentile(lat_p, 99) * 1e3),
-                            # Handoffs of this point's runs that did not complete, by error.
-                            "failed": sum(handoff.errors.values()),
-                            "errors": dict(handoff.errors.most_common(3)),
-                        }
-                    )
+            async with (
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http,
+                RouterClient(http, dep) as client,
+            ):
+                rows += await _sweep(args, dep, http, client, note)
     return rows
+
+
+async def _sweep(
+    args: Any,
+    dep: LocalDeployment,
+    http: aiohttp.ClientSession,
+    client: RouterClient,
+    note: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Every concurrency point of one deployment: its rows."""
+    handoff = Counted(client)
+    health = f"{dep.decode_url}/healthz"
+
+    async def ping(_: str, __: Request) -> int:
+        async with http.get(health) as resp:
+            await resp.read()
+        return 0
+
+    top = max(args.control_concurrency)
+    lanes = [Request([k], [k], None, None) for k in range(top)]
+    await run_lanes(min(200, 4 * top), lanes[:64], handoff, f"warm{dep.pp_size}")
+    # A first guess of the rates, to size each run to about `control_seconds`.
+    wall, _, _ = await run_lanes(64, lanes[:8], handoff, f"guess{dep.pp_size}")
+    guess = 64 / wall
+    rows = []
+    for conc in args.control_concurrency:
+        note(f"PP={dep.pp_size}, concurrency {conc}")
+        shapes = ["per-request"] + (["coalesced"] if conc in args.control_coalesced else [])
+        point = Point(args, handoff, ping, lanes[:conc], f"{dep.pp_size}-{conc}", guess)
+        best = await point.run(shapes)
+        guess = max(guess, best["per-request"].rate)
+        rows += [point.row(dep.pp_size, shape, best[shape], best["healthz"]) for shape in shapes]
+    return rows
+
+
+@dataclass
+class Best:
+    rate: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    count: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    fallbacks: int = 0  # outcomes looked up by GET: the stream could not tell them
+
+
+class Point:
+    """One concurrency point: healthz and each router shape, interleaved (A B C A B C ...),
+    each run sized to about `control_seconds` from the last rate seen; best of `repeat`."""
+
+    def __init__(
+        self,
+        args: Any,
+        handoff: Counted,
+        ping: Any,
+        lanes: list[Request],
+        name: str,
+        guess: float,
+    ) -> None:
+        self.args, self.handoff, self.ping, self.lanes, self.name = args, handoff, ping, lanes, name
+        conc = len(lanes)
+        want_h = guess * min(1.0, conc / 8)
+        self.want = {"healthz": 10 * want_h, "per-request": want_h, "coalesced": want_h}
+
+    async def run(self, shapes: list[str]) -> dict[str, Best]:
+        best: dict[str, Best] = {}
+        failed: dict[str, Counter[str]] = {shape: Counter() for shape in shapes}
+        for rep in range(self.args.repeat):
+            for shape in ["healthz", *shapes]:
+                result = await self._once(shape, rep)
+                if shape not in best or result.rate > best[shape].rate:
+                    best[shape] = result
+                self.want[shape] = result.rate
+                failed.get(shape, Counter()).update(result.errors)
+        for shape in shapes:  # a row counts what failed in any of its runs
+            best[shape].errors = failed[shape]
+        return best
+
+    async def _once(self, shape: str, rep: int) -> Best:
+        n = max(4 * len(self.lanes), int(self.want[shape] * self.args.control_seconds))
+        client = self.handoff.client
+        client.coalesce = shape == "coalesced"
+        self.handoff.errors = Counter()
+        job = self.ping if shape == "healthz" else self.handoff
+        before = client.fallbacks
+        wall, lats, _ = await run_lanes(n, self.lanes, job, f"{shape[0]}{self.name}-{rep}")
+        errors = self.handoff.errors
+        # Handoffs/s counts the completed ones only.
+        return Best((n - sum(errors.values())) / wall, lats, n, errors, client.fallbacks - before)
+
+    def row(self, pp: int, shape: str, h: Best, p: Best) -> dict[str, Any]:
+        return {
+            "pp": pp,
+            "concurrency": len(self.lanes),
+            "router": shape,
+            "handoffs": h.count,
+            "handoffs_per_s": h.rate,
+            "healthz_per_s": p.rate,
+            "ratio": h.rate / p.rate,
+            "p50_ms": float(np.percentile(h.latencies, 50) * 1e3),
+            "p99_ms": float(np.percentile(h.latencies, 99) * 1e3),
+            "healthz_p50_ms": float(np.percentile(p.latencies, 50) * 1e3),
+            "healthz_p99_ms": float(np.percentile(p.latencies, 99) * 1e3),
+            # Handoffs of this point's runs of this shape that did not complete, by error.
+            "failed": sum(h.errors.values()),
+            "errors": dict(h.errors.most_common(3)),
+            # Outcomes of the best run that the event stream did not tell (looked up by GET).
+            "fallbacks": h.fallbacks,
+        }

@@ -169,9 +169,12 @@ class Subscription:
     is marked `lagged` and dropped from the bus rather than slowing every producer; an SSE client
     then reconnects with Last-Event-ID and resumes from the replay buffer."""
 
-    def __init__(self, bus: EventBus, maxsize: int) -> None:
+    def __init__(
+        self, bus: EventBus, maxsize: int, keep: Callable[[Event], bool] | None = None
+    ) -> None:
         self._bus = bus
         self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize)
+        self.keep = keep
         self.lagged = False
 
     def __aiter__(self) -> AsyncIterator[Event]:
@@ -230,6 +233,8 @@ class EventBus:
         for listener in self._listeners:
             listener(stamped)
         for sub in list(self._subscribers):
+            if sub.keep is not None and not sub.keep(stamped):
+                continue
             try:
                 sub.queue.put_nowait(stamped)
             except asyncio.QueueFull:
@@ -241,8 +246,12 @@ class EventBus:
         """A synchronous callback for every event (logs, metrics, the webhook outbox)."""
         self._listeners.append(listener)
 
-    def subscribe(self, maxsize: int = 1024) -> Subscription:
-        sub = Subscription(self, maxsize)
+    def subscribe(
+        self, maxsize: int = 1024, keep: Callable[[Event], bool] | None = None
+    ) -> Subscription:
+        """A queue of the events `keep` accepts (all without it): a reader of a few kinds of
+        event is neither woken for the others nor counted behind by them."""
+        sub = Subscription(self, maxsize, keep)
         self._subscribers.add(sub)
         return sub
 

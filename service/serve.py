@@ -26,6 +26,7 @@ import msgspec
 import uvloop
 from aiohttp import web
 
+from kvhandoff.service.api.batches import install_batches
 from kvhandoff.service.api.dashboard import install_dashboard
 from kvhandoff.service.api.events import install_events
 from kvhandoff.service.api.handoffs import install_handoffs
@@ -130,6 +131,7 @@ def install_service(app: web.Application, buffers: Buffers | None = None) -> Non
     install_runtime(app, buffers)
     install_validate(app)
     install_handoffs(app)
+    install_batches(app)
     install_events(app)
     install_metrics(app)
     install_dashboard(app)

@@ -4,10 +4,11 @@
 Each frame is `id: <bus seq>`, `event: <stable tag>`, `data: <the event as JSON>`. A reader
 resumes with `Last-Event-ID` (header, or `?last_event_id=` where a client cannot set headers)
 from the bus's bounded replay buffer; ids it can no longer get are announced with a
-`stream.gap` frame, never skipped silently (`kvhandoff.service.observability.streams`). Every stream
-has its own bounded queue on the bus: the bus never waits for a reader, and a reader that falls
-`handoff.sse_queue` events behind gets a final `stream.overflow` frame and is disconnected (and
-counted), so a slow reader costs neither the pipeline nor the other readers anything.
+`stream.gap` frame, never skipped silently (`kvhandoff.service.observability.streams`). Every
+stream has its own bounded queue on the bus, of the events it carries: the bus never waits for
+a reader, and a reader that falls `handoff.sse_queue` of them behind gets a final
+`stream.overflow` frame and is disconnected (and counted), so a slow reader costs neither the
+pipeline nor the other readers anything.
 """
 
 from __future__ import annotations
@@ -281,7 +282,7 @@ async def _serve(
     # `_Stream.send` drops the repeat by id.
     if handoff_id is not None and resume is not None and resume > bus.last_seq:
         resume = None  # an id from before a restart: this process's ids start again from 1
-    sub = bus.subscribe(maxsize=config.sse_queue)
+    sub = bus.subscribe(maxsize=config.sse_queue, keep=None if handoff_id else keep)
     task = asyncio.current_task()
     try:
         backlog: list[Event] = []
@@ -360,7 +361,8 @@ async def _live(
         events = [e for e in batch if keep(e)]
         await stream.send(events)
         # A handoff's last event is its release (after its outcome); judged before the type
-        # filter, so a reader of `handoff.completed` alone still sees the stream end.
+        # filter, so a reader of `handoff.completed` alone still sees the stream end (its
+        # subscription is not filtered on the bus for this reason, as the whole stream's is).
         if handoff_id is not None and any(
             isinstance(e, HandoffReleased) and e.handoff_id == handoff_id for e in batch
         ):

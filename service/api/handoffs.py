@@ -22,6 +22,7 @@ from kvhandoff.pipelines.decode.views import (
     HandoffView,
 )
 from kvhandoff.pipelines.errors import CapacityExceeded, InvalidInput
+from kvhandoff.pipelines.prefill import PrefillPipeline
 from kvhandoff.pipelines.slots import RequestSlots
 from kvhandoff.pipelines.states import HandoffState
 from kvhandoff.pipelines.urls import ServiceUrl
@@ -268,9 +269,16 @@ async def stage_ready(request: web.Request) -> web.StreamResponse:
     handoff_id = _handoff_id(request)
     rank = inputs.ascii_int(request.match_info["pp_rank"], "pp_rank")
     body = await decode_body(request, StageReady)
+    return json_response(signal_ready(prefill_of(request), handoff_id, rank, body), status=202)
+
+
+def signal_ready(
+    pipeline: PrefillPipeline, handoff_id: str, rank: int, body: StageReady
+) -> StageReadyAck:
+    """One stage's ready signal, checked as every door checks it (`POST .../ready` and each
+    item of `POST /v1/stages/ready`); raises the error tree having changed nothing."""
     inputs.pages(body.src_pages or (), "src_pages")
     inputs.slots(body.src_slot, body.src_slots, body.src_aux, "src")
-    pipeline = prefill_of(request)
     if (
         not pipeline.query.holds(handoff_id)
         and pipeline.query.open_count() >= MAX_AWAITING_DESTINATION
@@ -295,5 +303,4 @@ async def stage_ready(request: web.Request) -> web.StreamResponse:
         pages_from=body.pages_from,
         last_pages=body.last_pages,
     )
-    ack = StageReadyAck(handoff_id, rank, body.layers, body.pages_from, body.last_pages)
-    return json_response(ack, status=202)
+    return StageReadyAck(handoff_id, rank, body.layers, body.pages_from, body.last_pages)

@@ -1,8 +1,11 @@
 """One handoff driven over HTTP the way a router and the prefill engines drive it.
 
-`RouterClient.handoff` creates the handoff on the decode service, signals every PP stage ready
-on the prefill service hosting it, and long-polls `GET /v1/handoffs/{id}` until the state is
-terminal. Used by `kvhandoff demo` and `kvhandoff bench handoff` against a `LocalDeployment`.
+`RouterClient.handoff` creates the handoff on the decode service and, at the same time, signals
+every PP stage ready on the prefill service hosting it (an engine computes while the router
+creates; a prefill holds a ready until its destination comes), then waits for the outcome. It
+follows outcomes on ONE event stream per decode (`kvhandoff.service.tools.outcome_stream`), or
+with `follow="poll"` by a long poll of `GET /v1/handoffs/{id}` per handoff. Used by
+`kvhandoff demo`, `kvhandoff bench handoff` and `make bench` against a `LocalDeployment`.
 """
 
 from __future__ import annotations
@@ -10,32 +13,86 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 
 import aiohttp
 
+from kvhandoff.service.api.batches import MAX_BATCH_ITEMS
 from kvhandoff.service.testing.deployment import LocalDeployment
+from kvhandoff.service.tools.outcome_stream import Outcome, OutcomeStream
+from kvhandoff.service.tools.turn_batch import TurnBatcher
+
+__all__ = ["TERMINAL", "WAIT_S", "Outcome", "RouterClient"]
 
 TERMINAL = frozenset({"completed", "failed", "aborted"})
 #: One long poll of `GET /v1/handoffs/{id}`; the client waits this plus a margin.
 WAIT_S = 10.0
 
 
-@dataclass(frozen=True)
-class Outcome:
-    state: str  # a handoff state, or "rejected" / "unreachable" when the API said no or nothing
-    bytes: int = 0
-    error: str | None = None
-
-
 class RouterClient:
+    """Drives handoffs through one `LocalDeployment`. Close it (or use `async with`) to end its
+    event stream; a stream left open ends with its `http` session."""
+
     def __init__(
-        self, http: aiohttp.ClientSession, dep: LocalDeployment, *, verify: bool = False
+        self,
+        http: aiohttp.ClientSession,
+        dep: LocalDeployment,
+        *,
+        verify: bool = False,
+        follow: Literal["stream", "poll"] = "stream",
+        coalesce: bool = False,
     ) -> None:
+        """`coalesce` (an attribute too, to switch between handoffs): the creates, and each
+        prefill service's stage readies, issued in one turn of the loop leave as one batch
+        request (`POST /v1/handoffs/batch`, `POST /v1/stages/ready`)."""
         self.http, self.dep, self.verify = http, dep, verify
         self.timeout = aiohttp.ClientTimeout(total=WAIT_S + 20)
         self._stage_urls = [dep.url_of_stage(r) for r in range(dep.pp_size)]
+        self._stream = (
+            OutcomeStream(http, dep.decode_url, self._polled) if follow == "stream" else None
+        )
+        self._started: asyncio.Task[None] | None = None
+        self.coalesce = coalesce
+        self.creates = self._batcher(f"{dep.decode_url}/v1/handoffs/batch")
+        self.readies = {
+            url: self._batcher(f"{url}/v1/stages/ready") for url in dict.fromkeys(self._stage_urls)
+        }
+
+    def _batcher(self, url: str) -> TurnBatcher[dict[str, Any], dict[str, Any]]:
+        async def send(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            async with self.http.post(url, json={"items": items}, timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    # The whole batch refused (it never is for an item's fault): each its own.
+                    problem = await _problem(resp)
+                    return [{"status": resp.status, "problem": problem}] * len(items)
+                results: list[dict[str, Any]] = (await resp.json())["items"]
+                return results
+
+        expected = (aiohttp.ClientError, TimeoutError)
+        return TurnBatcher(send, MAX_BATCH_ITEMS, expected)
+
+    @property
+    def fallbacks(self) -> int:
+        """Handoffs whose outcome the stream could not tell (looked up by GET) so far."""
+        return 0 if self._stream is None else self._stream.fallbacks
+
+    async def __aenter__(self) -> RouterClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
+        for batcher in [self.creates, *self.readies.values()]:
+            await batcher.close()
 
     async def handoff(
         self,
@@ -59,6 +116,51 @@ class RouterClient:
         src_slot: int | None,
         dst_slot: int | None,
     ) -> Outcome:
+        stream = self._stream
+        if stream is None:
+            return await self._polled_handoff(handoff_id, src_pages, dst_pages, src_slot, dst_slot)
+        if self._started is None:
+            self._started = asyncio.ensure_future(stream.start())
+        await asyncio.shield(self._started)
+        # Registered before the create: an outcome that comes before its answer is kept.
+        future = stream.expect(handoff_id)
+        try:
+            rejected, refused = await asyncio.gather(
+                self.create(handoff_id, dst_pages, dst_slot),
+                self.signal_stages(handoff_id, src_pages, src_slot),
+            )
+        except BaseException:
+            stream.forget(handoff_id)
+            raise
+        if rejected is not None:
+            stream.forget(handoff_id)
+            return rejected
+        outcome = await stream.outcome(handoff_id, future)
+        if outcome.error is None and outcome.state != "completed" and refused:
+            return Outcome(outcome.state, outcome.bytes, refused[0])
+        return outcome
+
+    async def _polled_handoff(
+        self,
+        handoff_id: str,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        src_slot: int | None,
+        dst_slot: int | None,
+    ) -> Outcome:
+        rejected, refused = await asyncio.gather(
+            self.create(handoff_id, dst_pages, dst_slot),
+            self.signal_stages(handoff_id, src_pages, src_slot),
+        )
+        if rejected is not None:
+            return rejected
+        outcome = await self._polled(handoff_id)
+        return Outcome(outcome.state, outcome.bytes, outcome.error or next(iter(refused), None))
+
+    async def create(
+        self, handoff_id: str, dst_pages: Sequence[int], dst_slot: int | None
+    ) -> Outcome | None:
+        """`POST /v1/handoffs`; None once accepted, the "rejected" outcome otherwise."""
         body: dict[str, Any] = {
             "id": handoff_id,
             "prefill": self.dep.prefill_urls,
@@ -67,15 +169,27 @@ class RouterClient:
         }
         if dst_slot is not None:
             body["dst_slot"] = dst_slot
+        if self.coalesce:
+            result = await self.creates.submit(body)
+            if result["status"] in (200, 201):
+                return None
+            return Outcome("rejected", 0, _item_problem_text(result))
         url = f"{self.dep.decode_url}/v1/handoffs"
         async with self.http.post(url, json=body, timeout=self.timeout) as resp:
             if resp.status not in (200, 201):  # 200: this very request was already accepted
                 return Outcome("rejected", 0, await problem_text(resp))
-        refused = await self.signal_stages(handoff_id, src_pages, src_slot)
-        view = await self.until_terminal(handoff_id)
+            await resp.read()
+        return None
+
+    async def _polled(self, handoff_id: str) -> Outcome:
+        """The outcome by long poll (never raises: "unreachable" when nothing answers)."""
+        try:
+            view = await self.until_terminal(handoff_id)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return Outcome("unreachable", 0, f"{type(exc).__name__}: {exc}")
         error = view.get("error")
         reason = f"{error['code']}: {error['reason']}" if error else None
-        return Outcome(view["state"], int(view["bytes"]), reason or next(iter(refused), None))
+        return Outcome(view["state"], int(view["bytes"]), reason)
 
     async def signal_stages(
         self, handoff_id: str, src_pages: Sequence[int], src_slot: int | None
@@ -93,6 +207,11 @@ class RouterClient:
         """Signal stage `rank` ready; the problem's text if the prefill service refused."""
         url = f"{self._stage_urls[rank]}/v1/handoffs/{handoff_id}/stages/{rank}/ready"
         try:
+            if self.coalesce:
+                result = await self.readies[self._stage_urls[rank]].submit(
+                    {"handoff_id": handoff_id, "pp_rank": rank, **body}
+                )
+                return None if result["status"] == 202 else _item_problem_text(result)
             async with self.http.post(url, json=body, timeout=self.timeout) as resp:
                 return None if resp.status == 202 else await problem_text(resp)
         except aiohttp.ClientError as exc:
@@ -123,6 +242,12 @@ async def _problem(resp: aiohttp.ClientResponse) -> dict[str, str]:
         return {"code": str(body.get("code", resp.status)), "reason": str(body["detail"])}
     except (ValueError, KeyError, AttributeError):
         return {"code": str(resp.status), "reason": text[:300]}
+
+
+def _item_problem_text(result: dict[str, Any]) -> str:
+    """A batch item's problem as `problem_text` gives a single route's."""
+    problem = result.get("problem") or {}
+    return f"{problem.get('code', result['status'])}: {problem.get('detail', problem)}"
 
 
 async def problem_text(resp: aiohttp.ClientResponse) -> str:

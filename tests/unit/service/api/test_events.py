@@ -412,3 +412,26 @@ async def test_the_readme_sse_loop_runs_through_keep_alives_as_printed() -> None
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     assert printed == [(str(first), "handoff.created", "a"), (str(second), "handoff.created", "b")]
+
+
+async def test_a_filtered_reader_is_neither_woken_nor_dropped_by_events_it_does_not_carry(
+    http: httpx.AsyncClient,
+) -> None:
+    # A router's outcome stream: far more events than its queue pass while it reads nothing.
+    async with decode_service({"handoff.sse_queue": 4}) as server:
+        bus, stats = bus_of(server), stats_of(server)
+        url = f"{server.url}/v1/events?types=handoff.completed"
+        async with aconnect_sse(http, "GET", url) as source:
+            async with asyncio.timeout(WAIT_S):
+                while stats.subscribers < 1:
+                    await asyncio.sleep(0.01)
+            [sub] = stats.open
+            publish_many(bus, 64)
+            assert sub.queue.empty() and not sub.lagged
+            done = HandoffCompleted(
+                handoff_id="h", role="decode", bytes=7, seconds=0.1, verified=True
+            )
+            seq = bus.publish(done).seq
+            [frame] = await read(source, 1)
+        assert (frame.event, int(frame.id), frame.json()["bytes"]) == ("handoff.completed", seq, 7)
+        assert stats.dropped_total == 0

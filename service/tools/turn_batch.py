@@ -1,0 +1,78 @@
+"""Calls made in the same turn of the event loop, sent as one batch request.
+
+A router admits many requests per tick and an engine finishes a whole forward batch at once:
+what they issue together leaves together. `TurnBatcher.submit` queues an item and, once per
+turn, every item queued in it goes to `send` in one call (chunks of `max_items`); each caller
+gets its own item's result, or the exception of the call that carried it. Used by
+`RouterClient(coalesce=True)` for `POST /v1/handoffs/batch` and `POST /v1/stages/ready`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+I = TypeVar("I")  # noqa: E741 - an item, as R is a result
+R = TypeVar("R")
+
+
+class TurnBatcher(Generic[I, R]):
+    """`send(items)` answers one result per item, in order. Close it with `close()`."""
+
+    def __init__(
+        self,
+        send: Callable[[list[I]], Awaitable[list[R]]],
+        max_items: int,
+        expected: tuple[type[BaseException], ...] = (),
+    ) -> None:
+        """`expected`: what `send` may raise that its callers handle (a failed request)."""
+        self._send, self._max_items, self._expected = send, max_items, expected
+        self._pending: list[tuple[I, asyncio.Future[R]]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        #: Batches sent, and items in them (their ratio: the mean batch).
+        self.batches = self.items = 0
+
+    async def submit(self, item: I) -> R:
+        loop = asyncio.get_running_loop()
+        if not self._pending:
+            # Runs after every callback already due in this turn: the tasks started together
+            # (a gather, a burst of outcomes) have all queued their items by then.
+            loop.call_soon(self._flush)
+        future: asyncio.Future[R] = loop.create_future()
+        self._pending.append((item, future))
+        return await future
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for start in range(0, len(pending), self._max_items):
+            task = asyncio.create_task(self._carry(pending[start : start + self._max_items]))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _carry(self, batch: list[tuple[I, asyncio.Future[R]]]) -> None:
+        self.batches += 1
+        self.items += len(batch)
+        try:
+            results = await self._send([item for item, _ in batch])
+        except BaseException as exc:
+            # Each waiter raises what the call raised (never waits for ever); what the caller
+            # does not expect of `send` is raised here too.
+            for _, future in batch:
+                if future.done():
+                    continue
+                if isinstance(exc, asyncio.CancelledError):
+                    future.cancel()
+                else:
+                    future.set_exception(exc)
+            if not isinstance(exc, self._expected):
+                raise
+            return
+        for (_, future), result in zip(batch, results, strict=True):
+            if not future.done():
+                future.set_result(result)

@@ -1,0 +1,164 @@
+"""The batch routes (`kvhandoff.service.api.batches`): many creates on the decode, many stage
+readies on the prefill, each item answered alone under its single route's rules, over real HTTP
+between a decode app and its prefill app in this process (`handoff_fixtures`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+import kvhandoff.service.api.handoffs as handoffs_api
+from kvhandoff.service.api.batches import MAX_BATCH_ITEMS
+from tests.unit.service.handoff_fixtures import (
+    Deployment,
+    Move,
+    Reply,
+    assert_decode_is,
+    assert_problem,
+    expected_decode,
+    fill_decode,
+    fill_sources,
+    open_deployment,
+)
+
+MOVES = [Move([3, 4], [10, 11], 2, 1), Move([9], [2], 3, 0), Move([5, 6], [20, 21], 4, 2)]
+
+
+@pytest.fixture
+async def d() -> AsyncIterator[Deployment]:
+    async with open_deployment() as deployment:
+        fill_sources(deployment)
+        yield deployment
+
+
+def create_item(d: Deployment, hid: str, move: Move, **extra: Any) -> dict[str, Any]:
+    body = {"id": hid, "prefill": d.prefill_urls, "dst_pages": move.dst_pages}
+    return {**body, "dst_slot": move.dst_slot, **extra}
+
+
+def ready_item(hid: str, rank: int, move: Move, **extra: Any) -> dict[str, Any]:
+    body = {"handoff_id": hid, "pp_rank": rank, "src_pages": move.src_pages}
+    return {**body, "src_slot": move.src_slot, **extra}
+
+
+async def create_batch(d: Deployment, items: Any) -> Reply:
+    return await d.request("POST", f"{d.decode.url}/v1/handoffs/batch", json={"items": items})
+
+
+async def ready_batch(d: Deployment, items: Any) -> Reply:
+    url = f"{d.prefills[0].url}/v1/stages/ready"
+    return await d.request("POST", url, json={"items": items})
+
+
+async def test_a_batch_creates_and_readies_every_handoff_and_lands_its_bytes(
+    d: Deployment,
+) -> None:
+    before = fill_decode(d)
+    ids = [f"b-{i}" for i in range(len(MOVES))]
+    created = await create_batch(d, [create_item(d, h, m) for h, m in zip(ids, MOVES)])
+    assert created.status == 200, created.body
+    assert [(r["status"], r["view"]["id"]) for r in created.body["items"]] == [
+        (201, h) for h in ids
+    ]
+    items = [ready_item(h, rank, m) for rank in (1, 0) for h, m in zip(ids, MOVES)]
+    ready = await ready_batch(d, items)
+    assert ready.status == 200, ready.body
+    assert [r["status"] for r in ready.body["items"]] == [202] * len(items)
+    assert ready.body["items"][0]["ack"] == {"handoff_id": "b-0", "pp_rank": 1, "layers": None}
+    for hid in ids:
+        assert (await d.finish(hid))["state"] == "completed"
+    assert_decode_is(d, expected_decode(d, before, *MOVES))
+    again = await create_batch(d, [create_item(d, ids[0], MOVES[0])])  # idempotent
+    assert again.body["items"][0]["status"] == 200
+
+
+async def test_a_bad_item_is_answered_alone_naming_its_index_and_field(d: Deployment) -> None:
+    first = await d.create("held", [30], 5)
+    assert first.status == 201
+    items = [
+        create_item(d, "ok-0", MOVES[0]),
+        create_item(d, "bad-1", Move([0], [10_000], 0, 6)),  # outside the decode pool
+        {"id": "bad-2", "dst_pages": "nope"},  # not even the item's type
+        create_item(d, "bad-3", Move([0], [30], 0, 7)),  # a page another handoff leases
+        create_item(d, "held", Move([0], [31], 0, 5)),  # the id again, another body
+        create_item(d, "ok-5", MOVES[1]),
+    ]
+    reply = await create_batch(d, items)
+    assert reply.status == 200, reply.body
+    results = reply.body["items"]
+    assert [r["status"] for r in results] == [201, 422, 422, 409, 409, 201]
+    fields = [r["problem"].get("field") for r in results[1:5]]
+    assert fields == ["items[1].dst_pages[0]", "items[2].dst_pages", "items[3].dst_pages[0]",
+                      "items[4].id"]  # fmt: skip
+    assert [r["problem"]["index"] for r in results[1:5]] == [1, 2, 3, 4]
+    for hid in ("bad-1", "bad-2", "bad-3"):  # nothing of them exists
+        assert_problem(await d.get(hid), 404)
+    held = (await d.get("held")).body
+    assert [e["type"] for e in held["timeline"]] == ["handoff.created"]  # item 4 changed nothing
+    ready = await ready_batch(
+        d,
+        [
+            ready_item("ok-0", 0, MOVES[0]),
+            ready_item("ok-0", 0, Move([10_000], [], 0, 0)),  # outside the source pool
+            {"handoff_id": "x/y", "pp_rank": 0},  # not a handoff id
+            ready_item("ok-0", 1, MOVES[0], layers=[-1]),
+            ready_item("ok-0", 1, MOVES[0]),
+        ],
+    )
+    statuses = [r["status"] for r in ready.body["items"]]
+    assert statuses == [202, 409, 422, 422, 202], ready.body
+    assert [r["problem"]["field"] for r in ready.body["items"][1:4]] == [
+        "items[1].src_pages",
+        "items[2].handoff_id",
+        "items[3].layers[0]",
+    ]
+    assert (await d.finish("ok-0"))["state"] == "completed"
+
+
+async def test_the_item_count_is_bounded_and_the_body_must_be_a_batch(d: Deployment) -> None:
+    too_many = [create_item(d, f"n-{i}", MOVES[0]) for i in range(MAX_BATCH_ITEMS + 1)]
+    assert_problem(await create_batch(d, too_many), 422, field="items")
+    assert_problem(await create_batch(d, []), 422, field="items")
+    url = f"{d.decode.url}/v1/handoffs/batch"
+    assert_problem(await d.request("POST", url, json=[create_item(d, "n", MOVES[0])]), 422)
+    assert_problem(await ready_batch(d, [{"handoff_id": "r"}] * (MAX_BATCH_ITEMS + 1)), 422)
+    assert_problem(await d.get("n-0"), 404)
+
+
+async def test_a_batch_of_readies_keeps_the_bound_on_handoffs_awaiting_a_destination(
+    d: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(handoffs_api, "MAX_AWAITING_DESTINATION", 2)
+    reply = await ready_batch(d, [ready_item(f"o-{i}", 0, MOVES[0]) for i in range(3)])
+    assert [r["status"] for r in reply.body["items"]] == [202, 202, 429]
+    assert reply.body["items"][2]["problem"]["field"] == "items[2].id"
+
+
+async def test_batch_routes_take_their_single_routes_credentials() -> None:
+    async with open_deployment(token="s3cret") as d:
+        fill_sources(d)
+        reply = await create_batch(d, [create_item(d, "t-0", MOVES[0])])
+        assert reply.body["items"][0]["status"] == 201
+        async with aiohttp.ClientSession() as anonymous:
+            for url in (
+                f"{d.decode.url}/v1/handoffs/batch",
+                f"{d.prefills[0].url}/v1/stages/ready",
+            ):
+                async with anonymous.post(url, json={"items": [{"id": "t-1"}]}) as resp:
+                    assert resp.status == 401
+        assert_problem(await d.get("t-1"), 404)
+
+
+async def test_openapi_documents_the_batch_routes(d: Deployment) -> None:
+    for url, path, schema in (
+        (d.decode.url, "/v1/handoffs/batch", "HandoffBatch"),
+        (d.prefills[0].url, "/v1/stages/ready", "StageReadyBatch"),
+    ):
+        doc = (await d.request("GET", f"{url}/openapi.json")).body
+        op = doc["paths"][path]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith(f"/{schema}")
+        assert doc["components"]["schemas"][schema]["properties"]["items"]["maxItems"] == 256
