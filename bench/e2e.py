@@ -8,7 +8,11 @@
   (`StageProcesses`), all writing at once into the direct decode's KV memory, the same bytes —
   as 1 MiB blocks (`raw_large`, how a landed stage packs them) and as the same per-page blocks
   direct mode plans (`raw_pages`). Runs are interleaved (raw, landed, direct, ...), best of
-  `repeat`.
+  `repeat`. Beside the rates, the CPU seconds per GB of every process of each run
+  (`kvhandoff.service.tools.bench.cpu`: the raw writers and the decode they write into over the
+  1 MiB runs; each deployment's decode and prefills over its own), per thread kind too
+  (`cpu_threads`), and the cores each kept busy: on a host with fewer cores than busy
+  threads, what limits one mode against another.
 - `segments`: the landed deployment of the largest PP, one request size, each stage signalled
   once (all layers, all pages), layer by layer (one ready per layer), or in page chunks (one
   ready per chunk of pages, as chunked prefill sends them): handoffs/s and GB/s, as ratios to
@@ -37,6 +41,7 @@ from kvhandoff.service.config import HandoffConfig, TransferConfig
 from kvhandoff.service.testing.deployment import LocalDeployment
 from kvhandoff.service.testing.raw_engines import StageProcesses
 from kvhandoff.service.tools.bench.common import fragmented_pages, large_blocks
+from kvhandoff.service.tools.bench.cpu import CpuMeter, cpu_figures, run_meters
 from kvhandoff.service.tools.bench.handoff import Request, run_lanes, stage_shares
 from kvhandoff.service.tools.router_client import RouterClient
 
@@ -167,22 +172,17 @@ async def _sizes_one_pp(
             await asyncio.to_thread(engines.seconds, info.target, large)
             for m in deps:
                 await run_lanes(conc, lanes[m], drivers[m], f"w{pp}-{pages}-{m}")
-            walls: dict[str, list[float]] = {k: [] for k in ("raw_large", "raw_pages", *deps)}
-            lat: dict[str, list[float]] = {m: [] for m in deps}
-            for rep in range(args.repeat):
-                walls["raw_large"].append(
-                    await asyncio.to_thread(engines.seconds, info.target, large)
-                )
-                walls["raw_pages"].append(
-                    await asyncio.to_thread(engines.seconds, info.target, pages_rounds)
-                )
-                for m in deps:
-                    wall, lats, _ = await run_lanes(
-                        count, lanes[m], drivers[m], f"{m}{pp}-{pages}-{rep}"
-                    )
-                    walls[m].append(wall)
-                    if wall <= min(walls[m]):
-                        lat[m] = lats
+            meters = run_meters(deps, engines.pids)
+            walls, lat = await _rounds(
+                args,
+                engines,
+                info.target,
+                (large, pages_rounds),
+                lanes,
+                drivers,
+                meters,
+                (pp, pages, count),
+            )
             total = per_request * count
             gbs = {k: total / min(v) / 1e9 for k, v in walls.items()}
             rows.append(
@@ -202,9 +202,43 @@ async def _sizes_one_pp(
                     "landed_vs_raw": gbs["landed"] / gbs["raw_large"],
                     "direct_vs_raw": gbs["direct"] / gbs["raw_large"],
                     "direct_vs_raw_pages": gbs["direct"] / gbs["raw_pages"],
+                    # CPU seconds per GB of every process of each run, and per thread kind
+                    # (`kvhandoff.service.tools.bench.cpu`); raw: its 1 MiB runs.
+                    **cpu_figures(meters, dict.fromkeys(meters, total), args.repeat),
                 }
             )
     return rows
+
+
+async def _rounds(
+    args: Any,
+    engines: StageProcesses,
+    target: str,
+    raw: tuple[Any, Any],
+    lanes: dict[str, list[Request]],
+    drivers: dict[str, Checked],
+    meters: dict[str, CpuMeter],
+    tag: tuple[int, int, int],
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """`args.repeat` rounds of raw 1 MiB blocks (`raw[0]`, CPU metered), raw per-page blocks
+    (`raw[1]`) and each mode's `count` handoffs (metered), interleaved: the wall seconds of
+    each, and each mode's latencies in its fastest round."""
+    pp, pages, count = tag
+    walls: dict[str, list[float]] = {k: [] for k in ("raw_large", "raw_pages", *drivers)}
+    lat: dict[str, list[float]] = {m: [] for m in drivers}
+    for rep in range(args.repeat):
+        meters["raw"].start()
+        walls["raw_large"].append(await asyncio.to_thread(engines.seconds, target, raw[0]))
+        meters["raw"].stop()
+        walls["raw_pages"].append(await asyncio.to_thread(engines.seconds, target, raw[1]))
+        for m in drivers:
+            meters[m].start()
+            wall, lats, _ = await run_lanes(count, lanes[m], drivers[m], f"{m}{pp}-{pages}-{rep}")
+            meters[m].stop()
+            walls[m].append(wall)
+            if wall <= min(walls[m]):
+                lat[m] = lats
+    return walls, lat
 
 
 def _repeat(blocks: Any, times: int) -> Any:

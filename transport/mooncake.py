@@ -60,7 +60,11 @@ receiver process on loopback, best of 2) they tie within noise:
 so the simpler one wins: one call, one return code, no batch id to free (the async path returns
 batch id 0, or -1 cast to uint64, on failure, and passing that to `get_batch_transfer_status`
 dereferences it), and a peer whose calls hang holds one worker thread, not the other peers'
-(up to `max_worker_threads - 1` hung peers leave a thread for the rest).
+(up to `max_worker_threads - 1` hung peers leave a thread for the rest). Throughput ties; CPU
+does not: the spin costs a core that the engine's sender and the receiver need on a small host.
+So a TCP call of a few large blocks (a landed stage's staged 1 MiB blocks) waits by sleeping
+instead (`kvhandoff.transport.mooncake_polled`: one-entry async batches, their status checked
+every 200 us, the same outcome and time bound as the sync call); per-page batches keep it.
 
 What the engine does when a peer goes away (TCP, measured): a killed receiver fails the running
 batch within ~40 ms (rc -1, "Connection reset by peer"); later batches to it fail after ~1 s
@@ -117,6 +121,7 @@ from kvhandoff.transport.mooncake_engine import (
     refuse_memory,
     start_engine,
 )
+from kvhandoff.transport.mooncake_polled import polled_call
 from kvhandoff.transport.regions import Region, RegionTable
 from kvhandoff.transport.workers import Workers
 
@@ -533,8 +538,12 @@ class MooncakeTransport:
             _post(loop, self._call_ended, lane)
 
     def _engine_call(self, peer: str, blocks: Blocks) -> Callable[[], int]:
-        """Worker: the engine call for `blocks`, its arguments built (numpy arrays where the
-        engine takes them, lists otherwise), ready to run after the last check."""
+        """Worker: the engine call for `blocks`, its arguments built (a few large blocks: the
+        sleeping wait of `mooncake_polled`; else numpy arrays where the engine takes them,
+        lists otherwise), ready to run after the last check."""
+        polled = polled_call(self._engine, self._config, peer, blocks)
+        if polled is not None:
+            return polled
         if self._write_arrays is not None:
             # Views of the planner's arrays (contiguous already: `ascontiguousarray` copies
             # only a strided view the binding would refuse); kept alive by this partial.

@@ -10,6 +10,7 @@ plain way to call the engine: `batch_transfer_sync_write` in order, from one thr
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -76,6 +77,11 @@ class StageEngines:
             self.close()
             raise
 
+    @property
+    def pids(self) -> dict[str, int]:
+        """The process the engines run in (this one), for CPU accounting."""
+        return {"raw": os.getpid()}
+
     def close(self) -> None:
         for engine in self.engines:
             engine.close()
@@ -141,6 +147,11 @@ class StageProcesses:
             self.close()
             raise
 
+    @property
+    def pids(self) -> dict[str, int]:
+        """Each stage's writer process by name (`raw-0`, ...), for CPU accounting."""
+        return {f"raw-{k}": proc.pid for k, proc in enumerate(self._procs)}
+
     def _recv(self, k: int, timeout_s: float = 300.0) -> Any:
         """Stage `k`'s next answer; an error if its process died or said nothing in time
         (never a wait for ever on a process that is gone)."""
@@ -194,7 +205,6 @@ def _stage_writer(path: str, conn: Any) -> None:
     """A raw stage process: map `path`, register it with a fresh engine, then for each block
     list sent, wait for "go", write it and answer (start, end); `None` stops."""
     import mmap
-    import os
 
     from kvhandoff.transport.config import MooncakeConfig
     from kvhandoff.transport.mooncake_engine import start_engine

@@ -22,6 +22,7 @@ from kvhandoff.transport.blocks import Blocks
 from kvhandoff.transport.config import MooncakeConfig
 from kvhandoff.transport.errors import TransportError, TransportTimeout
 from kvhandoff.transport.mooncake import MooncakeTransport
+from kvhandoff.transport.mooncake_polled import polled_call
 from kvhandoff.transport.pool_base import Pool, host_array
 from kvhandoff.transport.pool_shm import ShmPool
 from kvhandoff.transport.pools import open_pool
@@ -175,6 +176,36 @@ async def test_unregistered_destination_fails_cleanly_and_the_peer_stays_usable(
     await sender.write(remote.target, good)
     np.testing.assert_array_equal(remote.file, expected_image(remote, good))
     src_pool.close()
+
+
+async def test_few_large_blocks_wait_by_sleeping_land_byte_exact_and_fail_cleanly(
+    sender: MooncakeTransport, remote: Remote
+) -> None:
+    """The real engine's async calls (`mooncake_polled`): 1 MiB blocks land byte-exact, and a
+    call with one block outside the receiver's registered memory fails with an rc while the
+    peer stays usable."""
+    src_pool = open_pool("torch:cpu", [4 << 20])
+    try:
+        src_pool.register(sender)
+        random_source(src_pool, 7)
+        offs = np.arange(4, dtype=np.uint64) * np.uint64(1 << 20)
+        blocks = Blocks.of(offs + src_pool.bases[0], offs + remote.receiver.bases[0], [1 << 20] * 4)
+        assert polled_call(sender._engine, sender.config, remote.target, blocks) is not None
+        await sender.write(remote.target, blocks)
+        np.testing.assert_array_equal(remote.file, expected_image(remote, blocks))
+        outside = remote.receiver.bases[0] + (16 << 20)
+        bad = Blocks.of(
+            [src_pool.bases[0], src_pool.bases[0] + (1 << 20)],
+            [remote.receiver.bases[0] + (4 << 20), outside],
+            [1 << 20] * 2,
+        )
+        assert polled_call(sender._engine, sender.config, remote.target, bad) is not None
+        with pytest.raises(TransportError) as info:
+            await sender.write(remote.target, bad)
+        assert info.value.rc is not None and info.value.rc < 0
+        await sender.write(remote.target, blocks)  # the peer stays usable
+    finally:
+        src_pool.close()
 
 
 async def _write_until_failure(sender: MooncakeTransport, peer: str, blocks: Blocks) -> None:

@@ -11,8 +11,8 @@ costs, each case against a baseline measured in the same run.
   1 MiB blocks, and once the same per-page blocks direct mode plans. Reported: GB/s of each,
   landed/direct, landed/raw and direct/raw, the decode's commit time (its one pass: copy out,
   digest, scatter; from `kvhandoff_segment_commit_seconds`) per second of the landed runs, and
-  each decode process's CPU seconds (from /proc) per GB over its own runs, landed against
-  direct.
+  the CPU seconds per GB of every process of each run (from /proc, per thread kind too:
+  `kvhandoff.service.tools.bench.cpu`), the decode's landed against direct.
 - `small`: one-page handoffs of a small dense model (PP=1), `--small-concurrency` at a time.
   Baseline: plain `GET /healthz` round trips to the decode service from the same client at the
   same concurrency — how many plain requests one handoff costs. Reported: handoffs/s, requests/s
@@ -51,6 +51,7 @@ from kvhandoff.service.testing.deployment import LocalDeployment
 from kvhandoff.service.testing.raw_engines import StageEngines, StageProcesses
 from kvhandoff.service.tools.bench import landed as landed_cases
 from kvhandoff.service.tools.bench.common import fragmented_pages, large_blocks
+from kvhandoff.service.tools.bench.cpu import CpuMeter, cpu_figures, print_cpu, run_meters
 from kvhandoff.service.tools.router_client import RouterClient
 from kvhandoff.transport.blocks import Blocks
 
@@ -206,14 +207,6 @@ async def _metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
 COMMIT_SUM = "kvhandoff_segment_commit_seconds_sum"
 
 
-def decode_cpu_s(dep: LocalDeployment) -> float:
-    """The decode process's CPU seconds so far (user + system, from /proc)."""
-    popen = dep.process("decode").popen
-    assert popen is not None, "the deployment is not running"
-    fields = Path(f"/proc/{popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class _Bulk:
     """What `bulk` moves and measured: the direct plan's blocks per stage (`per_stage`, for
@@ -228,7 +221,7 @@ class _Bulk:
     times: dict[str, list[float]] = field(
         default_factory=lambda: {"raw": [], "landed": [], "direct": []}
     )
-    cpu: dict[str, float] = field(default_factory=lambda: {"landed": 0.0, "direct": 0.0})
+    cpu: dict[str, CpuMeter] = field(default_factory=dict)
     commit_s: float = 0.0
     pages_s: float = 0.0
 
@@ -250,12 +243,15 @@ async def bulk(args: argparse.Namespace) -> dict[str, Any]:
             pools = [dep.stage_pool(r) for r in range(dep.pp_size)]
             raw = StageProcesses if args.bulk_stage_processes == "each" else StageEngines
             engines = stack.enter_context(contextlib.closing(raw(pools)))
+            work.cpu = run_meters(deps, engines.pids)
             await asyncio.to_thread(engines.seconds, info.target, work.large)  # warm-up
             for mode in deps:
                 await run_lanes(work.moves, lanes[mode], routers[mode], f"warm-{mode}")
             commit_before = await _metric(http, deps["landed"].decode_url, COMMIT_SUM)
             for rep in range(args.repeat):
+                work.cpu["raw"].start()
                 raw_s = await asyncio.to_thread(engines.seconds, info.target, work.large)
+                work.cpu["raw"].stop()
                 work.times["raw"].append(raw_s)
                 for mode in deps:
                     await _bulk_run(
@@ -299,10 +295,10 @@ async def _bulk_run(
     prefix: str,
 ) -> None:
     """One timed run of `bulk_requests` handoffs on `mode`'s deployment `dep`, with its
-    decode's CPU seconds; every byte must have moved."""
-    cpu_before = decode_cpu_s(dep)
+    processes' CPU seconds; every byte must have moved."""
+    work.cpu[mode].start()
     wall, _, moved = await run_lanes(args.bulk_requests, lanes, job, prefix)
-    work.cpu[mode] += decode_cpu_s(dep) - cpu_before
+    work.cpu[mode].stop()
     if moved != work.per_request * args.bulk_requests:
         raise RuntimeError(f"{mode}: moved {moved} bytes, not {work.per_request} each")
     work.times[mode].append(wall)
@@ -312,7 +308,8 @@ def _bulk_result(args: argparse.Namespace, work: _Bulk) -> dict[str, Any]:
     total = work.per_request * args.bulk_requests
     gbs = {k: total / min(v) / 1e9 for k, v in work.times.items()}
     gbs["raw"] = sum(b.total_bytes for b in work.large) / min(work.times["raw"]) / 1e9
-    cpu_per_gb = {m: s / (total * args.repeat / 1e9) for m, s in work.cpu.items()}
+    raw_total = sum(b.total_bytes for b in work.large)
+    cpu = cpu_figures(work.cpu, {"raw": raw_total, "landed": total, "direct": total}, args.repeat)
     return {
         "case": "bulk",
         "model": "hybrid-npu-mla scale 1, 128-token pages, PP=4 -> PP=1",
@@ -336,9 +333,10 @@ def _bulk_result(args: argparse.Namespace, work: _Bulk) -> dict[str, Any]:
         # runs' wall time; commits of parallel stages overlap, so this can pass 1.
         "commit_share": work.commit_s / sum(work.times["landed"]),
         # The decode's CPU seconds per GB landed (or written directly), over the timed runs.
-        "decode_cpu_s_per_gb_landed": cpu_per_gb["landed"],
-        "decode_cpu_s_per_gb_direct": cpu_per_gb["direct"],
-        "decode_cpu_landed_vs_direct": cpu_per_gb["landed"] / cpu_per_gb["direct"],
+        "decode_cpu_s_per_gb_landed": cpu["landed_decode_cpu_s_per_gb"],
+        "decode_cpu_s_per_gb_direct": cpu["direct_decode_cpu_s_per_gb"],
+        "decode_cpu_landed_vs_direct": cpu["decode_cpu_landed_vs_direct"],
+        **cpu,
         "targets": "landed_vs_direct >= 1, landed_vs_raw >= 0.9, commit_share <= 0.15, "
         "decode_cpu_landed_vs_direct <= 1.5",
         # As before: the landed handoffs and their ratio to raw.
@@ -490,6 +488,7 @@ def _print_bulk(r: dict[str, Any]) -> None:
         f"  decode CPU per GB: landed {r['decode_cpu_s_per_gb_landed']:.3f} s, direct "
         f"{r['decode_cpu_s_per_gb_direct']:.3f} s ({r['decode_cpu_landed_vs_direct']:.2f}x)"
     )
+    print_cpu(r)
 
 
 def _print_small(r: dict[str, Any]) -> None:

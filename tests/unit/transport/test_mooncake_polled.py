@@ -1,0 +1,100 @@
+"""The sleeping wait of a few large Mooncake blocks (`kvhandoff.transport.mooncake_polled`): its
+outcome rules against a scripted engine; the real engine is `tests/integration/
+test_transport_mooncake.py` (bytes, a refused destination, a dead or stopped receiver)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvhandoff.transport.blocks import Blocks
+from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.mooncake_polled import MIN_BLOCK_BYTES, polled_call, write_polled
+
+MiB = 1 << 20
+
+
+class Script:
+    """The engine's async calls: batch ids 1, 2, ... in submission order; each id's statuses
+    in order (the last one repeats); submission `fail_at` (1-based) returns 0."""
+
+    def __init__(self, statuses: dict[int, list[int]], fail_at: int = 0) -> None:
+        self.statuses = statuses
+        self.fail_at = fail_at
+        self.submitted: list[list[int]] = []
+        self.checks: list[int] = []
+        self.ended: set[int] = set()
+
+    def submit(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> int:
+        assert peer == "peer" and len(src) == len(dst) == len(length) == 1  # one entry each
+        self.submitted.append([src[0], dst[0], length[0]])
+        return 0 if len(self.submitted) == self.fail_at else len(self.submitted)
+
+    def check(self, batch: int) -> int:
+        assert batch not in self.ended, f"batch {batch} checked after it ended (freed)"
+        self.checks.append(batch)
+        script = self.statuses[batch]
+        status = script.pop(0) if len(script) > 1 else script[0]
+        if status != 0:
+            self.ended.add(batch)
+        return status
+
+
+ROWS = [[100, 200, MiB], [101, 201, MiB], [102, 202, MiB]]
+
+
+def test_every_block_completes_and_the_call_succeeds() -> None:
+    s = Script({1: [0, 0, 1], 2: [1], 3: [0, 1]})
+    assert write_polled(s.submit, s.check, "peer", ROWS, budget_ns=10**10, poll_s=0) == 0
+    assert s.submitted == ROWS
+    assert s.ended == {1, 2, 3}
+
+
+def test_a_failed_block_fails_the_call_only_after_the_others_ended() -> None:
+    s = Script({1: [-1], 2: [0, 0, 0, 1], 3: [1]})
+    assert write_polled(s.submit, s.check, "peer", ROWS, budget_ns=10**10, poll_s=0) == -1
+    assert s.ended == {1, 2, 3}
+    assert s.checks[-1] == 2  # waited for block 2 to end, not just until block 1 failed
+
+
+def test_a_failed_submission_stops_submitting_and_waits_for_what_runs() -> None:
+    s = Script({1: [0, 0, 1]}, fail_at=2)
+    assert write_polled(s.submit, s.check, "peer", ROWS, budget_ns=10**10, poll_s=0) == -1
+    assert s.submitted == ROWS[:2]  # the third block never went
+    assert s.ended == {1}
+
+
+def test_a_timed_out_block_fails_the_call() -> None:
+    s = Script({1: [1], 2: [-2], 3: [1]})
+    assert write_polled(s.submit, s.check, "peer", ROWS, budget_ns=10**10, poll_s=0) == -1
+
+
+def test_the_call_gives_up_once_the_engine_allowance_is_spent() -> None:
+    s = Script({1: [0], 2: [1], 3: [1]})
+    t0 = time.monotonic()
+    assert write_polled(s.submit, s.check, "peer", ROWS, budget_ns=50_000_000, poll_s=0.001) == -1
+    assert 0.05 <= time.monotonic() - t0 < 1.0
+
+
+class AsyncEngine:
+    def batch_transfer_async_write(self, *args: object) -> int:
+        return 1
+
+    def transfer_check_status(self, batch: int) -> int:
+        return 1
+
+
+def _blocks(n: int, size: int) -> Blocks:
+    offs = np.arange(n, dtype=np.uint64) * np.uint64(size)
+    return Blocks.of(offs + np.uint64(1 << 30), offs + np.uint64(1 << 31), [size] * n)
+
+
+def test_only_few_large_tcp_blocks_on_an_engine_with_async_calls_take_the_polled_wait() -> None:
+    tcp = MooncakeConfig()
+    assert polled_call(AsyncEngine(), tcp, "peer", _blocks(16, MiB)) is not None
+    assert polled_call(AsyncEngine(), tcp, "peer", _blocks(16, MIN_BLOCK_BYTES // 2)) is None
+    assert polled_call(AsyncEngine(), tcp, "peer", _blocks(65, MiB)) is None
+    assert polled_call(object(), tcp, "peer", _blocks(16, MiB)) is None
+    rdma = MooncakeConfig(protocol="rdma", device_name="mlx5_0")
+    assert polled_call(AsyncEngine(), rdma, "peer", _blocks(16, MiB)) is None
