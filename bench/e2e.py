@@ -6,8 +6,10 @@
   stage → Mooncake → done; landed: → commit), and raw Mooncake in the same topology: one engine
   per stage, each in a process of its own with only its stage's pool registered
   (`StageProcesses`), all writing at once into the direct decode's KV memory, the same bytes —
-  as 1 MiB blocks (`raw_large`, how a landed stage packs them) and as the same per-page blocks
-  direct mode plans (`raw_pages`). Runs are interleaved (raw, landed, direct, ...), best of
+  as 1 MiB blocks (`raw_large`, how a landed stage packs them; `raw_sleeping`, the same blocks
+  with the engine's async calls and a sleeping wait, as a landed stage's transport waits, so
+  the sync call's spin is not what puts landed ahead) and as the same per-page blocks direct
+  mode plans (`raw_pages`). Runs are interleaved (raw, landed, direct, ...), best of
   `repeat`. Beside the rates, the CPU seconds per GB of every process of each run
   (`kvhandoff.service.tools.bench.cpu`: the raw writers and the decode they write into over the
   1 MiB runs; each deployment's decode and prefills over its own), per thread kind too
@@ -173,6 +175,8 @@ async def _sizes_one_pp(
             for m in deps:
                 await run_lanes(conc, lanes[m], drivers[m], f"w{pp}-{pages}-{m}")
             meters = run_meters(deps, engines.pids)
+            # The same writers and decode, waiting by sleeping (`raw_write_sleeping`).
+            meters["raw_sleeping"] = CpuMeter(dict(meters["raw"].pids))
             walls, lat = await _rounds(
                 args,
                 engines,
@@ -200,6 +204,11 @@ async def _sizes_one_pp(
                     "raw_large_round_ms": min(walls["raw_large"]) / rounds * 1e3,
                     "landed_vs_direct": gbs["landed"] / gbs["direct"],
                     "landed_vs_raw": gbs["landed"] / gbs["raw_large"],
+                    # The same 1 MiB blocks with the engine's async calls and a sleeping wait
+                    # (as a landed stage's transport waits): the sync call's spin is not in it.
+                    "landed_vs_raw_sleeping": gbs["landed"] / gbs["raw_sleeping"],
+                    "landed_vs_best_raw": gbs["landed"]
+                    / max(gbs["raw_large"], gbs["raw_sleeping"]),
                     "direct_vs_raw": gbs["direct"] / gbs["raw_large"],
                     "direct_vs_raw_pages": gbs["direct"] / gbs["raw_pages"],
                     # CPU seconds per GB of every process of each run, and per thread kind
@@ -224,12 +233,19 @@ async def _rounds(
     (`raw[1]`) and each mode's `count` handoffs (metered), interleaved: the wall seconds of
     each, and each mode's latencies in its fastest round."""
     pp, pages, count = tag
-    walls: dict[str, list[float]] = {k: [] for k in ("raw_large", "raw_pages", *drivers)}
+    walls: dict[str, list[float]] = {
+        k: [] for k in ("raw_large", "raw_sleeping", "raw_pages", *drivers)
+    }
     lat: dict[str, list[float]] = {m: [] for m in drivers}
     for rep in range(args.repeat):
         meters["raw"].start()
         walls["raw_large"].append(await asyncio.to_thread(engines.seconds, target, raw[0]))
         meters["raw"].stop()
+        meters["raw_sleeping"].start()
+        walls["raw_sleeping"].append(
+            await asyncio.to_thread(engines.seconds, target, raw[0], sleeping=True)
+        )
+        meters["raw_sleeping"].stop()
         walls["raw_pages"].append(await asyncio.to_thread(engines.seconds, target, raw[1]))
         for m in drivers:
             meters[m].start()

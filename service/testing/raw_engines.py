@@ -5,6 +5,11 @@ Engine called directly, moving the same blocks into the same decode memory: one 
 process (`RawEngine`), one per stage in threads of this process (`StageEngines`), or one per
 stage in a process of its own (`StageProcesses`, the services' topology). `raw_write` is the
 plain way to call the engine: `batch_transfer_sync_write` in order, from one thread.
+`raw_write_sleeping` is the engine's other way, its async calls: each block a batch of its own,
+their status checked between short sleeps. The sync call busy-waits a core until its batch
+ends; on a host with fewer cores than busy threads that spin slows the engine's own senders and
+the receiver, so a landed stage (whose few large blocks take the sleeping wait) is also set
+beside a raw baseline that waits the same way.
 """
 
 from __future__ import annotations
@@ -117,11 +122,39 @@ class StageEngines:
         return elapsed
 
 
+#: Between two rounds of status checks of `raw_write_sleeping` (a 1 MiB block takes ~0.4 ms).
+SLEEP_S = 200e-6
+#: Blocks of `raw_write_sleeping` in flight at once.
+IN_FLIGHT = 64
+
+
+def raw_write_sleeping(engine: Any, target: str, blocks: Blocks) -> None:
+    """Each block as a one-entry `batch_transfer_async_write` (the engine's status check reads a
+    batch's first task only), at most `IN_FLIGHT` at once, in order, their status checked
+    between sleeps of `SLEEP_S`; raises if a submission or a block failed."""
+    rows = np.stack([blocks.src_addr, blocks.dst_addr, blocks.length], axis=1).tolist()
+    for first in range(0, len(rows), IN_FLIGHT):
+        ids = []
+        for src, dst, length in rows[first : first + IN_FLIGHT]:
+            batch = engine.batch_transfer_async_write(target, [src], [dst], [length])
+            if batch in (0, (1 << 64) - 1):
+                raise RuntimeError("raw engine async submission failed")
+            ids.append(batch)
+        while ids:  # checked until each ends: the engine frees a batch when it reports its end
+            statuses = [engine.transfer_check_status(batch) for batch in ids]
+            if any(status not in (0, 1) for status in statuses):
+                raise RuntimeError(f"raw engine async write failed (status {statuses})")
+            ids = [batch for batch, status in zip(ids, statuses) if status == 0]
+            if ids:
+                time.sleep(SLEEP_S)
+
+
 class StageProcesses:
     """One raw Transfer Engine per prefill stage, each in a process of its own that maps only
     its stage's shm pool file and registers it — the services' topology with one process per
     stage — all writing their blocks at once on `seconds`. Nothing of kvhandoff is on the path:
-    each process calls `batch_transfer_sync_write` in a loop from one thread (`raw_write`).
+    each process calls `batch_transfer_sync_write` in a loop from one thread (`raw_write`), or
+    with `sleeping`, the async calls (`raw_write_sleeping`).
     Threads of one process (`StageEngines`) are not the same topology: on a small host the
     engines' busy-waiting calls then share one process's cores and starve each other."""
 
@@ -174,9 +207,10 @@ class StageProcesses:
                 proc.kill()
         self._conns, self._procs = [], []
 
-    def seconds(self, target: str, per_stage: Sequence[Blocks]) -> float:
+    def seconds(self, target: str, per_stage: Sequence[Blocks], *, sleeping: bool = False) -> float:
         """From the first stage's start to the last one's end (CLOCK_MONOTONIC is one clock
-        for every process of the host) of every stage writing its `per_stage[r]` at once."""
+        for every process of the host) of every stage writing its `per_stage[r]` at once
+        (`sleeping`: with the engine's async calls, `raw_write_sleeping`)."""
         if len(per_stage) != len(self._conns):
             raise ValueError(f"{len(per_stage)} block lists for {len(self._conns)} stages")
         for conn, base, blocks in zip(self._conns, self._bases, per_stage):
@@ -187,6 +221,7 @@ class StageProcesses:
                     (blocks.src_addr - np.uint64(base)).tolist(),
                     blocks.dst_addr.tolist(),
                     blocks.length.tolist(),
+                    sleeping,
                 )
             )
         for k in range(len(self._conns)):
@@ -226,14 +261,14 @@ def _stage_writer(path: str, conn: Any) -> None:
     conn.send("ready")
     try:
         while (job := conn.recv()) is not None:
-            target, src_off, dst, lengths = job
+            target, src_off, dst, lengths, sleeping = job
             blocks = Blocks.of(np.asarray(src_off, dtype=np.uint64) + np.uint64(base), dst, lengths)
             conn.send("set")
             if conn.recv() != "go":
                 break
             start = time.monotonic()
             try:
-                raw_write(engine, target, blocks)
+                (raw_write_sleeping if sleeping else raw_write)(engine, target, blocks)
             except RuntimeError as exc:
                 conn.send(str(exc))
                 continue

@@ -149,7 +149,7 @@ def cpu_figures(
     for kind, meter in meters.items():
         gb = bytes_per_run[kind] * runs / 1e9
         senders = [n for n in meter.pids if n != "decode"]
-        side = "writer" if kind == "raw" else "prefill"
+        side = "writer" if kind.startswith("raw") else "prefill"
         out[f"{kind}_decode_cpu_s_per_gb"] = meter.seconds["decode"] / gb
         out[f"{kind}_{side}_cpu_s_per_gb"] = meter.total(senders) / gb
         out[f"{kind}_cpu_s_per_gb"] = meter.total() / gb
