@@ -337,7 +337,13 @@ async def test_killed_stage_process_fails_the_handoff_within_the_heartbeat_windo
         # Its kernel closed the watch connection and its port refuses: lost at once, not after
         # the silence timeout (issue 9: under 1 s from SIGKILL to `failed` on an idle machine;
         # the bound here leaves room for a loaded one and is still a sixth of the timeout).
-        assert "refuses connections" in view["error"]["reason"], view["error"]
+        # The create answers before the destination's delivery to stage 3 has its answer, so
+        # the kill may land during that call instead (seen at load 9): then the call's own
+        # connection is reset (HTTP), or its channel closes. Each is the kill noticed at once,
+        # never the silence timeout.
+        reason = view["error"]["reason"]
+        at_once = ("refuses connections", "Connection reset by peer", "lost with the channel")
+        assert any(sign in reason for sign in at_once), reason
         assert elapsed < 10.0, elapsed
         # The decode side stays healthy, and its other stages' bytes are whole or untouched.
         async with http.get(f"{dep.decode_url}/readyz") as resp:
