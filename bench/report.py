@@ -11,12 +11,14 @@ import argparse
 import csv
 import io
 import json
-import math
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from bench import targets
+from bench.tables import div, kib, num, ratio, table
 
 #: The plot of each section (`plots.render_all` writes them under these names).
 PLOTS = {
@@ -27,42 +29,6 @@ PLOTS = {
     "control": "control.png",
     "load": "load_rss.png",
 }
-
-
-# -- formatting ---------------------------------------------------------------------------------
-
-
-def num(value: Any, digits: int = 2) -> str:
-    """A figure for a table: `-` when absent, thousands separated when large."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        if abs(value) >= 1000:
-            return f"{value:,.0f}"
-        if abs(value) >= 100:
-            return f"{value:.0f}"
-        if abs(value) >= 10:
-            return f"{value:.1f}"
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def ratio(value: Any) -> str:
-    return "-" if value is None else f"{num(value)}x"
-
-
-def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def _kib(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 # -- sections -----------------------------------------------------------------------------------
@@ -108,9 +74,9 @@ def _transport(r: Mapping[str, Any]) -> str:
     rows = []
     for block, m in sorted(by_block.items()):
         rows.append(
-            [_kib(block), num(m.get("memcpy")), num(m.get("local")), num(m.get("mooncake-raw")),
-             num(m.get("mooncake")), ratio(_div(m.get("local"), m.get("memcpy"))),
-             ratio(_div(m.get("mooncake"), m.get("mooncake-raw")))]
+            [kib(block), num(m.get("memcpy")), num(m.get("local")), num(m.get("mooncake-raw")),
+             num(m.get("mooncake")), ratio(div(m.get("local"), m.get("memcpy"))),
+             ratio(div(m.get("mooncake"), m.get("mooncake-raw")))]
         )  # fmt: skip
     body = table(
         ["block", "memcpy GB/s", "local GB/s", "raw Mooncake GB/s", "kvhandoff Mooncake GB/s",
@@ -288,7 +254,7 @@ def _versus(r: Mapping[str, Any], native: str) -> list[list[str]]:
                 body.append([num(c), label, num(k.get(key)), num(n.get(key)), ""])
                 continue
             a, b = _figure(k.get(key)), _figure(n.get(key))
-            body.append([num(c), label, num(a, digits), num(b, digits), ratio(_div(a, b))])
+            body.append([num(c), label, num(a, digits), num(b, digits), ratio(div(a, b))])
     return body
 
 
@@ -359,8 +325,8 @@ def _vllm_verdict(r: Mapping[str, Any]) -> str:
         k, n = rows.get(("kvhandoff", c)), rows.get(("nixl", c))
         if k is None or n is None:
             continue
-        lat, rps = _div(k["p50_ms"], n["p50_ms"]), _div(k["req_per_s"], n["req_per_s"])
-        ttft = _div(k["ttft_p50_ms"], n["ttft_p50_ms"])
+        lat, rps = div(k["p50_ms"], n["p50_ms"]), div(k["req_per_s"], n["req_per_s"])
+        ttft = div(k["ttft_p50_ms"], n["ttft_p50_ms"])
         if lat is None or rps is None or ttft is None:
             continue
         if max(abs(lat - 1), abs(rps - 1)) <= 0.1:
@@ -406,7 +372,7 @@ def _vllm(r: Mapping[str, Any]) -> str:
         f"{num(r['rounds'])} rounds alternating which backend goes first, each concurrency a "
         "closed loop (the table's `requests` per backend over all rounds). Latency and TTFT run "
         "from the send to the prefill. p99 of so few requests is close to their maximum. A "
-        f"request's KV is {_kib(kv)}: the figures compare each connector's per-request control "
+        f"request's KV is {kib(kv)}: the figures compare each connector's per-request control "
         f"path far more than its data path. Start-up: {_starts(r)}.\n\n"
         + table(["concurrency", "", "kvhandoff", "NixlConnector", "kvhandoff ÷ Nixl"],
                 _versus(r, "nixl"))
@@ -427,74 +393,7 @@ SECTION_TEXT: dict[str, tuple[str, Callable[[Mapping[str, Any]], str]]] = {
 }
 
 
-# -- targets ------------------------------------------------------------------------------------
-
-
-def _find(rows: Sequence[Mapping[str, Any]], **where: Any) -> Mapping[str, Any] | None:
-    for row in rows:
-        if all(row.get(k) == v for k, v in where.items()):
-            return row
-    return None
-
-
-def targets(doc: Mapping[str, Any]) -> list[list[str]]:
-    """Issue #20's targets against this run: [target, measured, met]."""
-    out: list[list[str]] = []
-    sections = doc.get("sections", {})
-    control = sections.get("control", {}).get("result", {}).get("rows", [])
-    for pp, want in ((1, 2500.0), (4, 1500.0)):
-        row = _find(control, pp=pp, concurrency=64)
-        if row is not None:
-            got = row["handoffs_per_s"]
-            out.append(
-                [f"≥ {want:,.0f} one-page handoffs/s, PP={pp}, concurrency 64",
-                 f"{num(got)}/s ({ratio(row['ratio'])} healthz)", _met(got >= want)]
-            )  # fmt: skip
-    row = _find(control, pp=1, concurrency=1)
-    if row is not None:
-        out.append(
-            ["p50 ≤ 1.5 ms create → completed, one page, concurrency 1",
-             f"{num(row['p50_ms'])} ms", _met(row["p50_ms"] <= 1.5)]
-        )  # fmt: skip
-    load = sections.get("load", {}).get("result")
-    if load:
-        out.append(["load: 0 lost", f"{num(load['lost'])} lost", _met(load["lost"] == 0)])
-        lost = sum(load["peer_lost"].values())
-        out.append(["load: no peer declared lost", f"{num(lost)} declared", _met(lost == 0)])
-        worst = max((max(v["ratio"], v["anon_ratio"]) for v in load["rss"]), default=0.0)
-        out.append(
-            [f"load: RSS flat (last ÷ first quarter ≤ {num(load['max_rss_growth'])})",
-             f"worst {ratio(worst)}", _met(all(v["ok"] for v in load["rss"]))]
-        )  # fmt: skip
-    return out
-
-
-def _met(ok: bool) -> str:
-    return "met" if ok else "**missed**"
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
-
-
 # -- the document -------------------------------------------------------------------------------
-
-#: What holds the control-plane targets back, as profiled (py-spy on the decode and a prefill
-#: under the PP=1 concurrency-64 case, and `tests/perf`'s counts per handoff); shown when a
-#: target is missed.
-LIMITS = (
-    "What limits the control-plane figures, as profiled on this machine: each one-page "
-    "handoff is three router requests (create, ready, a long poll) and, per stage, a "
-    "destination and a segment notice (batched per peer under load): about 40% of the "
-    "decode's event loop is aiohttp and socket I/O (parsing requests, writing answers), the "
-    "handoff's own work (checks, its segment's commit, events, records) most of the rest. "
-    "Records commit in groups (one per turn of the loop), so SQLite is no longer the "
-    "largest cost. With PP=4 every stage is its own prefill process: four destinations and "
-    "four segment notices per handoff, which nothing can batch across processes. At "
-    "concurrency 1 the figure is the sum of those hops' latencies on two shared cores, where "
-    "each loopback message is a context switch between busy processes (the loop's own "
-    "polling and socket writes are half the decode's time there)."
-)
 
 
 def render(
@@ -534,11 +433,8 @@ def render(
         "[bench/results.json](bench/results.json) and [bench/results.csv](bench/results.csv). "
         "Reproduce with `make bench` (`make soak` runs the load check for ten minutes).",
     ]
-    rows = targets(doc)
-    if rows:
-        parts += ["", "## Targets (issue #20)", "", table(["target", "this run", ""], rows)]
-        if any("missed" in str(r[-1]) for r in rows):
-            parts += ["", LIMITS]
+    judged = targets.verdicts(doc, engines, vllm)
+    parts += ["", f"## {targets.TITLE}", "", targets.section(judged)]
     for name, section in doc["sections"].items():
         title, fn = SECTION_TEXT[name]
         parts += ["", f"## {title}", ""]
