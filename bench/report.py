@@ -423,7 +423,8 @@ def render(
         f"Measured at commit `{m.get('commit')}` on {m.get('at')}: {m.get('cpus')} CPUs "
         f"({m.get('cpu_model') or 'unknown CPU'}), {software}"
         + (f"; load average {', '.join(num(x) for x in load)} at the start" if load else "")
-        + f". `make bench` took {num(float(doc['wall_s']))} s (bound {num(doc['budget_s'])} s)"
+        + f". `make bench` took {num(float(doc['wall_s']))} s (bound {num(doc['budget_s'])} s"
+        + ("; **over its bound**)" if float(doc["wall_s"]) > float(doc["budget_s"]) else ")")
         + (" — a `--quick` smoke run: sizes are tiny" if doc.get("quick") else "")
         + ".",
         "",

@@ -32,6 +32,12 @@ def test_report_has_every_section_the_machine_and_the_commit(doc: dict, tmp_path
     assert "a `--quick` smoke run" in text
 
 
+def test_a_run_over_its_bound_says_so(doc: dict, tmp_path: Path) -> None:
+    assert "**over its bound**" not in report.render(doc, {}, base=tmp_path)
+    doc["wall_s"] = doc["budget_s"] + 1
+    assert "(bound 600 s; **over its bound**)" in report.render(doc, {}, base=tmp_path)
+
+
 def test_a_failed_section_says_so_and_the_others_still_report(doc: dict, tmp_path: Path) -> None:
     text = report.render(doc, {}, base=tmp_path)
     webhooks = text.split("## Webhook deliveries", 1)[1].split("\n## ", 1)[0]
