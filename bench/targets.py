@@ -232,10 +232,9 @@ def _over_rows(
         return _unmeasured(doc, "e2e", f"the rows carry no `{key}`"), None
     order = sorted(rows, key=lambda r: float(r[key]), reverse=not higher_is_better)
     worst, best = order[0], order[-1]
-    figure = (
-        f"worst {ratio(worst[key])} ({_where(worst)}: {detail(worst)}), best "
-        f"{ratio(best[key])} ({_where(best)})"
-    )
+    figure = f"{ratio(worst[key])} ({_where(worst)}: {detail(worst)})"
+    if len(rows) > 1:
+        figure = f"worst {figure}, best {ratio(best[key])} ({_where(best)})"
     value = float(worst[key])
     return figure, value >= bound if higher_is_better else value <= bound
 

@@ -115,6 +115,10 @@ def test_landed_bulk_is_judged_on_the_worst_row(doc: dict[str, Any]) -> None:
     assert _one(_by_target(doc), "landed bulk").met is True
     doc["sections"]["e2e"]["result"]["rows"][3]["landed_vs_raw"] = 0.89
     assert _one(_by_target(doc), "landed bulk").met is False  # one row below is a miss
+    del doc["sections"]["e2e"]["result"]["rows"][1:]  # one row (a --quick run): no worst/best
+    assert _one(_by_target(doc), "landed bulk").figure == (
+        "0.90x (PP=1, 2 pages: 1.56 against 2.24 GB/s)"
+    )
 
 
 def test_decode_cpu_is_judged_on_the_worst_row_and_absent_keys_are_not_measured(
