@@ -459,8 +459,9 @@ def render(
 
 def flat_rows(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every numeric figure as (section, params, metric, value): params are the row's
-    identifying fields (pp, pages, concurrency, ...), `k=v` joined by `;`."""
-    keys = ("pp", "pages", "layers", "concurrency", "block_bytes", "method", "process")
+    identifying fields (pp, pages, concurrency, the control rows' router shape, ...), `k=v`
+    joined by `;`."""
+    keys = ("pp", "pages", "layers", "concurrency", "router", "block_bytes", "method", "process")
     out: list[dict[str, Any]] = []
     for name, section in doc["sections"].items():
         result = section.get("result")

@@ -88,6 +88,14 @@ def test_csv_has_one_row_per_figure(doc: dict) -> None:
     float(e2e[0]["value"])
 
 
+def test_the_csv_tells_the_router_shapes_apart() -> None:
+    doc = json.loads((FIXTURE.parent / "issue35" / "results.json").read_text())
+    params = [r["params"] for r in report.flat_rows(doc) if r["metric"] == "handoffs_per_s"]
+    assert "pp=1;concurrency=64;router=coalesced" in params
+    assert "pp=1;concurrency=64;router=per-request" in params
+    assert len(set(params)) == len(params)
+
+
 def test_the_committed_report_is_what_the_committed_results_generate() -> None:
     results = ROOT / "bench" / "results.json"
     assert results.exists(), "bench/results.json is committed with BENCHMARKS.md (make bench)"
