@@ -117,7 +117,38 @@ def _e2e(r: Mapping[str, Any]) -> str:
         "bytes — as 1 MiB blocks (how a landed stage packs them) and as the per-page blocks "
         "direct mode plans. Runs interleaved, best of the rounds; p50 is create → completed "
         "as the router sees it.\n\n"
-        f"{body}"
+        f"{body}{_e2e_cpu(rows)}"
+    )
+
+
+#: CPU-seconds per GB moved of the e2e rows (`bench.e2e`, since issue #35), as (key, header);
+#: a column shows where every row has its key.
+E2E_CPU = (
+    ("landed_decode_cpu_s_per_gb", "landed decode"),
+    ("direct_decode_cpu_s_per_gb", "direct decode"),
+    ("decode_cpu_landed_vs_direct", "landed ÷ direct (decode)"),
+    ("landed_prefill_cpu_s_per_gb", "landed prefill stages"),
+    ("direct_prefill_cpu_s_per_gb", "direct prefill stages"),
+    ("raw_cpu_s_per_gb", "raw Mooncake"),
+)
+
+
+def _e2e_cpu(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The e2e rows' CPU per GB, as a table of its own; "" for results without it."""
+    cols = [(k, h) for k, h in E2E_CPU if rows and all(x.get(k) is not None for x in rows)]
+    if not cols:
+        return ""
+    body = table(
+        ["PP", "pages", *(h if k.endswith("_vs_direct") else f"{h} CPU s/GB" for k, h in cols)],
+        (
+            [num(x["pp"]), num(x["pages"]),
+             *(ratio(x[k]) if k.endswith("_vs_direct") else num(x[k]) for k, _ in cols)]
+            for x in rows
+        ),
+    )  # fmt: skip
+    return (
+        "\n\nCPU-seconds per GB moved, as `bench.e2e` accounts them over the same runs (user "
+        f"and system time of each side's processes, from /proc):\n\n{body}"
     )
 
 
@@ -150,30 +181,49 @@ def _segments(r: Mapping[str, Any]) -> str:
     return text
 
 
+#: How each router shape drives a handoff (`bench.control`'s `router` key of a control row).
+ROUTER_SHAPES = {
+    "per-request": "one create, one ready per stage, the outcome from the decode's event stream",
+    "coalesced": "the creates, and each stage's readies, of one loop turn sent as one batch",
+}
+
+
 def _control(r: Mapping[str, Any]) -> str:
+    shapes = any("router" in x for x in r["rows"])
     body = table(
-        ["PP", "concurrency", "handoffs/s", "GET /healthz/s", "handoffs ÷ healthz",
-         "p50 ms", "p99 ms", "healthz p50 ms", "not completed"],
+        ["PP", *(["router"] if shapes else []), "concurrency", "handoffs/s", "GET /healthz/s",
+         "handoffs ÷ healthz", "p50 ms", "p99 ms", "healthz p50 ms", "not completed"],
         (
-            [num(x["pp"]), num(x["concurrency"]), num(x["handoffs_per_s"]),
-             num(x["healthz_per_s"]), ratio(x["ratio"]), num(x["p50_ms"]), num(x["p99_ms"]),
-             num(x["healthz_p50_ms"]), num(x.get("failed", 0))]
+            [num(x["pp"]), *([targets.shape_of(x)] if shapes else []), num(x["concurrency"]),
+             num(x["handoffs_per_s"]), num(x["healthz_per_s"]), ratio(x["ratio"]),
+             num(x["p50_ms"]), num(x["p99_ms"]), num(x["healthz_p50_ms"]),
+             num(x.get("failed", 0))]
             for x in r["rows"]
         ),
     )  # fmt: skip
     failed = [x for x in r["rows"] if x.get("failed")]
     if failed:
         body += "\n\nHandoffs that did not complete:\n\n" + "\n".join(
-            f"- PP={x['pp']}, concurrency {x['concurrency']}: "
+            f"- PP={x['pp']}, {targets.shape_of(x) + ' router, ' if shapes else ''}"
+            f"concurrency {x['concurrency']}: "
             + "; ".join(f"{n} x `{e}`" for e, n in x["errors"].items())
             for x in failed
         )
+    if shapes:
+        how = "as a router and engines drive them, in each router shape measured (" + "; ".join(
+            f"`{shape}`: {ROUTER_SHAPES.get(shape, 'as `bench.control` names it')}"
+            for shape in targets.shapes_of(r["rows"])
+        ) + ")"  # fmt: skip
+    else:
+        how = (
+            "as a router and engines drive them (create on the decode, ready on every stage, "
+            "long-poll to the end)"
+        )
     return (
-        "One-page handoffs of a small dense model (4 layers), every step over HTTP as a router "
-        "and engines drive them (create on the decode, ready on every stage, long-poll to the "
-        "end), with records, the webhook outbox and signed peer messages on; beside plain "
-        "`GET /healthz` round trips to the same decode from the same client at the same "
-        f"concurrency, interleaved, best of the rounds.\n\n{body}"
+        f"One-page handoffs of a small dense model (4 layers), every step over HTTP {how}, with "
+        "records, the webhook outbox and signed peer messages on; beside plain `GET /healthz` "
+        "round trips to the same decode from the same client at the same concurrency, "
+        f"interleaved, best of the rounds.\n\n{body}"
     )
 
 

@@ -88,6 +88,25 @@ def test_csv_has_one_row_per_figure(doc: dict) -> None:
     float(e2e[0]["value"])
 
 
+def test_the_router_shapes_and_the_decode_cpu_per_gb_have_their_columns(tmp_path: Path) -> None:
+    doc = json.loads((FIXTURE.parent / "issue35" / "results.json").read_text())
+    text = report.render(doc, {}, base=tmp_path)
+    control = text.split("## Control plane against concurrency", 1)[1].split("\n## ", 1)[0]
+    assert "| PP | router | concurrency |" in control
+    assert "| 1 | coalesced | 64 | 2,400 | 14,100 | 0.17x |" in control
+    assert "`coalesced`: the creates, and each stage's readies" in control
+    e2e = text.split("## End to end against request size", 1)[1].split("\n## ", 1)[0]
+    assert "| PP | pages | landed decode CPU s/GB | direct decode CPU s/GB | landed ÷ " in e2e
+    assert "| 1 | 8 | 0.46 | 0.23 | 2.00x |" in e2e
+    assert "prefill stages" not in e2e  # not measured: no column
+
+
+def test_old_results_keep_their_tables(doc: dict, tmp_path: Path) -> None:
+    text = report.render(doc, {}, base=tmp_path)
+    assert "| PP | concurrency | handoffs/s |" in text and "| router |" not in text
+    assert "long-poll to the end" in text and "CPU s/GB" not in text
+
+
 def test_the_csv_tells_the_router_shapes_apart() -> None:
     doc = json.loads((FIXTURE.parent / "issue35" / "results.json").read_text())
     params = [r["params"] for r in report.flat_rows(doc) if r["metric"] == "handoffs_per_s"]
