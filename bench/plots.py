@@ -64,14 +64,20 @@ def _transport(plt: Any, r: Mapping[str, Any]) -> Any:
     return fig
 
 
-#: The e2e rows' decode CPU per GB (`bench.e2e`, since issue #35): a third panel where present.
-DECODE_CPU = ("landed_decode_cpu_s_per_gb", "direct_decode_cpu_s_per_gb")
+#: The e2e rows' decode CPU per GB (`bench.e2e`, since issue #35), as (key, label, style) like
+#: the GB/s panel's: a third panel where the rows carry landed and direct mode's (raw Mooncake's
+#: receiving decode beside them where they carry it).
+DECODE_CPU = (
+    ("landed_decode_cpu_s_per_gb", "landed", "-"),
+    ("direct_decode_cpu_s_per_gb", "direct", "--"),
+    ("raw_decode_cpu_s_per_gb", "raw 1 MiB", ":"),
+)
 
 
 def has_decode_cpu(rows: Sequence[Mapping[str, Any]]) -> bool:
     """Whether every e2e row carries the decode's CPU per GB of both modes (older results
     do not: their plot keeps two panels)."""
-    return bool(rows) and all(x.get(k) is not None for x in rows for k in DECODE_CPU)
+    return bool(rows) and all(x.get(k) is not None for x in rows for k, _, _ in DECODE_CPU[:2])
 
 
 def _e2e(plt: Any, r: Mapping[str, Any]) -> Any:
@@ -90,8 +96,8 @@ def _e2e(plt: Any, r: Mapping[str, Any]) -> Any:
             (lat, "direct_p50_ms", "direct", "--"),
             *(
                 (axes[2], key, label, style)
-                for key, label, style in zip(DECODE_CPU, ("landed", "direct"), ("-", "--"))
-                if cpu
+                for key, label, style in DECODE_CPU
+                if cpu and all(x.get(key) is not None for x in rows)
             ),
         ):
             ys = [x[key] for x in rows]

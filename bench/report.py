@@ -121,34 +121,69 @@ def _e2e(r: Mapping[str, Any]) -> str:
     )
 
 
-#: CPU-seconds per GB moved of the e2e rows (`bench.e2e`, since issue #35), as (key, header);
-#: a column shows where every row has its key.
-E2E_CPU = (
-    ("landed_decode_cpu_s_per_gb", "landed decode"),
-    ("direct_decode_cpu_s_per_gb", "direct decode"),
-    ("decode_cpu_landed_vs_direct", "landed ÷ direct (decode)"),
-    ("landed_prefill_cpu_s_per_gb", "landed prefill stages"),
-    ("direct_prefill_cpu_s_per_gb", "direct prefill stages"),
-    ("raw_cpu_s_per_gb", "raw Mooncake"),
+#: The e2e rows' CPU accounting (`bench.e2e`, since issue #35), by run: its key prefix, its
+#: senders' key (the prefill stages; raw Mooncake's writer processes) and its label.
+CPU_RUNS = (
+    ("raw", "writer", "raw Mooncake (1 MiB blocks)"),
+    ("landed", "prefill", "landed"),
+    ("direct", "prefill", "direct"),
 )
 
 
 def _e2e_cpu(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The e2e rows' CPU per GB, as a table of its own; "" for results without it."""
-    cols = [(k, h) for k, h in E2E_CPU if rows and all(x.get(k) is not None for x in rows)]
-    if not cols:
+    """The e2e rows' CPU-seconds per GB by run and process, and where the worst row's went by
+    thread; "" for results without them."""
+    runs = [
+        run for run in CPU_RUNS
+        if rows and all(x.get(f"{run[0]}_decode_cpu_s_per_gb") is not None for x in rows)
+    ]  # fmt: skip
+    if not runs:
         return ""
     body = table(
-        ["PP", "pages", *(h if k.endswith("_vs_direct") else f"{h} CPU s/GB" for k, h in cols)],
+        ["PP", "pages", "run", "all CPU s/GB", "decode CPU s/GB", "senders CPU s/GB",
+         "cores busy"],
         (
-            [num(x["pp"]), num(x["pages"]),
-             *(ratio(x[k]) if k.endswith("_vs_direct") else num(x[k]) for k, _ in cols)]
+            [num(x["pp"]), num(x["pages"]), label, num(x.get(f"{k}_cpu_s_per_gb")),
+             num(x[f"{k}_decode_cpu_s_per_gb"]), num(x.get(f"{k}_{side}_cpu_s_per_gb")),
+             num(x.get(f"{k}_cpu_cores"))]
             for x in rows
+            for k, side, label in runs
         ),
     )  # fmt: skip
     return (
         "\n\nCPU-seconds per GB moved, as `bench.e2e` accounts them over the same runs (user "
-        f"and system time of each side's processes, from /proc):\n\n{body}"
+        "and system time of each process, from /proc): of all the run's processes, of the "
+        "decode, and of the senders (the prefill stages; raw Mooncake's writer processes); "
+        "cores busy is CPU-seconds per wall second: near the host's cores, the run was CPU "
+        f"bound and its GB/s about cores ÷ CPU-seconds per GB.\n\n{body}{_cpu_threads(rows)}"
+    )
+
+
+def _cpu_threads(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Where the CPU of the row furthest below raw Mooncake went, by process and thread kind
+    (the rows' `cpu_threads`: `run.process.thread` → CPU s per GB); "" without it."""
+    split = [x for x in rows if x.get("cpu_threads") and x.get("landed_vs_raw") is not None]
+    if not split:
+        return ""
+    worst = min(split, key=lambda x: float(x["landed_vs_raw"]))
+    by_thread: dict[str, dict[str, float]] = {}
+    for key, seconds in worst["cpu_threads"].items():
+        run, thread = key.split(".", 1)
+        by_thread.setdefault(thread, {})[run] = seconds
+    runs = [k for k, _, _ in CPU_RUNS if any(k in v for v in by_thread.values())]
+    order = sorted(by_thread.items(), key=lambda item: -sum(item[1].values()))
+    body = table(
+        ["process, thread", *(f"{k} CPU s/GB" for k in runs)],
+        ([thread.replace(".", ", ", 1), *(num(v.get(k), 3) for k in runs)] for thread, v in order),
+    )
+    return (
+        f"\n\nWhere the CPU went in the row furthest below raw Mooncake (PP={worst['pp']}, "
+        f"{worst['pages']} pages: landed at {ratio(worst['landed_vs_raw'])} of raw), by process "
+        "and thread kind as `kvhandoff.service.tools.bench.cpu` names them: `main` is a "
+        "process's main thread (a service's event loop), `mooncake-call` kvhandoff's transport "
+        "workers inside the engine's synchronous call (which busy-waits), `worker` the other "
+        "Python threads (gathers, commits), other names the transfer engine's own threads.\n\n"
+        f"{body}"
     )
 
 

@@ -77,6 +77,12 @@ def test_the_e2e_plot_adds_decode_cpu_per_gb_where_the_rows_carry_it() -> None:
     assert len(axes) == 3
     mb, cpu, _ = axes[2].lines["landed, PP=1"]
     assert cpu == [0.3, 0.46, 0.33] and len(mb) == 3
+    assert set(axes[2].lines) == {
+        f"{run}, PP={pp}" for run in ("landed", "direct", "raw 1 MiB") for pp in (1, 4)
+    }
+    for row in result["rows"]:
+        del row["raw_decode_cpu_s_per_gb"]
+    axes = _draw(plots._e2e, result)  # raw's receiving decode not measured: no line for it
     assert set(axes[2].lines) == {"landed, PP=1", "direct, PP=1", "landed, PP=4", "direct, PP=4"}
     old = _section(FIXTURES / "bench_results.json", "e2e")
     assert not plots.has_decode_cpu(old["rows"])

@@ -96,9 +96,27 @@ def test_the_router_shapes_and_the_decode_cpu_per_gb_have_their_columns(tmp_path
     assert "| 1 | coalesced | 64 | 2,400 | 14,100 | 0.17x |" in control
     assert "`coalesced`: the creates, and each stage's readies" in control
     e2e = text.split("## End to end against request size", 1)[1].split("\n## ", 1)[0]
-    assert "| PP | pages | landed decode CPU s/GB | direct decode CPU s/GB | landed ÷ " in e2e
-    assert "| 1 | 8 | 0.46 | 0.23 | 2.00x |" in e2e
-    assert "prefill stages" not in e2e  # not measured: no column
+    assert "| PP | pages | run | all CPU s/GB | decode CPU s/GB | senders CPU s/GB |" in e2e
+    assert "| 1 | 8 | landed | 1.10 | 0.46 | 0.64 | 1.90 |" in e2e
+    assert "| 4 | 32 | raw Mooncake (1 MiB blocks) | 0.50 | 0.20 | 0.30 | 1.70 |" in e2e
+    # The thread split of the row furthest below raw (the only one carrying it here), the
+    # threads that cost most first.
+    split = e2e.split("Where the CPU went in the row furthest below raw Mooncake (PP=1, 8 ", 1)[1]
+    assert "| process, thread | raw CPU s/GB | landed CPU s/GB | direct CPU s/GB |" in split
+    lines = [x for x in split.splitlines() if x.startswith("| ") and "CPU s/GB" not in x]
+    assert lines[0] == "| decode, transfer_engine | 0.200 | 0.100 | 0.150 |"
+    assert "| prefill-0, worker | - | 0.250 | - |" in lines
+    assert lines[-1] == "| writer-0, main | 0.010 | - | - |"
+
+
+def test_decode_cpu_alone_gets_its_run_rows_without_the_thread_split(tmp_path: Path) -> None:
+    doc = json.loads((FIXTURE.parent / "issue35" / "results.json").read_text())
+    for row in doc["sections"]["e2e"]["result"]["rows"]:
+        for key in [k for k in row if k.startswith("raw_") and "cpu" in k] + ["cpu_threads"]:
+            row.pop(key, None)
+    e2e = report.render(doc, {}, base=tmp_path).split("## End to end", 1)[1].split("\n## ")[0]
+    assert "| 1 | 8 | landed | 1.10 | 0.46 | 0.64 | 1.90 |" in e2e
+    assert "raw Mooncake (1 MiB blocks) |" not in e2e and "Where the CPU went" not in e2e
 
 
 def test_old_results_keep_their_tables(doc: dict, tmp_path: Path) -> None:
