@@ -180,12 +180,19 @@ def _usage(message: str) -> int:
     return 2
 
 
+#: What one side's state slots may take to hold a wave (`_drive`) beyond two slots per request in
+#: flight: a slot holds every state layer of a request (0.6 MB at the default scale, 40 MB at
+#: full size), and the pools are /dev/shm files.
+WAVE_SLOT_BYTES = 256 << 20
+
+
 def _pool_sizes(args: argparse.Namespace) -> tuple[int, int]:
-    """(pages, slots) per pool: room for a wave of requests (`_drive`), several times those in
-    flight, with fragmentation. Slots are the larger part (a slot holds every state layer), so
-    their count stays a small multiple of the concurrency."""
-    waves = max(2 * args.concurrency, min(args.requests, 8 * args.concurrency))
-    return max(4 * args.pages * args.concurrency, 1024), waves
+    """(pages, slots) per pool: room for a wave of requests, up to 8 times those in flight (or
+    WAVE_SLOT_BYTES of slots), with fragmentation."""
+    model = preset(PRESET, **_model(args))
+    slot_bytes = len(model.linear_layers) * sum(k.slot_bytes for k in model.state_kinds)
+    wave = min(args.requests, 8 * args.concurrency, WAVE_SLOT_BYTES // max(slot_bytes, 1))
+    return max(4 * args.pages * args.concurrency, 1024), max(2 * args.concurrency, wave)
 
 
 # ---------------------------------------------------------------------------------------------

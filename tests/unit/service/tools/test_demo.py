@@ -113,3 +113,7 @@ def test_the_pools_hold_a_wave_of_requests_a_small_multiple_of_those_in_flight()
     assert demo._pool_sizes(_args()) == (4096, 128)  # 200 requests, 16 in flight: 8x
     assert demo._pool_sizes(demo.bulk_args(_args())) == (1024, 16)  # every large request
     assert demo._pool_sizes(_args("--requests", "3", "--concurrency", "4")) == (1024, 8)
+    # At full size a slot is 40 MB: the wave's slots stay within WAVE_SLOT_BYTES, and never
+    # below two per request in flight.
+    assert demo._pool_sizes(_args("--scale", "1", "--concurrency", "2")) == (1024, 6)
+    assert demo._pool_sizes(_args("--scale", "1")) == (4096, 32)
