@@ -73,10 +73,11 @@ from kvhandoff.transport.pools import open_pool
 
 PRESET = "hybrid-npu-mla"
 MODEL: dict[str, int | bool] = {"scale": 64, "page_size": 16, "num_layers": 48}
-#: The data plane's workload: at scale 4 a handoff of the preset moves ~11 MB on average (36
-#: state layers of ~270 KB and up to 64 pages of 12 layers); 4 in flight keep each stage's
-#: engine busy without queueing behind the landing windows.
-BULK = {"requests": 16, "scale": 4, "concurrency": 4}
+#: The data plane's workload: the preset at full size, as `make bench` moves it, ~48 MB a
+#: handoff on average (36 state layers of ~1.1 MB and up to 64 pages of 12 layers). At a quarter
+#: of that size the same run moved about half the GB/s, its per-handoff costs showing through;
+#: 2 in flight moved no more than 4 (both measured on the shared 2-core machine, load 7-11).
+BULK = {"requests": 16, "scale": 1, "concurrency": 4}
 DECODE_URL, PREFILL_URL = "inproc://decode", "inproc://prefill"
 
 
