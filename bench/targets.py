@@ -63,17 +63,17 @@ class Limit:
 LIMITS: dict[str, Limit] = {
     "control": Limit(
         "handoff's HTTP and peer messages",
-        "Each one-page handoff is three router requests (the create on the decode, a ready on "
-        "each stage, the outcome by a long poll; fewer per handoff where the `coalesced` router "
-        "batches the creates and readies of one loop turn) and, per stage, a destination and a "
-        "segment notice on the persistent signed peer channel (batched per peer under load). "
-        "Profiled with py-spy on the decode (PP=1, concurrency 64): about a third of its event "
-        "loop is aiohttp parsing and socket writes, mostly for the router's own requests; "
-        "creating a handoff about 15%; the segment's commit 12-18%; SQLite 2.5%. `GET /healthz` "
-        "is one parse and one write on that same loop, so the ratio counts how many plain "
-        "requests one handoff costs. With PP=4 every stage is its own prefill process: four "
-        "readies, four destinations and four notices per handoff, which nothing batches across "
-        "processes.",
+        "Each one-page handoff is a create on the decode and a ready on each stage (with the "
+        "`coalesced` router, those of one loop turn travel as one batch request), its outcome "
+        "read by the router, and per stage a destination and a segment notice on the persistent "
+        "signed peer channel (batched per peer under load). Profiled with py-spy on the decode "
+        "(PP=1, concurrency 64) before the outcome stream and the batch routes: about a third "
+        "of its event loop was aiohttp parsing and socket writes, mostly for the router's own "
+        "requests; creating a handoff about 15%; the segment's commit 12-18%; SQLite 2.5%. "
+        "`GET /healthz` is one parse and one write on that same loop, so the ratio counts how "
+        "many plain requests one handoff costs. With PP=4 every stage is its own prefill "
+        "process: four readies, four destinations and four notices per handoff, which nothing "
+        "batches across processes.",
     ),
     "latency": Limit(
         "hops between processes",
