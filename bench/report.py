@@ -218,21 +218,26 @@ def _segments(r: Mapping[str, Any]) -> str:
 
 #: How each router shape drives a handoff (`bench.control`'s `router` key of a control row).
 ROUTER_SHAPES = {
-    "per-request": "one create, one ready per stage, the outcome from the decode's event stream",
-    "coalesced": "the creates, and each stage's readies, of one loop turn sent as one batch",
+    "per-request": "one create and one ready per stage, sent at once, the outcome from the "
+    "decode's event stream",
+    "coalesced": "the creates, and each prefill's readies, issued in one loop turn sent as one "
+    "batch request",
 }
 
 
 def _control(r: Mapping[str, Any]) -> str:
     shapes = any("router" in x for x in r["rows"])
+    # Outcomes the event stream did not tell (looked up by GET), where the rows count them.
+    fallbacks = any("fallbacks" in x for x in r["rows"])
     body = table(
         ["PP", *(["router"] if shapes else []), "concurrency", "handoffs/s", "GET /healthz/s",
-         "handoffs ÷ healthz", "p50 ms", "p99 ms", "healthz p50 ms", "not completed"],
+         "handoffs ÷ healthz", "p50 ms", "p99 ms", "healthz p50 ms", "not completed",
+         *(["outcomes by GET"] if fallbacks else [])],
         (
             [num(x["pp"]), *([targets.shape_of(x)] if shapes else []), num(x["concurrency"]),
              num(x["handoffs_per_s"]), num(x["healthz_per_s"]), ratio(x["ratio"]),
              num(x["p50_ms"]), num(x["p99_ms"]), num(x["healthz_p50_ms"]),
-             num(x.get("failed", 0))]
+             num(x.get("failed", 0)), *([num(x.get("fallbacks"))] if fallbacks else [])]
             for x in r["rows"]
         ),
     )  # fmt: skip
@@ -243,6 +248,11 @@ def _control(r: Mapping[str, Any]) -> str:
             f"concurrency {x['concurrency']}: "
             + "; ".join(f"{n} x `{e}`" for e, n in x["errors"].items())
             for x in failed
+        )
+    if fallbacks:
+        body += (
+            "\n\n`outcomes by GET`: outcomes of the best run that the event stream did not tell "
+            "(a gap, an overflow or the stream down), which the router looked up one by one."
         )
     if shapes:
         how = "as a router and engines drive them, in each router shape measured (" + "; ".join(

@@ -94,7 +94,11 @@ def test_the_router_shapes_and_the_decode_cpu_per_gb_have_their_columns(tmp_path
     control = text.split("## Control plane against concurrency", 1)[1].split("\n## ", 1)[0]
     assert "| PP | router | concurrency |" in control
     assert "| 1 | coalesced | 64 | 2,400 | 14,100 | 0.17x |" in control
-    assert "`coalesced`: the creates, and each stage's readies" in control
+    assert "`coalesced`: the creates, and each prefill's readies" in control
+    assert "| 1 | per-request | 256 | 747 | 9,737 | 0.08x | 321 | 1,288 | 8.69 | 0 | 3 |" in control
+    assert (
+        "`outcomes by GET`: outcomes of the best run that the event stream did not tell" in control
+    )
     e2e = text.split("## End to end against request size", 1)[1].split("\n## ", 1)[0]
     assert "| PP | pages | run | all CPU s/GB | decode CPU s/GB | senders CPU s/GB |" in e2e
     assert "| 1 | 8 | landed | 1.10 | 0.46 | 0.64 | 1.90 |" in e2e
@@ -122,6 +126,7 @@ def test_decode_cpu_alone_gets_its_run_rows_without_the_thread_split(tmp_path: P
 def test_old_results_keep_their_tables(doc: dict, tmp_path: Path) -> None:
     text = report.render(doc, {}, base=tmp_path)
     assert "| PP | concurrency | handoffs/s |" in text and "| router |" not in text
+    assert "outcomes by GET" not in text
     assert "long-poll to the end" in text and "CPU s/GB" not in text
 
 
