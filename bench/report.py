@@ -179,10 +179,8 @@ def _cpu_threads(rows: Sequence[Mapping[str, Any]]) -> str:
     return (
         f"\n\nWhere the CPU went in the row furthest below raw Mooncake (PP={worst['pp']}, "
         f"{worst['pages']} pages: landed at {ratio(worst['landed_vs_raw'])} of raw), by process "
-        "and thread kind as `kvhandoff.service.tools.bench.cpu` names them: `main` is a "
-        "process's main thread (a service's event loop), `mooncake-call` kvhandoff's transport "
-        "workers inside the engine's synchronous call (which busy-waits), `worker` the other "
-        "Python threads (gathers, commits), other names the transfer engine's own threads.\n\n"
+        "and thread kind as `kvhandoff.service.tools.bench.cpu` names them (its docstring and "
+        "the performance page say what each kind holds).\n\n"
         f"{body}"
     )
 

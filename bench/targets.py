@@ -86,21 +86,25 @@ LIMITS: dict[str, Limit] = {
     "bulk": Limit(
         "CPU per GB on two cores",
         "On two cores the bytes are CPU-bound: landed ÷ raw is about raw Mooncake's CPU-seconds "
-        "per GB over landed mode's. On top of Mooncake's TCP send and receive, landed mode does "
-        "what its promise rests on (S1-S4: decode KV changes only by the decode's own "
-        "digest-checked commit): each prefill stage gathers a segment's pages into its staging "
-        "buffer and digests them (one pass), and the decode copies each landed window out in "
-        "1 MiB chunks, digests it and scatters it into the handoff's pages (one pass). Raw "
-        "Mooncake moves the same bytes with none of that, and Mooncake's synchronous calls "
-        "busy-wait on their worker threads beside both.",
+        "per GB over landed mode's (the e2e section's CPU table and thread split say where they "
+        "go). On top of Mooncake's TCP send and receive, landed mode does what its promise rests "
+        "on (S1-S4: decode KV changes only by the decode's own digest-checked commit): each "
+        "prefill stage gathers a segment's pages into its staging buffer and digests them (one "
+        "pass, about 0.08 CPU s per GB alone: `kvhandoff bench handoff --cases gather`), and the "
+        "decode copies each landed window out in 1 MiB chunks, digests it and scatters it into "
+        "the handoff's pages (one pass, about 0.09: `--cases commit`), plus each segment's "
+        "bookkeeping on both event loops. Raw Mooncake moves the same bytes with none of that; "
+        "its synchronous calls busy-wait on the batch's status, where a landed stage's calls of "
+        "a few large blocks wait by sleeping.",
     ),
     "decode_cpu": Limit(
         "the decode's commit pass",
         "Direct mode's decode only receives: Mooncake's TCP receive writes into its KV pages. A "
         "landed decode receives the same bytes into its landing arena, then commits them: one "
         "pass that copies each 1 MiB chunk out, digests it and scatters it into the handoff's "
-        "pages, and each segment's bookkeeping (records, events, the notice). The pass is the "
-        "price of the promise that nothing but a matched digest changes decode KV.",
+        "pages (about 0.09 CPU s per GB alone: `kvhandoff bench handoff --cases commit`), and "
+        "each segment's bookkeeping (records, events, the notice). The pass is the price of the "
+        "promise that nothing but a matched digest changes decode KV.",
     ),
     "sglang": Limit(
         "per-request control path (SGLang)",
