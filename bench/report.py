@@ -171,7 +171,11 @@ def _cpu_threads(rows: Sequence[Mapping[str, Any]]) -> str:
         run, thread = key.split(".", 1)
         by_thread.setdefault(thread, {})[run] = seconds
     runs = [k for k, _, _ in CPU_RUNS if any(k in v for v in by_thread.values())]
-    order = sorted(by_thread.items(), key=lambda item: -sum(item[1].values()))
+    # The threads that cost most first; those that cost nothing a table shows are left out.
+    order = sorted(
+        ((t, v) for t, v in by_thread.items() if max(v.values()) >= 0.0005),
+        key=lambda item: -sum(item[1].values()),
+    )
     body = table(
         ["process, thread", *(f"{k} CPU s/GB" for k in runs)],
         ([thread.replace(".", ", ", 1), *(num(v.get(k), 3) for k in runs)] for thread, v in order),
