@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import targets
 from bench.report import PLOTS
 
 DPI = 100
 SIZE = (7.0, 3.6)
+#: A router shape's marker in the control plot, in `targets.SHAPES` order.
+MARKERS = ("o", "s", "^")
 
 
 def _planning(plt: Any, r: Mapping[str, Any]) -> Any:
@@ -61,27 +64,47 @@ def _transport(plt: Any, r: Mapping[str, Any]) -> Any:
     return fig
 
 
+#: The e2e rows' decode CPU per GB (`bench.e2e`, since issue #35), as (key, label, style) like
+#: the GB/s panel's: a third panel where the rows carry landed and direct mode's (raw Mooncake's
+#: receiving decode beside them where they carry it).
+DECODE_CPU = (
+    ("landed_decode_cpu_s_per_gb", "landed", "-"),
+    ("direct_decode_cpu_s_per_gb", "direct", "--"),
+    ("raw_decode_cpu_s_per_gb", "raw 1 MiB", ":"),
+)
+
+
+def has_decode_cpu(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether every e2e row carries the decode's CPU per GB of both modes (older results
+    do not: their plot keeps two panels)."""
+    return bool(rows) and all(x.get(k) is not None for x in rows for k, _, _ in DECODE_CPU[:2])
+
+
 def _e2e(plt: Any, r: Mapping[str, Any]) -> Any:
-    fig, (ax, lat) = plt.subplots(1, 2, figsize=SIZE)
+    cpu = has_decode_cpu(r["rows"])
+    fig, axes = plt.subplots(1, 3 if cpu else 2, figsize=(10.0, SIZE[1]) if cpu else SIZE)
+    ax, lat = axes[0], axes[1]
     for i, pp in enumerate(sorted({x["pp"] for x in r["rows"]})):
         rows = [x for x in r["rows"] if x["pp"] == pp]
         mb = [x["bytes_per_request"] / 1e6 for x in rows]
         c = f"C{i}"
-        for key, label, style in (
-            ("landed_gb_s", "landed", "-"),
-            ("direct_gb_s", "direct", "--"),
-            ("raw_large_gb_s", "raw 1 MiB", ":"),
+        for a, key, label, style in (
+            (ax, "landed_gb_s", "landed", "-"),
+            (ax, "direct_gb_s", "direct", "--"),
+            (ax, "raw_large_gb_s", "raw 1 MiB", ":"),
+            (lat, "landed_p50_ms", "landed", "-"),
+            (lat, "direct_p50_ms", "direct", "--"),
+            *(
+                (axes[2], key, label, style)
+                for key, label, style in DECODE_CPU
+                if cpu and all(x.get(key) is not None for x in rows)
+            ),
         ):
             ys = [x[key] for x in rows]
-            ax.plot(mb, ys, style, color=c, marker="o", label=f"{label}, PP={pp}")
-        for key, label, style in (
-            ("landed_p50_ms", "landed", "-"),
-            ("direct_p50_ms", "direct", "--"),
-        ):
-            ys = [x[key] for x in rows]
-            lat.plot(mb, ys, style, color=c, marker="o", label=f"{label}, PP={pp}")
+            a.plot(mb, ys, style, color=c, marker="o", label=f"{label}, PP={pp}")
     sizes = sorted({x["bytes_per_request"] / 1e6 for x in r["rows"]})
-    for a, ylabel in ((ax, "GB/s"), (lat, "p50 ms per handoff")):
+    ylabels = ["GB/s", "p50 ms per handoff", "decode CPU s per GB"]
+    for a, ylabel in zip(axes, ylabels):
         a.set_xscale("log")
         a.set_xticks(sizes, [f"{x:.0f}" for x in sizes])
         a.minorticks_off()
@@ -89,8 +112,7 @@ def _e2e(plt: Any, r: Mapping[str, Any]) -> Any:
         a.set_ylabel(ylabel)
         a.set_ylim(bottom=0)
         a.grid(True, alpha=0.3)
-    ax.legend(fontsize=6)
-    lat.legend(fontsize=6)
+        a.legend(fontsize=6)
     return fig
 
 
@@ -106,18 +128,27 @@ def _segments(plt: Any, r: Mapping[str, Any]) -> Any:
 
 def _control(plt: Any, r: Mapping[str, Any]) -> Any:
     fig, (ax, lat) = plt.subplots(1, 2, figsize=SIZE)
+    shapes = targets.shapes_of(r["rows"])
     for i, pp in enumerate(sorted({x["pp"] for x in r["rows"]})):
-        rows = [x for x in r["rows"] if x["pp"] == pp]
-        conc = [x["concurrency"] for x in rows]
-        c = f"C{i}"
-        for a, key, style, label in (
-            (ax, "handoffs_per_s", "-", "handoffs"),
-            (ax, "healthz_per_s", ":", "healthz"),
-            (lat, "p50_ms", "-", "p50"),
-            (lat, "p99_ms", "--", "p99"),
-        ):
-            ys = [x[key] for x in rows]
-            a.plot(conc, ys, style, color=c, marker="o", label=f"{label}, PP={pp}")
+        c, healthz = f"C{i}", False
+        for j, shape in enumerate(shapes):
+            rows = [x for x in r["rows"] if x["pp"] == pp and targets.shape_of(x) == shape]
+            if not rows:
+                continue
+            # One shape: today's labels; several: each line names its shape and has its marker.
+            named = f"PP={pp}, {shape}" if len(shapes) > 1 else f"PP={pp}"
+            lines = [
+                (ax, "handoffs_per_s", "-", f"handoffs, {named}"),
+                (lat, "p50_ms", "-", f"p50, {named}"),
+                (lat, "p99_ms", "--", f"p99, {named}"),
+            ]
+            if not healthz:  # the same baseline whichever router shape ran beside it: once
+                lines.append((ax, "healthz_per_s", ":", f"healthz, PP={pp}"))
+                healthz = True
+            conc = [x["concurrency"] for x in rows]
+            for a, key, style, label in lines:
+                ys = [x[key] for x in rows]
+                a.plot(conc, ys, style, color=c, marker=MARKERS[j % len(MARKERS)], label=label)
     for a, ylabel in ((ax, "per second"), (lat, "ms create → completed")):
         a.set_xscale("log", base=2)
         a.set_yscale("log")

@@ -11,12 +11,14 @@ import argparse
 import csv
 import io
 import json
-import math
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from bench import targets
+from bench.tables import div, kib, num, ratio, table
 
 #: The plot of each section (`plots.render_all` writes them under these names).
 PLOTS = {
@@ -27,42 +29,6 @@ PLOTS = {
     "control": "control.png",
     "load": "load_rss.png",
 }
-
-
-# -- formatting ---------------------------------------------------------------------------------
-
-
-def num(value: Any, digits: int = 2) -> str:
-    """A figure for a table: `-` when absent, thousands separated when large."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        if abs(value) >= 1000:
-            return f"{value:,.0f}"
-        if abs(value) >= 100:
-            return f"{value:.0f}"
-        if abs(value) >= 10:
-            return f"{value:.1f}"
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def ratio(value: Any) -> str:
-    return "-" if value is None else f"{num(value)}x"
-
-
-def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def _kib(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 # -- sections -----------------------------------------------------------------------------------
@@ -108,9 +74,9 @@ def _transport(r: Mapping[str, Any]) -> str:
     rows = []
     for block, m in sorted(by_block.items()):
         rows.append(
-            [_kib(block), num(m.get("memcpy")), num(m.get("local")), num(m.get("mooncake-raw")),
-             num(m.get("mooncake")), ratio(_div(m.get("local"), m.get("memcpy"))),
-             ratio(_div(m.get("mooncake"), m.get("mooncake-raw")))]
+            [kib(block), num(m.get("memcpy")), num(m.get("local")), num(m.get("mooncake-raw")),
+             num(m.get("mooncake")), ratio(div(m.get("local"), m.get("memcpy"))),
+             ratio(div(m.get("mooncake"), m.get("mooncake-raw")))]
         )  # fmt: skip
     body = table(
         ["block", "memcpy GB/s", "local GB/s", "raw Mooncake GB/s", "kvhandoff Mooncake GB/s",
@@ -151,6 +117,74 @@ def _e2e(r: Mapping[str, Any]) -> str:
         "bytes — as 1 MiB blocks (how a landed stage packs them) and as the per-page blocks "
         "direct mode plans. Runs interleaved, best of the rounds; p50 is create → completed "
         "as the router sees it.\n\n"
+        f"{body}{_e2e_cpu(rows)}"
+    )
+
+
+#: The e2e rows' CPU accounting (`bench.e2e`, since issue #35), by run: its key prefix, its
+#: senders' key (the prefill stages; raw Mooncake's writer processes) and its label.
+CPU_RUNS = (
+    ("raw", "writer", "raw Mooncake (1 MiB blocks)"),
+    ("landed", "prefill", "landed"),
+    ("direct", "prefill", "direct"),
+)
+
+
+def _e2e_cpu(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The e2e rows' CPU-seconds per GB by run and process, and where the worst row's went by
+    thread; "" for results without them."""
+    runs = [
+        run for run in CPU_RUNS
+        if rows and all(x.get(f"{run[0]}_decode_cpu_s_per_gb") is not None for x in rows)
+    ]  # fmt: skip
+    if not runs:
+        return ""
+    body = table(
+        ["PP", "pages", "run", "all CPU s/GB", "decode CPU s/GB", "senders CPU s/GB",
+         "cores busy"],
+        (
+            [num(x["pp"]), num(x["pages"]), label, num(x.get(f"{k}_cpu_s_per_gb")),
+             num(x[f"{k}_decode_cpu_s_per_gb"]), num(x.get(f"{k}_{side}_cpu_s_per_gb")),
+             num(x.get(f"{k}_cpu_cores"))]
+            for x in rows
+            for k, side, label in runs
+        ),
+    )  # fmt: skip
+    return (
+        "\n\nCPU-seconds per GB moved, as `bench.e2e` accounts them over the same runs (user "
+        "and system time of each process, from /proc): of all the run's processes, of the "
+        "decode, and of the senders (the prefill stages; raw Mooncake's writer processes); "
+        "cores busy is CPU-seconds per wall second: near the host's cores, the run was CPU "
+        f"bound and its GB/s about cores ÷ CPU-seconds per GB.\n\n{body}{_cpu_threads(rows)}"
+    )
+
+
+def _cpu_threads(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Where the CPU of the row furthest below raw Mooncake went, by process and thread kind
+    (the rows' `cpu_threads`: `run.process.thread` → CPU s per GB); "" without it."""
+    split = [x for x in rows if x.get("cpu_threads") and x.get("landed_vs_raw") is not None]
+    if not split:
+        return ""
+    worst = min(split, key=lambda x: float(x["landed_vs_raw"]))
+    by_thread: dict[str, dict[str, float]] = {}
+    for key, seconds in worst["cpu_threads"].items():
+        run, thread = key.split(".", 1)
+        by_thread.setdefault(thread, {})[run] = seconds
+    runs = [k for k, _, _ in CPU_RUNS if any(k in v for v in by_thread.values())]
+    # The threads that cost most first; those that cost nothing a table shows are left out.
+    order = sorted(
+        ((t, v) for t, v in by_thread.items() if max(v.values()) >= 0.0005),
+        key=lambda item: -sum(item[1].values()),
+    )
+    body = table(
+        ["process, thread", *(f"{k} CPU s/GB" for k in runs)],
+        ([thread.replace(".", ", ", 1), *(num(v.get(k), 3) for k in runs)] for thread, v in order),
+    )
+    return (
+        f"\n\nWhere the CPU went in the row furthest below raw Mooncake (PP={worst['pp']}, "
+        f"{worst['pages']} pages: landed at {ratio(worst['landed_vs_raw'])} of raw), by process "
+        "and thread kind as `kvhandoff.service.tools.bench.cpu` names them (its docstring and "
+        "the performance page say what each kind holds).\n\n"
         f"{body}"
     )
 
@@ -184,30 +218,59 @@ def _segments(r: Mapping[str, Any]) -> str:
     return text
 
 
+#: How each router shape drives a handoff (`bench.control`'s `router` key of a control row).
+ROUTER_SHAPES = {
+    "per-request": "one create and one ready per stage, sent at once, the outcome from the "
+    "decode's event stream",
+    "coalesced": "the creates, and each prefill's readies, issued in one loop turn sent as one "
+    "batch request",
+}
+
+
 def _control(r: Mapping[str, Any]) -> str:
+    shapes = any("router" in x for x in r["rows"])
+    # Outcomes the event stream did not tell (looked up by GET), where the rows count them.
+    fallbacks = any("fallbacks" in x for x in r["rows"])
     body = table(
-        ["PP", "concurrency", "handoffs/s", "GET /healthz/s", "handoffs ÷ healthz",
-         "p50 ms", "p99 ms", "healthz p50 ms", "not completed"],
+        ["PP", *(["router"] if shapes else []), "concurrency", "handoffs/s", "GET /healthz/s",
+         "handoffs ÷ healthz", "p50 ms", "p99 ms", "healthz p50 ms", "not completed",
+         *(["outcomes by GET"] if fallbacks else [])],
         (
-            [num(x["pp"]), num(x["concurrency"]), num(x["handoffs_per_s"]),
-             num(x["healthz_per_s"]), ratio(x["ratio"]), num(x["p50_ms"]), num(x["p99_ms"]),
-             num(x["healthz_p50_ms"]), num(x.get("failed", 0))]
+            [num(x["pp"]), *([targets.shape_of(x)] if shapes else []), num(x["concurrency"]),
+             num(x["handoffs_per_s"]), num(x["healthz_per_s"]), ratio(x["ratio"]),
+             num(x["p50_ms"]), num(x["p99_ms"]), num(x["healthz_p50_ms"]),
+             num(x.get("failed", 0)), *([num(x.get("fallbacks"))] if fallbacks else [])]
             for x in r["rows"]
         ),
     )  # fmt: skip
     failed = [x for x in r["rows"] if x.get("failed")]
     if failed:
         body += "\n\nHandoffs that did not complete:\n\n" + "\n".join(
-            f"- PP={x['pp']}, concurrency {x['concurrency']}: "
+            f"- PP={x['pp']}, {targets.shape_of(x) + ' router, ' if shapes else ''}"
+            f"concurrency {x['concurrency']}: "
             + "; ".join(f"{n} x `{e}`" for e, n in x["errors"].items())
             for x in failed
         )
+    if fallbacks:
+        body += (
+            "\n\n`outcomes by GET`: outcomes of the best run that the event stream did not tell "
+            "(a gap, an overflow or the stream down), which the router looked up one by one."
+        )
+    if shapes:
+        how = "as a router and engines drive them, in each router shape measured (" + "; ".join(
+            f"`{shape}`: {ROUTER_SHAPES.get(shape, 'as `bench.control` names it')}"
+            for shape in targets.shapes_of(r["rows"])
+        ) + ")"  # fmt: skip
+    else:
+        how = (
+            "as a router and engines drive them (create on the decode, ready on every stage, "
+            "long-poll to the end)"
+        )
     return (
-        "One-page handoffs of a small dense model (4 layers), every step over HTTP as a router "
-        "and engines drive them (create on the decode, ready on every stage, long-poll to the "
-        "end), with records, the webhook outbox and signed peer messages on; beside plain "
-        "`GET /healthz` round trips to the same decode from the same client at the same "
-        f"concurrency, interleaved, best of the rounds.\n\n{body}"
+        f"One-page handoffs of a small dense model (4 layers), every step over HTTP {how}, with "
+        "records, the webhook outbox and signed peer messages on; beside plain `GET /healthz` "
+        "round trips to the same decode from the same client at the same concurrency, "
+        f"interleaved, best of the rounds.\n\n{body}"
     )
 
 
@@ -288,7 +351,7 @@ def _versus(r: Mapping[str, Any], native: str) -> list[list[str]]:
                 body.append([num(c), label, num(k.get(key)), num(n.get(key)), ""])
                 continue
             a, b = _figure(k.get(key)), _figure(n.get(key))
-            body.append([num(c), label, num(a, digits), num(b, digits), ratio(_div(a, b))])
+            body.append([num(c), label, num(a, digits), num(b, digits), ratio(div(a, b))])
     return body
 
 
@@ -359,8 +422,8 @@ def _vllm_verdict(r: Mapping[str, Any]) -> str:
         k, n = rows.get(("kvhandoff", c)), rows.get(("nixl", c))
         if k is None or n is None:
             continue
-        lat, rps = _div(k["p50_ms"], n["p50_ms"]), _div(k["req_per_s"], n["req_per_s"])
-        ttft = _div(k["ttft_p50_ms"], n["ttft_p50_ms"])
+        lat, rps = div(k["p50_ms"], n["p50_ms"]), div(k["req_per_s"], n["req_per_s"])
+        ttft = div(k["ttft_p50_ms"], n["ttft_p50_ms"])
         if lat is None or rps is None or ttft is None:
             continue
         if max(abs(lat - 1), abs(rps - 1)) <= 0.1:
@@ -406,7 +469,7 @@ def _vllm(r: Mapping[str, Any]) -> str:
         f"{num(r['rounds'])} rounds alternating which backend goes first, each concurrency a "
         "closed loop (the table's `requests` per backend over all rounds). Latency and TTFT run "
         "from the send to the prefill. p99 of so few requests is close to their maximum. A "
-        f"request's KV is {_kib(kv)}: the figures compare each connector's per-request control "
+        f"request's KV is {kib(kv)}: the figures compare each connector's per-request control "
         f"path far more than its data path. Start-up: {_starts(r)}.\n\n"
         + table(["concurrency", "", "kvhandoff", "NixlConnector", "kvhandoff ÷ Nixl"],
                 _versus(r, "nixl"))
@@ -427,74 +490,7 @@ SECTION_TEXT: dict[str, tuple[str, Callable[[Mapping[str, Any]], str]]] = {
 }
 
 
-# -- targets ------------------------------------------------------------------------------------
-
-
-def _find(rows: Sequence[Mapping[str, Any]], **where: Any) -> Mapping[str, Any] | None:
-    for row in rows:
-        if all(row.get(k) == v for k, v in where.items()):
-            return row
-    return None
-
-
-def targets(doc: Mapping[str, Any]) -> list[list[str]]:
-    """Issue #20's targets against this run: [target, measured, met]."""
-    out: list[list[str]] = []
-    sections = doc.get("sections", {})
-    control = sections.get("control", {}).get("result", {}).get("rows", [])
-    for pp, want in ((1, 2500.0), (4, 1500.0)):
-        row = _find(control, pp=pp, concurrency=64)
-        if row is not None:
-            got = row["handoffs_per_s"]
-            out.append(
-                [f"≥ {want:,.0f} one-page handoffs/s, PP={pp}, concurrency 64",
-                 f"{num(got)}/s ({ratio(row['ratio'])} healthz)", _met(got >= want)]
-            )  # fmt: skip
-    row = _find(control, pp=1, concurrency=1)
-    if row is not None:
-        out.append(
-            ["p50 ≤ 1.5 ms create → completed, one page, concurrency 1",
-             f"{num(row['p50_ms'])} ms", _met(row["p50_ms"] <= 1.5)]
-        )  # fmt: skip
-    load = sections.get("load", {}).get("result")
-    if load:
-        out.append(["load: 0 lost", f"{num(load['lost'])} lost", _met(load["lost"] == 0)])
-        lost = sum(load["peer_lost"].values())
-        out.append(["load: no peer declared lost", f"{num(lost)} declared", _met(lost == 0)])
-        worst = max((max(v["ratio"], v["anon_ratio"]) for v in load["rss"]), default=0.0)
-        out.append(
-            [f"load: RSS flat (last ÷ first quarter ≤ {num(load['max_rss_growth'])})",
-             f"worst {ratio(worst)}", _met(all(v["ok"] for v in load["rss"]))]
-        )  # fmt: skip
-    return out
-
-
-def _met(ok: bool) -> str:
-    return "met" if ok else "**missed**"
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
-
-
 # -- the document -------------------------------------------------------------------------------
-
-#: What holds the control-plane targets back, as profiled (py-spy on the decode and a prefill
-#: under the PP=1 concurrency-64 case, and `tests/perf`'s counts per handoff); shown when a
-#: target is missed.
-LIMITS = (
-    "What limits the control-plane figures, as profiled on this machine: each one-page "
-    "handoff is three router requests (create, ready, a long poll) and, per stage, a "
-    "destination and a segment notice (batched per peer under load): about 40% of the "
-    "decode's event loop is aiohttp and socket I/O (parsing requests, writing answers), the "
-    "handoff's own work (checks, its segment's commit, events, records) most of the rest. "
-    "Records commit in groups (one per turn of the loop), so SQLite is no longer the "
-    "largest cost. With PP=4 every stage is its own prefill process: four destinations and "
-    "four segment notices per handoff, which nothing can batch across processes. At "
-    "concurrency 1 the figure is the sum of those hops' latencies on two shared cores, where "
-    "each loopback message is a context switch between busy processes (the loop's own "
-    "polling and socket writes are half the decode's time there)."
-)
 
 
 def render(
@@ -524,7 +520,8 @@ def render(
         f"Measured at commit `{m.get('commit')}` on {m.get('at')}: {m.get('cpus')} CPUs "
         f"({m.get('cpu_model') or 'unknown CPU'}), {software}"
         + (f"; load average {', '.join(num(x) for x in load)} at the start" if load else "")
-        + f". `make bench` took {num(float(doc['wall_s']))} s (bound {num(doc['budget_s'])} s)"
+        + f". `make bench` took {num(float(doc['wall_s']))} s (bound {num(doc['budget_s'])} s"
+        + ("; **over its bound**)" if float(doc["wall_s"]) > float(doc["budget_s"]) else ")")
         + (" — a `--quick` smoke run: sizes are tiny" if doc.get("quick") else "")
         + ".",
         "",
@@ -534,11 +531,8 @@ def render(
         "[bench/results.json](bench/results.json) and [bench/results.csv](bench/results.csv). "
         "Reproduce with `make bench` (`make soak` runs the load check for ten minutes).",
     ]
-    rows = targets(doc)
-    if rows:
-        parts += ["", "## Targets (issue #20)", "", table(["target", "this run", ""], rows)]
-        if any("missed" in str(r[-1]) for r in rows):
-            parts += ["", LIMITS]
+    judged = targets.verdicts(doc, engines, vllm)
+    parts += ["", f"## {targets.TITLE}", "", targets.section(judged)]
     for name, section in doc["sections"].items():
         title, fn = SECTION_TEXT[name]
         parts += ["", f"## {title}", ""]
@@ -562,8 +556,9 @@ def render(
 
 def flat_rows(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every numeric figure as (section, params, metric, value): params are the row's
-    identifying fields (pp, pages, concurrency, ...), `k=v` joined by `;`."""
-    keys = ("pp", "pages", "layers", "concurrency", "block_bytes", "method", "process")
+    identifying fields (pp, pages, concurrency, the control rows' router shape, ...), `k=v`
+    joined by `;`."""
+    keys = ("pp", "pages", "layers", "concurrency", "router", "block_bytes", "method", "process")
     out: list[dict[str, Any]] = []
     for name, section in doc["sections"].items():
         result = section.get("result")
