@@ -244,15 +244,26 @@ def _over_rows(
 
 
 def _bulk(doc: Mapping[str, Any]) -> list[Verdict]:
+    # Against the faster raw baseline where both ran: the sync call's spin slows raw Mooncake
+    # on two cores, and a landed stage's large blocks do not spin (`bench.e2e`).
+    both = any(r.get("landed_vs_best_raw") is not None for r in _rows(doc, "e2e"))
     figure, met = _over_rows(
-        doc, "landed_vs_raw", LANDED_VS_RAW, higher_is_better=True,
-        detail=lambda r: f"{num(r['landed_gb_s'])} against {num(r['raw_large_gb_s'])} GB/s",
+        doc, "landed_vs_best_raw" if both else "landed_vs_raw", LANDED_VS_RAW,
+        higher_is_better=True, detail=_raw_detail,
     )  # fmt: skip
     target = (
-        f"landed bulk ≥ {LANDED_VS_RAW:g}x raw Mooncake (1 MiB blocks), same topology, "
+        f"landed bulk ≥ {LANDED_VS_RAW:g}x raw Mooncake (1 MiB blocks"
+        f"{', the faster of its sync and sleeping waits' if both else ''}), same topology, "
         "worst end-to-end row"
     )
     return [Verdict(target, figure, met, "bulk")]
+
+
+def _raw_detail(r: Mapping[str, Any]) -> str:
+    raw = f"{num(r['raw_large_gb_s'])}"
+    if r.get("raw_sleeping_gb_s") is not None:
+        raw += f" (sync) and {num(r['raw_sleeping_gb_s'])} (sleeping)"
+    return f"{num(r['landed_gb_s'])} against {raw} GB/s"
 
 
 def _decode_cpu(doc: Mapping[str, Any]) -> list[Verdict]:
