@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from kvhandoff.transport.blocks import Blocks
 from kvhandoff.transport.config import MooncakeConfig
@@ -17,17 +18,21 @@ MiB = 1 << 20
 
 class Script:
     """The engine's async calls: batch ids 1, 2, ... in submission order; each id's statuses
-    in order (the last one repeats); submission `fail_at` (1-based) returns 0."""
+    in order (the last one repeats); submission `fail_at` (1-based) returns 0, submission
+    `raise_at` raises MemoryError (as the binding may, before or after the engine took it)."""
 
-    def __init__(self, statuses: dict[int, list[int]], fail_at: int = 0) -> None:
+    def __init__(self, statuses: dict[int, list[int]], fail_at: int = 0, raise_at: int = 0) -> None:
         self.statuses = statuses
         self.fail_at = fail_at
+        self.raise_at = raise_at
         self.submitted: list[list[int]] = []
         self.checks: list[int] = []
         self.ended: set[int] = set()
 
     def submit(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> int:
         assert peer == "peer" and len(src) == len(dst) == len(length) == 1  # one entry each
+        if len(self.submitted) + 1 == self.raise_at:
+            raise MemoryError("std::bad_alloc")
         self.submitted.append([src[0], dst[0], length[0]])
         return 0 if len(self.submitted) == self.fail_at else len(self.submitted)
 
@@ -63,6 +68,14 @@ def test_a_failed_submission_stops_submitting_and_waits_for_what_runs() -> None:
     assert write_polled(s.submit, s.check, "peer", ROWS, budget_ns=10**10, poll_s=0) == -1
     assert s.submitted == ROWS[:2]  # the third block never went
     assert s.ended == {1}
+
+
+def test_a_submission_that_raises_still_waits_for_the_blocks_already_submitted() -> None:
+    s = Script({1: [0, 0, 1]}, raise_at=2)
+    with pytest.raises(MemoryError):
+        write_polled(s.submit, s.check, "peer", ROWS, budget_ns=10**10, poll_s=0)
+    assert s.submitted == ROWS[:1]
+    assert s.ended == {1}  # block 1 was checked until it ended, not abandoned running
 
 
 def test_a_timed_out_block_fails_the_call() -> None:
