@@ -100,6 +100,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import logging
 import os
 import threading
 import time
@@ -121,12 +122,18 @@ from kvhandoff.transport.mooncake_engine import (
     refuse_memory,
     start_engine,
 )
-from kvhandoff.transport.mooncake_polled import polled_call
+from kvhandoff.transport.mooncake_polled import check_ended, polled_call
 from kvhandoff.transport.regions import Region, RegionTable
 from kvhandoff.transport.workers import Workers
 
 #: Niceness added to the worker threads that wait in engine calls (see `_lower_priority`).
 WORKER_NICE = 10
+#: Between two checks of a lane's orphaned batch ids (on the loop): orphans exist only after a
+#: call gave up on a stalled peer, and a check costs microseconds per id; `quiesce` returns at
+#: most this much after the last of them ended.
+ORPHAN_POLL_S = 0.01
+
+log = logging.getLogger(__name__)
 
 
 class MooncakeTransport:
@@ -356,16 +363,49 @@ class MooncakeTransport:
             self._settle(lane, queued)
 
     def _call_ended(self, lane: PeerLane) -> None:
-        """Loop: a call of this lane returned; wake the `quiesce` calls it was the last for."""
+        """Loop: a call of this lane returned, or its last orphan ended; wake the `quiesce`
+        calls waiting for no more than that."""
         with lane.lock:
             ended = lane.calls_ended
+            orphaned = bool(lane.orphans)
         waiting = []
         for target, fut in lane.quiescers:
-            if target > ended:
+            if target > ended or orphaned:
                 waiting.append((target, fut))
             elif not fut.done():
                 fut.set_result(None)
         lane.quiescers = waiting
+
+    def _orphaned(self, lane: PeerLane, loop: asyncio.AbstractEventLoop, ids: list[int]) -> None:
+        """Worker, inside a polled call that gave up (or raised) with batches still running:
+        they stay the lane's, which is stuck until each reports an end (rule 6); the loop
+        checks them (`_poll_orphans`). Runs before the call counts as ended, so the lane is
+        never unstuck between the two."""
+        with lane.lock:
+            lane.orphans.update(ids)
+        _post(loop, self._poll_orphans, lane)
+
+    def _poll_orphans(self, lane: PeerLane) -> None:
+        """Loop: check the lane's orphaned ids now and every `ORPHAN_POLL_S` until none runs,
+        then wake `quiesce`. On the loop, not a thread: orphans are rare, a check is a few
+        microseconds, and the waiters (`quiesce`) are here; `close` checks them itself."""
+        if lane.orphan_timer is not None:
+            lane.orphan_timer.cancel()  # this check replaces the one it had scheduled
+        lane.orphan_timer = None
+        loop = asyncio.get_running_loop()
+        if self._check_orphans(lane):
+            lane.orphan_timer = loop.call_later(ORPHAN_POLL_S, self._poll_orphans, lane)
+            return
+        self._call_ended(lane)
+        self._idle_check(lane, loop)
+
+    def _check_orphans(self, lane: PeerLane) -> int:
+        """Any thread: check each orphaned id of the lane once (under its lock, so no id is
+        checked twice at once or after it ended); how many still run."""
+        with lane.lock:
+            if lane.orphans:
+                check_ended(self._engine.transfer_check_status, lane.orphans)
+            return len(lane.orphans)
 
     def _stuck_error(self, lane: PeerLane) -> TransportTimeout:
         return TransportTimeout(
@@ -385,7 +425,8 @@ class MooncakeTransport:
             # write's `abandoned` (set before a pipeline calls `quiesce`): not ours to wait for.
             with lane.lock:
                 started, ended = lane.calls_started, lane.calls_ended
-            if ended < started:
+                orphaned = bool(lane.orphans)
+            if ended < started or orphaned:
                 fut = loop.create_future()
                 lane.quiescers.append((started, fut))
                 waits.append(fut)
@@ -494,7 +535,7 @@ class MooncakeTransport:
             blocks = (
                 taken[0].blocks if len(taken) == 1 else Blocks.concat([b.blocks for b in taken])
             )
-            engine_call = self._engine_call(lane.peer, blocks)
+            engine_call = self._engine_call(lane, loop, blocks)
             # The last check before the engine call, in this thread, after its arguments
             # are built: no batch starts after its `start_by`, none of an abandoned write
             # starts, and `quiesce` (same lock) sees every call that does start.
@@ -502,6 +543,8 @@ class MooncakeTransport:
                 now = time.monotonic()
                 late = [b for b in taken if b.start_by is not None and now > b.start_by]
                 gone = [b for b in taken if b.write.abandoned and b not in late]
+                if lane.orphans:  # rule 6: nothing new starts while an orphan may still write
+                    gone = [b for b in taken if b not in late]
                 if not late and not gone:
                     call = next(self._calls)
                     lane.calls_started += 1
@@ -512,7 +555,8 @@ class MooncakeTransport:
             for b in late:
                 self._report(loop, lane, b, self._late_error(lane))
             for b in gone:
-                self._report(loop, lane, b, self._abandoned_error(lane))
+                why = self._stuck_error(lane) if lane.orphans else self._abandoned_error(lane)
+                self._report(loop, lane, b, why)
             taken[:] = [b for b in taken if b not in late and b not in gone]
             if not taken:
                 return None
@@ -537,11 +581,16 @@ class MooncakeTransport:
                 self._counts.calls += 1
             _post(loop, self._call_ended, lane)
 
-    def _engine_call(self, peer: str, blocks: Blocks) -> Callable[[], int]:
+    def _engine_call(
+        self, lane: PeerLane, loop: asyncio.AbstractEventLoop, blocks: Blocks
+    ) -> Callable[[], int]:
         """Worker: the engine call for `blocks`, its arguments built (a few large blocks: the
-        sleeping wait of `mooncake_polled`; else numpy arrays where the engine takes them,
-        lists otherwise), ready to run after the last check."""
-        polled = polled_call(self._engine, self._config, peer, blocks)
+        sleeping wait of `mooncake_polled`, its batches left running kept by the lane; else
+        numpy arrays where the engine takes them, lists otherwise), ready to run after the
+        last check."""
+        peer = lane.peer
+        orphaned = functools.partial(self._orphaned, lane, loop)
+        polled = polled_call(self._engine, self._config, peer, blocks, orphaned)
         if polled is not None:
             return polled
         if self._write_arrays is not None:
@@ -604,7 +653,7 @@ class MooncakeTransport:
         """Loop: forget a lane idle for `peer_idle_s` (no batch in flight, no call running)."""
         lane.reaper = None
         with lane.lock:
-            busy = lane.scheduled or lane.in_call != 0 or bool(lane.pending)
+            busy = lane.scheduled or lane.in_call != 0 or bool(lane.pending or lane.orphans)
         idle = lane.inflight == 0 and lane.users == 0 and not busy and not lane.quiescers
         if idle and self._lanes.get(lane.peer) is lane:
             del self._lanes[lane.peer]
@@ -615,15 +664,39 @@ class MooncakeTransport:
         return self._engine
 
     def close(self) -> None:
-        """Wait for running engine calls (bounded by `max_call_s`), fail what is queued,
-        unregister, and stop the worker threads. Idempotent."""
+        """Wait for running engine calls (bounded by `max_call_s`), fail what is queued, stop
+        the worker threads, wait for orphaned batches to end (bounded by another `max_call_s`),
+        and unregister. Idempotent.
+
+        If orphans still run then (a peer stopped for good), the source memory stays registered
+        (logged): the engine may still read it, and unregistering under a running write is
+        what the wait exists to prevent. The caller's memory is the caller's to keep."""
         if self._closed:
             return
         self._closed = True  # workers fail the batches they take from now on, without a call
         self._workers.close()  # runs the queued drains (fast now) and joins every thread
+        running = self._wait_orphans(time.monotonic() + self._config.max_call_s)
         # Reaper timers left armed find their lane gone: close may run off the loop's thread.
         self._lanes.clear()
+        if running:
+            log.warning(
+                "transport closed with batches still running in the engine (peer: count) %s; "
+                "source memory left registered",
+                running,
+            )
+            return
         self._unregister(self._sources.regions)
+
+    def _wait_orphans(self, deadline: float) -> dict[str, int]:
+        """Any thread: check every lane's orphans until none runs or `deadline` passed; those
+        still running by peer."""
+        while True:
+            running = {
+                peer: n for peer, lane in self._lanes.items() if (n := self._check_orphans(lane))
+            }
+            if not running or time.monotonic() > deadline:
+                return running
+            time.sleep(ORPHAN_POLL_S)
 
 
 def _lower_priority() -> None:

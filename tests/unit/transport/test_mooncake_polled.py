@@ -18,7 +18,7 @@ MiB = 1 << 20
 
 class Script:
     """The engine's async calls: batch ids 1, 2, ... in submission order; each id's statuses
-    in order (the last one repeats); submission `fail_at` (1-based) returns 0, submission
+    in order (the last one repeats); ids handed over as orphans in `orphans`; submission `fail_at` (1-based) returns 0, submission
     `raise_at` raises MemoryError (as the binding may, before or after the engine took it)."""
 
     def __init__(self, statuses: dict[int, list[int]], fail_at: int = 0, raise_at: int = 0) -> None:
@@ -28,6 +28,12 @@ class Script:
         self.submitted: list[list[int]] = []
         self.checks: list[int] = []
         self.ended: set[int] = set()
+        self.orphans: list[int] = []
+
+    def call(self, budget_ns: int = 10**10, poll_s: float = 0) -> int:
+        return write_polled(
+            self.submit, self.check, "peer", ROWS, budget_ns, self.orphans.extend, poll_s
+        )
 
     def submit(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> int:
         assert peer == "peer" and len(src) == len(dst) == len(length) == 1  # one entry each
@@ -41,7 +47,7 @@ class Script:
         self.checks.append(batch)
         script = self.statuses[batch]
         status = script.pop(0) if len(script) > 1 else script[0]
-        if status != 0:
+        if status in (1, -1):  # the engine frees the id; -2 keeps it (the write may run)
             self.ended.add(batch)
         return status
 
@@ -51,21 +57,21 @@ ROWS = [[100, 200, MiB], [101, 201, MiB], [102, 202, MiB]]
 
 def test_every_block_completes_and_the_call_succeeds() -> None:
     s = Script({1: [0, 0, 1], 2: [1], 3: [0, 1]})
-    assert write_polled(s.submit, s.check, "peer", ROWS, budget_ns=10**10, poll_s=0) == 0
+    assert s.call() == 0
     assert s.submitted == ROWS
     assert s.ended == {1, 2, 3}
 
 
 def test_a_failed_block_fails_the_call_only_after_the_others_ended() -> None:
     s = Script({1: [-1], 2: [0, 0, 0, 1], 3: [1]})
-    assert write_polled(s.submit, s.check, "peer", ROWS, budget_ns=10**10, poll_s=0) == -1
+    assert s.call() == -1
     assert s.ended == {1, 2, 3}
     assert s.checks[-1] == 2  # waited for block 2 to end, not just until block 1 failed
 
 
 def test_a_failed_submission_stops_submitting_and_waits_for_what_runs() -> None:
     s = Script({1: [0, 0, 1]}, fail_at=2)
-    assert write_polled(s.submit, s.check, "peer", ROWS, budget_ns=10**10, poll_s=0) == -1
+    assert s.call() == -1
     assert s.submitted == ROWS[:2]  # the third block never went
     assert s.ended == {1}
 
@@ -73,21 +79,44 @@ def test_a_failed_submission_stops_submitting_and_waits_for_what_runs() -> None:
 def test_a_submission_that_raises_still_waits_for_the_blocks_already_submitted() -> None:
     s = Script({1: [0, 0, 1]}, raise_at=2)
     with pytest.raises(MemoryError):
-        write_polled(s.submit, s.check, "peer", ROWS, budget_ns=10**10, poll_s=0)
+        s.call()
     assert s.submitted == ROWS[:1]
     assert s.ended == {1}  # block 1 was checked until it ended, not abandoned running
+    assert s.orphans == []
 
 
-def test_a_timed_out_block_fails_the_call() -> None:
-    s = Script({1: [1], 2: [-2], 3: [1]})
-    assert write_polled(s.submit, s.check, "peer", ROWS, budget_ns=10**10, poll_s=0) == -1
+def test_a_submission_that_raises_hands_over_what_still_runs_at_the_budget() -> None:
+    s = Script({1: [0], 2: [0, 1]}, raise_at=3)
+    with pytest.raises(MemoryError):
+        s.call(budget_ns=20_000_000, poll_s=0.001)
+    assert s.ended == {2} and s.orphans == [1]
+
+
+def test_a_status_check_that_raises_hands_over_every_id_not_ended() -> None:
+    s = Script({1: [1], 2: [0], 3: [0]})
+
+    def check(batch: int) -> int:
+        if batch == 3:
+            raise RuntimeError("binding")
+        return s.check(batch)
+
+    with pytest.raises(RuntimeError):
+        write_polled(s.submit, check, "peer", ROWS, 10**10, s.orphans.extend, 0)
+    assert s.ended == {1} and s.orphans == [2, 3]  # 1 ended: never handed over (freed)
+
+
+def test_a_timed_out_status_is_still_running_until_the_budget_and_is_handed_over() -> None:
+    s = Script({1: [1], 2: [-2], 3: [1]})  # -2: the engine keeps the id; the write may run
+    assert s.call(budget_ns=20_000_000, poll_s=0.001) == -1
+    assert s.checks.count(2) > 1 and s.orphans == [2]
 
 
 def test_the_call_gives_up_once_the_engine_allowance_is_spent() -> None:
     s = Script({1: [0], 2: [1], 3: [1]})
     t0 = time.monotonic()
-    assert write_polled(s.submit, s.check, "peer", ROWS, budget_ns=50_000_000, poll_s=0.001) == -1
+    assert s.call(budget_ns=50_000_000, poll_s=0.001) == -1
     assert 0.05 <= time.monotonic() - t0 < 1.0
+    assert s.orphans == [1]  # still running: handed over, not abandoned
 
 
 class AsyncEngine:
@@ -105,9 +134,12 @@ def _blocks(n: int, size: int) -> Blocks:
 
 def test_only_few_large_tcp_blocks_on_an_engine_with_async_calls_take_the_polled_wait() -> None:
     tcp = MooncakeConfig()
-    assert polled_call(AsyncEngine(), tcp, "peer", _blocks(16, MiB)) is not None
-    assert polled_call(AsyncEngine(), tcp, "peer", _blocks(16, MIN_BLOCK_BYTES // 2)) is None
-    assert polled_call(AsyncEngine(), tcp, "peer", _blocks(65, MiB)) is None
-    assert polled_call(object(), tcp, "peer", _blocks(16, MiB)) is None
+    orphans: list[int] = []
+    engine = AsyncEngine()
+    assert polled_call(engine, tcp, "peer", _blocks(16, MiB), orphans.extend) is not None
+    small = _blocks(16, MIN_BLOCK_BYTES // 2)
+    assert polled_call(engine, tcp, "peer", small, orphans.extend) is None
+    assert polled_call(engine, tcp, "peer", _blocks(65, MiB), orphans.extend) is None
+    assert polled_call(object(), tcp, "peer", _blocks(16, MiB), orphans.extend) is None
     rdma = MooncakeConfig(protocol="rdma", device_name="mlx5_0")
-    assert polled_call(AsyncEngine(), rdma, "peer", _blocks(16, MiB)) is None
+    assert polled_call(engine, rdma, "peer", _blocks(16, MiB), orphans.extend) is None
