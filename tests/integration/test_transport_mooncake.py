@@ -255,21 +255,27 @@ async def test_few_large_blocks_wait_by_sleeping_land_byte_exact_and_fail_cleanl
         src_pool.close()
 
 
-async def test_a_stopped_receiver_ends_the_polled_call_within_max_call_s(
+async def test_a_stopped_receiver_keeps_quiesce_waiting_until_the_last_byte_landed(
     counted: MooncakeTransport,
 ) -> None:
     """Receiver stopped (SIGSTOP) under a call of 32 x 1 MiB: the write raises TransportTimeout,
-    and the engine call itself gives up (its budget, the engine's own allowance) within
-    `max_call_s` of the write, while the receiver is still stopped."""
+    and the engine call itself gives up within `max_call_s` (the engine cannot cancel the
+    writes: their batch ids stay the lane's). While the receiver stays stopped the peer is stuck
+    (a new write fails at once) and `quiesce` does not return; resumed (SIGCONT), every byte of
+    the timed-out call lands, then `quiesce` returns, and after that the source is no longer
+    read: refilled, none of the new bytes reaches the receiver."""
     size = 32 << 20
     remote = Remote([size])
     src_pool = open_pool("torch:cpu", [size])
     pid = remote.receiver.proc.pid
     try:
         src_pool.register(counted)
+        source = src_pool.view(0)
         blocks = _big_blocks(src_pool.bases[0], remote.receiver.bases[0], size, 1 << 20)
+        source[:] = 1
         await counted.write(remote.target, blocks)  # connected and working
         calls = counted.stats().engine_calls
+        source[:] = 2
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
         with pytest.raises(TransportTimeout):
@@ -278,8 +284,21 @@ async def test_a_stopped_receiver_ends_the_polled_call_within_max_call_s(
             assert time.monotonic() - t0 < FAILURE_BOUND_S, "the engine call never returned"
             await asyncio.sleep(0.01)
         assert time.monotonic() - t0 <= counted.max_call_s
+        quiet = asyncio.create_task(counted.quiesce(remote.target))
+        await asyncio.sleep(1.0)
+        assert not quiet.done(), "quiesce returned while the stopped receiver's writes run"
+        with pytest.raises(TransportTimeout, match="still"):  # stuck: fails at once
+            await asyncio.wait_for(counted.write(remote.target, blocks), 1.0)
+        os.kill(pid, signal.SIGCONT)
+        await asyncio.wait_for(quiet, FAILURE_BOUND_S)
+        source[:] = 3  # after quiesce: the engine must no longer read it
+        await asyncio.sleep(1.0)
+        assert np.all(remote.file == 2), "the timed-out call's bytes, all landed before quiesce"
+        await counted.write(remote.target, blocks)  # the peer is usable again
+        assert np.all(remote.file == 3)
         assert engine_of(counted).sync_writes == []
     finally:
+        os.kill(pid, signal.SIGCONT)
         os.kill(pid, signal.SIGKILL)
         remote.receiver.proc.wait()
         await counted.quiesce()
