@@ -34,18 +34,35 @@ The write path's safety rules, each enforced in one place here:
    worker thread, under the lane lock, after the call's arguments are built and immediately
    before the engine call, so neither a stalled loop nor slow preparation can delay it. Test:
    `test_no_batch_starts_after_start_by_even_if_it_passes_while_preparing`.
-4. *`quiesce` returns only once no started call can still write.* Calls are counted under the
-   same lock as check 3 (`calls_started`/`calls_ended`); `quiesce` waits for the calls started
-   before it; a call starting after it has passed check 3 after the caller abandoned its write.
-   Test: `test_only_the_callers_cancellation_cancels_and_started_calls_finish`.
-5. *A call's writes end by `max_call_s` after its check in rule 3 passed*
+4. *`quiesce` returns only once no started call is running, and no batch of a polled call
+   that gave up still runs.* Calls are counted under the same lock as check 3
+   (`calls_started`/`calls_ended`); `quiesce` waits for the calls started before it and for the
+   lane's orphans (rule 6); a call starting after it has passed check 3 after the caller
+   abandoned its write. Tests: `test_only_the_callers_cancellation_cancels_and_started_calls_
+   finish`, `test_a_stopped_receiver_keeps_quiesce_waiting_until_the_last_byte_landed`.
+5. *A call returns by `max_call_s` after its check in rule 3 passed*
    (`MooncakeConfig.max_call_s`: an allowance for the thread being preempted between the check
-   and the call, the engine's timeout, and 1 ns per byte of the largest batch). A peer that
-   knows a write's `start_by` knows when its bytes can no longer land: `start_by + max_call_s`.
+   and the call, the engine's timeout, and 1 ns per byte of the largest batch). What stops
+   writing then depends on the call, because the engine cannot cancel a write (on TCP the
+   session's body write has no deadline; only the ack has one):
+   - the *polled* call (`mooncake_polled`: a few large TCP blocks, landed stages' staged
+     blocks) holds its batch ids; those still running when it gives up stay the lane's
+     (rule 6) until the engine reports each ended, so `quiesce(peer)` is the point after which
+     no byte of that peer's calls lands or is read from the source;
+   - the *sync* call (many small blocks: direct mode's per-page runs; every other protocol)
+     leaves the engine no handle to ask: its return is the only bound there is, and on TCP a
+     receiver stopped (SIGSTOP) past it still gets bytes after it, read from the source after
+     the call returned, once it resumes.
+   So `start_by + max_call_s` bounds when a write's bytes land only while the receiver keeps
+   reading; a receiver stopped past it is outside the bound on either path.
 6. *"Stuck" is a fact, not a flag*: a lane is stuck while the call that outlived
-   `transfer_timeout_s` is still running (`kvhandoff.transport.lanes.PeerLane.stuck`, read from the
-   call ids under the lock). Test:
-   `test_a_stuck_peer_fails_queued_batches_with_their_own_current_error`.
+   `transfer_timeout_s` is still running, or while any batch id a polled call handed over
+   (`PeerLane.orphans`) has not reported an end (`kvhandoff.transport.lanes.PeerLane.stuck`,
+   read under the lock): new writes to the peer fail at once and no call to it starts. The loop
+   checks orphans every `ORPHAN_POLL_S`; `close` waits for them at most `max_call_s` more, then
+   leaves the source memory registered (logged) rather than unregister it under a running
+   write. Tests: `test_a_stuck_peer_fails_queued_batches_with_their_own_current_error`,
+   `test_a_stopped_receiver_keeps_quiesce_waiting_until_the_last_byte_landed`.
 
 Why sync calls on worker threads, not `batch_transfer_async_write` + one waiter thread: both
 engine paths busy-wait a core while a batch runs, and on this 2-core machine (256 MiB to a
@@ -75,7 +92,9 @@ constructed; floor 5 s, default 30 s) plus 1 ns per byte of the batch. So `start
 `transfer_timeout_s` per batch itself (timer armed when the worker starts the batch): the write
 raises `TransportTimeout` on time, while the worker thread stays inside the engine call until the
 engine gives up. Until then the peer is stuck (rule 6): new writes to it fail at once, and
-`quiesce(peer)` waits for the call to return — the only point after which no byte can still land.
+`quiesce(peer)` waits for the call to return, and for a polled call's batches still running
+after it (rule 5): on the polled path that is the point after which no byte lands; on the sync
+path the engine may keep sending a returned call's bytes to a receiver that is stopped.
 
 Which engine call. Builds with the array API (`batch_transfer_sync_write_arrays`, Mooncake
 0.3.14: the same call taking three contiguous 8-byte-integer buffers instead of three
@@ -700,8 +719,8 @@ class MooncakeTransport:
 
 
 def _lower_priority() -> None:
-    """Worker threads mostly spin inside the engine's sync call waiting for the batch; on few
-    cores that spinning competes with the engine's own I/O threads and the event loops of every
+    """Worker threads wait inside engine calls: the sync call spins on the batch's status (the
+    polled one sleeps between checks); on few cores that spinning competes with the engine's own I/O threads and the event loops of every
     process. A lower priority (Linux: per thread) leaves them the CPU they need."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
