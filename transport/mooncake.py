@@ -162,6 +162,10 @@ class MooncakeTransport:
         self._engine = engine
         # Looked up once: an engine build either has the array call or it does not.
         self._write_arrays: WriteArrays | None = getattr(engine, WRITE_ARRAYS, None)
+        # The polled path's status check (`mooncake_polled`), for the ids it leaves running.
+        self._check_status: Callable[[int], int] | None = getattr(
+            engine, "transfer_check_status", None
+        )
         self._closed = False
         self._config = config
         self._target = target
@@ -422,8 +426,8 @@ class MooncakeTransport:
         """Any thread: check each orphaned id of the lane once (under its lock, so no id is
         checked twice at once or after it ended); how many still run."""
         with lane.lock:
-            if lane.orphans:
-                check_ended(self._engine.transfer_check_status, lane.orphans)
+            if lane.orphans and self._check_status is not None:  # orphans: polled calls only
+                check_ended(self._check_status, lane.orphans)
             return len(lane.orphans)
 
     def _stuck_error(self, lane: PeerLane) -> TransportTimeout:
@@ -720,8 +724,9 @@ class MooncakeTransport:
 
 def _lower_priority() -> None:
     """Worker threads wait inside engine calls: the sync call spins on the batch's status (the
-    polled one sleeps between checks); on few cores that spinning competes with the engine's own I/O threads and the event loops of every
-    process. A lower priority (Linux: per thread) leaves them the CPU they need."""
+    polled one sleeps between checks); on few cores that spinning competes with the engine's
+    own I/O threads and the event loops of every process. A lower priority (Linux: per
+    thread) leaves them the CPU they need."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
 

@@ -18,8 +18,8 @@ MiB = 1 << 20
 
 class Script:
     """The engine's async calls: batch ids 1, 2, ... in submission order; each id's statuses
-    in order (the last one repeats); ids handed over as orphans in `orphans`; submission `fail_at` (1-based) returns 0, submission
-    `raise_at` raises MemoryError (as the binding may, before or after the engine took it)."""
+    in order (the last one repeats); submission `fail_at` (1-based) returns 0, submission
+    `raise_at` raises MemoryError (as the binding may); ids handed over go to `orphans`."""
 
     def __init__(self, statuses: dict[int, list[int]], fail_at: int = 0, raise_at: int = 0) -> None:
         self.statuses = statuses
