@@ -4,14 +4,21 @@ test_transport_mooncake.py` (bytes, a refused destination, a dead or stopped rec
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 import numpy as np
 import pytest
 
+from kvhandoff.transport import config as transport_config
+from kvhandoff.transport import mooncake_polled
 from kvhandoff.transport.blocks import Blocks
 from kvhandoff.transport.config import MooncakeConfig
+from kvhandoff.transport.errors import TransportTimeout
+from kvhandoff.transport.mooncake import MooncakeTransport
 from kvhandoff.transport.mooncake_polled import MIN_BLOCK_BYTES, polled_call, write_polled
+from kvhandoff.transport.regions import Region
 
 MiB = 1 << 20
 
@@ -143,3 +150,67 @@ def test_only_few_large_tcp_blocks_on_an_engine_with_async_calls_take_the_polled
     assert polled_call(object(), tcp, "peer", _blocks(16, MiB), orphans.extend) is None
     rdma = MooncakeConfig(protocol="rdma", device_name="mlx5_0")
     assert polled_call(engine, rdma, "peer", _blocks(16, MiB), orphans.extend) is None
+
+
+class StalledEngine:
+    """A receiver that stays stopped: every batch runs until `resume()`, then completes."""
+
+    def __init__(self) -> None:
+        self.resumed = False
+        self.next_id = 0
+        self.unregistered: list[list[int]] = []
+
+    def batch_register_memory(self, addrs: list[int], lengths: list[int]) -> int:
+        return 0
+
+    def batch_unregister_memory(self, addrs: list[int]) -> int:
+        self.unregistered.append(addrs)
+        return 0
+
+    def batch_transfer_async_write(self, *args: object) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def transfer_check_status(self, batch: int) -> int:
+        return 1 if self.resumed else 0
+
+    def resume(self) -> None:
+        self.resumed = True
+
+
+async def test_orphans_keep_the_peer_stuck_and_close_gives_up_on_them_within_max_call_s(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The call gives up (budget 1 s here) with both batches running: the peer stays stuck and
+    `quiesce` waits; `close` waits at most `max_call_s` more, then leaves the source memory
+    registered (logged) instead of unregistering it under running writes; once the batches
+    end, `quiesce` returns."""
+    monkeypatch.setattr(mooncake_polled, "ENGINE_MIN_TIMEOUT_S", 0)
+    monkeypatch.setattr(transport_config, "ENGINE_MIN_TIMEOUT_S", 0)
+    engine = StalledEngine()
+    config = MooncakeConfig(transfer_timeout_s=0.1, max_bytes_per_batch=4 * MiB)
+    t = MooncakeTransport(engine, config, "me:1")  # type: ignore[arg-type]
+    source = np.zeros(2 * MIN_BLOCK_BYTES, dtype=np.uint8)
+    t.register([Region(source.ctypes.data, source.nbytes)])
+    blocks = _blocks(2, MIN_BLOCK_BYTES)
+    blocks = Blocks.of(
+        blocks.src_addr - blocks.src_addr[0] + np.uint64(source.ctypes.data),
+        blocks.dst_addr,
+        blocks.length,
+    )
+    with pytest.raises(TransportTimeout):
+        await t.write("peer:1", blocks)
+    while t.stats().engine_calls == 0:  # the call gives up after its 1 s budget
+        await asyncio.sleep(0.01)
+    with pytest.raises(TransportTimeout, match="still"):  # orphans run: the peer is stuck
+        await t.write("peer:1", blocks)
+    quiet = asyncio.create_task(t.quiesce("peer:1"))
+    await asyncio.sleep(0.1)
+    assert not quiet.done()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        await asyncio.to_thread(t.close)
+    assert config.max_call_s <= time.monotonic() - t0 < config.max_call_s + 1.0
+    assert engine.unregistered == [] and "still running" in caplog.text
+    engine.resume()
+    await asyncio.wait_for(quiet, 5.0)
