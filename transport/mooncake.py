@@ -714,9 +714,8 @@ class MooncakeTransport:
         """Any thread: check every lane's orphans until none runs or `deadline` passed; those
         still running by peer."""
         while True:
-            running = {
-                peer: n for peer, lane in self._lanes.items() if (n := self._check_orphans(lane))
-            }
+            lanes = list(self._lanes.values())  # a snapshot: the loop may add or drop lanes
+            running = {lane.peer: n for lane in lanes if (n := self._check_orphans(lane))}
             if not running or time.monotonic() > deadline:
                 return running
             time.sleep(ORPHAN_POLL_S)
