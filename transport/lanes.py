@@ -66,8 +66,8 @@ class Batch:
 class PeerLane:
     """One peer's queue, in-flight bound and call accounting.
 
-    The lock guards `pending`, `scheduled`, `calls_started`, `calls_ended`, `in_call` and each
-    batch's `call`; the rest is touched on the loop only.
+    The lock guards `pending`, `scheduled`, `calls_started`, `calls_ended`, `in_call`,
+    `orphans` and each batch's `call`; the rest is touched on the loop only.
     """
 
     def __init__(self, peer: str, max_inflight: int) -> None:
@@ -85,6 +85,12 @@ class PeerLane:
         self.in_call = 0
         #: Id of a call that outlived `transfer_timeout_s`; the lane is stuck while it runs.
         self.stuck_call = 0
+        #: Engine batch ids of polled calls that gave up while they still ran (the engine
+        #: cannot cancel a write); each leaves once it reports an end. The lane is stuck, and
+        #: `quiesce` waits, while any is here.
+        self.orphans: set[int] = set()
+        #: Loop only: the next check of `orphans`.
+        self.orphan_timer: asyncio.TimerHandle | None = None
         #: Loop only: batches submitted and not settled; `quiesce` waiters (calls_started
         #: target, future); the timer that reclaims the lane once idle.
         self.inflight = 0
@@ -94,9 +100,10 @@ class PeerLane:
         self.reaper: asyncio.TimerHandle | None = None
 
     def stuck(self) -> bool:
-        """A call that timed out is still inside the engine (the truth, not a cached flag)."""
+        """A call that timed out is still inside the engine, or one of its batches still runs
+        there after it gave up (the truth, not a cached flag)."""
         with self.lock:
-            return self.stuck_call != 0 and self.in_call == self.stuck_call
+            return (self.stuck_call != 0 and self.in_call == self.stuck_call) or bool(self.orphans)
 
 
 class Counters:

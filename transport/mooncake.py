@@ -34,18 +34,35 @@ The write path's safety rules, each enforced in one place here:
    worker thread, under the lane lock, after the call's arguments are built and immediately
    before the engine call, so neither a stalled loop nor slow preparation can delay it. Test:
    `test_no_batch_starts_after_start_by_even_if_it_passes_while_preparing`.
-4. *`quiesce` returns only once no started call can still write.* Calls are counted under the
-   same lock as check 3 (`calls_started`/`calls_ended`); `quiesce` waits for the calls started
-   before it; a call starting after it has passed check 3 after the caller abandoned its write.
-   Test: `test_only_the_callers_cancellation_cancels_and_started_calls_finish`.
-5. *A call's writes end by `max_call_s` after its check in rule 3 passed*
+4. *`quiesce` returns only once no started call is running, and no batch of a polled call
+   that gave up still runs.* Calls are counted under the same lock as check 3
+   (`calls_started`/`calls_ended`); `quiesce` waits for the calls started before it and for the
+   lane's orphans (rule 6); a call starting after it has passed check 3 after the caller
+   abandoned its write. Tests: `test_only_the_callers_cancellation_cancels_and_started_calls_
+   finish`, `test_a_stopped_receiver_keeps_quiesce_waiting_until_the_last_byte_landed`.
+5. *A call returns by `max_call_s` after its check in rule 3 passed*
    (`MooncakeConfig.max_call_s`: an allowance for the thread being preempted between the check
-   and the call, the engine's timeout, and 1 ns per byte of the largest batch). A peer that
-   knows a write's `start_by` knows when its bytes can no longer land: `start_by + max_call_s`.
+   and the call, the engine's timeout, and 1 ns per byte of the largest batch). What stops
+   writing then depends on the call, because the engine cannot cancel a write (on TCP the
+   session's body write has no deadline; only the ack has one):
+   - the *polled* call (`mooncake_polled`: a few large TCP blocks, landed stages' staged
+     blocks) holds its batch ids; those still running when it gives up stay the lane's
+     (rule 6) until the engine reports each ended, so `quiesce(peer)` is the point after which
+     no byte of that peer's calls lands or is read from the source;
+   - the *sync* call (many small blocks: direct mode's per-page runs; every other protocol)
+     leaves the engine no handle to ask: its return is the only bound there is, and on TCP a
+     receiver stopped (SIGSTOP) past it still gets bytes after it, read from the source after
+     the call returned, once it resumes.
+   So `start_by + max_call_s` bounds when a write's bytes land only while the receiver keeps
+   reading; a receiver stopped past it is outside the bound on either path.
 6. *"Stuck" is a fact, not a flag*: a lane is stuck while the call that outlived
-   `transfer_timeout_s` is still running (`kvhandoff.transport.lanes.PeerLane.stuck`, read from the
-   call ids under the lock). Test:
-   `test_a_stuck_peer_fails_queued_batches_with_their_own_current_error`.
+   `transfer_timeout_s` is still running, or while any batch id a polled call handed over
+   (`PeerLane.orphans`) has not reported an end (`kvhandoff.transport.lanes.PeerLane.stuck`,
+   read under the lock): new writes to the peer fail at once and no call to it starts. The loop
+   checks orphans every `ORPHAN_POLL_S`; `close` waits for them at most `max_call_s` more, then
+   leaves the source memory registered (logged) rather than unregister it under a running
+   write. Tests: `test_a_stuck_peer_fails_queued_batches_with_their_own_current_error`,
+   `test_a_stopped_receiver_keeps_quiesce_waiting_until_the_last_byte_landed`.
 
 Why sync calls on worker threads, not `batch_transfer_async_write` + one waiter thread: both
 engine paths busy-wait a core while a batch runs, and on this 2-core machine (256 MiB to a
@@ -75,7 +92,9 @@ constructed; floor 5 s, default 30 s) plus 1 ns per byte of the batch. So `start
 `transfer_timeout_s` per batch itself (timer armed when the worker starts the batch): the write
 raises `TransportTimeout` on time, while the worker thread stays inside the engine call until the
 engine gives up. Until then the peer is stuck (rule 6): new writes to it fail at once, and
-`quiesce(peer)` waits for the call to return — the only point after which no byte can still land.
+`quiesce(peer)` waits for the call to return, and for a polled call's batches still running
+after it (rule 5): on the polled path that is the point after which no byte lands; on the sync
+path the engine may keep sending a returned call's bytes to a receiver that is stopped.
 
 Which engine call. Builds with the array API (`batch_transfer_sync_write_arrays`, Mooncake
 0.3.14: the same call taking three contiguous 8-byte-integer buffers instead of three
@@ -100,6 +119,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import logging
 import os
 import threading
 import time
@@ -121,12 +141,18 @@ from kvhandoff.transport.mooncake_engine import (
     refuse_memory,
     start_engine,
 )
-from kvhandoff.transport.mooncake_polled import polled_call
+from kvhandoff.transport.mooncake_polled import check_ended, polled_call
 from kvhandoff.transport.regions import Region, RegionTable
 from kvhandoff.transport.workers import Workers
 
 #: Niceness added to the worker threads that wait in engine calls (see `_lower_priority`).
 WORKER_NICE = 10
+#: Between two checks of a lane's orphaned batch ids (on the loop): orphans exist only after a
+#: call gave up on a stalled peer, and a check costs microseconds per id; `quiesce` returns at
+#: most this much after the last of them ended.
+ORPHAN_POLL_S = 0.01
+
+log = logging.getLogger(__name__)
 
 
 class MooncakeTransport:
@@ -136,6 +162,10 @@ class MooncakeTransport:
         self._engine = engine
         # Looked up once: an engine build either has the array call or it does not.
         self._write_arrays: WriteArrays | None = getattr(engine, WRITE_ARRAYS, None)
+        # The polled path's status check (`mooncake_polled`), for the ids it leaves running.
+        self._check_status: Callable[[int], int] | None = getattr(
+            engine, "transfer_check_status", None
+        )
         self._closed = False
         self._config = config
         self._target = target
@@ -356,16 +386,49 @@ class MooncakeTransport:
             self._settle(lane, queued)
 
     def _call_ended(self, lane: PeerLane) -> None:
-        """Loop: a call of this lane returned; wake the `quiesce` calls it was the last for."""
+        """Loop: a call of this lane returned, or its last orphan ended; wake the `quiesce`
+        calls waiting for no more than that."""
         with lane.lock:
             ended = lane.calls_ended
+            orphaned = bool(lane.orphans)
         waiting = []
         for target, fut in lane.quiescers:
-            if target > ended:
+            if target > ended or orphaned:
                 waiting.append((target, fut))
             elif not fut.done():
                 fut.set_result(None)
         lane.quiescers = waiting
+
+    def _orphaned(self, lane: PeerLane, loop: asyncio.AbstractEventLoop, ids: list[int]) -> None:
+        """Worker, inside a polled call that gave up (or raised) with batches still running:
+        they stay the lane's, which is stuck until each reports an end (rule 6); the loop
+        checks them (`_poll_orphans`). Runs before the call counts as ended, so the lane is
+        never unstuck between the two."""
+        with lane.lock:
+            lane.orphans.update(ids)
+        _post(loop, self._poll_orphans, lane)
+
+    def _poll_orphans(self, lane: PeerLane) -> None:
+        """Loop: check the lane's orphaned ids now and every `ORPHAN_POLL_S` until none runs,
+        then wake `quiesce`. On the loop, not a thread: orphans are rare, a check is a few
+        microseconds, and the waiters (`quiesce`) are here; `close` checks them itself."""
+        if lane.orphan_timer is not None:
+            lane.orphan_timer.cancel()  # this check replaces the one it had scheduled
+        lane.orphan_timer = None
+        loop = asyncio.get_running_loop()
+        if self._check_orphans(lane):
+            lane.orphan_timer = loop.call_later(ORPHAN_POLL_S, self._poll_orphans, lane)
+            return
+        self._call_ended(lane)
+        self._idle_check(lane, loop)
+
+    def _check_orphans(self, lane: PeerLane) -> int:
+        """Any thread: check each orphaned id of the lane once (under its lock, so no id is
+        checked twice at once or after it ended); how many still run."""
+        with lane.lock:
+            if lane.orphans and self._check_status is not None:  # orphans: polled calls only
+                check_ended(self._check_status, lane.orphans)
+            return len(lane.orphans)
 
     def _stuck_error(self, lane: PeerLane) -> TransportTimeout:
         return TransportTimeout(
@@ -385,7 +448,8 @@ class MooncakeTransport:
             # write's `abandoned` (set before a pipeline calls `quiesce`): not ours to wait for.
             with lane.lock:
                 started, ended = lane.calls_started, lane.calls_ended
-            if ended < started:
+                orphaned = bool(lane.orphans)
+            if ended < started or orphaned:
                 fut = loop.create_future()
                 lane.quiescers.append((started, fut))
                 waits.append(fut)
@@ -494,7 +558,7 @@ class MooncakeTransport:
             blocks = (
                 taken[0].blocks if len(taken) == 1 else Blocks.concat([b.blocks for b in taken])
             )
-            engine_call = self._engine_call(lane.peer, blocks)
+            engine_call = self._engine_call(lane, loop, blocks)
             # The last check before the engine call, in this thread, after its arguments
             # are built: no batch starts after its `start_by`, none of an abandoned write
             # starts, and `quiesce` (same lock) sees every call that does start.
@@ -502,6 +566,8 @@ class MooncakeTransport:
                 now = time.monotonic()
                 late = [b for b in taken if b.start_by is not None and now > b.start_by]
                 gone = [b for b in taken if b.write.abandoned and b not in late]
+                if lane.orphans:  # rule 6: nothing new starts while an orphan may still write
+                    gone = [b for b in taken if b not in late]
                 if not late and not gone:
                     call = next(self._calls)
                     lane.calls_started += 1
@@ -512,7 +578,8 @@ class MooncakeTransport:
             for b in late:
                 self._report(loop, lane, b, self._late_error(lane))
             for b in gone:
-                self._report(loop, lane, b, self._abandoned_error(lane))
+                why = self._stuck_error(lane) if lane.orphans else self._abandoned_error(lane)
+                self._report(loop, lane, b, why)
             taken[:] = [b for b in taken if b not in late and b not in gone]
             if not taken:
                 return None
@@ -537,11 +604,16 @@ class MooncakeTransport:
                 self._counts.calls += 1
             _post(loop, self._call_ended, lane)
 
-    def _engine_call(self, peer: str, blocks: Blocks) -> Callable[[], int]:
+    def _engine_call(
+        self, lane: PeerLane, loop: asyncio.AbstractEventLoop, blocks: Blocks
+    ) -> Callable[[], int]:
         """Worker: the engine call for `blocks`, its arguments built (a few large blocks: the
-        sleeping wait of `mooncake_polled`; else numpy arrays where the engine takes them,
-        lists otherwise), ready to run after the last check."""
-        polled = polled_call(self._engine, self._config, peer, blocks)
+        sleeping wait of `mooncake_polled`, its batches left running kept by the lane; else
+        numpy arrays where the engine takes them, lists otherwise), ready to run after the
+        last check."""
+        peer = lane.peer
+        orphaned = functools.partial(self._orphaned, lane, loop)
+        polled = polled_call(self._engine, self._config, peer, blocks, orphaned)
         if polled is not None:
             return polled
         if self._write_arrays is not None:
@@ -604,7 +676,7 @@ class MooncakeTransport:
         """Loop: forget a lane idle for `peer_idle_s` (no batch in flight, no call running)."""
         lane.reaper = None
         with lane.lock:
-            busy = lane.scheduled or lane.in_call != 0 or bool(lane.pending)
+            busy = lane.scheduled or lane.in_call != 0 or bool(lane.pending or lane.orphans)
         idle = lane.inflight == 0 and lane.users == 0 and not busy and not lane.quiescers
         if idle and self._lanes.get(lane.peer) is lane:
             del self._lanes[lane.peer]
@@ -615,21 +687,45 @@ class MooncakeTransport:
         return self._engine
 
     def close(self) -> None:
-        """Wait for running engine calls (bounded by `max_call_s`), fail what is queued,
-        unregister, and stop the worker threads. Idempotent."""
+        """Wait for running engine calls (bounded by `max_call_s`), fail what is queued, stop
+        the worker threads, wait for orphaned batches to end (bounded by another `max_call_s`),
+        and unregister. Idempotent.
+
+        If orphans still run then (a peer stopped for good), the source memory stays registered
+        (logged): the engine may still read it, and unregistering under a running write is
+        what the wait exists to prevent. The caller's memory is the caller's to keep."""
         if self._closed:
             return
         self._closed = True  # workers fail the batches they take from now on, without a call
         self._workers.close()  # runs the queued drains (fast now) and joins every thread
+        running = self._wait_orphans(time.monotonic() + self._config.max_call_s)
         # Reaper timers left armed find their lane gone: close may run off the loop's thread.
         self._lanes.clear()
+        if running:
+            log.warning(
+                "transport closed with batches still running in the engine (peer: count) %s; "
+                "source memory left registered",
+                running,
+            )
+            return
         self._unregister(self._sources.regions)
+
+    def _wait_orphans(self, deadline: float) -> dict[str, int]:
+        """Any thread: check every lane's orphans until none runs or `deadline` passed; those
+        still running by peer."""
+        while True:
+            lanes = list(self._lanes.values())  # a snapshot: the loop may add or drop lanes
+            running = {lane.peer: n for lane in lanes if (n := self._check_orphans(lane))}
+            if not running or time.monotonic() > deadline:
+                return running
+            time.sleep(ORPHAN_POLL_S)
 
 
 def _lower_priority() -> None:
-    """Worker threads mostly spin inside the engine's sync call waiting for the batch; on few
-    cores that spinning competes with the engine's own I/O threads and the event loops of every
-    process. A lower priority (Linux: per thread) leaves them the CPU they need."""
+    """Worker threads wait inside engine calls: the sync call spins on the batch's status (the
+    polled one sleeps between checks); on few cores that spinning competes with the engine's
+    own I/O threads and the event loops of every process. A lower priority (Linux: per
+    thread) leaves them the CPU they need."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
 

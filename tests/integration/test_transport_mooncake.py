@@ -9,8 +9,10 @@ import asyncio
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,11 +20,11 @@ import pytest
 from kvhandoff.pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 from kvhandoff.pipelines.pairing import pair
 from kvhandoff.pipelines.planning import plan
+from kvhandoff.transport import mooncake
 from kvhandoff.transport.blocks import Blocks
 from kvhandoff.transport.config import MooncakeConfig
 from kvhandoff.transport.errors import TransportError, TransportTimeout
 from kvhandoff.transport.mooncake import MooncakeTransport
-from kvhandoff.transport.mooncake_polled import polled_call
 from kvhandoff.transport.pool_base import Pool, host_array
 from kvhandoff.transport.pool_shm import ShmPool
 from kvhandoff.transport.pools import open_pool
@@ -71,6 +73,48 @@ async def sender() -> AsyncIterator[MooncakeTransport]:
     yield t
     await t.quiesce()
     t.close()
+
+
+class CountedEngine:
+    """The real engine, its batch writes counted: which engine path the transport's calls took.
+    A sync write fails the call (and is recorded), so a test of the polled path cannot pass
+    through the spin."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.async_writes = 0
+        self.sync_writes: list[str] = []
+
+    def batch_transfer_async_write(self, *args: Any) -> int:
+        self.async_writes += 1
+        return int(self._engine.batch_transfer_async_write(*args))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("batch_transfer_sync_write"):
+
+            def refused(*args: Any) -> int:
+                self.sync_writes.append(name)
+                raise AssertionError(f"{name} called where the polled path applies")
+
+            return refused
+        return getattr(self._engine, name)
+
+
+@pytest.fixture
+async def counted(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MooncakeTransport]:
+    """A sender whose engine is `CountedEngine` (the real one inside): `counted._engine`."""
+    start = mooncake.start_engine
+    monkeypatch.setattr(mooncake, "start_engine", lambda config: CountedEngine(start(config)))
+    t = MooncakeTransport.start(MooncakeConfig(transfer_timeout_s=TIMEOUT_S))
+    yield t
+    await t.quiesce()
+    t.close()
+
+
+def engine_of(t: MooncakeTransport) -> CountedEngine:
+    engine = t._engine
+    assert isinstance(engine, CountedEngine)
+    return engine
 
 
 @pytest.fixture
@@ -179,33 +223,88 @@ async def test_unregistered_destination_fails_cleanly_and_the_peer_stays_usable(
 
 
 async def test_few_large_blocks_wait_by_sleeping_land_byte_exact_and_fail_cleanly(
-    sender: MooncakeTransport, remote: Remote
+    counted: MooncakeTransport, remote: Remote
 ) -> None:
-    """The real engine's async calls (`mooncake_polled`): 1 MiB blocks land byte-exact, and a
-    call with one block outside the receiver's registered memory fails with an rc while the
-    peer stays usable."""
+    """The real engine's async calls (`mooncake_polled`): 1 MiB blocks go through
+    `batch_transfer_async_write` (one submission per block, no sync write) and land byte-exact,
+    and a call with one block outside the receiver's registered memory fails with an rc while
+    the peer stays usable."""
+    engine = engine_of(counted)
     src_pool = open_pool("torch:cpu", [4 << 20])
     try:
-        src_pool.register(sender)
+        src_pool.register(counted)
         random_source(src_pool, 7)
         offs = np.arange(4, dtype=np.uint64) * np.uint64(1 << 20)
         blocks = Blocks.of(offs + src_pool.bases[0], offs + remote.receiver.bases[0], [1 << 20] * 4)
-        assert polled_call(sender._engine, sender.config, remote.target, blocks) is not None
-        await sender.write(remote.target, blocks)
+        await counted.write(remote.target, blocks)
         np.testing.assert_array_equal(remote.file, expected_image(remote, blocks))
+        assert engine.async_writes == 4 and engine.sync_writes == []
         outside = remote.receiver.bases[0] + (16 << 20)
         bad = Blocks.of(
             [src_pool.bases[0], src_pool.bases[0] + (1 << 20)],
             [remote.receiver.bases[0] + (4 << 20), outside],
             [1 << 20] * 2,
         )
-        assert polled_call(sender._engine, sender.config, remote.target, bad) is not None
         with pytest.raises(TransportError) as info:
-            await sender.write(remote.target, bad)
+            await counted.write(remote.target, bad)
         assert info.value.rc is not None and info.value.rc < 0
-        await sender.write(remote.target, blocks)  # the peer stays usable
+        assert engine.async_writes == 6
+        await counted.write(remote.target, blocks)  # the peer stays usable
+        assert engine.async_writes == 10 and engine.sync_writes == []
     finally:
         src_pool.close()
+
+
+async def test_a_stopped_receiver_keeps_quiesce_waiting_until_the_last_byte_landed(
+    counted: MooncakeTransport,
+) -> None:
+    """Receiver stopped (SIGSTOP) under a call of 32 x 1 MiB: the write raises TransportTimeout,
+    and the engine call itself gives up within `max_call_s` (the engine cannot cancel the
+    writes: their batch ids stay the lane's). While the receiver stays stopped the peer is stuck
+    (a new write fails at once) and `quiesce` does not return; resumed (SIGCONT), every byte of
+    the timed-out call lands, then `quiesce` returns, and after that the source is no longer
+    read: refilled, none of the new bytes reaches the receiver."""
+    size = 32 << 20
+    remote = Remote([size])
+    src_pool = open_pool("torch:cpu", [size])
+    pid = remote.receiver.proc.pid
+    try:
+        src_pool.register(counted)
+        source = src_pool.view(0)
+        blocks = _big_blocks(src_pool.bases[0], remote.receiver.bases[0], size, 1 << 20)
+        source[:] = 1
+        await counted.write(remote.target, blocks)  # connected and working
+        calls = counted.stats().engine_calls
+        source[:] = 2
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TransportTimeout):
+            await asyncio.wait_for(counted.write(remote.target, blocks), FAILURE_BOUND_S)
+        while counted.stats().engine_calls == calls:
+            assert time.monotonic() - t0 < FAILURE_BOUND_S, "the engine call never returned"
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - t0 <= counted.max_call_s
+        quiet = asyncio.create_task(counted.quiesce(remote.target))
+        await asyncio.sleep(1.0)
+        assert not quiet.done(), "quiesce returned while the stopped receiver's writes run"
+        with pytest.raises(TransportTimeout, match="still"):  # stuck: fails at once
+            await asyncio.wait_for(counted.write(remote.target, blocks), 1.0)
+        os.kill(pid, signal.SIGCONT)
+        await asyncio.wait_for(quiet, FAILURE_BOUND_S)
+        source[:] = 3  # after quiesce: the engine must no longer read it
+        await asyncio.sleep(1.0)
+        assert np.all(remote.file == 2), "the timed-out call's bytes, all landed before quiesce"
+        await counted.write(remote.target, blocks)  # the peer is usable again
+        assert np.all(remote.file == 3)
+        assert engine_of(counted).sync_writes == []
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+        remote.receiver.proc.wait()
+        await counted.quiesce()
+        src_pool.close()
+        remote.mirror.close()  # the receiver died without unlinking: the attacher cleans up
+        os.unlink(remote.mirror.path)
 
 
 async def _write_until_failure(sender: MooncakeTransport, peer: str, blocks: Blocks) -> None:
