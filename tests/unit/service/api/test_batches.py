@@ -10,8 +10,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+import kvhandoff.service.api.batches as batches_api
 import kvhandoff.service.api.handoffs as handoffs_api
 from kvhandoff.service.api.batches import MAX_BATCH_ITEMS
+from kvhandoff.service.runtime.roles import DECODE
 from tests.unit.service.handoff_fixtures import (
     Deployment,
     Move,
@@ -134,7 +136,44 @@ async def test_a_batch_of_readies_keeps_the_bound_on_handoffs_awaiting_a_destina
     monkeypatch.setattr(handoffs_api, "MAX_AWAITING_DESTINATION", 2)
     reply = await ready_batch(d, [ready_item(f"o-{i}", 0, MOVES[0]) for i in range(3)])
     assert [r["status"] for r in reply.body["items"]] == [202, 202, 429]
-    assert reply.body["items"][2]["problem"]["field"] == "items[2].id"
+    assert reply.body["items"][2]["problem"]["field"] == "items[2].handoff_id"
+
+
+async def test_an_item_that_raises_outside_the_error_tree_is_answered_500_alone(
+    d: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A bug in one item's handling: the others keep their answers (a router that read a whole
+    # 500 would call the created ones rejected and reschedule them: work done twice).
+    runtime = d.decode.app[DECODE]
+    create = runtime.create
+
+    async def crashing_create(item: Any) -> Any:
+        if item.id == "boom":
+            raise RuntimeError("a bug")
+        return await create(item)
+
+    monkeypatch.setattr(runtime, "create", crashing_create)
+    items = [create_item(d, "ok-a", MOVES[0]), create_item(d, "boom", MOVES[1])]
+    reply = await create_batch(d, items)
+    assert reply.status == 200, reply.body
+    ok, boom = reply.body["items"]
+    assert (ok["status"], ok["view"]["id"]) == (201, "ok-a")
+    assert boom["status"] == 500
+    assert (boom["problem"]["field"], boom["problem"]["index"]) == ("items[1]", 1)
+    assert boom["problem"]["code"] == "internal_error"
+    signal = batches_api.signal_ready
+
+    def crashing_signal(pipeline: Any, handoff_id: str, *args: Any) -> Any:
+        if handoff_id == "boom":
+            raise RuntimeError("a bug")
+        return signal(pipeline, handoff_id, *args)
+
+    monkeypatch.setattr(batches_api, "signal_ready", crashing_signal)
+    items = [ready_item("boom", 0, MOVES[1]), ready_item("ok-a", 0, MOVES[0])]
+    reply = await ready_batch(d, items)
+    assert reply.status == 200, reply.body
+    assert [r["status"] for r in reply.body["items"]] == [500, 202]
+    assert reply.body["items"][0]["problem"]["field"] == "items[0]"
 
 
 async def test_batch_routes_take_their_single_routes_credentials() -> None:
