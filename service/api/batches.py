@@ -7,7 +7,8 @@ checked and applied by the same code with the same rules (admission, idempotency
 route takes the single route's credential), and answered on its own: its status and body, or
 its problem+json whose `field` starts with `items[<index>]` and whose `index` is the item's. An
 item's bad input changes nothing and fails no other item; an item whose handling raises outside
-the error tree (a bug) is logged and answered 500 alone, the others keep their answers. At most `MAX_BATCH_ITEMS` items.
+the error tree (a bug) is logged and answered 500 alone, the others keep their answers. At most
+`MAX_BATCH_ITEMS` items.
 """
 
 from __future__ import annotations
@@ -108,9 +109,8 @@ def item_problem(error: KVHandoffError, index: int, instance: str) -> tuple[int,
 
 
 def item_crash(index: int, instance: str) -> tuple[int, dict[str, Any]]:
-    """The 500 problem of item `index` whose handling raised outside the error tree (a bug): it
-    is logged, and answered alone, so the items done beside it keep their answers."""
-    log.exception("unhandled error in item %d of %s", index, instance)
+    """The 500 problem of item `index` whose handling raised outside the error tree (a bug,
+    logged by the caller): answered alone, so the items done beside it keep their answers."""
     prefix = f"items[{index}]"
     detail = "an unexpected error occurred; see the service log"
     extra = {"field": prefix, "index": index}
@@ -147,6 +147,7 @@ async def create_handoffs(request: web.Request) -> web.StreamResponse:
             status, problem = item_problem(error, index, path)
             return CreateResult(status, problem=problem)
         except Exception:
+            log.exception("unhandled error in item %d of %s", index, path)
             status, problem = item_crash(index, path)
             return CreateResult(status, problem=problem)
         return CreateResult(201 if created else 200, view)
@@ -184,6 +185,7 @@ async def stages_ready(request: web.Request) -> web.StreamResponse:
             status, problem = item_problem(error, index, request.path)
             results.append(ReadyResult(status, problem=problem))
         except Exception:
+            log.exception("unhandled error in item %d of %s", index, request.path)
             status, problem = item_crash(index, request.path)
             results.append(ReadyResult(status, problem=problem))
         else:

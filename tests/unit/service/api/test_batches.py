@@ -15,15 +15,18 @@ import kvhandoff.service.api.handoffs as handoffs_api
 from kvhandoff.service.api.batches import MAX_BATCH_ITEMS
 from kvhandoff.service.runtime.roles import DECODE
 from tests.unit.service.handoff_fixtures import (
+    PP_SIZE,
     Deployment,
     Move,
     Reply,
     assert_decode_is,
     assert_problem,
+    decode_config,
     expected_decode,
     fill_decode,
     fill_sources,
     open_deployment,
+    prefill_config,
 )
 
 MOVES = [Move([3, 4], [10, 11], 2, 1), Move([9], [2], 3, 0), Move([5, 6], [20, 21], 4, 2)]
@@ -177,18 +180,30 @@ async def test_an_item_that_raises_outside_the_error_tree_is_answered_500_alone(
 
 
 async def test_batch_routes_take_their_single_routes_credentials() -> None:
-    async with open_deployment(token="s3cret") as d:
+    # Separate router and engine credentials: each batch route takes its single route's, and
+    # refuses the other role's (and none).
+    auth = {"auth.router": "router-secret", "auth.engine": "engine-secret"}
+    decode, prefill = decode_config(auth), [prefill_config(range(PP_SIZE), settings=auth)]
+    async with open_deployment(decode=decode, prefill=prefill) as d:
         fill_sources(d)
-        reply = await create_batch(d, [create_item(d, "t-0", MOVES[0])])
-        assert reply.body["items"][0]["status"] == 201
-        async with aiohttp.ClientSession() as anonymous:
-            for url in (
-                f"{d.decode.url}/v1/handoffs/batch",
-                f"{d.prefills[0].url}/v1/stages/ready",
-            ):
-                async with anonymous.post(url, json={"items": [{"id": "t-1"}]}) as resp:
-                    assert resp.status == 401
-        assert_problem(await d.get("t-1"), 404)
+        create = f"{d.decode.url}/v1/handoffs/batch"
+        ready = f"{d.prefills[0].url}/v1/stages/ready"
+        creates = {"items": [create_item(d, "t-0", MOVES[0])]}
+        readies = {"items": [ready_item("t-0", 0, MOVES[0])]}
+        for token, url, body, status in (
+            (None, create, creates, 401),
+            ("engine-secret", create, creates, 403),
+            (None, ready, readies, 401),
+            ("router-secret", ready, readies, 403),
+            ("router-secret", create, creates, 200),
+            ("engine-secret", ready, readies, 200),
+        ):
+            headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+            async with aiohttp.ClientSession(headers=headers) as http:
+                async with http.post(url, json=body) as resp:
+                    assert resp.status == status, (token, url, await resp.text())
+                    if status == 200:
+                        assert (await resp.json())["items"][0]["status"] in (201, 202)
 
 
 async def test_openapi_documents_the_batch_routes(d: Deployment) -> None:
