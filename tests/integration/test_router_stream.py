@@ -2,8 +2,9 @@
 against real processes (decode + PP=2 prefill, Mooncake over TCP on loopback): every outcome
 arrives, with many handoffs at once, when the stream is cut mid-run, when it stays down, and when
 the decode's replay buffer no longer holds what the reader missed (`stream.gap`) or the reader
-falls behind (`stream.overflow`), and when an ended handoff is driven again. The stream goes through a TCP relay the test cuts; the
-per-handoff GET (the fallback) goes to the decode directly."""
+falls behind (`stream.overflow`), and when an ended handoff is driven again. The stream goes
+through a TCP relay the test cuts; the per-handoff GET (the fallback) goes to the decode
+directly."""
 
 from __future__ import annotations
 

@@ -199,11 +199,13 @@ async def test_batch_routes_take_their_single_routes_credentials() -> None:
             ("engine-secret", ready, readies, 200),
         ):
             headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-            async with aiohttp.ClientSession(headers=headers) as http:
-                async with http.post(url, json=body) as resp:
-                    assert resp.status == status, (token, url, await resp.text())
-                    if status == 200:
-                        assert (await resp.json())["items"][0]["status"] in (201, 202)
+            async with (
+                aiohttp.ClientSession(headers=headers) as http,
+                http.post(url, json=body) as resp,
+            ):
+                assert resp.status == status, (token, url, await resp.text())
+                if status == 200:
+                    assert (await resp.json())["items"][0]["status"] in (201, 202)
 
 
 async def test_openapi_documents_the_batch_routes(d: Deployment) -> None:

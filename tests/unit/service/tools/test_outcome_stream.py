@@ -161,7 +161,7 @@ async def test_the_streams_answer_cancels_the_look_up_and_two_callers_keep_their
 
 
 async def test_close_answers_every_outstanding_caller(decode: tuple[Decode, str]) -> None:
-    fake, url = decode
+    _, url = decode
     async with aiohttp.ClientSession() as http:
         stream = OutcomeStream(http, url, looking_up(http, url), patience_s=0.05)
         await stream.start()
@@ -178,7 +178,7 @@ async def test_close_answers_every_outstanding_caller(decode: tuple[Decode, str]
 async def test_a_look_up_that_raises_or_cannot_reach_is_retried_until_patience_then_answered(
     decode: tuple[Decode, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fake, url = decode
+    _, url = decode
     monkeypatch.setattr(outcome_stream, "RETRY_S", 0.02)
     tries: list[float] = []
 
