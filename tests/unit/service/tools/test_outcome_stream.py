@@ -84,6 +84,13 @@ async def decode() -> AsyncIterator[tuple[Decode, str]]:
     await runner.cleanup()
 
 
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait until `condition()` holds, failing after `timeout_s` (far less than any patience)."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
 def looking_up(http: aiohttp.ClientSession, url: str) -> Callable[[str], Any]:
     async def fallback(handoff_id: str) -> Outcome:
         async with http.get(f"{url}/v1/handoffs/{handoff_id}") as resp:
@@ -150,8 +157,7 @@ async def test_the_streams_answer_cancels_the_look_up_and_two_callers_keep_their
         first, second = stream.expect("x"), stream.expect("x")
         stream.forget("x", first)  # the first caller's create was refused
         waiting = asyncio.ensure_future(stream.outcome("x", second))
-        while not fake.lookups:  # past patience: looked up (a long poll that hangs)
-            await asyncio.sleep(0.01)
+        await until(lambda: bool(fake.lookups))  # past patience: looked up (a long poll)
         # The outcome comes on the stream: the second caller has it, its look-up is cancelled.
         stream._on_frame("handoff.completed", payload(handoff_id="x", bytes=3))
         assert await asyncio.wait_for(waiting, 5) == Outcome("completed", 3)
@@ -197,4 +203,34 @@ async def test_a_look_up_that_raises_or_cannot_reach_is_retried_until_patience_t
         assert outcome.state == "unreachable"
         # Not answered on the first failure: asked again until its patience was spent.
         assert len(tries) > 3 and tries[-1] - tries[0] >= 0.2
+        await stream.close()
+
+
+async def test_a_gap_looks_up_every_created_handoff_and_marks_the_others(
+    decode: tuple[Decode, str],
+) -> None:
+    fake, url = decode
+    go = asyncio.Event()
+    gap = b'id: 9\nevent: stream.gap\ndata: {"first_id": 2, "last_id": 8}\n\n'
+    fake.scripts = [sends(gap, after=go)]
+    async with aiohttp.ClientSession() as http:
+        stream = OutcomeStream(http, url, looking_up(http, url), patience_s=30)
+        await stream.start()
+        created, later = stream.expect("c"), stream.expect("n")
+        waiting = asyncio.ensure_future(stream.outcome("c", created))
+        await asyncio.sleep(0.01)
+        assert fake.lookups == []  # the stream is up: nothing is looked up
+        go.set()
+        await until(lambda: bool(fake.lookups))
+        # "c" (created) is looked up at once; "n" (not created yet) once its create is answered.
+        assert (stream.gaps, fake.lookups) == (1, ["c"])
+        waiting_later = asyncio.ensure_future(stream.outcome("n", later))
+        await until(lambda: len(fake.lookups) == 2)
+        assert fake.lookups == ["c", "n"]
+        for handoff_id in ("c", "n"):
+            stream._on_frame("handoff.completed", payload(handoff_id=handoff_id, bytes=2))
+        assert (
+            await asyncio.wait_for(asyncio.gather(waiting, waiting_later), 5)
+            == [Outcome("completed", 2)] * 2
+        )
         await stream.close()
