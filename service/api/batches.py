@@ -6,12 +6,15 @@ Each item is what its single route takes (`POST /v1/handoffs`, `POST .../stages/
 checked and applied by the same code with the same rules (admission, idempotency, bounds; the
 route takes the single route's credential), and answered on its own: its status and body, or
 its problem+json whose `field` starts with `items[<index>]` and whose `index` is the item's. An
-item's bad input changes nothing and fails no other item. At most `MAX_BATCH_ITEMS` items.
+item's bad input changes nothing and fails no other item; an item whose handling raises outside
+the error tree (a bug) is logged and answered 500 alone, the others keep their answers. At most
+`MAX_BATCH_ITEMS` items.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Annotated, Any
 
 import msgspec
@@ -22,9 +25,11 @@ from kvhandoff.pipelines.decode.views import HandoffId, HandoffRequest, HandoffV
 from kvhandoff.pipelines.errors import InvalidInput, KVHandoffError
 from kvhandoff.service.api.handoffs import NonNeg, StageReady, StageReadyAck, signal_ready
 from kvhandoff.service.http.app import CONFIG, ROUTES, decode_body, decode_items, json_response
-from kvhandoff.service.http.problems import error_problem
+from kvhandoff.service.http.problems import error_problem, problem_body
 from kvhandoff.service.http.routing import RouteTable
 from kvhandoff.service.runtime.roles import DECODE, prefill_of
+
+log = logging.getLogger("kvhandoff.service")
 
 #: Items of one batch, at most (a 422 naming `items` past it).
 MAX_BATCH_ITEMS = 256
@@ -103,6 +108,17 @@ def item_problem(error: KVHandoffError, index: int, instance: str) -> tuple[int,
     return status, problem
 
 
+def item_crash(index: int, instance: str) -> tuple[int, dict[str, Any]]:
+    """The 500 problem of item `index` whose handling raised outside the error tree (a bug,
+    logged by the caller): answered alone, so the items done beside it keep their answers."""
+    prefix = f"items[{index}]"
+    detail = "an unexpected error occurred; see the service log"
+    extra = {"field": prefix, "index": index}
+    return 500, problem_body(
+        status=500, code="internal_error", detail=detail, instance=instance, extra=extra
+    )
+
+
 @decode_batch_routes.post(
     "/v1/handoffs/batch",
     request=HandoffBatch,
@@ -129,6 +145,10 @@ async def create_handoffs(request: web.Request) -> web.StreamResponse:
             view, created = await runtime.create(item)
         except KVHandoffError as error:
             status, problem = item_problem(error, index, path)
+            return CreateResult(status, problem=problem)
+        except Exception:
+            log.exception("unhandled error in item %d of %s", index, path)
+            status, problem = item_crash(index, path)
             return CreateResult(status, problem=problem)
         return CreateResult(201 if created else 200, view)
 
@@ -160,9 +180,13 @@ async def stages_ready(request: web.Request) -> web.StreamResponse:
         try:
             if isinstance(item, InvalidInput):
                 raise item
-            ack = signal_ready(pipeline, item.handoff_id, item.pp_rank, item)
+            ack = signal_ready(pipeline, item.handoff_id, item.pp_rank, item, "handoff_id")
         except KVHandoffError as error:
             status, problem = item_problem(error, index, request.path)
+            results.append(ReadyResult(status, problem=problem))
+        except Exception:
+            log.exception("unhandled error in item %d of %s", index, request.path)
+            status, problem = item_crash(index, request.path)
             results.append(ReadyResult(status, problem=problem))
         else:
             results.append(ReadyResult(202, ack))

@@ -281,7 +281,7 @@ async def _serve(
     # Subscribe before reading any backlog: an event published in between is in both, and
     # `_Stream.send` drops the repeat by id.
     if handoff_id is not None and resume is not None and resume > bus.last_seq:
-        resume = None  # an id from before a restart: this process's ids start again from 1
+        resume = None  # an earlier life's id, above this life's: replay the whole timeline
     sub = bus.subscribe(maxsize=config.sse_queue, keep=None if handoff_id else keep)
     task = asyncio.current_task()
     try:
@@ -319,7 +319,7 @@ async def _serve(
                 stats.gaps_total += 1
                 await stream.write(control_frame(gap, gap.last_id))
                 if gap.reason == "restarted":
-                    stream.last_id = 0  # this process's ids start again from 1
+                    stream.last_id = 0  # an earlier life's id: all this life's are new
             await stream.send(backlog)
             if handoff_id is not None and ended:
                 return response

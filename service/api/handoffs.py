@@ -273,10 +273,16 @@ async def stage_ready(request: web.Request) -> web.StreamResponse:
 
 
 def signal_ready(
-    pipeline: PrefillPipeline, handoff_id: str, rank: int, body: StageReady
+    pipeline: PrefillPipeline,
+    handoff_id: str,
+    rank: int,
+    body: StageReady,
+    id_field: str = "id",
 ) -> StageReadyAck:
     """One stage's ready signal, checked as every door checks it (`POST .../ready` and each
-    item of `POST /v1/stages/ready`); raises the error tree having changed nothing."""
+    item of `POST /v1/stages/ready`); raises the error tree having changed nothing. `id_field`
+    names the handoff id where the caller gave it (the path's `id`, a batch item's
+    `handoff_id`)."""
     inputs.pages(body.src_pages or (), "src_pages")
     inputs.slots(body.src_slot, body.src_slots, body.src_aux, "src")
     if (
@@ -290,7 +296,7 @@ def signal_ready(
             raise CapacityExceeded(
                 f"{awaiting} handoffs signalled ready here wait for their destination, the most "
                 "this service holds; retry once the decode service has sent theirs",
-                field="id",
+                field=id_field,
                 limit=MAX_AWAITING_DESTINATION,
             )
     pipeline.ready(

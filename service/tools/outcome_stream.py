@@ -9,13 +9,17 @@ answer is not lost.
 No outcome is lost and no caller waits for ever, whatever the stream does:
 
 - dropped: it is re-opened at once with `Last-Event-ID` (the decode replays what followed);
-- `stream.gap` (the replay buffer no longer holds some ids) or `stream.overflow` (this reader
-  fell behind and was cut off), or a re-open that fails: every outstanding handoff is looked up
-  by `fallback` (the per-handoff GET), and so is every handoff registered while the stream is
-  down;
-- a future still unresolved `patience_s` after it was registered is looked up the same way.
+- `stream.overflow` (this reader fell behind and was cut off): re-opened from the id it had,
+  like a drop (the decode replays the rest, or says `stream.gap`);
+- `stream.gap` (the replay buffer no longer holds some ids), or a re-open that fails: every
+  outstanding handoff is looked up by `fallback` (the per-handoff GET), and so is every handoff
+  registered while the stream is down; a look-up that cannot reach the decode is retried until
+  the handoff's `patience_s` is spent (a blip does not make a router reschedule);
+- a future still unresolved `patience_s` after it was registered is looked up the same way;
+- `close()`: every outcome still awaited is answered "unreachable".
 
-Whichever answer comes first resolves the future; the later one is ignored.
+Whichever answer comes first resolves the future (and cancels the handoff's look-up); the later
+one is ignored. Each caller has its own future, so two callers of one id do not share a fate.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 import msgspec
@@ -90,17 +93,20 @@ class OutcomeStream:
         self.http, self.fallback, self.patience_s = http, fallback, patience_s
         self._url = f"{decode_url}/v1/events"
         self._headers = {**(headers or {}), "Accept": "text/event-stream"}
-        self._waiting: dict[str, asyncio.Future[Outcome]] = {}
+        #: Every caller's own future per handoff (two callers of one id never share one, so
+        #: one's refusal or cancellation is not the other's), and when the first registered.
+        self._waiting: dict[str, set[asyncio.Future[Outcome]]] = {}
+        self._since: dict[str, float] = {}
         #: Of those, the ones whose create was answered (a look-up finds them), and the ones
         #: not created yet that the stream may have missed (looked up once created).
         self._created: set[str] = set()
         self._missed: set[str] = set()
-        self._looking: set[str] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._looking: dict[str, asyncio.Task[None]] = {}
         self._up = asyncio.Event()  # set while the stream is open and read
+        self._closed = False
         self._last_id: int | None = None
         self._reader: asyncio.Task[None] | None = None
-        #: Outstanding handoffs looked up another way since the start: gaps, overflows, drops.
+        #: Outstanding handoffs looked up another way since the start: gaps, drops, patience.
         self.fallbacks = 0
         #: `stream.gap` and `stream.overflow` frames received.
         self.gaps = self.overflows = 0
@@ -113,31 +119,43 @@ class OutcomeStream:
     async def start(self) -> None:
         """Open the stream; returns once it is open, or after CONNECT_S (then it is down, and
         handoffs are looked up by `fallback` until it opens)."""
-        if self._reader is None:
+        if self._reader is None and not self._closed:
             self._reader = asyncio.create_task(self._read_forever())
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(CONNECT_S):
                 await self._up.wait()
 
     async def close(self) -> None:
-        tasks = [t for t in [self._reader, *self._tasks] if t is not None]
+        """Stop following: every outcome still awaited is answered "unreachable" (nothing
+        follows it any more), as is any registered later."""
+        self._closed = True
+        tasks = [t for t in [self._reader, *self._looking.values()] if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._reader = None
+        self._up.clear()
+        for handoff_id in list(self._waiting):
+            self._resolve(handoff_id, _CLOSED)
 
     def expect(self, handoff_id: str) -> asyncio.Future[Outcome]:
-        """The future of `handoff_id`'s outcome; register it before the handoff is created."""
-        future = self._waiting.get(handoff_id)
-        if future is None:
-            future = self._waiting[handoff_id] = asyncio.get_running_loop().create_future()
-            future.add_done_callback(lambda _: self._done(handoff_id))
+        """This caller's future of `handoff_id`'s outcome; register it before the handoff is
+        created."""
+        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        if self._closed:
+            future.set_result(_CLOSED)
+            return future
+        if handoff_id not in self._waiting:
+            self._waiting[handoff_id] = set()
+            self._since[handoff_id] = asyncio.get_running_loop().time()
+        self._waiting[handoff_id].add(future)
+        future.add_done_callback(lambda done: self._done(handoff_id, done))
         return future
 
-    def forget(self, handoff_id: str) -> None:
-        """Stop waiting for `handoff_id` (its create was refused: there is no outcome)."""
-        future = self._waiting.get(handoff_id)
-        if future is not None and not future.done():
+    def forget(self, handoff_id: str, future: asyncio.Future[Outcome]) -> None:
+        """Stop waiting on `future` (its create was refused: there is no outcome for this
+        caller); another caller's future of the same id keeps waiting."""
+        if not future.done():
             future.cancel()
 
     async def outcome(self, handoff_id: str, future: asyncio.Future[Outcome]) -> Outcome:
@@ -154,12 +172,25 @@ class OutcomeStream:
                 return await asyncio.shield(future)
         except TimeoutError:
             self._look_up(handoff_id)
-            return await future
+            return await future  # a look-up always answers (its retries end at patience_s)
+        except asyncio.CancelledError:
+            self.forget(handoff_id, future)  # this caller left: nothing of it stays behind
+            raise
 
-    def _done(self, handoff_id: str) -> None:
-        self._waiting.pop(handoff_id, None)
+    def _done(self, handoff_id: str, future: asyncio.Future[Outcome]) -> None:
+        futures = self._waiting.get(handoff_id)
+        if futures is None:
+            return
+        futures.discard(future)
+        if futures:
+            return
+        del self._waiting[handoff_id]
+        self._since.pop(handoff_id, None)
         self._created.discard(handoff_id)
         self._missed.discard(handoff_id)
+        looking = self._looking.pop(handoff_id, None)
+        if looking is not None:
+            looking.cancel()  # answered (by the stream): its look-up is no more load on the decode
 
     # -- the stream ------------------------------------------------------------------------
 
@@ -213,12 +244,14 @@ class OutcomeStream:
             tag, data, event_id = "", b"", None
 
     def _on_frame(self, tag: str, data: bytes) -> None:
-        if tag in ("stream.gap", "stream.overflow"):
-            if tag == "stream.gap":
-                self.gaps += 1
-            else:
-                self.overflows += 1
+        if tag == "stream.overflow":
+            # This reader fell behind and is cut off at the id it had: the re-open resumes from
+            # there and the decode replays the rest (a `stream.gap` if it no longer can).
+            self.overflows += 1
+            return
+        if tag == "stream.gap":
             # Outcomes may be among what this reader will never get: look every one up.
+            self.gaps += 1
             self._look_up_all()
             return
         found = outcome_of(tag, data)
@@ -226,9 +259,9 @@ class OutcomeStream:
             self._resolve(*found)
 
     def _resolve(self, handoff_id: str, outcome: Outcome) -> None:
-        future = self._waiting.get(handoff_id)
-        if future is not None and not future.done():
-            future.set_result(outcome)
+        for future in list(self._waiting.get(handoff_id, ())):
+            if not future.done():
+                future.set_result(outcome)
 
     # -- the way around it -------------------------------------------------------------------
 
@@ -240,17 +273,27 @@ class OutcomeStream:
                 self._missed.add(handoff_id)
 
     def _look_up(self, handoff_id: str) -> None:
-        if handoff_id in self._looking or handoff_id not in self._waiting:
+        if handoff_id in self._looking or handoff_id not in self._waiting or self._closed:
             return
-        self._looking.add(handoff_id)
         self.fallbacks += 1
-        task = asyncio.create_task(self._look_up_one(handoff_id))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._looking[handoff_id] = asyncio.create_task(self._look_up_one(handoff_id))
 
     async def _look_up_one(self, handoff_id: str) -> None:
-        try:
-            outcome = await self.fallback(handoff_id)
-        finally:
-            self._looking.discard(handoff_id)
+        # A decode that does not answer is asked again until the handoff's patience is spent:
+        # a blip must not make the router reschedule what the decode may still finish.
+        loop = asyncio.get_running_loop()
+        deadline = self._since.get(handoff_id, loop.time()) + self.patience_s
+        while True:
+            try:
+                outcome = await self.fallback(handoff_id)
+            except Exception as exc:  # noqa: BLE001 - it must not; if it does, its caller hears
+                outcome = Outcome("unreachable", 0, f"{type(exc).__name__}: {exc}")
+            if outcome.state != "unreachable" or loop.time() + RETRY_S >= deadline:
+                break
+            await asyncio.sleep(RETRY_S)
+        if self._looking.get(handoff_id) is asyncio.current_task():
+            del self._looking[handoff_id]
         self._resolve(handoff_id, outcome)
+
+
+_CLOSED = Outcome("unreachable", 0, "the outcome stream was closed")

@@ -62,12 +62,18 @@ class RouterClient:
     def _batcher(self, url: str) -> TurnBatcher[dict[str, Any], dict[str, Any]]:
         async def send(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             async with self.http.post(url, json={"items": items}, timeout=self.timeout) as resp:
-                if resp.status != 200:
-                    # The whole batch refused (it never is for an item's fault): each its own.
-                    problem = await _problem(resp)
-                    return [{"status": resp.status, "problem": problem}] * len(items)
-                results: list[dict[str, Any]] = (await resp.json())["items"]
-                return results
+                if resp.status == 200:
+                    results: list[dict[str, Any]] = (await resp.json())["items"]
+                    return results
+                problem = await _problem(resp)
+            if resp.status == 413 and len(items) > 1:
+                # Over the service's body bound (long-context items): halves, one after the
+                # other (in order), rather than every item refused.
+                half = len(items) // 2
+                return [*await send(items[:half]), *await send(items[half:])]
+            # The whole batch refused (it never is for an item's fault): each its own.
+            item_problem = {"code": problem["code"], "detail": problem["reason"]}
+            return [{"status": resp.status, "problem": item_problem}] * len(items)
 
         expected = (aiohttp.ClientError, TimeoutError)
         return TurnBatcher(send, MAX_BATCH_ITEMS, expected)
@@ -125,20 +131,43 @@ class RouterClient:
         # Registered before the create: an outcome that comes before its answer is kept.
         future = stream.expect(handoff_id)
         try:
-            rejected, refused = await asyncio.gather(
-                self.create(handoff_id, dst_pages, dst_slot),
-                self.signal_stages(handoff_id, src_pages, src_slot),
+            ended, refused = await self._create_and_signal(
+                handoff_id, src_pages, dst_pages, src_slot, dst_slot
             )
         except BaseException:
-            stream.forget(handoff_id)
+            stream.forget(handoff_id, future)
             raise
-        if rejected is not None:
-            stream.forget(handoff_id)
-            return rejected
-        outcome = await stream.outcome(handoff_id, future)
-        if outcome.error is None and outcome.state != "completed" and refused:
-            return Outcome(outcome.state, outcome.bytes, refused[0])
-        return outcome
+        if ended is not None:  # refused, or re-driven after its end (its event long gone)
+            stream.forget(handoff_id, future)
+        else:
+            ended = await stream.outcome(handoff_id, future)
+        if ended.error is None and ended.state not in ("completed", "rejected") and refused:
+            return Outcome(ended.state, ended.bytes, refused[0])
+        return ended
+
+    async def _create_and_signal(
+        self,
+        handoff_id: str,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        src_slot: int | None,
+        dst_slot: int | None,
+    ) -> tuple[Outcome | None, list[str]]:
+        """The create and every stage's ready, sent at once (as an engine computes while the
+        router creates): what `create` answers, and the readies' refusals. A refused create
+        leaves its readies held on the prefill until their deadline (counted against the
+        prefill's bound on handoffs awaiting a destination), as an engine's would be; neither
+        call is left running unobserved when the other raises."""
+        created, signalled = await asyncio.gather(
+            self.create(handoff_id, dst_pages, dst_slot),
+            self.signal_stages(handoff_id, src_pages, src_slot),
+            return_exceptions=True,
+        )
+        for result in (created, signalled):
+            if isinstance(result, BaseException):
+                raise result
+        assert not isinstance(created, BaseException) and not isinstance(signalled, BaseException)
+        return created, signalled
 
     async def _polled_handoff(
         self,
@@ -148,19 +177,20 @@ class RouterClient:
         src_slot: int | None,
         dst_slot: int | None,
     ) -> Outcome:
-        rejected, refused = await asyncio.gather(
-            self.create(handoff_id, dst_pages, dst_slot),
-            self.signal_stages(handoff_id, src_pages, src_slot),
+        ended, refused = await self._create_and_signal(
+            handoff_id, src_pages, dst_pages, src_slot, dst_slot
         )
-        if rejected is not None:
-            return rejected
-        outcome = await self._polled(handoff_id)
+        outcome = ended if ended is not None else await self._polled(handoff_id)
+        if outcome.state == "rejected":
+            return outcome
         return Outcome(outcome.state, outcome.bytes, outcome.error or next(iter(refused), None))
 
     async def create(
         self, handoff_id: str, dst_pages: Sequence[int], dst_slot: int | None
     ) -> Outcome | None:
-        """`POST /v1/handoffs`; None once accepted, the "rejected" outcome otherwise."""
+        """`POST /v1/handoffs`: None once accepted, the "rejected" outcome when refused, the
+        outcome itself when it is accepted already ended (a re-drive: 200 with a terminal
+        view, whose outcome event the stream will not repeat)."""
         body: dict[str, Any] = {
             "id": handoff_id,
             "prefill": self.dep.prefill_urls,
@@ -172,14 +202,17 @@ class RouterClient:
         if self.coalesce:
             result = await self.creates.submit(body)
             if result["status"] in (200, 201):
-                return None
+                return _ended(result.get("view"))
             return Outcome("rejected", 0, _item_problem_text(result))
         url = f"{self.dep.decode_url}/v1/handoffs"
         async with self.http.post(url, json=body, timeout=self.timeout) as resp:
             if resp.status not in (200, 201):  # 200: this very request was already accepted
                 return Outcome("rejected", 0, await problem_text(resp))
-            await resp.read()
-        return None
+            if resp.status == 201:
+                await resp.read()
+                return None
+            view: dict[str, Any] = await resp.json()
+        return _ended(view)
 
     async def _polled(self, handoff_id: str) -> Outcome:
         """The outcome by long poll (never raises: "unreachable" when nothing answers)."""
@@ -187,9 +220,7 @@ class RouterClient:
             view = await self.until_terminal(handoff_id)
         except (aiohttp.ClientError, TimeoutError) as exc:
             return Outcome("unreachable", 0, f"{type(exc).__name__}: {exc}")
-        error = view.get("error")
-        reason = f"{error['code']}: {error['reason']}" if error else None
-        return Outcome(view["state"], int(view["bytes"]), reason)
+        return _outcome_of_view(view)
 
     async def signal_stages(
         self, handoff_id: str, src_pages: Sequence[int], src_slot: int | None
@@ -244,10 +275,23 @@ async def _problem(resp: aiohttp.ClientResponse) -> dict[str, str]:
         return {"code": str(resp.status), "reason": text[:300]}
 
 
+def _outcome_of_view(view: dict[str, Any]) -> Outcome:
+    error = view.get("error")
+    reason = f"{error['code']}: {error['reason']}" if error else None
+    return Outcome(view["state"], int(view.get("bytes", 0)), reason)
+
+
+def _ended(view: dict[str, Any] | None) -> Outcome | None:
+    """The outcome of an accepted create's view if it has ended already, else None."""
+    if view is None or view.get("state") not in TERMINAL:
+        return None
+    return _outcome_of_view(view)
+
+
 def _item_problem_text(result: dict[str, Any]) -> str:
     """A batch item's problem as `problem_text` gives a single route's."""
     problem = result.get("problem") or {}
-    return f"{problem.get('code', result['status'])}: {problem.get('detail', problem)}"
+    return f"{problem.get('code', result['status'])}: {problem.get('detail', '')}"
 
 
 async def problem_text(resp: aiohttp.ClientResponse) -> str:

@@ -2,8 +2,10 @@
 
 A router admits many requests per tick and an engine finishes a whole forward batch at once:
 what they issue together leaves together. `TurnBatcher.submit` queues an item and, once per
-turn, every item queued in it goes to `send` in one call (chunks of `max_items`); each caller
-gets its own item's result, or the exception of the call that carried it. Used by
+turn, every item queued in it goes to `send` in one call (chunks of `max_items`, sent one
+after another, in order); each caller gets its own item's result, or the exception of the call
+that carried it (a `send` that answers the wrong number of results fails every caller of that
+call). A caller cancelled before the flush has its item dropped. Used by
 `RouterClient(coalesce=True)` for `POST /v1/handoffs/batch` and `POST /v1/stages/ready`.
 """
 
@@ -49,30 +51,47 @@ class TurnBatcher(Generic[I, R]):
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _flush(self) -> None:
-        pending, self._pending = self._pending, []
-        for start in range(0, len(pending), self._max_items):
-            task = asyncio.create_task(self._carry(pending[start : start + self._max_items]))
+        # A caller cancelled before the flush has left: its item is not sent.
+        pending = [(item, future) for item, future in self._pending if not future.done()]
+        self._pending = []
+        if pending:
+            task = asyncio.create_task(self._carry_all(pending))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _carry_all(self, pending: list[tuple[I, asyncio.Future[R]]]) -> None:
+        # Chunks leave one after another: the receiver sees the items in the order issued.
+        for start in range(0, len(pending), self._max_items):
+            try:
+                await self._carry(pending[start : start + self._max_items])
+            except BaseException as exc:
+                _fail(pending[start:], exc)  # the chunks not sent yet never will be
+                raise
 
     async def _carry(self, batch: list[tuple[I, asyncio.Future[R]]]) -> None:
         self.batches += 1
         self.items += len(batch)
         try:
             results = await self._send([item for item, _ in batch])
+            if len(results) != len(batch):
+                raise ValueError(f"{len(results)} results for a batch of {len(batch)} items")
         except BaseException as exc:
             # Each waiter raises what the call raised (never waits for ever); what the caller
             # does not expect of `send` is raised here too.
-            for _, future in batch:
-                if future.done():
-                    continue
-                if isinstance(exc, asyncio.CancelledError):
-                    future.cancel()
-                else:
-                    future.set_exception(exc)
+            _fail(batch, exc)
             if not isinstance(exc, self._expected):
                 raise
             return
         for (_, future), result in zip(batch, results, strict=True):
             if not future.done():
                 future.set_result(result)
+
+
+def _fail(batch: list[tuple[Any, asyncio.Future[Any]]], exc: BaseException) -> None:
+    for _, future in batch:
+        if future.done():
+            continue
+        if isinstance(exc, asyncio.CancelledError):
+            future.cancel()
+        else:
+            future.set_exception(exc)

@@ -10,18 +10,23 @@ from typing import Any
 import aiohttp
 import pytest
 
+import kvhandoff.service.api.batches as batches_api
 import kvhandoff.service.api.handoffs as handoffs_api
 from kvhandoff.service.api.batches import MAX_BATCH_ITEMS
+from kvhandoff.service.runtime.roles import DECODE
 from tests.unit.service.handoff_fixtures import (
+    PP_SIZE,
     Deployment,
     Move,
     Reply,
     assert_decode_is,
     assert_problem,
+    decode_config,
     expected_decode,
     fill_decode,
     fill_sources,
     open_deployment,
+    prefill_config,
 )
 
 MOVES = [Move([3, 4], [10, 11], 2, 1), Move([9], [2], 3, 0), Move([5, 6], [20, 21], 4, 2)]
@@ -134,22 +139,73 @@ async def test_a_batch_of_readies_keeps_the_bound_on_handoffs_awaiting_a_destina
     monkeypatch.setattr(handoffs_api, "MAX_AWAITING_DESTINATION", 2)
     reply = await ready_batch(d, [ready_item(f"o-{i}", 0, MOVES[0]) for i in range(3)])
     assert [r["status"] for r in reply.body["items"]] == [202, 202, 429]
-    assert reply.body["items"][2]["problem"]["field"] == "items[2].id"
+    assert reply.body["items"][2]["problem"]["field"] == "items[2].handoff_id"
+
+
+async def test_an_item_that_raises_outside_the_error_tree_is_answered_500_alone(
+    d: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A bug in one item's handling: the others keep their answers (a router that read a whole
+    # 500 would call the created ones rejected and reschedule them: work done twice).
+    runtime = d.decode.app[DECODE]
+    create = runtime.create
+
+    async def crashing_create(item: Any) -> Any:
+        if item.id == "boom":
+            raise RuntimeError("a bug")
+        return await create(item)
+
+    monkeypatch.setattr(runtime, "create", crashing_create)
+    items = [create_item(d, "ok-a", MOVES[0]), create_item(d, "boom", MOVES[1])]
+    reply = await create_batch(d, items)
+    assert reply.status == 200, reply.body
+    ok, boom = reply.body["items"]
+    assert (ok["status"], ok["view"]["id"]) == (201, "ok-a")
+    assert boom["status"] == 500
+    assert (boom["problem"]["field"], boom["problem"]["index"]) == ("items[1]", 1)
+    assert boom["problem"]["code"] == "internal_error"
+    signal = batches_api.signal_ready
+
+    def crashing_signal(pipeline: Any, handoff_id: str, *args: Any) -> Any:
+        if handoff_id == "boom":
+            raise RuntimeError("a bug")
+        return signal(pipeline, handoff_id, *args)
+
+    monkeypatch.setattr(batches_api, "signal_ready", crashing_signal)
+    items = [ready_item("boom", 0, MOVES[1]), ready_item("ok-a", 0, MOVES[0])]
+    reply = await ready_batch(d, items)
+    assert reply.status == 200, reply.body
+    assert [r["status"] for r in reply.body["items"]] == [500, 202]
+    assert reply.body["items"][0]["problem"]["field"] == "items[0]"
 
 
 async def test_batch_routes_take_their_single_routes_credentials() -> None:
-    async with open_deployment(token="s3cret") as d:
+    # Separate router and engine credentials: each batch route takes its single route's, and
+    # refuses the other role's (and none).
+    auth = {"auth.router": "router-secret", "auth.engine": "engine-secret"}
+    decode, prefill = decode_config(auth), [prefill_config(range(PP_SIZE), settings=auth)]
+    async with open_deployment(decode=decode, prefill=prefill) as d:
         fill_sources(d)
-        reply = await create_batch(d, [create_item(d, "t-0", MOVES[0])])
-        assert reply.body["items"][0]["status"] == 201
-        async with aiohttp.ClientSession() as anonymous:
-            for url in (
-                f"{d.decode.url}/v1/handoffs/batch",
-                f"{d.prefills[0].url}/v1/stages/ready",
+        create = f"{d.decode.url}/v1/handoffs/batch"
+        ready = f"{d.prefills[0].url}/v1/stages/ready"
+        creates = {"items": [create_item(d, "t-0", MOVES[0])]}
+        readies = {"items": [ready_item("t-0", 0, MOVES[0])]}
+        for token, url, body, status in (
+            (None, create, creates, 401),
+            ("engine-secret", create, creates, 403),
+            (None, ready, readies, 401),
+            ("router-secret", ready, readies, 403),
+            ("router-secret", create, creates, 200),
+            ("engine-secret", ready, readies, 200),
+        ):
+            headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+            async with (
+                aiohttp.ClientSession(headers=headers) as http,
+                http.post(url, json=body) as resp,
             ):
-                async with anonymous.post(url, json={"items": [{"id": "t-1"}]}) as resp:
-                    assert resp.status == 401
-        assert_problem(await d.get("t-1"), 404)
+                assert resp.status == status, (token, url, await resp.text())
+                if status == 200:
+                    assert (await resp.json())["items"][0]["status"] in (201, 202)
 
 
 async def test_openapi_documents_the_batch_routes(d: Deployment) -> None:
