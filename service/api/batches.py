@@ -53,10 +53,30 @@ class _RawBatch(Struct, frozen=True, forbid_unknown_fields=True):
     items: _Items
 
 
+# The documented bodies: each item an object checked on its own against its single route's
+# schema, so an item that breaks it is one item's 422, not a request the API refuses whole.
+_CreateItem = Annotated[
+    dict[str, Any],
+    Meta(
+        description="One handoff as `POST /v1/handoffs` takes it (schema `HandoffRequest`), "
+        "checked on its own: an item that breaks that schema is answered 422 alone."
+    ),
+]
+_ReadyItem = Annotated[
+    dict[str, Any],
+    Meta(
+        description="One stage's ready signal as `POST /v1/handoffs/{id}/stages/{pp_rank}/"
+        "ready` takes it (schema `StageReady`) plus `handoff_id` and `pp_rank` (schema "
+        "`StageReadyItem`), checked on its own: an item that breaks that schema is answered "
+        "422 alone."
+    ),
+]
+
+
 class HandoffBatch(Struct, frozen=True, forbid_unknown_fields=True):
     """Router → decode: handoffs to create, each as `POST /v1/handoffs` takes it."""
 
-    items: Annotated[list[HandoffRequest], Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
+    items: Annotated[list[_CreateItem], Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
 
 
 class CreateResult(Struct, frozen=True, omit_defaults=True):
@@ -83,7 +103,7 @@ class StageReadyItem(StageReady, frozen=True, kw_only=True, forbid_unknown_field
 class StageReadyBatch(Struct, frozen=True, forbid_unknown_fields=True):
     """Engine → prefill: stages ready, in the order the engine signals them."""
 
-    items: Annotated[list[StageReadyItem], Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
+    items: Annotated[list[_ReadyItem], Meta(min_length=1, max_length=MAX_BATCH_ITEMS)]
 
 
 class ReadyResult(Struct, frozen=True, omit_defaults=True):
@@ -96,6 +116,16 @@ class ReadyResult(Struct, frozen=True, omit_defaults=True):
 
 class StageReadyBatchResult(Struct, frozen=True):
     items: list[ReadyResult]
+
+
+def objects(items: list[msgspec.Raw]) -> list[msgspec.Raw]:
+    """The batch's items, each a JSON object (kept undecoded until its own check,
+    `decode_items`): anything else is no route's item, and the batch is refused whole (422
+    naming the item), as its schema says."""
+    for index, raw in enumerate(items):
+        if bytes(raw).lstrip()[:1] != b"{":
+            raise InvalidInput(f"items[{index}] is not an object", field=f"items[{index}]")
+    return items
 
 
 def item_problem(error: KVHandoffError, index: int, instance: str) -> tuple[int, dict[str, Any]]:
@@ -120,7 +150,7 @@ def item_crash(index: int, instance: str) -> tuple[int, dict[str, Any]]:
 
 
 @decode_batch_routes.post(
-    "/v1/handoffs/batch",
+    "/v1/handoff-batches",
     request=HandoffBatch,
     response=HandoffBatchResult,
     errors=(422,),
@@ -152,7 +182,7 @@ async def create_handoffs(request: web.Request) -> web.StreamResponse:
             return CreateResult(status, problem=problem)
         return CreateResult(201 if created else 200, view)
 
-    items = decode_items(batch.items, HandoffRequest)
+    items = decode_items(objects(batch.items), HandoffRequest)
     results = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)))
     return json_response(HandoffBatchResult(list(results)))
 
@@ -176,7 +206,7 @@ async def stages_ready(request: web.Request) -> web.StreamResponse:
     batch = await decode_body(request, _RawBatch)
     pipeline = prefill_of(request)
     results = []
-    for index, item in enumerate(decode_items(batch.items, StageReadyItem)):
+    for index, item in enumerate(decode_items(objects(batch.items), StageReadyItem)):
         try:
             if isinstance(item, InvalidInput):
                 raise item

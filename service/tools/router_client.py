@@ -45,7 +45,7 @@ class RouterClient:
     ) -> None:
         """`coalesce` (an attribute too, to switch between handoffs): the creates, and each
         prefill service's stage readies, issued in one turn of the loop leave as one batch
-        request (`POST /v1/handoffs/batch`, `POST /v1/stages/ready`)."""
+        request (`POST /v1/handoff-batches`, `POST /v1/stages/ready`)."""
         self.http, self.dep, self.verify = http, dep, verify
         self.timeout = aiohttp.ClientTimeout(total=WAIT_S + 20)
         self._stage_urls = [dep.url_of_stage(r) for r in range(dep.pp_size)]
@@ -54,7 +54,7 @@ class RouterClient:
         )
         self._started: asyncio.Task[None] | None = None
         self.coalesce = coalesce
-        self.creates = self._batcher(f"{dep.decode_url}/v1/handoffs/batch")
+        self.creates = self._batcher(f"{dep.decode_url}/v1/handoff-batches")
         self.readies = {
             url: self._batcher(f"{url}/v1/stages/ready") for url in dict.fromkeys(self._stage_urls)
         }

@@ -6,7 +6,7 @@ turn, every item queued in it goes to `send` in one call (chunks of `max_items`,
 after another, in order); each caller gets its own item's result, or the exception of the call
 that carried it (a `send` that answers the wrong number of results fails every caller of that
 call). A caller cancelled before the flush has its item dropped. Used by
-`RouterClient(coalesce=True)` for `POST /v1/handoffs/batch` and `POST /v1/stages/ready`.
+`RouterClient(coalesce=True)` for `POST /v1/handoff-batches` and `POST /v1/stages/ready`.
 """
 
 from __future__ import annotations

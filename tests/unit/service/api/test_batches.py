@@ -50,7 +50,7 @@ def ready_item(hid: str, rank: int, move: Move, **extra: Any) -> dict[str, Any]:
 
 
 async def create_batch(d: Deployment, items: Any) -> Reply:
-    return await d.request("POST", f"{d.decode.url}/v1/handoffs/batch", json={"items": items})
+    return await d.request("POST", f"{d.decode.url}/v1/handoff-batches", json={"items": items})
 
 
 async def ready_batch(d: Deployment, items: Any) -> Reply:
@@ -127,10 +127,16 @@ async def test_the_item_count_is_bounded_and_the_body_must_be_a_batch(d: Deploym
     too_many = [create_item(d, f"n-{i}", MOVES[0]) for i in range(MAX_BATCH_ITEMS + 1)]
     assert_problem(await create_batch(d, too_many), 422, field="items")
     assert_problem(await create_batch(d, []), 422, field="items")
-    url = f"{d.decode.url}/v1/handoffs/batch"
+    url = f"{d.decode.url}/v1/handoff-batches"
     assert_problem(await d.request("POST", url, json=[create_item(d, "n", MOVES[0])]), 422)
     assert_problem(await ready_batch(d, [{"handoff_id": "r"}] * (MAX_BATCH_ITEMS + 1)), 422)
     assert_problem(await d.get("n-0"), 404)
+    # An item that is not an object is no route's item: the batch is refused whole, as its
+    # schema says, and its good items are not created either.
+    mixed = [create_item(d, "n-ok", MOVES[0]), 5]
+    assert_problem(await create_batch(d, mixed), 422, field="items[1]")
+    assert_problem(await d.get("n-ok"), 404)
+    assert_problem(await ready_batch(d, [{"handoff_id": "r", "pp_rank": 0}, "x"]), 422)
 
 
 async def test_a_batch_of_readies_keeps_the_bound_on_handoffs_awaiting_a_destination(
@@ -186,7 +192,7 @@ async def test_batch_routes_take_their_single_routes_credentials() -> None:
     decode, prefill = decode_config(auth), [prefill_config(range(PP_SIZE), settings=auth)]
     async with open_deployment(decode=decode, prefill=prefill) as d:
         fill_sources(d)
-        create = f"{d.decode.url}/v1/handoffs/batch"
+        create = f"{d.decode.url}/v1/handoff-batches"
         ready = f"{d.prefills[0].url}/v1/stages/ready"
         creates = {"items": [create_item(d, "t-0", MOVES[0])]}
         readies = {"items": [ready_item("t-0", 0, MOVES[0])]}
@@ -210,11 +216,15 @@ async def test_batch_routes_take_their_single_routes_credentials() -> None:
 
 async def test_openapi_documents_the_batch_routes(d: Deployment) -> None:
     for url, path, schema in (
-        (d.decode.url, "/v1/handoffs/batch", "HandoffBatch"),
+        (d.decode.url, "/v1/handoff-batches", "HandoffBatch"),
         (d.prefills[0].url, "/v1/stages/ready", "StageReadyBatch"),
     ):
         doc = (await d.request("GET", f"{url}/openapi.json")).body
         op = doc["paths"][path]["post"]
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref.endswith(f"/{schema}")
-        assert doc["components"]["schemas"][schema]["properties"]["items"]["maxItems"] == 256
+        items = doc["components"]["schemas"][schema]["properties"]["items"]
+        assert items["maxItems"] == 256
+        # Each item an object checked alone (one item's 422), so the schema does not promise a
+        # whole-request refusal for an item that breaks its single route's schema.
+        assert items["items"]["type"] == "object", items

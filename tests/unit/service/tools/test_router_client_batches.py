@@ -40,7 +40,7 @@ class Decode:
 async def decode() -> AsyncIterator[tuple[Decode, RouterClient]]:
     fake = Decode()
     app = web.Application()
-    app.router.add_post("/v1/handoffs/batch", fake.batch)
+    app.router.add_post("/v1/handoff-batches", fake.batch)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
