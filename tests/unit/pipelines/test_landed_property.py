@@ -252,6 +252,8 @@ def rig(seed: int) -> Rig:
         real_scatter(pairing, dst, part, packed)
         if late and fate >= 0.1:
             engine.deliver_some()  # the pages are digested next
+        elif 0.2 <= fate < 0.225:
+            chunk[0] ^= 0x33  # ... and are repaired before the digest: the pages stay wrong
         elif 0.25 <= fate < 0.45:
             chunk[0] ^= 0x33  # the bytes just scattered change in the window
         elif 0.45 <= fate < 0.5 and end < window.shape[0]:
