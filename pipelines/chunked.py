@@ -155,7 +155,7 @@ def digest_pages(
     On the host, runs of consecutive pages are fed as one view, nothing copied; on a device
     each piece's rows are gathered first (one kernel, not one per page)."""
     for rows, idx, _ in piece_views(pairing, dst, pieces, like):
-        if not isinstance(rows, np.ndarray) and rows.device.type != "cpu":
+        if not isinstance(rows, np.ndarray):  # the device path (torch kernels)
             digester.update(rows.index_select(0, idx).reshape(-1))
             continue
         ids = idx.tolist()
