@@ -6,15 +6,20 @@ digested and copied on:
 
 - the prefill (`gather_digest`): gather the chunk's pieces from its own pages into a private
   chunk, feed the digest that chunk, copy it into the segment's staging extent;
-- the decode (`copy_digest_scatter`): copy the chunk out of the landed window into a private
-  chunk, feed the digest that chunk, scatter *that private chunk* into the handoff's pages.
+- the decode (`scatter_digest`): scatter the chunk from the landed window into the handoff's
+  pages, then feed the digest *those pages*, while they are still in cache.
 
-Each byte is read from registered memory once, and what is digested is what was scattered (or
-staged): a write landing in a window (or a staging buffer) meanwhile changes neither, however
-it is timed. On the decode the pages hold a segment's bytes before its digest is final; what
-that costs and why it is safe is SAFETY.md S1 and S4 (the commit's cells stay uncommitted until
-the digest matched, so a refused segment's pages are dirty and its handoff cannot complete on
-them). Device memory (CUDA, NPU) is one chunk per segment: its copies are not cache-bound, and a
+The prefill's digest is of a private chunk, and the decode's of its own pages: neither is of
+registered memory, so a write landing in the staging buffer or the window changes what is
+sent or landed, never what the digest vouches for. The decode's pages are not registered, are
+leased to this handoff and their cells are claimed by this one commit: between the scatter and
+the digest nothing else writes them, so the digest is of what the engine will read. A window
+changed during the commit changes what lands, and then the pages' digest differs from the
+sender's (SAFETY.md S1; the cells stay uncommitted, the pages dirty, and the stage cannot
+arrive on them: S4). Each landed byte is read from the window once and from the pages once,
+both in cache: no copy out of the window into a private chunk.
+
+Device memory (CUDA, NPU) is one chunk per segment: its copies are not cache-bound, and a
 chunk costs a stream synchronisation.
 """
 
@@ -27,7 +32,15 @@ from typing import Any
 import numpy as np
 
 from kvhandoff.pipelines.digest import Digester
-from kvhandoff.pipelines.packing import Pieces, Side, copy_out, gather, scatter, settle
+from kvhandoff.pipelines.packing import (
+    Pieces,
+    Side,
+    copy_out,
+    gather,
+    piece_views,
+    scatter,
+    settle,
+)
 from kvhandoff.pipelines.pairing import Pairing
 
 #: A chunk's bytes: small enough that the private chunk is still in cache when it is digested
@@ -113,22 +126,41 @@ def gather_digest(
     return digester.hexdigest()
 
 
-def copy_digest_scatter(
+def scatter_digest(
     window: Any,
     offset: int,
     pairing: Pairing,
     dst: Side,
     pieces: Pieces,
     digester: Digester,
-    scratch: Scratch,
 ) -> str:
-    """Commit the segment landed at `window[offset:]` into `dst` chunk by chunk: copy a chunk
-    out into a private chunk, digest it, scatter that private chunk. Returns the digest of
-    exactly the bytes scattered; the caller counts the pieces only if it matches (SAFETY.md
-    S1). Every chunk is scattered whatever the digest turns out to be."""
+    """Commit the segment landed at `window[offset:]` into `dst` chunk by chunk: scatter the
+    chunk from the window into the pages, then digest *those pages* (still in cache), in the
+    segment's packed order. Returns the digest of what the pages hold; the caller counts the
+    pieces only if it matches (SAFETY.md S1). Every chunk is scattered whatever the digest
+    turns out to be."""
     step = chunk_bytes_for(window)
     for at, nbytes, part in chunks(pairing, pieces, step):
-        private = copy_out(window, offset + at, nbytes, scratch.get(window, nbytes))
-        digester.update(private)
-        scatter(pairing, dst, part, private)
+        landed = window[offset + at : offset + at + nbytes]
+        scatter(pairing, dst, part, landed)
+        digest_pages(pairing, dst, part, landed, digester)
     return digester.hexdigest()
+
+
+def digest_pages(
+    pairing: Pairing, dst: Side, pieces: Pieces, like: Any, digester: Digester
+) -> None:
+    """Feed `digester` the bytes the pieces name in `dst`'s pages and slots, in packed order
+    (`like` is any buffer of the pieces' bytes on the window's memory: only its kind is used).
+    On the host, runs of consecutive pages are fed as one view, nothing copied; on a device
+    each piece's rows are gathered first (one kernel, not one per page)."""
+    for rows, idx, _ in piece_views(pairing, dst, pieces, like):
+        if not isinstance(rows, np.ndarray):  # the device path (torch kernels)
+            digester.update(rows.index_select(0, idx).reshape(-1))
+            continue
+        ids = idx.tolist()
+        first = 0
+        for j in range(1, len(ids) + 1):
+            if j == len(ids) or ids[j] != ids[j - 1] + 1:
+                digester.update(rows[ids[first] : ids[j - 1] + 1].reshape(-1))
+                first = j

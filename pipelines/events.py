@@ -126,7 +126,7 @@ class SegmentCommitted(_Event, frozen=True, tag="stage.segment_committed"):
     bytes: int
     committed: int  # bytes of the stage committed so far
     expected: int  # bytes the stage moves in all
-    commit_s: float  # the copy out of the window, the digest and the commit
+    commit_s: float  # the scatter out of the window and the digest of the pages written
 
 
 class SegmentRejected(_Event, frozen=True, tag="stage.segment_rejected"):

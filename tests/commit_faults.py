@@ -36,7 +36,7 @@ def install(
     """Wrap the decode's commits: `corrupt(handoff_id)` and `slow(handoff_id)` pick the
     handoffs; `value_bytes` is the KV dtype's size (little-endian: a value's last byte holds its
     sign bit)."""
-    commit = landing.Landing._copy_check_commit
+    commit = landing.Landing._scatter_check_commit
     commit_segment = landing.Landing.commit
 
     async def held_commit(self: Any, h: Any, rank: int, msg: Any) -> Any:
@@ -57,5 +57,5 @@ def install(
                 pages[idx, value_bytes - 1 :: value_bytes] ^= 0x80
         return ok
 
-    landing.Landing._copy_check_commit = corrupting_commit  # type: ignore[method-assign]
+    landing.Landing._scatter_check_commit = corrupting_commit  # type: ignore[method-assign]
     landing.Landing.commit = held_commit  # type: ignore[method-assign]

@@ -6,10 +6,10 @@ of this decode's landing arena, granted to one stage of one handoff (`grant`, `f
 
 1. checks the notice names its own grant, pieces of its own destination not committed yet, and
    the bytes those pieces hold (nothing changes on a refusal);
-2. reads the window once, chunk by chunk: each chunk copied out into a private chunk (a write
-   landing in the window meanwhile cannot reach the pages), digested, and that private chunk
-   scattered into the pages and slot (`pipelines/chunked.py`);
-3. counts the segment's cells committed only if the digest of what it scattered matches, and
+2. reads the window once, chunk by chunk: each chunk scattered into the pages and slot, then
+   the pages just written digested (`pipelines/chunked.py`): only this commit writes them, so
+   a write landing in the window meanwhile changes what lands and then the digest refuses it;
+3. counts the segment's cells committed only if the digest of what the pages hold matches, and
    gives the window back; on a mismatch the cells stay uncommitted (their pages are dirty: the
    stage cannot arrive on them) and the window is kept out of use until the handoff ends.
 
@@ -34,7 +34,7 @@ import numpy.typing as npt
 
 from kvhandoff.pipelines.arena import Arena, Extent
 from kvhandoff.pipelines.awaiting import finish
-from kvhandoff.pipelines.chunked import Scratch, copy_digest_scatter
+from kvhandoff.pipelines.chunked import scatter_digest
 from kvhandoff.pipelines.decode.coverage import Cells, HandoffLanding, StageLanding
 from kvhandoff.pipelines.decode.handoff import DecodeHandoff
 from kvhandoff.pipelines.digest import Algorithm, Digester, segment_seed
@@ -102,7 +102,6 @@ class Landing:
         # handoff ended: `delivery_ended` decides whether they were used.
         self._in_flight: dict[tuple[str, int], list[Extent]] = {}
         self._next_grant_id = 0
-        self._scratch = Scratch()  # per-thread private chunks of the commits' one pass
 
     # ----------------------------------------------------------------- handoffs
 
@@ -187,7 +186,7 @@ class Landing:
 
     async def commit(self, h: DecodeHandoff, rank: int, msg: SegmentMsg) -> Verdict:
         """Commit the segment `msg` names into `h`'s pages (see the module docstring). Returns
-        COMMITTED, or, when what was scattered did not hash to the digest (its cells stay
+        COMMITTED, or, when what the pages hold did not hash to the digest (its cells stay
         uncommitted), REFUSED while the segment may be sent again (`RESENDS_PER_SEGMENT`,
         counted per piece of the stage, so two segments are each allowed theirs) and SPENT
         after. Raises InvalidInput / ConflictError, changing nothing, for a notice this grant
@@ -195,7 +194,7 @@ class Landing:
         stage, extent, pieces = self._checked(h, rank, msg)
         # From the claim to the end of the scatter the pages are written: the lease waits for
         # `idle`. Nothing was awaited since `_checked` saw `h` live. The grant is closed before
-        # the copy's await: a second notice naming it (other pieces, same window) is refused.
+        # the pass's await: a second notice naming it (other pieces, same window) is refused.
         cells = stage.claim(pieces, rank)
         self._close_grant(msg.grant_id, stage)
         hl = self._handoffs[h.id]
@@ -210,10 +209,10 @@ class Landing:
             )
             args = (stage.pairing, pieces, h, extent.offset, msg.digest, seed)
             if msg.bytes <= INLINE_COMMIT_BYTES:
-                ok = self._copy_check_commit(*args)
+                ok = self._scatter_check_commit(*args)
             else:
                 # Even if this caller is cancelled, the lease waits for the pass to end.
-                ok = await finish(asyncio.to_thread(self._copy_check_commit, *args))
+                ok = await finish(asyncio.to_thread(self._scatter_check_commit, *args))
         finally:
             hl.end()
             if not ok:
@@ -362,7 +361,7 @@ class Landing:
 
     # ----------------------------------------------------------------- internals
 
-    def _copy_check_commit(
+    def _scatter_check_commit(
         self,
         pairing: Pairing,
         pieces: Pieces,
@@ -371,13 +370,11 @@ class Landing:
         expected_digest: str,
         seed: int,
     ) -> bool:
-        """One pass over the window at `offset` into `h`'s pages and slots: True when the bytes
-        it scattered hash to `expected_digest`; False leaves them dirty (written, uncommitted)."""
+        """One pass over the window at `offset` into `h`'s pages and slots: True when the pages
+        it wrote hash to `expected_digest`; False leaves them dirty (written, uncommitted)."""
         side = destination_side(pairing, self._memory, h.dst_pages, h.request.slots)
         digester = Digester(self.algorithm, seed=seed)
-        got = copy_digest_scatter(
-            self._window, offset, pairing, side, pieces, digester, self._scratch
-        )
+        got = scatter_digest(self._window, offset, pairing, side, pieces, digester)
         return got == expected_digest
 
     def _stage(self, handoff_id: str, rank: int) -> StageLanding:

@@ -141,7 +141,7 @@ DEFINITIONS = {
     "commit": _Metric(
         Histogram,
         "kvhandoff_segment_commit_seconds",
-        "Time one landed segment's commit took (copy out of the window, digest, scatter)",
+        "Time one landed segment's commit took (scatter out of the window, digest of the pages)",
     ),
 }
 

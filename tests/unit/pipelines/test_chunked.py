@@ -1,7 +1,7 @@
 """The one-pass gather and commit (`pipelines/chunked.py`): chunks of whole items that cover a
 segment once, a streamed digest equal to the one-shot one however the bytes are cut, and the
-order that SAFETY.md S1 rests on — what is digested is the private chunk that was scattered,
-never a re-read of the window."""
+order that SAFETY.md S1 rests on — the decode digests the pages it just wrote, after the
+scatter, never the window."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvhandoff.pipelines import chunked, packing
-from kvhandoff.pipelines.chunked import Scratch, chunks, copy_digest_scatter, gather_digest
+from kvhandoff.pipelines.chunked import Scratch, chunks, gather_digest, scatter_digest
 from kvhandoff.pipelines.digest import ALGORITHMS, Algorithm, Digester, digest
 from kvhandoff.pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 from kvhandoff.pipelines.packing import Pieces, destination_side, gather, piece_bytes, source_side
@@ -89,8 +89,9 @@ def test_a_digest_streamed_in_parts_of_any_size_equals_the_one_shot_digest(
 
 @pytest.mark.parametrize("kind", ["numpy", "torch-kernels"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dst_pages", [[10, 2, 11], [4, 5, 6], [12, 13, 1]])  # runs, or none
 def test_one_pass_gather_and_commit_move_the_segment_and_agree_on_its_digest(
-    kind: str, algorithm: Algorithm, monkeypatch: pytest.MonkeyPatch
+    kind: str, algorithm: Algorithm, dst_pages: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(packing, "HOST_TENSORS_VIA_NUMPY", kind == "numpy")
     monkeypatch.setattr(chunked, "CHUNK_BYTES", 3 * 1024 + 8)  # several chunks, words cut
@@ -98,7 +99,7 @@ def test_one_pass_gather_and_commit_move_the_segment_and_agree_on_its_digest(
     src = Regions(p.src.region_sizes, 1, torch_views=kind != "numpy")
     dst = Regions(p.dst.region_sizes, 2, torch_views=kind != "numpy")
     pieces = every_row(p, 3)
-    src_pages, dst_pages = np.array([3, 9, 4]), np.array([10, 2, 11])
+    src_pages = np.array([3, 9, 4])
     n = int(piece_bytes(p, pieces).sum())
     staged = np.zeros(n, dtype=np.uint8)
     buf = staged if kind == "numpy" else torch.from_numpy(staged)
@@ -107,8 +108,8 @@ def test_one_pass_gather_and_commit_move_the_segment_and_agree_on_its_digest(
     plain = np.zeros(n, dtype=np.uint8)
     gather(p, side, pieces, plain)
     assert np.array_equal(staged, plain) and sent == digest(plain, algorithm, seed=9)
-    dside = destination_side(p, dst, dst_pages, 2)
-    got = copy_digest_scatter(buf, 0, p, dside, pieces, Digester(algorithm, seed=9), Scratch())
+    dside = destination_side(p, dst, np.array(dst_pages), 2)
+    got = scatter_digest(buf, 0, p, dside, pieces, Digester(algorithm, seed=9))
     assert got == sent
     back = np.zeros(n, dtype=np.uint8)
     gather(p, dside, pieces, back)
@@ -116,12 +117,13 @@ def test_one_pass_gather_and_commit_move_the_segment_and_agree_on_its_digest(
 
 
 def _commit_with_a_writer(
-    monkeypatch: pytest.MonkeyPatch, at_copy: int, after_copy: int
+    monkeypatch: pytest.MonkeyPatch, landed: int, before: int, after: int
 ) -> tuple[str, str, np.ndarray, np.ndarray]:
-    """Commit a segment from a window that a writer changes around each chunk's copy: the
-    window holds `at_copy` XORed into each chunk's first byte when the chunk is read, and
-    `after_copy` XORed into it right after (before its digest and scatter). Returns the digest
-    the sender took, the commit's, what the pages hold and the true bytes."""
+    """Commit a segment from a window that a writer changes around each chunk's scatter: each
+    chunk's first byte is XORed with `landed` from the start, with `before` right before the
+    chunk is scattered (after anything read or digested ahead of the scatter) and with `after`
+    right after it (before the pages are digested). Returns the digest the sender took, the
+    commit's, what the pages hold and the true bytes."""
     monkeypatch.setattr(chunked, "CHUNK_BYTES", 2048)
     p = pairing_of_stage()
     src, dst = Regions(p.src.region_sizes, 1), Regions(p.dst.region_sizes, 2)
@@ -132,41 +134,54 @@ def _commit_with_a_writer(
     window = np.zeros(n + 64, dtype=np.uint8)
     window[64:] = true
     starts = [64 + at for at, _, _ in chunks(p, pieces, 2048)]
+    assert len(starts) > 2
     for s in starts:
-        window[s] ^= at_copy
-    real_copy = chunked.copy_out
+        window[s] ^= landed
+    real_scatter = chunked.scatter
 
-    def copy_then_write(region: Any, offset: int, length: int, scratch: Any = None) -> Any:
-        out = real_copy(region, offset, length, scratch)
-        if region is window:
-            window[offset] ^= at_copy ^ after_copy  # the writer changes what was just read
-        return out
+    def write_around_scatter(pairing: Pairing, dst: Any, part: Pieces, packed: Any) -> None:
+        if np.shares_memory(packed, window):
+            packed[0] ^= before
+        real_scatter(pairing, dst, part, packed)
+        if np.shares_memory(packed, window):
+            packed[0] ^= after
 
-    monkeypatch.setattr(chunked, "copy_out", copy_then_write)
+    monkeypatch.setattr(chunked, "scatter", write_around_scatter)
     side = destination_side(p, dst, np.array([7, 8]), 3)
-    got = copy_digest_scatter(window, 64, p, side, pieces, Digester("xxh3_128", seed=1), Scratch())
+    got = scatter_digest(window, 64, p, side, pieces, Digester("xxh3_128", seed=1))
     pages = np.zeros(n, dtype=np.uint8)
     gather(p, side, pieces, pages)
     return digest(true, "xxh3_128", seed=1), got, pages, true
 
 
-def test_a_window_changed_after_its_chunk_was_read_commits_what_was_read(
+def test_a_window_changed_after_its_chunk_was_scattered_commits_what_was_scattered(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The true bytes were read; the window changes right after: the digest matches and the
-    pages hold the true bytes (a scatter that re-read the window would write the changed
-    ones, and the digest would not see it)."""
-    want, got, pages, true = _commit_with_a_writer(monkeypatch, at_copy=0, after_copy=0x5A)
+    """The true bytes were scattered; the window changes right after: the digest (of the
+    pages) matches and the pages hold the true bytes. Digesting the window after the scatter
+    would see the changed bytes; digesting the pages before it, their old contents."""
+    want, got, pages, true = _commit_with_a_writer(monkeypatch, landed=0, before=0, after=0x5A)
     assert got == want
     assert np.array_equal(pages, true)
 
 
-def test_a_window_repaired_after_its_chunk_was_read_is_refused(
+def test_a_window_repaired_after_its_chunk_was_scattered_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Wrong bytes were read and scattered; the window is repaired right after: the digest is
-    of what was scattered, so it does not match (one of a re-read would, committing the wrong
-    bytes)."""
-    want, got, pages, true = _commit_with_a_writer(monkeypatch, at_copy=0x5A, after_copy=0)
+    """Wrong bytes landed and were scattered; the window is repaired right after, before the
+    digest: the digest is of the pages, so it does not match (one of the window would,
+    committing the wrong bytes)."""
+    want, got, pages, true = _commit_with_a_writer(monkeypatch, landed=0x5A, before=0, after=0x5A)
     assert got != want
     assert not np.array_equal(pages, true)  # dirty: the caller must not count them committed
+
+
+def test_a_window_changed_just_before_its_chunk_is_scattered_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The true bytes landed; the window changes after anything a commit could read ahead of
+    the scatter, and the changed bytes are scattered: refused (a digest taken of the window
+    before the scatter would match, and the wrong bytes would be committed)."""
+    want, got, pages, true = _commit_with_a_writer(monkeypatch, landed=0, before=0x5A, after=0)
+    assert got != want
+    assert not np.array_equal(pages, true)

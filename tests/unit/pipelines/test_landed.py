@@ -1164,7 +1164,7 @@ async def test_a_stopping_decode_returns_only_once_no_commit_copies(
     w = await make_world()
     started, let_go = threading.Event(), threading.Event()
     copy_ended: list[float] = []
-    real = w.landing._copy_check_commit
+    real = w.landing._scatter_check_commit
 
     def held(*args: Any) -> bool:
         started.set()
@@ -1174,7 +1174,7 @@ async def test_a_stopping_decode_returns_only_once_no_commit_copies(
         finally:
             copy_ended.append(time.monotonic())
 
-    w.landing._copy_check_commit = held  # type: ignore[method-assign]
+    w.landing._scatter_check_commit = held  # type: ignore[method-assign]
     try:
         await w.decode.create(HandoffRequest(id="s", prefill=["p"], dst_pages=[1, 2], dst_slot=0))
         w.prefill.ready("s", 0, [3, 4], 1)

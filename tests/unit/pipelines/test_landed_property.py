@@ -3,17 +3,18 @@
 The engine double moves real bytes between real pools, but each write may land now, land later
 (after its call returned, failed or timed out; after the handoff ended and its windows were
 granted again), land twice, land corrupted, or never land. And while a commit runs its one
-pass (small chunks here, `CHUNK_BYTES`), a writer acts between a chunk's copy out of the window
-and its digest and scatter: late writes land (into that very window, maybe), the bytes just read
-change, or the next chunk's do. Under random interleavings of create, ready, abort, peer loss
-and deadlines, checked at every step:
+pass (small chunks here, `CHUNK_BYTES`), a writer acts right before each chunk is scattered
+from the window and again between that scatter and the digest of the pages it wrote: late
+writes land (into that very window, maybe), the chunk's bytes change, or the next chunk's do.
+Under random interleavings of create, ready, abort, peer loss and deadlines, checked at every
+step:
 
 - a KV page or state slot of the decode changes only by a commit (`Landing.commit`), only for
   the handoff that leases it at that moment, and only in that handoff's own pages and slot (a
   refused commit's one pass leaves them dirty);
 - every handoff that completes has in its pages exactly its source bytes (so what a commit
-  scattered is what its digest matched: a scatter or digest of a re-read of the window would
-  complete with the writer's bytes);
+  holds what its digest matched: a digest of the window, before or after the scatter, instead
+  of the pages just written would complete with the writer's bytes);
 - every handoff ends with one outcome and one release.
 
 Direct mode cannot pass this (a late write there lands in the pages); the time bound is no part
@@ -131,7 +132,7 @@ class Rig:
     pools: list[Any]
     shadow: list[np.ndarray] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
-    writer_acts: int = 0  # the mid-commit writer acted between a chunk's read and its scatter
+    writer_acts: int = 0  # the mid-commit writer acted around a chunk's scatter
     dirty_refusals: int = 0  # refused commits that left their own pages dirty
 
     def kv(self) -> list[np.ndarray]:
@@ -210,7 +211,7 @@ def rig(seed: int) -> Rig:
 
     # Every commit is checked where it happens: its handoff holds the lease, and afterwards the
     # pages it wrote are the new truth.
-    real = landing._copy_check_commit
+    real = landing._scatter_check_commit
 
     def commit(*args):  # type: ignore[no-untyped-def]
         h = args[2]  # (pairing, pieces, h, ...): the rest passes through as it came
@@ -228,29 +229,38 @@ def rig(seed: int) -> Rig:
         r.shadow = [a.copy() for a in r.kv()]
         return ok
 
-    landing._copy_check_commit = commit  # type: ignore[method-assign]
-    window = landing._window
-    real_copy = chunked.copy_out
+    landing._scatter_check_commit = commit  # type: ignore[method-assign]
+    window = landing._window.numpy()  # the arena, a host tensor: its bytes as numpy
+    real_scatter = chunked.scatter
 
-    def copy_then_write(region: Any, offset: int, length: int, scratch: Any = None) -> Any:
-        """A chunk is read out of the window; then a writer acts before it is digested and
-        scattered (commits of this size run on the loop: this is the loop's thread)."""
-        out = real_copy(region, offset, length, scratch)
-        if region is not window:
-            return out  # the prefill's gather, not a commit
+    def scatter_with_writers(pairing: Any, dst: Any, part: Any, packed: Any) -> None:
+        """At most one writer act per chunk of a commit (commits of this size run on the
+        loop: this is the loop's thread): late writes land (before the chunk's scatter or
+        between it and the digest of the pages it wrote), the chunk's bytes change just before
+        its scatter or just after it, or the next chunk's change."""
+        if not np.shares_memory(packed, window):
+            real_scatter(pairing, dst, part, packed)  # not a commit's
+            return
+        chunk = packed.numpy()
+        end = chunk.ctypes.data - window.ctypes.data + chunk.shape[0]
         fate = engine.rng.random()
-        if fate < 0.25 and engine.pending:
-            engine.deliver_some()  # late writes land mid-commit, maybe into this window
-        elif fate < 0.45:
-            window[offset] ^= 0x33  # the bytes just read change
-        elif fate < 0.55 and offset + length < window.shape[0]:
-            window[offset + length] ^= 0x33  # the next chunk's (or a free byte) change
-        else:
-            return out
-        r.writer_acts += 1
-        return out
+        late = fate < 0.2 and bool(engine.pending)
+        if late and fate < 0.1:
+            engine.deliver_some()  # maybe into this very chunk, before it is scattered
+        elif 0.2 <= fate < 0.25:
+            chunk[0] ^= 0x33  # the chunk's bytes change before the scatter reads them
+        real_scatter(pairing, dst, part, packed)
+        if late and fate >= 0.1:
+            engine.deliver_some()  # the pages are digested next
+        elif 0.2 <= fate < 0.225:
+            chunk[0] ^= 0x33  # ... and are repaired before the digest: the pages stay wrong
+        elif 0.25 <= fate < 0.45:
+            chunk[0] ^= 0x33  # the bytes just scattered change in the window
+        elif 0.45 <= fate < 0.5 and end < window.shape[0]:
+            window[end] ^= 0x33  # the next chunk's (or a free byte) change
+        r.writer_acts += late or 0.2 <= fate < 0.5
 
-    chunked.copy_out = copy_then_write  # type: ignore[assignment]
+    chunked.scatter = scatter_with_writers  # type: ignore[assignment]
     bus.add_listener(lambda e: _check_completed(r, e))
     return r
 
@@ -310,12 +320,12 @@ actions = st.one_of(
 
 
 async def play(script: list[tuple[object, ...]], seed: int) -> Rig:
-    real_copy, real_chunk = chunked.copy_out, chunked.CHUNK_BYTES
+    real_scatter, real_chunk = chunked.scatter, chunked.CHUNK_BYTES
     chunked.CHUNK_BYTES = 4096  # a segment's commit is many chunks: room for the writer
     try:
         return await _play(script, seed)
     finally:
-        chunked.copy_out, chunked.CHUNK_BYTES = real_copy, real_chunk
+        chunked.scatter, chunked.CHUNK_BYTES = real_scatter, real_chunk
 
 
 async def _play(script: list[tuple[object, ...]], seed: int) -> Rig:
