@@ -144,8 +144,9 @@ class TransferConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """How bytes reach decode memory (`docs/concepts/safety.md`).
 
     `landed` (default): prefills write only into windows of the decode's landing arena; the
-    decode copies each segment into its KV pages itself, once its digest matches, so no stale
-    or forged write can reach a page. `direct`: prefills write straight into the KV pages (no
+    decode copies each segment into its KV pages itself and counts it only once the digest of
+    the pages it wrote matches, so no stale or forged write reaches a page of a completed
+    handoff or of another handoff. `direct`: prefills write straight into the KV pages (no
     landing memory, one copy fewer), safe only as long as the timing bound holds, like SGLang
     and vLLM."""
 

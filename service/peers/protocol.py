@@ -48,8 +48,8 @@ from kvhandoff.service.peers.coalesce import Coalescer, SendBatch
 
 #: A segment notice of at most this many bytes travels in a batch with the others queued for
 #: its decode (one request for many one-page handoffs); a larger one's commit takes long
-#: enough (a copy out of its window, a digest, a scatter: in a thread) that it goes alone, so
-#: small notices do not queue behind it.
+#: enough (a scatter out of its window and a digest of the pages: in a thread) that it goes
+#: alone, so small notices do not queue behind it.
 COALESCED_SEGMENT_BYTES = 256 * 1024
 
 

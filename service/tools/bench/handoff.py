@@ -9,8 +9,9 @@ costs, each case against a baseline measured in the same run.
   each with its own stage's pool registered, in a process per stage as the services (threads
   of this process with `--bulk-stage-processes one`), all writing at once — moving the same bytes as
   1 MiB blocks, and once the same per-page blocks direct mode plans. Reported: GB/s of each,
-  landed/direct, landed/raw and direct/raw, the decode's commit time (its one pass: copy out,
-  digest, scatter; from `kvhandoff_segment_commit_seconds`) per second of the landed runs, and
+  landed/direct, landed/raw and direct/raw, the decode's commit time (its one pass: scatter,
+  then digest of the pages written; from `kvhandoff_segment_commit_seconds`) per second of the
+  landed runs, and
   the CPU seconds per GB of every process of each run (from /proc, per thread kind too:
   `kvhandoff.service.tools.bench.cpu`), the decode's landed against direct.
 - `small`: one-page handoffs of a small dense model (PP=1), `--small-concurrency` at a time.
@@ -329,7 +330,7 @@ def _bulk_result(args: argparse.Namespace, work: _Bulk) -> dict[str, Any]:
         "landed_vs_direct": gbs["landed"] / gbs["direct"],
         "landed_vs_raw": gbs["landed"] / gbs["raw"],
         "direct_vs_raw": gbs["direct"] / gbs["raw"],
-        # The decode's commits (copy out, digest, scatter), summed, per second of the landed
+        # The decode's commits (scatter, digest of the pages), summed, per second of the landed
         # runs' wall time; commits of parallel stages overlap, so this can pass 1.
         "commit_share": work.commit_s / sum(work.times["landed"]),
         # The decode's CPU seconds per GB landed (or written directly), over the timed runs.
