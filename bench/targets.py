@@ -103,10 +103,11 @@ LIMITS: dict[str, Limit] = {
         "alone: `kvhandoff bench handoff --cases gather`), the decode scatters each chunk of a "
         "landed window into the handoff's pages and digests the pages (about 0.09: `--cases "
         "commit`), and each segment costs bookkeeping on both event loops (`main` in the thread "
-        "split). Beyond those, the thread split shows the landed prefill's Mooncake call threads "
-        "(`mooncake-call`: their 200 µs status polls, which take the GIL from the stage's loop) "
-        "costing several times the sleeping raw writer's wait: the next cut. Landed mode reads "
-        "and writes every byte twice more than raw Mooncake, so on two cores it cannot reach "
+        "split). A landed stage's Mooncake calls wait by sleeping as the sleeping raw writer "
+        "does (`mooncake-call` near zero in the thread split). What is left beyond raw is that "
+        "work: the gather and its digest in the prefill's workers, the commit in the decode's, "
+        "the segments' bookkeeping on both loops. Landed mode reads and writes every byte twice "
+        "more than raw Mooncake, so on two cores it cannot reach "
         "0.9x of a baseline that spends under 0.6 CPU s per GB.",
     ),
     "decode_cpu": Limit(
