@@ -192,7 +192,18 @@ def test_dashboard_shows_handoffs_live_and_a_killed_stage(dep: LocalDeployment, 
     # late write can only land in a window), and the page shows it.
     expect(page.locator("#k-failed-box")).to_have_attribute("data-count", "1")
     expect(page.locator("#k-failed")).to_have_text("1")
-    expect(arena).not_to_have_attribute("data-quarantined", "0")
+    # The create answers before stage 1's destination delivery has its answer, so the kill may
+    # land during that call (seen once in CI): then the delivery ended unaccepted, stage 1
+    # never held its window, and the window goes back at once instead (`Landing.settle`).
+    # Which one happened is in the failure's reason: the watch's "refuses connections" comes
+    # only once the destination was delivered.
+    status, view = call("GET", f"{dep.decode_url}/v1/handoffs/dash-2")
+    assert status == 200 and view["state"] == "failed", view
+    if "refuses connections" in view["error"]["reason"]:
+        expect(arena).not_to_have_attribute("data-quarantined", "0")
+    else:
+        expect(arena).to_have_attribute("data-quarantined", "0")
+        expect(arena).to_have_attribute("data-used", "0")
     expect(page.locator("#pages-kpi [data-fenced]")).to_have_attribute("data-fenced", "0")
 
     ARTIFACTS.mkdir(exist_ok=True)
