@@ -141,9 +141,7 @@ class RouterClient:
             stream.forget(handoff_id, future)
         else:
             ended = await stream.outcome(handoff_id, future)
-        if ended.error is None and ended.state not in ("completed", "rejected") and refused:
-            return Outcome(ended.state, ended.bytes, refused[0])
-        return ended
+        return _with_refusal(ended, refused)
 
     async def _create_and_signal(
         self,
@@ -180,10 +178,7 @@ class RouterClient:
         ended, refused = await self._create_and_signal(
             handoff_id, src_pages, dst_pages, src_slot, dst_slot
         )
-        outcome = ended if ended is not None else await self._polled(handoff_id)
-        if outcome.state == "rejected":
-            return outcome
-        return Outcome(outcome.state, outcome.bytes, outcome.error or next(iter(refused), None))
+        return _with_refusal(ended or await self._polled(handoff_id), refused)
 
     async def create(
         self, handoff_id: str, dst_pages: Sequence[int], dst_slot: int | None
@@ -263,6 +258,14 @@ class RouterClient:
                 view: dict[str, Any] = await resp.json()
             if view["state"] in TERMINAL:
                 return view
+
+
+def _with_refusal(ended: Outcome, refused: list[str]) -> Outcome:
+    """The outcome, naming the first refused ready as its reason when the handoff did not
+    complete and says no reason of its own (the same rule however the outcome was followed)."""
+    if ended.error is None and ended.state not in ("completed", "rejected") and refused:
+        return Outcome(ended.state, ended.bytes, refused[0])
+    return ended
 
 
 async def _problem(resp: aiohttp.ClientResponse) -> dict[str, str]:
