@@ -61,7 +61,8 @@ class ApiError(Exception):
 @dataclass(frozen=True)
 class StreamEvent:
     """One Server-Sent Event: `type` (the `event:` tag, e.g. `handoff.completed`, or
-    `stream.gap` / `stream.overflow`), `id` (the sequence number) and `data` (parsed JSON)."""
+    `stream.gap` / `stream.overflow`), `id` (the sequence number) and `data` (parsed JSON).
+    (`stream.position` frames are not yielded: `events()` resumes from them by itself.)"""
 
     type: str
     id: int | None
@@ -254,7 +255,9 @@ class KVHandoffClient:
     ) -> AsyncIterator[StreamEvent]:
         """`GET /v1/events` as an endless async iterator. A dropped connection is re-opened with
         `Last-Event-ID` = the last id seen, so nothing is missed or repeated; what the service
-        no longer holds arrives as an explicit `stream.gap` event."""
+        no longer holds arrives as an explicit `stream.gap` event. A filtered stream's
+        `stream.position` frames only move that id (past the events it does not carry), so
+        they are kept here, not yielded."""
         params: list[tuple[str, str]] = [("handoff", h) for h in handoffs]
         if types:
             params.append(("types", ",".join(types)))
@@ -280,7 +283,8 @@ class KVHandoffClient:
                             continue
                         if event.id is not None:
                             last = event.id
-                        yield event
+                        if event.type != "stream.position":
+                            yield event
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError):
                 pass  # dropped: reconnect below from `last`
             if parser.retry_ms is not None:

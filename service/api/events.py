@@ -8,7 +8,10 @@ from the bus's bounded replay buffer; ids it can no longer get are announced wit
 stream has its own bounded queue on the bus, of the events it carries: the bus never waits for
 a reader, and a reader that falls `handoff.sse_queue` of them behind gets a final
 `stream.overflow` frame and is disconnected (and counted), so a slow reader costs neither the
-pipeline nor the other readers anything.
+pipeline nor the other readers anything. A filtered reader (`types` or `handoff`) is also told
+its position (`stream.position`) at open, once a quarter of the replay buffer has passed
+without an event it carries, and instead of a keep-alive when events passed since its last
+frame, so its Last-Event-ID stays resumable however rare its events are.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from kvhandoff.service.observability.streams import (
     STREAMS,
     StreamGap,
     StreamOverflow,
+    StreamPosition,
     StreamStats,
     stream_encoder,
 )
@@ -46,6 +50,9 @@ _ID = re.compile(HANDOFF_ID_PATTERN)
 EVENT_TAGS = tuple(t.__struct_config__.tag for t in get_args(Event))
 #: Frames written in one `write()` when a reader is behind (fewer syscalls, same order).
 BATCH = 256
+#: A filtered reader hears its position once this share of the replay buffer has passed without
+#: an event it carries: a resume from it has the other (1 - 1/share) of the buffer to come back.
+POSITION_SHARE = 4
 
 routes = RouteTable()
 
@@ -73,10 +80,35 @@ class Filter:
         self.handoffs = frozenset(handoffs)
         self.types = tuple(types)
 
+    @property
+    def everything(self) -> bool:
+        return not self.handoffs and not self.types
+
     def __call__(self, event: Event) -> bool:
         if self.handoffs and event.handoff_id not in self.handoffs:
             return False
         return not self.types or event_tag(event).startswith(self.types)
+
+
+class Marking:
+    """A filtered stream's filter on the bus: the events `keep` carries, and as a marker the
+    `every`-th event in a row that it skips. A marker wakes the stream to send its position
+    (never the marker itself), so a reader of rare events is told it has passed the others
+    without being woken for each: one queue slot and one frame per `every` skipped events."""
+
+    def __init__(self, keep: Filter, every: int) -> None:
+        self.keep, self.every = keep, every
+        self.skipped = 0  # events skipped in a row since the last one taken
+
+    def __call__(self, event: Event) -> bool:
+        if self.keep(event):
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        if self.skipped < self.every:
+            return False
+        self.skipped = 0
+        return True
 
 
 def parse_filter(request: web.Request) -> Filter:
@@ -135,7 +167,7 @@ class Frames:
 _FRAMES = web.AppKey("sse_frames", Frames)
 
 
-def control_frame(event: StreamGap | StreamOverflow, event_id: int) -> bytes:
+def control_frame(event: StreamGap | StreamOverflow | StreamPosition, event_id: int) -> bytes:
     tag = type(event).__struct_config__.tag
     return b"id: %d\nevent: %s\ndata: %s\n\n" % (
         event_id,
@@ -156,16 +188,23 @@ STUCK_KEEPALIVES = 4
 
 
 class _Stream:
-    """One open SSE response: writes frames, tracks the last id written."""
+    """One open SSE response: writes frames, tracks the last id written; `positions` when it
+    tells its reader its position (a filtered `/v1/events`)."""
 
     def __init__(
-        self, request: web.Request, response: web.StreamResponse, last_id: int, keepalive_s: float
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        last_id: int,
+        keepalive_s: float,
+        positions: bool,
     ) -> None:
         self.frames = request.app[_FRAMES]
         self.request = request
         self.response = response
         self.last_id = last_id
         self.keepalive_s = keepalive_s
+        self.positions = positions
 
     async def write(self, data: bytes) -> None:
         """Write, or close the connection of a reader that stopped reading altogether (its
@@ -180,11 +219,18 @@ class _Stream:
                 self.request.transport.close()
             raise ConnectionResetError("SSE reader stopped reading") from None
 
-    async def send(self, events: list[Event]) -> None:
+    async def send(self, events: list[Event], upto: int = 0) -> None:
+        """Write `events` (those past the last id); then, if this stream tells positions and
+        `upto` is past them, a `stream.position` at `upto`. The caller vouches that every
+        event this stream carries up to `upto` is in `events` or already written."""
         data = [self.frames(e) for e in events if e.seq > self.last_id]
+        last_id = max(self.last_id, events[-1].seq) if data else self.last_id
+        if self.positions and upto > last_id:
+            data.append(control_frame(StreamPosition(last_id=upto), upto))
+            last_id = upto
         if data:
             await self.write(b"".join(data))
-            self.last_id = max(self.last_id, events[-1].seq)
+            self.last_id = last_id
 
 
 async def _open(request: web.Request) -> web.StreamResponse:
@@ -271,59 +317,80 @@ async def handoff_stream(request: web.Request) -> web.StreamResponse:
     return await _serve(request, Filter([handoff_id]), resume, handoff_id=handoff_id)
 
 
+def _bus_filter(keep: Filter, handoff_id: str | None, every: int) -> Marking | Filter | None:
+    """What the stream's subscription takes from the bus: everything for one handoff's stream
+    (it ends on that handoff's release, whatever the type filter) and for an unfiltered one;
+    a filtered one's events, and its markers."""
+    if handoff_id is not None or keep.everything:
+        return None
+    return Marking(keep, every)
+
+
+def _timeline(
+    request: web.Request, handoff_id: str, resume: int | None, keep: Filter
+) -> tuple[list[Event], StreamGap | None, bool]:
+    """One handoff's events owed to a reader resuming after `resume`, the gap, and whether its
+    last event (its release) is among them."""
+    gap: StreamGap | None = None
+    ended = False
+    decode = request.app.get(DECODE)
+    if decode is not None:
+        # Raises NotFoundError (404) before any header is sent.
+        view = decode.pipeline.get(handoff_id)
+        timeline = view.timeline
+        # An earlier life's handoff, answered from its record, may have no release event in
+        # its timeline: its view says whether it is released.
+        ended = view.released and view.state.terminal
+    else:
+        timeline, gap = _replay(request, 0, keep)
+    ended = ended or any(isinstance(e, HandoffReleased) for e in timeline)
+    return [e for e in timeline if resume is None or e.seq > resume], gap, ended
+
+
 async def _serve(
     request: web.Request, keep: Filter, resume: int | None, *, handoff_id: str | None = None
 ) -> web.StreamResponse:
-    runtime = request.app[RUNTIME]
-    bus = runtime.bus
+    bus = request.app[RUNTIME].bus
     config = request.app[CONFIG].handoff
     stats = request.app[STREAMS]
     # Subscribe before reading any backlog: an event published in between is in both, and
     # `_Stream.send` drops the repeat by id.
     if handoff_id is not None and resume is not None and resume > bus.last_seq:
         resume = None  # an earlier life's id, above this life's: replay the whole timeline
-    sub = bus.subscribe(maxsize=config.sse_queue, keep=None if handoff_id else keep)
-    task = asyncio.current_task()
+    every = max(1, config.sse_buffer // POSITION_SHARE)
+    sub = bus.subscribe(maxsize=config.sse_queue, keep=_bus_filter(keep, handoff_id, every))
+    # No await until the backlog is read: every event this stream carries up to here is in it.
+    opened_at = bus.last_seq
     try:
         backlog: list[Event] = []
         gap: StreamGap | None = None
         ended = False  # the handoff's last event is already in its timeline
         if handoff_id is not None:
-            decode = request.app.get(DECODE)
-            if decode is not None:
-                # Raises NotFoundError (404) before any header is sent.
-                view = decode.pipeline.get(handoff_id)
-                timeline = view.timeline
-                # An earlier life's handoff, answered from its record, may have no release event
-                # in its timeline: its view says whether it is released.
-                ended = view.released and view.state.terminal
-            else:
-                timeline, gap = _replay(request, 0, keep)
-            ended = ended or any(isinstance(e, HandoffReleased) for e in timeline)
-            backlog = [e for e in timeline if resume is None or e.seq > resume]
+            backlog, gap, ended = _timeline(request, handoff_id, resume, keep)
             if not backlog and ended:
                 # Ended, and the reader has it all: 204 stops an EventSource reconnecting.
                 return web.Response(status=204)
         elif resume is not None:
             backlog, gap = _replay(request, resume, keep)
         # Counted before the response starts, so a reader that has the headers is counted.
-        stats.opened(sub, task)
+        stats.opened(sub, asyncio.current_task())
         try:
             response = await _open(request)
         except BaseException:
             stats.closed(sub)
             raise
+        positions = handoff_id is None and not keep.everything
+        stream = _Stream(request, response, resume or 0, config.sse_keepalive_s, positions)
         try:
-            stream = _Stream(request, response, resume or 0, config.sse_keepalive_s)
             if gap is not None:
                 stats.gaps_total += 1
                 await stream.write(control_frame(gap, gap.last_id))
                 if gap.reason == "restarted":
                     stream.last_id = 0  # an earlier life's id: all this life's are new
-            await stream.send(backlog)
+            await stream.send(backlog, opened_at)
             if handoff_id is not None and ended:
                 return response
-            await _live(sub, stream, keep, config.sse_keepalive_s, handoff_id)
+            await _live(sub, stream, keep, handoff_id)
         except ConnectionResetError:  # the reader left (aiohttp's reset error subclasses it)
             pass
         finally:
@@ -333,14 +400,9 @@ async def _serve(
         sub.close()
 
 
-async def _live(
-    sub: Subscription,
-    stream: _Stream,
-    keep: Filter,
-    keepalive_s: float,
-    handoff_id: str | None,
-) -> None:
+async def _live(sub: Subscription, stream: _Stream, keep: Filter, handoff_id: str | None) -> None:
     queue = sub.queue
+    bus = stream.request.app[RUNTIME].bus
     while True:
         if sub.lagged:
             overflow = StreamOverflow(last_id=stream.last_id, queue=queue.maxsize)
@@ -348,18 +410,19 @@ async def _live(
             return
         if queue.empty():
             try:
-                async with asyncio.timeout(keepalive_s):
+                async with asyncio.timeout(stream.keepalive_s):
                     first = await queue.get()
             except TimeoutError:
-                await stream.write(KEEPALIVE)
+                await _keep_alive(stream, queue.empty(), bus.last_seq)
                 continue
             batch = [first]
         else:
             batch = []
         while len(batch) < BATCH and not queue.empty():
             batch.append(queue.get_nowait())
-        events = [e for e in batch if keep(e)]
-        await stream.send(events)
+        # A filtered stream's queue holds its events and its markers (`Marking`), in bus order:
+        # every event it carries up to the last of the batch is in the batch or written.
+        await stream.send([e for e in batch if keep(e)], batch[-1].seq)
         # A handoff's last event is its release (after its outcome); judged before the type
         # filter, so a reader of `handoff.completed` alone still sees the stream end (its
         # subscription is not filtered on the bus for this reason, as the whole stream's is).
@@ -367,3 +430,13 @@ async def _live(
             isinstance(e, HandoffReleased) and e.handoff_id == handoff_id for e in batch
         ):
             return
+
+
+async def _keep_alive(stream: _Stream, drained: bool, last_seq: int) -> None:
+    """A quiet period's frame: the reader's position if events it does not carry passed since
+    its last frame (with its queue drained, all it carries up to the bus's last is written),
+    a keep-alive comment otherwise."""
+    if stream.positions and drained and last_seq > stream.last_id:
+        await stream.send([], last_seq)
+    else:
+        await stream.write(KEEPALIVE)

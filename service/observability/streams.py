@@ -1,8 +1,8 @@
 """Who is reading the event stream: SSE subscriber counts and drops, and the stream-only events.
 
 `kvhandoff.service.api.events` (the SSE routes) updates one `StreamStats` per app;
-`kvhandoff.service.observability.metrics` reads it at scrape time. `StreamGap` and `StreamOverflow`
-are what the SSE stream says about itself. They are not part of the event union in
+`kvhandoff.service.observability.metrics` reads it at scrape time. `StreamGap`, `StreamOverflow`
+and `StreamPosition` are what the SSE stream says about itself. They are not part of the event union in
 `kvhandoff.pipelines.events` on purpose: they describe one connection, not a handoff, are never
 published on the bus, and so never reach webhooks, metrics or a handoff's timeline.
 """
@@ -54,8 +54,9 @@ STREAMS = web.AppKey("sse_stream_stats", StreamStats)
 class StreamGap(Struct, frozen=True, kw_only=True, tag="stream.gap"):
     """Events `first_id`..`last_id` of this stream are gone from the replay buffer (none when
     `last_id < first_id`). `reason` is "expired" (the reader resumed too late) or "restarted"
-    (its Last-Event-ID, `resumed_from`, is above any id this process issued: the service
-    restarted, ids start again from 1, and what the old process sent after it is lost)."""
+    (its Last-Event-ID, `resumed_from`, is an earlier life's: below this life's first id, or
+    above any id this process issued, as after a restart on a clock that stepped back; what the
+    old process sent after it is lost, and this life's events follow)."""
 
     first_id: int
     last_id: int
@@ -68,6 +69,14 @@ class StreamOverflow(Struct, frozen=True, kw_only=True, tag="stream.overflow"):
 
     last_id: int
     queue: int
+
+
+class StreamPosition(Struct, frozen=True, kw_only=True, tag="stream.position"):
+    """A filtered stream has sent every event it carries up to `last_id` (also the frame's
+    `id:`, so a reader's Last-Event-ID advances past the events it does not carry and stays
+    inside the replay buffer). A resume point, never an event of a handoff."""
+
+    last_id: int
 
 
 stream_encoder = msgspec.json.Encoder()

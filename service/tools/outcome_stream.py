@@ -8,6 +8,9 @@ answer is not lost.
 
 No outcome is lost and no caller waits for ever, whatever the stream does:
 
+- `stream.position` (at open, and after every quarter of the decode's replay buffer of other
+  events): a resume point, never an outcome; its id is where a re-open resumes, so a reader
+  whose last outcome is long gone from the buffer still resumes without a gap;
 - dropped: it is re-opened at once with `Last-Event-ID` (the decode replays what followed);
 - `stream.overflow` (this reader fell behind and was cut off): re-opened from the id it had,
   like a drop (the decode replays the rest, or says `stream.gap`);
@@ -108,8 +111,8 @@ class OutcomeStream:
         self._reader: asyncio.Task[None] | None = None
         #: Outstanding handoffs looked up another way since the start: gaps, drops, patience.
         self.fallbacks = 0
-        #: `stream.gap` and `stream.overflow` frames received.
-        self.gaps = self.overflows = 0
+        #: `stream.gap`, `stream.overflow` and `stream.position` frames received.
+        self.gaps = self.overflows = self.positions = 0
 
     @property
     def up(self) -> bool:
@@ -218,8 +221,8 @@ class OutcomeStream:
                 return
             self._up.set()
             if self._last_id is None:
-                # Opened for the first time, or after a resume it could not make: whatever
-                # was registered before may have ended unseen.
+                # Opened for the first time, or re-opened before the decode told a position:
+                # whatever was registered before may have ended unseen.
                 self._look_up_all()
             await self._read_frames(resp.content)
 
@@ -244,6 +247,10 @@ class OutcomeStream:
             tag, data, event_id = "", b"", None
 
     def _on_frame(self, tag: str, data: bytes) -> None:
+        if tag == "stream.position":
+            # Only its id matters (`_read_frames` keeps it): every outcome up to it was sent.
+            self.positions += 1
+            return
         if tag == "stream.overflow":
             # This reader fell behind and is cut off at the id it had: the re-open resumes from
             # there and the decode replays the rest (a `stream.gap` if it no longer can).

@@ -106,10 +106,13 @@ async def test_frames_carry_seq_tag_and_the_event_and_filters_select(
                     )
                 ),
             ]
-            frames = await read(source, 2)
+            position, *frames = await read(source, 3)
         assert [f.event for f in frames] == ["stage.arrived", "handoff.completed"]
         o = bus.first_seq - 1  # this life's ids start after every earlier life's
         assert [int(f.id) for f in frames] == [e.seq for e in want] == [o + 3, o + 4]
+        # A filtered reader is told where it starts (nothing published yet: this life's 0th).
+        assert (position.event, int(position.id)) == ("stream.position", o)
+        assert position.json() == {"type": "stream.position", "last_id": o}
         assert frames[0].json()["bytes"] == 7 and frames[0].json()["type"] == "stage.arrived"
         assert frames[1].json()["handoff_id"] == "b"
 
@@ -432,6 +435,7 @@ async def test_a_filtered_reader_is_neither_woken_nor_dropped_by_events_it_does_
                 handoff_id="h", role="decode", bytes=7, seconds=0.1, verified=True
             )
             seq = bus.publish(done).seq
-            [frame] = await read(source, 1)
+            position, frame = await read(source, 2)
         assert (frame.event, int(frame.id), frame.json()["bytes"]) == ("handoff.completed", seq, 7)
+        assert (position.event, int(position.id)) == ("stream.position", bus.first_seq - 1)
         assert stats.dropped_total == 0
