@@ -168,3 +168,30 @@ async def test_events_surface_a_gap_explicitly() -> None:
     }
     assert [e.id for e in got[1:]] == [6, 7, 8, 9, 10]
     assert source.requests[0]["last"] == "2"
+
+
+async def test_events_resume_from_a_position_and_do_not_yield_it() -> None:
+    """A filtered stream's `stream.position` moves the id a re-open resumes from (past the
+    events the reader does not carry), and is not an event a caller has to skip."""
+    opens: list[str | None] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        opens.append(request.headers.get("Last-Event-ID"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"retry: 10\n\n")
+        if len(opens) == 1:
+            await resp.write(b'id: 3\nevent: handoff.completed\ndata: {"seq": 3}\n\n')
+            await resp.write(b'id: 900\nevent: stream.position\ndata: {"last_id": 900}\n\n')
+            return resp  # the connection ends here
+        await resp.write(b'id: 901\nevent: handoff.completed\ndata: {"seq": 901}\n\n')
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/events", handle)
+    async with TestServer(app) as server, KVHandoffClient(str(server.make_url(""))) as kv:
+        stream = kv.events(types=["handoff.completed"])
+        got = await collect(stream, 2)
+        await stream.aclose()  # type: ignore[attr-defined]
+    assert [(e.type, e.id) for e in got] == [("handoff.completed", 3), ("handoff.completed", 901)]
+    assert opens[:2] == [None, "900"]

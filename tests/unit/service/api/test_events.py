@@ -439,3 +439,112 @@ async def test_a_filtered_reader_is_neither_woken_nor_dropped_by_events_it_does_
         assert (frame.event, int(frame.id), frame.json()["bytes"]) == ("handoff.completed", seq, 7)
         assert (position.event, int(position.id)) == ("stream.position", bus.first_seq - 1)
         assert stats.dropped_total == 0
+
+
+# ------------------------------------------------------------------ a filtered reader's position
+
+OUTCOMES = "handoff.completed,handoff.failed,handoff.aborted"
+
+
+async def take(frames: AsyncIterator[ServerSentEvent], n: int) -> list[ServerSentEvent]:
+    """The next `n` frames of one stream read across several calls, or fail after WAIT_S."""
+    async with asyncio.timeout(WAIT_S):
+        return [await anext(frames) for _ in range(n)]
+
+
+def completed(handoff_id: str) -> HandoffCompleted:
+    return HandoffCompleted(handoff_id=handoff_id, role="decode", bytes=7, seconds=0.1, verified=True)
+
+
+async def test_a_filtered_reader_resumes_from_its_position_after_a_buffer_of_other_events(
+    http: httpx.AsyncClient,
+) -> None:
+    """Review finding 8: a reader of outcomes resumed from its last outcome's id, which more
+    than a replay buffer of other events had pushed out: `stream.gap` although it lost nothing.
+    Its position now moves with the events it skips, and a resume from it has no gap."""
+    async with decode_service({"handoff.sse_buffer": 64}) as server:
+        bus, stats = bus_of(server), stats_of(server)
+        url = f"{server.url}/v1/events?types={OUTCOMES}"
+        async with aconnect_sse(http, "GET", url) as source:
+            frames = source.aiter_sse()
+            [opened] = await take(frames, 1)
+            first = bus.publish(completed("a")).seq
+            publish_many(bus, 200)  # three buffers of events this reader does not carry
+            outcome, position = await take(frames, 2)
+        assert (outcome.event, int(outcome.id)) == ("handoff.completed", first)
+        # Every 16th skipped event (a quarter of the buffer) is a marker; the 12 queued at once
+        # make one frame, at the last marker: what follows it is still buffered.
+        assert (position.event, int(position.id)) == ("stream.position", first + 192)
+        assert position.json() == {"type": "stream.position", "last_id": first + 192}
+        later = bus.publish(completed("b")).seq
+        headers = {"Last-Event-ID": position.id}
+        async with aconnect_sse(http, "GET", url, headers=headers) as source:
+            [frame] = await read(source, 1)
+        assert (frame.event, int(frame.id)) == ("handoff.completed", later)
+        assert stats.gaps_total == 0
+        assert int(opened.id) == bus.first_seq - 1
+
+
+async def test_position_frames_are_bounded_by_the_events_a_reader_skips(
+    http: httpx.AsyncClient,
+) -> None:
+    """One frame per quarter of the buffer of skipped events at most, even when the events
+    come one loop turn apart (the stream is woken by each marker, not by each event); a
+    reader of everything gets no position at all."""
+    every, skipped = 16, 16 * 20
+    async with decode_service({"handoff.sse_buffer": 4 * every}) as server:
+        bus = bus_of(server)
+        filtered, everything = f"{server.url}/v1/events?handoff=z", f"{server.url}/v1/events"
+        async with (
+            aconnect_sse(http, "GET", filtered) as source,
+            aconnect_sse(http, "GET", everything) as all_source,
+        ):
+            frames = source.aiter_sse()
+            [opened] = await take(frames, 1)
+            for _ in range(skipped):
+                publish_many(bus, 1)
+                await asyncio.sleep(0)
+            o = int(opened.id)
+            positions = await take(frames, 1)
+            while int(positions[-1].id) < o + skipped:
+                positions += await take(frames, 1)
+            last = bus.publish(created("z")).seq
+            [mine] = await take(frames, 1)
+            frames = await read(all_source, skipped + 1)
+        assert {p.event for p in positions} == {"stream.position"}
+        # One per marker, or fewer where the stream was slower than the markers came.
+        assert len(positions) <= skipped // every
+        assert all((int(p.id) - o) % every == 0 for p in positions)
+        assert int(positions[-1].id) == o + skipped
+        assert (mine.event, int(mine.id)) == ("handoff.created", last)  # no position between
+        assert [f.event for f in frames] == ["handoff.created"] * (skipped + 1)
+        assert [int(f.id) for f in frames] == list(range(o + 1, last + 1))
+
+
+async def test_a_quiet_filtered_stream_tells_its_position_instead_of_a_keep_alive() -> None:
+    """Fewer skipped events than a marker takes: the next keep-alive period sends the position
+    (the reader's queue drained, so every event it carries up to the bus's last was sent);
+    nothing new since: plain keep-alive comments."""
+    async with (
+        decode_service({"handoff.sse_keepalive_s": 0.02}) as server,
+        httpx.AsyncClient(timeout=httpx.Timeout(WAIT_S)) as http,
+        http.stream("GET", f"{server.url}/v1/events?types=handoff.completed") as response,
+    ):
+        bus = bus_of(server)
+        o = bus.first_seq - 1
+        lines: list[str] = []
+        async with asyncio.timeout(WAIT_S):
+            async for line in response.aiter_lines():
+                lines.append(line)
+                if line == f"id: {o}":  # the position at open: now some events pass it by
+                    last = publish_many(bus, 5)[-1]
+                if lines.count(": keep-alive") == 3:
+                    break
+        ids = [line for line in lines if line.startswith("id: ")]
+        assert ids == [f"id: {o}", f"id: {last}"]
+        at = lines.index(f"id: {last}")
+        assert lines[at + 1 : at + 3] == [
+            "event: stream.position",
+            f'data: {{"type":"stream.position","last_id":{last}}}',
+        ]
+        assert lines.index(": keep-alive") > at

@@ -1,7 +1,9 @@
 """`OutcomeStream` against a scripted SSE server in this process: what it sends on a resume
 (`Last-Event-ID`), what it does on an overflow, a closed stream, a look-up that fails or cannot
 reach the decode, and two callers of one handoff id. (The real decode's stream is exercised in
-tests/integration/test_router_stream.py; here the server's answers are chosen to be exact.)"""
+tests/integration/test_router_stream.py; here the server's answers are chosen to be exact.)
+Last, against a real decode service in this process: a resume from the decode's
+`stream.position` after more than a replay buffer of other events needs no look-up."""
 
 from __future__ import annotations
 
@@ -14,8 +16,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvhandoff.pipelines.events import HandoffCompleted, HandoffCreated
+from kvhandoff.service.observability.streams import STREAMS
+from kvhandoff.service.runtime.roles import RUNTIME
 from kvhandoff.service.tools import outcome_stream
 from kvhandoff.service.tools.outcome_stream import Outcome, OutcomeStream
+from tests.unit.service.api.test_events import decode_service
 
 #: What one open of the stream sends, given its request (then it ends, or holds).
 Script = Callable[[web.Request], Awaitable[list[bytes]]]
@@ -234,3 +240,73 @@ async def test_a_gap_looks_up_every_created_handoff_and_marks_the_others(
             == [Outcome("completed", 2)] * 2
         )
         await stream.close()
+
+
+async def test_a_position_before_any_outcome_is_where_a_re_open_resumes(
+    decode: tuple[Decode, str],
+) -> None:
+    fake, url = decode
+    go = asyncio.Event()
+    position = b'id: 40\nevent: stream.position\ndata: {"last_id": 40}\n\n'
+    fake.scripts = [
+        sends(position, after=go),
+        sends(frame(41, "handoff.completed", handoff_id="a", bytes=5)),
+    ]
+    fake.drops = 1  # the first open ends after its position
+    async with aiohttp.ClientSession() as http:
+        stream = OutcomeStream(http, url, looking_up(http, url), patience_s=30)
+        await stream.start()
+        a = stream.expect("a")
+        waiting = asyncio.ensure_future(stream.outcome("a", a))
+        go.set()
+        assert await asyncio.wait_for(waiting, 5) == Outcome("completed", 5)
+        # Not an outcome, not a reason to look anything up: a resume point.
+        assert (stream.positions, fake.resumes) == (1, [None, "40"])
+        assert (stream.fallbacks, fake.lookups) == (0, [])
+        await stream.close()
+
+
+@pytest.mark.parametrize("seen_outcome", [True, False])
+async def test_a_resume_after_a_buffer_of_other_events_needs_no_look_up(
+    seen_outcome: bool,
+) -> None:
+    """Review finding 8, against a real decode (replay buffer of 64 events): the stream is cut
+    after 200 events that are not outcomes. It resumes from the last `stream.position`, not
+    from its last outcome's id (long gone: a gap, and every outstanding handoff looked up) nor
+    with no id at all when it had seen no outcome (every one looked up)."""
+    lookups: list[str] = []
+
+    async def fallback(handoff_id: str) -> Outcome:
+        lookups.append(handoff_id)
+        return Outcome("unreachable")
+
+    async with decode_service({"handoff.sse_buffer": 64}) as server, aiohttp.ClientSession() as http:
+        bus, stats = server.app[RUNTIME].bus, server.app[STREAMS]
+        stream = OutcomeStream(http, server.url, fallback, patience_s=30)
+        await stream.start()
+        if seen_outcome:
+            first = stream.expect("first")
+            bus.publish(_completed("first"))
+            assert await asyncio.wait_for(stream.outcome("first", first), 5) == _completed_7
+        later = stream.expect("later")
+        waiting = asyncio.ensure_future(stream.outcome("later", later))
+        for _ in range(200):
+            bus.publish(
+                HandoffCreated(handoff_id="other", role="decode", num_pages=1, pp_size=1)
+            )
+        await until(lambda: stream.positions >= 2)  # the one at open, one after the markers
+        for task in stats.open.values():  # the decode drops the stream (as on its shutdown)
+            assert task is not None
+            task.cancel()
+        bus.publish(_completed("later"))
+        assert await asyncio.wait_for(waiting, 5) == _completed_7
+        assert (stream.gaps, stream.fallbacks, lookups) == (0, 0, [])
+        assert (stats.opened_total, stats.gaps_total) == (2, 0)  # it did re-open
+        await stream.close()
+
+
+_completed_7 = Outcome("completed", 7)
+
+
+def _completed(handoff_id: str) -> HandoffCompleted:
+    return HandoffCompleted(handoff_id=handoff_id, role="decode", bytes=7, seconds=0.1, verified=True)
