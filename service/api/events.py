@@ -287,7 +287,11 @@ def _replay(
     "as JSON. Query: `handoff` (repeatable) and `types` (comma-separated tag prefixes, e.g. "
     "`stage.`). Resume with the `Last-Event-ID` header or `?last_event_id=`; ids no longer in "
     "the replay buffer are announced by a `stream.gap` frame. A reader that falls behind gets "
-    "`stream.overflow` and is disconnected. Keep-alive comments every `handoff.sse_keepalive_s`.",
+    "`stream.overflow` and is disconnected. Keep-alive comments every `handoff.sse_keepalive_s`. "
+    "A filtered reader (`handoff` or `types`) also gets `stream.position` frames (`id:` and "
+    "`last_id`: every event it carries up to there was sent), to resume from: at open, after "
+    "each quarter of `handoff.sse_buffer` events in a row that it does not carry, and instead "
+    "of a keep-alive when events passed since its last frame.",
     tags=("events",),
 )
 async def events_stream(request: web.Request) -> web.StreamResponse:

@@ -1,10 +1,11 @@
 """Who is reading the event stream: SSE subscriber counts and drops, and the stream-only events.
 
 `kvhandoff.service.api.events` (the SSE routes) updates one `StreamStats` per app;
-`kvhandoff.service.observability.metrics` reads it at scrape time. `StreamGap`, `StreamOverflow`
-and `StreamPosition` are what the SSE stream says about itself. They are not part of the event union in
-`kvhandoff.pipelines.events` on purpose: they describe one connection, not a handoff, are never
-published on the bus, and so never reach webhooks, metrics or a handoff's timeline.
+`kvhandoff.service.observability.metrics` reads it at scrape time. `StreamGap`,
+`StreamOverflow` and `StreamPosition` are what the SSE stream says about itself. They are not
+part of the event union in `kvhandoff.pipelines.events` on purpose: they describe one
+connection, not a handoff, are never published on the bus, and so never reach webhooks,
+metrics or a handoff's timeline.
 """
 
 from __future__ import annotations

@@ -453,7 +453,9 @@ async def take(frames: AsyncIterator[ServerSentEvent], n: int) -> list[ServerSen
 
 
 def completed(handoff_id: str) -> HandoffCompleted:
-    return HandoffCompleted(handoff_id=handoff_id, role="decode", bytes=7, seconds=0.1, verified=True)
+    return HandoffCompleted(
+        handoff_id=handoff_id, role="decode", bytes=7, seconds=0.1, verified=True
+    )
 
 
 async def test_a_filtered_reader_resumes_from_its_position_after_a_buffer_of_other_events(

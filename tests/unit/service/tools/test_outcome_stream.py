@@ -16,12 +16,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvhandoff.pipelines.events import HandoffCompleted, HandoffCreated
 from kvhandoff.service.observability.streams import STREAMS
 from kvhandoff.service.runtime.roles import RUNTIME
 from kvhandoff.service.tools import outcome_stream
 from kvhandoff.service.tools.outcome_stream import Outcome, OutcomeStream
-from tests.unit.service.api.test_events import decode_service
+from tests.unit.service.api.test_events import completed as _completed
+from tests.unit.service.api.test_events import created, decode_service
 
 #: What one open of the stream sends, given its request (then it ends, or holds).
 Script = Callable[[web.Request], Awaitable[list[bytes]]]
@@ -280,7 +280,10 @@ async def test_a_resume_after_a_buffer_of_other_events_needs_no_look_up(
         lookups.append(handoff_id)
         return Outcome("unreachable")
 
-    async with decode_service({"handoff.sse_buffer": 64}) as server, aiohttp.ClientSession() as http:
+    async with (
+        decode_service({"handoff.sse_buffer": 64}) as server,
+        aiohttp.ClientSession() as http,
+    ):
         bus, stats = server.app[RUNTIME].bus, server.app[STREAMS]
         stream = OutcomeStream(http, server.url, fallback, patience_s=30)
         await stream.start()
@@ -291,9 +294,7 @@ async def test_a_resume_after_a_buffer_of_other_events_needs_no_look_up(
         later = stream.expect("later")
         waiting = asyncio.ensure_future(stream.outcome("later", later))
         for _ in range(200):
-            bus.publish(
-                HandoffCreated(handoff_id="other", role="decode", num_pages=1, pp_size=1)
-            )
+            bus.publish(created("other"))
         await until(lambda: stream.positions >= 2)  # the one at open, one after the markers
         for task in stats.open.values():  # the decode drops the stream (as on its shutdown)
             assert task is not None
@@ -305,8 +306,4 @@ async def test_a_resume_after_a_buffer_of_other_events_needs_no_look_up(
         await stream.close()
 
 
-_completed_7 = Outcome("completed", 7)
-
-
-def _completed(handoff_id: str) -> HandoffCompleted:
-    return HandoffCompleted(handoff_id=handoff_id, role="decode", bytes=7, seconds=0.1, verified=True)
+_completed_7 = Outcome("completed", 7)  # what `_completed` tells a router
