@@ -321,7 +321,7 @@ async def handoff_stream(request: web.Request) -> web.StreamResponse:
     return await _serve(request, Filter([handoff_id]), resume, handoff_id=handoff_id)
 
 
-def _bus_filter(keep: Filter, handoff_id: str | None, every: int) -> Marking | Filter | None:
+def _bus_filter(keep: Filter, handoff_id: str | None, every: int) -> Marking | None:
     """What the stream's subscription takes from the bus: everything for one handoff's stream
     (it ends on that handoff's release, whatever the type filter) and for an unfiltered one;
     a filtered one's events, and its markers."""
