@@ -8,7 +8,8 @@ arena (staging buffer on the prefill's page) given back; kills a stage's
 process and waits for the failure (with its reason and stage) and the lost peer. A screenshot
 is saved under `tests/artifacts/`, and into the documentation site when
 `KVHANDOFF_DOCS_SCREENSHOT` names the file (`make docs`). Every wait is for something to appear
-on the page, bounded by `WAIT_MS` only so that a broken page fails instead of hanging.
+on the page, bounded by `WAIT_MS` only so that a broken page fails instead of hanging. Last, a
+browser's own `EventSource` on a filtered stream resumes from the stream's position.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import pytest
 
 from kvhandoff.pipelines.events import EventBus, HandoffCompleted, HandoffCreated
 from kvhandoff.service.config import HandoffConfig
+from kvhandoff.service.observability.streams import STREAMS, StreamStats
 from kvhandoff.service.runtime.roles import RUNTIME
 from kvhandoff.service.serve import serve
 from kvhandoff.service.testing.deployment import LocalDeployment
@@ -252,21 +254,23 @@ class ThreadedDecode:
     """A decode service in this process on a fixed port, run by its own event loop in a thread,
     so the test can stop it and start a new one on the same port while the page stays open."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, settings: dict[str, Any] | None = None) -> None:
         self.port = port
+        self.settings = settings or {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self.bus: EventBus | None = None
+        self.streams: StreamStats | None = None
 
     def start(self) -> ThreadedDecode:
         up = threading.Event()
-        config = decode_config({"server.port": self.port})
+        config = decode_config({"server.port": self.port, **self.settings})
 
         async def main() -> None:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
             async with serve(config, extensions) as server:
-                self.bus = server.app[RUNTIME].bus
+                self.bus, self.streams = server.app[RUNTIME].bus, server.app[STREAMS]
                 up.set()
                 await self._stop.wait()
 
@@ -275,10 +279,24 @@ class ThreadedDecode:
         assert up.wait(30), "the decode service did not start"
         return self
 
-    def publish(self, event: Any) -> None:
+    def publish(self, event: Any, times: int = 1) -> None:
         assert self._loop is not None and self.bus is not None
         bus = self.bus
-        self._loop.call_soon_threadsafe(bus.publish, event)
+        for _ in range(times):
+            self._loop.call_soon_threadsafe(bus.publish, event)
+
+    def drop_filtered_streams(self) -> None:
+        """End every open filtered `/v1/events` (as a proxy's idle cut would), in the service's
+        own loop; readers of everything, the page's own, stay."""
+        assert self._loop is not None and self.streams is not None
+        streams = self.streams
+
+        def drop() -> None:
+            for sub, task in streams.open.items():
+                if sub.keep is not None and task is not None:
+                    task.cancel()
+
+        self._loop.call_soon_threadsafe(drop)
 
     def stop(self) -> None:
         if self._loop is not None and self._stop is not None and self._thread is not None:
@@ -324,3 +342,49 @@ def test_the_page_reconnects_by_itself_after_a_restart_and_says_so(page: Any) ->
         if second is not None:
             second.stop()
         hold.close()
+
+
+def test_a_browsers_event_source_on_a_filtered_stream_resumes_from_its_position(
+    page: Any,
+) -> None:
+    """Review finding 8, as a browser reads it: an `EventSource` of outcomes only, cut after
+    more than a replay buffer (64 here) of other events, reconnects by itself with the
+    `stream.position` frame's id as its Last-Event-ID (the `id:` sets it), so its resume needs
+    no `stream.gap`; from its last outcome's id it would."""
+    expect = playwright_api.expect
+    page.set_default_timeout(WAIT_MS)
+    expect.set_options(timeout=WAIT_MS)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    decode = ThreadedDecode(port, {"handoff.sse_buffer": 64}).start()
+    try:
+        assert decode.bus is not None and decode.streams is not None
+        page.goto(f"http://127.0.0.1:{port}/")  # no token: any page of the service's origin
+        page.evaluate(
+            """() => {
+              window.outcomes = []; window.positions = [];
+              const es = new EventSource("/v1/events?types=handoff.completed");
+              es.addEventListener("handoff.completed",
+                (e) => outcomes.push(JSON.parse(e.data).handoff_id + "@" + e.lastEventId));
+              es.addEventListener("stream.position", (e) => positions.push(e.lastEventId));
+            }"""
+        )
+        page.wait_for_function("() => window.positions.length === 1")  # told where it starts
+        seq = decode.bus.last_seq
+        decode.publish(
+            HandoffCompleted(handoff_id="a", role="decode", bytes=1, seconds=0.1, verified=False)
+        )
+        other = HandoffCreated(handoff_id="other", role="decode", num_pages=1, pp_size=2)
+        decode.publish(other, times=200)  # three buffers of events it does not carry
+        # A marker every 16 skipped events: the last position is at the 192nd.
+        page.wait_for_function(f"() => window.positions.at(-1) === '{seq + 1 + 192}'")
+        decode.drop_filtered_streams()
+        decode.publish(
+            HandoffCompleted(handoff_id="b", role="decode", bytes=1, seconds=0.1, verified=False)
+        )
+        page.wait_for_function(f"() => window.outcomes.at(-1) === 'b@{seq + 202}'")
+        assert page.evaluate("() => window.outcomes") == [f"a@{seq + 1}", f"b@{seq + 202}"]
+        assert (decode.streams.gaps_total, decode.streams.opened_total) == (0, 3)
+    finally:
+        decode.stop()
