@@ -2,7 +2,8 @@
 against real processes (decode + PP=2 prefill, Mooncake over TCP on loopback): every outcome
 arrives, with many handoffs at once, when the stream is cut mid-run, when it stays down, and when
 the decode's replay buffer no longer holds what the reader missed (`stream.gap`) or the reader
-falls behind (`stream.overflow`), and when an ended handoff is driven again. The stream goes
+falls behind (`stream.overflow`), when its last outcome is older than that buffer (it resumes
+from the decode's `stream.position`), and when an ended handoff is driven again. The stream goes
 through a TCP relay the test cuts; the per-handoff GET (the fallback) goes to the decode
 directly."""
 
@@ -154,6 +155,35 @@ async def test_a_gap_is_filled_by_looking_each_handoff_up(
                 await asyncio.sleep(0.05)
             await drive(router, range(12, 20))
         assert router.stream.fallbacks >= 8
+
+
+async def test_a_stream_cut_after_a_buffer_of_other_events_resumes_with_no_look_up(
+    deployment: DeploymentFactory,
+) -> None:
+    """Review finding 8: the reader's last outcome is long gone from the decode's buffer (8
+    events) when the stream is cut, after 24 creates whose stages are not ready yet; it
+    resumes from the decode's last `stream.position` (one per 2 events it skips), so it gets
+    no `stream.gap` and looks none of the 24 up."""
+    dep = deployment(pp_size=2, num_slots=64, handoff=HandoffConfig(sse_buffer=8))
+    async with aiohttp.ClientSession() as http, Relay(dep.decode_url) as relay:
+        async with Router(http, dep, relay) as router, asyncio.timeout(WAIT_S):
+            stream = router.stream
+            await drive(router, range(0, 2))  # the stream has an outcome's id
+            ids = [f"rs-{i}" for i in range(2, 26)]
+            futures = {h: stream.expect(h) for h in ids}
+            for i, h in enumerate(ids, start=2):
+                assert await router.create(h, [i], i) is None
+            async with http.get(f"{dep.decode_url}/v1/handoffs/{ids[-1]}") as resp:
+                last_created = (await resp.json())["timeline"][0]["seq"]
+            while (stream._last_id or 0) < last_created - 2:  # a position at most 2 behind
+                await asyncio.sleep(0.02)
+            relay.cut()
+            waiting = [asyncio.ensure_future(stream.outcome(h, futures[h])) for h in ids]
+            for i, h in enumerate(ids, start=2):
+                assert await router.signal_stages(h, [i], i) == []
+            outcomes = await asyncio.gather(*waiting)
+        assert [o.state for o in outcomes] == ["completed"] * len(ids), outcomes
+        assert (stream.gaps, stream.fallbacks, relay.cuts) == (0, 0, 1)
 
 
 async def test_an_overflow_resumes_and_every_outcome_still_arrives(
