@@ -405,8 +405,9 @@ def _tally(judged: Sequence[Verdict]) -> str:
     return ", ".join(f"{words.count(w)} {w}" for w in dict.fromkeys(words))
 
 
-def section(judged: Sequence[Verdict]) -> str:
-    """The Targets section's body: the verdicts' table, then what limits each target."""
+def section(judged: Sequence[Verdict], measured: Mapping[str, str] | None = None) -> str:
+    """The Targets section's body: the verdicts' table, then what limits each target, each
+    followed by what this run measured of it (`measured`, by limit key: `cpu_budget.limits`)."""
     body = table(
         ["target", "this run", "verdict", "what limits it"],
         ([v.target, v.figure, v.word, LIMITS[v.limit].title] for v in judged),
@@ -414,7 +415,11 @@ def section(judged: Sequence[Verdict]) -> str:
     limits = []
     for key in dict.fromkeys(v.limit for v in judged):
         mine = [v for v in judged if v.limit == key]
-        limits.append(f"- **{LIMITS[key].title}** ({_tally(mine)}): {LIMITS[key].text}")
+        seen = (measured or {}).get(key)
+        limits.append(
+            f"- **{LIMITS[key].title}** ({_tally(mine)}): {LIMITS[key].text}"
+            + (f"\n\n  {seen}" if seen else "")
+        )
     return (
         "Issue #35's targets, judged from this run's rows (the engines' from their own runs, at "
         "the commit and date each row gives): a ratio is met or missed by this run alone, and "
