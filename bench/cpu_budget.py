@@ -70,20 +70,20 @@ def _share(x: Mapping[str, Any], share: float) -> str:
     return (
         f"PP={x['pp']}, {shape_of(x)} router: a handoff costs {_spent(x)}, a `GET /healthz` "
         f"{num(x['healthz_cpu_us_all'])} µs, so at equal cores busy the ratio is at most "
-        f"{ratio(x['cpu_ratio'])} ({share:g}x needs ≤ {num(need)} µs per handoff); "
-        f"{x['cpus']} busy cores would carry {num(x['cpu_ceiling_per_s'])} handoffs/s, "
-        f"{ratio(x['cpu_ceiling_per_s'] / x['healthz_per_s'])} of this run's healthz/s. The "
-        f"run kept {num(x['cores_busy'])} cores busy (healthz {num(x['healthz_cores_busy'])})."
+        f"{ratio(x['cpu_ratio'])} ({share:g}x needs ≤ {num(need)} µs per handoff), and "
+        f"{x['cpus']} busy cores would carry {num(x['cpu_ceiling_per_s'])} handoffs/s. The run "
+        f"kept {num(x['cores_busy'])} cores busy (healthz {num(x['healthz_cores_busy'])})."
     )
 
 
 def _latency(x: Mapping[str, Any]) -> str:
-    """One concurrency-1 row: how much of its latency the processes spent on CPU."""
-    working = x["cpu_us_all"] / 1e3 / x["p50_ms"]
+    """One concurrency-1 row: the CPU its processes spent per handoff against its wall time."""
+    wall_ms = 1e3 / x["handoffs_per_s"]
     return (
-        f"PP=1, {shape_of(x)} router, concurrency 1: a handoff costs {_spent(x)} against a "
-        f"p50 of {num(x['p50_ms'])} ms, so about {working:.0%} of the chain is work and the "
-        f"rest is waiting for the next process to run ({num(x['cores_busy'])} cores busy)."
+        f"PP=1, {shape_of(x)} router, concurrency 1: a handoff costs {_spent(x)} in "
+        f"{num(wall_ms)} ms of wall each (p50 {num(x['p50_ms'])} ms), so its processes kept "
+        f"{num(x['cores_busy'])} cores busy; a chain of short steps that mostly waited between "
+        "them would keep well under one."
     )
 
 
