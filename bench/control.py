@@ -138,11 +138,10 @@ class Budget:
         self.meter = CpuMeter(pids)
         self.jobs = 0
 
-    def figures(self, prefix: str = "") -> dict[str, Any]:
+    def figures(self) -> dict[str, Any]:
+        """CPU µs per job by process (`cpu_us`) and in all, and the cores kept busy."""
         per = {name: s / self.jobs * 1e6 for name, s in self.meter.seconds.items()}
         busy = self.meter.total() / self.meter.wall_s if self.meter.wall_s else 0.0
-        if prefix:  # healthz: what one request costs in all, and the cores busy
-            return {f"{prefix}cpu_us_all": sum(per.values()), f"{prefix}cores_busy": busy}
         return {"cpu_us": per, "cpu_us_all": sum(per.values()), "cores_busy": busy}
 
 
@@ -239,7 +238,10 @@ class Point:
         this host would carry at this CPU per handoff."""
         if shape not in self.budgets or not self.budgets[shape].jobs:
             return {}
-        out = self.budgets[shape].figures() | self.budgets["healthz"].figures("healthz_")
+        out = self.budgets[shape].figures()
+        healthz = self.budgets["healthz"].figures()
+        out["healthz_cpu_us_all"] = healthz["cpu_us_all"]
+        out["healthz_cores_busy"] = healthz["cores_busy"]
         out["cpus"] = self.cpus
         out["cpu_ratio"] = out["healthz_cpu_us_all"] / out["cpu_us_all"]
         out["cpu_ceiling_per_s"] = self.cpus / out["cpu_us_all"] * 1e6

@@ -104,9 +104,6 @@ def test_a_budget_counts_the_cpu_a_process_spent_per_job() -> None:
     assert 2_500 <= figures["cpu_us"]["me"] <= 3_600
     assert figures["cpu_us_all"] == figures["cpu_us"]["me"]
     assert 0.1 < figures["cores_busy"] <= 1.2
-    healthz = budget.figures("healthz_")
-    assert healthz == {"healthz_cpu_us_all": figures["cpu_us_all"],
-                       "healthz_cores_busy": figures["cores_busy"]}  # fmt: skip
 
 
 def test_a_row_carries_the_budget_of_its_shape_against_healthz() -> None:
