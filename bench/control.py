@@ -9,11 +9,18 @@ per handoff) at every concurrency, and `coalesced` (the creates, and each prefil
 readies, issued in one turn of the loop as one batch request) at `--control-coalesced` only.
 The ratio handoffs/s ÷ healthz/s says how many plain requests one handoff costs; the latencies
 are create → completed as the router sees them.
+
+Beside the rates, every row carries the CPU budget of the same interleaved runs (`cpu_us`): CPU
+µs per handoff of each process (`router`, this process; `decode`; each `prefill-k`), from
+/proc, summed over every run of the shape at that point, the cores those processes kept busy,
+and the same for one `GET /healthz`. On a host whose cores are all busy the rate is about
+cores ÷ CPU per handoff, so these figures say what a ratio can reach and which process spends it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +31,7 @@ import numpy as np
 
 from kvhandoff.service.config import HandoffConfig
 from kvhandoff.service.testing.deployment import LocalDeployment
+from kvhandoff.service.tools.bench.cpu import CpuMeter, deployment_pids
 from kvhandoff.service.tools.bench.handoff import Request, run_lanes
 from kvhandoff.service.tools.router_client import RouterClient
 
@@ -115,10 +123,26 @@ async def _sweep(
         note(f"PP={dep.pp_size}, concurrency {conc}")
         shapes = ["per-request"] + (["coalesced"] if conc in args.control_coalesced else [])
         point = Point(args, handoff, ping, lanes[:conc], f"{dep.pp_size}-{conc}", guess)
+        point.meter_processes({"router": os.getpid(), **deployment_pids(dep)})
         best = await point.run(shapes)
         guess = max(guess, best["per-request"].rate)
         rows += [point.row(dep.pp_size, shape, best[shape], best["healthz"]) for shape in shapes]
     return rows
+
+
+class Budget:
+    """CPU of the metered processes over every run of one shape at one point, and the jobs
+    those runs did: the CPU µs one job costs per process and the cores the runs kept busy."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.meter = CpuMeter(pids)
+        self.jobs = 0
+
+    def figures(self) -> dict[str, Any]:
+        """CPU µs per job by process (`cpu_us`) and in all, and the cores kept busy."""
+        per = {name: s / self.jobs * 1e6 for name, s in self.meter.seconds.items()}
+        busy = self.meter.total() / self.meter.wall_s if self.meter.wall_s else 0.0
+        return {"cpu_us": per, "cpu_us_all": sum(per.values()), "cores_busy": busy}
 
 
 @dataclass
@@ -147,6 +171,12 @@ class Point:
         conc = len(lanes)
         want_h = guess * min(1.0, conc / 8)
         self.want = {"healthz": 10 * want_h, "per-request": want_h, "coalesced": want_h}
+        self.budgets: dict[str, Budget] = {}
+        self.cpus = len(os.sched_getaffinity(0))
+
+    def meter_processes(self, pids: dict[str, int]) -> None:
+        """Meter the CPU of `pids` (name → pid) over every run of each shape."""
+        self.budgets = {shape: Budget(pids) for shape in self.want}
 
     async def run(self, shapes: list[str]) -> dict[str, Best]:
         best: dict[str, Best] = {}
@@ -169,7 +199,13 @@ class Point:
         self.handoff.errors = Counter()
         job = self.ping if shape == "healthz" else self.handoff
         before = client.fallbacks
+        budget = self.budgets.get(shape)
+        if budget is not None:
+            budget.meter.start()
         wall, lats, _ = await run_lanes(n, self.lanes, job, f"{shape[0]}{self.name}-{rep}")
+        if budget is not None:
+            budget.meter.stop()
+            budget.jobs += n
         errors = self.handoff.errors
         # Handoffs/s counts the completed ones only.
         return Best((n - sum(errors.values())) / wall, lats, n, errors, client.fallbacks - before)
@@ -192,4 +228,21 @@ class Point:
             "errors": dict(h.errors.most_common(3)),
             # Outcomes of the best run that the event stream did not tell (looked up by GET).
             "fallbacks": h.fallbacks,
+            **self._budget(shape),
         }
+
+    def _budget(self, shape: str) -> dict[str, Any]:
+        """The CPU budget of `shape`'s runs beside healthz's (empty when nothing was metered):
+        `cpu_ratio`, healthz's CPU per request ÷ a handoff's, is the ratio the two rates have
+        when both keep the same cores busy; `cpu_ceiling_per_s` is the handoffs/s every core of
+        this host would carry at this CPU per handoff."""
+        if shape not in self.budgets or not self.budgets[shape].jobs:
+            return {}
+        out = self.budgets[shape].figures()
+        healthz = self.budgets["healthz"].figures()
+        out["healthz_cpu_us_all"] = healthz["cpu_us_all"]
+        out["healthz_cores_busy"] = healthz["cores_busy"]
+        out["cpus"] = self.cpus
+        out["cpu_ratio"] = out["healthz_cpu_us_all"] / out["cpu_us_all"]
+        out["cpu_ceiling_per_s"] = self.cpus / out["cpu_us_all"] * 1e6
+        return out

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import targets
+from bench import cpu_budget, targets
 from bench.tables import div, kib, num, ratio, table
 
 #: The plot of each section (`plots.render_all` writes them under these names).
@@ -284,6 +284,9 @@ def _control(r: Mapping[str, Any]) -> str:
             "\n\n`outcomes by GET`: outcomes of the best run that the event stream did not tell "
             "(a gap, an overflow or the stream down), which the router looked up one by one."
         )
+    budget = cpu_budget.table_text(r["rows"])
+    if budget:
+        body += "\n\n" + budget
     if shapes:
         how = "as a router and engines drive them, in each router shape measured (" + "; ".join(
             f"`{shape}`: {ROUTER_SHAPES.get(shape, 'as `bench.control` names it')}"
@@ -560,7 +563,7 @@ def render(
         "Reproduce with `make bench` (`make soak` runs the load check for ten minutes).",
     ]
     judged = targets.verdicts(doc, engines, vllm)
-    parts += ["", f"## {targets.TITLE}", "", targets.section(judged)]
+    parts += ["", f"## {targets.TITLE}", "", targets.section(judged, cpu_budget.limits(doc))]
     for name, section in doc["sections"].items():
         title, fn = SECTION_TEXT[name]
         parts += ["", f"## {title}", ""]

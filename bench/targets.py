@@ -77,7 +77,16 @@ LIMITS: dict[str, Limit] = {
         "ones), not the per-handoff work: admission, the pairing check, the lease, the events "
         "and records every handoff keeps, the commit. With PP=4 every stage is its own prefill "
         "process: four readies, four destinations and four notices per handoff, which nothing "
-        "batches across processes.",
+        "batches across processes. Where handoffs wait at concurrency 64 (PP=1, every thread's "
+        "/proc schedstat beside both sides' events, the transport's write timed inside): in "
+        "the prefill's "
+        "transport lane to the decode, which holds at most `max_inflight_batches_per_peer` "
+        "(8) batches, so about 56 of the 64 one-page writes queue for a slot, one engine call "
+        "carries at most 8 of them, and every slot cycle needs the worker thread (niceness "
+        "10, runnable but waiting for a core a quarter to two thirds of the time) and a turn "
+        "of the prefill's loop: the write took 30-100 ms of a 60-130 ms handoff, while each "
+        "loop slept a third of the time. Bounded at 64 instead, one call carried up to 64 "
+        "writes, the write took 8-15 ms and a handoff about 15% less CPU in all.",
     ),
     "latency": Limit(
         "hops between processes",
@@ -87,9 +96,15 @@ LIMITS: dict[str, Limit] = {
         "the prefill on the peer channel, the prefill's plan and Mooncake write of the page's "
         "blocks, the notice back, the commit); arrival, completion and release about 0.1 ms; "
         "the outcome to the router on its stream 0.25 ms. The create and the readies already "
-        "leave at once. Each hop is a loopback message that wakes another process on two shared "
-        "cores (a `GET /healthz` round trip alone is 0.13-0.15 ms here), so the chain's five "
-        "messages and its Mooncake call are the floor the design sets at this size.",
+        "leave at once. Created to committed, split with the prefill's events and the "
+        "transport's write timed inside (1,000 handoffs at load 5): the destination reaches "
+        "the prefill in 0.5-0.7 ms, its plan takes 0.15 ms, the Mooncake write of the page "
+        "0.5 ms, of which the engine call is 0.2 ms and the rest two thread hops (the loop "
+        "wakes a worker at niceness 10; the worker posts the outcome back to the loop), and "
+        "the notice to the commit about 0.6 ms. Each hop is a loopback message or a thread "
+        "that wakes another on two shared cores (a `GET /healthz` round trip alone is "
+        "0.13-0.15 ms here), so the chain's five messages, its two thread hops and its "
+        "Mooncake call are the floor the design sets at this size.",
     ),
     "bulk": Limit(
         "CPU per GB on two cores",
@@ -405,8 +420,9 @@ def _tally(judged: Sequence[Verdict]) -> str:
     return ", ".join(f"{words.count(w)} {w}" for w in dict.fromkeys(words))
 
 
-def section(judged: Sequence[Verdict]) -> str:
-    """The Targets section's body: the verdicts' table, then what limits each target."""
+def section(judged: Sequence[Verdict], measured: Mapping[str, str] | None = None) -> str:
+    """The Targets section's body: the verdicts' table, then what limits each target, each
+    followed by what this run measured of it (`measured`, by limit key: `cpu_budget.limits`)."""
     body = table(
         ["target", "this run", "verdict", "what limits it"],
         ([v.target, v.figure, v.word, LIMITS[v.limit].title] for v in judged),
@@ -414,7 +430,11 @@ def section(judged: Sequence[Verdict]) -> str:
     limits = []
     for key in dict.fromkeys(v.limit for v in judged):
         mine = [v for v in judged if v.limit == key]
-        limits.append(f"- **{LIMITS[key].title}** ({_tally(mine)}): {LIMITS[key].text}")
+        seen = (measured or {}).get(key)
+        limits.append(
+            f"- **{LIMITS[key].title}** ({_tally(mine)}): {LIMITS[key].text}"
+            + (f"\n\n  {seen}" if seen else "")
+        )
     return (
         "Issue #35's targets, judged from this run's rows (the engines' from their own runs, at "
         "the commit and date each row gives): a ratio is met or missed by this run alone, and "
