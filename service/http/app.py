@@ -170,9 +170,7 @@ def decode_json(raw: bytes, type_: type[T]) -> T:
     peer channel's frame)."""
     depth = json_depth(raw)
     if depth > MAX_JSON_DEPTH:
-        raise MalformedBody(
-            f"request body nests {depth} levels deep (at most {MAX_JSON_DEPTH})", field="$"
-        )
+        raise MalformedBody(f"request body nests more than {MAX_JSON_DEPTH} levels deep", field="$")
     try:
         decoded: T = _decoder(cast(Any, type_)).decode(raw)
         return decoded
@@ -196,24 +194,41 @@ def decode_items(raw_items: list[msgspec.Raw], type_: type[T]) -> list[T | Inval
     return out
 
 
-# A whole string (escapes included) or one bracket: strings are skipped by the regex engine.
-_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.S)
+# A whole string, escapes included (unrolled so the regex engine loops in C, not per char).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+# One bracket kind for arrays and objects, every byte but brackets and quotes deleted.
+_ONE_BRACKET = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKET_OR_QUOTE = bytes(range(256)).translate(None, b'[]{}"')
 
 
 def json_depth(raw: bytes) -> int:
-    """The deepest array/object nesting of a JSON text (brackets inside strings not counted);
-    the scan visits strings and brackets only, so a long flat page list costs one C pass."""
+    """The deepest array/object nesting of a JSON text (brackets inside strings not counted):
+    0 for a text with too few brackets to pass MAX_JSON_DEPTH, else exact up to MAX_JSON_DEPTH
+    and MAX_JSON_DEPTH + 1 for anything deeper.
+
+    Every step is a C pass over bytes: strings are cut out, the rest is reduced to brackets,
+    and each `replace(b"[]", b"")` pass removes the innermost level, so a body `d` deep is
+    empty after `d` passes; the passes stop past the limit, so a deep body costs at most
+    MAX_JSON_DEPTH + 1 passes over its (already bracket-only) bytes.
+    """
     if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
         return 0  # cannot be too deep: skip the scan for the common small body
-    depth = deepest = 0
-    for token in _JSON_TOKENS.finditer(raw):
-        c = token[0][:1]
-        if c in (b"[", b"{"):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif c in (b"]", b"}"):
-            depth -= 1
-    return deepest
+    if b"\\" in raw:
+        raw = _JSON_STRING.sub(b"", raw)
+    brackets = raw.translate(_ONE_BRACKET, _NOT_BRACKET_OR_QUOTE)
+    # Without a backslash every quote opens or closes a string (as the decoder reads it, up to
+    # wherever an unclosed one makes it fail): the even pieces are what lies outside strings.
+    brackets = b"".join(brackets.split(b'"')[::2])
+    for depth in range(MAX_JSON_DEPTH + 1):
+        if not brackets:
+            return depth
+        inner = brackets.replace(b"[]", b"")
+        if len(inner) == len(brackets):
+            # Unbalanced (not JSON; the decoder refuses it): count every unclosed bracket as one
+            # more level, so the bound errs deep, never shallow.
+            return min(depth + brackets.count(b"["), MAX_JSON_DEPTH + 1)
+        brackets = inner
+    return MAX_JSON_DEPTH + 1
 
 
 def _too_large(request: web.Request) -> PayloadTooLarge:

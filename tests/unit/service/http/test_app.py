@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import json
 import logging
+import random
 from typing import Annotated, Any
 
 import msgspec
@@ -20,7 +22,16 @@ from kvhandoff.pipelines.errors import (
     TransportTimeout,
 )
 from kvhandoff.pipelines.pairing_problems import Problem
-from kvhandoff.service.http.app import CONFIG, PEERS, READINESS, ROUTES, decode_body, json_response
+from kvhandoff.service.http.app import (
+    CONFIG,
+    MAX_JSON_DEPTH,
+    PEERS,
+    READINESS,
+    ROUTES,
+    decode_body,
+    json_depth,
+    json_response,
+)
 from kvhandoff.service.http.peer_client import PeerClient
 from kvhandoff.service.http.problems import PROBLEM_CONTENT_TYPE, TYPE_PREFIX
 from kvhandoff.service.http.routing import RouteTable
@@ -281,3 +292,80 @@ async def test_cleanup_contexts_and_peer_client_lifecycle(make_client: ClientFac
     assert isinstance(seen[0], PeerClient)
     await client.close()
     assert events == ["start", "stop"]
+
+
+def scanned_depth(text: str) -> int:
+    """The running bracket depth outside strings, char by char: what `json_depth` computes
+    with C passes (and what it did itself before)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            in_string = escaped or c != '"'
+            escaped = not escaped and c == "\\"
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
+def nested_value(depth: int, rng: random.Random) -> object:
+    """A JSON value exactly `depth` deep, mixing arrays, objects, siblings and strings full of
+    brackets, quotes and backslashes."""
+    if depth == 0:
+        return rng.choice([1, "x", '[{"\\', "]]}", None])
+    inner = nested_value(depth - 1, rng)
+    siblings = [nested_value(rng.randrange(min(depth, 3)), rng) for _ in range(rng.randrange(3))]
+    if rng.random() < 0.5:
+        return [*siblings, inner]
+    return {f'k"[{i}': v for i, v in enumerate([*siblings, inner])}
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH - 1, MAX_JSON_DEPTH, MAX_JSON_DEPTH + 1])
+def test_json_depth_at_the_limit(depth: int) -> None:
+    # Objects and arrays alike, each level with siblings, so the body has far more brackets
+    # than the limit whatever its depth (the shortcut for few brackets does not answer).
+    value: object = []
+    for k in range(depth - 1):
+        value = [[1], {"a": []}, value] if k % 2 else {"s": "]]", "b": [], "v": value}
+    text = json.dumps(value)
+    assert scanned_depth(text) == depth
+    assert json_depth(text.encode()) == depth
+
+
+def test_json_depth_past_the_limit_stops_counting() -> None:
+    assert json_depth(b"[" * 5000 + b"]" * 5000) == MAX_JSON_DEPTH + 1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_json_depth_matches_a_char_by_char_scan(seed: int) -> None:
+    rng = random.Random(seed)
+    depth = rng.choice([rng.randrange(1, 8), rng.randrange(MAX_JSON_DEPTH - 3, MAX_JSON_DEPTH + 4)])
+    value = nested_value(depth, rng)
+    text = json.dumps([value] * 70) if depth < 8 else json.dumps(value)  # past the shortcut
+    assert scanned_depth(text) == depth + (depth < 8)
+    assert json_depth(text.encode()) == min(scanned_depth(text), MAX_JSON_DEPTH + 1)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '["' + "[" * 100 + '"]',  # brackets inside a string, no escapes
+        '["\\"' + "[" * 100 + '"]',  # an escaped quote does not end the string
+        '["\\\\", ' + "[[]]," * 40 + "[" * 50 + "]" * 50 + "]",  # an escaped backslash does
+    ],
+)
+def test_json_depth_skips_brackets_in_strings(text: str) -> None:
+    assert json_depth(text.encode()) == min(scanned_depth(text), MAX_JSON_DEPTH + 1)
+
+
+@pytest.mark.parametrize(
+    "text", ["[" * 100, "[" * 70 + "]" * 10, "]" * 70 + "[" * 70, '"' + "[" * 99, "[]" * 70 + "]"]
+)
+def test_json_depth_of_unbalanced_text_errs_deep(text: str) -> None:
+    # Not JSON (the decoder refuses it), but it must never pass as shallower than it is.
+    assert (json_depth(text.encode()) > MAX_JSON_DEPTH) >= (scanned_depth(text) > MAX_JSON_DEPTH)
