@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Annotated, NewType
+from typing import Annotated, NamedTuple, NewType
 
 import msgspec
 from msgspec import Meta, Struct
@@ -79,6 +79,14 @@ class AuxEntry(Struct, frozen=True, forbid_unknown_fields=True):
         return self.item_len * self.num_rows
 
 
+class SlotBound(NamedTuple):
+    """A state component's slot bound in a layout: its entry with the smallest pool."""
+
+    component: str
+    num_entries: int
+    smallest: StateEntry
+
+
 class StageLayout(Struct, frozen=True, forbid_unknown_fields=True, dict=True):
     """Everything one stage registers. `fingerprint` hashes all of it except addresses."""
 
@@ -134,6 +142,11 @@ class StageLayout(Struct, frozen=True, forbid_unknown_fields=True, dict=True):
         )
         return hashlib.blake2b(msgspec.json.encode(bases), digest_size=12).hexdigest()
 
+    @cached_property
+    def has_addresses(self) -> bool:
+        """Whether any entry names an address (a landed decode publishes none: every base 0)."""
+        return any(e.base for e in (*self.kv, *self.state, *self.aux))
+
     @property
     def kv_layer_ids(self) -> list[int]:
         """The flat id list engines publish: one id per KV buffer, in entry (group-major) order."""
@@ -147,7 +160,32 @@ class StageLayout(Struct, frozen=True, forbid_unknown_fields=True, dict=True):
     @property
     def components(self) -> list[str]:
         """The state components, in first-seen order: one slot per request each."""
-        return list(dict.fromkeys(s.component for s in self.state))
+        return [bound.component for bound in self.slot_bounds]
+
+    # The bounds below are cached like the hashes: a frozen layout's pools never change size,
+    # and validating a request against a layout would otherwise rescan its entries every time.
+    @cached_property
+    def page_bound(self) -> KVEntry | None:
+        """The KV entry with the smallest pool (the first of them): every page must lie in it."""
+        return min(self.kv, key=lambda e: e.num_items) if self.kv else None
+
+    @cached_property
+    def slot_bounds(self) -> tuple[SlotBound, ...]:
+        """Per state component (first-seen order): its entry with the smallest pool."""
+        by_component: dict[str, list[StateEntry]] = {}
+        for s in self.state:
+            by_component.setdefault(s.component, []).append(s)
+        return tuple(
+            SlotBound(c, len(es), min(es, key=lambda e: e.num_slots))
+            for c, es in by_component.items()
+        )
+
+    @cached_property
+    def aux_bound(self) -> int | None:
+        """The index of the aux entry with the fewest rows (None without aux entries)."""
+        if not self.aux:
+            return None
+        return min(range(len(self.aux)), key=lambda i: self.aux[i].num_rows)
 
     @property
     def num_groups(self) -> int:

@@ -23,6 +23,8 @@ from kvhandoff.pipelines.slots import RequestSlots, SlotsLike, as_slots, space_n
 from kvhandoff.transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
 
 I64 = npt.NDArray[np.int64]
+#: Page lists up to this long are checked on Python ints (`validate_pages_for_layout`).
+_SMALL_PAGES = 16
 PageList = Sequence[int] | npt.NDArray[np.integer]
 
 
@@ -71,7 +73,7 @@ def as_pages(pages: PageList, field: str) -> I64:
     arr = np.asarray(pages)
     if arr.ndim != 1:
         raise PlanError(f"{field} must be a flat list of page indices", field=field)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size and arr.dtype.kind not in "iu":  # np.integer's kinds (issubdtype costs µs)
         raise PlanError(f"{field} must hold integers, got {arr.dtype}", field=field)
     return arr.astype(np.int64, copy=False)
 
@@ -284,12 +286,18 @@ def validate_pages_for_layout(
     prefix = "src" if side == "source" else "dst"
     field = f"{prefix}_pages"
     arr = as_pages(pages, field)
-    if layout.kv and arr.size:
-        k = min(range(len(layout.kv)), key=lambda i: layout.kv[i].num_items)
-        limit = layout.kv[k].num_items
-        if arr.min() < 0 or arr.max() >= limit:
+    # A short list (a handoff of a few pages, the common case) is checked on Python ints: the
+    # numpy reductions below cost microseconds each however few pages there are.
+    small = arr.tolist() if arr.size <= _SMALL_PAGES else None
+    e = layout.page_bound
+    if e is not None and arr.size:
+        limit = e.num_items
+        if small is not None:
+            outside = min(small) < 0 or max(small) >= limit
+        else:
+            outside = bool(arr.min() < 0 or arr.max() >= limit)
+        if outside:
             i = int(np.flatnonzero((arr < 0) | (arr >= limit))[0])
-            e = layout.kv[k]
             raise PlanError(
                 f"{field}[{i}] = {int(arr[i])} is outside the {side} pool of layer {e.layer_id} "
                 f"group {e.group} (pages 0..{limit - 1})",
@@ -297,40 +305,44 @@ def validate_pages_for_layout(
                 layer_id=e.layer_id,
                 group=e.group,
             )
-    if unique and arr.size > 1 and (np.diff(np.sort(arr)) == 0).any():
-        order = np.argsort(arr, kind="stable")
-        same = np.flatnonzero(arr[order][1:] == arr[order][:-1])
-        i, first = int(order[same[0] + 1]), int(order[same[0]])
-        raise PlanError(
-            f"{field}[{i}] = {int(arr[i])} repeats {field}[{first}]", field=f"{field}[{i}]"
-        )
+    if unique and arr.size > 1:
+        if small is not None:
+            repeats = len(set(small)) != len(small)
+        else:
+            repeats = bool((np.diff(np.sort(arr)) == 0).any())
+        if repeats:
+            order = np.argsort(arr, kind="stable")
+            same = np.flatnonzero(arr[order][1:] == arr[order][:-1])
+            i, first = int(order[same[0] + 1]), int(order[same[0]])
+            raise PlanError(
+                f"{field}[{i}] = {int(arr[i])} repeats {field}[{first}]", field=f"{field}[{i}]"
+            )
     if with_slot:
         _check_layout_slots(layout, as_slots(slots), prefix, side)
     return arr
 
 
 def _check_layout_slots(layout: StageLayout, given: RequestSlots, prefix: str, side: str) -> None:
-    components = layout.components
-    if side == "destination":
-        unknown = sorted(set(given.by_component) - set(components))
+    bounds = layout.slot_bounds
+    if side == "destination" and given.by_component:
+        unknown = sorted(set(given.by_component) - {b.component for b in bounds})
         if unknown:
             raise PlanError(
                 f"{prefix}_slots names component {unknown[0]!r}, which the {side} layout does "
-                f"not have (components: {components})",
+                f"not have (components: {layout.components})",
                 field=f"{prefix}_slots.{unknown[0]}",
             )
-    for component in components:
-        entries = [s for s in layout.state if s.component == component]
-        slot_field = given.field_of(component, prefix)
+    for component, num_entries, s in bounds:
         slot = given.of(component)
         if slot is None:
+            slot_field = given.field_of(component, prefix)
             raise PlanError(
-                f"{slot_field} is required: the {side} layout has {len(entries)} state entries "
+                f"{slot_field} is required: the {side} layout has {num_entries} state entries "
                 f"of component {component!r}",
                 field=slot_field,
             )
-        s = min(entries, key=lambda e: e.num_slots)
         if not 0 <= slot < s.num_slots:
+            slot_field = given.field_of(component, prefix)
             raise PlanError(
                 f"{slot_field} = {slot} is outside the state pool of layer {s.layer_id} kind "
                 f"{s.kind!r} (slots 0..{s.num_slots - 1})",
@@ -351,7 +363,8 @@ def _check_layout_slots(layout: StageLayout, given: RequestSlots, prefix: str, s
                 f"{aux_field} is required: the {side} layout has {len(layout.aux)} aux entries",
                 field=aux_field,
             )
-        j = min(range(len(layout.aux)), key=lambda i: layout.aux[i].num_rows)
+        j = layout.aux_bound
+        assert j is not None  # the layout has aux entries
         rows = layout.aux[j].num_rows
         if not 0 <= given.aux < rows:
             raise PlanError(

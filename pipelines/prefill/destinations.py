@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from kvhandoff.pipelines.errors import ConflictError, InvalidInput, NotFoundError
+from kvhandoff.pipelines.layout import StageLayout
 from kvhandoff.pipelines.messages import DestinationMsg, TransferMode
 from kvhandoff.pipelines.peercache import MAX_PEERS, PeerCache
 from kvhandoff.pipelines.planning import validate_pages_for_layout
@@ -50,21 +51,18 @@ def check_addressed(
         )
 
 
-def check_destination(dest: DestinationMsg) -> None:
+def check_destination(dest: DestinationMsg, layout: StageLayout) -> None:
     """Refuse, naming the field, a destination whose decode side contradicts its mode (an arena
     on a direct decode, none or page addresses on a landed one) or whose pages or slots lie
-    outside the layout it carries."""
-    layout = dest.decode_layout
+    outside the layout it carries. `layout` is that layout (`DecodeLives.layout`: the same
+    content, perhaps an earlier destination's object whose bounds are computed already)."""
     if dest.mode == "landed":
         if dest.arena is None:
             raise InvalidInput(
                 f"the landed destination of {dest.handoff_id!r} names no landing arena",
                 field="arena",
             )
-        # Compared base by base, not by `address_key`: that is a hash, and this runs per
-        # destination on a layout decoded afresh (its cached hashes are not computed yet).
-        bases = [*(e.base for e in layout.kv), *(s.base for s in layout.state)]
-        if any(bases) or any(a.base for a in layout.aux):
+        if layout.has_addresses:
             raise InvalidInput(
                 f"the landed destination of {dest.handoff_id!r} names page addresses: a landed "
                 "decode publishes none (every base is 0)",
@@ -90,6 +88,17 @@ class DecodeLives:
         key = _life(dest)
         if self._sides.get(key) is None:
             self._sides.put(key, _side_of(dest))
+
+    def layout(self, dest: DestinationMsg) -> StageLayout:
+        """The layout `dest` carries, as the object its decode life pinned when their content
+        is equal (a decode's layout is fixed for its life, so this is every destination of a
+        known life): the bounds `check_destination` needs are cached on it, where a layout
+        decoded afresh would compute them again. Content, not identity, decides: a different
+        layout is checked as itself (and later refused by `check_decode_side`)."""
+        side = self._sides.get(_life(dest))
+        if side is not None and side.layout == dest.decode_layout:
+            return side.layout
+        return dest.decode_layout
 
     def side(self, dest: DestinationMsg) -> DecodeSide:
         """What `dest`'s decode life named first (as `dest` says, if that life was forgotten)."""

@@ -259,7 +259,7 @@ class PrefillPipeline:
         """The decode service says where this handoff's bytes go. Refused (changing nothing)
         when it was issued for another life of this service."""
         check_addressed(msg, self.incarnation, self.mode, self.stages)
-        check_destination(msg)
+        check_destination(msg, self._lives.layout(msg))
         scope = canonical_url(msg.decode_url)
         outcome = self._finished.claim(scope, msg.handoff_id)
         if outcome is not None:

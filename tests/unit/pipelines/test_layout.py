@@ -6,6 +6,7 @@ from kvhandoff.pipelines.layout import (
     AuxEntry,
     KVEntry,
     StageLayout,
+    StateEntry,
     group_layer_ids,
     layout_from_flat_lists,
     publish_kv_layer_ids,
@@ -183,3 +184,33 @@ def test_flat_lists_make_aux_entries_after_state_and_refuse_a_torn_row() -> None
             aux_item_lens=[16],
         )
     assert err.value.context == {"field": "aux_item_lens[0]", "aux": 0}
+
+
+def test_cached_bounds_name_the_smallest_pool_of_each_kind() -> None:
+    kv = (
+        KVEntry(layer_id=0, group=0, item_len=8, num_items=9, base=0),
+        KVEntry(layer_id=1, group=0, item_len=8, num_items=7, base=0),
+        KVEntry(layer_id=0, group=1, item_len=8, num_items=7, base=0),
+    )
+    state = (
+        StateEntry(layer_id=2, kind="conv", item_len=4, num_slots=5, base=0, component="mamba"),
+        StateEntry(layer_id=2, kind="ssm", item_len=4, num_slots=3, base=0, component="mamba"),
+        StateEntry(layer_id=3, kind="kv", item_len=4, num_slots=6, base=0, component="swa"),
+    )
+    aux = (AuxEntry(item_len=4, num_rows=5, base=0), AuxEntry(item_len=4, num_rows=2, base=0))
+    layout = StageLayout(
+        pp_rank=0, pp_size=1, page_size=16, dtype="bf16", kv=kv, state=state, aux=aux
+    )
+    assert layout.page_bound is kv[1]  # the first of the smallest
+    assert [(b.component, b.num_entries, b.smallest) for b in layout.slot_bounds] == [
+        ("mamba", 2, state[1]),
+        ("swa", 1, state[2]),
+    ]
+    assert layout.components == ["mamba", "swa"]
+    assert layout.aux_bound == 1
+    assert not layout.has_addresses
+    assert msgspec.structs.replace(
+        layout, aux=(AuxEntry(item_len=4, num_rows=2, base=1),)
+    ).has_addresses
+    empty = StageLayout(pp_rank=0, pp_size=1, page_size=16, dtype="bf16")
+    assert (empty.page_bound, empty.slot_bounds, empty.aux_bound) == (None, (), None)

@@ -310,3 +310,40 @@ def test_a_destination_naming_a_component_its_layout_lacks_is_refused() -> None:
     with pytest.raises(PlanError) as err:
         validate_pages_for_layout(dst, [1], RequestSlots(0), side="destination", unique=True)
     assert err.value.context == {"field": "dst_aux"}
+
+
+@pytest.mark.parametrize("short", [True, False])
+@pytest.mark.parametrize(
+    ("bad", "field", "text"),
+    [
+        ({3: 32}, "dst_pages[3]", "dst_pages[3] = 32 is outside the destination pool"),
+        ({2: -1}, "dst_pages[2]", "dst_pages[2] = -1 is outside"),
+        ({4: 0}, "dst_pages[4]", "dst_pages[4] = 0 repeats dst_pages[0]"),
+    ],
+)
+def test_short_and_long_page_lists_are_refused_alike(
+    short: bool, bad: dict[int, int], field: str, text: str
+) -> None:
+    # A short list is checked on Python ints, a long one with numpy: the same answer either way.
+    dst = decode_layout(MODEL, num_pages=32, num_slots=4)
+    pages = list(range(5 if short else 20))
+    for i, page in bad.items():
+        pages[i] = page
+    with pytest.raises(PlanError) as err:
+        validate_pages_for_layout(dst, pages, 0, side="destination", unique=True)
+    assert err.value.context["field"] == field
+    assert text in err.value.message
+    if "repeats" in text:  # a source may list a page twice
+        validate_pages_for_layout(dst, pages, 0, side="source", unique=False)
+
+
+@pytest.mark.parametrize("pages", [[True, False], np.array([1.0]), [[1]]])
+def test_page_lists_must_be_flat_integers(pages: object) -> None:
+    dst = decode_layout(MODEL, num_pages=32, num_slots=4)
+    with pytest.raises(PlanError) as err:
+        validate_pages_for_layout(dst, pages, 0, side="destination", unique=True)  # type: ignore[arg-type]
+    assert err.value.context["field"] == "dst_pages"
+    unsigned = validate_pages_for_layout(
+        dst, np.array([1, 2], dtype=np.uint16), 0, side="destination", unique=True
+    )
+    assert unsigned.dtype == np.int64 and unsigned.tolist() == [1, 2]

@@ -54,15 +54,39 @@ def test_a_destination_contradicting_itself_is_refused_naming_the_field(
     fields: dict[str, Any], field: str
 ) -> None:
     with pytest.raises(KVHandoffError) as refused:
-        check_destination(destination(**fields))
+        check(destination(**fields))
     assert refused.value.context["field"].startswith(field), refused.value
 
 
 def test_well_formed_destinations_of_both_modes_pass() -> None:
-    check_destination(destination())
-    check_destination(
-        destination(mode="direct", arena=None, decode_layout=place(LAYOUT, 1 << 30, 1 << 28))
-    )
+    check(destination())
+    check(destination(mode="direct", arena=None, decode_layout=place(LAYOUT, 1 << 30, 1 << 28)))
+
+
+def check(dest: DestinationMsg, lives: DecodeLives | None = None) -> None:
+    """`dest` checked as `PrefillPipeline.deliver` checks it."""
+    check_destination(dest, (lives or DecodeLives()).layout(dest))
+
+
+def test_a_known_life_checks_against_its_pinned_layout_only_when_the_content_is_equal() -> None:
+    lives = DecodeLives()
+    first = destination()
+    check(first, lives)
+    lives.pin(first)
+    later = destination(handoff_id="h2")
+    assert later.decode_layout is not first.decode_layout
+    assert lives.layout(later) is first.decode_layout  # its bounds are cached already
+    check(later, lives)
+    # Another layout is checked as itself, not as the pinned one it differs from: pages inside
+    # the pinned pools but outside its own, or addresses the pinned one does not name.
+    smaller = decode_layout(hybrid_mha(num_layers=4), num_pages=4, num_slots=2).unplaced()
+    with pytest.raises(KVHandoffError) as refused:
+        check(destination(handoff_id="h3", decode_layout=smaller, dst_pages=[5]), lives)
+    assert refused.value.context["field"] == "dst_pages[0]"
+    placed = place(LAYOUT, 1 << 30, 1 << 28)
+    with pytest.raises(KVHandoffError) as refused:
+        check(destination(handoff_id="h4", decode_layout=placed), lives)
+    assert refused.value.context["field"] == "decode_layout"
 
 
 @pytest.mark.parametrize(
