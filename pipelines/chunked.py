@@ -37,6 +37,7 @@ from kvhandoff.pipelines.packing import (
     Side,
     copy_out,
     gather,
+    piece_bytes,
     piece_views,
     scatter,
     settle,
@@ -115,8 +116,12 @@ def gather_digest(
     chunk, digesting each private chunk: the digest is of what this process read from its own
     pages, whatever a transfer-engine client writes into the registered staging buffer."""
     step = chunk_bytes_for(packed)
+    total = int(piece_bytes(pairing, pieces).sum())
+    # A segment that fits one chunk is that chunk, pieces and all (what `chunks` would yield,
+    # without cutting it piece by piece in Python): the common small segment.
+    parts = [(0, total, pieces)] if total <= step else chunks(pairing, pieces, step)
     try:
-        for offset, nbytes, part in chunks(pairing, pieces, step):
+        for offset, nbytes, part in parts:
             private = scratch.get(packed, nbytes)[:nbytes]
             gather(pairing, src, part, private)
             digester.update(private)

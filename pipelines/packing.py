@@ -233,6 +233,8 @@ def gather(pairing: Pairing, src: Side, pieces: Pieces, packed: Any) -> None:
     segment's bytes long), piece after piece; on a device, returns once the copies are done
     (also when a piece raised: no copy queued before it may still run)."""
     try:
+        if _gather_host(pairing, src, pieces, packed):
+            return
         for rows, idx, out in piece_views(pairing, src, pieces, packed):
             if _is_torch(rows):
                 import torch
@@ -248,6 +250,42 @@ def gather(pairing: Pairing, src: Side, pieces: Pieces, packed: Any) -> None:
                 np.take(rows, idx, axis=0, out=out, mode="clip")
     finally:
         settle(packed)
+
+
+def _gather_host(pairing: Pairing, src: Side, pieces: Pieces, packed: Any) -> bool:
+    """`gather` when the packed buffer and every region it reads are host memory (False, having
+    copied nothing, otherwise): a one-page piece is one slice copy, not `piece_views`' row
+    views and a `np.take` over one index, which cost more than copying its few KiB."""
+    out = _host(packed)
+    if out is None:
+        return False
+    k = pairing.num_kv_pairs
+    item = pairing.row_item_len.tolist()
+    rows = pieces.rows.tolist()
+    where = src.kv_index.tolist() + src.slot_region.tolist()  # row -> its region here
+    regions = [_host(src.memory.array(where[r])) for r in rows]
+    if any(region is None for region in regions):
+        return False
+    off = 0
+    for row, start, end, region in zip(rows, pieces.starts.tolist(), pieces.ends.tolist(), regions):
+        length = item[row]
+        idx = src.pages[start:end] if row < k else src.slots[row - k : row - k + 1]
+        nbytes = (end - start) * length
+        if end - start == 1:
+            # The index was validated against every pool (see `gather`): the slice is whole.
+            at = int(idx[0]) * length
+            out[off : off + length] = region[at : at + length]
+        else:
+            usable = region.shape[0] // length * length
+            np.take(
+                region[:usable].reshape(-1, length),
+                idx,
+                axis=0,
+                out=out[off : off + nbytes].reshape(-1, length),
+                mode="clip",
+            )
+        off += nbytes
+    return True
 
 
 def scatter(pairing: Pairing, dst: Side, pieces: Pieces, packed: Any) -> None:

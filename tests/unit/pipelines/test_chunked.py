@@ -90,11 +90,16 @@ def test_a_digest_streamed_in_parts_of_any_size_equals_the_one_shot_digest(
 @pytest.mark.parametrize("kind", ["numpy", "torch-kernels"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("dst_pages", [[10, 2, 11], [4, 5, 6], [12, 13, 1]])  # runs, or none
+@pytest.mark.parametrize("chunk_bytes", [3 * 1024 + 8, 1 << 20])  # several chunks, words cut; one
 def test_one_pass_gather_and_commit_move_the_segment_and_agree_on_its_digest(
-    kind: str, algorithm: Algorithm, dst_pages: list[int], monkeypatch: pytest.MonkeyPatch
+    kind: str,
+    algorithm: Algorithm,
+    dst_pages: list[int],
+    chunk_bytes: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(packing, "HOST_TENSORS_VIA_NUMPY", kind == "numpy")
-    monkeypatch.setattr(chunked, "CHUNK_BYTES", 3 * 1024 + 8)  # several chunks, words cut
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", chunk_bytes)
     p = pairing_of_stage()
     src = Regions(p.src.region_sizes, 1, torch_views=kind != "numpy")
     dst = Regions(p.dst.region_sizes, 2, torch_views=kind != "numpy")

@@ -237,6 +237,42 @@ def test_gather_then_scatter_moves_exactly_the_pieces(
     )
 
 
+@pytest.mark.parametrize("pages", [[7], [3, 9, 4], [5, 6]])
+def test_host_gather_copies_what_the_index_kernels_copy(
+    pages: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The host path (one slice per one-page piece, np.take otherwise) against the general
+    # path's index kernels, over KV pieces of one or more pages, part pieces and slot rows.
+    p = pairing_of_stage()
+    rng = np.random.default_rng(len(pages))
+    arrays = [rng.integers(0, 255, n, dtype=np.uint8) for n in p.src.region_sizes]
+
+    class Regions:
+        def __init__(self, as_torch: bool) -> None:
+            self.as_torch = as_torch
+
+        def array(self, i: int):  # type: ignore[no-untyped-def]
+            return torch.from_numpy(arrays[i]) if self.as_torch else arrays[i]
+
+    k, n_pages = p.num_kv_pairs, len(pages)
+    rows = list(range(k + p.num_state_pairs))
+    starts = [r % n_pages if r < k else 0 for r in rows]  # later rows: part of the pages
+    ends = [n_pages if r < k else 1 for r in rows]
+    pieces = Pieces.of(rows, starts, ends)
+    size = int(piece_bytes(p, pieces).sum())
+    host = np.zeros(size, dtype=np.uint8)
+    gather(p, source_side(p, Regions(False), np.array(pages), 2), pieces, host)
+    monkeypatch.setattr(packing, "HOST_TENSORS_VIA_NUMPY", False)
+    kernels = torch.zeros(size, dtype=torch.uint8)
+    gather(p, source_side(p, Regions(True), np.array(pages), 2), pieces, kernels)
+    assert np.array_equal(host, kernels.numpy()) and host.any()
+    # A host buffer with a region the host path cannot read (a device's; here a CPU tensor
+    # with numpy views off) takes the general path for the whole segment.
+    mixed = np.zeros(size, dtype=np.uint8)
+    gather(p, source_side(p, Regions(True), np.array(pages), 2), pieces, mixed)
+    assert np.array_equal(mixed, host)
+
+
 def accelerators() -> list[str]:
     """The devices of this machine the device cases run on (none in CI: they are skipped). An
     Ascend machine's torch_npu is imported here, as kvhandoff's own pools would."""
