@@ -99,6 +99,11 @@ class Blocks:
             for start in range(0, len(self), max_blocks):
                 yield self[start : start + max_blocks]
             return
+        if 0 < len(self) <= min(max_blocks, 8) and sum(self.length.tolist()) <= max_bytes:
+            # One batch (no block is longer than the cap either): what the loop below yields,
+            # without its numpy calls (a segment's one block, every handoff).
+            yield self
+            return
         blocks = self.split(max_bytes)
         ends = np.cumsum(blocks.length, dtype=np.uint64)  # bytes up to and including block i
         start, n, before = 0, len(blocks), 0

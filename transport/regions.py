@@ -8,6 +8,7 @@ buffer returned rc 0) while the receiving side does reject unregistered destinat
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterable, Sequence
 
@@ -16,6 +17,9 @@ import numpy as np
 
 from kvhandoff.transport.blocks import U64
 from kvhandoff.transport.errors import TransportError
+
+#: Block lists up to this long are checked on Python ints (`RegionTable.outside`).
+_FEW_BLOCKS = 8
 
 
 class Region(msgspec.Struct, frozen=True):
@@ -37,6 +41,9 @@ class RegionTable:
         self._regions: dict[int, Region] = {}
         self._starts: U64 = np.zeros(0, dtype=np.uint64)
         self._ends: U64 = np.zeros(0, dtype=np.uint64)
+        # The same bounds as Python ints, for a few blocks (see `outside`).
+        self._start_list: list[int] = []
+        self._end_list: list[int] = []
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -75,6 +82,8 @@ class RegionTable:
         ordered = self.regions
         self._starts = np.array([r.addr for r in ordered], dtype=np.uint64)
         self._ends = np.array([r.end for r in ordered], dtype=np.uint64)
+        self._start_list = [r.addr for r in ordered]
+        self._end_list = [r.end for r in ordered]
 
     def outside(self, addr: U64, length: U64) -> int | None:
         """Index of the first block `[addr, addr+length)` not inside one region, or None."""
@@ -82,6 +91,14 @@ class RegionTable:
             return None
         if self._starts.shape[0] == 0:
             return 0
+        if addr.shape[0] <= _FEW_BLOCKS:
+            # A segment's block or two: bisect on Python ints costs less than the numpy calls.
+            starts, ends = self._start_list, self._end_list
+            for i, (a, n) in enumerate(zip(addr.tolist(), length.tolist())):
+                j = bisect.bisect_right(starts, a) - 1
+                if j < 0 or a + n > ends[j]:
+                    return i
+            return None
         idx = np.searchsorted(self._starts, addr, side="right").astype(np.int64) - 1
         inside = idx >= 0
         safe = np.maximum(idx, 0)

@@ -79,6 +79,12 @@ def check_grant(grant: Grant, arena: ArenaSpan, rank: int, nbytes: int = 0) -> N
 
 def staged_blocks(src_addr: int, dst_addr: int, nbytes: int) -> Blocks:
     """A staged segment of `nbytes` as `BLOCK_BYTES` blocks from its extent into its window."""
+    if nbytes <= BLOCK_BYTES:  # one block: no arange/minimum for it
+        return Blocks(
+            np.array([src_addr], np.uint64),
+            np.array([dst_addr], np.uint64),
+            np.array([nbytes], np.uint64),
+        )
     starts = np.arange(0, nbytes, BLOCK_BYTES, dtype=np.uint64)
     lengths = np.minimum(np.uint64(nbytes) - starts, np.uint64(BLOCK_BYTES))
     return Blocks(starts + np.uint64(src_addr), starts + np.uint64(dst_addr), lengths)

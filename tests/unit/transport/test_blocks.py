@@ -62,3 +62,25 @@ def test_caps_must_be_positive(bad: int) -> None:
         list(b.batches(bad))
     with pytest.raises(ValueError):
         b.split(bad)
+
+
+@pytest.mark.parametrize(
+    ("max_blocks", "max_bytes", "sizes"),
+    [
+        (8, 1 << 20, [3]),  # one batch: the blocks as they are
+        (3, 400, [3]),
+        (3, 399, [2, 1]),  # one byte over: cut like any other list
+        (2, 1 << 20, [2, 1]),
+        (8, 100, [1, 1, 1, 1]),  # the 200-byte block split
+        (2, 150, [1, 1, 2]),
+    ],
+)
+def test_a_few_blocks_are_one_batch_only_under_both_caps(
+    max_blocks: int, max_bytes: int, sizes: list[int]
+) -> None:
+    b = Blocks.of([0, 1000, 5000], [100_000, 200_000, 300_000], [100, 200, 100])
+    parts = list(b.batches(max_blocks, max_bytes))
+    assert [len(p) for p in parts] == sizes
+    assert spans(Blocks.concat(parts)) == spans(b)
+    assert all(len(p) <= max_blocks and p.total_bytes <= max_bytes for p in parts)
+    assert list(Blocks.empty().batches(4, 100)) == []

@@ -47,3 +47,22 @@ def test_overlap_detection_and_removal() -> None:
     assert t.overlapping([Region(1100, 900)]) is None
     assert t.remove([Region(1000, 100), Region(5, 5)]) == [Region(1000, 100)]
     assert len(t) == 1 and t.outside(arr(1000), arr(1)) == 0
+
+
+def test_few_and_many_blocks_are_checked_alike() -> None:
+    # A few blocks are bisected on Python ints, many searched with numpy: the same first
+    # offender either way, whatever the blocks (edges, gaps, before, after, across regions).
+    t = table()
+    rng = np.random.default_rng(7)
+    edges = [0, 999, 1000, 1050, 1099, 1100, 1500, 1999, 2000, 2049, 2050, 4000]
+    for _ in range(300):
+        n = int(rng.integers(1, 5))
+        addr = arr(*rng.choice(edges, n).tolist())
+        length = arr(*rng.integers(1, 120, n).tolist())
+        few = t.outside(addr, length)
+        # Many: the same blocks behind enough good ones to take the numpy path.
+        pad = 9
+        many = t.outside(
+            np.concatenate((arr(*[1000] * pad), addr)), np.concatenate((arr(*[1] * pad), length))
+        )
+        assert many == (None if few is None else few + pad)
