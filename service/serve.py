@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import gc
 import logging
 import os
 import signal
@@ -153,9 +154,21 @@ async def _serve_until_signalled(config: Config) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with serve(config, [install_service]):
+        _freeze_start_up()
         await stop.wait()
         log.info("signal received, shutting down")
     return 0
+
+
+def _freeze_start_up() -> None:
+    """Move what start-up built (modules, the app, the runtime: live for the process's life)
+    out of the collector's reach, so a full collection walks only what requests created. Under
+    load a full collection came every few seconds and walked ~200k start-up objects, ~100 ms of
+    the event loop each (40-60 us per handoff). Only here, in a process of its own: an engine
+    embedding the service keeps its own objects collectable."""
+    gc.collect()
+    gc.freeze()
+    log.info("%d start-up objects frozen out of garbage collection", gc.get_freeze_count())
 
 
 @dataclass(frozen=True, slots=True)
