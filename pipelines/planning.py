@@ -94,6 +94,10 @@ def _check_range(pages: I64, limits: I64, field: str, pairing: Pairing, side: st
     """Every page must lie inside every pool it is used in: check against the smallest."""
     if pages.size == 0 or limits.size == 0:
         return
+    if pages.size <= _SMALL_PAGES:
+        small = pages.tolist()  # as in `validate_pages_for_layout`: Python ints cost less
+        if min(small) >= 0 and max(small) < int(limits.min()):
+            return
     k = int(np.argmin(limits))
     limit = int(limits[k])
     if pages.min() >= 0 and pages.max() < limit:  # the common case: two reductions, no mask
@@ -144,7 +148,9 @@ def slot_indices(pairing: Pairing, slots: SlotsLike, side: str) -> I64:
 
 
 def _check_unique(dst: I64) -> None:
-    if dst.size > 1 and (np.diff(np.sort(dst)) == 0).any():
+    if dst.size <= 1 or (dst.size <= _SMALL_PAGES and len(set(dst.tolist())) == dst.size):
+        return
+    if (np.diff(np.sort(dst)) == 0).any():
         # Only on failure: find the first repeated position to name it.
         order = np.argsort(dst, kind="stable")
         same = np.flatnonzero(dst[order][1:] == dst[order][:-1])

@@ -81,6 +81,7 @@ class _Segment:
     after: set[asyncio.Task[int]]  # the last segment's notice waits for these (earlier ones)
     arena: ArenaSpan  # the decode's published landing arena: every grant must lie inside
     target: str  # the transport target that decode life published: every write goes there
+    nbytes: int  # the pieces' bytes (counted once, at the cut)
 
 
 async def _settle(flight: deque[asyncio.Task[int]]) -> None:
@@ -156,12 +157,14 @@ class LandedSender:
                         pp_rank=rank,
                     )
                 last_cut = packer.done
-                self._paired(h, rank, pairing, pieces)
+                nbytes = self._paired(h, rank, pairing, pieces)
                 # Built per segment: a stage signalled by page range grows its page array (and
                 # learns its slot with the last range) while earlier segments travel.
                 src = source_side(pairing, stage.regions, inp.src_pages, inp.src_slots)
                 after = set(flight) if last_cut else set()
-                segment = _Segment(rank, pieces, grant, last_cut, src, after, arena, side.target)
+                segment = _Segment(
+                    rank, pieces, grant, last_cut, src, after, arena, side.target, nbytes
+                )
                 flight.append(
                     asyncio.ensure_future(
                         self._segment(h, dest, pairing, staging, segment, grants, packer)
@@ -227,9 +230,10 @@ class LandedSender:
             )
         if ack.next_grant is not None:
             grants.append(ack.next_grant)
-        return int(piece_bytes(pairing, seg.pieces).sum())
+        return seg.nbytes
 
-    def _paired(self, h: PrefillHandoff, rank: int, pairing: Pairing, pieces: Pieces) -> None:
+    def _paired(self, h: PrefillHandoff, rank: int, pairing: Pairing, pieces: Pieces) -> int:
+        """Publish the pairing of a segment just cut; its byte count."""
         kv = int(np.count_nonzero(pieces.rows < pairing.num_kv_pairs))
         nbytes = int(piece_bytes(pairing, pieces).sum())
         self._bus.publish(
@@ -243,6 +247,7 @@ class LandedSender:
                 bytes=nbytes,
             )
         )
+        return nbytes
 
     async def _window(
         self,
@@ -297,7 +302,7 @@ class LandedSender:
     ) -> SegmentAck:
         """Gather, digest and write one segment into `grant`; then notify the decode (the last
         segment once the segments before it were committed)."""
-        nbytes = int(piece_bytes(pairing, seg.pieces).sum())
+        nbytes = seg.nbytes
         # Every write goes through here: none lands outside the arena the decode published.
         check_grant(grant, seg.arena, rank, nbytes)
         t0 = time.perf_counter()

@@ -45,9 +45,15 @@ async def run_handoff(
             scope.reschedule(loop.time() + max(0.0, h.deadline_mono - time.monotonic()))
             side = lives.side(dest)
             check_decode_side(dest, side)
-            async with asyncio.TaskGroup() as tg:
-                for rank in dest.pp_ranks:
-                    tg.create_task(runner.run(h, rank, dest, side))
+            if len(dest.pp_ranks) == 1:
+                # One stage here (PP = 1, or each stage its own process): it runs in this task,
+                # as a group of one would (its failure and cancellation are the handoff's), without
+                # a second task per handoff.
+                await runner.run(h, dest.pp_ranks[0], dest, side)
+            else:
+                async with asyncio.TaskGroup() as tg:
+                    for rank in dest.pp_ranks:
+                        tg.create_task(runner.run(h, rank, dest, side))
         outcome = "completed"
     except* StageFailed:
         pass  # the failing stage already told the decode side

@@ -85,6 +85,26 @@ def test_bad_requests_name_the_offending_field(
     assert text in str(err.value)
 
 
+@pytest.mark.parametrize("n", [3, 20])  # checked on Python ints, and with numpy
+@pytest.mark.parametrize(
+    ("side", "at", "value", "field", "text"),
+    [
+        ("src", 1, 32, "src_pages[1]", "src_pages[1] = 32 is outside the source pool"),
+        ("dst", 2, -1, "dst_pages[2]", "dst_pages[2] = -1 is outside the destination"),
+        ("dst", 2, 0, "dst_pages[2]", "dst_pages[2] = 0 repeats dst_pages[0]"),
+    ],
+)
+def test_short_and_long_requests_are_refused_alike(
+    n: int, side: str, at: int, value: int, field: str, text: str
+) -> None:
+    pages = {"src": list(range(n)), "dst": list(range(n))}
+    pages[side][at] = value
+    with pytest.raises(PlanError) as err:
+        plan(pairing(), pages["src"], pages["dst"], 0, 0)
+    assert err.value.context["field"] == field
+    assert text in str(err.value)
+
+
 def test_out_of_range_names_layer_and_group_of_the_smallest_pool() -> None:
     with pytest.raises(PlanError) as err:
         plan(pairing(), [0, 40], [0, 1], 0, 0)
