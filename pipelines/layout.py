@@ -145,7 +145,8 @@ class StageLayout(Struct, frozen=True, forbid_unknown_fields=True, dict=True):
     @cached_property
     def has_addresses(self) -> bool:
         """Whether any entry names an address (a landed decode publishes none: every base 0)."""
-        return any(e.base for e in (*self.kv, *self.state, *self.aux))
+        bases = [*(e.base for e in self.kv), *(s.base for s in self.state)]
+        return any(bases) or any(a.base for a in self.aux)
 
     @property
     def kv_layer_ids(self) -> list[int]:
