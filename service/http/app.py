@@ -194,8 +194,8 @@ def decode_items(raw_items: list[msgspec.Raw], type_: type[T]) -> list[T | Inval
     return out
 
 
-# A whole string, escapes included (unrolled so the regex engine loops in C, not per char).
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+# One escape (a backslash and the byte after it): removed, an escaped quote ends no string.
+_JSON_ESCAPE = re.compile(rb"\\.", re.S)
 # One bracket kind for arrays and objects, every byte but brackets and quotes deleted.
 _ONE_BRACKET = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKET_OR_QUOTE = bytes(range(256)).translate(None, b'[]{}"')
@@ -214,9 +214,13 @@ def json_depth(raw: bytes) -> int:
     if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
         return 0  # cannot be too deep: skip the scan for the common small body
     if b"\\" in raw:
-        raw = _JSON_STRING.sub(b"", raw)
+        # Escapes removed left to right, as the decoder reads them (an escaped backslash
+        # before a quote leaves that quote to end the string). One linear pass: a regex
+        # matching whole strings retries from every quote, quadratic in a body of escaped
+        # quotes (seconds for 40 KiB).
+        raw = _JSON_ESCAPE.sub(b"", raw)
     brackets = raw.translate(_ONE_BRACKET, _NOT_BRACKET_OR_QUOTE)
-    # Without a backslash every quote opens or closes a string (as the decoder reads it, up to
+    # Without escapes every quote opens or closes a string (as the decoder reads it, up to
     # wherever an unclosed one makes it fail): the even pieces are what lies outside strings.
     brackets = b"".join(brackets.split(b'"')[::2])
     for depth in range(MAX_JSON_DEPTH + 1):

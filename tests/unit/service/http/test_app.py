@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from typing import Annotated, Any
 
 import msgspec
@@ -369,3 +370,15 @@ def test_json_depth_skips_brackets_in_strings(text: str) -> None:
 def test_json_depth_of_unbalanced_text_errs_deep(text: str) -> None:
     # Not JSON (the decoder refuses it), but it must never pass as shallower than it is.
     assert (json_depth(text.encode()) > MAX_JSON_DEPTH) >= (scanned_depth(text) > MAX_JSON_DEPTH)
+
+
+def test_json_depth_is_linear_in_a_body_of_escaped_quotes() -> None:
+    # Every quote escaped: a scan that retries a string match from each quote is quadratic
+    # (seconds at 40 KiB, hours at the body limit); one pass over 2 MiB takes milliseconds.
+    raw = b"[" * (MAX_JSON_DEPTH + 1) + b'"' + b'\\"' * (1 << 20)
+    started = time.perf_counter()
+    assert json_depth(raw) == MAX_JSON_DEPTH + 1  # the string never closes: all brackets count
+    assert time.perf_counter() - started < 2.0
+    # Closed: the brackets inside the string do not count (but take the scan past its shortcut).
+    closed = b"[" * 60 + b'"' + b'\\"' * (1 << 20) + b'[[[[["' + b"]" * 60
+    assert json_depth(closed) == 60
