@@ -23,7 +23,8 @@ from kvhandoff.pipelines.slots import RequestSlots, SlotsLike, as_slots, space_n
 from kvhandoff.transport.blocks import DEFAULT_MAX_BLOCKS_PER_BATCH, Blocks
 
 I64 = npt.NDArray[np.int64]
-#: Page lists up to this long are checked on Python ints (`validate_pages_for_layout`).
+#: Page lists up to this long are checked on Python ints (range, repeats): below it a numpy
+#: call costs more than the whole check.
 _SMALL_PAGES = 16
 PageList = Sequence[int] | npt.NDArray[np.integer]
 
