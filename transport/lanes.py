@@ -1,8 +1,9 @@
 """The per-write, per-batch and per-peer state of `kvhandoff.transport.mooncake`'s write path.
 
-Data only, plus the one derived fact a lane answers (`PeerLane.stuck`). `MooncakeTransport` is the
-only user; its module docstring states the rules this state serves, and which code (and lock)
-writes each field is said field by field here.
+Data, plus the one derived fact a lane answers (`PeerLane.stuck`) and the admission rule of its
+in-flight bound (`InflightBound`, loop only). `MooncakeTransport` is the only user; its module
+docstring states the rules this state serves, and which code (and lock) writes each field is said
+field by field here.
 """
 
 from __future__ import annotations
