@@ -41,6 +41,10 @@ CALL_START_ALLOWANCE_S = 0.5
 #: bulk --repeat 7` (256 MiB in 1 MiB blocks, loopback, busy 2-core host) gave ours/raw 0.71
 #: with a 64 MiB cap (4 calls) against 0.91-2.0 with one call.
 DEFAULT_MAX_BYTES_PER_BATCH = 1 << 30
+#: Default in-flight bound per peer: enough batches for 64 concurrent one-page writes to share
+#: one engine call, and enough bytes for four landing windows (16 MiB each).
+DEFAULT_MAX_INFLIGHT_BATCHES = 64
+DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
 #: How long a peer's lane (queue, bound, counters) outlives its last batch.
 DEFAULT_PEER_IDLE_S = 60.0
 
@@ -80,11 +84,22 @@ class MooncakeConfig(
     #: (`max_call_s`): batches are cut at whichever cap comes first, and a block larger than
     #: this is cut into pieces of at most this many bytes.
     max_bytes_per_batch: BytesPerBatch = DEFAULT_MAX_BYTES_PER_BATCH
-    #: Batches per peer submitted (one running in the engine, the rest queued behind the peer's
-    #: worker thread). Queued batches keep the worker busy back to back: with 2, whole-handoff
-    #: throughput measured 0.6-0.8x raw Mooncake (the worker idled between batches while the
-    #: event loop refilled the queue); with 8, about 1x (`kvhandoff bench handoff`).
-    max_inflight_batches_per_peer: Annotated[int, Meta(ge=1, le=64)] = 8
+    #: Batches per peer submitted (one call running in the engine, the rest queued behind the
+    #: peer's worker thread, which merges the queued ones that fit into its next call). Queued
+    #: batches keep the worker busy back to back: with 2, whole-handoff throughput measured
+    #: 0.6-0.8x raw Mooncake (the worker idled between batches while the event loop refilled
+    #: the queue); with 8, about 1x (`kvhandoff bench handoff`). But 64 concurrent one-page
+    #: handoffs then waited for a slot 8 at a time, each slot cycle a thread hop and a loop
+    #: turn: 64 lets them share one call (write p50 30-106 ms -> 8-15 ms, CPU per handoff -11%
+    #: at PP=1, -27% at PP=4); `max_inflight_bytes_per_peer` bounds what that lets bulk queue.
+    max_inflight_batches_per_peer: Annotated[int, Meta(ge=1, le=DEFAULT_MAX_BLOCKS_PER_BATCH)] = (
+        DEFAULT_MAX_INFLIGHT_BATCHES
+    )
+    #: Bytes per peer submitted and not yet landed (the running call's included); a batch
+    #: larger than this is submitted alone. A small write arriving behind bulk waits for these
+    #: bytes, and the one batch each other write to the peer has waiting, to land first: four
+    #: 16 MiB landing windows by default.
+    max_inflight_bytes_per_peer: BytesPerBatch = DEFAULT_MAX_INFLIGHT_BYTES
     #: Upper bound for one batch, from the moment the engine starts it to the last byte landing.
     transfer_timeout_s: Annotated[float, Meta(gt=0, le=600)] = 10.0
     #: Worker threads that make engine calls, shared by all peers (one call per peer at a time,

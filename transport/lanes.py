@@ -1,13 +1,15 @@
 """The per-write, per-batch and per-peer state of `kvhandoff.transport.mooncake`'s write path.
 
-Data only, plus the one derived fact a lane answers (`PeerLane.stuck`). `MooncakeTransport` is the
-only user; its module docstring states the rules this state serves, and which code (and lock)
-writes each field is said field by field here.
+Data, plus the one derived fact a lane answers (`PeerLane.stuck`) and the admission rule of its
+in-flight bound (`InflightBound`, loop only). `MooncakeTransport` is the only user; its module
+docstring states the rules this state serves, and which code (and lock) writes each field is said
+field by field here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
 
@@ -63,6 +65,67 @@ class Batch:
         self.slot_held = True
 
 
+class InflightBound:
+    """Loop only: how many batches, and how many bytes, one peer has submitted and not settled.
+
+    A batch is admitted while fewer than `max_batches` are in flight and its bytes fit under
+    `max_bytes` beside theirs; one batch larger than `max_bytes` is admitted alone (nothing else
+    in flight), so no batch size is refused. Waiters are served first come, first served: a
+    large batch waiting for room is not overtaken by a stream of small ones, and a small one
+    behind it waits at most for the bytes ahead of it (the byte bound is what keeps that short).
+    """
+
+    def __init__(self, max_batches: int, max_bytes: int) -> None:
+        self.max_batches = max_batches
+        self.max_bytes = max_bytes
+        self.batches = 0
+        self.bytes = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    def _fits(self, nbytes: int) -> bool:
+        if self.batches >= self.max_batches:
+            return False
+        return self.batches == 0 or self.bytes + nbytes <= self.max_bytes
+
+    async def acquire(self, nbytes: int) -> None:
+        """Wait until a batch of `nbytes` may be submitted, and count it in flight."""
+        if not self._waiters and self._fits(nbytes):
+            self.batches += 1
+            self.bytes += nbytes
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((nbytes, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(nbytes)  # admitted, then cancelled before it ran: give it back
+            else:
+                with contextlib.suppress(ValueError):  # `_admit` may have dropped it already
+                    self._waiters.remove((nbytes, fut))
+                self._admit()  # it may have been the head that held the others back
+            raise
+
+    def release(self, nbytes: int) -> None:
+        """A batch of `nbytes` settled (or gave its room back): admit the waiters that fit now."""
+        self.batches -= 1
+        self.bytes -= nbytes
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._waiters:
+            nbytes, fut = self._waiters[0]
+            if fut.done():  # cancelled; its task has not run its handler yet
+                self._waiters.popleft()
+                continue
+            if not self._fits(nbytes):
+                return
+            self._waiters.popleft()
+            self.batches += 1
+            self.bytes += nbytes
+            fut.set_result(None)
+
+
 class PeerLane:
     """One peer's queue, in-flight bound and call accounting.
 
@@ -70,10 +133,11 @@ class PeerLane:
     `orphans` and each batch's `call`; the rest is touched on the loop only.
     """
 
-    def __init__(self, peer: str, max_inflight: int) -> None:
+    def __init__(self, peer: str, max_batches: int, max_bytes: int) -> None:
         self.peer = peer
         self.lock = threading.Lock()
-        self.slots = asyncio.Semaphore(max_inflight)
+        #: Loop only: batches submitted and not settled, by count and bytes.
+        self.bound = InflightBound(max_batches, max_bytes)
         #: Batches submitted and not yet taken by a worker, oldest first. The worker merges
         #: those that fit into one engine call (see `MooncakeTransport._take`).
         self.pending: deque[Batch] = deque()

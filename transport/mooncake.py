@@ -6,14 +6,17 @@ Starting the engine, and which memory the installed build moves:
 
 How a write runs. `write` cuts its blocks into batches (at most `max_blocks_per_batch` blocks
 and `max_bytes_per_batch` bytes; larger blocks are cut) and queues them on the peer's lane; at most
-`max_inflight_batches_per_peer` batches per peer are submitted, so the asyncio side gets
-backpressure. Worker threads, shared by all peers (`kvhandoff.transport.workers`: at most
-`max_worker_threads`, each exiting after `peer_idle_s` idle), drain the lanes: one engine call
-per peer at a time, small batches of several writes queued behind a running call sharing the
-next one (if it fails, every write in it fails: they all go to the same peer, whose failures are
-rarely per block). One call per peer matters: Mooncake TCP keeps a per-peer queue of about 2,048
-requests; more queued requests fail (`TCP lane queue-full rejection`, rc -1) — measured with 8
-async batches of 2,048 in flight. A lane idle for `peer_idle_s` is forgotten.
+`max_inflight_batches_per_peer` batches and `max_inflight_bytes_per_peer` bytes per peer are
+submitted (a larger batch alone), so the asyncio side gets backpressure
+(`kvhandoff.transport.lanes.InflightBound`): the count lets many small writes share one call,
+the bytes keep what a small write can queue behind short. Worker threads, shared by all peers
+(`kvhandoff.transport.workers`: at most `max_worker_threads`, each exiting after `peer_idle_s`
+idle), drain the lanes: one engine call per peer at a time, small batches of several writes
+queued behind a running call sharing the next one (if it fails, every write in it fails: they
+all go to the same peer, whose failures are rarely per block). One call per peer matters:
+Mooncake TCP keeps a per-peer queue of about 2,048 requests; more queued requests fail (`TCP
+lane queue-full rejection`, rc -1) — measured with 8 async batches of 2,048 in flight. A lane
+idle for `peer_idle_s` is forgotten.
 
 The write path's safety rules, each enforced in one place here:
 
@@ -271,12 +274,12 @@ class MooncakeTransport:
         ok = False
         try:
             for part in blocks.batches(cfg.max_blocks_per_batch, cfg.max_bytes_per_batch):
-                await lane.slots.acquire()
+                await lane.bound.acquire(part.total_bytes)
                 if write.abandoned:  # a batch of this write failed: its error is raised below
-                    lane.slots.release()
+                    lane.bound.release(part.total_bytes)
                     break
                 if lane.stuck():
-                    lane.slots.release()
+                    lane.bound.release(part.total_bytes)
                     raise self._stuck_error(lane)
                 batch = Batch(part, write, loop.create_future(), start_by)
                 submitted.append(batch)
@@ -322,7 +325,7 @@ class MooncakeTransport:
             batch.timer.cancel()
         if batch.slot_held:
             batch.slot_held = False
-            lane.slots.release()
+            lane.bound.release(batch.blocks.total_bytes)
         outcome = batch.outcome
         with self._counts.lock:
             if outcome is None:
@@ -370,7 +373,7 @@ class MooncakeTransport:
         # worker still holds the engine call, so nothing new reaches the engine.
         if batch.slot_held:
             batch.slot_held = False
-            lane.slots.release()
+            lane.bound.release(batch.blocks.total_bytes)
         with self._counts.lock:
             self._counts.timed_out += 1
         if not batch.verdict.done():
@@ -666,7 +669,9 @@ class MooncakeTransport:
     def _lane(self, peer: str) -> PeerLane:
         lane = self._lanes.get(peer)
         if lane is None:
-            lane = self._lanes[peer] = PeerLane(peer, self._config.max_inflight_batches_per_peer)
+            cfg = self._config
+            bound = (cfg.max_inflight_batches_per_peer, cfg.max_inflight_bytes_per_peer)
+            lane = self._lanes[peer] = PeerLane(peer, *bound)
         if lane.reaper is not None:
             lane.reaper.cancel()
             lane.reaper = None

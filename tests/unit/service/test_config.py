@@ -260,6 +260,11 @@ def test_transport_backend_selects_its_struct(tmp_path: Path) -> None:
             "transport.max_blocks_per_batch: Expected `int` >= 1 (backend 'mooncake')",
         ),
         (
+            {"max_inflight_bytes_per_peer": 100},
+            "transport.max_inflight_bytes_per_peer",
+            "transport.max_inflight_bytes_per_peer: Expected `int` >= 4096 (backend 'mooncake')",
+        ),
+        (
             {"backend": "local", "max_bytes_per_batch": "lots"},
             "transport.max_bytes_per_batch",
             "transport.max_bytes_per_batch: Expected `int`, got `str` (backend 'local')",

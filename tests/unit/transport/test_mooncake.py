@@ -97,6 +97,44 @@ async def test_inflight_batches_per_peer_are_bounded(fake_engine, make_buffer) -
     t.close()
 
 
+async def test_64_small_writes_behind_a_running_call_share_the_next_one(
+    fake_engine, make_buffer
+) -> None:
+    """The default in-flight bound admits 64 concurrent one-block writes at once: while one call
+    runs, the other 63 queue and go in one call, not 8 at a time behind slot cycles."""
+    t = fake_transport(fake_engine)
+    src, dst, blocks = setup_blocks(make_buffer, t, 64)
+    fake_engine.hang = threading.Event()
+    first = asyncio.create_task(t.write("peer:1", blocks[0:1]))
+    await in_thread(fake_engine.wait_entered, 1)
+    rest = [asyncio.create_task(t.write("peer:1", blocks[i : i + 1])) for i in range(1, 64)]
+    await asyncio.sleep(0.05)
+    assert all(not task.done() for task in rest)
+    fake_engine.hang.set()
+    await asyncio.gather(first, *rest)
+    assert fake_engine.batch_sizes == [1, 63]
+    np.testing.assert_array_equal(src, dst)
+    t.close()
+
+
+async def test_inflight_bytes_per_peer_are_bounded(fake_engine, make_buffer) -> None:
+    t = fake_transport(fake_engine, max_inflight_bytes_per_peer=4096)
+    src, dst, blocks = setup_blocks(make_buffer, t, 64, block=1024)
+    fake_engine.hang = threading.Event()
+    first = asyncio.create_task(t.write("peer:1", blocks[0:1]))
+    await in_thread(fake_engine.wait_entered, 1)
+    rest = [asyncio.create_task(t.write("peer:1", blocks[i : i + 1])) for i in range(1, 64)]
+    await asyncio.sleep(0.05)
+    fake_engine.hang.set()
+    await asyncio.gather(first, *rest)
+    # At most 4 KiB in flight: a call carries at most 4 of the 1 KiB writes (the first
+    # settling may let a 4th in before the worker takes the 3 queued behind it).
+    assert fake_engine.batch_sizes[0] == 1 and max(fake_engine.batch_sizes) == 4
+    assert sum(fake_engine.batch_sizes) == 64 and len(fake_engine.batch_sizes) >= 16
+    np.testing.assert_array_equal(src, dst)
+    t.close()
+
+
 async def test_peers_do_not_share_a_worker(fake_engine, make_buffer) -> None:
     t = fake_transport(fake_engine)
     _, _, blocks = setup_blocks(make_buffer, t, 8)
