@@ -205,9 +205,15 @@ class Landing:
             # the notice names it), this handoff and stage, this grant and these pieces (an
             # earlier owner's bytes do not match).
             seed = segment_seed(
-                msg.decode_incarnation, h.id, rank, msg.grant_id, msg.rows, msg.starts, msg.ends
+                msg.decode_incarnation,
+                h.id,
+                rank,
+                msg.grant_id,
+                pieces.rows,  # the notice's lists as int64 already: no second conversion
+                pieces.starts,
+                pieces.ends,
             )
-            args = (stage.pairing, pieces, h, extent.offset, msg.digest, seed)
+            args = (stage.pairing, pieces, h, extent.offset, msg.digest, seed, msg.bytes)
             if msg.bytes <= INLINE_COMMIT_BYTES:
                 ok = self._scatter_check_commit(*args)
             else:
@@ -369,12 +375,14 @@ class Landing:
         offset: int,
         expected_digest: str,
         seed: int,
+        nbytes: int,
     ) -> bool:
-        """One pass over the window at `offset` into `h`'s pages and slots: True when the pages
-        it wrote hash to `expected_digest`; False leaves them dirty (written, uncommitted)."""
+        """One pass over the window at `offset` into `h`'s pages and slots (the `nbytes`
+        `check_pieces` counted): True when the pages it wrote hash to `expected_digest`; False
+        leaves them dirty (written, uncommitted)."""
         side = destination_side(pairing, self._memory, h.dst_pages, h.request.slots)
         digester = Digester(self.algorithm, seed=seed)
-        got = scatter_digest(self._window, offset, pairing, side, pieces, digester)
+        got = scatter_digest(self._window, offset, pairing, side, pieces, digester, nbytes)
         return got == expected_digest
 
     def _stage(self, handoff_id: str, rank: int) -> StageLanding:
