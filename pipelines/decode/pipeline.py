@@ -247,6 +247,9 @@ class DecodePipeline:
             ),
         )
         h.delivery = self._spawn(self._delivery.deliver(h))
+        # Once done it is forgotten: a done delivery and none mean the same to every reader
+        # (nothing in flight), and a held handoff need not keep a finished task for its life.
+        h.delivery.add_done_callback(lambda _: setattr(h, "delivery", None))
         self.on_peers(h.peers)
         return h.view(), True
 
