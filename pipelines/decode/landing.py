@@ -94,7 +94,6 @@ class Landing:
         self._monotonic = monotonic
         self._handoffs: dict[str, HandoffLanding] = {}
         self._grants: dict[int, tuple[str, int]] = {}  # grant id -> (handoff id, pp_rank)
-        self._peer_of: dict[int, tuple[str, str]] = {}  # extent offset -> (owner, prefill peer)
         # Bytes each prefill peer's requests wait for in `arena.take`: counted in its share
         # when they queue, since the arena serves its queue without asking whose they are.
         self._queued: dict[str, int] = {}
@@ -422,9 +421,7 @@ class Landing:
         share = max(
             self.arena.rounded(self.window_bytes), int(self.arena.capacity_bytes * self.peer_share)
         )
-        held = sum(
-            e.length for e in self.arena.taken() if self._peer_of.get(e.offset) == (e.owner, peer)
-        )
+        held = self.arena.tagged_bytes(peer)
         return held + self._queued.get(peer, 0) + self.arena.rounded(want) <= share
 
     def _issue(self, handoff_id: str, rank: int, extent: Extent, want: int) -> Grant:
@@ -433,9 +430,8 @@ class Landing:
         stage = self._stage(handoff_id, rank)
         stage.grants[gid] = extent
         self._grants[gid] = (handoff_id, rank)
-        # Whose it is while taken, quarantine included (an extent freed and taken again is
-        # recorded anew: the owner tells a stale entry apart).
-        self._peer_of[extent.offset] = (extent.owner, stage.peer)
+        # Whose share it counts in while taken, quarantine included.
+        self.arena.tag(extent, stage.peer)
         return Grant(grant_id=gid, pp_rank=rank, addr=self.arena.addr(extent), length=want)
 
     def _close_grant(self, gid: int, stage: StageLanding) -> None:
