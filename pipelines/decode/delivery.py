@@ -77,9 +77,12 @@ class Delivery:
             by_peer.setdefault(st.peer, []).append(rank)
         failure: KVHandoffError | None = None
         try:
-            async with asyncio.TaskGroup() as tg:
-                for peer, ranks in by_peer.items():
-                    tg.create_task(self._deliver_to(h, peer, ranks))
+            if len(by_peer) == 1:  # one prefill process (PP=1, or its stages together)
+                await self._deliver_to(h, *next(iter(by_peer.items())))
+            else:
+                async with asyncio.TaskGroup() as tg:
+                    for peer, ranks in by_peer.items():
+                        tg.create_task(self._deliver_to(h, peer, ranks))
         except* KVHandoffError as group:
             failure = group.exceptions[0]  # type: ignore[assignment]
         if failure is not None:
