@@ -10,9 +10,9 @@ then applies the live SSE events to the same model, so this snapshot and the str
 from __future__ import annotations
 
 import time
-from typing import Any
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection
+from typing import Any
 
 from msgspec import Struct
 
