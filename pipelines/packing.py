@@ -167,6 +167,13 @@ def _host(a: Any) -> Any:
     return None
 
 
+def host_view(a: Any) -> Any:
+    """`a` as the numpy view its copies run on when it is host memory (`_host`), else `a`: for
+    a long-lived buffer converted once rather than per copy."""
+    found = _host(a)
+    return a if found is None else found
+
+
 def _common(*arrays: Any) -> list[Any]:
     """All torch, for the device path (a numpy array beside a tensor is wrapped, no copy)."""
     import torch

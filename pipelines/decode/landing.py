@@ -41,7 +41,13 @@ from kvhandoff.pipelines.digest import Algorithm, Digester, segment_seed
 from kvhandoff.pipelines.errors import ConflictError, InvalidInput
 from kvhandoff.pipelines.layout import StageLayout
 from kvhandoff.pipelines.messages import Grant, SegmentMsg
-from kvhandoff.pipelines.packing import ByteRegions, Pieces, check_pieces, destination_side
+from kvhandoff.pipelines.packing import (
+    ByteRegions,
+    Pieces,
+    check_pieces,
+    destination_side,
+    host_view,
+)
 from kvhandoff.pipelines.pairing import Pairing
 
 I64 = npt.NDArray[np.int64]
@@ -83,7 +89,9 @@ class Landing:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.arena = arena
-        self._window = window  # the whole arena as one 1-D uint8 array on its device
+        # The whole arena as one 1-D uint8 array on its device; numpy for host memory, made
+        # once (a CPU tensor's slices and conversions cost more than a small commit's copy).
+        self._window = host_view(window)
         self._memory = memory
         self._layout = layout
         self.window_bytes = min(window_bytes, arena.capacity_bytes)
