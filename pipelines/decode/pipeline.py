@@ -246,16 +246,9 @@ class DecodePipeline:
                 metadata=req.metadata,
             ),
         )
-        self._start_delivery(h)
+        h.delivery = self._spawn(self._delivery.deliver(h))  # forgotten as it ends
         self.on_peers(h.peers)
         return h.view(), True
-
-    def _start_delivery(self, h: DecodeHandoff) -> None:
-        """Send `h`'s destinations in a task, forgotten once done: a done delivery and none mean
-        the same to every reader (nothing in flight), and a held handoff need not keep a
-        finished task (its context, its coroutine) for the rest of its stay."""
-        h.delivery = self._spawn(self._delivery.deliver(h))
-        h.delivery.add_done_callback(lambda _: setattr(h, "delivery", None))
 
     def _new_handoff(self, req: HandoffRequest, dst_pages: I64, stages: Stages) -> DecodeHandoff:
         self._seq += 1
