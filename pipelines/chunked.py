@@ -26,7 +26,7 @@ chunk costs a stream synchronisation.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,8 @@ from kvhandoff.pipelines.packing import (
     gather,
     piece_bytes,
     piece_views,
-    scatter,
+    runs,
+    scatter_views,
     settle,
 )
 from kvhandoff.pipelines.pairing import Pairing
@@ -138,34 +139,38 @@ def scatter_digest(
     dst: Side,
     pieces: Pieces,
     digester: Digester,
+    nbytes: int | None = None,
 ) -> str:
     """Commit the segment landed at `window[offset:]` into `dst` chunk by chunk: scatter the
     chunk from the window into the pages, then digest *those pages* (still in cache), in the
     segment's packed order. Returns the digest of what the pages hold; the caller counts the
     pieces only if it matches (SAFETY.md S1). Every chunk is scattered whatever the digest
-    turns out to be."""
+    turns out to be. `nbytes`, the segment's checked size (`check_pieces`), when known: a
+    segment of one chunk is then committed as it is, not cut first (most control-plane
+    segments are a page or two, where cutting costs more than the copy)."""
     step = chunk_bytes_for(window)
-    for at, nbytes, part in chunks(pairing, pieces, step):
-        landed = window[offset + at : offset + at + nbytes]
-        scatter(pairing, dst, part, landed)
-        digest_pages(pairing, dst, part, landed, digester)
+    if nbytes is not None and nbytes <= step:
+        parts: Iterable[tuple[int, int, Pieces]] = ((0, nbytes, pieces),)  # what `chunks` cuts
+    else:
+        parts = chunks(pairing, pieces, step)
+    for at, size, part in parts:
+        landed = window[offset + at : offset + at + size]
+        # The chunk's views, made once for both steps (views: nothing is read yet). Every
+        # piece of the chunk is scattered before any page is digested, so a cell two pieces
+        # name is digested as the pages finally hold it.
+        views = list(piece_views(pairing, dst, part, landed))
+        scatter_views(views)
+        _digest_views(views, digester)
     return digester.hexdigest()
 
 
-def digest_pages(
-    pairing: Pairing, dst: Side, pieces: Pieces, like: Any, digester: Digester
-) -> None:
-    """Feed `digester` the bytes the pieces name in `dst`'s pages and slots, in packed order
-    (`like` is any buffer of the pieces' bytes on the window's memory: only its kind is used).
-    On the host, runs of consecutive pages are fed as one view, nothing copied; on a device
-    each piece's rows are gathered first (one kernel, not one per page)."""
-    for rows, idx, _ in piece_views(pairing, dst, pieces, like):
+def _digest_views(views: Iterable[tuple[Any, Any, Any]], digester: Digester) -> None:
+    """Feed `digester` the pages and slots of `piece_views`, in packed order. On the host, runs
+    of consecutive pages are fed as one view, nothing copied; on a device each piece's rows
+    are gathered first (one kernel, not one per page)."""
+    for rows, idx, _ in views:
         if not isinstance(rows, np.ndarray):  # the device path (torch kernels)
             digester.update(rows.index_select(0, idx).reshape(-1))
             continue
-        ids = idx.tolist()
-        first = 0
-        for j in range(1, len(ids) + 1):
-            if j == len(ids) or ids[j] != ids[j - 1] + 1:
-                digester.update(rows[ids[first] : ids[j - 1] + 1].reshape(-1))
-                first = j
+        for first, last in runs(idx.tolist()):
+            digester.update(rows[first : last + 1].reshape(-1))

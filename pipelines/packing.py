@@ -76,6 +76,10 @@ def check_pieces(
     n = len(pieces)
     if not (pieces.starts.shape[0] == n and pieces.ends.shape[0] == n):
         raise InvalidInput("rows, starts and ends differ in length", field="rows", pp_rank=pp_rank)
+    if n <= SMALL_PIECES:
+        nbytes = _small_sound_bytes(pairing, pieces, num_pages, has_slot)
+        if nbytes is not None:
+            return nbytes
     k = pairing.num_kv_pairs
     total_rows = k + pairing.num_slot_rows
     rows, starts, ends = pieces.rows, pieces.starts, pieces.ends
@@ -102,6 +106,29 @@ def check_pieces(
                     pp_rank=pp_rank,
                 )
     return int(piece_bytes(pairing, pieces).sum())
+
+
+#: Up to this many pieces a sound notice is checked piece by piece in Python: numpy's dozen
+#: whole-array steps cost more than the loop for a segment of a page or two.
+SMALL_PIECES = 32
+
+
+def _small_sound_bytes(
+    pairing: Pairing, pieces: Pieces, num_pages: int, has_slot: bool
+) -> int | None:
+    """`check_pieces`'s conditions, piece by piece: the segment's bytes when every piece is
+    sound, else None (the whole-array check then names the first bad piece)."""
+    k = pairing.num_kv_pairs
+    total_rows = k + pairing.num_slot_rows
+    item = pairing.row_item_len.tolist()
+    total = 0
+    for row, start, end in zip(pieces.rows.tolist(), pieces.starts.tolist(), pieces.ends.tolist()):
+        if not (0 <= row < total_rows and 0 <= start < end):
+            return None
+        if (end > num_pages) if row < k else not (has_slot and start == 0 and end == 1):
+            return None
+        total += item[row] * (end - start)
+    return total
 
 
 def layer_range(pairing: Pairing, rows: Iterable[int]) -> str:
@@ -138,6 +165,13 @@ def _host(a: Any) -> Any:
     if HOST_TENSORS_VIA_NUMPY and a.device.type == "cpu":
         return a.numpy()
     return None
+
+
+def host_view(a: Any) -> Any:
+    """`a` as the numpy view its copies run on when it is host memory (`_host`), else `a`: for
+    a long-lived buffer converted once rather than per copy."""
+    found = _host(a)
+    return a if found is None else found
 
 
 def _common(*arrays: Any) -> list[Any]:
@@ -292,19 +326,42 @@ def scatter(pairing: Pairing, dst: Side, pieces: Pieces, packed: Any) -> None:
     """Copy `packed` into the destination entries' pages and slot the pieces name; on a
     device, returns once the copies are done (also when a piece raised: a lease released after
     a failed commit must find no copy still writing its pages)."""
+    scatter_views(piece_views(pairing, dst, pieces, packed))
+
+
+def scatter_views(views: Iterable[tuple[Any, Any, Any]]) -> None:
+    """`scatter` of the pieces' views (`piece_views`), made by a caller that reads them again
+    (the commit digests the same pages next). On the host a piece whose pages are one run is
+    one slice copy (a segment of a page or two: cheaper than an indexed one)."""
     touched: dict[str, Any] = {}
     try:
-        for rows, idx, data in piece_views(pairing, dst, pieces, packed):
+        for rows, idx, data in views:
             if _is_torch(rows):
                 touched.setdefault(str(rows.device), rows)
                 # A device snapshot into an engine's host rows (SGLang's aux) crosses devices.
                 moved = data if data.device == rows.device else data.to(rows.device)
                 rows.index_copy_(0, idx, moved)
+                continue
+            spans = runs(idx.tolist())
+            if len(spans) == 1:
+                first, last = spans[0]
+                rows[first : last + 1] = data
             else:
                 rows[idx] = data
     finally:
         for rows in touched.values():
             settle(rows)
+
+
+def runs(ids: list[int]) -> list[tuple[int, int]]:
+    """The runs of consecutive values in `ids`, as (first, last) pairs, in order."""
+    out: list[tuple[int, int]] = []
+    first = 0
+    for j in range(1, len(ids) + 1):
+        if j == len(ids) or ids[j] != ids[j - 1] + 1:
+            out.append((ids[first], ids[j - 1]))
+            first = j
+    return out
 
 
 def settle(tensor: Any) -> None:

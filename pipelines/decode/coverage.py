@@ -19,11 +19,13 @@ import numpy.typing as npt
 from kvhandoff.pipelines.arena import Extent
 from kvhandoff.pipelines.errors import ConflictError
 from kvhandoff.pipelines.messages import RESENDS_PER_SEGMENT
-from kvhandoff.pipelines.packing import Pieces
+from kvhandoff.pipelines.packing import SMALL_PIECES, Pieces
 from kvhandoff.pipelines.pairing import Pairing
 
 I64 = npt.NDArray[np.int64]
 Cells = tuple[I64, I64]
+#: Up to this many cells (and `SMALL_PIECES` pieces) a segment's cells are listed in Python.
+SMALL_CELLS = 64
 
 
 @dataclass
@@ -109,6 +111,15 @@ class HandoffLanding:
 
 def piece_cells(pairing: Pairing, pieces: Pieces) -> Cells:
     """The (row, page position) cells of `pieces`, as index arrays into `covered`."""
+    if len(pieces) <= SMALL_PIECES:  # a page or two: a loop costs less than numpy's steps
+        starts, ends = pieces.starts.tolist(), pieces.ends.tolist()
+        if sum(ends) - sum(starts) <= SMALL_CELLS:
+            rows_of: list[int] = []
+            cols_of: list[int] = []
+            for row, start, end in zip(pieces.rows.tolist(), starts, ends):
+                rows_of += [row] * (end - start)
+                cols_of += range(start, end)
+            return np.array(rows_of, dtype=np.int64), np.array(cols_of, dtype=np.int64)
     counts = pieces.ends - pieces.starts
     rows = np.repeat(pieces.rows, counts)
     offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(

@@ -71,15 +71,27 @@ class Delivery:
         self._delivering: dict[str, list[float]] = {}
 
     async def deliver(self, h: DecodeHandoff) -> None:
-        """Send each prefill service the destination of its stages; a failure fails `h`."""
+        """Send each prefill service the destination of its stages; a failure fails `h`. Run
+        as `h.delivery`, which it clears as it ends: a done delivery and none mean the same to
+        every reader (nothing in flight), and a held handoff need not keep a finished task (its
+        context, its coroutine) for the rest of its stay."""
+        try:
+            await self._deliver(h)
+        finally:
+            h.delivery = None  # nothing runs between this and the task's end
+
+    async def _deliver(self, h: DecodeHandoff) -> None:
         by_peer: dict[str, list[int]] = {}
         for rank, st in h.stages.items():
             by_peer.setdefault(st.peer, []).append(rank)
         failure: KVHandoffError | None = None
         try:
-            async with asyncio.TaskGroup() as tg:
-                for peer, ranks in by_peer.items():
-                    tg.create_task(self._deliver_to(h, peer, ranks))
+            if len(by_peer) == 1:  # one prefill process (PP=1, or its stages together)
+                await self._deliver_to(h, *next(iter(by_peer.items())))
+            else:
+                async with asyncio.TaskGroup() as tg:
+                    for peer, ranks in by_peer.items():
+                        tg.create_task(self._deliver_to(h, peer, ranks))
         except* KVHandoffError as group:
             failure = group.exceptions[0]  # type: ignore[assignment]
         if failure is not None:

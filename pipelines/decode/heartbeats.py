@@ -17,7 +17,6 @@ from kvhandoff.pipelines.decode.outcomes import Outcomes
 from kvhandoff.pipelines.decode.prefill_peers import PrefillDirectory
 from kvhandoff.pipelines.decode.release import Releases
 from kvhandoff.pipelines.messages import HeartbeatAck
-from kvhandoff.pipelines.states import ReleaseState
 
 
 class PrefillWatch:
@@ -29,6 +28,7 @@ class PrefillWatch:
         releases: Releases,
     ) -> None:
         self._handoffs = handoffs  # the pipeline's own dict, read live
+        self._unreleased = releases.unreleased  # the same, unreleased only: what is scanned
         self._peers = peers
         self._outcomes = outcomes
         self._releases = releases
@@ -38,9 +38,7 @@ class PrefillWatch:
         peer, the handoffs it has accepted the destination of (what the answer is checked
         against)."""
         out: dict[str, list[str]] = {}
-        for h in self._handoffs.values():
-            if h.release == ReleaseState.RELEASED:
-                continue
+        for h in self._unreleased.values():
             for peer in h.peers:
                 ids = out.setdefault(peer, [])
                 if all(s.delivered for s in h.stages.values() if s.peer == peer):
@@ -50,9 +48,7 @@ class PrefillWatch:
     def live_with(self, url: str) -> list[str]:
         """Every unreleased handoff with a stage on prefill `url` (a heartbeat answer)."""
         return [
-            h.id
-            for h in self._handoffs.values()
-            if h.release != ReleaseState.RELEASED and any(s.peer == url for s in h.stages.values())
+            h.id for h in self._unreleased.values() if any(s.peer == url for s in h.stages.values())
         ]
 
     def peer_lost(self, url: str, reason: str) -> list[str]:
@@ -101,9 +97,7 @@ class PrefillWatch:
         """Fail every unreleased handoff waiting on a stage of prefill `url` (of those `only`
         selects). Returns the handoffs this failed."""
         victims = []
-        for h in list(self._handoffs.values()):
-            if h.release == ReleaseState.RELEASED:
-                continue
+        for h in list(self._unreleased.values()):
             ranks = [
                 r
                 for r, s in sorted(h.stages.items())

@@ -41,7 +41,13 @@ from kvhandoff.pipelines.digest import Algorithm, Digester, segment_seed
 from kvhandoff.pipelines.errors import ConflictError, InvalidInput
 from kvhandoff.pipelines.layout import StageLayout
 from kvhandoff.pipelines.messages import Grant, SegmentMsg
-from kvhandoff.pipelines.packing import ByteRegions, Pieces, check_pieces, destination_side
+from kvhandoff.pipelines.packing import (
+    ByteRegions,
+    Pieces,
+    check_pieces,
+    destination_side,
+    host_view,
+)
 from kvhandoff.pipelines.pairing import Pairing
 
 I64 = npt.NDArray[np.int64]
@@ -83,7 +89,9 @@ class Landing:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.arena = arena
-        self._window = window  # the whole arena as one 1-D uint8 array on its device
+        # The whole arena as one 1-D uint8 array on its device; numpy for host memory, made
+        # once (a CPU tensor's slices and conversions cost more than a small commit's copy).
+        self._window = host_view(window)
         self._memory = memory
         self._layout = layout
         self.window_bytes = min(window_bytes, arena.capacity_bytes)
@@ -94,7 +102,6 @@ class Landing:
         self._monotonic = monotonic
         self._handoffs: dict[str, HandoffLanding] = {}
         self._grants: dict[int, tuple[str, int]] = {}  # grant id -> (handoff id, pp_rank)
-        self._peer_of: dict[int, tuple[str, str]] = {}  # extent offset -> (owner, prefill peer)
         # Bytes each prefill peer's requests wait for in `arena.take`: counted in its share
         # when they queue, since the arena serves its queue without asking whose they are.
         self._queued: dict[str, int] = {}
@@ -205,9 +212,15 @@ class Landing:
             # the notice names it), this handoff and stage, this grant and these pieces (an
             # earlier owner's bytes do not match).
             seed = segment_seed(
-                msg.decode_incarnation, h.id, rank, msg.grant_id, msg.rows, msg.starts, msg.ends
+                msg.decode_incarnation,
+                h.id,
+                rank,
+                msg.grant_id,
+                pieces.rows,  # the notice's lists as int64 already: no second conversion
+                pieces.starts,
+                pieces.ends,
             )
-            args = (stage.pairing, pieces, h, extent.offset, msg.digest, seed)
+            args = (stage.pairing, pieces, h, extent.offset, msg.digest, seed, msg.bytes)
             if msg.bytes <= INLINE_COMMIT_BYTES:
                 ok = self._scatter_check_commit(*args)
             else:
@@ -369,12 +382,14 @@ class Landing:
         offset: int,
         expected_digest: str,
         seed: int,
+        nbytes: int,
     ) -> bool:
-        """One pass over the window at `offset` into `h`'s pages and slots: True when the pages
-        it wrote hash to `expected_digest`; False leaves them dirty (written, uncommitted)."""
+        """One pass over the window at `offset` into `h`'s pages and slots (the `nbytes`
+        `check_pieces` counted): True when the pages it wrote hash to `expected_digest`; False
+        leaves them dirty (written, uncommitted)."""
         side = destination_side(pairing, self._memory, h.dst_pages, h.request.slots)
         digester = Digester(self.algorithm, seed=seed)
-        got = scatter_digest(self._window, offset, pairing, side, pieces, digester)
+        got = scatter_digest(self._window, offset, pairing, side, pieces, digester, nbytes)
         return got == expected_digest
 
     def _stage(self, handoff_id: str, rank: int) -> StageLanding:
@@ -414,9 +429,7 @@ class Landing:
         share = max(
             self.arena.rounded(self.window_bytes), int(self.arena.capacity_bytes * self.peer_share)
         )
-        held = sum(
-            e.length for e in self.arena.taken() if self._peer_of.get(e.offset) == (e.owner, peer)
-        )
+        held = self.arena.tagged_bytes(peer)
         return held + self._queued.get(peer, 0) + self.arena.rounded(want) <= share
 
     def _issue(self, handoff_id: str, rank: int, extent: Extent, want: int) -> Grant:
@@ -425,9 +438,8 @@ class Landing:
         stage = self._stage(handoff_id, rank)
         stage.grants[gid] = extent
         self._grants[gid] = (handoff_id, rank)
-        # Whose it is while taken, quarantine included (an extent freed and taken again is
-        # recorded anew: the owner tells a stale entry apart).
-        self._peer_of[extent.offset] = (extent.owner, stage.peer)
+        # Whose share it counts in while taken, quarantine included.
+        self.arena.tag(extent, stage.peer)
         return Grant(grant_id=gid, pp_rank=rank, addr=self.arena.addr(extent), length=want)
 
     def _close_grant(self, gid: int, stage: StageLanding) -> None:

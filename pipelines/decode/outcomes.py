@@ -146,3 +146,6 @@ class Outcomes:
         self.live -= 1
         if h.timer is not None:
             h.timer.cancel()
+            # A held handoff is kept long after it ended (`history`): the cancelled timer's
+            # context and arguments would be kept with it, for the collector to walk again.
+            h.timer = None

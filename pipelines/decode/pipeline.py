@@ -232,7 +232,7 @@ class DecodePipeline:
                 self._landing.forget(req.id)
             raise
         h = self._new_handoff(req, dst_pages, stages)
-        self._handoffs[req.id] = h
+        self._handoffs[req.id] = self._releases.unreleased[req.id] = h  # held; unreleased
         self._outcomes.open(h)  # counted live, its deadline armed
         self._past.evict(self._history)
         publish(
@@ -246,7 +246,7 @@ class DecodePipeline:
                 metadata=req.metadata,
             ),
         )
-        h.delivery = self._spawn(self._delivery.deliver(h))
+        h.delivery = self._spawn(self._delivery.deliver(h))  # forgotten as it ends
         self.on_peers(h.peers)
         return h.view(), True
 

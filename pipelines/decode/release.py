@@ -74,6 +74,10 @@ class Releases:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.leases = leases
+        # The held handoffs whose lease is not given back yet, in creation order (the pipeline
+        # adds each as it holds it; `release` removes it): what the heartbeats scan, instead of
+        # every handoff held (`history`, 10,000 by default) per peer and answer.
+        self.unreleased: dict[str, DecodeHandoff] = {}
         self._prefill = prefill
         self._bus = bus
         self._incarnation = incarnation
@@ -123,6 +127,7 @@ class Releases:
         assert h.state.terminal, "a lease is released only after the outcome"
         h.release = advance(h.release, ReleaseState.RELEASED, f"handoff {h.id!r} lease")
         self.leases.release(h.id)
+        self.unreleased.pop(h.id, None)
         h.released_at = self._clock()
         after_s = self._monotonic() - (h.finished_mono or self._monotonic())
         for st in h.stages.values():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection
+from typing import Any
 
 from msgspec import Struct
 
@@ -101,7 +102,7 @@ class Activity:
                 s.layers += 1
                 s.done = s.done or event.final
                 h.bytes += event.bytes
-                self._moved.append((event.at, event.bytes))
+                self._add(self._moved, (event.at, event.bytes))
             case SegmentCommitted():
                 h.state = "transferring"
                 s = self._stage(h, event.pp_rank)
@@ -114,11 +115,11 @@ class Activity:
                 s.bytes, s.done = event.bytes, True
                 h.bytes = sum(x.bytes for x in h.stages)
                 h.pp_size = max(h.pp_size, event.expected)
-                self._moved.append((event.at, event.bytes))
+                self._add(self._moved, (event.at, event.bytes))
             case HandoffCompleted():
                 self._finish(h, "completed", event.at)
                 h.seconds, h.bytes = event.seconds, event.bytes
-                self._done.append((event.at, event.bytes, event.seconds))
+                self._add(self._done, (event.at, event.bytes, event.seconds))
             case HandoffFailed():
                 self._finish(h, "failed", event.at)
                 h.code, h.reason, h.pp_rank = event.code, event.reason, event.pp_rank
@@ -129,7 +130,6 @@ class Activity:
                 h.reason = event.reason
             case _:
                 pass
-        self._trim(event.at)
 
     def _handoff(self, event: Event) -> HandoffActivity:
         h = self.handoffs.get(event.handoff_id)
@@ -176,6 +176,12 @@ class Activity:
         h.state, h.finished_at = state, at
         h.seconds = at - h.started_at
 
+    def _add(self, q: deque[Any], item: tuple[Any, ...]) -> None:
+        """Append to a windowed queue, dropping what fell out of the window (only a queue that
+        grows needs trimming: readers trim to their own now)."""
+        q.append(item)
+        self._trim(item[0])
+
     def _trim(self, now: float) -> None:
         for q in (self._done, self._moved):
             while q and q[0][0] < now - WINDOW_S:
@@ -195,6 +201,7 @@ class Activity:
         return [Bucket(first + i * BUCKET_S, moved[i], done[i]) for i in range(n)]
 
     def latency(self) -> Latency:
+        self._trim(self._clock())
         seconds = sorted(s for _, _, s in self._done)
         if not seconds:
             return Latency(0, None, None, None)

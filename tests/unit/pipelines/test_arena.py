@@ -113,3 +113,45 @@ async def test_a_stale_extent_frees_or_quarantines_nothing_of_its_offset_s_next_
     assert again is not None and again == first
     same.give_back(first)
     assert same.taken() == [again]
+
+
+async def test_tagged_bytes_are_what_a_scan_of_the_taken_extents_counts() -> None:
+    """A share's bytes (`tag`, `tagged_bytes`) are kept as extents come and go, instead of a
+    scan per window asked for: random takes, tags, give-backs, quarantines (lifted by their
+    timer or by the owner's give-back) agree with the scan at every step."""
+    clock = [0.0]
+    a = Arena(0, 64 * 4096, monotonic=lambda: clock[0])
+    rng = random.Random(7)
+    tags: dict[int, tuple[object, str]] = {}  # offset -> (the extent tagged, its tag)
+
+    def scanned(tag: str) -> int:
+        def is_tagged(e: object) -> bool:
+            found = tags.get(e.offset)  # type: ignore[attr-defined]
+            return found is not None and found[0] is e and found[1] == tag
+
+        return sum(e.length for e in a.taken() if is_tagged(e))
+
+    for _ in range(3000):
+        op = rng.random()
+        held = a.taken()
+        if op < 0.35:
+            e = a.try_take(rng.randint(1, 5) * 4096, rng.choice("abc"))
+            if e is not None and rng.random() < 0.8:
+                tag = rng.choice(["p", "q"])
+                a.tag(e, tag)
+                a.tag(e, "other")  # a second tag does not move it
+                tags[e.offset] = (e, tag)
+        elif op < 0.6 and held:
+            a.give_back(rng.choice(held))
+        elif op < 0.7 and held:
+            a.quarantine(rng.choice(held), clock[0] + rng.random())
+        elif op < 0.8:
+            a.give_back_owner(rng.choice("abc"))
+        elif op < 0.9:
+            a.quarantine_owner(rng.choice("abc"), float("inf"))
+        else:
+            clock[0] += rng.random()
+            a._expire()  # what the quarantine's timer runs
+        for tag in ("p", "q", "other"):
+            assert a.tagged_bytes(tag) == scanned(tag)
+    a.close()

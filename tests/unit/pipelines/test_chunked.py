@@ -122,14 +122,16 @@ def test_one_pass_gather_and_commit_move_the_segment_and_agree_on_its_digest(
 
 
 def _commit_with_a_writer(
-    monkeypatch: pytest.MonkeyPatch, landed: int, before: int, after: int
+    monkeypatch: pytest.MonkeyPatch, landed: int, before: int, after: int, one_chunk: bool
 ) -> tuple[str, str, np.ndarray, np.ndarray]:
     """Commit a segment from a window that a writer changes around each chunk's scatter: each
     chunk's first byte is XORed with `landed` from the start, with `before` right before the
     chunk is scattered (after anything read or digested ahead of the scatter) and with `after`
     right after it (before the pages are digested). Returns the digest the sender took, the
-    commit's, what the pages hold and the true bytes."""
-    monkeypatch.setattr(chunked, "CHUNK_BYTES", 2048)
+    commit's, what the pages hold and the true bytes. `one_chunk`: the segment fits one chunk
+    and its size is given (the small-segment path, not cut first)."""
+    step = 1 << 20 if one_chunk else 2048
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", step)
     p = pairing_of_stage()
     src, dst = Regions(p.src.region_sizes, 1), Regions(p.dst.region_sizes, 2)
     pieces = every_row(p, 2)
@@ -138,55 +140,66 @@ def _commit_with_a_writer(
     gather(p, source_side(p, src, np.array([1, 5]), 0), pieces, true)
     window = np.zeros(n + 64, dtype=np.uint8)
     window[64:] = true
-    starts = [64 + at for at, _, _ in chunks(p, pieces, 2048)]
-    assert len(starts) > 2
+    starts = [64 + at for at, _, _ in chunks(p, pieces, step)]
+    assert len(starts) == 1 if one_chunk else len(starts) > 2
     for s in starts:
         window[s] ^= landed
-    real_scatter = chunked.scatter
+    real_scatter = chunked.scatter_views
 
-    def write_around_scatter(pairing: Pairing, dst: Any, part: Pieces, packed: Any) -> None:
-        if np.shares_memory(packed, window):
-            packed[0] ^= before
-        real_scatter(pairing, dst, part, packed)
-        if np.shares_memory(packed, window):
-            packed[0] ^= after
+    def write_around_scatter(views: list[tuple[Any, Any, Any]]) -> None:
+        first = views[0][2]  # the chunk's first piece, as a view of the window
+        if np.shares_memory(first, window):
+            first[0, 0] ^= before
+        real_scatter(views)
+        if np.shares_memory(first, window):
+            first[0, 0] ^= after
 
-    monkeypatch.setattr(chunked, "scatter", write_around_scatter)
+    monkeypatch.setattr(chunked, "scatter_views", write_around_scatter)
     side = destination_side(p, dst, np.array([7, 8]), 3)
-    got = scatter_digest(window, 64, p, side, pieces, Digester("xxh3_128", seed=1))
+    digester = Digester("xxh3_128", seed=1)
+    got = scatter_digest(window, 64, p, side, pieces, digester, n if one_chunk else None)
     pages = np.zeros(n, dtype=np.uint8)
     gather(p, side, pieces, pages)
     return digest(true, "xxh3_128", seed=1), got, pages, true
 
 
+@pytest.mark.parametrize("one_chunk", [False, True])
 def test_a_window_changed_after_its_chunk_was_scattered_commits_what_was_scattered(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, one_chunk: bool
 ) -> None:
     """The true bytes were scattered; the window changes right after: the digest (of the
     pages) matches and the pages hold the true bytes. Digesting the window after the scatter
     would see the changed bytes; digesting the pages before it, their old contents."""
-    want, got, pages, true = _commit_with_a_writer(monkeypatch, landed=0, before=0, after=0x5A)
+    want, got, pages, true = _commit_with_a_writer(
+        monkeypatch, landed=0, before=0, after=0x5A, one_chunk=one_chunk
+    )
     assert got == want
     assert np.array_equal(pages, true)
 
 
+@pytest.mark.parametrize("one_chunk", [False, True])
 def test_a_window_repaired_after_its_chunk_was_scattered_is_refused(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, one_chunk: bool
 ) -> None:
     """Wrong bytes landed and were scattered; the window is repaired right after, before the
     digest: the digest is of the pages, so it does not match (one of the window would,
     committing the wrong bytes)."""
-    want, got, pages, true = _commit_with_a_writer(monkeypatch, landed=0x5A, before=0, after=0x5A)
+    want, got, pages, true = _commit_with_a_writer(
+        monkeypatch, landed=0x5A, before=0, after=0x5A, one_chunk=one_chunk
+    )
     assert got != want
     assert not np.array_equal(pages, true)  # dirty: the caller must not count them committed
 
 
+@pytest.mark.parametrize("one_chunk", [False, True])
 def test_a_window_changed_just_before_its_chunk_is_scattered_is_refused(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, one_chunk: bool
 ) -> None:
     """The true bytes landed; the window changes after anything a commit could read ahead of
     the scatter, and the changed bytes are scattered: refused (a digest taken of the window
     before the scatter would match, and the wrong bytes would be committed)."""
-    want, got, pages, true = _commit_with_a_writer(monkeypatch, landed=0, before=0x5A, after=0)
+    want, got, pages, true = _commit_with_a_writer(
+        monkeypatch, landed=0, before=0x5A, after=0, one_chunk=one_chunk
+    )
     assert got != want
     assert not np.array_equal(pages, true)

@@ -1218,3 +1218,17 @@ async def test_a_heartbeat_answered_before_the_last_notice_s_ack_stops_nothing(
     release.set()
     await eventually(lambda: open_handoff(w, "t") is None, what="the prefill's stages ended")
     assert_landed(w, [1, 2], [5, 6], 0, 1)
+
+
+async def test_a_host_arena_is_committed_from_through_one_numpy_view_of_it() -> None:
+    """A `torch:cpu` arena is viewed as numpy once, at the start: each commit slices that view
+    (a tensor's slice and conversion per commit cost more than a small segment's copy), and it
+    is the arena's own memory, not a copy."""
+    w = await make_world()
+    try:
+        window = w.landing._window
+        tensor = pool_array(w._pools[1], 0)  # type: ignore[attr-defined]
+        assert isinstance(window, np.ndarray) and window.shape[0] == tensor.shape[0]
+        assert window.ctypes.data == tensor.data_ptr()
+    finally:
+        await close_world(w)

@@ -230,26 +230,29 @@ def rig(seed: int) -> Rig:
         return ok
 
     landing._scatter_check_commit = commit  # type: ignore[method-assign]
-    window = landing._window.numpy()  # the arena, a host tensor: its bytes as numpy
-    real_scatter = chunked.scatter
+    window = np.asarray(landing._window)  # the arena's bytes as numpy (host memory)
+    real_scatter = chunked.scatter_views
 
-    def scatter_with_writers(pairing: Any, dst: Any, part: Any, packed: Any) -> None:
+    def scatter_with_writers(views: list[tuple[Any, Any, Any]]) -> None:
         """At most one writer act per chunk of a commit (commits of this size run on the
         loop: this is the loop's thread): late writes land (before the chunk's scatter or
         between it and the digest of the pages it wrote), the chunk's bytes change just before
         its scatter or just after it, or the next chunk's change."""
-        if not np.shares_memory(packed, window):
-            real_scatter(pairing, dst, part, packed)  # not a commit's
+        views = list(views)
+        first, last = views[0][2], views[-1][2]  # the chunk's pieces, packed one after another
+        if not (isinstance(first, np.ndarray) and np.shares_memory(first, window)):
+            real_scatter(views)  # not a commit's
             return
-        chunk = packed.numpy()
-        end = chunk.ctypes.data - window.ctypes.data + chunk.shape[0]
+        start = first.ctypes.data - window.ctypes.data
+        end = last.ctypes.data - window.ctypes.data + last.nbytes
+        chunk = window[start:end]
         fate = engine.rng.random()
         late = fate < 0.2 and bool(engine.pending)
         if late and fate < 0.1:
             engine.deliver_some()  # maybe into this very chunk, before it is scattered
         elif 0.2 <= fate < 0.25:
             chunk[0] ^= 0x33  # the chunk's bytes change before the scatter reads them
-        real_scatter(pairing, dst, part, packed)
+        real_scatter(views)
         if late and fate >= 0.1:
             engine.deliver_some()  # the pages are digested next
         elif 0.2 <= fate < 0.225:
@@ -260,7 +263,7 @@ def rig(seed: int) -> Rig:
             window[end] ^= 0x33  # the next chunk's (or a free byte) change
         r.writer_acts += late or 0.2 <= fate < 0.5
 
-    chunked.scatter = scatter_with_writers  # type: ignore[assignment]
+    chunked.scatter_views = scatter_with_writers  # type: ignore[assignment]
     bus.add_listener(lambda e: _check_completed(r, e))
     return r
 
@@ -320,12 +323,12 @@ actions = st.one_of(
 
 
 async def play(script: list[tuple[object, ...]], seed: int) -> Rig:
-    real_scatter, real_chunk = chunked.scatter, chunked.CHUNK_BYTES
+    real_scatter, real_chunk = chunked.scatter_views, chunked.CHUNK_BYTES
     chunked.CHUNK_BYTES = 4096  # a segment's commit is many chunks: room for the writer
     try:
         return await _play(script, seed)
     finally:
-        chunked.scatter, chunked.CHUNK_BYTES = real_scatter, real_chunk
+        chunked.scatter_views, chunked.CHUNK_BYTES = real_scatter, real_chunk
 
 
 async def _play(script: list[tuple[object, ...]], seed: int) -> Rig:

@@ -7,6 +7,8 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvhandoff.pipelines import packing
 from kvhandoff.pipelines.digest import ALGORITHMS, Algorithm, digest, segment_seed
@@ -51,6 +53,31 @@ def test_pieces_outside_the_destination_are_refused_naming_the_piece() -> None:
         assert err.value.context["field"] == field
     with pytest.raises(InvalidInput):  # state without a slot in the destination
         check_pieces(p, Pieces.of([k], [0], [1]), 3, False, pp_rank=1)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    st.lists(st.tuples(st.integers(-1, 40), st.integers(-1, 5), st.integers(-1, 6)), max_size=40),
+    st.integers(1, 5),
+    st.booleans(),
+)
+def test_the_small_segment_check_agrees_with_the_whole_array_check(
+    triples: list[tuple[int, int, int]], num_pages: int, has_slot: bool
+) -> None:
+    """A few pieces are checked in a Python loop, many with numpy: the same bytes for a sound
+    notice and the same named refusal for an unsound one, whichever path runs."""
+    p = pairing_of_stage()
+    pieces = Pieces.of(*zip(*triples)) if triples else Pieces.of([], [], [])
+
+    def outcome(small: int) -> tuple[str, object]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(packing, "SMALL_PIECES", small)
+            try:
+                return "bytes", check_pieces(p, pieces, num_pages, has_slot, pp_rank=0)
+            except InvalidInput as err:
+                return "refused", err.context["field"]
+
+    assert outcome(64) == outcome(-1)
 
 
 def test_the_packer_cuts_ready_rows_to_the_budget_and_covers_everything_once() -> None:

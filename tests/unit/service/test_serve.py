@@ -239,3 +239,18 @@ async def test_contradicting_timeouts_are_logged_at_start_up(caplog: Any) -> Non
         assert len(advice) == int(warned), lines
         if warned:
             assert "5 s is below handoff.peer_timeout_s 15 s" in advice[0]
+
+
+def test_a_service_process_collects_its_young_objects_less_often() -> None:
+    """`kvhandoff serve` raises the collector's thresholds (a handoff's objects die young
+    instead of being promoted and walked by full collections); the defaults are CPython's."""
+    import gc
+
+    from kvhandoff.service.serve import GC_THRESHOLDS, tune_collector
+
+    before = gc.get_threshold()
+    try:
+        tune_collector()
+        assert gc.get_threshold() == GC_THRESHOLDS and GC_THRESHOLDS[0] > before[0]
+    finally:
+        gc.set_threshold(*before)

@@ -191,3 +191,21 @@ def test_seeded_records_come_first_and_keep_their_outcome() -> None:
     assert [(s.pp_rank, s.done, s.failed) for s in h.stages] == [(0, True, False), (1, False, True)]
     activity.seed([old])  # once each
     assert list(activity.handoffs) == ["old", "new"]
+
+
+def test_latency_and_buckets_count_only_the_window_whatever_events_came_since() -> None:
+    """Only the events that add to a windowed queue trim it; a reader trims to its own now, so
+    a completion older than the window is not counted even when no event came since."""
+    clock = Clock()
+    activity = Activity(clock)
+    bus = bus_with(activity, clock)
+    bus.publish(HandoffCreated(handoff_id="a", role="decode", num_pages=1, pp_size=1))
+    bus.publish(
+        HandoffCompleted(handoff_id="a", role="decode", bytes=10, seconds=0.5, verified=False)
+    )
+    assert activity.latency().count == 1
+    clock.now += WINDOW_S / 2
+    bus.publish(HandoffCreated(handoff_id="b", role="decode", num_pages=1, pp_size=1))
+    assert activity.latency().count == 1 and sum(b.handoffs for b in activity.buckets()) == 1
+    clock.now += WINDOW_S
+    assert activity.latency().count == 0 and sum(b.handoffs for b in activity.buckets()) == 0
