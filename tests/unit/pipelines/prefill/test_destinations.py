@@ -138,7 +138,10 @@ def test_equal_content_in_other_bytes_is_decoded_and_accepted_by_content(
     ("text", "field"),
     [
         (b'{"pp_rank": 0}', "decode_layout.pp_size"),  # a required key missing
-        (b'{"pp_rank": 0, "pp_size": 1, "page_size": 1, "dtype": "x", "kv": 3}', "decode_layout.kv"),
+        (
+            b'{"pp_rank": 0, "pp_size": 1, "page_size": 1, "dtype": "x", "kv": 3}',
+            "decode_layout.kv",
+        ),
         (b'{"pp_rank": 2, "pp_size": 1, "page_size": 1, "dtype": "x"}', "decode_layout.pp_rank"),
         (b"[]", "decode_layout"),
     ],
