@@ -57,6 +57,7 @@ not speak instead of guessing. Change history:
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -141,6 +142,23 @@ class Grant(Struct, frozen=True, kw_only=True):
     pp_rank: NonNeg
     addr: NonNeg
     length: NonNeg
+
+
+def decode_error_field(exc: msgspec.DecodeError) -> str:
+    """The key path msgspec's "Expected `int`, got `str` - at `$.dst_pages[3]`" names, in the
+    style every other check uses (`dst_pages[3]`; `$` for the whole text); a missing or unknown
+    key is named itself, not its object."""
+    message, _, at = str(exc).partition(" - at `")
+    path = at.rstrip("`") if at else "$"
+    key = _NAMED_KEY.match(message)
+    if key:
+        path = f"{path}.{key['key']}"
+    if path.startswith("$."):
+        return path[2:]
+    return path[1:] if path.startswith("$[") else path
+
+
+_NAMED_KEY = re.compile(r"^Object (?:missing required|contains unknown) field `(?P<key>[^`]*)`$")
 
 
 def layout_json(layout: StageLayout) -> Raw:

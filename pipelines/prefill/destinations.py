@@ -21,14 +21,13 @@ compared by content as any other: a byte difference costs a decode, never an acc
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection
 
 import msgspec
 
 from kvhandoff.pipelines.errors import ConflictError, InvalidInput, LayoutError, NotFoundError
 from kvhandoff.pipelines.layout import StageLayout
-from kvhandoff.pipelines.messages import DestinationMsg, TransferMode
+from kvhandoff.pipelines.messages import DestinationMsg, TransferMode, decode_error_field
 from kvhandoff.pipelines.peercache import MAX_PEERS, PeerCache
 from kvhandoff.pipelines.planning import validate_pages_for_layout
 from kvhandoff.pipelines.prefill.handoff import DecodeSide
@@ -121,7 +120,6 @@ class DecodeLives:
 
 
 _layout_decoder = msgspec.json.Decoder(StageLayout)
-_NAMED_KEY = re.compile(r"^Object (?:missing required|contains unknown) field `(?P<key>[^`]*)`$")
 
 
 def decoded_layout(dest: DestinationMsg) -> StageLayout:
@@ -130,20 +128,13 @@ def decoded_layout(dest: DestinationMsg) -> StageLayout:
     try:
         return _layout_decoder.decode(dest.decode_layout)
     except msgspec.DecodeError as exc:  # also ValidationError
-        # msgspec's "Expected `int`, got `str` - at `$.kv[0].num_items`", or the key it misses.
-        message, _, at = str(exc).partition(" - at `")
-        path = at.rstrip("`").removeprefix("$")
-        key = _NAMED_KEY.match(message)
-        raise InvalidInput(
-            f"the destination of {dest.handoff_id!r} carries an invalid decode_layout: {message}",
-            field=f"decode_layout{path}.{key['key']}" if key else f"decode_layout{path}",
-        ) from None
+        within, why = decode_error_field(exc), str(exc)
     except LayoutError as exc:  # StageLayout.__post_init__: inconsistent in itself
-        field = exc.context.get("field")
-        raise InvalidInput(
-            f"the destination of {dest.handoff_id!r} carries an invalid decode_layout: {exc}",
-            field=f"decode_layout.{field}" if field else "decode_layout",
-        ) from None
+        within, why = str(exc.context.get("field") or "$"), str(exc)
+    raise InvalidInput(
+        f"the destination of {dest.handoff_id!r} carries an invalid decode_layout: {why}",
+        field="decode_layout" if within == "$" else f"decode_layout.{within}",
+    )
 
 
 def check_decode_side(dest: DestinationMsg, side: DecodeSide, layout: StageLayout) -> None:
