@@ -51,13 +51,17 @@ not speak instead of guessing. Change history:
   (`GET /v1/layout` is now decode → prefill only). The prefill validates what the destination
   carries on receipt (mode, placement, arena, the pages against the layout) and holds each
   decode life to the target, arena and layout its first destination named.
+  Its receiver keeps `decode_layout` as the JSON bytes that came (`msgspec.Raw`) and decodes
+  them only when they differ from the bytes its decode life pinned: the wire is unchanged.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from msgspec import Meta, Struct
+import msgspec
+from msgspec import Meta, Raw, Struct
 
 from kvhandoff.pipelines.layout import MAX_WIRE_INT, NonNeg, Positive, StageLayout
 from kvhandoff.pipelines.slots import RequestSlots
@@ -71,6 +75,11 @@ Seconds = Annotated[float, Meta(ge=0)]
 #: A random id a service draws at start: messages of an earlier (or later) life are refused.
 Incarnation = Annotated[str, Meta(min_length=1, max_length=64)]
 Pages = list[NonNeg]
+#: A `StageLayout` as the JSON text it travels as, decoded by whoever needs the layout
+#: (`kvhandoff.pipelines.prefill.destinations`): a prefill decodes a decode life's layout once
+#: and compares the bytes of every later destination, not a decoded copy. The schema is
+#: StageLayout's (an OpenAPI component reference: the layout routes publish that component).
+LayoutJSON = Annotated[Raw, Meta(extra_json_schema={"$ref": "#/components/schemas/StageLayout"})]
 
 
 class ShmPlacement(Struct, frozen=True):
@@ -135,6 +144,31 @@ class Grant(Struct, frozen=True, kw_only=True):
     length: NonNeg
 
 
+def decode_error_field(exc: msgspec.DecodeError) -> str:
+    """The key path msgspec's "Expected `int`, got `str` - at `$.dst_pages[3]`" names, in the
+    style every other check uses (`dst_pages[3]`; `$` for the whole text); a missing or unknown
+    key is named itself, not its object."""
+    message, _, at = str(exc).partition(" - at `")
+    path = at.rstrip("`") if at else "$"
+    key = _NAMED_KEY.match(message)
+    if key:
+        path = f"{path}.{key['key']}"
+    if path.startswith("$."):
+        return path[2:]
+    return path[1:] if path.startswith("$[") else path
+
+
+_NAMED_KEY = re.compile(r"^Object (?:missing required|contains unknown) field `(?P<key>[^`]*)`$")
+
+
+def layout_json(layout: StageLayout) -> Raw:
+    """`layout` as a destination carries it (`DestinationMsg.decode_layout`)."""
+    return Raw(_encode(layout))
+
+
+_encode = msgspec.json.Encoder().encode
+
+
 class DestinationMsg(Struct, frozen=True, kw_only=True):
     """Decode → prefill: where one handoff's bytes go. One message per prefill process."""
 
@@ -145,8 +179,9 @@ class DestinationMsg(Struct, frozen=True, kw_only=True):
     prefill_incarnation: Incarnation  # the prefill life the decode bound these stages to
     decode_target: str
     # The decode's layout as it publishes it: its pages' addresses on a direct decode (prefills
-    # write into them), every base 0 on a landed one (v8).
-    decode_layout: StageLayout
+    # write into them), every base 0 on a landed one (v8). Its JSON bytes (`layout_json`): the
+    # decode encodes it once per life, a prefill decodes it once per decode life.
+    decode_layout: LayoutJSON
     pp_ranks: list[NonNeg]  # the stages of the receiving process this handoff expects
     dst_pages: Pages
     # The request's first pages, which the decode holds already (a prefix it cached): source

@@ -18,7 +18,14 @@ from kvhandoff.pipelines.decode.outcomes import Outcomes
 from kvhandoff.pipelines.decode.prefill_peers import PrefillDirectory
 from kvhandoff.pipelines.errors import KVHandoffError
 from kvhandoff.pipelines.layout import StageLayout
-from kvhandoff.pipelines.messages import AbortAck, AbortMsg, ArenaSpan, DestinationMsg, LayoutInfo
+from kvhandoff.pipelines.messages import (
+    AbortAck,
+    AbortMsg,
+    ArenaSpan,
+    DestinationMsg,
+    LayoutInfo,
+    layout_json,
+)
 from kvhandoff.pipelines.states import HandoffState, advance
 
 
@@ -60,6 +67,8 @@ class Delivery:
         # What peers learn of this decode's memory: its pages' addresses only in direct mode,
         # where prefills write into them.
         self.peer_layout = layout if landing is None else layout.unplaced()
+        # Encoded once: every destination carries these same bytes (a prefill compares them).
+        self._peer_layout_json = layout_json(self.peer_layout)
         #: The landing arena peers may write into (None in direct mode): in every destination,
         #: where a prefill checks every grant lies.
         self.arena = (
@@ -127,7 +136,7 @@ class Delivery:
             decode_incarnation=self._incarnation,
             prefill_incarnation=h.stages[ranks[0]].incarnation,
             decode_target=self._target,
-            decode_layout=self.peer_layout,
+            decode_layout=self._peer_layout_json,
             pp_ranks=sorted(ranks),
             dst_pages=h.request.dst_pages,
             prefix_pages=h.request.prefix_pages,

@@ -9,15 +9,25 @@ to what its first accepted destination named: a later destination of that life n
 target, arena, mode or layout fails its handoff naming the field, and nothing is written. The
 pages are validated here once, against the layout the destination carries (the decode validated
 them against its own at create): the stages do not validate the destination again.
+
+A destination's layout arrives as JSON bytes (`DestinationMsg.decode_layout`) and is decoded
+once per decode life: a later destination whose bytes equal those its life pinned uses the
+pinned, already validated layout (for a real model, hundreds of entries a prefill would
+otherwise decode and compare per handoff, on every stage's process). Equal bytes are equal
+content, so that shortcut accepts nothing a decode would refuse; a layout with equal content but
+other bytes (key order, spacing, another encoder) misses it and is decoded, validated and
+compared by content as any other: a byte difference costs a decode, never an acceptance.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
-from kvhandoff.pipelines.errors import ConflictError, InvalidInput, NotFoundError
+import msgspec
+
+from kvhandoff.pipelines.errors import ConflictError, InvalidInput, LayoutError, NotFoundError
 from kvhandoff.pipelines.layout import StageLayout
-from kvhandoff.pipelines.messages import DestinationMsg, TransferMode
+from kvhandoff.pipelines.messages import DestinationMsg, TransferMode, decode_error_field
 from kvhandoff.pipelines.peercache import MAX_PEERS, PeerCache
 from kvhandoff.pipelines.planning import validate_pages_for_layout
 from kvhandoff.pipelines.prefill.handoff import DecodeSide
@@ -77,39 +87,63 @@ def check_destination(dest: DestinationMsg, layout: StageLayout) -> None:
 
 
 class DecodeLives:
-    """The decode side each decode life named in its first accepted destination (bounded)."""
+    """The decode side each decode life named in its first accepted destination, with the bytes
+    its layout came as (bounded)."""
 
     def __init__(self, maxsize: int = MAX_PEERS) -> None:
-        self._sides: PeerCache[DecodeSide] = PeerCache(maxsize)
+        self._sides: PeerCache[tuple[DecodeSide, msgspec.Raw]] = PeerCache(maxsize)
 
-    def pin(self, dest: DestinationMsg) -> None:
-        """Hold `dest`'s decode life to what `dest` names, unless an earlier one named it (call
-        once `dest`, checked by `check_destination`, is accepted)."""
+    def pin(self, dest: DestinationMsg, layout: StageLayout) -> None:
+        """Hold `dest`'s decode life to what `dest` names, `layout` being its layout decoded
+        (`layout(dest)`), unless an earlier destination named it (call once `dest`, checked by
+        `check_destination`, is accepted)."""
         key = _life(dest)
         if self._sides.get(key) is None:
-            self._sides.put(key, _side_of(dest))
+            # A copy: the received bytes are a view of the whole request body.
+            self._sides.put(key, (_side_of(dest, layout), dest.decode_layout.copy()))
 
     def layout(self, dest: DestinationMsg) -> StageLayout:
-        """The layout `dest` carries, as the object its decode life pinned when their content
-        is equal (a decode's layout is fixed for its life, so this is every destination of a
-        known life): the bounds `check_destination` needs are cached on it, where a layout
-        decoded afresh would compute them again. Content, not identity, decides: a different
-        layout is checked as itself (and later refused by `check_decode_side`)."""
-        side = self._sides.get(_life(dest))
-        if side is not None and side.layout == dest.decode_layout:
-            return side.layout
-        return dest.decode_layout
+        """The layout `dest` carries: the object its decode life pinned when the bytes are
+        those it pinned (a decode's layout is fixed for its life, so this is every destination
+        of a known life), without decoding them; otherwise decoded and validated afresh
+        (raising InvalidInput naming `decode_layout`), and checked as itself (a different
+        layout is later refused by `check_decode_side`)."""
+        pinned = self._sides.get(_life(dest))
+        if pinned is not None and pinned[1] == dest.decode_layout:
+            return pinned[0].layout
+        return decoded_layout(dest)
 
     def side(self, dest: DestinationMsg) -> DecodeSide:
         """What `dest`'s decode life named first (as `dest` says, if that life was forgotten)."""
-        return self._sides.get(_life(dest)) or _side_of(dest)
+        pinned = self._sides.get(_life(dest))
+        return pinned[0] if pinned is not None else _side_of(dest, decoded_layout(dest))
 
 
-def check_decode_side(dest: DestinationMsg, side: DecodeSide) -> None:
+_layout_decoder = msgspec.json.Decoder(StageLayout)
+
+
+def decoded_layout(dest: DestinationMsg) -> StageLayout:
+    """`dest.decode_layout` decoded and validated as a StageLayout, or InvalidInput naming the
+    field within it (`decode_layout.kv[0].num_items`; `decode_layout` for the whole)."""
+    try:
+        return _layout_decoder.decode(dest.decode_layout)
+    except msgspec.DecodeError as exc:  # also ValidationError
+        within, why = decode_error_field(exc), str(exc)
+    except LayoutError as exc:  # StageLayout.__post_init__: inconsistent in itself
+        within, why = str(exc.context.get("field") or "$"), str(exc)
+    raise InvalidInput(
+        f"the destination of {dest.handoff_id!r} carries an invalid decode_layout: {why}",
+        field="decode_layout" if within == "$" else f"decode_layout.{within}",
+    )
+
+
+def check_decode_side(dest: DestinationMsg, side: DecodeSide, layout: StageLayout) -> None:
     """A destination must name the transport target, mode, layout and arena its decode life
     named, and in landed mode grant only windows inside that arena: otherwise a destination
     could make this prefill write into any memory of the decode's, or another endpoint's (which
-    may hold memory at the same addresses). Raises naming the field."""
+    may hold memory at the same addresses). `layout` is the one it carries
+    (`DecodeLives.layout`: the pinned object itself when its bytes are the pinned ones). Raises
+    naming the field."""
     if dest.decode_target != side.target:
         raise ConflictError(
             f"the destination of {dest.handoff_id!r} names transport target "
@@ -122,7 +156,7 @@ def check_decode_side(dest: DestinationMsg, side: DecodeSide) -> None:
             f"serves {side.mode} mode",
             field="mode",
         )
-    if dest.decode_layout != side.layout:
+    if layout is not side.layout and layout != side.layout:
         raise ConflictError(
             f"the destination of {dest.handoff_id!r} names another layout than its decode life did",
             field="decode_layout",
@@ -149,5 +183,5 @@ def _life(dest: DestinationMsg) -> str:
     return f"{canonical_url(dest.decode_url)}|{dest.decode_incarnation}"
 
 
-def _side_of(dest: DestinationMsg) -> DecodeSide:
-    return DecodeSide(dest.decode_layout, dest.mode, dest.arena, dest.decode_target)
+def _side_of(dest: DestinationMsg, layout: StageLayout) -> DecodeSide:
+    return DecodeSide(layout, dest.mode, dest.arena, dest.decode_target)

@@ -259,7 +259,8 @@ class PrefillPipeline:
         """The decode service says where this handoff's bytes go. Refused (changing nothing)
         when it was issued for another life of this service."""
         check_addressed(msg, self.incarnation, self.mode, self.stages)
-        check_destination(msg, self._lives.layout(msg))
+        layout = self._lives.layout(msg)
+        check_destination(msg, layout)
         scope = canonical_url(msg.decode_url)
         outcome = self._finished.claim(scope, msg.handoff_id)
         if outcome is not None:
@@ -287,7 +288,7 @@ class PrefillPipeline:
                 f"handoff {msg.handoff_id!r} already has another destination", field="handoff_id"
             )
         h.deadline_mono = time.monotonic() + msg.deadline_in_s
-        self._lives.pin(msg)
+        self._lives.pin(msg, layout)
         h.destination.set_result(msg)
         self._publish(
             DestinationReceived(

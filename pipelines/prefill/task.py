@@ -44,7 +44,7 @@ async def run_handoff(
             # loop.time() is the monotonic clock the deadline was measured on.
             scope.reschedule(loop.time() + max(0.0, h.deadline_mono - time.monotonic()))
             side = lives.side(dest)
-            check_decode_side(dest, side)
+            check_decode_side(dest, side, lives.layout(dest))
             if len(dest.pp_ranks) == 1:
                 # One stage here (PP = 1, or each stage its own process): it runs in this task,
                 # as a group of one would (its failure and cancellation are the handoff's), without

@@ -11,7 +11,6 @@ since nothing is served at them; `code` is the error class's `code`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +29,7 @@ from kvhandoff.pipelines.errors import (
     TransportError,
     TransportTimeout,
 )
+from kvhandoff.pipelines.messages import decode_error_field
 from kvhandoff.pipelines.pairing_problems import Problem as PairingProblem
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
@@ -197,20 +197,7 @@ def invalid_value(exc: msgspec.ValidationError) -> InvalidInput:
     """msgspec's "Expected `int`, got `str` - at `$.dst_pages[3]`" as InvalidInput whose `field`
     is the key path in the style every other check uses (`dst_pages[3]`; `$` for the whole body).
     """
-    text = str(exc)
-    message, _, at = text.partition(" - at `")
-    path = at.rstrip("`") if at else "$"
-    key = _NAMED_KEY.match(message)  # a missing or unknown key: name it, not its object
-    if key:
-        path = f"{path}.{key['key']}"
-    if path.startswith("$."):
-        path = path[2:]
-    elif path.startswith("$["):
-        path = path[1:]
-    return InvalidInput(text, field=path)
-
-
-_NAMED_KEY = re.compile(r"^Object (?:missing required|contains unknown) field `(?P<key>[^`]*)`$")
+    return InvalidInput(str(exc), field=decode_error_field(exc))
 
 
 def problem_body(

@@ -506,6 +506,42 @@ async def test_peer_messages_naming_ids_the_public_routes_refuse_are_refused(
     assert decode_bytes(dep) == before
 
 
+async def test_a_destination_carrying_an_invalid_layout_is_refused_naming_the_field(
+    fresh: LocalDeployment, sessions: dict[str, aiohttp.ClientSession]
+) -> None:
+    """The layout a destination carries is decoded by the prefill (once per decode life, when
+    its bytes are new): one that is malformed or inconsistent in itself is a 422 naming the
+    field within `decode_layout`, even signed by the decode service itself, and changes
+    nothing; the batch's other items are answered alone."""
+    dep = fresh
+    before = decode_bytes(dep)
+    http = sessions["anonymous"]
+    layout = await decode_layout(http, dep)
+    stage = await layout_of(http, dep.url_of_stage(0), dep.decode_url)
+    m = Moved(src_pages=[1], dst_pages=[50], src_slot=0, dst_slot=6)
+    good = msgspec.to_builtins(layout.stages[0].layout)
+    bad = {
+        "decode_layout.pp_rank": {**good, "pp_rank": good["pp_size"]},
+        "decode_layout.kv": {**good, "kv": 3},
+        "decode_layout.dtype": {k: v for k, v in good.items() if k != "dtype"},
+    }
+    batch = [
+        {**forged_destination(dep, f"bad-layout-{i}", 0, layout, stage, m), "decode_layout": b}
+        for i, b in enumerate(bad.values())
+    ]
+    status, outcomes = await signed_post(
+        http,
+        dep.url_of_stage(0),
+        "/v1/peer/destinations",
+        batch,
+        secret=PEER,
+        sender=dep.decode_url,
+    )
+    assert status == 200, outcomes
+    assert [(o["status"], o["problem"]["field"]) for o in outcomes] == [(422, f) for f in bad]
+    assert decode_bytes(dep) == before
+
+
 async def opened(
     http: aiohttp.ClientSession, url: str, life: str, *, sender: str, to: str | None = None
 ) -> OpenedByHand:

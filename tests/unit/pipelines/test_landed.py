@@ -33,7 +33,13 @@ from kvhandoff.pipelines.events import (
 )
 from kvhandoff.pipelines.inprocess import InProcessLink
 from kvhandoff.pipelines.memory import PoolMemory, pool_array
-from kvhandoff.pipelines.messages import DestinationMsg, Grant, HeartbeatAck, SegmentMsg
+from kvhandoff.pipelines.messages import (
+    DestinationMsg,
+    Grant,
+    HeartbeatAck,
+    SegmentMsg,
+    layout_json,
+)
 from kvhandoff.pipelines.models import (
     ModelSpec,
     Partition,
@@ -636,7 +642,7 @@ def _forged_destination(w: World, hid: str, **fields: Any) -> DestinationMsg:
         decode_incarnation=w.decode.incarnation,
         prefill_incarnation=w.prefill.incarnation,
         decode_target=w.decode.target,
-        decode_layout=layout,
+        decode_layout=layout_json(layout),
         arena=w.decode.arena_span(),
         pp_ranks=[0],
         dst_pages=[1, 2],

@@ -42,6 +42,7 @@ from kvhandoff.pipelines.errors import KVHandoffError, TransportError
 from kvhandoff.pipelines.events import EventBus, HandoffCompleted, event_tag
 from kvhandoff.pipelines.inprocess import InProcessLink
 from kvhandoff.pipelines.memory import PoolMemory, pool_array
+from kvhandoff.pipelines.messages import layout_json
 from kvhandoff.pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 from kvhandoff.pipelines.prefill import HostedStage, PrefillPipeline, Staging
 from kvhandoff.pipelines.settings import DecodeSettings
@@ -462,6 +463,7 @@ def test_the_property_can_fail_in_direct_mode() -> None:
         r.decode._delivery._landing = None
         r.decode._notices.landed = False
         r.decode._delivery.peer_layout = r.decode.layout  # its pages' addresses are published
+        r.decode._delivery._peer_layout_json = layout_json(r.decode.layout)  # as destinations say
         r.prefill.mode = "direct"  # and its prefill is configured for it
         r.engine.check = None  # prefills write the pages themselves here
         for i in range(6):

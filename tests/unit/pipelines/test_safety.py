@@ -21,6 +21,7 @@ from kvhandoff.pipelines.messages import (
     DestinationMsg,
     HeartbeatAck,
     StageFailedMsg,
+    layout_json,
 )
 from kvhandoff.pipelines.states import HandoffState, StageState
 from tests.unit.pipelines.test_handoff_pipelines import World, wait_terminal, world  # noqa: F401
@@ -128,7 +129,7 @@ async def test_a_destination_for_another_prefill_life_is_refused(w: World) -> No
         decode_incarnation=w.decode.incarnation,
         prefill_incarnation="an-earlier-life",
         decode_target="t",
-        decode_layout=w.decode.peer_layout,
+        decode_layout=layout_json(w.decode.peer_layout),
         pp_ranks=[0],
         dst_pages=[1],
         deadline_in_s=5.0,
