@@ -102,8 +102,13 @@ class RegionTable:
         idx = np.searchsorted(self._starts, addr, side="right").astype(np.int64) - 1
         inside = idx >= 0
         safe = np.maximum(idx, 0)
-        inside &= (addr + length) <= self._ends[safe]
+        end = self._ends[safe]
         inside &= addr >= self._starts[safe]
+        # Room left after `addr`, not `addr + length`: that sum wraps in uint64 (a huge length
+        # would come back below the end). Where `addr` is past the end the difference wraps
+        # too, but `addr <= end` has already refused that block.
+        inside &= addr <= end
+        inside &= length <= end - addr
         if bool(inside.all()):
             return None
         return int(np.argmin(inside))

@@ -212,11 +212,13 @@ class Releases:
         await asyncio.gather(*(self._stop_peer(h, p, reason, started) for p in h.peers))
         if h.delivery is not None:
             await asyncio.wait([h.delivery])  # the peer client's timeout bounds a delivery call
-            # An ack that overtook a destination says nothing of it: the prefill refuses a
-            # destination of an id it remembers as aborted, but it remembers only so many.
-            doubted = [s.peer for s in h.stages.values() if s.doubt_overtaken(f"handoff {h.id!r}")]
-            again = sorted(set(doubted))
-            await asyncio.gather(*(self._stop_peer(h, p, reason, started) for p in again))
+        # An ack that overtook a destination says nothing of it: the prefill refuses a
+        # destination of an id it remembers as aborted, but it remembers only so many. Asked
+        # whether or not a delivery still ran: one that ended before the first stop round
+        # returned clears `h.delivery`, yet its destination may have landed after the ack.
+        doubted = [s.peer for s in h.stages.values() if s.doubt_overtaken(f"handoff {h.id!r}")]
+        again = sorted(set(doubted))
+        await asyncio.gather(*(self._stop_peer(h, p, reason, started) for p in again))
         give_up = self._give_up(h, started)
         while not all(s.stopped for s in h.stages.values()):
             left = give_up - self._monotonic()

@@ -78,7 +78,11 @@ def check_grant(grant: Grant, arena: ArenaSpan, rank: int, nbytes: int = 0) -> N
 
 
 def staged_blocks(src_addr: int, dst_addr: int, nbytes: int) -> Blocks:
-    """A staged segment of `nbytes` as `BLOCK_BYTES` blocks from its extent into its window."""
+    """A staged segment of `nbytes` as `BLOCK_BYTES` blocks from its extent into its window;
+    none for an empty one (a zero-length block is no write, and `write` returns at once for
+    no blocks)."""
+    if nbytes <= 0:
+        return Blocks.empty()
     if nbytes <= BLOCK_BYTES:  # one block: no arange/minimum for it
         return Blocks(
             np.array([src_addr], np.uint64),

@@ -29,7 +29,15 @@ from aiohttp import web
 from kvhandoff.pipelines.arena import ArenaUse
 from kvhandoff.pipelines.decode import DecodePipeline
 from kvhandoff.pipelines.decode.views import HandoffRequest, HandoffView
-from kvhandoff.pipelines.events import TERMINAL_EVENTS, Event, EventBus, event_tag, life_first_seq
+from kvhandoff.pipelines.events import (
+    TERMINAL_EVENTS,
+    Event,
+    EventBus,
+    HandoffAborted,
+    HandoffFailed,
+    event_tag,
+    life_first_seq,
+)
 from kvhandoff.pipelines.messages import PEER_PROTOCOL_VERSION, ArenaSpan, HeartbeatAck, LayoutInfo
 from kvhandoff.pipelines.prefill import HostedStage, PrefillPipeline
 from kvhandoff.service.config import Config, ConfigError
@@ -497,7 +505,15 @@ def _close_pools(hosted: list[HostedMemory]) -> None:
 
 
 def _log_event(event: Event) -> None:
-    if isinstance(event, TERMINAL_EVENTS):
+    # An outcome that is not a completion says why in its own line: an operator following the
+    # info log needs no second look-up to tell a timeout from a refused peer. Code and reason
+    # may come from a peer: quoted (repr), so neither can forge a line of its own. (An abort
+    # has no code: its tag is its kind.)
+    if isinstance(event, HandoffFailed | HandoffAborted):
+        code = f" code={event.code!r}" if isinstance(event, HandoffFailed) else ""
+        what = (event_tag(event), event.role, event.handoff_id, code, event.reason)
+        log.info("%s %s %s%s reason=%r", *what)
+    elif isinstance(event, TERMINAL_EVENTS):
         log.info("%s %s %s", event_tag(event), event.role, event.handoff_id)
     elif log.isEnabledFor(logging.DEBUG):
         log.debug("%s %s %s", event_tag(event), event.role, event.handoff_id)

@@ -3,9 +3,10 @@
 The engine double moves real bytes between real pools, but each write may land now, land later
 (after its call returned, failed or timed out; after the handoff ended and its windows were
 granted again), land twice, land corrupted, or never land. And while a commit runs its one
-pass (small chunks here, `CHUNK_BYTES`), a writer acts right before each chunk is scattered
-from the window and again between that scatter and the digest of the pages it wrote: late
-writes land (into that very window, maybe), the chunk's bytes change, or the next chunk's do.
+pass (in small chunks, `CHUNK_BYTES`, or as one chunk: both paths of `chunked.scatter_digest`),
+a writer acts right before each chunk is scattered from the window and again between that
+scatter and the digest of the pages it wrote: late writes land (into that very window, maybe),
+the chunk's bytes change, or the next chunk's do.
 Under random interleavings of create, ready, abort, peer loss and deadlines, checked at every
 step:
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -46,6 +48,7 @@ from kvhandoff.pipelines.messages import layout_json
 from kvhandoff.pipelines.models import decode_layout, hybrid_npu_mla, partition_layers, stage_layout
 from kvhandoff.pipelines.prefill import HostedStage, PrefillPipeline, Staging
 from kvhandoff.pipelines.settings import DecodeSettings
+from kvhandoff.pipelines.states import HandoffState
 from kvhandoff.transport.blocks import Blocks
 from kvhandoff.transport.pool_base import host_array
 from kvhandoff.transport.pools import open_pool
@@ -135,6 +138,7 @@ class Rig:
     violations: list[str] = field(default_factory=list)
     writer_acts: int = 0  # the mid-commit writer acted around a chunk's scatter
     dirty_refusals: int = 0  # refused commits that left their own pages dirty
+    writer_fate: float | None = None  # the mid-commit writer's act, fixed (else drawn per chunk)
 
     def kv(self) -> list[np.ndarray]:
         return [
@@ -247,7 +251,7 @@ def rig(seed: int) -> Rig:
         start = first.ctypes.data - window.ctypes.data
         end = last.ctypes.data - window.ctypes.data + last.nbytes
         chunk = window[start:end]
-        fate = engine.rng.random()
+        fate = engine.rng.random() if r.writer_fate is None else r.writer_fate
         late = fate < 0.2 and bool(engine.pending)
         if late and fate < 0.1:
             engine.deliver_some()  # maybe into this very chunk, before it is scattered
@@ -323,17 +327,32 @@ actions = st.one_of(
 )
 
 
-async def play(script: list[tuple[object, ...]], seed: int) -> Rig:
+# Every segment here is larger than the small chunk and fits the large one: a commit then
+# takes each of `scatter_digest`'s two paths (many chunks; one chunk, not cut), and the writer
+# acts around every chunk of either.
+SMALL_CHUNK, ONE_CHUNK = 4096, ARENA_BYTES
+BOTH_PATHS = pytest.mark.parametrize(
+    "chunk_bytes", [SMALL_CHUNK, ONE_CHUNK], ids=["chunks", "one-chunk"]
+)
+
+
+async def play(
+    script: list[tuple[object, ...]],
+    seed: int,
+    chunk_bytes: int = SMALL_CHUNK,
+    writer_fate: float | None = None,
+) -> Rig:
     real_scatter, real_chunk = chunked.scatter_views, chunked.CHUNK_BYTES
-    chunked.CHUNK_BYTES = 4096  # a segment's commit is many chunks: room for the writer
+    chunked.CHUNK_BYTES = chunk_bytes
     try:
-        return await _play(script, seed)
+        return await _play(script, seed, writer_fate)
     finally:
         chunked.scatter_views, chunked.CHUNK_BYTES = real_scatter, real_chunk
 
 
-async def _play(script: list[tuple[object, ...]], seed: int) -> Rig:
+async def _play(script: list[tuple[object, ...]], seed: int, writer_fate: float | None) -> Rig:
     r = rig(seed)
+    r.writer_fate = writer_fate
     tasks: list[asyncio.Future[object]] = []
     for action in script:
         match action:
@@ -408,10 +427,11 @@ async def _ready_pages(r: Rig, hid: str, rank: int, cut: int) -> None:
     derandomize=True,  # CI runs the same interleavings every time
 )
 @given(st.lists(actions, min_size=2, max_size=14), st.integers(0, 1000))
+@BOTH_PATHS
 def test_kv_pages_change_only_by_commits_of_their_leasing_handoff(
-    script: list[tuple[object, ...]], seed: int
+    chunk_bytes: int, script: list[tuple[object, ...]], seed: int
 ) -> None:
-    r = asyncio.run(play(script, seed))
+    r = asyncio.run(play(script, seed, chunk_bytes))
     assert r.violations == []
     for h in r.decode._handoffs.values():
         view = h.view()
@@ -427,20 +447,23 @@ def test_kv_pages_change_only_by_commits_of_their_leasing_handoff(
     assert len(r.decode.leases) == 0
 
 
-def test_the_rig_completes_handoffs_through_the_lying_engine() -> None:
+PLAIN: list[tuple[object, ...]] = [
+    ("create", "a", [0, 1], 0, 2.0, 0),
+    ("ready", "a", None),
+    *[("sleep", 0.06)] * 2,
+    ("deliver",),
+    ("sleep", 0.06),
+]
+
+
+@BOTH_PATHS
+def test_the_rig_completes_handoffs_through_the_lying_engine(chunk_bytes: int) -> None:
     """The property above is not vacuous in landed mode: through the same rig and engine, plain
     create-and-ready scripts complete (the engine's fate decides which), each checked at its
-    completion by `_check_completed`."""
-    script: list[tuple[object, ...]] = [
-        ("create", "a", [0, 1], 0, 2.0, 0),
-        ("ready", "a", None),
-        *[("sleep", 0.06)] * 2,
-        ("deliver",),
-        ("sleep", 0.06),
-    ]
+    completion by `_check_completed`, on either path of `scatter_digest`."""
     states, acts, dirty = [], 0, 0
     for seed in range(8):
-        r = asyncio.run(play(script, seed))
+        r = asyncio.run(play(PLAIN, seed, chunk_bytes))
         assert r.violations == []
         view = r.decode._handoffs["a"].view()
         assert view.error is None or view.error.code != "internal_error", view.error
@@ -450,6 +473,23 @@ def test_the_rig_completes_handoffs_through_the_lying_engine() -> None:
     # The mid-commit writer acted, and refused commits left dirty pages the handoff then did
     # not complete on (or rewrote by a matching resend before it did).
     assert acts > 0 and dirty > 0, (acts, dirty)
+
+
+@BOTH_PATHS
+def test_a_chunk_changed_only_while_it_is_scattered_never_completes(chunk_bytes: int) -> None:
+    """The writer changes every chunk's bytes in the window just before its scatter and puts
+    them back just after it: the pages hold the changed bytes, the window the right ones. A
+    commit that digested the window (before or after its scatter) instead of the pages it
+    wrote would complete with wrong pages; on either path every commit must be refused. The
+    property above draws this act for 1 chunk in 40, and a one-chunk commit has one chunk, so
+    its random scripts rarely meet it on that path: here it is every chunk's."""
+    refused = 0
+    for seed in range(4):
+        r = asyncio.run(play(PLAIN, seed, chunk_bytes, writer_fate=0.21))
+        assert r.violations == []
+        assert r.decode._handoffs["a"].view().state != HandoffState.COMPLETED
+        refused += r.dirty_refusals
+    assert refused > 0  # commits ran, each scattered the changed bytes and was refused
 
 
 def test_the_property_can_fail_in_direct_mode() -> None:

@@ -29,6 +29,14 @@ def test_blocks_leaving_every_region_are_found(addr: int, length: int) -> None:
     assert table().outside(arr(1000, addr), arr(1, length)) == 1
 
 
+@pytest.mark.parametrize("n", [1, 9])
+def test_a_length_that_wraps_past_the_address_space_is_refused(n: int) -> None:
+    """`addr + length` of a block 8 bytes into a region with length 2**64 - 8 wraps to the
+    region's start; the few-block path (1) and the numpy path (9) both refuse it."""
+    bad = table().outside(arr(*[1008] * n), arr(*[2**64 - 8] * n))
+    assert bad == 0
+
+
 def test_adjacent_regions_do_not_merge() -> None:
     t = RegionTable()
     t.add([Region(1000, 100), Region(1100, 100)])

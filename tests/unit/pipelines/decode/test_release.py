@@ -21,7 +21,7 @@ from kvhandoff.pipelines.decode.views import (
     HandoffView,
 )
 from kvhandoff.pipelines.events import Event, EventBus, HandoffReleased
-from kvhandoff.pipelines.messages import DestinationMsg
+from kvhandoff.pipelines.messages import AbortAck, AbortMsg, DestinationMsg
 from kvhandoff.pipelines.prefill.scopes import Finished
 from kvhandoff.pipelines.states import HandoffState
 from tests.unit.pipelines.test_handoff_pipelines import World, world  # noqa: F401
@@ -98,6 +98,46 @@ async def test_an_abort_that_overtook_its_destination_is_sent_again_once_it_land
     assert view.state == HandoffState.ABORTED and view.released
     # Nothing of "o" is live on the prefill: no write of it can land in the released pages.
     assert not w.prefill._handoffs.holds("o")
+    assert w.prefill._finished.outcome(None, "o") == "aborted"
+
+
+async def test_an_overtaken_ack_is_doubted_even_when_the_delivery_ended_first(
+    world: World,  # noqa: F811 - the shared fixture
+) -> None:
+    """As above, but the delivery ends before the first stop round returns, so `h.delivery` is
+    already cleared when the quiesce looks at it: the ack must still be doubted and the peer
+    asked again. The test above holds the delivery past the first round (it waits for the ack
+    before letting the destination go), so it cannot catch a re-ask that runs only while a
+    delivery task is still there."""
+    w = world
+    link = link_of(w)
+    real_deliver, real_abort = link.deliver, link.abort
+    go = asyncio.Event()
+    delivered = asyncio.Event()
+
+    async def overtaken(url: str, msg: DestinationMsg) -> None:
+        await go.wait()
+        await real_deliver(url, msg)
+        delivered.set()
+
+    async def slow_ack(url: str, msg: AbortMsg) -> AbortAck:
+        ack = await real_abort(url, msg)  # the prefill acknowledged: nothing live there yet
+        if go.is_set():
+            return ack  # the second round's answer, after the destination landed
+        w.prefill._finished = Finished()  # it forgets the aborted id
+        go.set()  # the destination now reaches it and opens a live handoff
+        await delivered.wait()
+        for _ in range(5):
+            await asyncio.sleep(0)  # the delivery task ends (and clears `h.delivery`)
+        return ack
+
+    link.deliver = overtaken  # type: ignore[method-assign]
+    link.abort = slow_ack  # type: ignore[method-assign]
+    req = HandoffRequest(id="o", prefill=["p"], dst_pages=[9], dst_slot=0, deadline_s=30.0)
+    await w.decode.create(req)
+    view = await asyncio.wait_for(w.decode.abort("o"), 30.0)
+    assert view.state == HandoffState.ABORTED and view.released
+    assert not w.prefill._handoffs.holds("o"), "released while the prefill holds a live 'o'"
     assert w.prefill._finished.outcome(None, "o") == "aborted"
 
 

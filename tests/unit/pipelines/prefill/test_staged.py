@@ -8,7 +8,7 @@ from kvhandoff.pipelines.prefill.staged import BLOCK_BYTES, staged_blocks
 
 
 @pytest.mark.parametrize(
-    "nbytes", [1, 4096, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 1, 3 * BLOCK_BYTES + 5]
+    "nbytes", [0, 1, 4096, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 1, 3 * BLOCK_BYTES + 5]
 )
 def test_a_segment_is_cut_into_consecutive_blocks_of_at_most_block_bytes(nbytes: int) -> None:
     src, dst = 1 << 30, 1 << 40

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import aiohttp
 import pytest
 
 from kvhandoff.pipelines.decode import DecodePipeline
+from kvhandoff.pipelines.events import EventBus, HandoffAborted, HandoffCompleted, HandoffFailed
 from kvhandoff.pipelines.prefill import PrefillPipeline
 from kvhandoff.service.api.dashboard import install_dashboard
 from kvhandoff.service.api.events import install_events
@@ -154,3 +156,27 @@ async def test_a_decode_without_configured_prefill_and_a_prefill_need_no_peer_to
             async with serve(config, [install_service]) as server:
                 status, body = await _readyz(http, server.url)
                 assert status == 200 and "peers" not in body["checks"], body
+
+
+def test_an_outcome_that_did_not_complete_says_why_in_its_info_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The info log alone tells why a handoff failed or was aborted (its code and reason), and a
+    reason from a peer cannot start a line of its own; a completion stays one short line."""
+    bus = EventBus()
+    bus.add_listener(roles._log_event)
+    with caplog.at_level(logging.INFO, logger="kvhandoff.handoffs"):
+        bus.publish(
+            HandoffCompleted(handoff_id="a", role="decode", bytes=1, seconds=0.1, verified=True)
+        )
+        bus.publish(
+            HandoffFailed(
+                handoff_id="b", role="decode", code="deadline_exceeded", reason="no stage in 2 s"
+            )
+        )
+        bus.publish(HandoffAborted(handoff_id="c", role="prefill", reason="peer said\nforged"))
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
+        "handoff.completed decode a",
+        "handoff.failed decode b code='deadline_exceeded' reason='no stage in 2 s'",
+        "handoff.aborted prefill c reason='peer said\\nforged'",
+    ]
