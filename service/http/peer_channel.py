@@ -434,7 +434,8 @@ async def serve(
         await closing.wait()  # the service stops: the sender's calls fail now, not at timeout
         await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"shutting down")
 
-    writing = helpers.spawn(writer.run(), "channel-writer")
+    sender = accepted.sender or request.remote
+    writing = helpers.spawn(answer_until_closed(writer, sender), "channel-writer")
     helpers.spawn(close_when(closing), "channel-closing")
     try:
         async for message in ws:
@@ -453,6 +454,17 @@ async def serve(
         await ws.close()
         await _finish(calls)
     return ws
+
+
+async def answer_until_closed(writer: Writer, sender: str | None) -> None:
+    """The recipient's writer: its answers until the channel is down. A write that finds the
+    connection closing (the service stops, or the sender left, while answers were queued) ends
+    the writing without an error: the channel is down, and its answers are dropped as a dropped
+    HTTP connection drops its answer (the sender fails those calls as unreachable)."""
+    try:
+        await writer.run()
+    except (aiohttp.ClientError, ConnectionError) as exc:
+        log.info("channel from %s: answers not sent, the connection is closing (%s)", sender, exc)
 
 
 async def _finish(calls: TaskOwner) -> None:

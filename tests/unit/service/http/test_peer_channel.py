@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -31,6 +32,7 @@ from kvhandoff.service.http.peer_channel import (
     PeerChannels,
     Sealer,
     Writer,
+    answer_until_closed,
     session,
 )
 from kvhandoff.service.http.peer_client import PeerClient
@@ -210,6 +212,23 @@ async def test_a_writer_sends_what_queued_meanwhile_in_frames_of_at_most_frame_b
         [big.decode().strip('"'), 3],
     ]
     assert all(len(f) <= FRAME_BYTES + 2 for f in sent)
+
+
+async def test_an_answer_written_to_a_closing_connection_ends_the_writing_without_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The recipient's writer, as `serve` runs it, when its connection closes with an answer
+    # still queued (found by the image's SIGTERM test: the decode's channel closed while the
+    # prefill answered the decode's abort, and the writer task failed with a traceback).
+    async def send(frame: bytes) -> None:
+        raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+
+    writer = Writer(Sealer(None, b"x"), send)
+    writer.put(b"1")
+    with caplog.at_level(logging.INFO, logger="kvhandoff"):
+        await asyncio.wait_for(answer_until_closed(writer, "http://sender"), 5)
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "answers not sent, the connection is closing" in caplog.records[0].getMessage()
 
 
 # ---------------------------------------------------------------------------------------------
